@@ -1,0 +1,136 @@
+"""Model configurations: one typed dataclass per model family, serialisable to JSON.
+
+Configs validate themselves on construction so that an impossible shape fails with a sentence
+("n_head=5 does not divide d_model=128") instead of a reshape error deep inside a forward pass.
+Layer choices (norm, MLP) are stored as strings so a config round-trips through ``config.json``.
+Named presets live in :mod:`blockloop.presets`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, ClassVar
+
+from blockloop.errors import BlockloopError, ConfigError
+
+NORMS = ("layernorm", "rmsnorm")
+MLPS = ("gelu", "swiglu", "geglu")
+
+
+@dataclass
+class DecoderConfig:
+    """A decoder-only transformer (GPT-NeoX/Pythia and Llama shapes are both expressible).
+
+    ``n_kv_head`` < ``n_head`` gives grouped-query attention (1 = multi-query). ``rotary_pct`` < 1
+    rotates only the first part of each head, as Pythia does (0.25). ``parallel_residual`` computes
+    attention and MLP from the same input and adds both, as GPT-NeoX does.
+    """
+
+    family: ClassVar[str] = "decoder"
+
+    name: str = "custom"
+    vocab_size: int = 50304
+    context_length: int = 2048
+    n_layer: int = 12
+    n_head: int = 12
+    n_kv_head: int | None = None
+    d_model: int = 768
+    d_ff: int | None = None
+    head_dim: int | None = None
+    norm: str = "layernorm"
+    norm_eps: float = 1e-5
+    mlp: str = "gelu"
+    bias: bool = True
+    rotary_pct: float = 1.0
+    rope_base: float = 10000.0
+    parallel_residual: bool = False
+    tie_embeddings: bool = True
+    dropout: float = 0.0
+    init_std: float = 0.02
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.n_kv_head is None:
+            self.n_kv_head = self.n_head
+        if self.head_dim is None:
+            if self.n_head <= 0 or self.d_model % self.n_head:
+                raise ConfigError(
+                    f"{self.name}: n_head={self.n_head} does not divide d_model={self.d_model}; "
+                    "choose a head count that divides the width or set head_dim explicitly"
+                )
+            self.head_dim = self.d_model // self.n_head
+        if self.d_ff is None:
+            # Gated MLPs use 2/3 of the 4x width so their parameter count matches a plain 4x MLP.
+            self.d_ff = 4 * self.d_model if self.mlp == "gelu" else _round_up(8 * self.d_model // 3, 64)
+        self.validate()
+
+    def validate(self) -> None:
+        checks = [
+            (self.vocab_size > 0, f"vocab_size must be positive, got {self.vocab_size}"),
+            (self.context_length > 0, f"context_length must be positive, got {self.context_length}"),
+            (self.n_layer > 0, f"n_layer must be positive, got {self.n_layer}"),
+            (self.n_head > 0 and self.n_kv_head > 0, "n_head and n_kv_head must be positive"),
+            (
+                self.n_head % self.n_kv_head == 0,
+                f"n_kv_head={self.n_kv_head} must divide n_head={self.n_head} (grouped-query attention)",
+            ),
+            (self.head_dim % 2 == 0, f"head_dim={self.head_dim} must be even for rotary embeddings"),
+            (0.0 <= self.rotary_pct <= 1.0, f"rotary_pct must be in [0, 1], got {self.rotary_pct}"),
+            (self.norm in NORMS, f"norm={self.norm!r} is not one of {NORMS}"),
+            (self.mlp in MLPS, f"mlp={self.mlp!r} is not one of {MLPS}"),
+            (0.0 <= self.dropout < 1.0, f"dropout must be in [0, 1), got {self.dropout}"),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise ConfigError(f"{self.name}: {message}")
+
+    @property
+    def rotary_dim(self) -> int:
+        """Rotated channels per head; kept even so channel pairs stay intact."""
+        return int(self.head_dim * self.rotary_pct) // 2 * 2
+
+    def replace(self, **changes: Any) -> "DecoderConfig":
+        """A copy with some fields changed, re-validated (derived fields are recomputed if unset)."""
+        return dataclasses.replace(self, **changes)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"family": self.family, **dataclasses.asdict(self)}
+
+
+def _round_up(x: int, multiple: int) -> int:
+    return (x + multiple - 1) // multiple * multiple
+
+
+CONFIG_CLASSES: dict[str, type] = {DecoderConfig.family: DecoderConfig}
+
+
+def config_from_dict(data: dict[str, Any]) -> DecoderConfig:
+    """Rebuild any family's config from :meth:`to_dict` output, rejecting unknown fields by name."""
+    data = dict(data)
+    family = data.pop("family", "decoder")
+    cls = CONFIG_CLASSES.get(family)
+    if cls is None:
+        raise ConfigError(f"unknown model family {family!r}; known: {', '.join(sorted(CONFIG_CLASSES))}")
+    known = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(data) - known)
+    if unknown:
+        raise ConfigError(f"unknown config field(s) for {family}: {', '.join(unknown)}")
+    return cls(**data)
+
+
+def save_config(config: DecoderConfig, path: Path) -> None:
+    Path(path).write_text(json.dumps(config.to_dict(), indent=2) + "\n")
+
+
+def load_config(path: Path) -> DecoderConfig:
+    path = Path(path)
+    if not path.is_file():
+        raise BlockloopError(f"model config not found: {path}; point at a checkpoint directory written by train")
+    try:
+        data = json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise BlockloopError(f"model config {path} is not valid JSON ({exc}); the checkpoint is corrupt") from exc
+    return config_from_dict(data)

@@ -1,0 +1,174 @@
+"""The vanilla decoder-only transformer: the baseline every other family is measured against.
+
+Pre-norm blocks; ``parallel_residual`` gives GPT-NeoX's x + attn(ln1(x)) + mlp(ln2(x)), otherwise
+x + attn(ln1(x)) then + mlp(ln2(.)). Positions enter only through rotary embeddings on q and k.
+With a :class:`~blockloop.nn.kv_cache.DecoderCache` the same forward does prefill (many tokens) and
+decode steps (one token), writing keys/values at explicit cache slots.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from blockloop.config import DecoderConfig
+from blockloop.nn.attention import attention
+from blockloop.nn.kv_cache import DecoderCache, KVCache
+from blockloop.nn.mlp import build_mlp
+from blockloop.nn.norm import RMSNorm, build_norm
+from blockloop.nn.precision import at_least_fp32
+from blockloop.nn.rope import apply_rope, rope_angles
+
+
+class SelfAttention(nn.Module):
+    """Multi-head / grouped-query causal self-attention with one fused q/k/v projection."""
+
+    def __init__(self, config: DecoderConfig) -> None:
+        super().__init__()
+        self.n_head, self.n_kv_head, self.head_dim = config.n_head, config.n_kv_head, config.head_dim
+        self.qkv = nn.Linear(config.d_model, (config.n_head + 2 * config.n_kv_head) * config.head_dim, bias=config.bias)
+        self.proj = nn.Linear(config.n_head * config.head_dim, config.d_model, bias=config.bias)
+        self.dropout = config.dropout
+
+    def forward(
+        self,
+        x: Tensor,
+        cos: Tensor,
+        sin: Tensor,
+        *,
+        cache: KVCache | None = None,
+        slots: Tensor | None = None,
+        mask: Tensor | None = None,
+    ) -> Tensor:
+        batch, length, _ = x.shape
+        q, k, v = self.qkv(x).split(
+            [self.n_head * self.head_dim, self.n_kv_head * self.head_dim, self.n_kv_head * self.head_dim], dim=-1
+        )
+        q = q.view(batch, length, self.n_head, self.head_dim).transpose(1, 2)
+        k = k.view(batch, length, self.n_kv_head, self.head_dim).transpose(1, 2)
+        v = v.view(batch, length, self.n_kv_head, self.head_dim).transpose(1, 2)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if cache is None:
+            out = attention(q, k, v, causal=True, dropout_p=self.dropout if self.training else 0.0)
+        else:
+            k, v = cache.write(slots, k, v)
+            out = attention(q, k, v, mask=mask)
+        return self.proj(out.transpose(1, 2).reshape(batch, length, -1))
+
+
+class Block(nn.Module):
+    def __init__(self, config: DecoderConfig) -> None:
+        super().__init__()
+        self.norm1 = build_norm(config.norm, config.d_model, config.norm_eps)
+        self.attn = SelfAttention(config)
+        self.norm2 = build_norm(config.norm, config.d_model, config.norm_eps)
+        self.mlp = build_mlp(config.mlp, config.d_model, config.d_ff, config.bias)
+        self.parallel_residual = config.parallel_residual
+        self.drop = nn.Dropout(config.dropout)
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, **attn_kwargs: Tensor | KVCache | None) -> Tensor:
+        attn_out = self.drop(self.attn(self.norm1(x), cos, sin, **attn_kwargs))
+        if self.parallel_residual:
+            return x + attn_out + self.drop(self.mlp(self.norm2(x)))
+        x = x + attn_out
+        return x + self.drop(self.mlp(self.norm2(x)))
+
+
+class Decoder(nn.Module):
+    """Token embedding -> n_layer blocks -> final norm -> LM head (optionally tied to the embedding)."""
+
+    def __init__(self, config: DecoderConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.embed = nn.Embedding(config.vocab_size, config.d_model)
+        self.drop = nn.Dropout(config.dropout)
+        self.blocks = nn.ModuleList(Block(config) for _ in range(config.n_layer))
+        self.norm = build_norm(config.norm, config.d_model, config.norm_eps)
+        self.lm_head = nn.Linear(config.d_model, config.vocab_size, bias=False)
+        if config.tie_embeddings:
+            self.lm_head.weight = self.embed.weight
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """GPT-2 init: N(0, init_std), output projections scaled by 1/sqrt(2 n_layer), norms at identity."""
+        std = self.config.init_std
+        for name, module in self.named_modules():
+            if isinstance(module, nn.Linear):
+                scale = 1 / math.sqrt(2 * self.config.n_layer) if name.endswith(".proj") else 1.0
+                nn.init.normal_(module.weight, mean=0.0, std=std * scale)
+                if module.bias is not None:
+                    nn.init.zeros_(module.bias)
+            elif isinstance(module, nn.Embedding):
+                nn.init.normal_(module.weight, mean=0.0, std=std)
+            elif isinstance(module, (nn.LayerNorm, RMSNorm)):
+                nn.init.ones_(module.weight)
+                if getattr(module, "bias", None) is not None:
+                    nn.init.zeros_(module.bias)
+
+    def allocate_cache(self, batch_size: int, max_len: int, *, dtype: torch.dtype | None = None) -> DecoderCache:
+        """A static cache for ``batch_size`` rows of up to ``max_len`` tokens (prompt + generated)."""
+        if max_len > self.config.context_length:
+            raise ValueError(f"cache of {max_len} tokens exceeds the model context of {self.config.context_length}")
+        weight = self.embed.weight
+        return DecoderCache(
+            self.config.n_layer,
+            batch_size,
+            self.config.n_kv_head,
+            max_len,
+            self.config.head_dim,
+            dtype=dtype or weight.dtype,
+            device=weight.device,
+        )
+
+    def forward(
+        self,
+        idx: Tensor,
+        targets: Tensor | None = None,
+        *,
+        cache: DecoderCache | None = None,
+        slots: Tensor | None = None,
+        positions: Tensor | None = None,
+        token_valid: Tensor | None = None,
+        last_only: bool = False,
+    ) -> tuple[Tensor, Tensor | None]:
+        """Logits for ``idx (B, T)``, and the mean next-token loss when ``targets`` is given.
+
+        Without a cache this is the training forward over a full causal window. With a cache the tokens
+        are written at cache ``slots (T,)`` (shared by all rows); ``positions (B, T)`` are their rotary
+        positions (default: the slots) and ``token_valid (B, T)`` marks left padding. ``last_only``
+        projects only the final position, which is all generation needs. Targets equal to -100 are
+        ignored by the loss.
+        """
+        batch, length = idx.shape
+        if cache is None and length > self.config.context_length:
+            raise ValueError(f"sequence of {length} tokens exceeds the model context of {self.config.context_length}")
+        if cache is not None and slots is None:
+            raise ValueError("a cached forward needs the cache slots to write")
+        if positions is None:
+            positions = slots if slots is not None else torch.arange(length, device=idx.device)
+        cos, sin = rope_angles(positions, self.config.rotary_dim, self.config.rope_base)
+        mask = cache.attention_mask(slots, token_valid) if cache is not None else None
+
+        x = self.drop(self.embed(idx))
+        for i, block in enumerate(self.blocks):
+            layer_cache = cache.layers[i] if cache is not None else None
+            x = block(x, cos, sin, cache=layer_cache, slots=slots, mask=mask)
+        x = self.norm(x)
+        if last_only:
+            x = x[:, -1:]
+        logits = self.lm_head(x)
+        loss = None
+        if targets is not None:
+            loss = F.cross_entropy(at_least_fp32(logits.flatten(0, 1)), targets.flatten(), ignore_index=-100)
+        return logits, loss
+
+    def num_parameters(self, *, non_embedding: bool = False) -> int:
+        """Unique parameters (tied weights counted once); ``non_embedding`` drops embedding and head."""
+        params = {id(p): p for p in self.parameters()}
+        if non_embedding:
+            params.pop(id(self.embed.weight), None)
+            params.pop(id(self.lm_head.weight), None)
+        return sum(p.numel() for p in params.values())

@@ -1,0 +1,189 @@
+"""The one attention entry point every model calls.
+
+``attention(q, k, v, ...)`` computes softmax(q k^T * scale + mask) v for grouped-query shapes and routes
+to one of three backends:
+
+* ``"sdpa"``  - ``F.scaled_dot_product_attention`` (flash / memory-efficient kernels on GPU);
+* ``"flex"``  - FlexAttention with a block mask built from a mask function (block-sparse masks such as
+  the staircase or double-decoder ones, and the log-sum-exp on GPU);
+* ``"eager"`` - a plain reference written from the formula, used to check the other two.
+
+A mask is given either as ``causal=True``, as a dense boolean tensor (True = may attend) broadcastable
+to ``(B, H, Tq, Tk)``, or as a FlexAttention-style ``mask_mod(b, h, q_idx, kv_idx) -> bool``; every backend
+accepts every form. With ``Tq < Tk`` a causal query ``i`` sits at key position ``i + Tk - Tq``, which is
+what chunked prefill over a cache needs. ``return_lse=True`` also returns the natural-log log-sum-exp of
+the scaled scores per query, ``(B, H, Tq)``, which lets two attentions over disjoint key sets be merged
+exactly (double decoders). A query row with no visible key returns zeros and lse = -inf.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from blockloop.nn.precision import at_least_fp32
+
+MaskMod = Callable[[Tensor, Tensor, Tensor, Tensor], Tensor]
+BACKENDS = ("sdpa", "flex", "eager")
+
+
+def attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    causal: bool = False,
+    mask: Tensor | None = None,
+    mask_mod: MaskMod | None = None,
+    scale: float | None = None,
+    dropout_p: float = 0.0,
+    return_lse: bool = False,
+    backend: str | None = None,
+) -> Tensor | tuple[Tensor, Tensor]:
+    """Attention of ``q (B, Hq, Tq, D)`` over ``k, v (B, Hkv, Tk, D)``, ``Hkv`` dividing ``Hq``.
+
+    ``backend=None`` picks SDPA, or FlexAttention on CUDA / eager on CPU when the log-sum-exp is asked
+    for (SDPA does not expose it).
+    """
+    if sum(x is not None for x in (mask, mask_mod)) + int(causal) > 1:
+        raise ValueError("give at most one of causal=True, mask, mask_mod")
+    if q.shape[1] % k.shape[1]:
+        raise ValueError(f"{k.shape[1]} key/value heads do not divide {q.shape[1]} query heads")
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    if backend is None:
+        backend = ("flex" if q.is_cuda else "eager") if return_lse else "sdpa"
+    if backend == "sdpa":
+        if return_lse:
+            raise ValueError("the sdpa backend cannot return the log-sum-exp; use backend='flex' or 'eager'")
+        return _sdpa(q, k, v, causal, mask, mask_mod, scale, dropout_p)
+    if dropout_p:
+        raise ValueError(f"attention dropout is only supported by the sdpa backend, not {backend!r}")
+    if backend == "flex":
+        out, lse = _flex(q, k, v, causal, mask, mask_mod, scale)
+    elif backend == "eager":
+        out, lse = _eager(q, k, v, _dense_mask(q, k, causal, mask, mask_mod), scale)
+    else:
+        raise ValueError(f"unknown attention backend {backend!r}; choose one of {BACKENDS}")
+    return (out, lse) if return_lse else out
+
+
+def causal_mask_mod(offset: int = 0) -> MaskMod:
+    """Query ``i`` sees keys ``<= i + offset`` (offset = Tk - Tq when queries are the last Tq keys)."""
+
+    def mask_mod(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+        return q_idx + offset >= kv_idx
+
+    return mask_mod
+
+
+def _dense_mask(
+    q: Tensor, k: Tensor, causal: bool, mask: Tensor | None, mask_mod: MaskMod | None
+) -> Tensor | None:
+    """The boolean mask as a tensor broadcastable to (B, H, Tq, Tk), or None for no mask."""
+    tq, tk = q.shape[-2], k.shape[-2]
+    if causal:
+        mask_mod = causal_mask_mod(tk - tq)
+    if mask_mod is not None:
+        b = torch.arange(q.shape[0], device=q.device)[:, None, None, None]
+        h = torch.arange(q.shape[1], device=q.device)[None, :, None, None]
+        qi = torch.arange(tq, device=q.device)[None, None, :, None]
+        ki = torch.arange(tk, device=q.device)[None, None, None, :]
+        return mask_mod(b, h, qi, ki).expand(q.shape[0], q.shape[1], tq, tk)
+    return mask
+
+
+def _eager(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scale: float) -> tuple[Tensor, Tensor]:
+    groups = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+    # Softmax in at least float32: bf16 scores lose the small weights.
+    scores = at_least_fp32(q @ k.transpose(-2, -1)) * scale
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1)
+    # Rows with no visible key have lse = -inf; give them zero weights instead of NaNs.
+    weights = torch.exp(scores - lse.unsqueeze(-1).clamp_min(torch.finfo(scores.dtype).min))
+    weights = weights.nan_to_num(0.0)
+    out = (weights.to(v.dtype) @ v).to(q.dtype)
+    return out, lse
+
+
+def _sdpa(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    causal: bool,
+    mask: Tensor | None,
+    mask_mod: MaskMod | None,
+    scale: float,
+    dropout_p: float,
+) -> Tensor:
+    groups = q.shape[1] // k.shape[1]
+    tq, tk = q.shape[-2], k.shape[-2]
+    if causal and tq != tk:
+        # SDPA's is_causal aligns the diagonal top-left; a cache needs it bottom-right.
+        causal, mask = False, _dense_mask(q, k, True, None, None)
+    elif mask_mod is not None:
+        mask = _dense_mask(q, k, False, None, mask_mod)
+    if groups > 1 and not q.is_cuda:
+        # The CPU kernels ignore enable_gqa in some builds; expanding is exact and cheap at CPU sizes.
+        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+        groups = 1
+    out = F.scaled_dot_product_attention(
+        q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=causal, scale=scale, enable_gqa=groups > 1
+    )
+    if mask is not None:
+        # SDPA returns NaN for rows that see no key; the contract is zeros.
+        out = out.masked_fill(~mask.any(-1, keepdim=True), 0.0)
+    return out
+
+
+def _flex(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    causal: bool,
+    mask: Tensor | None,
+    mask_mod: MaskMod | None,
+    scale: float,
+) -> tuple[Tensor, Tensor]:
+    from torch.nn.attention import flex_attention as fa
+
+    tq, tk = q.shape[-2], k.shape[-2]
+    if causal:
+        mask_mod = causal_mask_mod(tk - tq)
+    elif mask is not None:
+        dense = mask.expand(q.shape[0], q.shape[1], tq, tk)
+
+        def mask_mod(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+            return dense[b, h, q_idx, kv_idx]
+
+    block_mask = None
+    if mask_mod is not None:
+        block_mask = fa.create_block_mask(mask_mod, q.shape[0], q.shape[1], tq, tk, device=q.device)
+    flex = _compiled_flex() if q.is_cuda else fa.flex_attention
+    enable_gqa = q.shape[1] != k.shape[1]
+    if hasattr(fa, "AuxRequest"):
+        out, aux = flex(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=enable_gqa,
+                        return_aux=fa.AuxRequest(lse=True))
+        lse = aux.lse
+    else:  # torch < 2.9
+        out, lse = flex(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=enable_gqa, return_lse=True)
+    lse = at_least_fp32(lse)
+    return out.masked_fill((lse == float("-inf")).unsqueeze(-1), 0.0), lse
+
+
+_COMPILED_FLEX = None
+
+
+def _compiled_flex() -> Callable[..., object]:
+    """FlexAttention is only fused when compiled; compile it once per process."""
+    global _COMPILED_FLEX
+    if _COMPILED_FLEX is None:
+        from torch.nn.attention.flex_attention import flex_attention
+
+        _COMPILED_FLEX = torch.compile(flex_attention, dynamic=False)
+    return _COMPILED_FLEX

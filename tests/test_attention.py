@@ -1,0 +1,137 @@
+"""Every attention backend against a float64 softmax written out in the test, masks and LSE included."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from blockloop.nn.attention import attention
+
+BACKENDS = ["sdpa", "flex", "eager"]
+
+
+def reference(q, k, v, mask):
+    """softmax(q k^T / sqrt(d) + mask) v in float64 with explicit head repetition; empty rows -> 0."""
+    q, k, v = q.double(), k.double(), v.double()
+    groups = q.shape[1] // k.shape[1]
+    k = torch.cat([k[:, i // groups : i // groups + 1] for i in range(q.shape[1])], dim=1)
+    v = torch.cat([v[:, i // groups : i // groups + 1] for i in range(q.shape[1])], dim=1)
+    scores = torch.einsum("bhqd,bhkd->bhqk", q, k) / math.sqrt(q.shape[-1])
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    lse = torch.logsumexp(scores, -1)
+    weights = torch.exp(scores - lse[..., None]).nan_to_num(0.0)
+    return weights @ v, lse
+
+
+def inputs(b=2, hq=4, hkv=2, tq=9, tk=9, d=16, dtype=torch.float32, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return (
+        torch.randn(b, hq, tq, d, generator=g, dtype=dtype),
+        torch.randn(b, hkv, tk, d, generator=g, dtype=dtype),
+        torch.randn(b, hkv, tk, d, generator=g, dtype=dtype),
+    )
+
+
+def causal_dense(tq, tk):
+    return torch.ones(tq, tk, dtype=torch.bool).tril(tk - tq)
+
+
+def check(backend, q, k, v, expected_mask, **mask_kwargs):
+    want, want_lse = reference(q, k, v, expected_mask)
+    tol = 1e-10 if q.dtype == torch.float64 else 2e-5
+    if backend == "sdpa":
+        got = attention(q, k, v, backend="sdpa", **mask_kwargs)
+    else:
+        got, lse = attention(q, k, v, backend=backend, return_lse=True, **mask_kwargs)
+        finite = torch.isfinite(want_lse)
+        assert torch.equal(torch.isfinite(lse), finite)
+        # FlexAttention keeps its log-sum-exp in float32 whatever the input dtype.
+        lse_tol = max(tol, 1e-6) if backend == "flex" else tol
+        torch.testing.assert_close(lse.double()[finite], want_lse[finite], atol=lse_tol, rtol=lse_tol)
+    torch.testing.assert_close(got.double(), want, atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("hkv", [4, 2, 1], ids=["mha", "gqa", "mqa"])
+def test_causal_matches_reference(backend, hkv):
+    q, k, v = inputs(hkv=hkv, dtype=torch.float64)
+    check(backend, q, k, v, causal_dense(9, 9), causal=True)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_causal_with_fewer_queries_than_keys_is_bottom_right_aligned(backend):
+    # Chunked prefill over a cache: 3 new queries are the last 3 of 10 keys.
+    q, k, v = inputs(tq=3, tk=10, dtype=torch.float64)
+    check(backend, q, k, v, causal_dense(3, 10), causal=True)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_dense_mask_and_mask_mod_agree_with_reference(backend):
+    q, k, v = inputs(tq=12, tk=12, dtype=torch.float64)
+    doc = torch.tensor([0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 2])
+
+    def document_causal(b, h, qi, ki):
+        return (doc[qi] == doc[ki]) & (qi >= ki)
+
+    dense = (doc[:, None] == doc[None, :]) & causal_dense(12, 12)
+    check(backend, q, k, v, dense, mask=dense)
+    check(backend, q, k, v, dense, mask_mod=document_causal)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_per_batch_mask_and_empty_rows(backend):
+    q, k, v = inputs(tq=5, tk=7, dtype=torch.float64)
+    mask = torch.rand(2, 1, 5, 7, generator=torch.Generator().manual_seed(3)) > 0.5
+    mask[0, 0, 2] = False  # a query that sees nothing: zeros, lse = -inf
+    out = attention(q, k, v, mask=mask, backend=backend)
+    assert torch.all(out[0, :, 2] == 0)
+    check(backend, q, k, v, mask, mask=mask)
+
+
+@pytest.mark.parametrize("backend", ["flex", "eager"])
+def test_lse_merge_of_disjoint_key_sets_equals_joint_softmax(backend):
+    """The identity double decoders rely on: two attentions merged by their LSEs = one softmax."""
+    q, k, v = inputs(tq=8, tk=8, dtype=torch.float64, seed=5)
+    blocks = torch.tensor([0, 0, 1, 1, 1, 2, 2, 2])
+    within = (blocks[:, None] == blocks[None, :]) & causal_dense(8, 8)
+    earlier = blocks[None, :] < blocks[:, None]
+    out_a, lse_a = attention(q, k, v, mask=within, backend=backend, return_lse=True)
+    out_b, lse_b = attention(q, k, v, mask=earlier, backend=backend, return_lse=True)
+    weight = torch.sigmoid(lse_a - lse_b).unsqueeze(-1)  # first block has lse_b = -inf -> weight 1
+    merged = weight * out_a + (1 - weight) * out_b
+    want, _ = reference(q, k, v, within | earlier)
+    torch.testing.assert_close(merged, want, atol=1e-10, rtol=1e-10)
+
+
+def test_float32_backends_agree():
+    q, k, v = inputs(b=3, hq=8, hkv=2, tq=33, tk=33, d=32)
+    out = {b: attention(q, k, v, causal=True, backend=b) for b in BACKENDS}
+    torch.testing.assert_close(out["sdpa"], out["eager"], atol=2e-5, rtol=2e-5)
+    torch.testing.assert_close(out["flex"], out["eager"], atol=2e-5, rtol=2e-5)
+
+
+def test_bad_arguments_raise():
+    q, k, v = inputs()
+    with pytest.raises(ValueError, match="at most one"):
+        attention(q, k, v, causal=True, mask=causal_dense(9, 9))
+    with pytest.raises(ValueError, match="log-sum-exp"):
+        attention(q, k, v, causal=True, backend="sdpa", return_lse=True)
+    with pytest.raises(ValueError, match="unknown attention backend"):
+        attention(q, k, v, causal=True, backend="cudnn-magic")
+    with pytest.raises(ValueError, match="do not divide"):
+        attention(q, k[:, :1].expand(-1, 3, -1, -1), v[:, :1].expand(-1, 3, -1, -1))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_bf16_backends_match_float64_reference():
+    q, k, v = (t.cuda().bfloat16() for t in inputs(b=2, hq=8, hkv=2, tq=256, tk=256, d=64))
+    want, want_lse = reference(q, k, v, causal_dense(256, 256).cuda())
+    for backend in BACKENDS:
+        got = attention(q, k, v, causal=True, backend=backend)
+        torch.testing.assert_close(got.double(), want, atol=2e-2, rtol=2e-2)
+    _, lse = attention(q, k, v, causal=True, backend="flex", return_lse=True)
+    torch.testing.assert_close(lse.double(), want_lse, atol=2e-2, rtol=2e-2)
