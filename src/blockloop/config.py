@@ -24,6 +24,8 @@ MLPS = ("gelu", "swiglu", "geglu")
 class DecoderConfig:
     """A decoder-only transformer (GPT-NeoX/Pythia and Llama shapes are both expressible).
 
+    ``vocab_size`` is the tokenizer's; the embedding and LM head have ``padded_vocab_size`` rows (rounded
+    up for matmul-friendly shapes, as Pythia's 50,304) and generation never samples the padding ids.
     ``n_kv_head`` < ``n_head`` gives grouped-query attention (1 = multi-query). ``rotary_pct`` < 1
     rotates only the first part of each head, as Pythia does (0.25). ``parallel_residual`` computes
     attention and MLP from the same input and adds both, as GPT-NeoX does.
@@ -33,6 +35,7 @@ class DecoderConfig:
 
     name: str = "custom"
     vocab_size: int = 50304
+    padded_vocab_size: int | None = None
     context_length: int = 2048
     n_layer: int = 12
     n_head: int = 12
@@ -53,6 +56,8 @@ class DecoderConfig:
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        if self.padded_vocab_size is None:
+            self.padded_vocab_size = self.vocab_size
         if self.n_kv_head is None:
             self.n_kv_head = self.n_head
         if self.head_dim is None:
@@ -70,6 +75,10 @@ class DecoderConfig:
     def validate(self) -> None:
         checks = [
             (self.vocab_size > 0, f"vocab_size must be positive, got {self.vocab_size}"),
+            (
+                self.padded_vocab_size >= self.vocab_size,
+                f"padded_vocab_size={self.padded_vocab_size} is smaller than vocab_size={self.vocab_size}",
+            ),
             (self.context_length > 0, f"context_length must be positive, got {self.context_length}"),
             (self.n_layer > 0, f"n_layer must be positive, got {self.n_layer}"),
             (self.n_head > 0 and self.n_kv_head > 0, "n_head and n_kv_head must be positive"),
@@ -93,7 +102,7 @@ class DecoderConfig:
         return int(self.head_dim * self.rotary_pct) // 2 * 2
 
     def replace(self, **changes: Any) -> "DecoderConfig":
-        """A copy with some fields changed, re-validated (derived fields are recomputed if unset)."""
+        """A copy with some fields changed, validated again."""
         return dataclasses.replace(self, **changes)
 
     def to_dict(self) -> dict[str, Any]:

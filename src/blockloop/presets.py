@@ -101,7 +101,7 @@ def _tiny() -> DecoderConfig:
 
 @register("tiny-neox", "2-layer Pythia-style model (parallel residual, partial rotary, untied) for CPU tests")
 def _tiny_neox() -> DecoderConfig:
-    return _pythia(2, 64, 4).replace(vocab_size=258, context_length=128)
+    return _pythia(2, 64, 4).replace(vocab_size=258, padded_vocab_size=258, context_length=128)
 
 
 @register("demo", "4-layer Llama-style model the CPU demo trains in a few minutes")

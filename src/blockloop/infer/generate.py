@@ -71,6 +71,7 @@ def _generate(
     on_token: TokenCallback | None,
 ) -> list[list[int]]:
     batch = len(prompts)
+    vocab_size = model.config.vocab_size
     lengths = torch.tensor([len(p) for p in prompts], device=device)
     pad = longest - lengths
     idx = torch.zeros(batch, longest, dtype=torch.long, device=device)
@@ -87,7 +88,8 @@ def _generate(
     finished = torch.zeros(batch, dtype=torch.bool, device=device)
     steps = max_new_tokens
     for step in range(max_new_tokens):
-        token = sample(logits[:, -1], temperature=temperature, top_k=top_k, top_p=top_p, generator=generator)
+        next_logits = logits[:, -1, :vocab_size]  # padding ids of the embedding table are never sampled
+        token = sample(next_logits, temperature=temperature, top_k=top_k, top_p=top_p, generator=generator)
         out[:, step] = token
         if on_token is not None:
             for row, (tok, done) in enumerate(zip(token.tolist(), finished.tolist())):

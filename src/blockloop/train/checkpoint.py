@@ -1,0 +1,202 @@
+"""Checkpoints: safetensors for tensors, JSON for everything else, written atomically.
+
+Layout of a run directory::
+
+    RUN/metrics.jsonl
+    RUN/checkpoints/step_0000100/{config.json, model.safetensors, tokenizer.json,
+                                  optimizer.safetensors, optimizer.json, rng_rank*.safetensors,
+                                  train_state.json}
+    RUN/checkpoints/latest          name of the newest complete checkpoint
+
+A checkpoint is assembled in a temporary directory and renamed into place, then ``latest`` is
+replaced by rename too, so a run killed at any moment leaves the previous checkpoint intact. Nothing
+is unpickled when loading: safetensors and JSON only, which is what ``weights_only`` loading guarantees.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+from blockloop.config import DecoderConfig, load_config, save_config
+from blockloop.errors import BlockloopError
+
+LATEST = "latest"
+KEEP_LAST = 2
+
+
+def checkpoint_root(run_dir: Path) -> Path:
+    return Path(run_dir) / "checkpoints"
+
+
+def begin_checkpoint(run_dir: Path, step: int) -> Path:
+    """The temporary directory a checkpoint for ``step`` is written into (fresh and empty)."""
+    tmp = checkpoint_root(run_dir) / f".tmp_step_{step:07d}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    return tmp
+
+
+def commit_checkpoint(run_dir: Path, tmp: Path, step: int) -> Path:
+    """Move a fully written checkpoint into place, point ``latest`` at it, drop old ones."""
+    root = checkpoint_root(run_dir)
+    final = root / f"step_{step:07d}"
+    shutil.rmtree(final, ignore_errors=True)
+    os.replace(tmp, final)
+    _write_atomic(root / LATEST, final.name + "\n")
+    for old in sorted(p for p in root.glob("step_*") if p.is_dir())[:-KEEP_LAST]:
+        shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+def resolve_checkpoint(path: Path) -> Path:
+    """Accept a run directory, its ``checkpoints`` folder, or one checkpoint directory."""
+    path = Path(path)
+    if not path.exists():
+        raise BlockloopError(f"checkpoint not found: {path}; pass the --out directory of a training run")
+    for root in (checkpoint_root(path), path):
+        latest = root / LATEST
+        if latest.is_file():
+            target = root / latest.read_text().strip()
+            if not (target / "model.safetensors").is_file():
+                raise BlockloopError(f"{latest} points at {target.name}, which is missing or incomplete; the run is corrupt")
+            return target
+    if (path / "model.safetensors").is_file():
+        return path
+    raise BlockloopError(f"no checkpoint in {path}; expected a run directory written by `blockloop train`")
+
+
+def save_model_files(directory: Path, model: nn.Module, config: DecoderConfig, state_dict: dict[str, torch.Tensor] | None = None) -> None:
+    """config.json + model.safetensors; tied tensors are stored once (safetensors forbids aliases)."""
+    state_dict = state_dict if state_dict is not None else model.state_dict()
+    save_config(config, directory / "config.json")
+    save_file(_dedupe(state_dict), str(directory / "model.safetensors"), metadata={"format": "pt"})
+
+
+def read_model_tensors(directory: Path, model: nn.Module) -> dict[str, torch.Tensor]:
+    """model.safetensors, checked to hold exactly ``model``'s parameters (tied aliases stored once)."""
+    tensors = _read_safetensors(directory / "model.safetensors")
+    expected = set(model.state_dict()) - _tied_names(model)
+    missing, unexpected = sorted(expected - set(tensors)), sorted(set(tensors) - expected)
+    if missing or unexpected:
+        raise BlockloopError(
+            f"checkpoint {directory} does not match its config (missing {missing[:3]}, unexpected {unexpected[:3]}); "
+            "it was written by a different model"
+        )
+    return tensors
+
+
+def load_model_state(directory: Path, model: nn.Module) -> None:
+    """Load model.safetensors into a plain (unwrapped) ``model``."""
+    model.load_state_dict(read_model_tensors(directory, model), strict=False)
+
+
+def save_optimizer(directory: Path, optimizer_state: dict[str, Any]) -> None:
+    """Flatten an FQN-keyed optimizer state dict into tensors (safetensors) + hyperparameters (JSON)."""
+    tensors, scalars = {}, {}
+    for name, state in optimizer_state["state"].items():
+        for key, value in state.items():
+            if torch.is_tensor(value):
+                tensors[f"{name}/{key}"] = value.detach().cpu().contiguous()
+            else:
+                scalars[f"{name}/{key}"] = value
+    save_file(tensors, str(directory / "optimizer.safetensors"))
+    _write_json(directory / "optimizer.json", {"param_groups": optimizer_state["param_groups"], "scalars": scalars})
+
+
+def load_optimizer(directory: Path) -> dict[str, Any]:
+    tensors = _read_safetensors(directory / "optimizer.safetensors")
+    meta = read_json(directory / "optimizer.json")
+    state: dict[str, dict[str, Any]] = {}
+    for flat, value in list(tensors.items()) + list(meta["scalars"].items()):
+        name, key = flat.rsplit("/", 1)
+        state.setdefault(name, {})[key] = value
+    return {"state": state, "param_groups": meta["param_groups"]}
+
+
+def save_rng(directory: Path, rank: int) -> None:
+    tensors = {"torch_cpu": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        tensors["torch_cuda"] = torch.cuda.get_rng_state()
+    save_file(tensors, str(directory / f"rng_rank{rank}.safetensors"))
+
+
+def load_rng(directory: Path, rank: int) -> None:
+    path = directory / f"rng_rank{rank}.safetensors"
+    if not path.is_file():
+        raise BlockloopError(f"{path} is missing: the checkpoint was written with a different number of processes")
+    tensors = _read_safetensors(path)
+    torch.set_rng_state(tensors["torch_cpu"])
+    if "torch_cuda" in tensors and torch.cuda.is_available():
+        torch.cuda.set_rng_state(tensors["torch_cuda"])
+
+
+def load_checkpoint_config(directory: Path) -> DecoderConfig:
+    return load_config(directory / "config.json")
+
+
+def read_json(path: Path) -> Any:
+    try:
+        return json.loads(Path(path).read_text())
+    except FileNotFoundError as exc:
+        raise BlockloopError(f"{path} is missing; the checkpoint is incomplete") from exc
+    except json.JSONDecodeError as exc:
+        raise BlockloopError(f"{path} is not valid JSON ({exc}); the checkpoint is corrupt") from exc
+
+
+def _write_json(path: Path, data: Any) -> None:
+    Path(path).write_text(json.dumps(data, indent=2) + "\n")
+
+
+def write_json_atomic(path: Path, data: Any) -> None:
+    _write_atomic(path, json.dumps(data, indent=2) + "\n")
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def _read_safetensors(path: Path) -> dict[str, torch.Tensor]:
+    if not path.is_file():
+        raise BlockloopError(f"{path} is missing; the checkpoint is incomplete")
+    try:
+        return load_file(str(path))
+    except (SafetensorError, OSError, ValueError) as exc:
+        raise BlockloopError(f"{path} is corrupt ({exc}); use an earlier checkpoint or retrain") from exc
+
+
+def _dedupe(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    seen: set[int] = set()
+    out = {}
+    for name, tensor in state_dict.items():
+        ptr = tensor.untyped_storage().data_ptr()
+        if ptr in seen:
+            continue
+        seen.add(ptr)
+        out[name] = tensor.detach().cpu().contiguous()
+    return out
+
+
+def _tied_names(model: nn.Module) -> set[str]:
+    """Parameter names that alias an earlier parameter (e.g. a tied LM head)."""
+    first: dict[int, str] = {}
+    tied = set()
+    for name, param in model.named_parameters(remove_duplicate=False):
+        if id(param) in first:
+            tied.add(name)
+        else:
+            first[id(param)] = name
+    return tied

@@ -1,0 +1,78 @@
+"""Distributed training from the outside: the model stays single-device code.
+
+``torchrun`` sets RANK/WORLD_SIZE/LOCAL_RANK; :func:`init_distributed` joins the process group (NCCL
+on GPUs, gloo on CPU) and :func:`parallelize` wraps the model in DDP, or shards every block and then
+the root with FSDP2 for models whose optimizer state does not fit one device.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+STRATEGIES = ("ddp", "fsdp")
+
+
+@dataclass(frozen=True)
+class DistInfo:
+    rank: int = 0
+    local_rank: int = 0
+    world_size: int = 1
+
+    @property
+    def enabled(self) -> bool:
+        return self.world_size > 1
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def init_distributed(device: str) -> DistInfo:
+    """Join the process group when launched by torchrun; a no-op for a single process."""
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    if world_size == 1:
+        return DistInfo()
+    info = DistInfo(int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", "0")), world_size)
+    if not dist.is_initialized():
+        dist.init_process_group("nccl" if device.startswith("cuda") else "gloo")
+    return info
+
+
+def parallelize(model: nn.Module, strategy: str, info: DistInfo, device: torch.device) -> nn.Module:
+    """The model to train: itself alone, DDP-wrapped, or FSDP2-sharded per block."""
+    if not info.enabled:
+        return model
+    if strategy == "ddp":
+        device_ids = [device.index] if device.type == "cuda" else None
+        return nn.parallel.DistributedDataParallel(model, device_ids=device_ids)
+    if strategy == "fsdp":
+        from torch.distributed.fsdp import fully_shard
+
+        for block in model.blocks:
+            fully_shard(block)
+        fully_shard(model)
+        return model
+    raise ValueError(f"unknown distributed strategy {strategy!r}; choose one of {STRATEGIES}")
+
+
+def mean_across_ranks(value: torch.Tensor, info: DistInfo) -> torch.Tensor:
+    if info.enabled:
+        value = value.clone()
+        dist.all_reduce(value, op=dist.ReduceOp.SUM)
+        value /= info.world_size
+    return value
+
+
+def barrier(info: DistInfo) -> None:
+    if info.enabled:
+        dist.barrier()
+
+
+def shutdown(info: DistInfo) -> None:
+    if info.enabled and dist.is_initialized():
+        dist.destroy_process_group()

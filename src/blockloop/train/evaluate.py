@@ -1,0 +1,55 @@
+"""Validation metrics: mean token loss, perplexity and bits per byte over a token split.
+
+Bits per byte divides the summed loss (in bits) by the UTF-8 bytes the scored tokens stand for, so
+models with different tokenizers can be compared on the same text.
+"""
+
+from __future__ import annotations
+
+import math
+from contextlib import nullcontext
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from blockloop.data.loader import PackedSequences, eval_batches
+from blockloop.nn.precision import at_least_fp32
+
+
+@torch.no_grad()
+def evaluate(
+    model: nn.Module,
+    sequences: PackedSequences,
+    *,
+    batch_size: int,
+    max_batches: int | None = None,
+    byte_lengths: np.ndarray | None = None,
+    device: torch.device | str = "cpu",
+    autocast_dtype: torch.dtype | None = None,
+) -> dict[str, float]:
+    """Loss/perplexity (and bits per byte when ``byte_lengths`` per token id is given)."""
+    was_training = model.training
+    model.eval()
+    total_nats, total_tokens, total_bytes = 0.0, 0, 0
+    lengths = torch.as_tensor(byte_lengths, dtype=torch.long) if byte_lengths is not None else None
+    device = torch.device(device)
+    autocast = torch.autocast(device.type, dtype=autocast_dtype) if autocast_dtype else nullcontext()
+    for inputs, targets in eval_batches(sequences, batch_size, max_batches):
+        inputs, targets = inputs.to(device), targets.to(device)
+        with autocast:
+            logits, _ = model(inputs)
+        nats = F.cross_entropy(at_least_fp32(logits.flatten(0, 1)), targets.flatten(), reduction="sum")
+        total_nats += nats.item()
+        total_tokens += targets.numel()
+        if lengths is not None:
+            total_bytes += int(lengths[targets.cpu()].sum())
+    model.train(was_training)
+    if total_tokens == 0:
+        raise ValueError("evaluation saw no tokens")
+    loss = total_nats / total_tokens
+    metrics = {"loss": loss, "perplexity": math.exp(min(loss, 50.0)), "tokens": float(total_tokens)}
+    if lengths is not None and total_bytes:
+        metrics["bits_per_byte"] = total_nats / math.log(2) / total_bytes
+    return metrics

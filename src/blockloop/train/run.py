@@ -1,0 +1,90 @@
+"""Assembling a run from names: tokenizer + corpus + preset -> model and data, and back from a checkpoint.
+
+The CLI, the demo and the tests all start runs here, so "what does --preset X --data Y --tokenizer Z
+mean" has one answer. The names are stored in each checkpoint (``train_state.json``), which is what
+lets ``--resume`` and ``eval`` rebuild the same data without being told again.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from blockloop.config import DecoderConfig
+from blockloop.data.dataset import TokenSplits, prepare_tokens
+from blockloop.data.loader import PackedSequences
+from blockloop.data.corpora import load_documents
+from blockloop.data.tokenizers import Tokenizer, build_tokenizer, load_tokenizer
+from blockloop.models import build_model
+from blockloop.presets import from_name
+from blockloop.train import checkpoint as ckpt
+
+
+@dataclass
+class RunSpec:
+    """What to train on: names and overrides, enough to rebuild the run."""
+
+    preset: str = "demo"
+    data: str = "shakespeare"
+    tokenizer: str = "byte"
+    model_overrides: dict[str, Any] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"preset": self.preset, "data": self.data, "tokenizer": self.tokenizer, "model_overrides": self.model_overrides}
+
+
+@dataclass
+class PreparedRun:
+    spec: RunSpec
+    tokenizer: Tokenizer
+    model_config: DecoderConfig
+    model: nn.Module
+    splits: TokenSplits
+
+
+def padded_vocab(vocab_size: int, multiple: int = 64) -> int:
+    """Round the embedding table up so matrix shapes stay tensor-core friendly (as Pythia's 50,304)."""
+    return (vocab_size + multiple - 1) // multiple * multiple
+
+
+def prepare_run(
+    spec: RunSpec, *, seed: int = 0, tokenizer: Tokenizer | None = None, show_progress: bool = True
+) -> PreparedRun:
+    """Tokenizer (built or given), token splits, and a model initialised from ``seed`` for ``spec``."""
+    config = from_name(spec.preset, **spec.model_overrides)  # fail on a bad preset before any data work
+    if tokenizer is None:
+        # Only a tokenizer trained on the corpus needs its documents.
+        documents = load_documents(spec.data) if spec.tokenizer.split(":")[0] == "bpe" else None
+        tokenizer = build_tokenizer(spec.tokenizer, documents)
+    splits = prepare_tokens(spec.data, tokenizer, show_progress=show_progress)
+    config = config.replace(vocab_size=tokenizer.vocab_size, padded_vocab_size=padded_vocab(tokenizer.vocab_size))
+    torch.manual_seed(seed)
+    return PreparedRun(spec, tokenizer, config, build_model(config), splits)
+
+
+def sequences(splits: TokenSplits, seq_len: int) -> tuple[PackedSequences, PackedSequences]:
+    return PackedSequences(splits.train, seq_len), PackedSequences(splits.val, seq_len)
+
+
+@dataclass
+class TrainedModel:
+    model: nn.Module
+    config: DecoderConfig
+    tokenizer: Tokenizer
+    directory: Path
+    state: dict[str, Any]
+
+
+def load_trained(path: Path | str, device: str = "cpu") -> TrainedModel:
+    """A model ready for inference from a run directory or checkpoint directory."""
+    directory = ckpt.resolve_checkpoint(Path(path))
+    config = ckpt.load_checkpoint_config(directory)
+    model = build_model(config)
+    ckpt.load_model_state(directory, model)
+    tokenizer = load_tokenizer(directory)
+    state = ckpt.read_json(directory / "train_state.json") if (directory / "train_state.json").is_file() else {}
+    return TrainedModel(model.to(torch.device(device)).eval(), config, tokenizer, directory, state)

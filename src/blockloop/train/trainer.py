@@ -1,0 +1,291 @@
+"""The one training loop every model family uses.
+
+A model only has to map ``(inputs, targets)`` to ``(logits, loss)``. The trainer owns everything
+around that: AdamW and the schedule, gradient accumulation and clipping, bf16 autocast on CUDA,
+optional ``torch.compile``, DDP/FSDP through :mod:`blockloop.train.distributed`, periodic validation,
+metrics (stdout, JSONL, a progress bar with tokens/s and ETA) and atomic, exactly-resumable
+checkpoints. A non-finite loss stops the run before anything is written, so the last checkpoint on
+disk is always a good one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import time
+from contextlib import nullcontext
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+from torch import nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+from tqdm import tqdm
+
+from blockloop.config import DecoderConfig
+from blockloop.data.loader import PackedSequences, TrainBatches
+from blockloop.data.tokenizers import Tokenizer
+from blockloop.errors import BlockloopError, ConfigError
+from blockloop.train import checkpoint as ckpt
+from blockloop.train.distributed import DistInfo, barrier, mean_across_ranks, parallelize
+from blockloop.train.evaluate import evaluate
+from blockloop.train.flops import mfu, training_flops_per_token
+from blockloop.train.optim import SCHEDULES, build_optimizer, lr_at
+
+
+class TrainingDiverged(BlockloopError):
+    """The loss stopped being a finite number."""
+
+
+@dataclass
+class TrainConfig:
+    """How to train; saved in every checkpoint so ``--resume`` continues the same run."""
+
+    steps: int = 1000
+    batch_size: int = 16
+    grad_accum: int = 1
+    seq_len: int = 256
+    lr: float = 1e-3
+    min_lr_ratio: float = 0.1
+    warmup_steps: int = 100
+    schedule: str = "cosine"
+    weight_decay: float = 0.1
+    decay_embeddings: bool = False
+    beta1: float = 0.9
+    beta2: float = 0.95
+    grad_clip: float = 1.0
+    eval_interval: int = 200
+    eval_batches: int = 20
+    log_interval: int = 10
+    ckpt_interval: int = 500
+    seed: int = 1337
+    device: str = "auto"
+    precision: str = "auto"
+    compile: bool = False
+    distributed: str = "ddp"
+    progress: bool = True
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        positive = ("steps", "batch_size", "grad_accum", "seq_len", "eval_interval", "log_interval", "ckpt_interval")
+        for name in positive:
+            if getattr(self, name) < 1:
+                raise ConfigError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(self, name)}")
+        if self.lr <= 0 or not math.isfinite(self.lr):
+            raise ConfigError(f"--lr must be a positive number, got {self.lr}")
+        if self.schedule not in SCHEDULES:
+            raise ConfigError(f"--schedule {self.schedule!r} is not one of {SCHEDULES}")
+        if self.precision not in ("auto", "fp32", "bf16"):
+            raise ConfigError(f"--precision {self.precision!r} is not one of auto, fp32, bf16")
+
+    def resolved_device(self) -> str:
+        if self.device == "auto":
+            return "cuda" if torch.cuda.is_available() else "cpu"
+        if self.device.startswith("cuda") and not torch.cuda.is_available():
+            raise BlockloopError(f"--device {self.device} requested but CUDA is not available; use --device cpu")
+        return self.device
+
+
+StepCallback = Callable[[int, dict[str, float]], None]
+
+
+class Trainer:
+    """Trains ``model`` on ``train_data`` and writes checkpoints/metrics under ``out_dir``."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        model_config: DecoderConfig,
+        tokenizer: Tokenizer,
+        train_data: PackedSequences,
+        val_data: PackedSequences | None,
+        config: TrainConfig,
+        out_dir: Path,
+        *,
+        run_info: dict[str, Any] | None = None,
+        dist_info: DistInfo = DistInfo(),
+    ) -> None:
+        if config.seq_len > model_config.context_length:
+            raise ConfigError(
+                f"--seq-len {config.seq_len} exceeds the model context of {model_config.context_length}; "
+                "lower --seq-len or pick a preset with a longer context"
+            )
+        self.config, self.model_config, self.tokenizer = config, model_config, tokenizer
+        self.out_dir, self.run_info, self.dist = Path(out_dir), run_info or {}, dist_info
+        self.device = torch.device(config.resolved_device())
+        if self.device.type == "cuda" and self.device.index is None:
+            self.device = torch.device("cuda", dist_info.local_rank)
+        bf16 = config.precision == "bf16" or (config.precision == "auto" and self.device.type == "cuda")
+        self.autocast_dtype = torch.bfloat16 if bf16 else None
+
+        self.model = model.to(self.device)
+        self.train_model = parallelize(self.model, config.distributed, dist_info, self.device)
+        self.forward = torch.compile(self.train_model) if config.compile else self.train_model
+        self.optimizer = build_optimizer(
+            self.train_model,
+            lr=config.lr,
+            weight_decay=config.weight_decay,
+            betas=(config.beta1, config.beta2),
+            decay_embeddings=config.decay_embeddings,
+            fused=self.device.type == "cuda",
+        )
+        self.train_data, self.val_data = train_data, val_data
+        self.batches = TrainBatches(
+            train_data, config.batch_size, seed=config.seed, rank=dist_info.rank, world_size=dist_info.world_size
+        )
+        self.step = 0
+        self.tokens_per_step = config.batch_size * config.grad_accum * config.seq_len * dist_info.world_size
+        self.flops_per_token = training_flops_per_token(model_config, config.seq_len)
+
+    # ----------------------------------------------------------------- resume
+    def resume(self, checkpoint_dir: Path) -> None:
+        """Restore model, optimizer, data position, step and RNG from a checkpoint directory."""
+        directory = ckpt.resolve_checkpoint(checkpoint_dir)
+        state = ckpt.read_json(directory / "train_state.json")
+        set_state_dict(
+            self.train_model,
+            self.optimizer,
+            model_state_dict=ckpt.read_model_tensors(directory, self.model),
+            optim_state_dict=ckpt.load_optimizer(directory),
+            options=StateDictOptions(full_state_dict=True, strict=False),
+        )
+        self.batches.load_state_dict(state["data"])
+        self.step = state["step"]
+        ckpt.load_rng(directory, self.dist.rank)
+        if self.dist.is_main:
+            self._truncate_metrics(self.step)
+
+    def _truncate_metrics(self, step: int) -> None:
+        """Drop metrics logged after the checkpoint, so the resumed log reads like an uninterrupted one."""
+        path = self.out_dir / "metrics.jsonl"
+        if path.is_file():
+            kept = [line for line in path.read_text().splitlines() if line and json.loads(line)["step"] <= step]
+            ckpt._write_atomic(path, "".join(line + "\n" for line in kept))
+
+    # ------------------------------------------------------------------ train
+    def fit(self, on_step: StepCallback | None = None) -> dict[str, float]:
+        """Run until ``config.steps``; returns the last logged metrics."""
+        cfg = self.config
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        self.train_model.train()
+        bar = tqdm(
+            total=cfg.steps, initial=self.step, disable=not (cfg.progress and self.dist.is_main), unit="step", dynamic_ncols=True
+        )
+        last: dict[str, float] = {}
+        window_start, window_tokens = time.perf_counter(), 0
+        while self.step < cfg.steps:
+            lr = lr_at(
+                self.step, lr=cfg.lr, total_steps=cfg.steps, warmup_steps=cfg.warmup_steps,
+                schedule=cfg.schedule, min_lr_ratio=cfg.min_lr_ratio,
+            )
+            for group in self.optimizer.param_groups:
+                group["lr"] = lr
+            loss = self._train_step()
+            self.step += 1
+            window_tokens += self.tokens_per_step
+            if not math.isfinite(loss):
+                latest = ckpt.checkpoint_root(self.out_dir) / ckpt.LATEST
+                kept = f"the last good checkpoint is in {self.out_dir}" if latest.exists() else "no checkpoint was written"
+                raise TrainingDiverged(
+                    f"loss became {loss} at step {self.step}; {kept}; lower --lr or raise --warmup-steps"
+                )
+            metrics = {"step": self.step, "loss": loss, "lr": lr}
+            bar.update(1)
+            if self.step % cfg.log_interval == 0 or self.step == cfg.steps:
+                if self.device.type == "cuda":
+                    torch.cuda.synchronize(self.device)
+                elapsed = time.perf_counter() - window_start
+                metrics["tokens_per_s"] = window_tokens / elapsed
+                achieved = mfu(self.flops_per_token * metrics["tokens_per_s"] / self.dist.world_size, self.device)
+                if achieved is not None:
+                    metrics["mfu"] = achieved
+                bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{metrics['tokens_per_s']:.3g}")
+                self._log(metrics)
+                window_start, window_tokens = time.perf_counter(), 0
+            if self.val_data is not None and (self.step % cfg.eval_interval == 0 or self.step == cfg.steps):
+                metrics.update(self.validate())
+                self._log({"step": self.step, "val_loss": metrics["val_loss"], "val_perplexity": metrics["val_perplexity"]})
+            if self.step % cfg.ckpt_interval == 0 or self.step == cfg.steps:
+                self.save_checkpoint()
+            last = metrics
+            if on_step is not None:
+                on_step(self.step, metrics)
+        bar.close()
+        return last
+
+    def _train_step(self) -> float:
+        cfg = self.config
+        autocast = torch.autocast(self.device.type, dtype=self.autocast_dtype) if self.autocast_dtype else nullcontext()
+        total = torch.zeros((), device=self.device)
+        for micro in range(cfg.grad_accum):
+            inputs, targets = (t.to(self.device, non_blocking=True) for t in self.batches.next_batch())
+            sync = micro == cfg.grad_accum - 1
+            no_sync = getattr(self.train_model, "no_sync", None)
+            with (nullcontext() if sync or no_sync is None else no_sync()), autocast:
+                _, loss = self.forward(inputs, targets)
+                (loss / cfg.grad_accum).backward()
+            total += loss.detach()
+        if cfg.grad_clip > 0:
+            torch.nn.utils.clip_grad_norm_(self.train_model.parameters(), cfg.grad_clip)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return mean_across_ranks(total / cfg.grad_accum, self.dist).item()
+
+    def validate(self) -> dict[str, float]:
+        result = evaluate(
+            self.forward if self.dist.world_size == 1 else self.model,
+            self.val_data,
+            batch_size=self.config.batch_size,
+            max_batches=self.config.eval_batches,
+            device=self.device,
+            autocast_dtype=self.autocast_dtype,
+        )
+        return {"val_loss": result["loss"], "val_perplexity": result["perplexity"]}
+
+    # ------------------------------------------------------------ checkpoints
+    def save_checkpoint(self) -> Path | None:
+        """Write a complete checkpoint for the current step (every rank takes part, rank 0 writes)."""
+        model_state, optim_state = get_state_dict(
+            self.train_model, self.optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
+        )
+        tmp = ckpt.checkpoint_root(self.out_dir) / f".tmp_step_{self.step:07d}"
+        if self.dist.is_main:
+            tmp = ckpt.begin_checkpoint(self.out_dir, self.step)
+        barrier(self.dist)
+        ckpt.save_rng(tmp, self.dist.rank)
+        final = None
+        if self.dist.is_main:
+            ckpt.save_model_files(tmp, self.model, self.model_config, model_state)
+            self.tokenizer.save(tmp)
+            ckpt.save_optimizer(tmp, optim_state)
+            ckpt.write_json_atomic(
+                tmp / "train_state.json",
+                {
+                    "step": self.step,
+                    "data": self.batches.state_dict(),
+                    "world_size": self.dist.world_size,
+                    "train_config": dataclasses.asdict(self.config),
+                    "run": self.run_info,
+                },
+            )
+        barrier(self.dist)
+        if self.dist.is_main:
+            final = ckpt.commit_checkpoint(self.out_dir, tmp, self.step)
+        barrier(self.dist)
+        return final
+
+    def _log(self, metrics: dict[str, float]) -> None:
+        if not self.dist.is_main:
+            return
+        with open(self.out_dir / "metrics.jsonl", "a") as f:
+            f.write(json.dumps(metrics) + "\n")
+        shown = " | ".join(f"{k} {_fmt(v)}" for k, v in metrics.items())
+        tqdm.write(shown)
+
+
+def _fmt(value: float) -> str:
+    if isinstance(value, int):
+        return str(value)
+    return f"{value:.4g}"

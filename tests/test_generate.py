@@ -1,0 +1,81 @@
+"""Sampling and batched generation: padding-independence, stopping, seeding, streaming, limits."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from blockloop.errors import BlockloopError
+from blockloop.infer.generate import generate
+from blockloop.infer.sampling import sample
+from blockloop.models import build_model
+from blockloop.presets import from_name
+
+
+@pytest.fixture(scope="module")
+def model():
+    torch.manual_seed(0)
+    return build_model(from_name("tiny")).double().eval()
+
+
+def naive_greedy(model, prompt, n):
+    """Re-run the full forward for every token: no cache, no padding."""
+    idx = torch.tensor([prompt])
+    for _ in range(n):
+        logits, _ = model(idx)
+        idx = torch.cat([idx, logits[:, -1].argmax(-1, keepdim=True)], 1)
+    return idx[0, len(prompt) :].tolist()
+
+
+def test_batched_greedy_with_mixed_prompt_lengths_equals_uncached_per_row(model):
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(0, 258, (n,), generator=g).tolist() for n in (3, 11, 7)]
+    batched = generate(model, prompts, 9, temperature=0)
+    assert batched == [naive_greedy(model, p, 9) for p in prompts]
+
+
+def test_each_row_stops_at_eos(model):
+    prompts = [[5, 6, 7], [9, 10]]
+    free = generate(model, prompts, 12, temperature=0)
+    eos = free[0][3]  # make the 4th token of row 0 the end-of-text token
+    stopped = generate(model, prompts, 12, temperature=0, eos_id=eos)
+    assert stopped[0] == free[0][: free[0].index(eos)]
+    cut = free[1].index(eos) if eos in free[1] else len(free[1])
+    assert stopped[1] == free[1][:cut]
+
+
+def test_seeded_sampling_is_reproducible_and_seeds_differ(model):
+    prompts = [[1, 2, 3]] * 4
+    a = generate(model, prompts, 20, temperature=1.0, seed=7)
+    b = generate(model, prompts, 20, temperature=1.0, seed=7)
+    c = generate(model, prompts, 20, temperature=1.0, seed=8)
+    assert a == b
+    assert a != c
+    assert len({tuple(r) for r in a}) > 1  # rows sample independently
+
+
+def test_streaming_callback_sees_every_returned_token_in_order(model):
+    seen: dict[int, list[int]] = {0: [], 1: []}
+    out = generate(model, [[4, 5], [6]], 10, temperature=0.7, seed=3, on_token=lambda r, t: seen[r].append(t))
+    assert [seen[0], seen[1]] == out
+
+
+def test_prompt_longer_than_context_is_a_clear_error(model):
+    with pytest.raises(BlockloopError, match="exceeds the model context of 128"):
+        generate(model, [[1] * 120], 10)
+    with pytest.raises(BlockloopError, match="non-empty"):
+        generate(model, [[]], 10)
+
+
+def test_top_k_and_top_p_restrict_the_support():
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]])).repeat(2000, 1)
+    g = torch.Generator().manual_seed(0)
+    assert set(sample(logits, top_k=2, generator=g).tolist()) == {0, 1}
+    assert set(sample(logits, top_p=0.7, generator=g).tolist()) == {0, 1}  # 0.5 < 0.7 needs the 2nd token
+    assert set(sample(logits, top_p=0.4, generator=g).tolist()) == {0}
+    assert set(sample(logits, temperature=1.0, generator=g).tolist()) == {0, 1, 2, 3}
+    freq = (sample(logits, generator=g) == 0).float().mean().item()
+    assert abs(freq - 0.5) < 0.05
+    assert torch.equal(sample(logits[:3], temperature=0), torch.zeros(3, dtype=torch.long))
+    with pytest.raises(ValueError, match="top_p"):
+        sample(logits, top_p=0.0)

@@ -1,0 +1,184 @@
+"""The trainer: loss falls, golden curve, exact resume, accumulation, NaN stop, checkpoints, DDP/FSDP."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from blockloop.errors import BlockloopError
+from blockloop.train import checkpoint as ckpt
+from blockloop.train.optim import build_optimizer, lr_at
+from blockloop.train.run import RunSpec, load_trained, prepare_run, sequences
+from blockloop.train.trainer import TrainConfig, Trainer, TrainingDiverged
+
+GOLDEN = Path(__file__).parent / "golden" / "tiny_shakespeare_losses.json"
+SRC = Path(__file__).resolve().parents[1] / "src"
+
+
+def make_trainer(out: Path, **overrides) -> Trainer:
+    spec = RunSpec(preset="tiny", data="shakespeare", tokenizer="byte")
+    run = prepare_run(spec, seed=0, show_progress=False)
+    settings = dict(
+        steps=8, batch_size=4, seq_len=32, lr=3e-3, warmup_steps=2, eval_interval=4, eval_batches=2,
+        log_interval=1, ckpt_interval=2, device="cpu", progress=False, seed=0,
+    )
+    config = TrainConfig(**{**settings, **overrides})
+    train, val = sequences(run.splits, config.seq_len)
+    return Trainer(run.model, run.model_config, run.tokenizer, train, val, config, out, run_info=spec.to_dict())
+
+
+def losses(run_dir: Path) -> list[float]:
+    lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [m["loss"] for m in lines if "loss" in m]
+
+
+def test_loss_falls(tmp_path):
+    trainer = make_trainer(tmp_path / "run", steps=60, eval_interval=60, ckpt_interval=60)
+    before = trainer.validate()["val_loss"]
+    after = trainer.fit()["val_loss"]
+    curve = losses(tmp_path / "run")
+    assert after < before - 1.0
+    assert sum(curve[-10:]) / 10 < sum(curve[:10]) / 10 - 1.0
+
+
+def test_golden_loss_curve(tmp_path):
+    """Fixed seed, tiny preset, CPU: the first steps' losses must not drift (catches silent regressions).
+
+    After an intended change to the model, data order or optimizer, regenerate with
+    BLOCKLOOP_UPDATE_GOLDEN=1 and say why in the commit.
+    """
+    make_trainer(tmp_path / "run", steps=6, ckpt_interval=6).fit()
+    curve = losses(tmp_path / "run")
+    if os.environ.get("BLOCKLOOP_UPDATE_GOLDEN"):
+        GOLDEN.parent.mkdir(exist_ok=True)
+        GOLDEN.write_text(json.dumps({"losses": curve}, indent=2) + "\n")
+    golden = json.loads(GOLDEN.read_text())["losses"]
+    assert curve == pytest.approx(golden, rel=1e-4)
+
+
+def test_killed_run_resumes_with_the_same_losses(tmp_path):
+    make_trainer(tmp_path / "straight").fit()
+
+    def crash(step, metrics):
+        if step == 5:
+            raise KeyboardInterrupt  # killed after step 5; the last checkpoint is step 4
+
+    with pytest.raises(KeyboardInterrupt):
+        make_trainer(tmp_path / "killed").fit(on_step=crash)
+    assert (tmp_path / "killed" / "checkpoints" / "latest").read_text().strip() == "step_0000004"
+    resumed = make_trainer(tmp_path / "killed")
+    resumed.resume(tmp_path / "killed")
+    assert resumed.step == 4
+    resumed.fit()
+    assert losses(tmp_path / "killed") == pytest.approx(losses(tmp_path / "straight"), abs=1e-6)
+    straight = load_trained(tmp_path / "straight").model.state_dict()
+    for name, tensor in load_trained(tmp_path / "killed").model.state_dict().items():
+        torch.testing.assert_close(tensor, straight[name], atol=1e-6, rtol=1e-6)
+
+
+def test_gradient_accumulation_matches_the_larger_batch(tmp_path):
+    make_trainer(tmp_path / "big", steps=3, batch_size=4).fit()
+    make_trainer(tmp_path / "accum", steps=3, batch_size=2, grad_accum=2).fit()
+    assert losses(tmp_path / "accum") == pytest.approx(losses(tmp_path / "big"), abs=1e-5)
+
+
+def test_non_finite_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path):
+    trainer = make_trainer(tmp_path / "run")
+    forward, calls = trainer.forward, []
+
+    def poisoned(inputs, targets):
+        calls.append(1)
+        logits, loss = forward(inputs, targets)
+        return logits, loss * float("nan") if len(calls) == 3 else loss
+
+    trainer.forward = poisoned
+    with pytest.raises(TrainingDiverged, match="loss became nan at step 3"):
+        trainer.fit()
+    directory = ckpt.resolve_checkpoint(tmp_path / "run")
+    assert directory.name == "step_0000002"
+    model = load_trained(tmp_path / "run").model
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+def test_checkpoints_are_complete_rotated_and_corruption_is_reported(tmp_path):
+    make_trainer(tmp_path / "run").fit()
+    root = tmp_path / "run" / "checkpoints"
+    assert sorted(p.name for p in root.iterdir()) == ["latest", "step_0000006", "step_0000008"]
+    files = {p.name for p in (root / "step_0000008").iterdir()}
+    assert {"config.json", "model.safetensors", "optimizer.safetensors", "train_state.json", "rng_rank0.safetensors"} <= files
+    model_file = root / "step_0000008" / "model.safetensors"
+    model_file.write_bytes(model_file.read_bytes()[:100])
+    with pytest.raises(BlockloopError, match="corrupt"):
+        load_trained(tmp_path / "run")
+    (root / "latest").write_text("step_0000099\n")
+    with pytest.raises(BlockloopError, match="missing or incomplete"):
+        load_trained(tmp_path / "run")
+
+
+def test_schedule_warms_up_then_decays_to_the_floor():
+    kw = dict(lr=1.0, total_steps=100, warmup_steps=10, min_lr_ratio=0.1)
+    assert lr_at(0, schedule="cosine", **kw) == pytest.approx(0.1)
+    assert lr_at(9, schedule="cosine", **kw) == pytest.approx(1.0)
+    assert lr_at(100, schedule="cosine", **kw) == pytest.approx(0.1)
+    assert lr_at(55, schedule="cosine", **kw) == pytest.approx(0.55)
+    assert lr_at(55, schedule="linear", **kw) == pytest.approx(0.55)
+    assert lr_at(80, schedule="constant", **kw) == 1.0
+    cosine = [lr_at(s, schedule="cosine", **kw) for s in range(10, 101)]
+    assert all(a >= b for a, b in zip(cosine, cosine[1:]))
+
+
+def test_weight_decay_skips_norms_biases_and_embeddings():
+    from blockloop.models import build_model
+    from blockloop.presets import from_name
+
+    model = build_model(from_name("tiny-neox"))
+    opt = build_optimizer(model, lr=1e-3, weight_decay=0.1, betas=(0.9, 0.95))
+    decayed = {id(p) for p in opt.param_groups[0]["params"]}
+    assert id(model.blocks[0].attn.qkv.weight) in decayed
+    assert id(model.lm_head.weight) in decayed  # untied head is a projection, not a lookup
+    assert id(model.embed.weight) not in decayed
+    assert id(model.blocks[0].attn.qkv.bias) not in decayed
+    assert id(model.blocks[0].norm1.weight) not in decayed
+    assert sum(len(g["params"]) for g in opt.param_groups) == len(list(model.parameters()))
+
+
+def _cli_train(out: Path, *extra: str, nproc: int = 1) -> list[float]:
+    args = [
+        "train", "--preset", "tiny", "--data", "shakespeare", "--tokenizer", "byte", "--steps", "3", "--seq-len", "32",
+        "--lr", "3e-3", "--warmup-steps", "1", "--log-interval", "1", "--eval-interval", "3", "--eval-batches", "1",
+        "--device", "cpu", "--no-progress", "--out", str(out), *extra,
+    ]
+    if nproc == 1:
+        command = [sys.executable, "-m", "blockloop.cli", *args]
+    else:
+        command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+                   "-m", "blockloop.cli", *args]
+    env = {**os.environ, "PYTHONPATH": str(SRC), "OMP_NUM_THREADS": "1"}
+    result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return losses(out)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_torchrun_two_processes_match_one_process_with_the_same_global_batch(tmp_path, strategy):
+    single = _cli_train(tmp_path / "single", "--batch-size", "4")
+    double = _cli_train(tmp_path / "double", "--batch-size", "2", "--distributed", strategy, nproc=2)
+    assert len(double) == 3
+    assert double == pytest.approx(single, abs=1e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("compile_model", [False, True], ids=["eager", "compiled"])
+def test_cuda_bf16_training_loss_falls(tmp_path, compile_model):
+    trainer = make_trainer(tmp_path / "run", steps=60, device="cuda", compile=compile_model, eval_interval=60, ckpt_interval=60)
+    assert trainer.autocast_dtype == torch.bfloat16
+    before = trainer.validate()["val_loss"]
+    assert trainer.fit()["val_loss"] < before - 1.0
