@@ -228,7 +228,9 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("generate", help="print a continuation of --prompt from a checkpoint")
     p.add_argument("--checkpoint", required=True, help="run directory or checkpoint directory")
     p.add_argument("--prompt", required=True, help="text to continue")
-    p.add_argument("--max-new-tokens", type=int, default=200, help="tokens to generate at most (default: 200)")
+    p.add_argument(
+        "--max-new-tokens", type=int, help="tokens to generate at most (default: 200, or what fits in the model context)"
+    )
     p.add_argument("--temperature", type=float, default=0.8, help="0 = greedy (default: 0.8)")
     p.add_argument("--top-k", type=int, help="sample only among the k most likely tokens")
     p.add_argument("--top-p", type=float, help="sample only from the smallest set with this total probability")
@@ -248,6 +250,13 @@ def cmd_generate(args: argparse.Namespace) -> int:
     trained = load_trained(args.checkpoint, _device(args.device))
     tok = trained.tokenizer
     prompt = tok.encode(args.prompt)
+    max_new = args.max_new_tokens
+    if max_new is None:
+        max_new = min(200, trained.config.context_length - len(prompt))
+        if max_new < 1:
+            raise BlockloopError(
+                f"prompt of {len(prompt)} tokens fills the model context of {trained.config.context_length}; shorten it"
+            )
     kwargs = dict(
         temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
         eos_id=None if args.no_stop else tok.eos_id, seed=args.seed,
@@ -266,10 +275,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
                     sys.stdout.flush()
                     pending.clear()
 
-            generate(trained.model, [prompt], args.max_new_tokens, on_token=on_token, **kwargs)
+            generate(trained.model, [prompt], max_new, on_token=on_token, **kwargs)
             sys.stdout.write(tok.decode(pending) + "\n")
         else:
-            outs = generate(trained.model, [prompt] * args.num_samples, args.max_new_tokens, **kwargs)
+            outs = generate(trained.model, [prompt] * args.num_samples, max_new, **kwargs)
             for i, out in enumerate(outs):
                 print(f"--- sample {i + 1}\n{args.prompt}{tok.decode(out)}")
     except ValueError as exc:  # bad sampling parameters

@@ -29,7 +29,7 @@ class DemoEntry:
     seq_len: int = 256
 
 
-DEMO_ENTRIES: tuple[DemoEntry, ...] = (DemoEntry("vanilla decoder", "demo", steps=600, lr=3e-3),)
+DEMO_ENTRIES: tuple[DemoEntry, ...] = (DemoEntry("vanilla decoder", "demo", steps=450, lr=3e-3),)
 
 
 @dataclass
@@ -76,7 +76,8 @@ def _run_entry(entry: DemoEntry, run_dir: Path, steps: int, device: str) -> Demo
     start = time.perf_counter()
     outs = generate(model, [prompt] * 8, 128, temperature=0.8, seed=0)
     speed = sum(len(o) for o in outs) / (time.perf_counter() - start)
-    sample = run.tokenizer.decode(generate(model, [prompt], 300, temperature=0.8, top_k=40, seed=1)[0])
+    sample_length = run.model_config.context_length - len(prompt)
+    sample = run.tokenizer.decode(generate(model, [prompt], sample_length, temperature=0.8, top_k=40, seed=1)[0])
     return DemoResult(entry, model.num_parameters(), before, after, train_seconds, speed, sample, run_dir)
 
 

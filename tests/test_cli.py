@@ -1,0 +1,130 @@
+"""The command line: a full train -> eval -> generate -> info round trip, and one-line errors for bad input."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from blockloop.cli import EXIT_USER_ERROR, main
+
+TINY_TRAIN = [
+    "train", "--preset", "tiny", "--steps", "4", "--batch-size", "2", "--seq-len", "32", "--warmup-steps", "1",
+    "--log-interval", "2", "--eval-interval", "4", "--eval-batches", "1", "--ckpt-interval", "2", "--device", "cpu",
+    "--no-progress",
+]
+
+
+@pytest.fixture(scope="module")
+def trained_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("cli") / "run"
+    assert main([*TINY_TRAIN, "--out", str(out)]) == 0
+    return out
+
+
+def one_line_error(capsys, argv, match):
+    code = main(argv)
+    err = capsys.readouterr().err.strip()
+    assert code == EXIT_USER_ERROR
+    assert len(err.splitlines()) == 1 and "Traceback" not in err
+    assert match in err, err
+
+
+def test_train_writes_checkpoints_and_metrics(trained_run):
+    metrics = [json.loads(line) for line in (trained_run / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in metrics if "loss" in m] == [2, 4]
+    assert any("val_loss" in m for m in metrics)
+    assert (trained_run / "checkpoints" / "latest").read_text().strip() == "step_0000004"
+
+
+def test_resume_extends_a_finished_run(trained_run, tmp_path, capsys):
+    import shutil
+
+    run = tmp_path / "run"
+    shutil.copytree(trained_run, run)
+    assert main(["train", "--steps", "6", "--out", str(run), "--resume", "--no-progress"]) == 0
+    assert "step 4 of 6" in capsys.readouterr().out
+    assert (run / "checkpoints" / "latest").read_text().strip() == "step_0000006"
+
+
+def test_eval_reports_loss_perplexity_and_bits_per_byte(trained_run, capsys):
+    assert main(["eval", "--checkpoint", str(trained_run), "--max-batches", "2", "--device", "cpu", "--json"]) == 0
+    metrics = json.loads(capsys.readouterr().out)
+    assert metrics["split"] == "val" and metrics["tokens"] == 2 * 8 * 32
+    assert metrics["perplexity"] == pytest.approx(2.718281828 ** metrics["loss"], rel=1e-6)
+    # Byte-level tokens are one byte each: bits per byte = loss / ln 2.
+    assert metrics["bits_per_byte"] == pytest.approx(metrics["loss"] / 0.6931471805599453, rel=1e-6)
+
+
+def test_generate_is_seeded_and_streams_the_prompt_first(trained_run, capsys):
+    argv = ["generate", "--checkpoint", str(trained_run), "--prompt", "ROMEO:", "--max-new-tokens", "20",
+            "--seed", "3", "--no-stop", "--device", "cpu"]
+    assert main(argv) == 0
+    first = capsys.readouterr().out
+    assert main(argv) == 0
+    assert capsys.readouterr().out == first
+    assert first.startswith("ROMEO:") and len(first.encode()) > len("ROMEO:")
+
+
+def test_info_and_presets(trained_run, capsys):
+    assert main(["info", str(trained_run)]) == 0
+    out = capsys.readouterr().out
+    assert "tokenizer: byte" in out and "step 4" in out
+    assert main(["presets"]) == 0
+    out = capsys.readouterr().out
+    assert "pythia-85m" in out and "85.06M" in out
+
+
+@pytest.mark.parametrize(
+    "argv, match",
+    [
+        (["train", "--preset", "gpt-17"], "unknown preset 'gpt-17'"),
+        (["train", "--preset", "tiny", "--data", "/no/such/file.txt"], "/no/such/file.txt"),
+        (["train", "--preset", "tiny", "--seq-len", "4096"], "exceeds the model context of 128"),
+        (["train", "--preset", "tiny", "--batch-size", "0"], "--batch-size must be at least 1"),
+        (["train", "--preset", "tiny", "--tokenizer", "sentencepiece-9"], "sentencepiece-9"),
+        (["eval", "--checkpoint", "/no/such/run"], "checkpoint not found"),
+        (["generate", "--checkpoint", "/no/such/run", "--prompt", "hi"], "checkpoint not found"),
+    ],
+)
+def test_bad_input_is_one_line_and_exit_code_2(tmp_path, capsys, argv, match):
+    one_line_error(capsys, [*argv, *(["--out", str(tmp_path / "x")] if argv[0] == "train" else [])], match)
+
+
+def test_errors_on_an_existing_run(trained_run, tmp_path, capsys):
+    one_line_error(capsys, [*TINY_TRAIN, "--out", str(trained_run)], "already holds a run")
+    one_line_error(capsys, ["train", "--out", str(tmp_path / "empty"), "--resume"], "checkpoint not found")
+    one_line_error(
+        capsys, ["generate", "--checkpoint", str(trained_run), "--prompt", "x" * 120, "--max-new-tokens", "20"],
+        "exceeds the model context of 128",
+    )
+    one_line_error(
+        capsys, ["generate", "--checkpoint", str(trained_run), "--prompt", "x", "--top-p", "2", "--device", "cpu"],
+        "top_p",
+    )
+
+
+def test_corrupt_checkpoint_is_reported(trained_run, tmp_path, capsys):
+    import shutil
+
+    run = tmp_path / "run"
+    shutil.copytree(trained_run, run)
+    (run / "checkpoints" / "step_0000004" / "model.safetensors").write_bytes(b"not a safetensors file")
+    one_line_error(capsys, ["eval", "--checkpoint", str(run), "--device", "cpu"], "corrupt")
+    (run / "checkpoints" / "step_0000004" / "config.json").write_text("{ nope")
+    one_line_error(capsys, ["generate", "--checkpoint", str(run), "--prompt", "a", "--device", "cpu"], "not valid JSON")
+
+
+def test_every_command_has_help(capsys):
+    for command in ["train", "eval", "generate", "presets", "info", "demo"]:
+        with pytest.raises(SystemExit) as exc:
+            main([command, "--help"])
+        assert exc.value.code == 0
+        assert "usage: blockloop" in capsys.readouterr().out
+
+
+def test_demo_trains_compares_and_samples(tmp_path, capsys):
+    assert main(["demo", "--out", str(tmp_path / "demo"), "--steps", "4", "--device", "cpu"]) == 0
+    out = capsys.readouterr().out
+    assert "validation loss before training" in out and "=== comparison" in out and "vanilla decoder" in out
+    assert (tmp_path / "demo" / "demo" / "checkpoints" / "latest").is_file()
