@@ -148,17 +148,20 @@ def test_weight_decay_skips_norms_biases_and_embeddings():
     assert sum(len(g["params"]) for g in opt.param_groups) == len(list(model.parameters()))
 
 
-def _cli_train(out: Path, *extra: str, nproc: int = 1) -> list[float]:
-    args = [
-        "train", "--preset", "tiny", "--data", "shakespeare", "--tokenizer", "byte", "--steps", "3", "--seq-len", "32",
-        "--lr", "3e-3", "--warmup-steps", "1", "--log-interval", "1", "--eval-interval", "3", "--eval-batches", "1",
-        "--device", "cpu", "--no-progress", "--out", str(out), *extra,
-    ]
+TORCHRUN_TRAIN = [
+    "train", "--preset", "tiny", "--data", "shakespeare", "--tokenizer", "byte", "--steps", "3", "--seq-len", "32",
+    "--lr", "3e-3", "--warmup-steps", "1", "--log-interval", "1", "--eval-interval", "3", "--eval-batches", "1",
+    "--device", "cpu", "--no-progress",
+]
+
+
+def _launch(out: Path, *args: str, nproc: int = 1) -> list[float]:
+    """Run the CLI as a real process (under torchrun when nproc > 1) and return its logged losses."""
     if nproc == 1:
-        command = [sys.executable, "-m", "blockloop.cli", *args]
+        command = [sys.executable, "-m", "blockloop.cli", *args, "--out", str(out)]
     else:
         command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-                   "-m", "blockloop.cli", *args]
+                   "-m", "blockloop.cli", *args, "--out", str(out)]
     env = {**os.environ, "PYTHONPATH": str(SRC), "OMP_NUM_THREADS": "1"}
     result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
@@ -168,9 +171,22 @@ def _cli_train(out: Path, *extra: str, nproc: int = 1) -> list[float]:
 @pytest.mark.slow
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
 def test_torchrun_two_processes_match_one_process_with_the_same_global_batch(tmp_path, strategy):
-    single = _cli_train(tmp_path / "single", "--batch-size", "4")
-    double = _cli_train(tmp_path / "double", "--batch-size", "2", "--distributed", strategy, nproc=2)
+    single = _launch(tmp_path / "single", *TORCHRUN_TRAIN, "--batch-size", "4")
+    double = _launch(tmp_path / "double", *TORCHRUN_TRAIN, "--batch-size", "2", "--distributed", strategy, nproc=2)
     assert len(double) == 3
+    assert double == pytest.approx(single, abs=1e-5)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_torchrun_resume_matches_single_process_resume(tmp_path, strategy):
+    """Checkpoints written by two ranks (sharded for FSDP) restore like a single process's."""
+    resume = ["train", "--resume", "--steps", "5", "--no-progress"]
+    _launch(tmp_path / "single", *TORCHRUN_TRAIN, "--batch-size", "4")
+    single = _launch(tmp_path / "single", *resume)
+    _launch(tmp_path / "double", *TORCHRUN_TRAIN, "--batch-size", "2", "--distributed", strategy, nproc=2)
+    double = _launch(tmp_path / "double", *resume, nproc=2)
+    assert len(double) == 5
     assert double == pytest.approx(single, abs=1e-5)
 
 

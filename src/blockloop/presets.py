@@ -83,20 +83,25 @@ def _pythia_302m() -> DecoderConfig:
     return _pythia(24, 1024, 16)
 
 
-@register("tiny", "2-layer Llama-style model (RMSNorm, SwiGLU, GQA, tied) for CPU tests")
-def _tiny() -> DecoderConfig:
+def _llama_style(n_layer: int, d_model: int, n_head: int, n_kv_head: int, context_length: int) -> DecoderConfig:
+    """RMSNorm, SwiGLU, no biases, tied embeddings; byte-level vocabulary for CPU-sized runs."""
     return DecoderConfig(
         vocab_size=258,
-        context_length=128,
-        n_layer=2,
-        n_head=4,
-        n_kv_head=2,
-        d_model=64,
+        context_length=context_length,
+        n_layer=n_layer,
+        n_head=n_head,
+        n_kv_head=n_kv_head,
+        d_model=d_model,
         norm="rmsnorm",
         mlp="swiglu",
         bias=False,
         tie_embeddings=True,
     )
+
+
+@register("tiny", "2-layer Llama-style model (RMSNorm, SwiGLU, GQA, tied) for CPU tests")
+def _tiny() -> DecoderConfig:
+    return _llama_style(n_layer=2, d_model=64, n_head=4, n_kv_head=2, context_length=128)
 
 
 @register("tiny-neox", "2-layer Pythia-style model (parallel residual, partial rotary, untied) for CPU tests")
@@ -106,14 +111,4 @@ def _tiny_neox() -> DecoderConfig:
 
 @register("demo", "4-layer Llama-style model the CPU demo trains in a few minutes")
 def _demo() -> DecoderConfig:
-    return DecoderConfig(
-        vocab_size=258,
-        context_length=256,
-        n_layer=4,
-        n_head=4,
-        d_model=128,
-        norm="rmsnorm",
-        mlp="swiglu",
-        bias=False,
-        tie_embeddings=True,
-    )
+    return _llama_style(n_layer=4, d_model=128, n_head=4, n_kv_head=4, context_length=256)

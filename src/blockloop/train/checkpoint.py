@@ -75,10 +75,16 @@ def resolve_checkpoint(path: Path) -> Path:
 
 
 def save_model_files(directory: Path, model: nn.Module, config: DecoderConfig, state_dict: dict[str, torch.Tensor] | None = None) -> None:
-    """config.json + model.safetensors; tied tensors are stored once (safetensors forbids aliases)."""
+    """config.json + model.safetensors; a tied tensor is stored once, under its first name.
+
+    Aliases are found from the model's parameters, not from tensor storage: a gathered FSDP state dict
+    holds separate copies of tied weights.
+    """
     state_dict = state_dict if state_dict is not None else model.state_dict()
+    tied = _tied_names(model)
+    tensors = {name: t.detach().cpu().contiguous() for name, t in state_dict.items() if name not in tied}
     save_config(config, directory / "config.json")
-    save_file(_dedupe(state_dict), str(directory / "model.safetensors"), metadata={"format": "pt"})
+    save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})
 
 
 def read_model_tensors(directory: Path, model: nn.Module) -> dict[str, torch.Tensor]:
@@ -176,18 +182,6 @@ def _read_safetensors(path: Path) -> dict[str, torch.Tensor]:
         return load_file(str(path))
     except (SafetensorError, OSError, ValueError) as exc:
         raise BlockloopError(f"{path} is corrupt ({exc}); use an earlier checkpoint or retrain") from exc
-
-
-def _dedupe(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    seen: set[int] = set()
-    out = {}
-    for name, tensor in state_dict.items():
-        ptr = tensor.untyped_storage().data_ptr()
-        if ptr in seen:
-            continue
-        seen.add(ptr)
-        out[name] = tensor.detach().cpu().contiguous()
-    return out
 
 
 def _tied_names(model: nn.Module) -> set[str]:
