@@ -61,7 +61,7 @@ def _run_entry(entry: DemoEntry, run_dir: Path, steps: int, device: str) -> Demo
     config = TrainConfig(
         steps=steps, batch_size=entry.batch_size, seq_len=entry.seq_len, lr=entry.lr,
         warmup_steps=max(1, steps // 20), eval_interval=max(1, steps // 6), eval_batches=8,
-        log_interval=max(1, steps // 12), ckpt_interval=steps, device=device, seed=0,
+        log_interval=max(1, steps // 18), ckpt_interval=steps, device=device, seed=0,
     )
     train_seqs, val_seqs = sequences(run.splits, config.seq_len)
     trainer = Trainer(run.model, run.model_config, run.tokenizer, train_seqs, val_seqs, config, run_dir, run_info=spec.to_dict())
