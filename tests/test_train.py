@@ -92,9 +92,9 @@ def test_non_finite_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path):
     trainer = make_trainer(tmp_path / "run")
     forward, calls = trainer.forward, []
 
-    def poisoned(inputs, targets):
+    def poisoned(**batch):
         calls.append(1)
-        logits, loss = forward(inputs, targets)
+        logits, loss = forward(**batch)
         return logits, loss * float("nan") if len(calls) == 3 else loss
 
     trainer.forward = poisoned

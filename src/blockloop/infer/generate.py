@@ -1,9 +1,16 @@
-"""Batched, cached generation for decoder models.
+"""Batched, cached generation for every model family.
 
-Prompts of different lengths are left-padded into one batch so every row writes its next token at the
-same cache slot; padding is masked out of attention and each row's rotary positions start at its own
-first real token, so a row's continuation does not depend on what else is in the batch. One prefill
-pass fills the static cache, then each step feeds one token per row.
+A model takes part by implementing two methods:
+
+* ``prefill(idx, token_valid, max_new_tokens) -> (logits, state)``: run the left-padded prompts
+  ``idx (B, P)`` (``token_valid`` marks real tokens), allocate whatever static caches it needs for
+  ``max_new_tokens`` more tokens, and return the next-token logits ``(B, V)`` and its decoding state;
+* ``decode_step(state, token) -> logits``: feed one token per row and return the next logits.
+
+Prompts of different lengths are left-padded into one batch (to a multiple of ``prompt_multiple`` when a
+model works in fixed blocks) so every row advances in lock step; models mask the padding, so a row's
+continuation does not depend on what else is in the batch. Sampling, stopping and streaming live here,
+once, for all families.
 """
 
 from __future__ import annotations
@@ -42,7 +49,7 @@ def generate(
     if max_new_tokens < 1:
         raise BlockloopError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
     context = model.config.context_length
-    longest = max(len(p) for p in prompts)
+    longest = padded_prompt_length(model, prompts)
     if longest + max_new_tokens > context:
         raise BlockloopError(
             f"prompt of {longest} tokens plus {max_new_tokens} new tokens exceeds the model context of "
@@ -70,26 +77,16 @@ def _generate(
     seed: int | None,
     on_token: TokenCallback | None,
 ) -> list[list[int]]:
-    batch = len(prompts)
+    idx, token_valid = left_pad(prompts, longest, device)
     vocab_size = model.config.vocab_size
-    lengths = torch.tensor([len(p) for p in prompts], device=device)
-    pad = longest - lengths
-    idx = torch.zeros(batch, longest, dtype=torch.long, device=device)
-    for row, prompt in enumerate(prompts):
-        idx[row, longest - len(prompt):] = torch.tensor(prompt, dtype=torch.long, device=device)
-    slots = torch.arange(longest, device=device)
-    token_valid = slots[None, :] >= pad[:, None]
-    positions = (slots[None, :] - pad[:, None]).clamp_min(0)
     generator = torch.Generator(device=device).manual_seed(seed) if seed is not None else None
-
-    cache = model.allocate_cache(batch, longest + max_new_tokens)
-    logits, _ = model(idx, cache=cache, slots=slots, positions=positions, token_valid=token_valid, last_only=True)
-    out = torch.zeros(batch, max_new_tokens, dtype=torch.long, device=device)
-    finished = torch.zeros(batch, dtype=torch.bool, device=device)
+    logits, state = model.prefill(idx, token_valid, max_new_tokens)
+    out = torch.zeros(len(prompts), max_new_tokens, dtype=torch.long, device=device)
+    finished = torch.zeros(len(prompts), dtype=torch.bool, device=device)
     steps = max_new_tokens
     for step in range(max_new_tokens):
-        next_logits = logits[:, -1, :vocab_size]  # padding ids of the embedding table are never sampled
-        token = sample(next_logits, temperature=temperature, top_k=top_k, top_p=top_p, generator=generator)
+        # Padding ids of the embedding table are never sampled.
+        token = sample(logits[:, :vocab_size], temperature=temperature, top_k=top_k, top_p=top_p, generator=generator)
         out[:, step] = token
         if on_token is not None:
             for row, (tok, done) in enumerate(zip(token.tolist(), finished.tolist())):
@@ -103,8 +100,7 @@ def _generate(
                 steps = step + 1
                 break
         if step + 1 < max_new_tokens:
-            slot = torch.full((1,), longest + step, device=device)
-            logits, _ = model(token[:, None], cache=cache, slots=slot, positions=(lengths + step)[:, None])
+            logits = model.decode_step(state, token)
 
     results = []
     for row in out[:, :steps].tolist():
@@ -112,3 +108,20 @@ def _generate(
             row = row[: row.index(eos_id)]
         results.append(row)
     return results
+
+
+def padded_prompt_length(model: nn.Module, prompts: Sequence[Sequence[int]]) -> int:
+    """The batch's prompt length: the longest prompt, rounded up to the model's ``prompt_multiple``."""
+    multiple = getattr(model, "prompt_multiple", 1)
+    longest = max(len(p) for p in prompts)
+    return -(-longest // multiple) * multiple
+
+
+def left_pad(prompts: Sequence[Sequence[int]], length: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(B, length)`` ids with each prompt right-aligned, and the mask of real (non-padding) tokens."""
+    idx = torch.zeros(len(prompts), length, dtype=torch.long, device=device)
+    token_valid = torch.zeros(len(prompts), length, dtype=torch.bool, device=device)
+    for row, prompt in enumerate(prompts):
+        idx[row, length - len(prompt) :] = torch.tensor(prompt, dtype=torch.long, device=device)
+        token_valid[row, length - len(prompt) :] = True
+    return idx, token_valid

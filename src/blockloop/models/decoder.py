@@ -9,6 +9,7 @@ decode steps (one token), writing keys/values at explicit cache slots.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -21,6 +22,15 @@ from blockloop.nn.mlp import build_mlp
 from blockloop.nn.norm import RMSNorm, build_norm
 from blockloop.nn.precision import at_least_fp32
 from blockloop.nn.rope import apply_rope, rope_angles
+
+
+@dataclass
+class DecodeState:
+    """Where each row of a generation batch is: the cache, the next slot, each row's next position."""
+
+    cache: DecoderCache
+    next_slot: int
+    next_position: Tensor
 
 
 class SelfAttention(nn.Module):
@@ -122,6 +132,24 @@ class Decoder(nn.Module):
             dtype=dtype or weight.dtype,
             device=weight.device,
         )
+
+    @torch.no_grad()
+    def prefill(self, idx: Tensor, token_valid: Tensor, max_new_tokens: int) -> tuple[Tensor, DecodeState]:
+        """Cache left-padded prompts; rotary positions count from each row's first real token."""
+        batch, length = idx.shape
+        slots = torch.arange(length, device=idx.device)
+        positions = (slots[None, :] - (~token_valid).sum(1, keepdim=True)).clamp_min(0)
+        cache = self.allocate_cache(batch, length + max_new_tokens)
+        logits, _ = self(idx, cache=cache, slots=slots, positions=positions, token_valid=token_valid, last_only=True)
+        return logits[:, -1], DecodeState(cache, length, positions[:, -1] + 1)
+
+    @torch.no_grad()
+    def decode_step(self, state: DecodeState, token: Tensor) -> Tensor:
+        slot = torch.full((1,), state.next_slot, device=token.device)
+        logits, _ = self(token[:, None], cache=state.cache, slots=slot, positions=state.next_position[:, None])
+        state.next_slot += 1
+        state.next_position = state.next_position + 1
+        return logits[:, -1]
 
     def forward(
         self,

@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from blockloop.data.collate import collate_for, step_generator
 from blockloop.data.loader import PackedSequences, eval_batches
 from blockloop.nn.precision import at_least_fp32
 
@@ -29,22 +30,29 @@ def evaluate(
     device: torch.device | str = "cpu",
     autocast_dtype: torch.dtype | None = None,
 ) -> dict[str, float]:
-    """Loss/perplexity (and bits per byte when ``byte_lengths`` per token id is given)."""
+    """Loss/perplexity (and bits per byte when ``byte_lengths`` per token id is given).
+
+    The model's own collator shapes each batch (with fixed seeds, so every evaluation sees the same
+    batches); the loss is summed over the targets it keeps (ignore index -100 dropped).
+    """
     was_training = model.training
     model.eval()
     total_nats, total_tokens, total_bytes = 0.0, 0, 0
     lengths = torch.as_tensor(byte_lengths, dtype=torch.long) if byte_lengths is not None else None
     device = torch.device(device)
     autocast = torch.autocast(device.type, dtype=autocast_dtype) if autocast_dtype else nullcontext()
-    for inputs, targets in eval_batches(sequences, batch_size, max_batches):
-        inputs, targets = inputs.to(device), targets.to(device)
+    collate = collate_for(getattr(model, "_orig_mod", model))
+    for i, (inputs, targets) in enumerate(eval_batches(sequences, batch_size, max_batches)):
+        batch = {k: v.to(device) for k, v in collate(inputs, targets, step_generator(0, i)).items()}
+        targets = batch.pop("targets")
         with autocast:
-            logits, _ = model(inputs)
-        nats = F.cross_entropy(at_least_fp32(logits.flatten(0, 1)), targets.flatten(), reduction="sum")
+            logits, _ = model(**batch)
+        nats = F.cross_entropy(at_least_fp32(logits.flatten(0, 1)), targets.flatten(), reduction="sum", ignore_index=-100)
+        kept = targets[targets != -100]
         total_nats += nats.item()
-        total_tokens += targets.numel()
+        total_tokens += kept.numel()
         if lengths is not None:
-            total_bytes += int(lengths[targets.cpu()].sum())
+            total_bytes += int(lengths[kept.cpu()].sum())
     model.train(was_training)
     if total_tokens == 0:
         raise ValueError("evaluation saw no tokens")

@@ -25,6 +25,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_
 from tqdm import tqdm
 
 from blockloop.config import DecoderConfig
+from blockloop.data.collate import collate_for, step_generator
 from blockloop.data.loader import PackedSequences, TrainBatches
 from blockloop.data.tokenizers import Tokenizer
 from blockloop.errors import BlockloopError, ConfigError
@@ -132,6 +133,7 @@ class Trainer:
             fused=self.device.type == "cuda",
         )
         self.train_data, self.val_data = train_data, val_data
+        self.collate = collate_for(model)
         self.batches = TrainBatches(
             train_data, config.batch_size, seed=config.seed, rank=dist_info.rank, world_size=dist_info.world_size
         )
@@ -220,11 +222,13 @@ class Trainer:
         autocast = torch.autocast(self.device.type, dtype=self.autocast_dtype) if self.autocast_dtype else nullcontext()
         total = torch.zeros((), device=self.device)
         for micro in range(cfg.grad_accum):
-            inputs, targets = (t.to(self.device, non_blocking=True) for t in self.batches.next_batch())
+            generator = step_generator(cfg.seed, self.step * cfg.grad_accum + micro)
+            batch = self.collate(*self.batches.next_batch(), generator)
+            batch = {k: v.to(self.device, non_blocking=True) for k, v in batch.items()}
             sync = micro == cfg.grad_accum - 1
             no_sync = getattr(self.train_model, "no_sync", None)
             with (nullcontext() if sync or no_sync is None else no_sync()), autocast:
-                _, loss = self.forward(inputs, targets)
+                _, loss = self.forward(**batch)
                 (loss / cfg.grad_accum).backward()
             total += loss.detach()
         if cfg.grad_clip > 0:
