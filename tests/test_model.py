@@ -117,7 +117,7 @@ def test_mlp_formulas(kind):
 
 def test_parallel_residual_is_what_the_block_computes():
     model = tiny_model("tiny-neox")
-    block = model.blocks[0]
+    block = model.body.blocks[0]
     x = torch.randn(2, 6, 64, dtype=torch.float64)
     cos, sin = rope_angles(torch.arange(6), model.config.rotary_dim, model.config.rope_base)
     want = x + block.attn(block.norm1(x), cos, sin) + block.mlp(block.norm2(x))

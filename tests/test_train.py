@@ -140,11 +140,11 @@ def test_weight_decay_skips_norms_biases_and_embeddings():
     model = build_model(from_name("tiny-neox"))
     opt = build_optimizer(model, lr=1e-3, weight_decay=0.1, betas=(0.9, 0.95))
     decayed = {id(p) for p in opt.param_groups[0]["params"]}
-    assert id(model.blocks[0].attn.qkv.weight) in decayed
+    assert id(model.body.blocks[0].attn.qkv.weight) in decayed
     assert id(model.lm_head.weight) in decayed  # untied head is a projection, not a lookup
     assert id(model.embed.weight) not in decayed
-    assert id(model.blocks[0].attn.qkv.bias) not in decayed
-    assert id(model.blocks[0].norm1.weight) not in decayed
+    assert id(model.body.blocks[0].attn.qkv.bias) not in decayed
+    assert id(model.body.blocks[0].norm1.weight) not in decayed
     assert sum(len(g["params"]) for g in opt.param_groups) == len(list(model.parameters()))
 
 

@@ -36,8 +36,9 @@ class DecodeState:
 class SelfAttention(nn.Module):
     """Multi-head / grouped-query causal self-attention with one fused q/k/v projection."""
 
-    def __init__(self, config: DecoderConfig) -> None:
+    def __init__(self, config: DecoderConfig, *, causal: bool = True) -> None:
         super().__init__()
+        self.causal = causal
         self.n_head, self.n_kv_head, self.head_dim = config.n_head, config.n_kv_head, config.head_dim
         self.qkv = nn.Linear(config.d_model, (config.n_head + 2 * config.n_kv_head) * config.head_dim, bias=config.bias)
         self.proj = nn.Linear(config.n_head * config.head_dim, config.d_model, bias=config.bias)
@@ -62,7 +63,7 @@ class SelfAttention(nn.Module):
         v = v.view(batch, length, self.n_kv_head, self.head_dim).transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if cache is None:
-            out = attention(q, k, v, causal=True, dropout_p=self.dropout if self.training else 0.0)
+            out = attention(q, k, v, causal=self.causal, dropout_p=self.dropout if self.training else 0.0)
         else:
             k, v = cache.write(slots, k, v)
             out = attention(q, k, v, mask=mask)
@@ -70,10 +71,10 @@ class SelfAttention(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, config: DecoderConfig) -> None:
+    def __init__(self, config: DecoderConfig, *, causal: bool = True) -> None:
         super().__init__()
         self.norm1 = build_norm(config.norm, config.d_model, config.norm_eps)
-        self.attn = SelfAttention(config)
+        self.attn = SelfAttention(config, causal=causal)
         self.norm2 = build_norm(config.norm, config.d_model, config.norm_eps)
         self.mlp = build_mlp(config.mlp, config.d_model, config.d_ff, config.bias)
         self.parallel_residual = config.parallel_residual
@@ -87,51 +88,84 @@ class Block(nn.Module):
         return x + self.drop(self.mlp(self.norm2(x)))
 
 
+class TransformerStack(nn.Module):
+    """``n_layer`` pre-norm blocks and the final norm over input embeddings.
+
+    The body of every transformer in blockloop: the vanilla decoder, and the block decoder, token decoder
+    and (non-causal) embedder encoder of the Block Transformer. With a cache, the inputs are written at
+    cache ``slots`` and attend to everything valid before them.
+    """
+
+    def __init__(self, config: DecoderConfig, *, causal: bool = True) -> None:
+        super().__init__()
+        self.config = config
+        self.blocks = nn.ModuleList(Block(config, causal=causal) for _ in range(config.n_layer))
+        self.norm = build_norm(config.norm, config.d_model, config.norm_eps)
+
+    def forward(
+        self,
+        x: Tensor,
+        *,
+        positions: Tensor | None = None,
+        cache: DecoderCache | None = None,
+        slots: Tensor | None = None,
+        token_valid: Tensor | None = None,
+    ) -> Tensor:
+        if cache is not None and slots is None:
+            raise ValueError("a cached forward needs the cache slots to write")
+        if positions is None:
+            positions = slots if slots is not None else torch.arange(x.shape[1], device=x.device)
+        cos, sin = rope_angles(positions, self.config.rotary_dim, self.config.rope_base)
+        mask = cache.attention_mask(slots, token_valid) if cache is not None else None
+        for i, block in enumerate(self.blocks):
+            layer_cache = cache.layers[i] if cache is not None else None
+            x = block(x, cos, sin, cache=layer_cache, slots=slots, mask=mask)
+        return self.norm(x)
+
+    def allocate_cache(self, batch_size: int, max_len: int, *, dtype: torch.dtype, device: torch.device) -> DecoderCache:
+        c = self.config
+        return DecoderCache(c.n_layer, batch_size, c.n_kv_head, max_len, c.head_dim, dtype=dtype, device=device)
+
+
+def init_weights(model: nn.Module, std: float, n_layer: int) -> None:
+    """GPT-2 init: N(0, std), output projections scaled by 1/sqrt(2 n_layer), norms at identity."""
+    for name, module in model.named_modules():
+        if isinstance(module, nn.Linear):
+            scale = 1 / math.sqrt(2 * n_layer) if name.endswith(".proj") else 1.0
+            nn.init.normal_(module.weight, mean=0.0, std=std * scale)
+            if module.bias is not None:
+                nn.init.zeros_(module.bias)
+        elif isinstance(module, nn.Embedding):
+            nn.init.normal_(module.weight, mean=0.0, std=std)
+        elif isinstance(module, (nn.LayerNorm, RMSNorm)):
+            nn.init.ones_(module.weight)
+            if getattr(module, "bias", None) is not None:
+                nn.init.zeros_(module.bias)
+
+
 class Decoder(nn.Module):
-    """Token embedding -> n_layer blocks -> final norm -> LM head (optionally tied to the embedding)."""
+    """Token embedding -> transformer stack -> LM head (optionally tied to the embedding)."""
 
     def __init__(self, config: DecoderConfig) -> None:
         super().__init__()
         self.config = config
         self.embed = nn.Embedding(config.padded_vocab_size, config.d_model)
         self.drop = nn.Dropout(config.dropout)
-        self.blocks = nn.ModuleList(Block(config) for _ in range(config.n_layer))
-        self.norm = build_norm(config.norm, config.d_model, config.norm_eps)
+        self.body = TransformerStack(config)
         self.lm_head = nn.Linear(config.d_model, config.padded_vocab_size, bias=False)
         if config.tie_embeddings:
             self.lm_head.weight = self.embed.weight
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
-        """GPT-2 init: N(0, init_std), output projections scaled by 1/sqrt(2 n_layer), norms at identity."""
-        std = self.config.init_std
-        for name, module in self.named_modules():
-            if isinstance(module, nn.Linear):
-                scale = 1 / math.sqrt(2 * self.config.n_layer) if name.endswith(".proj") else 1.0
-                nn.init.normal_(module.weight, mean=0.0, std=std * scale)
-                if module.bias is not None:
-                    nn.init.zeros_(module.bias)
-            elif isinstance(module, nn.Embedding):
-                nn.init.normal_(module.weight, mean=0.0, std=std)
-            elif isinstance(module, (nn.LayerNorm, RMSNorm)):
-                nn.init.ones_(module.weight)
-                if getattr(module, "bias", None) is not None:
-                    nn.init.zeros_(module.bias)
+        init_weights(self, self.config.init_std, self.config.n_layer)
 
     def allocate_cache(self, batch_size: int, max_len: int, *, dtype: torch.dtype | None = None) -> DecoderCache:
         """A static cache for ``batch_size`` rows of up to ``max_len`` tokens (prompt + generated)."""
         if max_len > self.config.context_length:
             raise ValueError(f"cache of {max_len} tokens exceeds the model context of {self.config.context_length}")
         weight = self.embed.weight
-        return DecoderCache(
-            self.config.n_layer,
-            batch_size,
-            self.config.n_kv_head,
-            max_len,
-            self.config.head_dim,
-            dtype=dtype or weight.dtype,
-            device=weight.device,
-        )
+        return self.body.allocate_cache(batch_size, max_len, dtype=dtype or weight.dtype, device=weight.device)
 
     @torch.no_grad()
     def prefill(self, idx: Tensor, token_valid: Tensor, max_new_tokens: int) -> tuple[Tensor, DecodeState]:
@@ -170,21 +204,9 @@ class Decoder(nn.Module):
         projects only the final position, which is all generation needs. Targets equal to -100 are
         ignored by the loss.
         """
-        batch, length = idx.shape
-        if cache is None and length > self.config.context_length:
-            raise ValueError(f"sequence of {length} tokens exceeds the model context of {self.config.context_length}")
-        if cache is not None and slots is None:
-            raise ValueError("a cached forward needs the cache slots to write")
-        if positions is None:
-            positions = slots if slots is not None else torch.arange(length, device=idx.device)
-        cos, sin = rope_angles(positions, self.config.rotary_dim, self.config.rope_base)
-        mask = cache.attention_mask(slots, token_valid) if cache is not None else None
-
-        x = self.drop(self.embed(idx))
-        for i, block in enumerate(self.blocks):
-            layer_cache = cache.layers[i] if cache is not None else None
-            x = block(x, cos, sin, cache=layer_cache, slots=slots, mask=mask)
-        x = self.norm(x)
+        if cache is None and idx.shape[1] > self.config.context_length:
+            raise ValueError(f"sequence of {idx.shape[1]} tokens exceeds the model context of {self.config.context_length}")
+        x = self.body(self.drop(self.embed(idx)), positions=positions, cache=cache, slots=slots, token_valid=token_valid)
         if last_only:
             x = x[:, -1:]
         logits = self.lm_head(x)

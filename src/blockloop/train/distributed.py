@@ -53,7 +53,9 @@ def parallelize(model: nn.Module, strategy: str, info: DistInfo, device: torch.d
     if strategy == "fsdp":
         from torch.distributed.fsdp import fully_shard
 
-        for block in model.blocks:
+        from blockloop.models.decoder import Block
+
+        for block in [m for m in model.modules() if isinstance(m, Block)]:
             fully_shard(block)
         fully_shard(model)
         return model
