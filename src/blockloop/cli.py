@@ -42,6 +42,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_train(sub)
     _add_eval(sub)
     _add_generate(sub)
+    _add_convert(sub)
     p = sub.add_parser("presets", help="list the named model presets with parameter counts")
     p.set_defaults(handler=cmd_presets)
     p = sub.add_parser("info", help="show the environment, or a checkpoint's config and training state")
@@ -80,6 +81,11 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
         "(default: byte)",
     )
     g.add_argument("--dropout", type=float, help="dropout on embeddings, attention and residuals (default: preset's)")
+    g.add_argument(
+        "--init-from",
+        help="start from this checkpoint's model, config and tokenizer instead of a preset (fine-tuning, or "
+        "uptraining a model made by `blockloop convert`)",
+    )
     g = p.add_argument_group("length of training")
     g.add_argument("--steps", type=int, help=f"optimizer steps (default: {d.steps})")
     g.add_argument("--tokens", type=float, help="train for this many tokens instead of --steps (e.g. 2e6)")
@@ -131,7 +137,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         directory = ckpt.resolve_checkpoint(out)
         state = ckpt.read_json(directory / "train_state.json")
         spec = RunSpec(**state["run"])
-        clashes = [f for f in ("preset", "data", "tokenizer", "dropout") if getattr(args, f) is not None]
+        clashes = [f for f in ("preset", "data", "tokenizer", "dropout", "init_from") if getattr(args, f) is not None]
         if clashes:
             raise BlockloopError(f"--resume continues the saved run; drop --{', --'.join(clashes)}")
         from blockloop.data.tokenizers import load_tokenizer
@@ -142,9 +148,11 @@ def cmd_train(args: argparse.Namespace) -> int:
         if ckpt.checkpoint_root(out).exists():
             raise BlockloopError(f"{out} already holds a run; pass --resume to continue it or choose another --out")
         overrides = {"dropout": args.dropout} if args.dropout is not None else {}
+        if args.init_from is not None and (args.preset or args.tokenizer or overrides):
+            raise BlockloopError("--init-from brings its own model and tokenizer; drop --preset/--tokenizer/--dropout")
         spec = RunSpec(
             preset=args.preset or "demo", data=args.data or "shakespeare", tokenizer=args.tokenizer or "byte",
-            model_overrides=overrides,
+            model_overrides=overrides, init_from=args.init_from,
         )
         config = TrainConfig(**given)
     config.progress = not args.no_progress
@@ -164,7 +172,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         if info.is_main:
             n = run.model.num_parameters()
             print(
-                f"training {spec.preset} ({n / 1e6:.2f}M parameters) on {spec.data} with the {run.tokenizer.name} tokenizer: "
+                f"training {run.model_config.name} ({n / 1e6:.2f}M parameters) on {spec.data} with the {run.tokenizer.name} tokenizer: "
                 f"{len(train_seqs)} train / {len(val_seqs)} val sequences of {config.seq_len} tokens; step {trainer.step} "
                 f"of {config.steps} on {trainer.device}"
             )
@@ -286,6 +294,49 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+# -------------------------------------------------------------------- convert
+def _add_convert(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "convert",
+        help="turn a trained model into another family for uptraining (then `train --init-from`)",
+        description="Initialise a structured model from a trained vanilla one and write it as a checkpoint; "
+        "continue with `blockloop train --init-from OUT`.",
+    )
+    p.add_argument("--to", required=True, choices=["block"], help="target family")
+    p.add_argument("--checkpoint", required=True, help="run directory or checkpoint of a trained vanilla model")
+    p.add_argument("--out", required=True, help="directory to write the converted checkpoint to")
+    p.add_argument("--block-len", type=int, default=4, help="block: tokens per block L_B (default: 4)")
+    p.add_argument("--prefix-len", type=int, default=2, help="block: prefix tokens of the token decoder (default: 2)")
+    p.set_defaults(handler=cmd_convert)
+
+
+def cmd_convert(args: argparse.Namespace) -> int:
+    from blockloop.convert import vanilla_to_block
+    from blockloop.train import checkpoint as ckpt
+    from blockloop.train.run import load_trained
+
+    if args.block_len < 1 or args.prefix_len < 1:
+        raise BlockloopError("--block-len and --prefix-len must be at least 1")
+    out = Path(args.out)
+    if (out / "model.safetensors").exists():
+        raise BlockloopError(f"{out} already holds a model; choose another --out")
+    source = load_trained(args.checkpoint)
+    model = vanilla_to_block(
+        source.model, block_len=args.block_len, prefix_len=args.prefix_len, pad_id=source.tokenizer.eos_id
+    )
+    out.mkdir(parents=True, exist_ok=True)
+    ckpt.save_model_files(out, model, model.config)
+    source.tokenizer.save(out)
+    ckpt.write_json_atomic(
+        out / "train_state.json", {"step": 0, "run": source.state.get("run", {}), "converted_from": str(source.directory)}
+    )
+    print(
+        f"wrote {model.config.name} ({model.num_parameters() / 1e6:.2f}M parameters, {model.config.summary()}) to {out}; "
+        f"uptrain with: blockloop train --init-from {out} --out RUN"
+    )
+    return 0
+
+
 # -------------------------------------------------------------- presets, info
 def cmd_presets(args: argparse.Namespace) -> int:
     import torch
@@ -293,14 +344,14 @@ def cmd_presets(args: argparse.Namespace) -> int:
     from blockloop.models import build_model
     from blockloop.presets import PRESETS, from_name
 
-    rows = [("preset", "layers", "width", "heads/kv", "non-emb params", "total params", "description")]
+    rows = [("preset", "family", "shape", "non-emb params", "total params", "description")]
     for name, preset in PRESETS.items():
         c = from_name(name)
         with torch.device("meta"):  # counts without allocating the weights
             model = build_model(c)
         rows.append(
-            (name, str(c.n_layer), str(c.d_model), f"{c.n_head}/{c.n_kv_head}",
-             _human(model.num_parameters(non_embedding=True)), _human(model.num_parameters()), preset.description)
+            (name, c.family, c.summary(), _human(model.num_parameters(non_embedding=True)),
+             _human(model.num_parameters()), preset.description)
         )
     _print_table(rows)
     return 0

@@ -101,6 +101,9 @@ class DecoderConfig:
         """Rotated channels per head; kept even so channel pairs stay intact."""
         return int(self.head_dim * self.rotary_pct) // 2 * 2
 
+    def summary(self) -> str:
+        return f"{self.n_layer} layers, d={self.d_model}, heads {self.n_head}/{self.n_kv_head}"
+
     def replace(self, **changes: Any) -> "DecoderConfig":
         """A copy with some fields changed, validated again."""
         return dataclasses.replace(self, **changes)
@@ -113,10 +116,136 @@ def _round_up(x: int, multiple: int) -> int:
     return (x + multiple - 1) // multiple * multiple
 
 
-CONFIG_CLASSES: dict[str, type] = {DecoderConfig.family: DecoderConfig}
+EMBEDDERS = ("lookup", "encoder", "cls")
+TOKEN_DECODERS = ("prefix", "sum", "cross")
 
 
-def config_from_dict(data: dict[str, Any]) -> DecoderConfig:
+@dataclass
+class BlockTransformerConfig:
+    """Block Transformer (Ho et al. 2024): embedder -> block decoder -> token decoder.
+
+    ``context_length`` counts tokens; the block decoder sees ``context_length / block_len`` blocks.
+    Embedders (appendix F.1): ``lookup`` concatenates ``block_len`` token embeddings of width
+    ``embed_dim`` (default ``block_d_model / block_len``; any other width adds a projection, which is how
+    a vanilla model's full-width embedding is reused when uptraining); ``encoder`` runs a small
+    bidirectional transformer of width ``embed_dim`` over the block's tokens and projects their
+    concatenation; ``cls`` reads ``n_cls`` CLS tokens of that encoder instead. Token decoders
+    (appendix F.2): ``prefix`` projects the context embedding to ``prefix_len`` prefix tokens; ``sum``
+    adds a projected context to each input position (MEGABYTE); ``cross`` lets every layer
+    cross-attend to ``block_len`` projected context states. The layer style fields (norm, MLP, rotary,
+    ...) apply to every transformer inside. ``pad_id`` fills blocks (random-length padding in training,
+    left padding of prompts); runs set it to the tokenizer's end-of-text id.
+    """
+
+    family: ClassVar[str] = "block"
+
+    name: str = "custom"
+    vocab_size: int = 50304
+    padded_vocab_size: int | None = None
+    context_length: int = 2048
+    block_len: int = 4
+    pad_id: int = 0
+    random_padding: bool = True
+    embedder: str = "lookup"
+    embed_dim: int | None = None
+    embedder_n_layer: int = 3
+    embedder_n_head: int = 4
+    n_cls: int = 3
+    block_n_layer: int = 6
+    block_d_model: int = 768
+    block_n_head: int = 12
+    block_n_kv_head: int | None = None
+    block_d_ff: int | None = None
+    token_decoder: str = "prefix"
+    prefix_len: int = 2
+    token_n_layer: int = 6
+    token_d_model: int = 768
+    token_n_head: int = 12
+    token_n_kv_head: int | None = None
+    token_d_ff: int | None = None
+    norm: str = "layernorm"
+    norm_eps: float = 1e-5
+    mlp: str = "gelu"
+    bias: bool = True
+    rotary_pct: float = 1.0
+    rope_base: float = 10000.0
+    parallel_residual: bool = False
+    tie_embeddings: bool = True
+    dropout: float = 0.0
+    init_std: float = 0.02
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.padded_vocab_size is None:
+            self.padded_vocab_size = self.vocab_size
+        if self.embed_dim is None:
+            self.embed_dim = self.block_d_model // self.block_len if self.embedder == "lookup" else 256
+        checks = [
+            (self.block_len >= 1, f"block_len must be at least 1, got {self.block_len}"),
+            (
+                self.context_length % self.block_len == 0,
+                f"context_length={self.context_length} is not a multiple of block_len={self.block_len}",
+            ),
+            (self.embedder in EMBEDDERS, f"embedder={self.embedder!r} is not one of {EMBEDDERS}"),
+            (self.token_decoder in TOKEN_DECODERS, f"token_decoder={self.token_decoder!r} is not one of {TOKEN_DECODERS}"),
+            (self.token_decoder != "prefix" or self.prefix_len >= 1, "the prefix token decoder needs prefix_len >= 1"),
+            (self.embedder != "cls" or self.n_cls >= 1, "the cls embedder needs n_cls >= 1"),
+            (0 <= self.pad_id < self.padded_vocab_size, f"pad_id={self.pad_id} is outside the vocabulary"),
+            (self.embed_dim >= 1, f"embed_dim must be positive, got {self.embed_dim}"),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise ConfigError(f"{self.name}: {message}")
+        for part in (self.block_decoder_config(), self.token_decoder_config(), self.embedder_config()):
+            part.validate()
+
+    @property
+    def n_lead(self) -> int:
+        """Token-decoder positions before the block's first input token: the prefix, or one start token."""
+        return self.prefix_len if self.token_decoder == "prefix" else 1
+
+    def _part(self, part: str, **shape: Any) -> DecoderConfig:
+        style = {k: getattr(self, k) for k in ("norm", "norm_eps", "mlp", "bias", "rotary_pct", "rope_base",
+                                               "parallel_residual", "dropout", "init_std")}
+        return DecoderConfig(name=f"{self.name}/{part}", vocab_size=self.vocab_size, **style, **shape)
+
+    def block_decoder_config(self) -> DecoderConfig:
+        return self._part(
+            "block_decoder", context_length=self.context_length // self.block_len, n_layer=self.block_n_layer,
+            d_model=self.block_d_model, n_head=self.block_n_head, n_kv_head=self.block_n_kv_head, d_ff=self.block_d_ff,
+        )
+
+    def token_decoder_config(self) -> DecoderConfig:
+        return self._part(
+            "token_decoder", context_length=self.n_lead + self.block_len - 1, n_layer=self.token_n_layer,
+            d_model=self.token_d_model, n_head=self.token_n_head, n_kv_head=self.token_n_kv_head, d_ff=self.token_d_ff,
+        )
+
+    def embedder_config(self) -> DecoderConfig:
+        heads = self.embedder_n_head if self.embed_dim % self.embedder_n_head == 0 else 1
+        return self._part(
+            "embedder", context_length=self.block_len + self.n_cls, n_layer=max(1, self.embedder_n_layer),
+            d_model=self.embed_dim, n_head=heads,
+        )
+
+    def summary(self) -> str:
+        lead = f"prefix {self.prefix_len}" if self.token_decoder == "prefix" else self.token_decoder
+        return (f"block {self.block_n_layer}x{self.block_d_model} + token {self.token_n_layer}x{self.token_d_model}, "
+                f"L_B={self.block_len}, {self.embedder}, {lead}")
+
+    def replace(self, **changes: Any) -> "BlockTransformerConfig":
+        return dataclasses.replace(self, **changes)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"family": self.family, **dataclasses.asdict(self)}
+
+
+CONFIG_CLASSES: dict[str, type] = {DecoderConfig.family: DecoderConfig, BlockTransformerConfig.family: BlockTransformerConfig}
+ModelConfig = DecoderConfig | BlockTransformerConfig
+
+
+
+def config_from_dict(data: dict[str, Any]) -> "ModelConfig":
     """Rebuild any family's config from :meth:`to_dict` output, rejecting unknown fields by name."""
     data = dict(data)
     family = data.pop("family", "decoder")
@@ -130,11 +259,11 @@ def config_from_dict(data: dict[str, Any]) -> DecoderConfig:
     return cls(**data)
 
 
-def save_config(config: DecoderConfig, path: Path) -> None:
+def save_config(config: "ModelConfig", path: Path) -> None:
     Path(path).write_text(json.dumps(config.to_dict(), indent=2) + "\n")
 
 
-def load_config(path: Path) -> DecoderConfig:
+def load_config(path: Path) -> "ModelConfig":
     path = Path(path)
     if not path.is_file():
         raise BlockloopError(f"model config not found: {path}; point at a checkpoint directory written by train")

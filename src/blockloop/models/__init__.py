@@ -4,15 +4,16 @@ from __future__ import annotations
 
 from torch import nn
 
-from blockloop.config import DecoderConfig
+from blockloop.config import ModelConfig
+from blockloop.models.block import BlockTransformer
 from blockloop.models.decoder import Decoder
 
-MODEL_CLASSES: dict[str, type[nn.Module]] = {"decoder": Decoder}
+MODEL_CLASSES: dict[str, type[nn.Module]] = {"decoder": Decoder, "block": BlockTransformer}
 
 
-def build_model(config: DecoderConfig) -> nn.Module:
+def build_model(config: ModelConfig) -> nn.Module:
     """The model for ``config``'s family; later families register themselves in MODEL_CLASSES."""
     return MODEL_CLASSES[config.family](config)
 
 
-__all__ = ["Decoder", "MODEL_CLASSES", "build_model"]
+__all__ = ["BlockTransformer", "Decoder", "MODEL_CLASSES", "build_model"]

@@ -70,21 +70,47 @@ class SelfAttention(nn.Module):
         return self.proj(out.transpose(1, 2).reshape(batch, length, -1))
 
 
+class CrossAttention(nn.Module):
+    """Queries from the sequence, keys/values from a separate ``memory (B, M, d_model)``; no positions."""
+
+    def __init__(self, config: DecoderConfig) -> None:
+        super().__init__()
+        self.n_head, self.n_kv_head, self.head_dim = config.n_head, config.n_kv_head, config.head_dim
+        self.q = nn.Linear(config.d_model, config.n_head * config.head_dim, bias=config.bias)
+        self.kv = nn.Linear(config.d_model, 2 * config.n_kv_head * config.head_dim, bias=config.bias)
+        self.proj = nn.Linear(config.n_head * config.head_dim, config.d_model, bias=config.bias)
+
+    def forward(self, x: Tensor, memory: Tensor) -> Tensor:
+        batch, length, _ = x.shape
+        q = self.q(x).view(batch, length, self.n_head, self.head_dim).transpose(1, 2)
+        k, v = self.kv(memory).view(batch, memory.shape[1], 2, self.n_kv_head, self.head_dim).permute(2, 0, 3, 1, 4)
+        return self.proj(attention(q, k, v).transpose(1, 2).reshape(batch, length, -1))
+
+
 class Block(nn.Module):
-    def __init__(self, config: DecoderConfig, *, causal: bool = True) -> None:
+    """Pre-norm transformer layer: self-attention, optional cross-attention to a memory, MLP."""
+
+    def __init__(self, config: DecoderConfig, *, causal: bool = True, cross_attention: bool = False) -> None:
         super().__init__()
         self.norm1 = build_norm(config.norm, config.d_model, config.norm_eps)
         self.attn = SelfAttention(config, causal=causal)
+        if cross_attention:
+            self.norm_cross = build_norm(config.norm, config.d_model, config.norm_eps)
+            self.cross = CrossAttention(config)
         self.norm2 = build_norm(config.norm, config.d_model, config.norm_eps)
         self.mlp = build_mlp(config.mlp, config.d_model, config.d_ff, config.bias)
         self.parallel_residual = config.parallel_residual
         self.drop = nn.Dropout(config.dropout)
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, **attn_kwargs: Tensor | KVCache | None) -> Tensor:
+    def forward(
+        self, x: Tensor, cos: Tensor, sin: Tensor, memory: Tensor | None = None, **attn_kwargs: Tensor | KVCache | None
+    ) -> Tensor:
         attn_out = self.drop(self.attn(self.norm1(x), cos, sin, **attn_kwargs))
-        if self.parallel_residual:
+        if self.parallel_residual and memory is None:
             return x + attn_out + self.drop(self.mlp(self.norm2(x)))
         x = x + attn_out
+        if memory is not None:
+            x = x + self.drop(self.cross(self.norm_cross(x), memory))
         return x + self.drop(self.mlp(self.norm2(x)))
 
 
@@ -96,10 +122,12 @@ class TransformerStack(nn.Module):
     cache ``slots`` and attend to everything valid before them.
     """
 
-    def __init__(self, config: DecoderConfig, *, causal: bool = True) -> None:
+    def __init__(self, config: DecoderConfig, *, causal: bool = True, cross_attention: bool = False) -> None:
         super().__init__()
         self.config = config
-        self.blocks = nn.ModuleList(Block(config, causal=causal) for _ in range(config.n_layer))
+        self.blocks = nn.ModuleList(
+            Block(config, causal=causal, cross_attention=cross_attention) for _ in range(config.n_layer)
+        )
         self.norm = build_norm(config.norm, config.d_model, config.norm_eps)
 
     def forward(
@@ -110,7 +138,9 @@ class TransformerStack(nn.Module):
         cache: DecoderCache | None = None,
         slots: Tensor | None = None,
         token_valid: Tensor | None = None,
+        memory: Tensor | None = None,
     ) -> Tensor:
+        """Hidden states for embeddings ``x (B, T, d)``; ``memory`` feeds the cross-attention layers."""
         if cache is not None and slots is None:
             raise ValueError("a cached forward needs the cache slots to write")
         if positions is None:
@@ -119,7 +149,7 @@ class TransformerStack(nn.Module):
         mask = cache.attention_mask(slots, token_valid) if cache is not None else None
         for i, block in enumerate(self.blocks):
             layer_cache = cache.layers[i] if cache is not None else None
-            x = block(x, cos, sin, cache=layer_cache, slots=slots, mask=mask)
+            x = block(x, cos, sin, memory, cache=layer_cache, slots=slots, mask=mask)
         return self.norm(x)
 
     def allocate_cache(self, batch_size: int, max_len: int, *, dtype: torch.dtype, device: torch.device) -> DecoderCache:

@@ -26,7 +26,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from blockloop.config import DecoderConfig, load_config, save_config
+from blockloop.config import ModelConfig, load_config, save_config
 from blockloop.errors import BlockloopError
 
 LATEST = "latest"
@@ -74,7 +74,7 @@ def resolve_checkpoint(path: Path) -> Path:
     raise BlockloopError(f"no checkpoint in {path}; expected a run directory written by `blockloop train`")
 
 
-def save_model_files(directory: Path, model: nn.Module, config: DecoderConfig, state_dict: dict[str, torch.Tensor] | None = None) -> None:
+def save_model_files(directory: Path, model: nn.Module, config: ModelConfig, state_dict: dict[str, torch.Tensor] | None = None) -> None:
     """config.json + model.safetensors; a tied tensor is stored once, under its first name.
 
     Aliases are found from the model's parameters, not from tensor storage: a gathered FSDP state dict
@@ -145,7 +145,7 @@ def load_rng(directory: Path, rank: int) -> None:
         torch.cuda.set_rng_state(tensors["torch_cuda"])
 
 
-def load_checkpoint_config(directory: Path) -> DecoderConfig:
+def load_checkpoint_config(directory: Path) -> ModelConfig:
     return load_config(directory / "config.json")
 
 

@@ -7,6 +7,7 @@ lets ``--resume`` and ``eval`` rebuild the same data without being told again.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -14,7 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from blockloop.config import DecoderConfig
+from blockloop.config import BlockTransformerConfig, ModelConfig
 from blockloop.data.dataset import TokenSplits, prepare_tokens
 from blockloop.data.loader import PackedSequences
 from blockloop.data.corpora import load_documents
@@ -32,16 +33,17 @@ class RunSpec:
     data: str = "shakespeare"
     tokenizer: str = "byte"
     model_overrides: dict[str, Any] = field(default_factory=dict)
+    init_from: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
-        return {"preset": self.preset, "data": self.data, "tokenizer": self.tokenizer, "model_overrides": self.model_overrides}
+        return dataclasses.asdict(self)
 
 
 @dataclass
 class PreparedRun:
     spec: RunSpec
     tokenizer: Tokenizer
-    model_config: DecoderConfig
+    model_config: ModelConfig
     model: nn.Module
     splits: TokenSplits
 
@@ -54,14 +56,25 @@ def padded_vocab(vocab_size: int, multiple: int = 64) -> int:
 def prepare_run(
     spec: RunSpec, *, seed: int = 0, tokenizer: Tokenizer | None = None, show_progress: bool = True
 ) -> PreparedRun:
-    """Tokenizer (built or given), token splits, and a model initialised from ``seed`` for ``spec``."""
+    """Tokenizer (built or given), token splits, and a model for ``spec``.
+
+    The model is the preset initialised from ``seed``, or, with ``spec.init_from``, the weights, config
+    and tokenizer of that checkpoint (fine-tuning, or uptraining a converted model).
+    """
+    if spec.init_from is not None:
+        start = load_trained(spec.init_from)
+        splits = prepare_tokens(spec.data, start.tokenizer, show_progress=show_progress)
+        return PreparedRun(spec, start.tokenizer, start.config, start.model.train(), splits)
     config = from_name(spec.preset, **spec.model_overrides)  # fail on a bad preset before any data work
     if tokenizer is None:
         # Only a tokenizer trained on the corpus needs its documents.
         documents = load_documents(spec.data) if spec.tokenizer.split(":")[0] == "bpe" else None
         tokenizer = build_tokenizer(spec.tokenizer, documents)
     splits = prepare_tokens(spec.data, tokenizer, show_progress=show_progress)
-    config = config.replace(vocab_size=tokenizer.vocab_size, padded_vocab_size=padded_vocab(tokenizer.vocab_size))
+    vocab = {"vocab_size": tokenizer.vocab_size, "padded_vocab_size": padded_vocab(tokenizer.vocab_size)}
+    if isinstance(config, BlockTransformerConfig):
+        vocab["pad_id"] = tokenizer.eos_id  # block padding reads as "between documents"
+    config = config.replace(**vocab)
     torch.manual_seed(seed)
     return PreparedRun(spec, tokenizer, config, build_model(config), splits)
 
@@ -73,7 +86,7 @@ def sequences(splits: TokenSplits, seq_len: int) -> tuple[PackedSequences, Packe
 @dataclass
 class TrainedModel:
     model: nn.Module
-    config: DecoderConfig
+    config: ModelConfig
     tokenizer: Tokenizer
     directory: Path
     state: dict[str, Any]

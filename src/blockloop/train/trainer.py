@@ -24,7 +24,7 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 from tqdm import tqdm
 
-from blockloop.config import DecoderConfig
+from blockloop.config import ModelConfig
 from blockloop.data.collate import collate_for, step_generator
 from blockloop.data.loader import PackedSequences, TrainBatches
 from blockloop.data.tokenizers import Tokenizer
@@ -98,7 +98,7 @@ class Trainer:
     def __init__(
         self,
         model: nn.Module,
-        model_config: DecoderConfig,
+        model_config: ModelConfig,
         tokenizer: Tokenizer,
         train_data: PackedSequences,
         val_data: PackedSequences | None,

@@ -1,0 +1,81 @@
+"""Initialise a Block Transformer from a trained vanilla decoder for uptraining (section 3.7, appendices G.8, N).
+
+Following appendix N: (1) the vanilla layers are split in half, the lower half becoming the block
+decoder and the upper half the token decoder (same width, so nothing is resized); (2) the input block
+embedding starts as the *average* of its tokens' vanilla embeddings, through the fully connected layer
+of G.8 that maps the L_B concatenated embeddings to the block width; (3) the token decoder's prefix
+starts as copies of the context embedding. The token decoder keeps the vanilla embedding table, final
+norm and LM head. The block decoder's final norm starts at identity: it is the one new normalisation
+between the two halves, and uptraining adapts the rest.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from blockloop.config import BlockTransformerConfig, DecoderConfig
+from blockloop.errors import BlockloopError
+from blockloop.models.block import BlockTransformer
+from blockloop.models.decoder import Decoder
+
+STYLE_FIELDS = ("norm", "norm_eps", "mlp", "bias", "rotary_pct", "rope_base", "parallel_residual", "tie_embeddings",
+                "dropout", "init_std")
+
+
+def block_config_from_vanilla(config: DecoderConfig, *, block_len: int, prefix_len: int, pad_id: int) -> BlockTransformerConfig:
+    if config.n_layer < 2:
+        raise BlockloopError(f"a vanilla model with {config.n_layer} layer cannot be split into block and token decoders")
+    if config.context_length % block_len:
+        raise BlockloopError(
+            f"the model context {config.context_length} is not a multiple of --block-len {block_len}; choose a divisor"
+        )
+    lower = config.n_layer // 2
+    shape = dict(d_model=config.d_model, n_head=config.n_head, n_kv_head=config.n_kv_head, d_ff=config.d_ff)
+    return BlockTransformerConfig(
+        name=f"{config.name}-block{block_len}",
+        vocab_size=config.vocab_size,
+        padded_vocab_size=config.padded_vocab_size,
+        context_length=config.context_length,
+        block_len=block_len,
+        pad_id=pad_id,
+        embedder="lookup",
+        embed_dim=config.d_model,
+        token_decoder="prefix",
+        prefix_len=prefix_len,
+        **{f"block_{k}": v for k, v in shape.items()},
+        block_n_layer=lower,
+        **{f"token_{k}": v for k, v in shape.items()},
+        token_n_layer=config.n_layer - lower,
+        **{k: getattr(config, k) for k in STYLE_FIELDS},
+    )
+
+
+@torch.no_grad()
+def vanilla_to_block(vanilla: Decoder, *, block_len: int = 4, prefix_len: int = 2, pad_id: int = 0) -> BlockTransformer:
+    """A Block Transformer initialised from ``vanilla`` as described in the module docstring."""
+    if not isinstance(vanilla, Decoder):
+        raise BlockloopError(f"only vanilla decoders convert to block models, not {type(vanilla).__name__}")
+    config = block_config_from_vanilla(vanilla.config, block_len=block_len, prefix_len=prefix_len, pad_id=pad_id)
+    model = BlockTransformer(config).to(vanilla.embed.weight.dtype)
+    d, lower = config.block_d_model, config.block_n_layer
+    model.embedder.embed.weight.copy_(vanilla.embed.weight)
+    model.embedder.proj.weight.copy_(torch.cat([torch.eye(d)] * block_len, dim=1) / block_len)
+    for target, source in zip(model.block_decoder.blocks, vanilla.body.blocks[:lower]):
+        target.load_state_dict(source.state_dict())
+    tokdec = model.token_decoder
+    for target, source in zip(tokdec.body.blocks, vanilla.body.blocks[lower:]):
+        target.load_state_dict(source.state_dict())
+    tokdec.body.norm.load_state_dict(vanilla.body.norm.state_dict())
+    tokdec.embed.weight.copy_(vanilla.embed.weight)
+    if not config.tie_embeddings:
+        tokdec.lm_head.weight.copy_(vanilla.lm_head.weight)
+    tokdec.context_proj.weight.copy_(torch.cat([torch.eye(d)] * prefix_len, dim=0))
+    _reset_norm(model.block_decoder.norm)
+    return model
+
+
+def _reset_norm(norm: nn.Module) -> None:
+    nn.init.ones_(norm.weight)
+    if getattr(norm, "bias", None) is not None:
+        nn.init.zeros_(norm.bias)

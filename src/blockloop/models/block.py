@@ -1,0 +1,267 @@
+"""Block Transformer (Ho et al. 2024, "Block Transformer: Global-to-Local Language Modeling for Fast Inference").
+
+Three parts, as in section 2:
+
+* the **embedder** (2.2, F.1) turns each block of ``L_B`` tokens into one input block embedding;
+* the **block decoder** (2.3) is a causal transformer over block embeddings; its output for block ``i``
+  is the *context embedding* from which block ``i + 1`` is decoded;
+* the **token decoder** (2.4, F.2) decodes the ``L_B`` tokens of a block from that context embedding
+  alone, attending only within the block, with its own embedding table and LM head.
+
+Global attention therefore runs over ``T / L_B`` positions and the token decoder's cache never holds
+more than one block: that is where the decode-time KV savings of Table 1 come from. Block 0 of a
+sequence has no context embedding, so its tokens are not predicted (its logits are zeros and its
+targets are ignored).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from blockloop.config import BlockTransformerConfig
+from blockloop.data.block_padding import random_length_padding
+from blockloop.nn.kv_cache import DecoderCache
+from blockloop.nn.precision import at_least_fp32
+from blockloop.models.decoder import TransformerStack, init_weights
+
+
+class LookupEmbedder(nn.Module):
+    """Concatenate the block's token embeddings (width ``embed_dim`` each) into one block embedding.
+
+    With ``L_B * embed_dim == d`` this is the paper's default lookup embedder; otherwise a linear layer
+    maps the concatenation to ``d`` (the fully connected layer of appendix G.8 for uptraining).
+    """
+
+    def __init__(self, config: BlockTransformerConfig) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(config.padded_vocab_size, config.embed_dim)
+        width = config.block_len * config.embed_dim
+        self.proj = nn.Linear(width, config.block_d_model, bias=False) if width != config.block_d_model else nn.Identity()
+
+    def forward(self, blocks: Tensor) -> Tensor:
+        return self.proj(self.embed(blocks).flatten(-2))
+
+
+class EncoderEmbedder(nn.Module):
+    """A small bidirectional transformer over each block (F.1 "Encoder"), or over learned CLS tokens
+    prepended to it (F.1 "CLS token"); the outputs (all tokens, or the CLS tokens) are concatenated and
+    projected to the block width."""
+
+    def __init__(self, config: BlockTransformerConfig) -> None:
+        super().__init__()
+        self.n_cls = config.n_cls if config.embedder == "cls" else 0
+        self.embed = nn.Embedding(config.padded_vocab_size, config.embed_dim)
+        self.cls = nn.Parameter(torch.zeros(self.n_cls, config.embed_dim)) if self.n_cls else None
+        self.encoder = TransformerStack(config.embedder_config(), causal=False)
+        readout = self.n_cls or config.block_len
+        self.proj = nn.Linear(readout * config.embed_dim, config.block_d_model, bias=False)
+
+    def forward(self, blocks: Tensor) -> Tensor:
+        batch, n_blocks, block_len = blocks.shape
+        x = self.embed(blocks.flatten(0, 1))
+        if self.cls is not None:
+            x = torch.cat([self.cls.expand(x.shape[0], -1, -1).to(x.dtype), x], dim=1)
+        hidden = self.encoder(x)
+        readout = hidden[:, : self.n_cls] if self.cls is not None else hidden
+        return self.proj(readout.flatten(1)).view(batch, n_blocks, -1)
+
+
+class TokenDecoder(nn.Module):
+    """Decodes one block's tokens from its context embedding (appendix F.2).
+
+    The token decoder's input sequence for a block is ``n_lead`` lead positions followed by the block's
+    first ``L_B - 1`` tokens; the outputs from the last lead position on predict the ``L_B`` tokens.
+    ``prefix``: the lead is ``prefix_len`` vectors projected from the context. ``sum``: one start token
+    (the pad embedding), and a projected context vector is added at each of the ``L_B`` input positions.
+    ``cross``: one start token, and every layer cross-attends to ``L_B`` projected context states.
+    """
+
+    def __init__(self, config: BlockTransformerConfig) -> None:
+        super().__init__()
+        self.kind, self.n_lead, self.block_len, self.pad_id = config.token_decoder, config.n_lead, config.block_len, config.pad_id
+        body = config.token_decoder_config()
+        self.d = body.d_model
+        self.embed = nn.Embedding(config.padded_vocab_size, self.d)
+        context_vectors = config.prefix_len if self.kind == "prefix" else config.block_len
+        self.context_proj = nn.Linear(config.block_d_model, context_vectors * self.d, bias=False)
+        self.body = TransformerStack(body, cross_attention=self.kind == "cross")
+        self.lm_head = nn.Linear(self.d, config.padded_vocab_size, bias=False)
+        if config.tie_embeddings:
+            self.lm_head.weight = self.embed.weight
+
+    def context_vectors(self, context: Tensor) -> Tensor:
+        return self.context_proj(context).view(context.shape[0], -1, self.d)
+
+    def lead(self, vectors: Tensor) -> Tensor:
+        """Embeddings of the lead positions, ``(M, n_lead, d)``."""
+        if self.kind == "prefix":
+            return vectors
+        start = self.embed.weight[self.pad_id].expand(vectors.shape[0], 1, self.d)
+        return start + vectors[:, :1] if self.kind == "sum" else start
+
+    def token_inputs(self, tokens: Tensor, vectors: Tensor, offset: int) -> Tensor:
+        """Embeddings of block tokens ``tokens (M, k)`` that sit at input positions ``offset + 1 ...``."""
+        x = self.embed(tokens)
+        if self.kind == "sum":
+            x = x + vectors[:, offset + 1 : offset + 1 + tokens.shape[1]]
+        return x
+
+    def memory(self, vectors: Tensor) -> Tensor | None:
+        return vectors if self.kind == "cross" else None
+
+    def forward(self, context: Tensor, tokens: Tensor) -> Tensor:
+        """Logits ``(M, L_B, V)`` for blocks ``tokens (M, L_B)`` given their contexts ``(M, d_block)``."""
+        vectors = self.context_vectors(context)
+        x = torch.cat([self.lead(vectors), self.token_inputs(tokens[:, :-1], vectors, 0)], dim=1)
+        hidden = self.body(x, memory=self.memory(vectors))
+        return self.lm_head(hidden[:, self.n_lead - 1 :])
+
+
+@dataclass
+class BlockDecodeState:
+    """Generation state: the block decoder's cache, the current block's context and token-decoder cache."""
+
+    block_cache: DecoderCache
+    next_block_slot: int
+    next_block_position: Tensor
+    token_cache: DecoderCache
+    vectors: Tensor
+    block_tokens: Tensor
+    filled: int = 0
+
+
+class BlockTransformer(nn.Module):
+    """Embedder -> block decoder -> token decoder, trained with next-token loss on every block but the first."""
+
+    def __init__(self, config: BlockTransformerConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.prompt_multiple = config.block_len
+        self.embedder = LookupEmbedder(config) if config.embedder == "lookup" else EncoderEmbedder(config)
+        self.drop = nn.Dropout(config.dropout)
+        self.block_decoder = TransformerStack(config.block_decoder_config())
+        self.token_decoder = TokenDecoder(config)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        c = self.config
+        init_weights(self, c.init_std, c.block_n_layer + c.token_n_layer)
+        if isinstance(self.embedder, EncoderEmbedder) and self.embedder.cls is not None:
+            nn.init.normal_(self.embedder.cls, std=c.init_std)
+
+    # ------------------------------------------------------------- training
+    def collate_batch(self, inputs: Tensor, targets: Tensor, generator: torch.Generator) -> dict[str, Tensor]:
+        """Random-length padding (appendix H) of the window, then the labels each position predicts.
+
+        The window's ``T + 1`` tokens are re-packed so that every document starts after 0..L_B-1 pads
+        and ends on a block boundary, and cut back to ``T`` tokens. Labels are the tokens themselves,
+        except pads and the first block (which nothing predicts): -100.
+        """
+        c = self.config
+        if inputs.shape[1] % c.block_len:
+            raise ValueError(f"sequence length {inputs.shape[1]} is not a multiple of block_len={c.block_len}")
+        window = torch.cat([inputs[:, :1], targets], dim=1)
+        if c.random_padding:
+            idx, real = random_length_padding(window, c.block_len, eos_id=c.pad_id, pad_id=c.pad_id,
+                                              length=inputs.shape[1], generator=generator)
+        else:
+            idx, real = window[:, :-1], torch.ones_like(window[:, :-1], dtype=torch.bool)
+        labels = idx.masked_fill(~real, -100)
+        labels[:, : c.block_len] = -100
+        return {"idx": idx, "targets": labels}
+
+    def forward(self, idx: Tensor, targets: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
+        """Logits ``(B, T, V)`` where position ``t`` predicts token ``idx[:, t]`` itself (block 0: zeros).
+
+        ``targets`` are the labels from :meth:`collate_batch` (same positions, -100 = not scored).
+        """
+        c = self.config
+        batch, length = idx.shape
+        if length % c.block_len:
+            raise ValueError(f"sequence length {length} is not a multiple of block_len={c.block_len}")
+        if length > c.context_length:
+            raise ValueError(f"sequence of {length} tokens exceeds the model context of {c.context_length}")
+        blocks = idx.view(batch, -1, c.block_len)
+        context = self.block_decoder(self.drop(self.embedder(blocks)))
+        logits = self.token_decoder(context[:, :-1].flatten(0, 1), blocks[:, 1:].flatten(0, 1))
+        logits = logits.view(batch, -1, logits.shape[-1])
+        logits = torch.cat([logits.new_zeros(batch, c.block_len, logits.shape[-1]), logits], dim=1)
+        loss = None
+        if targets is not None:
+            loss = F.cross_entropy(at_least_fp32(logits.flatten(0, 1)), targets.flatten(), ignore_index=-100)
+        return logits, loss
+
+    def num_parameters(self, *, non_embedding: bool = False) -> int:
+        params = {id(p): p for p in self.parameters()}
+        if non_embedding:
+            for table in (self.embedder.embed, self.token_decoder.embed, self.token_decoder.lm_head):
+                params.pop(id(table.weight), None)
+        return sum(p.numel() for p in params.values())
+
+    # ----------------------------------------------------------- generation
+    @torch.no_grad()
+    def prefill(self, idx: Tensor, token_valid: Tensor, max_new_tokens: int) -> tuple[Tensor, BlockDecodeState]:
+        """Run the prompt blocks through the block decoder only (the token decoder has no prefill).
+
+        Prompts arrive left-padded to whole blocks; pad tokens are embedded like in training, blocks that
+        are all padding are masked out of the block decoder, and block positions count from each row's
+        first real block.
+        """
+        c = self.config
+        batch, length = idx.shape
+        idx = idx.masked_fill(~token_valid, c.pad_id)
+        blocks = idx.view(batch, -1, c.block_len)
+        n_blocks = blocks.shape[1]
+        block_valid = token_valid.view(batch, n_blocks, c.block_len).any(-1)
+        slots = torch.arange(n_blocks, device=idx.device)
+        positions = (slots[None, :] - (~block_valid).sum(1, keepdim=True)).clamp_min(0)
+        dtype, device = self.token_decoder.embed.weight.dtype, idx.device
+        max_blocks = n_blocks + -(-max_new_tokens // c.block_len)
+        block_cache = self.block_decoder.allocate_cache(batch, max_blocks, dtype=dtype, device=device)
+        context = self.block_decoder(
+            self.embedder(blocks), positions=positions, cache=block_cache, slots=slots, token_valid=block_valid
+        )[:, -1]
+        token_cache = self.token_decoder.body.allocate_cache(batch, c.n_lead + c.block_len - 1, dtype=dtype, device=device)
+        state = BlockDecodeState(
+            block_cache, n_blocks, positions[:, -1] + 1, token_cache, self.token_decoder.context_vectors(context),
+            torch.full((batch, c.block_len), c.pad_id, dtype=torch.long, device=device),
+        )
+        return self._start_block(state), state
+
+    @torch.no_grad()
+    def decode_step(self, state: BlockDecodeState, token: Tensor) -> Tensor:
+        c, tokdec = self.config, self.token_decoder
+        state.block_tokens[:, state.filled] = token
+        state.filled += 1
+        if state.filled == c.block_len:
+            return self._next_block(state)
+        x = tokdec.token_inputs(token[:, None], state.vectors, state.filled - 1)
+        slot = torch.full((1,), c.n_lead + state.filled - 1, device=token.device)
+        hidden = tokdec.body(x, cache=state.token_cache, slots=slot, memory=tokdec.memory(state.vectors))
+        return tokdec.lm_head(hidden[:, -1])
+
+    def _next_block(self, state: BlockDecodeState) -> Tensor:
+        """The block is complete: one block-decoder step gives the next context; the local cache restarts."""
+        slot = torch.full((1,), state.next_block_slot, device=state.block_tokens.device)
+        block = self.embedder(state.block_tokens[:, None])
+        context = self.block_decoder(
+            block, positions=state.next_block_position[:, None], cache=state.block_cache, slots=slot
+        )[:, -1]
+        state.next_block_slot += 1
+        state.next_block_position = state.next_block_position + 1
+        state.vectors = self.token_decoder.context_vectors(context)
+        state.filled = 0
+        return self._start_block(state)
+
+    def _start_block(self, state: BlockDecodeState) -> Tensor:
+        tokdec = self.token_decoder
+        state.token_cache.reset()
+        slots = torch.arange(tokdec.n_lead, device=state.vectors.device)
+        hidden = tokdec.body(
+            tokdec.lead(state.vectors), cache=state.token_cache, slots=slots, memory=tokdec.memory(state.vectors)
+        )
+        return tokdec.lm_head(hidden[:, -1])
