@@ -136,3 +136,21 @@ def test_tokens_budget_sets_the_step_count(tmp_path):
     argv[argv.index("--steps") + 1] = "1000"
     assert main(argv) == 0
     assert (tmp_path / "run" / "checkpoints" / "latest").read_text().strip() == "step_0000003"
+
+
+def test_convert_to_block_then_uptrain_and_generate(trained_run, tmp_path, capsys):
+    block = tmp_path / "block"
+    assert main(["convert", "--to", "block", "--checkpoint", str(trained_run), "--out", str(block)]) == 0
+    assert "train --init-from" in capsys.readouterr().out
+    up = tmp_path / "up"
+    argv = ["train", "--init-from", str(block), "--steps", "2", "--batch-size", "2", "--seq-len", "32",
+            "--warmup-steps", "1", "--eval-interval", "2", "--eval-batches", "1", "--device", "cpu", "--no-progress"]
+    assert main([*argv, "--out", str(up)]) == 0
+    assert main(["info", str(up)]) == 0
+    assert "model: block" in capsys.readouterr().out
+    assert main(["generate", "--checkpoint", str(up), "--prompt", "ab", "--max-new-tokens", "9", "--device", "cpu"]) == 0
+    one_line_error(capsys, ["convert", "--to", "block", "--checkpoint", str(trained_run), "--out", str(block)],
+                   "already holds a model")
+    one_line_error(capsys, ["convert", "--to", "block", "--checkpoint", str(trained_run), "--out", str(tmp_path / "b3"),
+                            "--block-len", "3"], "not a multiple of --block-len 3")
+    one_line_error(capsys, [*argv, "--out", str(tmp_path / "x"), "--preset", "tiny"], "--init-from brings its own")
