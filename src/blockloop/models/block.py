@@ -203,6 +203,19 @@ class BlockTransformer(nn.Module):
         return sum(p.numel() for p in params.values())
 
     # ----------------------------------------------------------- generation
+    def generation_caches(self, batch_size: int, prompt_len: int, max_new_tokens: int) -> list[DecoderCache]:
+        """The block decoder's cache (one entry per block of prompt and output) and the token decoder's
+        cache of a single block: all the memory generation holds."""
+        c = self.config
+        weight = self.token_decoder.embed.weight
+        n_blocks = -(-(prompt_len + max_new_tokens) // c.block_len)
+        return [
+            self.block_decoder.allocate_cache(batch_size, n_blocks, dtype=weight.dtype, device=weight.device),
+            self.token_decoder.body.allocate_cache(
+                batch_size, c.n_lead + c.block_len - 1, dtype=weight.dtype, device=weight.device
+            ),
+        ]
+
     @torch.no_grad()
     def prefill(self, idx: Tensor, token_valid: Tensor, max_new_tokens: int) -> tuple[Tensor, BlockDecodeState]:
         """Run the prompt blocks through the block decoder only (the token decoder has no prefill).
@@ -219,16 +232,13 @@ class BlockTransformer(nn.Module):
         block_valid = token_valid.view(batch, n_blocks, c.block_len).any(-1)
         slots = torch.arange(n_blocks, device=idx.device)
         positions = (slots[None, :] - (~block_valid).sum(1, keepdim=True)).clamp_min(0)
-        dtype, device = self.token_decoder.embed.weight.dtype, idx.device
-        max_blocks = n_blocks + -(-max_new_tokens // c.block_len)
-        block_cache = self.block_decoder.allocate_cache(batch, max_blocks, dtype=dtype, device=device)
+        block_cache, token_cache = self.generation_caches(batch, length, max_new_tokens)
         context = self.block_decoder(
             self.embedder(blocks), positions=positions, cache=block_cache, slots=slots, token_valid=block_valid
         )[:, -1]
-        token_cache = self.token_decoder.body.allocate_cache(batch, c.n_lead + c.block_len - 1, dtype=dtype, device=device)
         state = BlockDecodeState(
             block_cache, n_blocks, positions[:, -1] + 1, token_cache, self.token_decoder.context_vectors(context),
-            torch.full((batch, c.block_len), c.pad_id, dtype=torch.long, device=device),
+            torch.full((batch, c.block_len), c.pad_id, dtype=torch.long, device=idx.device),
         )
         return self._start_block(state), state
 

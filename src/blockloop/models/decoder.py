@@ -197,13 +197,17 @@ class Decoder(nn.Module):
         weight = self.embed.weight
         return self.body.allocate_cache(batch_size, max_len, dtype=dtype or weight.dtype, device=weight.device)
 
+    def generation_caches(self, batch_size: int, prompt_len: int, max_new_tokens: int) -> list[DecoderCache]:
+        """Every static cache generation needs: one KV cache over prompt and generated tokens."""
+        return [self.allocate_cache(batch_size, prompt_len + max_new_tokens)]
+
     @torch.no_grad()
     def prefill(self, idx: Tensor, token_valid: Tensor, max_new_tokens: int) -> tuple[Tensor, DecodeState]:
         """Cache left-padded prompts; rotary positions count from each row's first real token."""
         batch, length = idx.shape
         slots = torch.arange(length, device=idx.device)
         positions = (slots[None, :] - (~token_valid).sum(1, keepdim=True)).clamp_min(0)
-        cache = self.allocate_cache(batch, length + max_new_tokens)
+        (cache,) = self.generation_caches(batch, length, max_new_tokens)
         logits, _ = self(idx, cache=cache, slots=slots, positions=positions, token_valid=token_valid, last_only=True)
         return logits[:, -1], DecodeState(cache, length, positions[:, -1] + 1)
 
