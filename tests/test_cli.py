@@ -154,3 +154,15 @@ def test_convert_to_block_then_uptrain_and_generate(trained_run, tmp_path, capsy
     one_line_error(capsys, ["convert", "--to", "block", "--checkpoint", str(trained_run), "--out", str(tmp_path / "b3"),
                             "--block-len", "3"], "not a multiple of --block-len 3")
     one_line_error(capsys, [*argv, "--out", str(tmp_path / "x"), "--preset", "tiny"], "--init-from brings its own")
+
+
+def test_set_overrides_model_fields_and_rejects_unknown_ones(tmp_path, capsys):
+    argv = [*TINY_TRAIN, "--steps", "1", "--ckpt-interval", "1"]
+    argv[argv.index("--preset") + 1] = "tiny-block"
+    out = tmp_path / "cls"
+    assert main([*argv, "--out", str(out), "--set", "embedder=cls", "--set", "token_decoder=cross", "--set", "n_cls=2"]) == 0
+    config = json.loads((out / "checkpoints" / "step_0000001" / "config.json").read_text())
+    assert (config["embedder"], config["token_decoder"], config["n_cls"]) == ("cls", "cross", 2)
+    one_line_error(capsys, [*argv, "--out", str(tmp_path / "x"), "--set", "embeder=cls"], "no config field embeder")
+    one_line_error(capsys, [*argv, "--out", str(tmp_path / "y"), "--set", "embedder=conv"], "embedder='conv'")
+    one_line_error(capsys, [*argv, "--out", str(tmp_path / "z"), "--set", "oops"], "FIELD=VALUE")

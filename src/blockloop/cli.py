@@ -82,6 +82,11 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
     )
     g.add_argument("--dropout", type=float, help="dropout on embeddings, attention and residuals (default: preset's)")
     g.add_argument(
+        "--set", action="append", default=[], metavar="FIELD=VALUE",
+        help="override a field of the preset's model config, e.g. --set embedder=cls --set prefix_len=1 (repeatable; "
+        "see the config dataclasses in blockloop/config.py)",
+    )
+    g.add_argument(
         "--init-from",
         help="start from this checkpoint's model, config and tokenizer instead of a preset (fine-tuning, or "
         "uptraining a model made by `blockloop convert`)",
@@ -138,6 +143,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         state = ckpt.read_json(directory / "train_state.json")
         spec = RunSpec(**state["run"])
         clashes = [f for f in ("preset", "data", "tokenizer", "dropout", "init_from") if getattr(args, f) is not None]
+        clashes += ["set"] if args.set else []
         if clashes:
             raise BlockloopError(f"--resume continues the saved run; drop --{', --'.join(clashes)}")
         from blockloop.data.tokenizers import load_tokenizer
@@ -147,7 +153,9 @@ def cmd_train(args: argparse.Namespace) -> int:
     else:
         if ckpt.checkpoint_root(out).exists():
             raise BlockloopError(f"{out} already holds a run; pass --resume to continue it or choose another --out")
-        overrides = {"dropout": args.dropout} if args.dropout is not None else {}
+        overrides = _parse_overrides(args.set)
+        if args.dropout is not None:
+            overrides["dropout"] = args.dropout
         if args.init_from is not None and (args.preset or args.tokenizer or overrides):
             raise BlockloopError("--init-from brings its own model and tokenizer; drop --preset/--tokenizer/--dropout")
         spec = RunSpec(
@@ -389,6 +397,20 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 # -------------------------------------------------------------------- helpers
+def _parse_overrides(items: list[str]) -> dict[str, object]:
+    """``FIELD=VALUE`` pairs; values are read as JSON (numbers, true/false, null) or else as strings."""
+    overrides: dict[str, object] = {}
+    for item in items:
+        field, sep, value = item.partition("=")
+        if not sep or not field:
+            raise BlockloopError(f"--set expects FIELD=VALUE, got {item!r}")
+        try:
+            overrides[field] = json.loads(value)
+        except json.JSONDecodeError:
+            overrides[field] = value
+    return overrides
+
+
 def _device(name: str) -> str:
     import torch
 

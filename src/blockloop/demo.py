@@ -12,7 +12,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from blockloop.infer.generate import generate
+from blockloop.infer.generate import generate, padded_prompt_length
 from blockloop.train.run import RunSpec, prepare_run, sequences
 from blockloop.train.trainer import TrainConfig, Trainer
 
@@ -29,7 +29,10 @@ class DemoEntry:
     seq_len: int = 256
 
 
-DEMO_ENTRIES: tuple[DemoEntry, ...] = (DemoEntry("vanilla decoder", "demo", steps=450, lr=3e-3),)
+DEMO_ENTRIES: tuple[DemoEntry, ...] = (
+    DemoEntry("vanilla decoder", "demo", steps=400, lr=3e-3),
+    DemoEntry("block transformer", "demo-block", steps=400, lr=3e-3),
+)
 
 
 @dataclass
@@ -76,7 +79,7 @@ def _run_entry(entry: DemoEntry, run_dir: Path, steps: int, device: str) -> Demo
     start = time.perf_counter()
     outs = generate(model, [prompt] * 8, 128, temperature=0.8, seed=0)
     speed = sum(len(o) for o in outs) / (time.perf_counter() - start)
-    sample_length = run.model_config.context_length - len(prompt)
+    sample_length = run.model_config.context_length - padded_prompt_length(model, [prompt])
     sample = run.tokenizer.decode(generate(model, [prompt], sample_length, temperature=0.8, top_k=40, seed=1)[0])
     return DemoResult(entry, model.num_parameters(), before, after, train_seconds, speed, sample, run_dir)
 
@@ -91,7 +94,7 @@ def _print_summary(results: list[DemoResult]) -> None:
         for r in results
     ]
     widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
-    print("\n=== comparison (byte-level Shakespeare, validation loss in nats per byte) ===")
+    print("\n=== comparison (byte-level Shakespeare, validation loss in nats per predicted byte) ===")
     for row in rows:
         print("  ".join(cell.ljust(w) for cell, w in zip(row, widths)))
     for r in results:

@@ -7,6 +7,7 @@ vocabulary 50,304, context 2,048).
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -44,6 +45,10 @@ def from_name(name: str, **overrides: Any) -> ModelConfig:
         raise ConfigError(f"unknown preset {name!r}; {hint}run `blockloop presets` to list them")
     config = preset.build()
     config.name = name
+    fields = {f.name for f in dataclasses.fields(config)}
+    unknown = sorted(set(overrides) - fields)
+    if unknown:
+        raise ConfigError(f"preset {name!r} ({config.family}) has no config field {', '.join(unknown)}")
     return config.replace(**overrides) if overrides else config
 
 
