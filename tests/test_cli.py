@@ -166,3 +166,5 @@ def test_set_overrides_model_fields_and_rejects_unknown_ones(tmp_path, capsys):
     one_line_error(capsys, [*argv, "--out", str(tmp_path / "x"), "--set", "embeder=cls"], "no config field embeder")
     one_line_error(capsys, [*argv, "--out", str(tmp_path / "y"), "--set", "embedder=conv"], "embedder='conv'")
     one_line_error(capsys, [*argv, "--out", str(tmp_path / "z"), "--set", "oops"], "FIELD=VALUE")
+    argv[argv.index("--seq-len") + 1] = "30"
+    one_line_error(capsys, [*argv, "--out", str(tmp_path / "w")], "not a multiple of the model's block length 4")

@@ -223,6 +223,8 @@ def cmd_eval(args: argparse.Namespace) -> int:
     seq_len = args.seq_len or trained.state.get("train_config", {}).get("seq_len") or trained.config.context_length
     if seq_len > trained.config.context_length:
         raise BlockloopError(f"--seq-len {seq_len} exceeds the model context of {trained.config.context_length}")
+    if seq_len % getattr(trained.config, "block_len", 1):
+        raise BlockloopError(f"--seq-len {seq_len} is not a multiple of the model's block length {trained.config.block_len}")
     splits = prepare_tokens(data, trained.tokenizer)
     seqs = PackedSequences(getattr(splits, args.split), seq_len)
     metrics = evaluate(

@@ -113,6 +113,9 @@ class Trainer:
                 f"--seq-len {config.seq_len} exceeds the model context of {model_config.context_length}; "
                 "lower --seq-len or pick a preset with a longer context"
             )
+        block_len = getattr(model_config, "block_len", 1)
+        if config.seq_len % block_len:
+            raise ConfigError(f"--seq-len {config.seq_len} is not a multiple of the model's block length {block_len}")
         self.config, self.model_config, self.tokenizer = config, model_config, tokenizer
         self.out_dir, self.run_info, self.dist = Path(out_dir), run_info or {}, dist_info
         self.device = torch.device(config.resolved_device())
