@@ -9,7 +9,9 @@ Three measurements, each with the vanilla baseline in the same run:
    static caches the models allocate (on the meta device, so nothing is computed);
 3. generation throughput and time to first token of the two trained models through the shared
    ``generate`` in both settings scaled to their context, over a batch sweep: random-token prompts,
-   EOS disabled, one warm-up, the median of ``--repeats`` timed runs.
+   EOS disabled, one warm-up, the median of ``--repeats`` timed runs;
+4. with ``--sweep``, Figure 3's sweeps at tiny scale: the block preset's layers split block:token as
+   1:3, 2:2, 3:1 (allocation ratio), and block lengths 2, 4, 8 at 2:2, each trained on the same tokens.
 
     PYTHONPATH=src python benchmarks/block_vs_vanilla.py --steps 300
 
@@ -36,8 +38,8 @@ from blockloop.train.run import RunSpec, prepare_run, sequences
 from blockloop.train.trainer import TrainConfig, Trainer
 
 
-def train(preset: str, args: argparse.Namespace) -> tuple[torch.nn.Module, dict[str, float]]:
-    spec = RunSpec(preset=preset, data=args.data, tokenizer="byte")
+def train(preset: str, args: argparse.Namespace, **overrides: object) -> tuple[torch.nn.Module, dict[str, float]]:
+    spec = RunSpec(preset=preset, data=args.data, tokenizer="byte", model_overrides=overrides)
     run = prepare_run(spec, seed=0, show_progress=False)
     config = TrainConfig(
         steps=args.steps, batch_size=args.batch_size, seq_len=args.seq_len, lr=args.lr, warmup_steps=args.steps // 20,
@@ -53,6 +55,7 @@ def train(preset: str, args: argparse.Namespace) -> tuple[torch.nn.Module, dict[
     model = trainer.model.eval()
     return model, {
         "preset": preset,
+        "overrides": overrides,
         "non_embedding_parameters": model.num_parameters(non_embedding=True),
         "parameters": model.num_parameters(),
         "tokens": args.steps * args.batch_size * args.seq_len,
@@ -103,6 +106,7 @@ def main() -> None:
     parser.add_argument("--eval-batches", type=int, default=20)
     parser.add_argument("--batches", default="1,8,32")
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--sweep", action="store_true", help="also run the allocation-ratio and block-length sweeps")
     parser.add_argument("--out-dir", type=Path, default=Path("benchmarks/results"))
     args = parser.parse_args()
 
@@ -127,11 +131,22 @@ def main() -> None:
                 speed.append(row)
                 print(json.dumps(row), flush=True)
 
+    sweep = []
+    if args.sweep:
+        base = from_name(args.block)
+        layers = base.block_n_layer + base.token_n_layer
+        runs = [{"block_n_layer": b, "token_n_layer": layers - b} for b in range(1, layers) if b != base.block_n_layer]
+        runs += [{"block_len": lb, "embed_dim": base.block_d_model // lb} for lb in (2, 8)]
+        for overrides in runs:
+            _, result = train(args.block, args, **overrides)
+            sweep.append(result)
+            print(json.dumps(result), flush=True)
+
     record = {
         "benchmark": "block_vs_vanilla", "date": datetime.date.today().isoformat(), "device": "cpu",
         "torch": torch.__version__, "threads": torch.get_num_threads(),
         "command": "PYTHONPATH=src python " + " ".join(sys.argv), "quality": quality, "paper_kv_bytes": paper,
-        "generation": speed,
+        "generation": speed, "sweep": sweep,
     }
     args.out_dir.mkdir(parents=True, exist_ok=True)
     (args.out_dir / "block_vs_vanilla_cpu.json").write_text(json.dumps(record, indent=2) + "\n")
@@ -171,6 +186,14 @@ def render(record: dict, args: argparse.Namespace) -> str:
         lines.append(f"| {r['setting']} | {r['batch']} | {r['preset']} | {r['tokens_per_s']:,.0f} | "
                      f"{r['tokens_per_s'] / base['tokens_per_s']:.2f}x | {r['ttft_ms']:.1f} | {r['ms_per_token']:.2f} | "
                      f"{r['kv_bytes_per_sample']:,} |")
+    if record["sweep"]:
+        lines += ["", f"## Figure 3 at tiny scale ({args.block}, {args.steps} steps each, same tokens)", "",
+                  "| block:token layers | L_B | non-emb params | val loss | train ms/step |", "|---|---|---|---|---|"]
+        default = next(r for r in record["quality"] if r["preset"] == args.block)
+        for r in [default, *record["sweep"]]:
+            c = from_name(args.block, **r["overrides"])
+            lines.append(f"| {c.block_n_layer}:{c.token_n_layer} | {c.block_len} | {r['non_embedding_parameters']:,} "
+                         f"| {r['val_loss']:.4f} | {r['train_ms_per_step']:.0f} |")
     return "\n".join(lines) + "\n"
 
 
