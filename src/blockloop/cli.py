@@ -137,7 +137,6 @@ def cmd_train(args: argparse.Namespace) -> int:
 
     out = Path(args.out)
     given = {k: getattr(args, k) for k in TRAIN_FLAGS if getattr(args, k) is not None}
-    tokenizer = None
     if args.resume:
         directory = ckpt.resolve_checkpoint(out)
         state = ckpt.read_json(directory / "train_state.json")
@@ -146,9 +145,8 @@ def cmd_train(args: argparse.Namespace) -> int:
         clashes += ["set"] if args.set else []
         if clashes:
             raise BlockloopError(f"--resume continues the saved run; drop --{', --'.join(clashes)}")
-        from blockloop.data.tokenizers import load_tokenizer
-
-        tokenizer = load_tokenizer(directory)
+        # The model, config and tokenizer come from the run's own checkpoint, whatever it started from.
+        source = dataclasses.replace(spec, init_from=str(directory))
         config = TrainConfig(**{**state["train_config"], **given})
     else:
         if ckpt.checkpoint_root(out).exists():
@@ -162,11 +160,12 @@ def cmd_train(args: argparse.Namespace) -> int:
             preset=args.preset or "demo", data=args.data or "shakespeare", tokenizer=args.tokenizer or "byte",
             model_overrides=overrides, init_from=args.init_from,
         )
+        source = spec
         config = TrainConfig(**given)
     config.progress = not args.no_progress
     info = init_distributed(config.resolved_device())
     try:
-        run = prepare_run(spec, seed=config.seed, tokenizer=tokenizer, show_progress=info.is_main)
+        run = prepare_run(source, seed=config.seed, show_progress=info.is_main)
         if args.tokens is not None:
             per_step = config.batch_size * config.grad_accum * config.seq_len * info.world_size
             config.steps = max(1, int(args.tokens // per_step))

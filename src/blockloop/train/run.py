@@ -54,9 +54,9 @@ def padded_vocab(vocab_size: int, multiple: int = 64) -> int:
 
 
 def prepare_run(
-    spec: RunSpec, *, seed: int = 0, tokenizer: Tokenizer | None = None, show_progress: bool = True
+    spec: RunSpec, *, seed: int = 0, show_progress: bool = True
 ) -> PreparedRun:
-    """Tokenizer (built or given), token splits, and a model for ``spec``.
+    """Tokenizer, token splits, and a model for ``spec``.
 
     The model is the preset initialised from ``seed``, or, with ``spec.init_from``, the weights, config
     and tokenizer of that checkpoint (fine-tuning, or uptraining a converted model).
@@ -66,10 +66,9 @@ def prepare_run(
         splits = prepare_tokens(spec.data, start.tokenizer, show_progress=show_progress)
         return PreparedRun(spec, start.tokenizer, start.config, start.model.train(), splits)
     config = from_name(spec.preset, **spec.model_overrides)  # fail on a bad preset before any data work
-    if tokenizer is None:
-        # Only a tokenizer trained on the corpus needs its documents.
-        documents = load_documents(spec.data) if spec.tokenizer.split(":")[0] == "bpe" else None
-        tokenizer = build_tokenizer(spec.tokenizer, documents)
+    # Only a tokenizer trained on the corpus needs its documents.
+    documents = load_documents(spec.data) if spec.tokenizer.split(":")[0] == "bpe" else None
+    tokenizer = build_tokenizer(spec.tokenizer, documents)
     splits = prepare_tokens(spec.data, tokenizer, show_progress=show_progress)
     vocab = {"vocab_size": tokenizer.vocab_size, "padded_vocab_size": padded_vocab(tokenizer.vocab_size)}
     if isinstance(config, BlockTransformerConfig):
