@@ -1,21 +1,23 @@
 """Vanilla decoder vs Block Transformer: quality at equal tokens, KV-cache bytes, generation speed.
 
-Three measurements, each with the vanilla baseline in the same run:
+Four measurements, each with the vanilla baseline in the same run:
 
-1. validation loss of ``--vanilla`` and ``--block`` presets (equal non-embedding parameters) trained on
+1. ``quality``: validation loss of ``--vanilla`` and ``--block`` presets (equal non-embedding parameters) trained on
    the same corpus for the same number of tokens with the shared trainer;
-2. KV-cache bytes per sample of the paper-size models (pythia-85m vs block-85m, bf16) in the paper's
+2. ``kv``: KV-cache bytes per sample of the paper-size models (pythia-85m vs block-85m, bf16) in the paper's
    prefill-heavy (2048 prompt / 128 generated) and decode-heavy (128 / 2048) settings, read off the
    static caches the models allocate (on the meta device, so nothing is computed);
-3. generation throughput and time to first token of the two trained models through the shared
+3. ``speed``: generation throughput and time to first token of the two models through the shared
    ``generate`` in both settings scaled to their context, over a batch sweep: random-token prompts,
-   EOS disabled, one warm-up, the median of ``--repeats`` timed runs;
-4. with ``--sweep``, Figure 3's sweeps at tiny scale: the block preset's layers split block:token as
+   EOS disabled, one warm-up, the median of ``--repeats`` timed runs (untrained weights unless
+   ``quality`` ran in the same call: the cost does not depend on them);
+4. ``sweep``: Figure 3's sweeps at tiny scale: the block preset's layers split block:token as
    1:3, 2:2, 3:1 (allocation ratio), and block lengths 2, 4, 8 at 2:2, each trained on the same tokens.
 
-    PYTHONPATH=src python benchmarks/block_vs_vanilla.py --steps 300
+    PYTHONPATH=src python benchmarks/block_vs_vanilla.py --parts quality,kv,speed,sweep --steps 300
 
-Writes markdown + JSON to --out-dir (default benchmarks/results).
+``--parts`` picks what to run; results go to --out-dir (default benchmarks/results) as
+``block_vs_vanilla_cpu.{json,md}``, where a later call replaces only the parts it ran.
 """
 
 from __future__ import annotations
@@ -96,6 +98,7 @@ def time_generation(model: torch.nn.Module, batch: int, prompt: int, generated: 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--parts", default="quality,kv,speed", help="any of quality, kv, speed, sweep (comma-separated)")
     parser.add_argument("--vanilla", default="demo")
     parser.add_argument("--block", default="demo-block")
     parser.add_argument("--data", default="shakespeare")
@@ -106,95 +109,118 @@ def main() -> None:
     parser.add_argument("--eval-batches", type=int, default=20)
     parser.add_argument("--batches", default="1,8,32")
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--sweep", action="store_true", help="also run the allocation-ratio and block-length sweeps")
     parser.add_argument("--out-dir", type=Path, default=Path("benchmarks/results"))
     args = parser.parse_args()
+    parts = set(args.parts.split(","))
+    unknown = parts - {"quality", "kv", "speed", "sweep"}
+    if unknown:
+        parser.error(f"unknown part(s) {sorted(unknown)}")
 
-    quality, models = [], {}
-    for preset in (args.vanilla, args.block):
-        models[preset], result = train(preset, args)
-        quality.append(result)
-        print(json.dumps(result), flush=True)
+    path = args.out_dir / "block_vs_vanilla_cpu.json"
+    record = json.loads(path.read_text()) if path.is_file() else {"benchmark": "block_vs_vanilla", "parts": {}}
+    stamp = {"date": datetime.date.today().isoformat(), "device": "cpu", "torch": torch.__version__,
+             "threads": torch.get_num_threads(), "command": "PYTHONPATH=src python " + " ".join(sys.argv),
+             "settings": {k: str(v) for k, v in vars(args).items()}}
 
-    paper = {
-        setting: {p: cache_bytes_per_sample(p, prompt, gen) for p in ("pythia-85m", "block-85m")}
-        for setting, (prompt, gen) in {"prefill-heavy 2048/128": (2048, 128), "decode-heavy 128/2048": (128, 2048)}.items()
-    }
-    context = min(models[p].config.context_length for p in models)
-    settings = {"prefill-heavy": (context * 3 // 4, context // 8), "decode-heavy": (context // 8, context * 3 // 4)}
-    speed = []
-    for setting, (prompt, gen) in settings.items():
-        for batch in [int(b) for b in args.batches.split(",")]:
-            for preset, model in models.items():
-                row = {"setting": f"{setting} {prompt}/{gen}", "preset": preset, **time_generation(model, batch, prompt, gen, args.repeats),
-                       "kv_bytes_per_sample": cache_bytes_per_sample(preset, prompt, gen, torch.float32)}
-                speed.append(row)
-                print(json.dumps(row), flush=True)
+    models: dict[str, torch.nn.Module] = {}
+    if "quality" in parts:
+        rows = []
+        for preset in (args.vanilla, args.block):
+            models[preset], result = train(preset, args)
+            rows.append(result)
+            print(json.dumps(result), flush=True)
+        record["parts"]["quality"] = {**stamp, "rows": rows}
 
-    sweep = []
-    if args.sweep:
+    if "kv" in parts:
+        settings = {"prefill-heavy 2048/128": (2048, 128), "decode-heavy 128/2048": (128, 2048)}
+        rows = [{"setting": s, "preset": p, "bytes": cache_bytes_per_sample(p, prompt, gen)}
+                for s, (prompt, gen) in settings.items() for p in ("pythia-85m", "block-85m")]
+        record["parts"]["kv"] = {**stamp, "rows": rows}
+
+    if "speed" in parts:
+        for preset in (args.vanilla, args.block):  # speed does not depend on the weights: untrained is fine
+            models.setdefault(preset, build_model(from_name(preset)).eval())
+        context = min(m.config.context_length for m in models.values())
+        settings = {"prefill-heavy": (context * 3 // 4, context // 8), "decode-heavy": (context // 8, context * 3 // 4)}
+        rows = []
+        for setting, (prompt, gen) in settings.items():
+            for batch in [int(b) for b in args.batches.split(",")]:
+                for preset in (args.vanilla, args.block):
+                    row = {"setting": f"{setting} {prompt}/{gen}", "preset": preset,
+                           **time_generation(models[preset], batch, prompt, gen, args.repeats),
+                           "kv_bytes_per_sample": cache_bytes_per_sample(preset, prompt, gen, torch.float32)}
+                    rows.append(row)
+                    print(json.dumps(row), flush=True)
+        record["parts"]["speed"] = {**stamp, "rows": rows}
+
+    if "sweep" in parts:
         base = from_name(args.block)
         layers = base.block_n_layer + base.token_n_layer
-        runs = [{"block_n_layer": b, "token_n_layer": layers - b} for b in range(1, layers) if b != base.block_n_layer]
+        runs = [{}] + [{"block_n_layer": b, "token_n_layer": layers - b} for b in range(1, layers) if b != base.block_n_layer]
         runs += [{"block_len": lb, "embed_dim": base.block_d_model // lb} for lb in (2, 8)]
+        rows = []
         for overrides in runs:
             _, result = train(args.block, args, **overrides)
-            sweep.append(result)
+            rows.append(result)
             print(json.dumps(result), flush=True)
+        record["parts"]["sweep"] = {**stamp, "rows": rows}
 
-    record = {
-        "benchmark": "block_vs_vanilla", "date": datetime.date.today().isoformat(), "device": "cpu",
-        "torch": torch.__version__, "threads": torch.get_num_threads(),
-        "command": "PYTHONPATH=src python " + " ".join(sys.argv), "quality": quality, "paper_kv_bytes": paper,
-        "generation": speed, "sweep": sweep,
-    }
     args.out_dir.mkdir(parents=True, exist_ok=True)
-    (args.out_dir / "block_vs_vanilla_cpu.json").write_text(json.dumps(record, indent=2) + "\n")
-    (args.out_dir / "block_vs_vanilla_cpu.md").write_text(render(record, args))
-    print(render(record, args))
+    path.write_text(json.dumps(record, indent=2) + "\n")
+    (args.out_dir / "block_vs_vanilla_cpu.md").write_text(render(record))
+    print(render(record))
 
 
-def render(record: dict, args: argparse.Namespace) -> str:
-    lines = [
-        "# Vanilla vs Block Transformer (CPU, scaled down)",
-        "",
-        f"- device: CPU ({record['threads']} threads); torch {record['torch']}; date {record['date']}",
-        f"- command: `{record['command']}`",
-        "- absolute speeds are CPU numbers; the GPU measurements of the paper's settings are owed (no GPU in this task)",
-        "",
-        f"## Quality at equal tokens ({args.data}, byte tokenizer)",
-        "",
-        "| model | non-emb params | params | tokens | val loss (nats/byte) | train ms/step |",
-        "|---|---|---|---|---|---|",
-    ]
-    for r in record["quality"]:
-        lines.append(f"| {r['preset']} | {r['non_embedding_parameters']:,} | {r['parameters']:,} | {r['tokens']:,} "
-                     f"| {r['val_loss']:.4f} | {r['train_ms_per_step']:.0f} |")
-    lines += ["", "The block model's validation loss is over the tokens it predicts (every block but the first of each "
-              "window; pads from random-length padding are not scored).", "",
-              "## KV-cache bytes per sample, paper-size models (bf16, from the allocated caches)", "",
-              "| setting | pythia-85m | block-85m | block / vanilla |", "|---|---|---|---|"]
-    for setting, sizes in record["paper_kv_bytes"].items():
-        v, b = sizes["pythia-85m"], sizes["block-85m"]
-        lines.append(f"| {setting} | {v / 2**20:.1f} MiB | {b / 2**20:.1f} MiB | {b / v:.3f} |")
-    lines += ["", "## Generation through the shared engine (greedy, EOS disabled, median of repeats)", "",
-              "| setting | batch | model | tokens/s | vs vanilla | TTFT ms | ms/token | KV bytes/sample (fp32) |",
-              "|---|---|---|---|---|---|---|---|"]
-    rows = record["generation"]
-    for r in rows:
-        base = next(x for x in rows if x["setting"] == r["setting"] and x["batch"] == r["batch"] and x["preset"] == args.vanilla)
-        lines.append(f"| {r['setting']} | {r['batch']} | {r['preset']} | {r['tokens_per_s']:,.0f} | "
-                     f"{r['tokens_per_s'] / base['tokens_per_s']:.2f}x | {r['ttft_ms']:.1f} | {r['ms_per_token']:.2f} | "
-                     f"{r['kv_bytes_per_sample']:,} |")
-    if record["sweep"]:
-        lines += ["", f"## Figure 3 at tiny scale ({args.block}, {args.steps} steps each, same tokens)", "",
-                  "| block:token layers | L_B | non-emb params | val loss | train ms/step |", "|---|---|---|---|---|"]
-        default = next(r for r in record["quality"] if r["preset"] == args.block)
-        for r in [default, *record["sweep"]]:
-            c = from_name(args.block, **r["overrides"])
+def render(record: dict) -> str:
+    parts = record["parts"]
+    lines = ["# Vanilla vs Block Transformer (CPU, scaled down)", "",
+             "Absolute speeds are CPU numbers; the GPU measurements of the paper's settings are owed (no GPU was lent "
+             "to this task). Each part names its own command, date and threads.", ""]
+
+    def header(title: str, part: dict) -> None:
+        lines.extend([f"## {title}", "", f"- `{part['command']}`", f"- {part['device']} ({part['threads']} threads), "
+                      f"torch {part['torch']}, {part['date']}", ""])
+
+    if "quality" in parts:
+        p = parts["quality"]
+        header(f"Quality at equal tokens ({p['settings']['data']}, byte tokenizer, {p['settings']['steps']} steps)", p)
+        lines += ["| model | non-emb params | params | tokens | val loss (nats/byte) | train ms/step |", "|---|---|---|---|---|---|"]
+        for r in p["rows"]:
+            lines.append(f"| {r['preset']} | {r['non_embedding_parameters']:,} | {r['parameters']:,} | {r['tokens']:,} "
+                         f"| {r['val_loss']:.4f} | {r['train_ms_per_step']:.0f} |")
+        lines += ["", "The block model's validation loss is over the tokens it predicts: every block but the first of "
+                  "each window; pads from random-length padding are not scored.", ""]
+    if "kv" in parts:
+        p = parts["kv"]
+        header("KV-cache bytes per sample, paper-size models (bf16, read off the allocated caches)", p)
+        lines += ["| setting | pythia-85m | block-85m | block / vanilla |", "|---|---|---|---|"]
+        for setting in dict.fromkeys(r["setting"] for r in p["rows"]):
+            v, b = (next(r["bytes"] for r in p["rows"] if r["setting"] == setting and r["preset"] == m)
+                    for m in ("pythia-85m", "block-85m"))
+            lines.append(f"| {setting} | {v / 2**20:.1f} MiB | {b / 2**20:.1f} MiB | {b / v:.3f} |")
+        lines.append("")
+    if "speed" in parts:
+        p = parts["speed"]
+        vanilla = p["settings"]["vanilla"]
+        header("Generation through the shared engine (greedy, EOS disabled, random prompts, median of repeats)", p)
+        lines += ["| setting | batch | model | tokens/s | vs vanilla | TTFT ms | vs vanilla | ms/token | KV bytes/sample (fp32) |",
+                  "|---|---|---|---|---|---|---|---|---|"]
+        for r in p["rows"]:
+            base = next(x for x in p["rows"] if x["setting"] == r["setting"] and x["batch"] == r["batch"] and x["preset"] == vanilla)
+            lines.append(f"| {r['setting']} | {r['batch']} | {r['preset']} | {r['tokens_per_s']:,.0f} | "
+                         f"{r['tokens_per_s'] / base['tokens_per_s']:.2f}x | {r['ttft_ms']:.1f} | "
+                         f"{r['ttft_ms'] / base['ttft_ms']:.2f}x | {r['ms_per_token']:.2f} | {r['kv_bytes_per_sample']:,} |")
+        lines.append("")
+    if "sweep" in parts:
+        p = parts["sweep"]
+        header(f"Figure 3 at tiny scale ({p['settings']['block']}, {p['settings']['steps']} steps each, same tokens)", p)
+        lines += ["| block:token layers | L_B | non-emb params | val loss | train ms/step |", "|---|---|---|---|---|"]
+        for r in p["rows"]:
+            c = from_name(p["settings"]["block"], **r["overrides"])
             lines.append(f"| {c.block_n_layer}:{c.token_n_layer} | {c.block_len} | {r['non_embedding_parameters']:,} "
                          f"| {r['val_loss']:.4f} | {r['train_ms_per_step']:.0f} |")
-    return "\n".join(lines) + "\n"
+        lines.append("")
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":
