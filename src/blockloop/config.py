@@ -20,29 +20,25 @@ NORMS = ("layernorm", "rmsnorm")
 MLPS = ("gelu", "swiglu", "geglu")
 
 
-@dataclass
-class DecoderConfig:
-    """A decoder-only transformer (GPT-NeoX/Pythia and Llama shapes are both expressible).
+LAYER_STYLE = ("norm", "norm_eps", "mlp", "bias", "rotary_pct", "rope_base", "parallel_residual", "dropout", "init_std")
 
-    ``vocab_size`` is the tokenizer's; the embedding and LM head have ``padded_vocab_size`` rows (rounded
-    up for matmul-friendly shapes, as Pythia's 50,304) and generation never samples the padding ids.
-    ``n_kv_head`` < ``n_head`` gives grouped-query attention (1 = multi-query). ``rotary_pct`` < 1
-    rotates only the first part of each head, as Pythia does (0.25). ``parallel_residual`` computes
-    attention and MLP from the same input and adds both, as GPT-NeoX does.
+
+@dataclass
+class ModelConfigBase:
+    """What every family's config has: identity, vocabulary, context, and the style of its layers.
+
+    ``vocab_size`` is the tokenizer's; embedding tables and LM heads have ``padded_vocab_size`` rows
+    (rounded up for matmul-friendly shapes, as Pythia's 50,304) and generation never samples the padding
+    ids. The layer style (norm, MLP, bias, rotary fraction, parallel residual, dropout, init) applies to
+    every transformer inside a model.
     """
 
-    family: ClassVar[str] = "decoder"
+    family: ClassVar[str]
 
     name: str = "custom"
     vocab_size: int = 50304
     padded_vocab_size: int | None = None
     context_length: int = 2048
-    n_layer: int = 12
-    n_head: int = 12
-    n_kv_head: int | None = None
-    d_model: int = 768
-    d_ff: int | None = None
-    head_dim: int | None = None
     norm: str = "layernorm"
     norm_eps: float = 1e-5
     mlp: str = "gelu"
@@ -58,6 +54,55 @@ class DecoderConfig:
     def __post_init__(self) -> None:
         if self.padded_vocab_size is None:
             self.padded_vocab_size = self.vocab_size
+        self._check(
+            (self.vocab_size > 0, f"vocab_size must be positive, got {self.vocab_size}"),
+            (
+                self.padded_vocab_size >= self.vocab_size,
+                f"padded_vocab_size={self.padded_vocab_size} is smaller than vocab_size={self.vocab_size}",
+            ),
+            (self.context_length > 0, f"context_length must be positive, got {self.context_length}"),
+            (0.0 <= self.rotary_pct <= 1.0, f"rotary_pct must be in [0, 1], got {self.rotary_pct}"),
+            (self.norm in NORMS, f"norm={self.norm!r} is not one of {NORMS}"),
+            (self.mlp in MLPS, f"mlp={self.mlp!r} is not one of {MLPS}"),
+            (0.0 <= self.dropout < 1.0, f"dropout must be in [0, 1), got {self.dropout}"),
+        )
+
+    def _check(self, *checks: tuple[bool, str]) -> None:
+        for ok, message in checks:
+            if not ok:
+                raise ConfigError(f"{self.name}: {message}")
+
+    def style(self) -> dict[str, Any]:
+        """The layer-style fields, to build a sub-transformer in the same style."""
+        return {k: getattr(self, k) for k in LAYER_STYLE}
+
+    def replace(self, **changes: Any) -> Any:
+        """A copy with some fields changed, validated again."""
+        return dataclasses.replace(self, **changes)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"family": self.family, **dataclasses.asdict(self)}
+
+
+@dataclass
+class DecoderConfig(ModelConfigBase):
+    """A decoder-only transformer (GPT-NeoX/Pythia and Llama shapes are both expressible).
+
+    ``n_kv_head`` < ``n_head`` gives grouped-query attention (1 = multi-query). ``rotary_pct`` < 1
+    rotates only the first part of each head, as Pythia does (0.25). ``parallel_residual`` computes
+    attention and MLP from the same input and adds both, as GPT-NeoX does.
+    """
+
+    family: ClassVar[str] = "decoder"
+
+    n_layer: int = 12
+    n_head: int = 12
+    n_kv_head: int | None = None
+    d_model: int = 768
+    d_ff: int | None = None
+    head_dim: int | None = None
+
+    def __post_init__(self) -> None:
         if self.n_kv_head is None:
             self.n_kv_head = self.n_head
         if self.head_dim is None:
@@ -73,13 +118,8 @@ class DecoderConfig:
         self.validate()
 
     def validate(self) -> None:
-        checks = [
-            (self.vocab_size > 0, f"vocab_size must be positive, got {self.vocab_size}"),
-            (
-                self.padded_vocab_size >= self.vocab_size,
-                f"padded_vocab_size={self.padded_vocab_size} is smaller than vocab_size={self.vocab_size}",
-            ),
-            (self.context_length > 0, f"context_length must be positive, got {self.context_length}"),
+        super().__post_init__()
+        self._check(
             (self.n_layer > 0, f"n_layer must be positive, got {self.n_layer}"),
             (self.n_head > 0 and self.n_kv_head > 0, "n_head and n_kv_head must be positive"),
             (
@@ -87,14 +127,7 @@ class DecoderConfig:
                 f"n_kv_head={self.n_kv_head} must divide n_head={self.n_head} (grouped-query attention)",
             ),
             (self.head_dim % 2 == 0, f"head_dim={self.head_dim} must be even for rotary embeddings"),
-            (0.0 <= self.rotary_pct <= 1.0, f"rotary_pct must be in [0, 1], got {self.rotary_pct}"),
-            (self.norm in NORMS, f"norm={self.norm!r} is not one of {NORMS}"),
-            (self.mlp in MLPS, f"mlp={self.mlp!r} is not one of {MLPS}"),
-            (0.0 <= self.dropout < 1.0, f"dropout must be in [0, 1), got {self.dropout}"),
-        ]
-        for ok, message in checks:
-            if not ok:
-                raise ConfigError(f"{self.name}: {message}")
+        )
 
     @property
     def rotary_dim(self) -> int:
@@ -104,12 +137,6 @@ class DecoderConfig:
     def summary(self) -> str:
         return f"{self.n_layer} layers, d={self.d_model}, heads {self.n_head}/{self.n_kv_head}"
 
-    def replace(self, **changes: Any) -> "DecoderConfig":
-        """A copy with some fields changed, validated again."""
-        return dataclasses.replace(self, **changes)
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"family": self.family, **dataclasses.asdict(self)}
 
 
 def _round_up(x: int, multiple: int) -> int:
@@ -121,7 +148,7 @@ TOKEN_DECODERS = ("prefix", "sum", "cross")
 
 
 @dataclass
-class BlockTransformerConfig:
+class BlockTransformerConfig(ModelConfigBase):
     """Block Transformer (Ho et al. 2024): embedder -> block decoder -> token decoder.
 
     ``context_length`` counts tokens; the block decoder sees ``context_length / block_len`` blocks.
@@ -139,10 +166,6 @@ class BlockTransformerConfig:
 
     family: ClassVar[str] = "block"
 
-    name: str = "custom"
-    vocab_size: int = 50304
-    padded_vocab_size: int | None = None
-    context_length: int = 2048
     block_len: int = 4
     pad_id: int = 0
     random_padding: bool = True
@@ -163,24 +186,12 @@ class BlockTransformerConfig:
     token_n_head: int = 12
     token_n_kv_head: int | None = None
     token_d_ff: int | None = None
-    norm: str = "layernorm"
-    norm_eps: float = 1e-5
-    mlp: str = "gelu"
-    bias: bool = True
-    rotary_pct: float = 1.0
-    rope_base: float = 10000.0
-    parallel_residual: bool = False
-    tie_embeddings: bool = True
-    dropout: float = 0.0
-    init_std: float = 0.02
-    extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        if self.padded_vocab_size is None:
-            self.padded_vocab_size = self.vocab_size
+        super().__post_init__()
         if self.embed_dim is None:
             self.embed_dim = self.block_d_model // self.block_len if self.embedder == "lookup" else 256
-        checks = [
+        self._check(
             (self.block_len >= 1, f"block_len must be at least 1, got {self.block_len}"),
             (
                 self.context_length % self.block_len == 0,
@@ -192,12 +203,9 @@ class BlockTransformerConfig:
             (self.embedder != "cls" or self.n_cls >= 1, "the cls embedder needs n_cls >= 1"),
             (0 <= self.pad_id < self.padded_vocab_size, f"pad_id={self.pad_id} is outside the vocabulary"),
             (self.embed_dim >= 1, f"embed_dim must be positive, got {self.embed_dim}"),
-        ]
-        for ok, message in checks:
-            if not ok:
-                raise ConfigError(f"{self.name}: {message}")
-        for part in (self.block_decoder_config(), self.token_decoder_config(), self.embedder_config()):
-            part.validate()
+        )
+        for build_part in (self.block_decoder_config, self.token_decoder_config, self.embedder_config):
+            build_part()  # each part validates its own shape
 
     @property
     def n_lead(self) -> int:
@@ -205,9 +213,7 @@ class BlockTransformerConfig:
         return self.prefix_len if self.token_decoder == "prefix" else 1
 
     def _part(self, part: str, **shape: Any) -> DecoderConfig:
-        style = {k: getattr(self, k) for k in ("norm", "norm_eps", "mlp", "bias", "rotary_pct", "rope_base",
-                                               "parallel_residual", "dropout", "init_std")}
-        return DecoderConfig(name=f"{self.name}/{part}", vocab_size=self.vocab_size, **style, **shape)
+        return DecoderConfig(name=f"{self.name}/{part}", vocab_size=self.vocab_size, **self.style(), **shape)
 
     def block_decoder_config(self) -> DecoderConfig:
         return self._part(
@@ -232,12 +238,6 @@ class BlockTransformerConfig:
         lead = f"prefix {self.prefix_len}" if self.token_decoder == "prefix" else self.token_decoder
         return (f"block {self.block_n_layer}x{self.block_d_model} + token {self.token_n_layer}x{self.token_d_model}, "
                 f"L_B={self.block_len}, {self.embedder}, {lead}")
-
-    def replace(self, **changes: Any) -> "BlockTransformerConfig":
-        return dataclasses.replace(self, **changes)
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"family": self.family, **dataclasses.asdict(self)}
 
 
 CONFIG_CLASSES: dict[str, type] = {DecoderConfig.family: DecoderConfig, BlockTransformerConfig.family: BlockTransformerConfig}

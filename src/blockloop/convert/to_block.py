@@ -19,10 +19,6 @@ from blockloop.errors import BlockloopError
 from blockloop.models.block import BlockTransformer
 from blockloop.models.decoder import Decoder
 
-STYLE_FIELDS = ("norm", "norm_eps", "mlp", "bias", "rotary_pct", "rope_base", "parallel_residual", "tie_embeddings",
-                "dropout", "init_std")
-
-
 def block_config_from_vanilla(config: DecoderConfig, *, block_len: int, prefix_len: int, pad_id: int) -> BlockTransformerConfig:
     if config.n_layer < 2:
         raise BlockloopError(f"a vanilla model with {config.n_layer} layer cannot be split into block and token decoders")
@@ -47,7 +43,8 @@ def block_config_from_vanilla(config: DecoderConfig, *, block_len: int, prefix_l
         block_n_layer=lower,
         **{f"token_{k}": v for k, v in shape.items()},
         token_n_layer=config.n_layer - lower,
-        **{k: getattr(config, k) for k in STYLE_FIELDS},
+        tie_embeddings=config.tie_embeddings,
+        **config.style(),
     )
 
 

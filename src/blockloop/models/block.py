@@ -26,7 +26,7 @@ from blockloop.config import BlockTransformerConfig
 from blockloop.data.block_padding import random_length_padding
 from blockloop.nn.kv_cache import DecoderCache
 from blockloop.nn.precision import at_least_fp32
-from blockloop.models.decoder import TransformerStack, init_weights
+from blockloop.models.decoder import TransformerStack, count_parameters, init_weights
 
 
 class LookupEmbedder(nn.Module):
@@ -196,11 +196,8 @@ class BlockTransformer(nn.Module):
         return logits, loss
 
     def num_parameters(self, *, non_embedding: bool = False) -> int:
-        params = {id(p): p for p in self.parameters()}
-        if non_embedding:
-            for table in (self.embedder.embed, self.token_decoder.embed, self.token_decoder.lm_head):
-                params.pop(id(table.weight), None)
-        return sum(p.numel() for p in params.values())
+        tables = (self.embedder.embed, self.token_decoder.embed, self.token_decoder.lm_head)
+        return count_parameters(self, tables if non_embedding else ())
 
     # ----------------------------------------------------------- generation
     def generation_caches(self, batch_size: int, prompt_len: int, max_new_tokens: int) -> list[DecoderCache]:

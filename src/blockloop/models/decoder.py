@@ -173,6 +173,14 @@ def init_weights(model: nn.Module, std: float, n_layer: int) -> None:
                 nn.init.zeros_(module.bias)
 
 
+def count_parameters(model: nn.Module, excluded: tuple[nn.Module, ...] = ()) -> int:
+    """Unique parameters of ``model`` (tied ones once), leaving out the weights of ``excluded`` modules."""
+    params = {id(p): p for p in model.parameters()}
+    for module in excluded:
+        params.pop(id(module.weight), None)
+    return sum(p.numel() for p in params.values())
+
+
 class Decoder(nn.Module):
     """Token embedding -> transformer stack -> LM head (optionally tied to the embedding)."""
 
@@ -251,8 +259,4 @@ class Decoder(nn.Module):
 
     def num_parameters(self, *, non_embedding: bool = False) -> int:
         """Unique parameters (tied weights counted once); ``non_embedding`` drops embedding and head."""
-        params = {id(p): p for p in self.parameters()}
-        if non_embedding:
-            params.pop(id(self.embed.weight), None)
-            params.pop(id(self.lm_head.weight), None)
-        return sum(p.numel() for p in params.values())
+        return count_parameters(self, (self.embed, self.lm_head) if non_embedding else ())
