@@ -117,7 +117,7 @@ def test_algorithm_labels_only_at_the_semicolon_of_a_print(streams):
     assert len(labelled) > 0
     assert (stream.inputs[labelled] == vocab.id(";")).all()
     assert (stream.inputs[labelled - 2] == vocab.id("print")).all()
-    assert set(vocab.words[i] for i in stream.labels[labelled]) <= {str(k) for k in range(1, 11)}
+    assert {vocab.words[i] for i in stream.labels[labelled]} <= {str(k) for k in range(1, 11)}
     prints = np.flatnonzero(stream.inputs == vocab.id("print"))
     assert len(prints) == len(labelled)
 

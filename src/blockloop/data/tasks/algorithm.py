@@ -38,7 +38,8 @@ Statement = tuple[list[str], list[int]]
 
 
 def algorithm_vocab(num_variables: int) -> TaskVocab:
-    return TaskVocab(["END", *VARIABLES[num_variables], "=", "++", "--", "print", "if", "<", ">", ":", ";", *_VALUE_WORDS])
+    symbols = ["=", "++", "--", "print", "if", "<", ">", ":", ";"]
+    return TaskVocab(["END", *VARIABLES[num_variables], *symbols, *_VALUE_WORDS])
 
 
 def generator(num_variables: int) -> GenerateFn:
@@ -65,7 +66,9 @@ def generator(num_variables: int) -> GenerateFn:
     return generate
 
 
-def _program(rng: random.Random, names: tuple[str, ...], vocab: TaskVocab, words: list[str], labels: list[int]) -> None:
+def _program(
+    rng: random.Random, names: tuple[str, ...], vocab: TaskVocab, words: list[str], labels: list[int]
+) -> None:
     """Append one program and its ``END`` to ``words``, with one label per word to ``labels``."""
     values: dict[str, int] = {}
     written = 0

@@ -72,7 +72,8 @@ def write_task(
     out_dir = Path(out_dir)
     if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
         raise BlockloopError(f"{out_dir} already exists and is not empty; choose another directory or delete it")
-    with tqdm(total=sum(sizes), desc=f"generating {task.name}", unit="seq", delay=1.0, disable=not show_progress) as bar:
+    bar = tqdm(total=sum(sizes), desc=f"generating {task.name}", unit="seq", delay=1.0, disable=not show_progress)
+    with bar:
         streams = generate_splits(task, seed=seed, sizes=sizes, progress=bar.update)
     meta = {
         "format": FORMAT,
@@ -113,21 +114,27 @@ def load_task(directory: Path) -> TaskData:
     directory = Path(directory)
     meta_path = directory / "meta.json"
     if not meta_path.is_file():
-        raise BlockloopError(f"{directory} is not a task dataset (no meta.json); write one with `blockloop tasks make`")
+        raise BlockloopError(
+            f"{directory} is not a task dataset (no meta.json); write one with `blockloop tasks make`"
+        )
+    malformed = (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, ValueError, IndexError)
     try:
         meta = json.loads(meta_path.read_text(encoding="utf-8"))
         version = meta["format"]
-        if version == FORMAT:
-            tokens = {split: int(meta["tokens"][split]) for split in SPLITS}
-            if meta["vocab"][0] != NO_LABEL:
-                raise ValueError(f"the vocabulary does not start with {NO_LABEL!r}")
-            vocab = TaskVocab(meta["vocab"][1:])
-    except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, ValueError, IndexError) as exc:
+    except malformed as exc:
         raise BlockloopError(f"{meta_path} is corrupt ({exc}); regenerate the dataset") from exc
     if version != FORMAT:
         raise BlockloopError(
             f"{directory} has task format {version}, this blockloop reads format {FORMAT}; regenerate the dataset"
         )
+    try:
+        name = str(meta["task"])
+        tokens = {split: int(meta["tokens"][split]) for split in SPLITS}
+        if meta["vocab"][0] != NO_LABEL:
+            raise ValueError(f"the vocabulary does not start with {NO_LABEL!r}")
+        vocab = TaskVocab(meta["vocab"][1:])
+    except malformed as exc:
+        raise BlockloopError(f"{meta_path} is corrupt ({exc}); regenerate the dataset") from exc
     splits = {}
     for split in SPLITS:
         arrays = {}
@@ -138,8 +145,9 @@ def load_task(directory: Path) -> TaskData:
                 raise BlockloopError(f"{path} is missing; regenerate the dataset")
             if path.stat().st_size != expected:
                 raise BlockloopError(
-                    f"{path} has {path.stat().st_size} bytes, expected {expected}: truncated or corrupt; regenerate the dataset"
+                    f"{path} has {path.stat().st_size} bytes, expected {expected}: truncated or corrupt; "
+                    "regenerate the dataset"
                 )
             arrays[kind] = np.memmap(path, dtype=dtype, mode="r", shape=(tokens[split],))
         splits[split] = TaskStream(**arrays)
-    return TaskData(name=meta.get("task", "?"), vocab=vocab, meta=meta, splits=splits)
+    return TaskData(name=name, vocab=vocab, meta=meta, splits=splits)

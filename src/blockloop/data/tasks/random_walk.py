@@ -56,7 +56,7 @@ def generate(count: int, seed: int, advance: Callable[[int], None]) -> TaskStrea
 
 
 def _walk(actions: np.ndarray) -> np.ndarray:
-    """Cell index (row * GRID_SIZE + col) after each action, for a batch of action sequences (indices into ACTIONS)."""
+    """Cell index (row * GRID_SIZE + col) after each action, for a batch of sequences of ACTIONS indices."""
     n, length = actions.shape
     row = np.full(n, START[0])
     col = np.full(n, START[1])

@@ -10,7 +10,8 @@ from blockloop.errors import BlockloopError
 def _algorithm(num_variables: int) -> Task:
     return Task(
         name=f"algorithm-{num_variables}",
-        description=f"Algorithm task, {num_variables} variables: output the value at each print of 100-statement programs",
+        description=f"Algorithm task, {num_variables} variables: output the value at each print of "
+        "100-statement programs",
         vocab=algorithm.algorithm_vocab(num_variables),
         generate=algorithm.generator(num_variables),
         default_sizes=(10_000, 1_000, 1_000),
