@@ -43,6 +43,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_eval(sub)
     _add_generate(sub)
     _add_convert(sub)
+    _add_tasks(sub)
     p = sub.add_parser("presets", help="list the named model presets with parameter counts")
     p.set_defaults(handler=cmd_presets)
     p = sub.add_parser("info", help="show the environment, or a checkpoint's config and training state")
@@ -343,6 +344,52 @@ def cmd_convert(args: argparse.Namespace) -> int:
         f"wrote {model.config.name} ({model.num_parameters() / 1e6:.2f}M parameters, {model.config.summary()}) to {out}; "
         f"uptrain with: blockloop train --init-from {out} --out RUN"
     )
+    return 0
+
+
+# ---------------------------------------------------------------------- tasks
+def _add_tasks(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "tasks",
+        help="list or write the synthetic state-tracking tasks (algorithm-3, algorithm-5, random-walk)",
+        description="Seeded train/valid/test splits of labelled-position tasks, written as memory-mappable arrays.",
+    )
+    verbs = p.add_subparsers(dest="tasks_command", required=True, metavar="VERB")
+    verbs.add_parser("list", help="the task names, default sizes and descriptions").set_defaults(handler=cmd_tasks_list)
+    m = verbs.add_parser("make", help="generate a task and write its splits to --out")
+    m.add_argument("name", help="task name (see `blockloop tasks list`)")
+    m.add_argument("--out", required=True, help="directory to create (must not exist, or be empty)")
+    m.add_argument("--seed", type=int, default=0, help="seed of the three splits (default: 0)")
+    m.add_argument("--sizes", help="TRAIN,VALID,TEST counts of programs or sequences (default: the task's own)")
+    m.add_argument("--no-progress", action="store_true", help="no progress bar")
+    m.set_defaults(handler=cmd_tasks_make)
+
+
+def cmd_tasks_list(args: argparse.Namespace) -> int:
+    from blockloop.data.tasks import TASKS
+
+    rows = [("task", "vocab", "default sizes", "description")]
+    rows += [
+        (t.name, str(t.vocab.vocab_size), "/".join(map(str, t.default_sizes)), t.description) for t in TASKS.values()
+    ]
+    _print_table(rows)
+    return 0
+
+
+def cmd_tasks_make(args: argparse.Namespace) -> int:
+    from blockloop.data.tasks import get_task, load_task, write_task
+
+    get_task(args.name)  # an unknown name fails before the sizes are looked at
+    sizes = None
+    if args.sizes is not None:
+        try:
+            sizes = [int(part) for part in args.sizes.split(",")]
+        except ValueError:
+            raise BlockloopError(f"--sizes expects three counts TRAIN,VALID,TEST, got {args.sizes!r}") from None
+    out = write_task(args.name, Path(args.out), seed=args.seed, sizes=sizes, show_progress=not args.no_progress)
+    meta = load_task(out).meta
+    counts = ", ".join(f"{split} {meta['sizes'][split]} ({meta['tokens'][split]} tokens)" for split in meta["sizes"])
+    print(f"wrote {args.name} (seed {args.seed}) to {out}: {counts}")
     return 0
 
 

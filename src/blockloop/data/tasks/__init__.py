@@ -1,0 +1,27 @@
+"""Synthetic state-tracking tasks (Algorithm, Random Walk) for models with recurrence over time.
+
+Each task is a token stream with labels at the positions where the model must report a tracked state;
+see :mod:`blockloop.data.tasks.base` for the stream format and :mod:`blockloop.data.tasks.files` for the
+on-disk layout written by ``blockloop tasks make``.
+"""
+
+from blockloop.data.tasks.base import IGNORE_INDEX, SPLITS, Task, TaskStream, TaskVocab
+from blockloop.data.tasks.files import TaskData, generate_splits, load_task, write_task
+from blockloop.data.tasks.metrics import labelled_errors, task_error
+from blockloop.data.tasks.registry import TASKS, get_task
+
+__all__ = [
+    "IGNORE_INDEX",
+    "SPLITS",
+    "TASKS",
+    "Task",
+    "TaskData",
+    "TaskStream",
+    "TaskVocab",
+    "generate_splits",
+    "get_task",
+    "labelled_errors",
+    "load_task",
+    "task_error",
+    "write_task",
+]

@@ -1,0 +1,153 @@
+"""Task datasets on disk: three splits of memory-mappable arrays and a ``meta.json`` that describes them.
+
+Layout of a task directory::
+
+    meta.json                      # format, task, seed, sizes, vocabulary, token counts, dtypes
+    train/inputs.bin  train/labels.bin
+    valid/inputs.bin  valid/labels.bin
+    test/inputs.bin   test/labels.bin
+
+``inputs.bin`` holds uint16 ids and ``labels.bin`` int16 ids or -100 (unlabelled), one per input, raw
+little-endian with no header, so ``np.memmap`` reads them without copying. The whole directory is
+written under a temporary name next to the target and renamed into place last, so a killed run never
+leaves a half-written dataset under the real name.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import tempfile
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+from tqdm import tqdm
+
+from blockloop.data.tasks.base import IGNORE_INDEX, NO_LABEL, SPLITS, Task, TaskStream, TaskVocab, split_seed
+from blockloop.data.tasks.registry import get_task
+from blockloop.errors import BlockloopError
+
+# Bump when the layout or the generators change, so datasets made by another version are refused.
+FORMAT = 1
+_DTYPES = {"inputs": "<u2", "labels": "<i2"}
+
+
+@dataclass(frozen=True)
+class TaskData:
+    """A task read back from disk: its vocabulary, ``meta.json`` and the three splits (read-only maps)."""
+
+    name: str
+    vocab: TaskVocab
+    meta: dict[str, object]
+    splits: dict[str, TaskStream]
+
+
+def generate_splits(
+    task: Task, *, seed: int, sizes: Sequence[int], progress: Callable[[int], None] = lambda n: None
+) -> dict[str, TaskStream]:
+    """The train/valid/test streams of ``task`` with ``sizes`` sequences each, from ``seed``.
+
+    Each split draws from its own seed (:func:`split_seed`), so a split depends only on ``seed``, its
+    name and its own size.
+    """
+    return {split: task.generate(size, split_seed(seed, split), progress) for split, size in zip(SPLITS, sizes)}
+
+
+def write_task(
+    name: str, out_dir: Path, *, seed: int, sizes: Sequence[int] | None = None, show_progress: bool = False
+) -> Path:
+    """Generate task ``name`` and write it to ``out_dir``, which must not exist or be empty; returns ``out_dir``.
+
+    ``sizes`` (train, valid, test) counts programs or sequences; default: the task's own. A progress
+    bar appears when ``show_progress`` and generation takes more than a second.
+    """
+    task = get_task(name)
+    sizes = tuple(task.default_sizes if sizes is None else sizes)
+    if len(sizes) != len(SPLITS) or any(size < 1 for size in sizes):
+        raise BlockloopError(f"sizes must be three positive counts (train, valid, test), got {list(sizes)}")
+    if seed < 0:
+        raise BlockloopError(f"seed must be zero or positive, got {seed}")
+    out_dir = Path(out_dir)
+    if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
+        raise BlockloopError(f"{out_dir} already exists and is not empty; choose another directory or delete it")
+    bar = tqdm(total=sum(sizes), desc=f"generating {task.name}", unit="seq", delay=1.0, disable=not show_progress)
+    with bar:
+        streams = generate_splits(task, seed=seed, sizes=sizes, progress=bar.update)
+    meta = {
+        "format": FORMAT,
+        "task": task.name,
+        "description": task.description,
+        "seed": seed,
+        "sizes": dict(zip(SPLITS, sizes)),
+        "tokens": {split: len(stream.inputs) for split, stream in streams.items()},
+        "vocab": list(task.vocab.words),
+        "ignore_index": IGNORE_INDEX,
+        "dtypes": _DTYPES,
+        "details": task.details,
+    }
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=f".{out_dir.name}.tmp-"))
+    try:
+        for split, stream in streams.items():
+            (tmp / split).mkdir()
+            stream.inputs.astype(_DTYPES["inputs"]).tofile(tmp / split / "inputs.bin")
+            stream.labels.astype(_DTYPES["labels"]).tofile(tmp / split / "labels.bin")
+        (tmp / "meta.json").write_text(json.dumps(meta, indent=2) + "\n", encoding="utf-8")
+        try:
+            tmp.rename(out_dir)  # replaces an empty directory; fails if something appeared there meanwhile
+        except OSError as exc:
+            raise BlockloopError(f"could not move the dataset into {out_dir}: {exc}") from exc
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp)
+    return out_dir
+
+
+def load_task(directory: Path) -> TaskData:
+    """Read a directory written by :func:`write_task`; the arrays are memory-mapped, not loaded.
+
+    Missing files, unreadable or foreign ``meta.json`` and arrays of the wrong length (truncated or
+    overwritten files) raise :class:`BlockloopError` naming the problem.
+    """
+    directory = Path(directory)
+    meta_path = directory / "meta.json"
+    if not meta_path.is_file():
+        raise BlockloopError(
+            f"{directory} is not a task dataset (no meta.json); write one with `blockloop tasks make`"
+        )
+    malformed = (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, ValueError, IndexError)
+    try:
+        meta = json.loads(meta_path.read_text(encoding="utf-8"))
+        version = meta["format"]
+    except malformed as exc:
+        raise BlockloopError(f"{meta_path} is corrupt ({exc}); regenerate the dataset") from exc
+    if version != FORMAT:
+        raise BlockloopError(
+            f"{directory} has task format {version}, this blockloop reads format {FORMAT}; regenerate the dataset"
+        )
+    try:
+        name = str(meta["task"])
+        tokens = {split: int(meta["tokens"][split]) for split in SPLITS}
+        if meta["vocab"][0] != NO_LABEL:
+            raise ValueError(f"the vocabulary does not start with {NO_LABEL!r}")
+        vocab = TaskVocab(meta["vocab"][1:])
+    except malformed as exc:
+        raise BlockloopError(f"{meta_path} is corrupt ({exc}); regenerate the dataset") from exc
+    splits = {}
+    for split in SPLITS:
+        arrays = {}
+        for kind, dtype in _DTYPES.items():
+            path = directory / split / f"{kind}.bin"
+            expected = tokens[split] * np.dtype(dtype).itemsize
+            if not path.is_file():
+                raise BlockloopError(f"{path} is missing; regenerate the dataset")
+            if path.stat().st_size != expected:
+                raise BlockloopError(
+                    f"{path} has {path.stat().st_size} bytes, expected {expected}: truncated or corrupt; "
+                    "regenerate the dataset"
+                )
+            arrays[kind] = np.memmap(path, dtype=dtype, mode="r", shape=(tokens[split],))
+        splits[split] = TaskStream(**arrays)
+    return TaskData(name=name, vocab=vocab, meta=meta, splits=splits)

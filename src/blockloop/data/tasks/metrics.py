@@ -1,0 +1,33 @@
+"""Scoring labelled-position tasks: only the positions that carry a label count.
+
+Most positions of a state-tracking stream ask nothing (label :data:`IGNORE_INDEX`); averaging over them
+would drown the few that test the state, so the error is taken over labelled positions only, as in
+Fan et al. (2020) and the Staircase paper.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from blockloop.data.tasks.base import IGNORE_INDEX
+
+
+def labelled_errors(logits: torch.Tensor, labels: torch.Tensor) -> tuple[int, int]:
+    """(wrong, labelled): argmax mistakes and labelled positions, to sum over batches before dividing.
+
+    ``logits`` is ``(..., vocab)`` and ``labels`` the matching ``(...)`` ids, ``IGNORE_INDEX`` where
+    nothing is asked.
+    """
+    if logits.shape[:-1] != labels.shape:
+        raise ValueError(f"logits {tuple(logits.shape)} do not match labels {tuple(labels.shape)}")
+    asked = labels != IGNORE_INDEX
+    wrong = logits.argmax(dim=-1)[asked] != labels[asked]
+    return int(wrong.sum()), int(asked.sum())
+
+
+def task_error(logits: torch.Tensor, labels: torch.Tensor) -> float:
+    """Fraction of labelled positions whose argmax prediction is wrong (0 = solved)."""
+    wrong, labelled = labelled_errors(logits, labels)
+    if labelled == 0:
+        raise ValueError("no labelled positions to score")
+    return wrong / labelled
