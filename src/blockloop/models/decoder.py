@@ -8,7 +8,6 @@ decode steps (one token), writing keys/values at explicit cache slots.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
@@ -19,7 +18,8 @@ from blockloop.config import DecoderConfig
 from blockloop.nn.attention import attention
 from blockloop.nn.kv_cache import DecoderCache, KVCache
 from blockloop.nn.mlp import build_mlp
-from blockloop.nn.norm import RMSNorm, build_norm
+from blockloop.nn.init import init_weights
+from blockloop.nn.norm import build_norm
 from blockloop.nn.precision import at_least_fp32
 from blockloop.nn.rope import apply_rope, rope_angles
 
@@ -33,8 +33,21 @@ class DecodeState:
     next_position: Tensor
 
 
+def split_heads(x: Tensor, n_head: int, head_dim: int) -> Tensor:
+    """``(B, T, n_head * head_dim) -> (B, n_head, T, head_dim)``."""
+    return x.view(x.shape[0], x.shape[1], n_head, head_dim).transpose(1, 2)
+
+
+def merge_heads(x: Tensor) -> Tensor:
+    """``(B, H, T, D) -> (B, T, H * D)``."""
+    return x.transpose(1, 2).reshape(x.shape[0], x.shape[2], -1)
+
+
 class SelfAttention(nn.Module):
-    """Multi-head / grouped-query causal self-attention with one fused q/k/v projection."""
+    """Multi-head / grouped-query self-attention with one fused q/k/v projection.
+
+    Causal unless a ``mask`` is given (a cache's mask, or an encoder's padding mask for bidirectional use).
+    """
 
     def __init__(self, config: DecoderConfig) -> None:
         super().__init__()
@@ -42,6 +55,21 @@ class SelfAttention(nn.Module):
         self.qkv = nn.Linear(config.d_model, (config.n_head + 2 * config.n_kv_head) * config.head_dim, bias=config.bias)
         self.proj = nn.Linear(config.n_head * config.head_dim, config.d_model, bias=config.bias)
         self.dropout = config.dropout
+
+    def project(
+        self, x: Tensor, cos: Tensor, sin: Tensor, cache: KVCache | None = None, slots: Tensor | None = None
+    ) -> tuple[Tensor, Tensor, Tensor]:
+        """Rotated queries and the keys/values to attend over (the whole cache after writing, with one)."""
+        q, k, v = self.qkv(x).split(
+            [self.n_head * self.head_dim, self.n_kv_head * self.head_dim, self.n_kv_head * self.head_dim], dim=-1
+        )
+        q, k, v = split_heads(q, self.n_head, self.head_dim), split_heads(k, self.n_kv_head, self.head_dim), split_heads(
+            v, self.n_kv_head, self.head_dim
+        )
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if cache is not None:
+            k, v = cache.write(slots, k, v)
+        return q, k, v
 
     def forward(
         self,
@@ -53,33 +81,25 @@ class SelfAttention(nn.Module):
         slots: Tensor | None = None,
         mask: Tensor | None = None,
     ) -> Tensor:
-        batch, length, _ = x.shape
-        q, k, v = self.qkv(x).split(
-            [self.n_head * self.head_dim, self.n_kv_head * self.head_dim, self.n_kv_head * self.head_dim], dim=-1
-        )
-        q = q.view(batch, length, self.n_head, self.head_dim).transpose(1, 2)
-        k = k.view(batch, length, self.n_kv_head, self.head_dim).transpose(1, 2)
-        v = v.view(batch, length, self.n_kv_head, self.head_dim).transpose(1, 2)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        if cache is None:
-            out = attention(q, k, v, causal=True, dropout_p=self.dropout if self.training else 0.0)
-        else:
-            k, v = cache.write(slots, k, v)
-            out = attention(q, k, v, mask=mask)
-        return self.proj(out.transpose(1, 2).reshape(batch, length, -1))
+        q, k, v = self.project(x, cos, sin, cache, slots)
+        dropout = self.dropout if self.training else 0.0
+        out = attention(q, k, v, causal=mask is None, mask=mask, dropout_p=dropout)
+        return self.proj(merge_heads(out))
 
 
 class Block(nn.Module):
-    def __init__(self, config: DecoderConfig) -> None:
+    """Pre-norm attention + MLP; ``attention`` is the attention class (double decoders swap in their own)."""
+
+    def __init__(self, config: DecoderConfig, attention: type[nn.Module] = SelfAttention) -> None:
         super().__init__()
         self.norm1 = build_norm(config.norm, config.d_model, config.norm_eps)
-        self.attn = SelfAttention(config)
+        self.attn = attention(config)
         self.norm2 = build_norm(config.norm, config.d_model, config.norm_eps)
         self.mlp = build_mlp(config.mlp, config.d_model, config.d_ff, config.bias)
         self.parallel_residual = config.parallel_residual
         self.drop = nn.Dropout(config.dropout)
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, **attn_kwargs: Tensor | KVCache | None) -> Tensor:
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, **attn_kwargs: object) -> Tensor:
         attn_out = self.drop(self.attn(self.norm1(x), cos, sin, **attn_kwargs))
         if self.parallel_residual:
             return x + attn_out + self.drop(self.mlp(self.norm2(x)))
@@ -103,20 +123,7 @@ class Decoder(nn.Module):
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
-        """GPT-2 init: N(0, init_std), output projections scaled by 1/sqrt(2 n_layer), norms at identity."""
-        std = self.config.init_std
-        for name, module in self.named_modules():
-            if isinstance(module, nn.Linear):
-                scale = 1 / math.sqrt(2 * self.config.n_layer) if name.endswith(".proj") else 1.0
-                nn.init.normal_(module.weight, mean=0.0, std=std * scale)
-                if module.bias is not None:
-                    nn.init.zeros_(module.bias)
-            elif isinstance(module, nn.Embedding):
-                nn.init.normal_(module.weight, mean=0.0, std=std)
-            elif isinstance(module, (nn.LayerNorm, RMSNorm)):
-                nn.init.ones_(module.weight)
-                if getattr(module, "bias", None) is not None:
-                    nn.init.zeros_(module.bias)
+        init_weights(self, self.config)
 
     def allocate_cache(self, batch_size: int, max_len: int, *, dtype: torch.dtype | None = None) -> DecoderCache:
         """A static cache for ``batch_size`` rows of up to ``max_len`` tokens (prompt + generated)."""
@@ -187,7 +194,7 @@ class Decoder(nn.Module):
         x = self.norm(x)
         if last_only:
             x = x[:, -1:]
-        logits = self.lm_head(x)
+        logits = self.lm_head(x) * self.config.logit_multiplier
         loss = None
         if targets is not None:
             loss = F.cross_entropy(at_least_fp32(logits.flatten(0, 1)), targets.flatten(), ignore_index=-100)
