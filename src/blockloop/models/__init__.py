@@ -6,8 +6,14 @@ from torch import nn
 
 from blockloop.config import DecoderConfig
 from blockloop.models.decoder import Decoder
+from blockloop.models.double_decoder import DoubleDecoder
+from blockloop.models.encoder_decoder import EncoderDecoder
 
-MODEL_CLASSES: dict[str, type[nn.Module]] = {"decoder": Decoder}
+MODEL_CLASSES: dict[str, type[nn.Module]] = {
+    "decoder": Decoder,
+    "double_decoder": DoubleDecoder,
+    "encoder_decoder": EncoderDecoder,
+}
 
 
 def build_model(config: DecoderConfig) -> nn.Module:
@@ -15,4 +21,4 @@ def build_model(config: DecoderConfig) -> nn.Module:
     return MODEL_CLASSES[config.family](config)
 
 
-__all__ = ["Decoder", "MODEL_CLASSES", "build_model"]
+__all__ = ["Decoder", "DoubleDecoder", "EncoderDecoder", "MODEL_CLASSES", "build_model"]

@@ -201,9 +201,13 @@ class Decoder(nn.Module):
         return logits, loss
 
     def num_parameters(self, *, non_embedding: bool = False) -> int:
-        """Unique parameters (tied weights counted once); ``non_embedding`` drops embedding and head."""
-        params = {id(p): p for p in self.parameters()}
-        if non_embedding:
-            params.pop(id(self.embed.weight), None)
-            params.pop(id(self.lm_head.weight), None)
-        return sum(p.numel() for p in params.values())
+        return count_parameters(self, non_embedding=non_embedding)
+
+
+def count_parameters(model: nn.Module, *, non_embedding: bool = False) -> int:
+    """Unique parameters (tied weights counted once); ``non_embedding`` drops ``model.embed`` and ``model.lm_head``."""
+    params = {id(p): p for p in model.parameters()}
+    if non_embedding:
+        params.pop(id(model.embed.weight), None)
+        params.pop(id(model.lm_head.weight), None)
+    return sum(p.numel() for p in params.values())

@@ -1,0 +1,181 @@
+"""The standard encoder-decoder baseline (Vaswani et al. 2017; T5, Raffel et al. 2020), as compared in the
+double-decoder paper (sections 2, 4).
+
+A bidirectional encoder reads the input; each decoder layer has causal self-attention, then a separate
+cross-attention to the encoder's final states (its own softmax, added residually - the combination the
+double decoder replaces with one joint softmax), then the MLP. One tied embedding serves both stacks and
+the LM head. Rotary positions are used in the two self-attentions; cross-attention is position-free.
+
+Pretraining is span corruption (:mod:`blockloop.data.span_corruption`); the PrefixLM phase routes the
+prefix through the encoder and decodes the suffix. Generation encodes prompt[:-1] once, computes each
+layer's cross K/V once, and starts decoding at the last prompt token, exactly like the double decoder,
+with a KV cache for the decoder's self-attention only (appendix A.1). A prompt prefix cannot be cached:
+with a bidirectional encoder every state depends on the whole prompt (section 3.3, item 3).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from blockloop.config import EncoderDecoderConfig
+from blockloop.data.collate import sample_breakpoint
+from blockloop.data.span_corruption import span_corrupt
+from blockloop.models.decoder import Block, SelfAttention, count_parameters, merge_heads, split_heads
+from blockloop.nn.attention import attention
+from blockloop.nn.init import init_weights
+from blockloop.nn.kv_cache import DecoderCache, KVCache
+from blockloop.nn.mlp import build_mlp
+from blockloop.nn.norm import build_norm
+from blockloop.nn.precision import at_least_fp32
+from blockloop.nn.rope import rope_angles
+
+CrossKV = tuple[Tensor, Tensor]
+
+
+class CrossAttention(nn.Module):
+    """Queries from the decoder, keys/values from the encoder output; K/V computed once per input."""
+
+    def __init__(self, config: EncoderDecoderConfig) -> None:
+        super().__init__()
+        self.n_head, self.n_kv_head, self.head_dim = config.n_head, config.n_kv_head, config.head_dim
+        self.q = nn.Linear(config.d_model, config.n_head * config.head_dim, bias=config.bias)
+        self.kv = nn.Linear(config.d_model, 2 * config.n_kv_head * config.head_dim, bias=config.bias)
+        self.proj = nn.Linear(config.n_head * config.head_dim, config.d_model, bias=config.bias)
+
+    def keys(self, memory: Tensor) -> CrossKV:
+        k, v = self.kv(memory).chunk(2, dim=-1)
+        return split_heads(k, self.n_kv_head, self.head_dim), split_heads(v, self.n_kv_head, self.head_dim)
+
+    def forward(self, x: Tensor, cross: CrossKV, cross_mask: Tensor | None) -> Tensor:
+        q = split_heads(self.q(x), self.n_head, self.head_dim)
+        return self.proj(merge_heads(attention(q, *cross, mask=cross_mask)))
+
+
+class DecoderLayer(nn.Module):
+    """x + self_attn(norm(x)), then + cross_attn(norm(.)), then + mlp(norm(.))."""
+
+    def __init__(self, config: EncoderDecoderConfig) -> None:
+        super().__init__()
+        self.norm1 = build_norm(config.norm, config.d_model, config.norm_eps)
+        self.attn = SelfAttention(config)
+        self.norm_cross = build_norm(config.norm, config.d_model, config.norm_eps)
+        self.cross = CrossAttention(config)
+        self.norm2 = build_norm(config.norm, config.d_model, config.norm_eps)
+        self.mlp = build_mlp(config.mlp, config.d_model, config.d_ff, config.bias)
+        self.drop = nn.Dropout(config.dropout)
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, *, cross: CrossKV, cross_mask: Tensor | None,
+                cache: KVCache | None = None, slots: Tensor | None = None, mask: Tensor | None = None) -> Tensor:
+        x = x + self.drop(self.attn(self.norm1(x), cos, sin, cache=cache, slots=slots, mask=mask))
+        x = x + self.drop(self.cross(self.norm_cross(x), cross, cross_mask))
+        return x + self.drop(self.mlp(self.norm2(x)))
+
+
+@dataclass
+class EncDecState:
+    cache: DecoderCache
+    cross: list[CrossKV]
+    cross_mask: Tensor
+    next_slot: int
+
+
+class EncoderDecoder(nn.Module):
+    def __init__(self, config: EncoderDecoderConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.embed = nn.Embedding(config.padded_vocab_size, config.d_model)
+        self.drop = nn.Dropout(config.dropout)
+        self.encoder = nn.ModuleList(Block(config) for _ in range(config.n_encoder_layer))
+        self.encoder_norm = build_norm(config.norm, config.d_model, config.norm_eps)
+        self.decoder = nn.ModuleList(DecoderLayer(config) for _ in range(config.n_decoder_layer))
+        self.norm = build_norm(config.norm, config.d_model, config.norm_eps)
+        self.lm_head = nn.Linear(config.d_model, config.padded_vocab_size, bias=False)
+        if config.tie_embeddings:
+            self.lm_head.weight = self.embed.weight
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        init_weights(self, self.config)
+
+    def num_parameters(self, *, non_embedding: bool = False) -> int:
+        return count_parameters(self, non_embedding=non_embedding)
+
+    # ------------------------------------------------------------- training
+    def collate_batch(
+        self, inputs: Tensor, targets: Tensor, generator: torch.Generator, objective: str = "lm"
+    ) -> dict[str, Tensor]:
+        """Span corruption (native objective), or PrefixLM: encoder gets [0, b), decoder [b, T) scored."""
+        if objective == "prefix_lm":
+            b = sample_breakpoint(inputs.shape[1], generator)
+            return {"idx": inputs[:, :b], "decoder_idx": inputs[:, b:], "targets": targets[:, b:]}
+        c = self.config
+        return span_corrupt(inputs, rate=c.corruption_rate, mean_span=c.mean_span_length,
+                            first_sentinel=c.vocab_size, n_sentinels=c.n_sentinels, generator=generator)
+
+    def forward(
+        self,
+        idx: Tensor,
+        targets: Tensor | None = None,
+        *,
+        decoder_idx: Tensor,
+        encoder_valid: Tensor | None = None,
+    ) -> tuple[Tensor, Tensor | None]:
+        """Logits ``(B, T_out, V)`` for ``decoder_idx`` given the encoder input ``idx (B, T_in)``."""
+        if idx.shape[1] + decoder_idx.shape[1] > self.config.context_length + 1:
+            raise ValueError(f"encoder + decoder lengths exceed the model context of {self.config.context_length}")
+        cross, cross_mask = self.encode(idx, encoder_valid)
+        positions = torch.arange(decoder_idx.shape[1], device=idx.device)
+        cos, sin = rope_angles(positions, self.config.rotary_dim, self.config.rope_base)
+        logits = self._decode(decoder_idx, cos, sin, cross, cross_mask)
+        loss = None
+        if targets is not None:
+            loss = F.cross_entropy(at_least_fp32(logits.flatten(0, 1)), targets.flatten(), ignore_index=-100)
+        return logits, loss
+
+    def encode(self, idx: Tensor, valid: Tensor | None = None) -> tuple[list[CrossKV], Tensor]:
+        """Bidirectional encoder over ``idx``; returns every decoder layer's cross K/V and the key mask."""
+        batch, length = idx.shape
+        if valid is None:
+            valid = torch.ones(batch, length, dtype=torch.bool, device=idx.device)
+        positions = (valid.long().cumsum(1) - 1).clamp_min(0)
+        cos, sin = rope_angles(positions, self.config.rotary_dim, self.config.rope_base)
+        key_mask = valid[:, None, None, :]
+        # A padding query sees the real keys (or itself in an all-padding row), so every row stays finite.
+        own = torch.eye(length, dtype=torch.bool, device=idx.device)
+        x = self.drop(self.embed(idx))
+        for block in self.encoder:
+            x = block(x, cos, sin, mask=key_mask | own)
+        memory = self.encoder_norm(x)
+        return [layer.cross.keys(memory) for layer in self.decoder], key_mask
+
+    def _decode(self, idx: Tensor, cos: Tensor, sin: Tensor, cross: list[CrossKV], cross_mask: Tensor, *,
+                cache: DecoderCache | None = None, slots: Tensor | None = None) -> Tensor:
+        x = self.drop(self.embed(idx))
+        mask = cache.attention_mask(slots, None) if cache is not None else None
+        for i, layer in enumerate(self.decoder):
+            layer_cache = cache.layers[i] if cache is not None else None
+            x = layer(x, cos, sin, cross=cross[i], cross_mask=cross_mask, cache=layer_cache, slots=slots, mask=mask)
+        return self.lm_head(self.norm(x)) * self.config.logit_multiplier
+
+    # ------------------------------------------------------------ inference
+    @torch.no_grad()
+    def prefill(self, idx: Tensor, token_valid: Tensor, max_new_tokens: int) -> tuple[Tensor, EncDecState]:
+        """Encode prompt[:-1] once; the decoder starts at the last prompt token (as in the PrefixLM phase)."""
+        cross, cross_mask = self.encode(idx[:, :-1], token_valid[:, :-1])
+        c, weight = self.config, self.embed.weight
+        cache = DecoderCache(c.n_decoder_layer, idx.shape[0], c.n_kv_head, 1 + max_new_tokens, c.head_dim,
+                             dtype=weight.dtype, device=weight.device)
+        state = EncDecState(cache, cross, cross_mask, 0)
+        return self.decode_step(state, idx[:, -1]), state
+
+    @torch.no_grad()
+    def decode_step(self, state: EncDecState, token: Tensor) -> Tensor:
+        slots = torch.full((1,), state.next_slot, device=token.device)
+        cos, sin = rope_angles(slots, self.config.rotary_dim, self.config.rope_base)
+        logits = self._decode(token[:, None], cos, sin, state.cross, state.cross_mask, cache=state.cache, slots=slots)
+        state.next_slot += 1
+        return logits[:, -1]
