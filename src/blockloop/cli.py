@@ -1,4 +1,4 @@
-"""``blockloop <verb>``: train, eval, generate, presets, info, demo.
+"""``blockloop <verb>``: train, eval, generate, presets, flops, info, demo.
 
 Each verb is a thin layer over the library. User mistakes surface as :class:`BlockloopError` and are
 printed as one line on stderr with exit code 2; anything else is a bug and keeps its traceback.
@@ -44,6 +44,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_generate(sub)
     p = sub.add_parser("presets", help="list the named model presets with parameter counts")
     p.set_defaults(handler=cmd_presets)
+    _add_flops(sub)
     p = sub.add_parser("info", help="show the environment, or a checkpoint's config and training state")
     p.add_argument("checkpoint", nargs="?", help="run directory or checkpoint directory (omit for the environment)")
     p.set_defaults(handler=cmd_info)
@@ -80,6 +81,20 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
         "(default: byte)",
     )
     g.add_argument("--dropout", type=float, help="dropout on embeddings, attention and residuals (default: preset's)")
+    g.add_argument(
+        "--objective", choices=["lm", "prefix_lm"],
+        help="lm: each family's own pretraining objective (next token; block partitions; span corruption); "
+        "prefix_lm: score only the suffix after a breakpoint drawn per batch (default: lm)",
+    )
+    g.add_argument(
+        "--init-from", metavar="RUN",
+        help="start a new run (fresh optimizer and schedule) from the weights, preset and data of RUN, "
+        "e.g. the PrefixLM fine-tuning phase after pretraining",
+    )
+    g.add_argument(
+        "--mup-base-width", type=int,
+        help="muP width scaling with base width d0: hidden-matrix LR x d0/d, logits x sqrt(d0/d) (paper: 64)",
+    )
     g = p.add_argument_group("length of training")
     g.add_argument("--steps", type=int, help=f"optimizer steps (default: {d.steps})")
     g.add_argument("--tokens", type=float, help="train for this many tokens instead of --steps (e.g. 2e6)")
@@ -114,8 +129,9 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
 TRAIN_FLAGS = (
     "steps", "batch_size", "grad_accum", "seq_len", "lr", "min_lr_ratio", "warmup_steps", "schedule", "weight_decay",
     "decay_embeddings", "grad_clip", "seed", "eval_interval", "eval_batches", "log_interval", "ckpt_interval",
-    "device", "precision", "compile", "distributed",
+    "device", "precision", "compile", "distributed", "objective",
 )
+MODEL_FLAGS = ("dropout", "mup_base_width")
 
 
 def cmd_train(args: argparse.Namespace) -> int:
@@ -124,33 +140,42 @@ def cmd_train(args: argparse.Namespace) -> int:
     from blockloop.train.run import RunSpec, prepare_run, sequences
     from blockloop.train.trainer import TrainConfig, Trainer
 
+    from blockloop.data.tokenizers import load_tokenizer
+
     out = Path(args.out)
     given = {k: getattr(args, k) for k in TRAIN_FLAGS if getattr(args, k) is not None}
-    tokenizer = None
-    if args.resume:
-        directory = ckpt.resolve_checkpoint(out)
+    overrides = {k: getattr(args, k) for k in MODEL_FLAGS if getattr(args, k) is not None}
+    tokenizer, init_from = None, None
+    if args.resume or args.init_from:
+        if args.resume and args.init_from:
+            raise BlockloopError("--resume continues the run in --out; --init-from starts a new one: give one of them")
+        directory = ckpt.resolve_checkpoint(out if args.resume else Path(args.init_from))
         state = ckpt.read_json(directory / "train_state.json")
         spec = RunSpec(**state["run"])
-        clashes = [f for f in ("preset", "data", "tokenizer", "dropout") if getattr(args, f) is not None]
+        clashes = [f for f in ("preset", "data", "tokenizer", *MODEL_FLAGS) if getattr(args, f) is not None]
         if clashes:
-            raise BlockloopError(f"--resume continues the saved run; drop --{', --'.join(clashes)}")
-        from blockloop.data.tokenizers import load_tokenizer
-
+            saved = "--resume continues the saved run" if args.resume else "--init-from keeps the saved model and data"
+            raise BlockloopError(f"{saved}; drop --{', --'.join(f.replace('_', '-') for f in clashes)}")
         tokenizer = load_tokenizer(directory)
-        config = TrainConfig(**{**state["train_config"], **given})
+        if args.resume:
+            config = TrainConfig(**{**state["train_config"], **given})
+        else:
+            init_from = directory
+            config = TrainConfig(**given)
     else:
-        if ckpt.checkpoint_root(out).exists():
-            raise BlockloopError(f"{out} already holds a run; pass --resume to continue it or choose another --out")
-        overrides = {"dropout": args.dropout} if args.dropout is not None else {}
         spec = RunSpec(
             preset=args.preset or "demo", data=args.data or "shakespeare", tokenizer=args.tokenizer or "byte",
             model_overrides=overrides,
         )
         config = TrainConfig(**given)
+    if not args.resume and ckpt.checkpoint_root(out).exists():
+        raise BlockloopError(f"{out} already holds a run; pass --resume to continue it or choose another --out")
     config.progress = not args.no_progress
     info = init_distributed(config.resolved_device())
     try:
         run = prepare_run(spec, seed=config.seed, tokenizer=tokenizer, show_progress=info.is_main)
+        if init_from is not None:
+            ckpt.load_model_state(init_from, run.model)
         if args.tokens is not None:
             per_step = config.batch_size * config.grad_accum * config.seq_len * info.world_size
             config.steps = max(1, int(args.tokens // per_step))
@@ -185,6 +210,10 @@ def _add_eval(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--seq-len", type=int, help="window length (default: the run's training --seq-len)")
     p.add_argument("--batch-size", type=int, default=8, help="sequences per forward pass (default: 8)")
     p.add_argument("--max-batches", type=int, help="stop after this many batches (default: the whole split)")
+    p.add_argument(
+        "--objective", choices=["lm", "prefix_lm"],
+        help="what to score: lm or prefix_lm (the suffix after a breakpoint; default: the run's training objective)",
+    )
     p.add_argument("--device", default="auto", help="auto, cpu or cuda (default: auto)")
     p.add_argument("--json", action="store_true", help="print the metrics as one JSON object")
     p.set_defaults(handler=cmd_eval)
@@ -207,19 +236,20 @@ def cmd_eval(args: argparse.Namespace) -> int:
     seq_len = args.seq_len or trained.state.get("train_config", {}).get("seq_len") or trained.config.context_length
     if seq_len > trained.config.context_length:
         raise BlockloopError(f"--seq-len {seq_len} exceeds the model context of {trained.config.context_length}")
+    objective = args.objective or trained.state.get("train_config", {}).get("objective", "lm")
     splits = prepare_tokens(data, trained.tokenizer)
     seqs = PackedSequences(getattr(splits, args.split), seq_len)
     metrics = evaluate(
         trained.model, seqs, batch_size=args.batch_size, max_batches=args.max_batches,
-        byte_lengths=trained.tokenizer.token_byte_lengths(), device=device,
+        byte_lengths=trained.tokenizer.token_byte_lengths(), device=device, objective=objective,
     )
     if args.json:
-        print(json.dumps({"data": data, "split": args.split, **metrics}))
+        print(json.dumps({"data": data, "split": args.split, "objective": objective, **metrics}))
     else:
         parts = [f"loss {metrics['loss']:.4f}", f"perplexity {metrics['perplexity']:.3f}"]
         if "bits_per_byte" in metrics:
             parts.append(f"bits/byte {metrics['bits_per_byte']:.4f}")
-        print(f"{data} {args.split} ({int(metrics['tokens'])} tokens): " + ", ".join(parts))
+        print(f"{data} {args.split} {objective} ({int(metrics['tokens'])} tokens): " + ", ".join(parts))
     return 0
 
 
@@ -283,6 +313,62 @@ def cmd_generate(args: argparse.Namespace) -> int:
                 print(f"--- sample {i + 1}\n{args.prompt}{tok.decode(out)}")
     except ValueError as exc:  # bad sampling parameters
         raise BlockloopError(str(exc)) from exc
+    return 0
+
+
+# ---------------------------------------------------------------------- flops
+def _add_flops(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "flops",
+        help="training FLOPs and KV-cache memory of a preset: the paper's formulas, its config, torch's FLOP counter",
+        description="Architecture-aware training FLOPs (double-decoder paper, appendix A.2) and generation KV-cache "
+        "bytes (appendix A.1) for a preset, with the decoder-only model of the same width and depth for comparison.",
+    )
+    p.add_argument("--preset", required=True, help="model preset (see `blockloop presets`)")
+    p.add_argument("--seq-len", type=int, help="training window / prompt length T (default: the preset's context)")
+    p.add_argument("--out-len", type=int, default=256, help="generated tokens T_out for the KV cache (default: 256)")
+    p.add_argument("--bytes", type=int, default=2, help="bytes per cached value (default: 2, bf16)")
+    p.add_argument("--measure", action="store_true", help="also count one forward with torch's FlopCounterMode")
+    p.set_defaults(handler=cmd_flops)
+
+
+def cmd_flops(args: argparse.Namespace) -> int:
+    import torch
+
+    from blockloop.config import DecoderConfig
+    from blockloop.data.collate import collate_for, step_generator
+    from blockloop.models import build_model
+    from blockloop.presets import from_name
+    from blockloop.train import flops
+
+    config = from_name(args.preset)
+    T = args.seq_len or config.context_length
+    if not 2 <= T <= config.context_length:
+        raise BlockloopError(f"--seq-len must be in 2..{config.context_length} (the model context), got {T}")
+    if args.out_len < 1 or args.bytes < 1:
+        raise BlockloopError("--out-len and --bytes must be at least 1")
+    shared = {f.name for f in dataclasses.fields(DecoderConfig)}
+    baseline = DecoderConfig(**{k: v for k, v in dataclasses.asdict(config).items() if k in shared})
+    rows = [("model", "paper formula FLOPs/token", "config FLOPs/token", "measured FLOPs/token", f"KV cache T={T}+{args.out_len}")]
+    for label, c in ((f"{config.family} ({args.preset})", config), ("decoder-only, same width/depth", baseline)):
+        t_in, t_out = flops.encoder_decoder_lengths(c, T) if c.family == "encoder_decoder" else (T, None)
+        paper = flops.paper_training_flops(c.family, t_in, c.d_model, c.n_layer, t_out) / T
+        exact = flops.training_flops_per_token(c, T)
+        measured = "-"
+        if args.measure:
+            with torch.device("meta"):
+                model = build_model(c)
+            batch = collate_for(model)(torch.zeros(1, T, dtype=torch.long), torch.zeros(1, T, dtype=torch.long), step_generator(0, 0))
+            batch.pop("targets")
+            measured = f"{3 * flops.measured_forward_flops(model, {k: v.to('meta') for k, v in batch.items()}) / T:.4g}"
+        kv = flops.kv_cache_bytes(c, T, args.out_len, args.bytes)
+        rows.append((label, f"{paper:.4g}", f"{exact:.4g}", measured, f"{kv / 2**20:.2f} MiB"))
+        if c is config and c.family == "decoder":
+            break
+    _print_table(rows)
+    print("paper formula: appendix A.2 (MHA, 4d MLP, no LM head, 2/3-1/3 split); config: this preset's exact shapes "
+          "incl. LM head; measured: 3 x one forward under torch FlopCounterMode (the double decoder's dense dual "
+          "attention counts two attentions where the paper's efficient implementation counts one).")
     return 0
 
 

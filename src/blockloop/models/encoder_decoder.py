@@ -125,8 +125,8 @@ class EncoderDecoder(nn.Module):
         encoder_valid: Tensor | None = None,
     ) -> tuple[Tensor, Tensor | None]:
         """Logits ``(B, T_out, V)`` for ``decoder_idx`` given the encoder input ``idx (B, T_in)``."""
-        if idx.shape[1] + decoder_idx.shape[1] > self.config.context_length + 1:
-            raise ValueError(f"encoder + decoder lengths exceed the model context of {self.config.context_length}")
+        if max(idx.shape[1], decoder_idx.shape[1]) > self.config.context_length:
+            raise ValueError(f"encoder or decoder input exceeds the model context of {self.config.context_length}")
         cross, cross_mask = self.encode(idx, encoder_valid)
         positions = torch.arange(decoder_idx.shape[1], device=idx.device)
         cos, sin = rope_angles(positions, self.config.rotary_dim, self.config.rope_base)

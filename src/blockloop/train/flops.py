@@ -1,32 +1,133 @@
-"""Training FLOPs per token and model FLOPs utilisation (MFU).
+"""FLOPs and KV-cache memory per model family, and model FLOPs utilisation (MFU).
 
-FLOPs per token follow the PaLM appendix B accounting: 6 N for the forward and backward of every
-weight matrix (embedding lookups excluded, the LM head included) plus 12 L H d_head T for the attention
-score and value products at sequence length T. MFU divides achieved FLOP/s by the device's dense bf16
-peak, which is only known for the data-centre GPUs listed here.
+Two levels, side by side:
+
+* :func:`paper_training_flops` / :func:`paper_kv_cache_bytes` are the closed forms of the
+  double-decoder paper (appendix A.2 and A.1): multi-head attention, a 4d GELU MLP, no LM head, full
+  (unmasked) T^2 attention and its 2/3 : 1/3 layer split baked in.
+* :func:`training_flops` / :func:`kv_cache_bytes` count the same way for an actual config (its layer
+  split, grouped-query heads, MLP type, the LM head): 6 FLOPs per weight per token for forward and
+  backward (PaLM appendix B) plus 12 d T per layer for the attention score and value products. On the
+  paper's shapes without a head they reduce exactly to the closed forms (tested).
+
+Families differ as in section 3.2: the double decoder's generation layers have two extra projections
+(the cross k', v') and, in the paper's "efficient implementation", one attention's worth of products
+(our dense implementation computes two, which :func:`measured_forward_flops` shows); the
+encoder-decoder runs its encoder over T_in and its decoder over T_out only, plus cross-attention.
+
+MFU divides achieved FLOP/s by the device's dense bf16 peak, known only for the GPUs listed here.
 """
 
 from __future__ import annotations
 
 import torch
+from torch import nn
 
 from blockloop.config import DecoderConfig
+from blockloop.data.span_corruption import span_counts
+from blockloop.errors import BlockloopError
 
 # Dense bf16 tensor-core peaks (FLOP/s) from the vendors' datasheets, SXM parts.
 PEAK_BF16_FLOPS = {"H100": 989e12, "H200": 989e12, "A100": 312e12, "L40S": 362e12, "A10G": 125e12}
+FAMILIES = ("decoder", "double_decoder", "encoder_decoder")
 
 
-def matmul_parameters(config: DecoderConfig) -> int:
-    """Weights that take part in a matrix multiply per token: all blocks plus the LM head."""
+# ----------------------------------------------------------------- the paper's closed forms (appendix A)
+def paper_training_flops(family: str, seq_len: int, d_model: int, n_layer: int, out_len: int | None = None) -> float:
+    """Appendix A.2: training FLOPs of one sequence (T = T_in; T_out for the encoder-decoder)."""
+    T, d, L = seq_len, d_model, n_layer
+    if family == "decoder":
+        return L * (72 * T * d**2 + 12 * T**2 * d)
+    if family == "double_decoder":
+        return L * (76 * T * d**2 + 12 * T**2 * d)
+    if family == "encoder_decoder":
+        if out_len is None:
+            raise BlockloopError("the encoder-decoder formula needs the decoder length T_out (--out-len)")
+        To = out_len
+        return L * ((52 * T + 28 * To) * d**2 + (4 * To**2 + 4 * T * To + 8 * T**2) * d)
+    raise BlockloopError(f"unknown family {family!r}; one of {FAMILIES}")
+
+
+def paper_kv_cache_bytes(family: str, d_model: int, n_layer: int, n_dec_layer: int, in_len: int, out_len: int,
+                         bytes_per_value: int = 2) -> int:
+    """Appendix A.1: 2 d b L (T_in + T_out) for decoder-only, 2 d b L_dec (T_in + T_out) for two stacks."""
+    layers = n_layer if family == "decoder" else n_dec_layer
+    return 2 * d_model * bytes_per_value * layers * (in_len + out_len)
+
+
+# -------------------------------------------------------------------------- config-exact counts
+def _layer_weights(config: DecoderConfig) -> dict[str, int]:
     d, h, kv, dh, ff = config.d_model, config.n_head, config.n_kv_head, config.head_dim, config.d_ff
-    attn = d * (h + 2 * kv) * dh + h * dh * d
-    mlp = (2 if config.mlp == "gelu" else 3) * d * ff
-    return config.n_layer * (attn + mlp) + d * config.padded_vocab_size
+    return {
+        "q_o": 2 * d * h * dh,
+        "kv": 2 * d * kv * dh,
+        "mlp": (2 if config.mlp == "gelu" else 3) * d * ff,
+    }
+
+
+def stack_layers(config: DecoderConfig) -> tuple[int, int]:
+    """(layers that see the whole input, layers that generate): (L, L), (L_ctx, L_gen) or (L_enc, L_dec)."""
+    if config.family == "double_decoder":
+        return config.n_context_layer, config.n_generation_layer
+    if config.family == "encoder_decoder":
+        return config.n_encoder_layer, config.n_decoder_layer
+    return config.n_layer, config.n_layer
+
+
+def encoder_decoder_lengths(config: DecoderConfig, seq_len: int) -> tuple[int, int]:
+    """(T_in, T_out) of a span-corrupted window of ``seq_len`` tokens."""
+    noise, spans = span_counts(seq_len, config.corruption_rate, config.mean_span_length, config.n_sentinels)
+    return seq_len - noise + spans, noise + spans
+
+
+def training_flops(config: DecoderConfig, seq_len: int, out_len: int | None = None, *, lm_head: bool = True) -> float:
+    """Training FLOPs of one window of ``seq_len`` tokens for ``config``'s family.
+
+    For the encoder-decoder, ``seq_len`` is T_in and ``out_len`` T_out (default: the span-corruption
+    lengths of a ``seq_len`` window).
+    """
+    w = _layer_weights(config)
+    layer = w["q_o"] + w["kv"] + w["mlp"]
+    att = 12 * config.n_head * config.head_dim  # per layer, per query, per key
+    head = config.d_model * config.padded_vocab_size if lm_head else 0
+    T = seq_len
+    if config.family == "decoder":
+        return 6 * T * (config.n_layer * layer + head) + att * config.n_layer * T**2
+    if config.family == "double_decoder":
+        n_ctx, n_gen = stack_layers(config)
+        weights = n_ctx * layer + n_gen * (layer + w["kv"]) + head
+        return 6 * T * weights + att * (n_ctx + n_gen) * T**2
+    if config.family == "encoder_decoder":
+        n_enc, n_dec = stack_layers(config)
+        if out_len is None:
+            T, out_len = encoder_decoder_lengths(config, seq_len)
+        To = out_len
+        tokens = T * n_enc * layer + To * (n_dec * (layer + w["q_o"]) + head) + T * n_dec * w["kv"]
+        return 6 * tokens + att * (n_enc * T**2 + n_dec * (To**2 + T * To))
+    raise BlockloopError(f"no FLOP formula for family {config.family!r}")
 
 
 def training_flops_per_token(config: DecoderConfig, seq_len: int) -> float:
-    attention = 12 * config.n_layer * config.n_head * config.head_dim * seq_len
-    return 6 * matmul_parameters(config) + attention
+    """What the trainer's MFU readout uses: FLOPs of a ``seq_len`` window divided by its tokens."""
+    return training_flops(config, seq_len) / seq_len
+
+
+def kv_cache_bytes(config: DecoderConfig, prompt_len: int, new_tokens: int, bytes_per_value: int = 2) -> int:
+    """Keys and values held while generating ``new_tokens`` after a ``prompt_len`` prompt (appendix A.1,
+    with the config's own K/V heads): every layer for decoder-only, the generation/decoder layers only
+    (self K/V of the generated tokens + cross K/V of the prompt) for the two-stack families."""
+    per_token = 2 * config.n_kv_head * config.head_dim * bytes_per_value
+    return per_token * stack_layers(config)[1] * (prompt_len + new_tokens)
+
+
+def measured_forward_flops(model: nn.Module, batch: dict[str, torch.Tensor]) -> int:
+    """FLOPs of one forward on ``batch`` counted by torch's FlopCounterMode (matmuls and attention)."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    counter = FlopCounterMode(display=False)
+    with counter, torch.no_grad():
+        model(**batch)
+    return counter.get_total_flops()
 
 
 def peak_flops(device: torch.device) -> float | None:

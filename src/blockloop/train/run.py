@@ -61,7 +61,8 @@ def prepare_run(
         documents = load_documents(spec.data) if spec.tokenizer.split(":")[0] == "bpe" else None
         tokenizer = build_tokenizer(spec.tokenizer, documents)
     splits = prepare_tokens(spec.data, tokenizer, show_progress=show_progress)
-    config = config.replace(vocab_size=tokenizer.vocab_size, padded_vocab_size=padded_vocab(tokenizer.vocab_size))
+    padded = padded_vocab(tokenizer.vocab_size + config.reserved_ids)  # + span-corruption sentinels, if any
+    config = config.replace(vocab_size=tokenizer.vocab_size, padded_vocab_size=padded)
     torch.manual_seed(seed)
     return PreparedRun(spec, tokenizer, config, build_model(config), splits)
 
