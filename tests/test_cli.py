@@ -127,7 +127,9 @@ def test_demo_trains_compares_and_samples(tmp_path, capsys):
     assert main(["demo", "--out", str(tmp_path / "demo"), "--steps", "4", "--device", "cpu"]) == 0
     out = capsys.readouterr().out
     assert "validation loss before training" in out and "=== comparison" in out and "vanilla decoder" in out
+    assert "double decoder" in out
     assert (tmp_path / "demo" / "demo" / "checkpoints" / "latest").is_file()
+    assert (tmp_path / "demo" / "demo-double" / "checkpoints" / "latest").is_file()
 
 
 def test_tokens_budget_sets_the_step_count(tmp_path):
