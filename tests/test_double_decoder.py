@@ -167,3 +167,24 @@ def test_bad_layer_split_and_unknown_partition_are_config_errors():
         DoubleDecoderConfig(n_layer=3, n_head=4, d_model=64, n_context_layer=2, partition="spiral")
     with pytest.raises(ConfigError, match="partition_lengths"):
         DoubleDecoderConfig(n_layer=3, n_head=4, d_model=64, n_context_layer=2, partition="histogram")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_flex_dual_attention_forward_backward_and_generation_match_cpu():
+    """On CUDA the merged attentions run on FlexAttention (bf16 autocast); compare with the float64 CPU model."""
+    torch.manual_seed(0)
+    cpu = build_model(from_name("tiny-double")).double()
+    gpu = build_model(from_name("tiny-double")).cuda()
+    gpu.load_state_dict(cpu.state_dict())
+    g = torch.Generator().manual_seed(0)
+    idx = torch.randint(0, 258, (2, 128), generator=g)
+    boundaries = random_boundaries(128, g)
+    want, _ = cpu(idx, boundaries=boundaries)
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        got, loss = gpu(idx.cuda(), idx.cuda(), boundaries=boundaries.cuda())
+    torch.testing.assert_close(got.double().cpu(), want, atol=5e-2, rtol=5e-2)
+    loss.backward()
+    assert all(torch.isfinite(p.grad).all() for p in gpu.parameters() if p.grad is not None)
+    prompts = [idx[0, :20].tolist(), idx[1, :9].tolist()]
+    assert generate(gpu.eval(), prompts, 8, temperature=0) == generate(cpu.float().eval(), prompts, 8, temperature=0)
