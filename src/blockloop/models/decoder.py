@@ -107,15 +107,21 @@ class Block(nn.Module):
         return x + self.drop(self.mlp(self.norm2(x)))
 
 
-class Decoder(nn.Module):
-    """Token embedding -> n_layer blocks -> final norm -> LM head (optionally tied to the embedding)."""
+class LanguageModel(nn.Module):
+    """What every family shares: token embedding (+ dropout), its own ``stacks`` of layers, final norm, and
+    an LM head tied to the embedding when configured; initialisation, the loss and parameter counts.
 
-    def __init__(self, config: DecoderConfig) -> None:
+    ``stacks`` are registered in order between the embedding and the head, so initialisation visits the
+    modules in the order the model reads.
+    """
+
+    def __init__(self, config: DecoderConfig, **stacks: nn.Module) -> None:
         super().__init__()
         self.config = config
         self.embed = nn.Embedding(config.padded_vocab_size, config.d_model)
         self.drop = nn.Dropout(config.dropout)
-        self.blocks = nn.ModuleList(Block(config) for _ in range(config.n_layer))
+        for name, module in stacks.items():
+            setattr(self, name, module)
         self.norm = build_norm(config.norm, config.d_model, config.norm_eps)
         self.lm_head = nn.Linear(config.d_model, config.padded_vocab_size, bias=False)
         if config.tie_embeddings:
@@ -124,6 +130,32 @@ class Decoder(nn.Module):
 
     def reset_parameters(self) -> None:
         init_weights(self, self.config)
+
+    def logits(self, x: Tensor) -> Tensor:
+        """The LM head on final-normed states, times the muP readout multiplier (1 without muP)."""
+        return self.lm_head(x) * self.config.logit_multiplier
+
+    @staticmethod
+    def loss(logits: Tensor, targets: Tensor | None) -> Tensor | None:
+        """Mean next-token cross-entropy over targets that are not -100 (None without targets)."""
+        if targets is None:
+            return None
+        return F.cross_entropy(at_least_fp32(logits.flatten(0, 1)), targets.flatten(), ignore_index=-100)
+
+    def num_parameters(self, *, non_embedding: bool = False) -> int:
+        """Unique parameters (tied weights counted once); ``non_embedding`` drops embedding and head."""
+        params = {id(p): p for p in self.parameters()}
+        if non_embedding:
+            params.pop(id(self.embed.weight), None)
+            params.pop(id(self.lm_head.weight), None)
+        return sum(p.numel() for p in params.values())
+
+
+class Decoder(LanguageModel):
+    """Token embedding -> n_layer blocks -> final norm -> LM head (optionally tied to the embedding)."""
+
+    def __init__(self, config: DecoderConfig) -> None:
+        super().__init__(config, blocks=nn.ModuleList(Block(config) for _ in range(config.n_layer)))
 
     def allocate_cache(self, batch_size: int, max_len: int, *, dtype: torch.dtype | None = None) -> DecoderCache:
         """A static cache for ``batch_size`` rows of up to ``max_len`` tokens (prompt + generated)."""
@@ -194,20 +226,5 @@ class Decoder(nn.Module):
         x = self.norm(x)
         if last_only:
             x = x[:, -1:]
-        logits = self.lm_head(x) * self.config.logit_multiplier
-        loss = None
-        if targets is not None:
-            loss = F.cross_entropy(at_least_fp32(logits.flatten(0, 1)), targets.flatten(), ignore_index=-100)
-        return logits, loss
-
-    def num_parameters(self, *, non_embedding: bool = False) -> int:
-        return count_parameters(self, non_embedding=non_embedding)
-
-
-def count_parameters(model: nn.Module, *, non_embedding: bool = False) -> int:
-    """Unique parameters (tied weights counted once); ``non_embedding`` drops ``model.embed`` and ``model.lm_head``."""
-    params = {id(p): p for p in model.parameters()}
-    if non_embedding:
-        params.pop(id(model.embed.weight), None)
-        params.pop(id(model.lm_head.weight), None)
-    return sum(p.numel() for p in params.values())
+        logits = self.logits(x)
+        return logits, self.loss(logits, targets)

@@ -27,18 +27,15 @@ from dataclasses import dataclass
 from typing import Sequence
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from blockloop.config import DoubleDecoderConfig
 from blockloop.data.collate import lm_batch, sample_breakpoint
 from blockloop.data.partitions import block_masks, prefix_partition, sample_partition
-from blockloop.models.decoder import Block, SelfAttention, count_parameters, merge_heads, split_heads
+from blockloop.models.decoder import Block, LanguageModel, SelfAttention, merge_heads, split_heads
 from blockloop.nn.attention import attention, merge_attention
-from blockloop.nn.init import init_weights
 from blockloop.nn.kv_cache import DecoderCache, KVCache
 from blockloop.nn.norm import build_norm
-from blockloop.nn.precision import at_least_fp32
 from blockloop.nn.rope import apply_rope, rope_angles
 
 CrossKV = tuple[Tensor, Tensor]
@@ -107,23 +104,14 @@ class DoubleDecodeState:
     next_position: Tensor
 
 
-class DoubleDecoder(nn.Module):
+class DoubleDecoder(LanguageModel):
     def __init__(self, config: DoubleDecoderConfig) -> None:
-        super().__init__()
-        self.config = config
-        self.embed = nn.Embedding(config.padded_vocab_size, config.d_model)
-        self.drop = nn.Dropout(config.dropout)
-        self.context = nn.ModuleList(Block(config) for _ in range(config.n_context_layer))
-        self.context_norm = build_norm(config.norm, config.d_model, config.norm_eps)
-        self.generation = nn.ModuleList(Block(config, DualAttention) for _ in range(config.n_generation_layer))
-        self.norm = build_norm(config.norm, config.d_model, config.norm_eps)
-        self.lm_head = nn.Linear(config.d_model, config.padded_vocab_size, bias=False)
-        if config.tie_embeddings:
-            self.lm_head.weight = self.embed.weight
-        self.reset_parameters()
-
-    def reset_parameters(self) -> None:
-        init_weights(self, self.config)
+        super().__init__(
+            config,
+            context=nn.ModuleList(Block(config) for _ in range(config.n_context_layer)),
+            context_norm=build_norm(config.norm, config.d_model, config.norm_eps),
+            generation=nn.ModuleList(Block(config, DualAttention) for _ in range(config.n_generation_layer)),
+        )
 
     # ------------------------------------------------------------- training
     def collate_batch(
@@ -158,10 +146,7 @@ class DoubleDecoder(nn.Module):
         within, cross = block_masks(boundaries.to(idx.device), length)
         cross_kv = [layer.attn.cross_keys(latents, cos, sin) for layer in self.generation]
         logits = self._generate(x, cos, sin, cross_kv, cross, mask=within)
-        loss = None
-        if targets is not None:
-            loss = F.cross_entropy(at_least_fp32(logits.flatten(0, 1)), targets.flatten(), ignore_index=-100)
-        return logits, loss
+        return logits, self.loss(logits, targets)
 
     def _context(self, x: Tensor, cos: Tensor, sin: Tensor, cache: DecoderCache | None = None,
                  slots: Tensor | None = None, mask: Tensor | None = None) -> Tensor:
@@ -176,7 +161,7 @@ class DoubleDecoder(nn.Module):
         for i, block in enumerate(self.generation):
             layer_cache = cache.layers[i] if cache is not None else None
             x = block(x, cos, sin, cross=cross[i], cross_mask=cross_mask, mask=mask, cache=layer_cache, slots=slots)
-        return self.lm_head(self.norm(x)) * self.config.logit_multiplier
+        return self.logits(self.norm(x))
 
     # ------------------------------------------------------------ inference
     def _cache(self, n_layer: int, batch_size: int, max_len: int) -> DecoderCache:
@@ -248,6 +233,3 @@ class DoubleDecoder(nn.Module):
         state.next_slot += 1
         state.next_position = state.next_position + 1
         return logits[:, -1]
-
-    def num_parameters(self, *, non_embedding: bool = False) -> int:
-        return count_parameters(self, non_embedding=non_embedding)

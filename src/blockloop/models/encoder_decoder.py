@@ -18,19 +18,16 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from blockloop.config import EncoderDecoderConfig
 from blockloop.data.collate import sample_breakpoint
 from blockloop.data.span_corruption import span_corrupt
-from blockloop.models.decoder import Block, SelfAttention, count_parameters, merge_heads, split_heads
+from blockloop.models.decoder import Block, LanguageModel, SelfAttention, merge_heads, split_heads
 from blockloop.nn.attention import attention
-from blockloop.nn.init import init_weights
 from blockloop.nn.kv_cache import DecoderCache, KVCache
 from blockloop.nn.mlp import build_mlp
 from blockloop.nn.norm import build_norm
-from blockloop.nn.precision import at_least_fp32
 from blockloop.nn.rope import rope_angles
 
 CrossKV = tuple[Tensor, Tensor]
@@ -83,26 +80,14 @@ class EncDecState:
     next_slot: int
 
 
-class EncoderDecoder(nn.Module):
+class EncoderDecoder(LanguageModel):
     def __init__(self, config: EncoderDecoderConfig) -> None:
-        super().__init__()
-        self.config = config
-        self.embed = nn.Embedding(config.padded_vocab_size, config.d_model)
-        self.drop = nn.Dropout(config.dropout)
-        self.encoder = nn.ModuleList(Block(config) for _ in range(config.n_encoder_layer))
-        self.encoder_norm = build_norm(config.norm, config.d_model, config.norm_eps)
-        self.decoder = nn.ModuleList(DecoderLayer(config) for _ in range(config.n_decoder_layer))
-        self.norm = build_norm(config.norm, config.d_model, config.norm_eps)
-        self.lm_head = nn.Linear(config.d_model, config.padded_vocab_size, bias=False)
-        if config.tie_embeddings:
-            self.lm_head.weight = self.embed.weight
-        self.reset_parameters()
-
-    def reset_parameters(self) -> None:
-        init_weights(self, self.config)
-
-    def num_parameters(self, *, non_embedding: bool = False) -> int:
-        return count_parameters(self, non_embedding=non_embedding)
+        super().__init__(
+            config,
+            encoder=nn.ModuleList(Block(config) for _ in range(config.n_encoder_layer)),
+            encoder_norm=build_norm(config.norm, config.d_model, config.norm_eps),
+            decoder=nn.ModuleList(DecoderLayer(config) for _ in range(config.n_decoder_layer)),
+        )
 
     # ------------------------------------------------------------- training
     def collate_batch(
@@ -131,10 +116,7 @@ class EncoderDecoder(nn.Module):
         positions = torch.arange(decoder_idx.shape[1], device=idx.device)
         cos, sin = rope_angles(positions, self.config.rotary_dim, self.config.rope_base)
         logits = self._decode(decoder_idx, cos, sin, cross, cross_mask)
-        loss = None
-        if targets is not None:
-            loss = F.cross_entropy(at_least_fp32(logits.flatten(0, 1)), targets.flatten(), ignore_index=-100)
-        return logits, loss
+        return logits, self.loss(logits, targets)
 
     def encode(self, idx: Tensor, valid: Tensor | None = None) -> tuple[list[CrossKV], Tensor]:
         """Bidirectional encoder over ``idx``; returns every decoder layer's cross K/V and the key mask."""
@@ -159,7 +141,7 @@ class EncoderDecoder(nn.Module):
         for i, layer in enumerate(self.decoder):
             layer_cache = cache.layers[i] if cache is not None else None
             x = layer(x, cos, sin, cross=cross[i], cross_mask=cross_mask, cache=layer_cache, slots=slots, mask=mask)
-        return self.lm_head(self.norm(x)) * self.config.logit_multiplier
+        return self.logits(self.norm(x))
 
     # ------------------------------------------------------------ inference
     @torch.no_grad()
