@@ -32,6 +32,14 @@ def sample_breakpoint(length: int, generator: torch.Generator) -> int:
     return int(torch.randint(1, length, (1,), generator=generator))
 
 
+def unscored_prefix(targets: Tensor, generator: torch.Generator) -> tuple[Tensor, int]:
+    """Draw the PrefixLM breakpoint b and return the targets with positions [0, b) ignored (-100), and b."""
+    breakpoint = sample_breakpoint(targets.shape[1], generator)
+    targets = targets.clone()
+    targets[:, :breakpoint] = -100
+    return targets, breakpoint
+
+
 def lm_batch(inputs: Tensor, targets: Tensor, generator: torch.Generator, objective: str = "lm") -> dict[str, Tensor]:
     """Next-token prediction over the whole window; under prefix_lm the prefix's targets are not scored.
 
@@ -39,8 +47,7 @@ def lm_batch(inputs: Tensor, targets: Tensor, generator: torch.Generator, object
     information" (paper, section 4).
     """
     if objective == "prefix_lm":
-        targets = targets.clone()
-        targets[:, : sample_breakpoint(inputs.shape[1], generator)] = -100
+        targets, _ = unscored_prefix(targets, generator)
     return {"idx": inputs, "targets": targets}
 
 

@@ -30,7 +30,7 @@ import torch
 from torch import Tensor, nn
 
 from blockloop.config import DoubleDecoderConfig
-from blockloop.data.collate import lm_batch, sample_breakpoint
+from blockloop.data.collate import unscored_prefix
 from blockloop.data.partitions import block_masks, prefix_partition, sample_partition
 from blockloop.models.decoder import Block, LanguageModel, SelfAttention, merge_heads, split_heads
 from blockloop.nn.attention import attention, merge_attention
@@ -105,6 +105,8 @@ class DoubleDecodeState:
 
 
 class DoubleDecoder(LanguageModel):
+    """Shared embedding -> context decoder -> latents h; embedding + h -> generation decoder -> tied head."""
+
     def __init__(self, config: DoubleDecoderConfig) -> None:
         super().__init__(
             config,
@@ -120,13 +122,11 @@ class DoubleDecoder(LanguageModel):
         """A block partition per batch (native objective), or the PrefixLM split [0, b) | [b, T)."""
         length = inputs.shape[1]
         if objective == "prefix_lm":
-            breakpoint = sample_breakpoint(length, generator)
-            targets = targets.clone()
-            targets[:, :breakpoint] = -100
+            targets, breakpoint = unscored_prefix(targets, generator)
             return {"idx": inputs, "targets": targets, "boundaries": prefix_partition(length, breakpoint)}
         c = self.config
         boundaries = sample_partition(length, c.partition, generator, max_blocks=c.max_blocks, lengths=c.partition_lengths)
-        return {**lm_batch(inputs, targets, generator), "boundaries": boundaries}
+        return {"idx": inputs, "targets": targets, "boundaries": boundaries}
 
     def forward(
         self, idx: Tensor, targets: Tensor | None = None, *, boundaries: Tensor | None = None
