@@ -114,7 +114,10 @@ def markdown(record: dict[str, object]) -> str:
             f"{r['ttft_s'] * 1e3:.1f} ms | {r['ttft_s'] / base['ttft_s']:.2f}x | {r['per_token_s'] * 1e3:.2f} ms | "
             f"{r['per_token_s'] / base['per_token_s']:.2f}x |"
         )
-    lines += ["", record["notes"], ""]
+    ranked = sorted(rows, key=lambda r: r["prefix_lm_val_loss"])
+    order = " < ".join(f"{r['family']} {r['prefix_lm_val_loss']:.3f}" for r in ranked)
+    lines += ["", f"PrefixLM loss ordering: {order} (paper, section 5: decoder-only <~ double decoder << encoder-decoder).",
+              "", record["notes"], ""]
     return "\n".join(lines)
 
 
