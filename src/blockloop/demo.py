@@ -33,7 +33,7 @@ DEMO_ENTRIES: tuple[DemoEntry, ...] = (
     DemoEntry("vanilla decoder", "demo", steps=450, lr=3e-3),
     # 3 context + 1 generation layers (0.89M non-embedding vs 0.85M); its loss is the native block-partition
     # objective, and each step costs more on CPU (the dense dual attention), hence fewer steps.
-    DemoEntry("double decoder", "demo-double", steps=120, lr=3e-3),
+    DemoEntry("double decoder", "demo-double", steps=180, lr=3e-3),
 )
 
 
