@@ -127,7 +127,9 @@ def test_demo_trains_compares_and_samples(tmp_path, capsys):
     assert main(["demo", "--out", str(tmp_path / "demo"), "--steps", "4", "--device", "cpu"]) == 0
     out = capsys.readouterr().out
     assert "validation loss before training" in out and "=== comparison" in out and "vanilla decoder" in out
+    assert "double decoder" in out
     assert (tmp_path / "demo" / "demo" / "checkpoints" / "latest").is_file()
+    assert (tmp_path / "demo" / "demo-double" / "checkpoints" / "latest").is_file()
 
 
 def test_tokens_budget_sets_the_step_count(tmp_path):
@@ -153,7 +155,7 @@ def test_convert_to_block_then_uptrain_and_generate(trained_run, tmp_path, capsy
                    "already holds a model")
     one_line_error(capsys, ["convert", "--to", "block", "--checkpoint", str(trained_run), "--out", str(tmp_path / "b3"),
                             "--block-len", "3"], "not a multiple of --block-len 3")
-    one_line_error(capsys, [*argv, "--out", str(tmp_path / "x"), "--preset", "tiny"], "--init-from brings its own")
+    one_line_error(capsys, [*argv, "--out", str(tmp_path / "x"), "--preset", "tiny"], "--init-from keeps the saved model")
 
 
 def test_set_overrides_model_fields_and_rejects_unknown_ones(tmp_path, capsys):

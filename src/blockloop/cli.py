@@ -1,4 +1,4 @@
-"""``blockloop <verb>``: train, eval, generate, presets, info, demo.
+"""``blockloop <verb>``: train, eval, generate, presets, flops, info, demo.
 
 Each verb is a thin layer over the library. User mistakes surface as :class:`BlockloopError` and are
 printed as one line on stderr with exit code 2; anything else is a bug and keeps its traceback.
@@ -46,6 +46,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_tasks(sub)
     p = sub.add_parser("presets", help="list the named model presets with parameter counts")
     p.set_defaults(handler=cmd_presets)
+    _add_flops(sub)
     p = sub.add_parser("info", help="show the environment, or a checkpoint's config and training state")
     p.add_argument("checkpoint", nargs="?", help="run directory or checkpoint directory (omit for the environment)")
     p.set_defaults(handler=cmd_info)
@@ -88,9 +89,19 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
         "see the config dataclasses in blockloop/config.py)",
     )
     g.add_argument(
-        "--init-from",
-        help="start from this checkpoint's model, config and tokenizer instead of a preset (fine-tuning, or "
-        "uptraining a model made by `blockloop convert`)",
+        "--objective", choices=["lm", "prefix_lm"],
+        help="lm: each family's own pretraining objective (next token; block partitions; span corruption); "
+        "prefix_lm: score only the suffix after a breakpoint drawn per batch (default: lm)",
+    )
+    g.add_argument(
+        "--init-from", metavar="RUN",
+        help="start a new run (fresh optimizer and schedule) from the model, config and tokenizer of RUN: "
+        "fine-tuning, the PrefixLM phase after pretraining, or uptraining a model made by `blockloop convert`; "
+        "the data is RUN's unless --data is given",
+    )
+    g.add_argument(
+        "--mup-base-width", type=int,
+        help="muP width scaling with base width d0: hidden-matrix LR x d0/d, logits x sqrt(d0/d) (paper: 64)",
     )
     g = p.add_argument_group("length of training")
     g.add_argument("--steps", type=int, help=f"optimizer steps (default: {d.steps})")
@@ -126,8 +137,9 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
 TRAIN_FLAGS = (
     "steps", "batch_size", "grad_accum", "seq_len", "lr", "min_lr_ratio", "warmup_steps", "schedule", "weight_decay",
     "decay_embeddings", "grad_clip", "seed", "eval_interval", "eval_batches", "log_interval", "ckpt_interval",
-    "device", "precision", "compile", "distributed",
+    "device", "precision", "compile", "distributed", "objective",
 )
+MODEL_FLAGS = ("dropout", "mup_base_width")
 
 
 def cmd_train(args: argparse.Namespace) -> int:
@@ -138,29 +150,40 @@ def cmd_train(args: argparse.Namespace) -> int:
 
     out = Path(args.out)
     given = {k: getattr(args, k) for k in TRAIN_FLAGS if getattr(args, k) is not None}
+    if args.resume and args.init_from:
+        raise BlockloopError("--resume continues the run in --out; --init-from starts a new one: give one of them")
+    overrides = _parse_overrides(args.set)
+    overrides.update({k: getattr(args, k) for k in MODEL_FLAGS if getattr(args, k) is not None})
     if args.resume:
         directory = ckpt.resolve_checkpoint(out)
         state = ckpt.read_json(directory / "train_state.json")
         spec = RunSpec(**state["run"])
-        clashes = [f for f in ("preset", "data", "tokenizer", "dropout", "init_from") if getattr(args, f) is not None]
+        clashes = [f for f in ("preset", "data", "tokenizer", *MODEL_FLAGS) if getattr(args, f) is not None]
         clashes += ["set"] if args.set else []
         if clashes:
-            raise BlockloopError(f"--resume continues the saved run; drop --{', --'.join(clashes)}")
+            raise BlockloopError(f"--resume continues the saved run; drop --{', --'.join(f.replace('_', '-') for f in clashes)}")
         # The model, config and tokenizer come from the run's own checkpoint, whatever it started from.
         source = dataclasses.replace(spec, init_from=str(directory))
         config = TrainConfig(**{**state["train_config"], **given})
     else:
         if ckpt.checkpoint_root(out).exists():
             raise BlockloopError(f"{out} already holds a run; pass --resume to continue it or choose another --out")
-        overrides = _parse_overrides(args.set)
-        if args.dropout is not None:
-            overrides["dropout"] = args.dropout
-        if args.init_from is not None and (args.preset or args.tokenizer or overrides):
-            raise BlockloopError("--init-from brings its own model and tokenizer; drop --preset/--tokenizer/--dropout")
-        spec = RunSpec(
-            preset=args.preset or "demo", data=args.data or "shakespeare", tokenizer=args.tokenizer or "byte",
-            model_overrides=overrides, init_from=args.init_from,
-        )
+        if args.init_from is not None:
+            if args.preset or args.tokenizer or overrides:
+                raise BlockloopError(
+                    "--init-from keeps the saved model and tokenizer; drop --preset/--tokenizer/--set/--dropout/--mup-base-width"
+                )
+            directory = ckpt.resolve_checkpoint(Path(args.init_from))
+            saved = ckpt.read_json(directory / "train_state.json").get("run", {}) if (directory / "train_state.json").is_file() else {}
+            spec = RunSpec(
+                preset=saved.get("preset", "demo"), data=args.data or saved.get("data", "shakespeare"),
+                tokenizer=saved.get("tokenizer", "byte"), init_from=str(directory),
+            )
+        else:
+            spec = RunSpec(
+                preset=args.preset or "demo", data=args.data or "shakespeare", tokenizer=args.tokenizer or "byte",
+                model_overrides=overrides,
+            )
         source = spec
         config = TrainConfig(**given)
     config.progress = not args.no_progress
@@ -201,6 +224,10 @@ def _add_eval(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--seq-len", type=int, help="window length (default: the run's training --seq-len)")
     p.add_argument("--batch-size", type=int, default=8, help="sequences per forward pass (default: 8)")
     p.add_argument("--max-batches", type=int, help="stop after this many batches (default: the whole split)")
+    p.add_argument(
+        "--objective", choices=["lm", "prefix_lm"],
+        help="what to score: lm or prefix_lm (the suffix after a breakpoint; default: the run's training objective)",
+    )
     p.add_argument("--device", default="auto", help="auto, cpu or cuda (default: auto)")
     p.add_argument("--json", action="store_true", help="print the metrics as one JSON object")
     p.set_defaults(handler=cmd_eval)
@@ -225,19 +252,20 @@ def cmd_eval(args: argparse.Namespace) -> int:
         raise BlockloopError(f"--seq-len {seq_len} exceeds the model context of {trained.config.context_length}")
     if seq_len % getattr(trained.config, "block_len", 1):
         raise BlockloopError(f"--seq-len {seq_len} is not a multiple of the model's block length {trained.config.block_len}")
+    objective = args.objective or trained.state.get("train_config", {}).get("objective", "lm")
     splits = prepare_tokens(data, trained.tokenizer)
     seqs = PackedSequences(getattr(splits, args.split), seq_len)
     metrics = evaluate(
         trained.model, seqs, batch_size=args.batch_size, max_batches=args.max_batches,
-        byte_lengths=trained.tokenizer.token_byte_lengths(), device=device,
+        byte_lengths=trained.tokenizer.token_byte_lengths(), device=device, objective=objective,
     )
     if args.json:
-        print(json.dumps({"data": data, "split": args.split, **metrics}))
+        print(json.dumps({"data": data, "split": args.split, "objective": objective, **metrics}))
     else:
         parts = [f"loss {metrics['loss']:.4f}", f"perplexity {metrics['perplexity']:.3f}"]
         if "bits_per_byte" in metrics:
             parts.append(f"bits/byte {metrics['bits_per_byte']:.4f}")
-        print(f"{data} {args.split} ({int(metrics['tokens'])} tokens): " + ", ".join(parts))
+        print(f"{data} {args.split} {objective} ({int(metrics['tokens'])} tokens): " + ", ".join(parts))
     return 0
 
 
@@ -390,6 +418,59 @@ def cmd_tasks_make(args: argparse.Namespace) -> int:
     meta = load_task(out).meta
     counts = ", ".join(f"{split} {meta['sizes'][split]} ({meta['tokens'][split]} tokens)" for split in meta["sizes"])
     print(f"wrote {args.name} (seed {args.seed}) to {out}: {counts}")
+# ---------------------------------------------------------------------- flops
+def _add_flops(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "flops",
+        help="training FLOPs and KV-cache memory of a preset: the paper's formulas, its config, torch's FLOP counter",
+        description="Architecture-aware training FLOPs (double-decoder paper, appendix A.2) and generation KV-cache "
+        "bytes (appendix A.1) for a preset, with the decoder-only model of the same width and depth for comparison.",
+    )
+    p.add_argument("--preset", required=True, help="model preset (see `blockloop presets`)")
+    p.add_argument("--seq-len", type=int, help="training window / prompt length T (default: the preset's context)")
+    p.add_argument("--out-len", type=int, default=256, help="generated tokens T_out for the KV cache (default: 256)")
+    p.add_argument("--bytes", type=int, default=2, help="bytes per cached value (default: 2, bf16)")
+    p.add_argument("--measure", action="store_true", help="also count one forward with torch's FlopCounterMode")
+    p.set_defaults(handler=cmd_flops)
+
+
+def cmd_flops(args: argparse.Namespace) -> int:
+    import torch
+
+    from blockloop.config import DecoderConfig
+    from blockloop.data.collate import collate_for, step_generator
+    from blockloop.models import build_model
+    from blockloop.presets import from_name
+    from blockloop.train import flops
+
+    config = from_name(args.preset)
+    T = args.seq_len or config.context_length
+    if not 2 <= T <= config.context_length:
+        raise BlockloopError(f"--seq-len must be in 2..{config.context_length} (the model context), got {T}")
+    if args.out_len < 1 or args.bytes < 1:
+        raise BlockloopError("--out-len and --bytes must be at least 1")
+    shared = {f.name for f in dataclasses.fields(DecoderConfig)}
+    baseline = DecoderConfig(**{k: v for k, v in dataclasses.asdict(config).items() if k in shared})
+    rows = [("model", "paper formula FLOPs/token", "config FLOPs/token", "measured FLOPs/token", f"KV cache T={T}+{args.out_len}")]
+    for label, c in ((f"{config.family} ({args.preset})", config), ("decoder-only, same width/depth", baseline)):
+        t_in, t_out = flops.encoder_decoder_lengths(c, T) if c.family == "encoder_decoder" else (T, None)
+        paper = flops.paper_training_flops(c.family, t_in, c.d_model, c.n_layer, t_out) / T
+        exact = flops.training_flops_per_token(c, T)
+        measured = "-"
+        if args.measure:
+            with torch.device("meta"):
+                model = build_model(c)
+            batch = collate_for(model)(torch.zeros(1, T, dtype=torch.long), torch.zeros(1, T, dtype=torch.long), step_generator(0, 0))
+            batch.pop("targets")
+            measured = f"{3 * flops.measured_forward_flops(model, {k: v.to('meta') for k, v in batch.items()}) / T:.4g}"
+        kv = flops.kv_cache_bytes(c, T, args.out_len, args.bytes)
+        rows.append((label, f"{paper:.4g}", f"{exact:.4g}", measured, f"{kv / 2**20:.2f} MiB"))
+        if c is config and c.family == "decoder":
+            break
+    _print_table(rows)
+    print("paper formula: appendix A.2 (MHA, 4d MLP, no LM head, 2/3-1/3 split); config: this preset's exact shapes "
+          "incl. LM head; measured: 3 x one forward under torch FlopCounterMode (the double decoder's dense dual "
+          "attention counts two attentions where the paper's efficient implementation counts one).")
     return 0
 
 

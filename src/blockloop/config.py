@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
@@ -18,9 +19,12 @@ from blockloop.errors import BlockloopError, ConfigError
 
 NORMS = ("layernorm", "rmsnorm")
 MLPS = ("gelu", "swiglu", "geglu")
+INITS = ("normal", "xavier_uniform")
+PARTITIONS = ("uniform", "logspace", "histogram")
 
 
-LAYER_STYLE = ("norm", "norm_eps", "mlp", "bias", "rotary_pct", "rope_base", "parallel_residual", "dropout", "init_std")
+LAYER_STYLE = ("norm", "norm_eps", "mlp", "bias", "rotary_pct", "rope_base", "parallel_residual", "dropout", "init",
+               "init_std")
 
 
 @dataclass
@@ -48,7 +52,9 @@ class ModelConfigBase:
     parallel_residual: bool = False
     tie_embeddings: bool = True
     dropout: float = 0.0
+    init: str = "normal"
     init_std: float = 0.02
+    mup_base_width: int | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -65,7 +71,32 @@ class ModelConfigBase:
             (self.norm in NORMS, f"norm={self.norm!r} is not one of {NORMS}"),
             (self.mlp in MLPS, f"mlp={self.mlp!r} is not one of {MLPS}"),
             (0.0 <= self.dropout < 1.0, f"dropout must be in [0, 1), got {self.dropout}"),
+            (self.init in INITS, f"init={self.init!r} is not one of {INITS}"),
+            (
+                self.mup_base_width is None or self.mup_base_width > 0,
+                f"mup_base_width must be positive, got {self.mup_base_width}",
+            ),
         )
+
+    @property
+    def mup_width(self) -> int:
+        """The width muP scales against (single-width families)."""
+        raise ConfigError(f"{self.name}: muP width scaling is not defined for {self.family} models")
+
+    @property
+    def logit_multiplier(self) -> float:
+        """muP readout scale sqrt(d0/d) (double-decoder paper, section 4), or 1 without muP."""
+        return 1.0 if self.mup_base_width is None else math.sqrt(self.mup_base_width / self.mup_width)
+
+    @property
+    def hidden_lr_multiplier(self) -> float:
+        """muP learning-rate factor d0/d for hidden matrices (paper section 4, Table 1), or 1 without muP."""
+        return 1.0 if self.mup_base_width is None else self.mup_base_width / self.mup_width
+
+    @property
+    def reserved_ids(self) -> int:
+        """Token ids a family needs beyond the tokenizer's (span-corruption sentinels); none by default."""
+        return 0
 
     def _check(self, *checks: tuple[bool, str]) -> None:
         for ok, message in checks:
@@ -134,6 +165,10 @@ class DecoderConfig(ModelConfigBase):
         """Rotated channels per head; kept even so channel pairs stay intact."""
         return int(self.head_dim * self.rotary_pct) // 2 * 2
 
+    @property
+    def mup_width(self) -> int:
+        return self.d_model
+
     def summary(self) -> str:
         return f"{self.n_layer} layers, d={self.d_model}, heads {self.n_head}/{self.n_kv_head}"
 
@@ -141,6 +176,101 @@ class DecoderConfig(ModelConfigBase):
 
 def _round_up(x: int, multiple: int) -> int:
     return (x + multiple - 1) // multiple * multiple
+
+
+def _split_layers(name: str, total: int, first: int | None, second: int | None, names: tuple[str, str]) -> tuple[int, int]:
+    """Resolve a two-stack layer split: either count may be left out and is then ``total`` minus the other."""
+    if first is None and second is None:
+        raise ConfigError(f"{name}: give {names[0]} or {names[1]} (how n_layer={total} is split between the stacks)")
+    first = total - second if first is None else first
+    second = total - first if second is None else second
+    if first < 1 or second < 1 or first + second != total:
+        raise ConfigError(
+            f"{name}: layer split {names[0]}={first} + {names[1]}={second} does not add up to n_layer={total} "
+            "with at least one layer in each stack"
+        )
+    return first, second
+
+
+@dataclass
+class DoubleDecoderConfig(DecoderConfig):
+    """A block-based double decoder (Alexander et al. 2026, section 3.1): context decoder + generation decoder.
+
+    ``n_layer`` is the total depth, split into ``n_context_layer`` causal context-decoder layers and
+    ``n_generation_layer`` generation-decoder layers (paper: 8/4, 10/5 for the smallest models). The block
+    partition sampled for every training batch follows ``partition`` (see :mod:`blockloop.data.partitions`):
+    ``uniform`` draws the number of blocks uniformly from 1..``max_blocks`` and the boundaries uniformly;
+    ``logspace`` places the boundaries geometrically; ``histogram`` draws block lengths from
+    ``partition_lengths`` (e.g. observed prompt lengths).
+    """
+
+    family: ClassVar[str] = "double_decoder"
+
+    n_context_layer: int | None = None
+    n_generation_layer: int | None = None
+    partition: str = "uniform"
+    max_blocks: int = 16
+    partition_lengths: list[int] = field(default_factory=list)
+
+    def validate(self) -> None:
+        super().validate()
+        self.n_context_layer, self.n_generation_layer = _split_layers(
+            self.name, self.n_layer, self.n_context_layer, self.n_generation_layer,
+            ("n_context_layer", "n_generation_layer"),
+        )
+        self._check(
+            (self.partition in PARTITIONS, f"partition strategy {self.partition!r} is unknown; choose one of {PARTITIONS}"),
+            (self.max_blocks >= 1, f"max_blocks must be at least 1, got {self.max_blocks}"),
+            (
+                self.partition != "histogram" or (self.partition_lengths and min(self.partition_lengths) > 0),
+                "partition='histogram' needs partition_lengths, a list of positive block lengths to draw from",
+            ),
+        )
+
+
+@dataclass
+class EncoderDecoderConfig(DecoderConfig):
+    """A standard encoder-decoder (bidirectional encoder; decoder with self- and cross-attention) as in T5.
+
+    ``n_layer`` is split into ``n_encoder_layer`` and ``n_decoder_layer``; the paper (section 4) removes
+    decoder layers until the non-embedding parameters match the other families, since each decoder layer
+    carries an extra cross-attention sublayer. Pretraining uses span corruption: ``corruption_rate`` of the
+    tokens in spans of mean length ``mean_span_length``, each span replaced by one of ``n_sentinels``
+    sentinel ids placed after the tokenizer's vocabulary (inside the padded embedding table).
+    """
+
+    family: ClassVar[str] = "encoder_decoder"
+
+    n_encoder_layer: int | None = None
+    n_decoder_layer: int | None = None
+    corruption_rate: float = 0.15
+    mean_span_length: float = 3.0
+    n_sentinels: int = 32
+
+    def __post_init__(self) -> None:
+        if self.padded_vocab_size is None:
+            self.padded_vocab_size = self.vocab_size + self.n_sentinels
+        super().__post_init__()
+
+    def validate(self) -> None:
+        super().validate()
+        self.n_encoder_layer, self.n_decoder_layer = _split_layers(
+            self.name, self.n_layer, self.n_encoder_layer, self.n_decoder_layer, ("n_encoder_layer", "n_decoder_layer")
+        )
+        self._check(
+            (0.0 < self.corruption_rate < 1.0, f"corruption_rate must be in (0, 1), got {self.corruption_rate}"),
+            (self.mean_span_length >= 1.0, f"mean_span_length must be at least 1, got {self.mean_span_length}"),
+            (self.n_sentinels >= 2, f"n_sentinels must be at least 2, got {self.n_sentinels}"),
+            (
+                self.padded_vocab_size >= self.vocab_size + self.n_sentinels,
+                f"padded_vocab_size={self.padded_vocab_size} leaves no room for {self.n_sentinels} sentinel ids after "
+                f"vocab_size={self.vocab_size}",
+            ),
+        )
+
+    @property
+    def reserved_ids(self) -> int:
+        return self.n_sentinels
 
 
 EMBEDDERS = ("lookup", "encoder", "cls")
@@ -203,6 +333,7 @@ class BlockTransformerConfig(ModelConfigBase):
             (self.embedder != "cls" or self.n_cls >= 1, "the cls embedder needs n_cls >= 1"),
             (0 <= self.pad_id < self.padded_vocab_size, f"pad_id={self.pad_id} is outside the vocabulary"),
             (self.embed_dim >= 1, f"embed_dim must be positive, got {self.embed_dim}"),
+            (self.mup_base_width is None, "muP width scaling is not defined for block models (two widths)"),
         )
         for build_part in (self.block_decoder_config, self.token_decoder_config, self.embedder_config):
             build_part()  # each part validates its own shape
@@ -240,8 +371,10 @@ class BlockTransformerConfig(ModelConfigBase):
                 f"L_B={self.block_len}, {self.embedder}, {lead}")
 
 
-CONFIG_CLASSES: dict[str, type] = {DecoderConfig.family: DecoderConfig, BlockTransformerConfig.family: BlockTransformerConfig}
-ModelConfig = DecoderConfig | BlockTransformerConfig
+CONFIG_CLASSES: dict[str, type] = {
+    cls.family: cls for cls in (DecoderConfig, DoubleDecoderConfig, EncoderDecoderConfig, BlockTransformerConfig)
+}
+ModelConfig = DecoderConfig | BlockTransformerConfig  # the double decoder and encoder-decoder configs are DecoderConfigs
 
 
 

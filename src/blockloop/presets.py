@@ -12,7 +12,7 @@ import difflib
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from blockloop.config import BlockTransformerConfig, DecoderConfig, ModelConfig
+from blockloop.config import BlockTransformerConfig, DecoderConfig, DoubleDecoderConfig, EncoderDecoderConfig, ModelConfig
 from blockloop.errors import ConfigError
 
 
@@ -88,9 +88,11 @@ def _pythia_302m() -> DecoderConfig:
     return _pythia(24, 1024, 16)
 
 
-def _llama_style(n_layer: int, d_model: int, n_head: int, n_kv_head: int, context_length: int) -> DecoderConfig:
+def _llama_style(
+    n_layer: int, d_model: int, n_head: int, n_kv_head: int, context_length: int, cls: type = DecoderConfig, **fields: Any
+) -> DecoderConfig:
     """RMSNorm, SwiGLU, no biases, tied embeddings; byte-level vocabulary for CPU-sized runs."""
-    return DecoderConfig(
+    return cls(
         vocab_size=258,
         context_length=context_length,
         n_layer=n_layer,
@@ -101,6 +103,7 @@ def _llama_style(n_layer: int, d_model: int, n_head: int, n_kv_head: int, contex
         mlp="swiglu",
         bias=False,
         tie_embeddings=True,
+        **fields,
     )
 
 
@@ -117,6 +120,67 @@ def _tiny_neox() -> DecoderConfig:
 @register("demo", "4-layer Llama-style model the CPU demo trains in a few minutes")
 def _demo() -> DecoderConfig:
     return _llama_style(n_layer=4, d_model=128, n_head=4, n_kv_head=4, context_length=256)
+
+
+# ------------------------------------------------------------- double-decoder paper (Alexander et al. 2026)
+# Section 4 and Table 1: tied embeddings, RoPE, head dim 64 (n_head = d / 64), Xavier-uniform init, 32k BPE,
+# context 2048; 8 context / 4 generation layers (12 for decoder-only), 10/5 for the smallest models; the
+# encoder-decoder loses decoder layers until its non-embedding parameters match. The paper gives parameter
+# targets (6.25M-100M), not widths: ours are the multiples of 64 nearest the target in non-embedding
+# parameters. A.2 counts two FF layers of 4d (16Td^2), so the MLP is the plain GELU one.
+PAPER_SIZES = {"6m": (10, 5, 192), "25m": (8, 4, 384), "100m": (8, 4, 832)}
+
+
+def _paper(cls: type[DecoderConfig], n_layer: int, d_model: int, **fields: int) -> DecoderConfig:
+    return cls(
+        vocab_size=32000, context_length=2048, n_layer=n_layer, n_head=d_model // 64, d_model=d_model,
+        norm="rmsnorm", mlp="gelu", bias=False, tie_embeddings=True, init="xavier_uniform", **fields,
+    )
+
+
+def _register_paper_sizes() -> None:
+    for size, (n_ctx, n_gen, d) in PAPER_SIZES.items():
+        # Per layer (in d^2): decoder 12, encoder-decoder decoder layer 16 (+ cross-attention), so the
+        # encoder-decoder keeps n_ctx encoder layers and round(12 n_gen / 16) decoder layers to match the
+        # decoder-only model of n_ctx + n_gen layers (the double decoder's generation layers are 14: +2 d^2 each).
+        n_dec_only = n_ctx + n_gen
+        n_sed_dec = round(12 * n_gen / 16)
+        builds = {
+            f"paper-decoder-{size}": (f"decoder-only, {n_dec_only} layers, d={d}", lambda n=n_dec_only, d=d: _paper(DecoderConfig, n, d)),
+            f"paper-double-{size}": (
+                f"double decoder, {n_ctx} context / {n_gen} generation layers, d={d}",
+                lambda a=n_ctx, b=n_gen, d=d: _paper(DoubleDecoderConfig, a + b, d, n_context_layer=a),
+            ),
+            f"paper-encdec-{size}": (
+                f"encoder-decoder, {n_ctx} encoder / {n_sed_dec} decoder layers, d={d}, span corruption",
+                lambda a=n_ctx, b=n_sed_dec, d=d: _paper(EncoderDecoderConfig, a + b, d, n_encoder_layer=a),
+            ),
+        }
+        for name, (description, build) in builds.items():
+            register(name, f"{description} (double-decoder paper, ~{size} non-embedding)")(build)
+
+
+_register_paper_sizes()
+
+
+@register("tiny-double", "3-layer double decoder (2 context + 1 generation) for CPU tests")
+def _tiny_double() -> DecoderConfig:
+    return _llama_style(3, 64, 4, 4, 128, DoubleDecoderConfig, n_context_layer=2, max_blocks=8)
+
+
+@register("tiny-encdec", "3-layer encoder-decoder (2 encoder + 1 decoder) for CPU tests")
+def _tiny_encdec() -> DecoderConfig:
+    return _llama_style(3, 64, 4, 4, 128, EncoderDecoderConfig, n_encoder_layer=2)
+
+
+@register("demo-double", "double decoder, 3 context + 1 generation layers, the CPU demo's size")
+def _demo_double() -> DecoderConfig:
+    return _llama_style(4, 128, 4, 4, 256, DoubleDecoderConfig, n_context_layer=3)
+
+
+@register("demo-encdec", "encoder-decoder, 3 encoder + 1 decoder layers, the CPU demo's size")
+def _demo_encdec() -> DecoderConfig:
+    return _llama_style(4, 128, 4, 4, 256, EncoderDecoderConfig, n_encoder_layer=3)
 
 
 def _block(token: tuple[int, int, int], block: tuple[int, int, int], **kwargs: object) -> BlockTransformerConfig:

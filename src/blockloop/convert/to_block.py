@@ -63,7 +63,7 @@ def vanilla_to_block(vanilla: Decoder, *, block_len: int = 4, prefix_len: int = 
     tokdec = model.token_decoder
     for target, source in zip(tokdec.body.blocks, vanilla.body.blocks[lower:]):
         target.load_state_dict(source.state_dict())
-    tokdec.body.norm.load_state_dict(vanilla.body.norm.state_dict())
+    tokdec.body.norm.load_state_dict(vanilla.norm.state_dict())
     tokdec.embed.weight.copy_(vanilla.embed.weight)
     if not config.tie_embeddings:
         tokdec.lm_head.weight.copy_(vanilla.lm_head.weight)

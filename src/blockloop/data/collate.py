@@ -2,29 +2,59 @@
 
 The loader yields ``(inputs, targets)`` windows of one token stream for every family. A family whose
 training input is not the plain window (random-length padding into blocks, a sampled block partition,
-span corruption, a prefix-LM breakpoint) defines ``collate_batch(inputs, targets, generator)`` on its
-model class, returning the keyword arguments of its ``forward``; all others get :func:`lm_batch`. The
-generator is seeded from (seed, step) by the trainer, so the random choices are reproducible and
+span corruption, a prefix-LM breakpoint) defines ``collate_batch(inputs, targets, generator, objective)``
+on its model class, returning the keyword arguments of its ``forward``; all others get :func:`lm_batch`.
+The generator is seeded from (seed, step) by the trainer, so the random choices are reproducible and
 resume exactly without being saved.
+
+``objective`` is ``"lm"`` (each family's native pretraining objective) or ``"prefix_lm"``, the
+double-decoder paper's fine-tuning phase (section 4): one breakpoint per batch, drawn first from the
+generator (so every family sees the same breakpoint at the same step), the prefix is context only and
+just the suffix is scored. Every family scores the same targets, which makes their losses comparable.
 """
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Callable
 
 import torch
 from torch import Tensor, nn
 
+from blockloop.errors import ConfigError
+
+OBJECTIVES = ("lm", "prefix_lm")
 Collate = Callable[[Tensor, Tensor, torch.Generator], dict[str, Tensor]]
 
 
-def lm_batch(inputs: Tensor, targets: Tensor, generator: torch.Generator) -> dict[str, Tensor]:
-    """Next-token prediction over the whole window."""
+def sample_breakpoint(length: int, generator: torch.Generator) -> int:
+    """The PrefixLM breakpoint: prefix = positions [0, b), scored suffix = [b, length), b uniform in 1..length-1."""
+    return int(torch.randint(1, length, (1,), generator=generator))
+
+
+def unscored_prefix(targets: Tensor, generator: torch.Generator) -> tuple[Tensor, int]:
+    """Draw the PrefixLM breakpoint b and return the targets with positions [0, b) ignored (-100), and b."""
+    breakpoint = sample_breakpoint(targets.shape[1], generator)
+    targets = targets.clone()
+    targets[:, :breakpoint] = -100
+    return targets, breakpoint
+
+
+def lm_batch(inputs: Tensor, targets: Tensor, generator: torch.Generator, objective: str = "lm") -> dict[str, Tensor]:
+    """Next-token prediction over the whole window; under prefix_lm the prefix's targets are not scored.
+
+    For a decoder-only model the prefix stays causal: it "merely does not provide additional loss
+    information" (paper, section 4).
+    """
+    if objective == "prefix_lm":
+        targets, _ = unscored_prefix(targets, generator)
     return {"idx": inputs, "targets": targets}
 
 
-def collate_for(model: nn.Module) -> Collate:
-    return getattr(model, "collate_batch", lm_batch)
+def collate_for(model: nn.Module, objective: str = "lm") -> Collate:
+    if objective not in OBJECTIVES:
+        raise ConfigError(f"objective {objective!r} is not one of {OBJECTIVES}")
+    return partial(getattr(model, "collate_batch", lm_batch), objective=objective)
 
 
 def step_generator(seed: int, step: int) -> torch.Generator:

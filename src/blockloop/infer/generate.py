@@ -15,7 +15,7 @@ once, for all families.
 
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from typing import Callable, Sequence, Sized
 
 import torch
 from torch import nn
@@ -38,11 +38,13 @@ def generate(
     eos_id: int | None = None,
     seed: int | None = None,
     on_token: TokenCallback | None = None,
+    prefix: Sized | None = None,
 ) -> list[list[int]]:
     """Continue each prompt by up to ``max_new_tokens`` tokens; a row stops early at ``eos_id``.
 
     Returns the new tokens of each row, without the EOS. ``on_token(row, token)`` is called as each
-    token is produced (streaming). The same ``seed`` gives the same samples.
+    token is produced (streaming). The same ``seed`` gives the same samples. ``prefix`` is a prompt
+    prefix the model cached once (e.g. :meth:`DoubleDecoder.cache_prefix`): every prompt continues it.
     """
     if not prompts or any(len(p) == 0 for p in prompts):
         raise BlockloopError("every prompt needs at least one token; give a non-empty --prompt")
@@ -50,7 +52,7 @@ def generate(
         raise BlockloopError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
     context = model.config.context_length
     longest = padded_prompt_length(model, prompts)
-    if longest + max_new_tokens > context:
+    if (len(prefix) if prefix is not None else 0) + longest + max_new_tokens > context:
         raise BlockloopError(
             f"prompt of {longest} tokens plus {max_new_tokens} new tokens exceeds the model context of "
             f"{context}; shorten the prompt or lower --max-new-tokens"
@@ -59,7 +61,10 @@ def generate(
     was_training = model.training
     model.eval()
     try:
-        return _generate(model, prompts, max_new_tokens, longest, device, temperature, top_k, top_p, eos_id, seed, on_token)
+        prefill_kwargs = {} if prefix is None else {"prefix": prefix}
+        return _generate(
+            model, prompts, max_new_tokens, longest, device, temperature, top_k, top_p, eos_id, seed, on_token, prefill_kwargs
+        )
     finally:
         model.train(was_training)
 
@@ -76,11 +81,12 @@ def _generate(
     eos_id: int | None,
     seed: int | None,
     on_token: TokenCallback | None,
+    prefill_kwargs: dict[str, object],
 ) -> list[list[int]]:
     idx, token_valid = left_pad(prompts, longest, device)
     vocab_size = model.config.vocab_size
     generator = torch.Generator(device=device).manual_seed(seed) if seed is not None else None
-    logits, state = model.prefill(idx, token_valid, max_new_tokens)
+    logits, state = model.prefill(idx, token_valid, max_new_tokens, **prefill_kwargs)
     out = torch.zeros(len(prompts), max_new_tokens, dtype=torch.long, device=device)
     finished = torch.zeros(len(prompts), dtype=torch.bool, device=device)
     steps = max_new_tokens

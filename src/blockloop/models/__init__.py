@@ -7,8 +7,15 @@ from torch import nn
 from blockloop.config import ModelConfig
 from blockloop.models.block import BlockTransformer
 from blockloop.models.decoder import Decoder
+from blockloop.models.double_decoder import DoubleDecoder
+from blockloop.models.encoder_decoder import EncoderDecoder
 
-MODEL_CLASSES: dict[str, type[nn.Module]] = {"decoder": Decoder, "block": BlockTransformer}
+MODEL_CLASSES: dict[str, type[nn.Module]] = {
+    "decoder": Decoder,
+    "double_decoder": DoubleDecoder,
+    "encoder_decoder": EncoderDecoder,
+    "block": BlockTransformer,
+}
 
 
 def build_model(config: ModelConfig) -> nn.Module:
@@ -16,4 +23,4 @@ def build_model(config: ModelConfig) -> nn.Module:
     return MODEL_CLASSES[config.family](config)
 
 
-__all__ = ["BlockTransformer", "Decoder", "MODEL_CLASSES", "build_model"]
+__all__ = ["BlockTransformer", "Decoder", "DoubleDecoder", "EncoderDecoder", "MODEL_CLASSES", "build_model"]

@@ -24,9 +24,11 @@ from torch import Tensor, nn
 
 from blockloop.config import BlockTransformerConfig
 from blockloop.data.block_padding import random_length_padding
+from blockloop.data.collate import sample_breakpoint
 from blockloop.nn.kv_cache import DecoderCache
 from blockloop.nn.precision import at_least_fp32
-from blockloop.models.decoder import TransformerStack, count_parameters, init_weights
+from blockloop.models.decoder import TransformerStack, count_parameters
+from blockloop.nn.init import init_weights
 
 
 class LookupEmbedder(nn.Module):
@@ -149,19 +151,23 @@ class BlockTransformer(nn.Module):
 
     def reset_parameters(self) -> None:
         c = self.config
-        init_weights(self, c.init_std, c.block_n_layer + c.token_n_layer)
+        init_weights(self, std=c.init_std, n_layer=c.block_n_layer + c.token_n_layer, scheme=c.init)
         if isinstance(self.embedder, EncoderEmbedder) and self.embedder.cls is not None:
             nn.init.normal_(self.embedder.cls, std=c.init_std)
 
     # ------------------------------------------------------------- training
-    def collate_batch(self, inputs: Tensor, targets: Tensor, generator: torch.Generator) -> dict[str, Tensor]:
+    def collate_batch(
+        self, inputs: Tensor, targets: Tensor, generator: torch.Generator, objective: str = "lm"
+    ) -> dict[str, Tensor]:
         """Random-length padding (appendix H) of the window, then the labels each position predicts.
 
         The window's ``T + 1`` tokens are re-packed so that every document starts after 0..L_B-1 pads
         and ends on a block boundary, and cut back to ``T`` tokens. Labels are the tokens themselves,
-        except pads and the first block (which nothing predicts): -100.
+        except pads and the first block (which nothing predicts): -100. Under ``prefix_lm`` the positions
+        before the batch's breakpoint are not scored either.
         """
         c = self.config
+        breakpoint = sample_breakpoint(inputs.shape[1], generator) if objective == "prefix_lm" else 0
         if inputs.shape[1] % c.block_len:
             raise ValueError(f"sequence length {inputs.shape[1]} is not a multiple of block_len={c.block_len}")
         window = torch.cat([inputs[:, :1], targets], dim=1)
@@ -171,7 +177,7 @@ class BlockTransformer(nn.Module):
         else:
             idx, real = window[:, :-1], torch.ones_like(window[:, :-1], dtype=torch.bool)
         labels = idx.masked_fill(~real, -100)
-        labels[:, : c.block_len] = -100
+        labels[:, : max(c.block_len, breakpoint)] = -100
         return {"idx": idx, "targets": labels}
 
     def forward(self, idx: Tensor, targets: Tensor | None = None) -> tuple[Tensor, Tensor | None]:

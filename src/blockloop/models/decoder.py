@@ -1,4 +1,4 @@
-"""The vanilla decoder-only transformer: the baseline every other family is measured against.
+"""The vanilla decoder-only transformer, and the layers every family is built from.
 
 Pre-norm blocks; ``parallel_residual`` gives GPT-NeoX's x + attn(ln1(x)) + mlp(ln2(x)), otherwise
 x + attn(ln1(x)) then + mlp(ln2(.)). Positions enter only through rotary embeddings on q and k.
@@ -8,8 +8,9 @@ decode steps (one token), writing keys/values at explicit cache slots.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
+from functools import partial
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -17,11 +18,14 @@ from torch import Tensor, nn
 
 from blockloop.config import DecoderConfig
 from blockloop.nn.attention import attention
+from blockloop.nn.init import init_weights
 from blockloop.nn.kv_cache import DecoderCache, KVCache
 from blockloop.nn.mlp import build_mlp
-from blockloop.nn.norm import RMSNorm, build_norm
+from blockloop.nn.norm import build_norm
 from blockloop.nn.precision import at_least_fp32
 from blockloop.nn.rope import apply_rope, rope_angles
+
+CrossKV = tuple[Tensor, Tensor]
 
 
 @dataclass
@@ -33,8 +37,22 @@ class DecodeState:
     next_position: Tensor
 
 
+def split_heads(x: Tensor, n_head: int, head_dim: int) -> Tensor:
+    """``(B, T, n_head * head_dim) -> (B, n_head, T, head_dim)``."""
+    return x.view(x.shape[0], x.shape[1], n_head, head_dim).transpose(1, 2)
+
+
+def merge_heads(x: Tensor) -> Tensor:
+    """``(B, H, T, D) -> (B, T, H * D)``."""
+    return x.transpose(1, 2).reshape(x.shape[0], x.shape[2], -1)
+
+
 class SelfAttention(nn.Module):
-    """Multi-head / grouped-query causal self-attention with one fused q/k/v projection."""
+    """Multi-head / grouped-query self-attention with one fused q/k/v projection.
+
+    Causal (or bidirectional with ``causal=False``) unless a ``mask`` is given: a cache's mask, or an
+    encoder's padding mask.
+    """
 
     def __init__(self, config: DecoderConfig, *, causal: bool = True) -> None:
         super().__init__()
@@ -43,6 +61,20 @@ class SelfAttention(nn.Module):
         self.qkv = nn.Linear(config.d_model, (config.n_head + 2 * config.n_kv_head) * config.head_dim, bias=config.bias)
         self.proj = nn.Linear(config.n_head * config.head_dim, config.d_model, bias=config.bias)
         self.dropout = config.dropout
+
+    def project(
+        self, x: Tensor, cos: Tensor, sin: Tensor, cache: KVCache | None = None, slots: Tensor | None = None
+    ) -> tuple[Tensor, Tensor, Tensor]:
+        """Rotated queries and the keys/values to attend over (the whole cache after writing, with one)."""
+        q, k, v = self.qkv(x).split(
+            [self.n_head * self.head_dim, self.n_kv_head * self.head_dim, self.n_kv_head * self.head_dim], dim=-1
+        )
+        q, k = split_heads(q, self.n_head, self.head_dim), split_heads(k, self.n_kv_head, self.head_dim)
+        v = split_heads(v, self.n_kv_head, self.head_dim)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if cache is not None:
+            k, v = cache.write(slots, k, v)
+        return q, k, v
 
     def forward(
         self,
@@ -54,24 +86,17 @@ class SelfAttention(nn.Module):
         slots: Tensor | None = None,
         mask: Tensor | None = None,
     ) -> Tensor:
-        batch, length, _ = x.shape
-        q, k, v = self.qkv(x).split(
-            [self.n_head * self.head_dim, self.n_kv_head * self.head_dim, self.n_kv_head * self.head_dim], dim=-1
-        )
-        q = q.view(batch, length, self.n_head, self.head_dim).transpose(1, 2)
-        k = k.view(batch, length, self.n_kv_head, self.head_dim).transpose(1, 2)
-        v = v.view(batch, length, self.n_kv_head, self.head_dim).transpose(1, 2)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        if cache is None:
-            out = attention(q, k, v, causal=self.causal, dropout_p=self.dropout if self.training else 0.0)
-        else:
-            k, v = cache.write(slots, k, v)
-            out = attention(q, k, v, mask=mask)
-        return self.proj(out.transpose(1, 2).reshape(batch, length, -1))
+        q, k, v = self.project(x, cos, sin, cache, slots)
+        dropout = self.dropout if self.training else 0.0
+        out = attention(q, k, v, causal=self.causal and mask is None, mask=mask, dropout_p=dropout)
+        return self.proj(merge_heads(out))
 
 
 class CrossAttention(nn.Module):
-    """Queries from the sequence, keys/values from a separate ``memory (B, M, d_model)``; no positions."""
+    """Queries from the sequence, keys/values from a memory (encoder states, context vectors); no positions.
+
+    :meth:`keys` projects a memory once, so generation can reuse its K/V at every step.
+    """
 
     def __init__(self, config: DecoderConfig) -> None:
         super().__init__()
@@ -80,20 +105,32 @@ class CrossAttention(nn.Module):
         self.kv = nn.Linear(config.d_model, 2 * config.n_kv_head * config.head_dim, bias=config.bias)
         self.proj = nn.Linear(config.n_head * config.head_dim, config.d_model, bias=config.bias)
 
-    def forward(self, x: Tensor, memory: Tensor) -> Tensor:
-        batch, length, _ = x.shape
-        q = self.q(x).view(batch, length, self.n_head, self.head_dim).transpose(1, 2)
-        k, v = self.kv(memory).view(batch, memory.shape[1], 2, self.n_kv_head, self.head_dim).permute(2, 0, 3, 1, 4)
-        return self.proj(attention(q, k, v).transpose(1, 2).reshape(batch, length, -1))
+    def keys(self, memory: Tensor) -> CrossKV:
+        k, v = self.kv(memory).chunk(2, dim=-1)
+        return split_heads(k, self.n_kv_head, self.head_dim), split_heads(v, self.n_kv_head, self.head_dim)
+
+    def forward(self, x: Tensor, cross: CrossKV, cross_mask: Tensor | None) -> Tensor:
+        q = split_heads(self.q(x), self.n_head, self.head_dim)
+        return self.proj(merge_heads(attention(q, *cross, mask=cross_mask)))
 
 
 class Block(nn.Module):
-    """Pre-norm transformer layer: self-attention, optional cross-attention to a memory, MLP."""
+    """Pre-norm layer: self-attention, optional cross-attention to a memory, MLP.
 
-    def __init__(self, config: DecoderConfig, *, causal: bool = True, cross_attention: bool = False) -> None:
+    ``attention`` builds the self-attention (double decoders swap in their dual attention); keyword
+    arguments of :meth:`forward` other than the memory go to it.
+    """
+
+    def __init__(
+        self,
+        config: DecoderConfig,
+        attention: Callable[[DecoderConfig], nn.Module] = SelfAttention,
+        *,
+        cross_attention: bool = False,
+    ) -> None:
         super().__init__()
         self.norm1 = build_norm(config.norm, config.d_model, config.norm_eps)
-        self.attn = SelfAttention(config, causal=causal)
+        self.attn = attention(config)
         if cross_attention:
             self.norm_cross = build_norm(config.norm, config.d_model, config.norm_eps)
             self.cross = CrossAttention(config)
@@ -103,32 +140,43 @@ class Block(nn.Module):
         self.drop = nn.Dropout(config.dropout)
 
     def forward(
-        self, x: Tensor, cos: Tensor, sin: Tensor, memory: Tensor | None = None, **attn_kwargs: Tensor | KVCache | None
+        self,
+        x: Tensor,
+        cos: Tensor,
+        sin: Tensor,
+        memory: Tensor | CrossKV | None = None,
+        memory_mask: Tensor | None = None,
+        **attn_kwargs: object,
     ) -> Tensor:
+        """``memory`` is a memory ``(B, M, d)`` or its precomputed cross K/V (see CrossAttention.keys)."""
         attn_out = self.drop(self.attn(self.norm1(x), cos, sin, **attn_kwargs))
         if self.parallel_residual and memory is None:
             return x + attn_out + self.drop(self.mlp(self.norm2(x)))
         x = x + attn_out
         if memory is not None:
-            x = x + self.drop(self.cross(self.norm_cross(x), memory))
+            cross = self.cross.keys(memory) if isinstance(memory, Tensor) else memory
+            x = x + self.drop(self.cross(self.norm_cross(x), cross, memory_mask))
         return x + self.drop(self.mlp(self.norm2(x)))
 
 
 class TransformerStack(nn.Module):
-    """``n_layer`` pre-norm blocks and the final norm over input embeddings.
+    """``n_layer`` pre-norm blocks (and, unless ``final_norm=False``, the final norm) over embeddings.
 
-    The body of every transformer in blockloop: the vanilla decoder, and the block decoder, token decoder
-    and (non-causal) embedder encoder of the Block Transformer. With a cache, the inputs are written at
-    cache ``slots`` and attend to everything valid before them.
+    The body of the vanilla decoder, and of the Block Transformer's block decoder, token decoder and
+    (bidirectional) embedder encoder. With a cache, the inputs are written at cache ``slots`` and attend
+    to everything valid before them.
     """
 
-    def __init__(self, config: DecoderConfig, *, causal: bool = True, cross_attention: bool = False) -> None:
+    def __init__(
+        self, config: DecoderConfig, *, causal: bool = True, cross_attention: bool = False, final_norm: bool = True
+    ) -> None:
         super().__init__()
         self.config = config
+        attn = SelfAttention if causal else partial(SelfAttention, causal=False)
         self.blocks = nn.ModuleList(
-            Block(config, causal=causal, cross_attention=cross_attention) for _ in range(config.n_layer)
+            Block(config, attn, cross_attention=cross_attention) for _ in range(config.n_layer)
         )
-        self.norm = build_norm(config.norm, config.d_model, config.norm_eps)
+        self.norm = build_norm(config.norm, config.d_model, config.norm_eps) if final_norm else nn.Identity()
 
     def forward(
         self,
@@ -157,22 +205,6 @@ class TransformerStack(nn.Module):
         return DecoderCache(c.n_layer, batch_size, c.n_kv_head, max_len, c.head_dim, dtype=dtype, device=device)
 
 
-def init_weights(model: nn.Module, std: float, n_layer: int) -> None:
-    """GPT-2 init: N(0, std), output projections scaled by 1/sqrt(2 n_layer), norms at identity."""
-    for name, module in model.named_modules():
-        if isinstance(module, nn.Linear):
-            scale = 1 / math.sqrt(2 * n_layer) if name.endswith(".proj") else 1.0
-            nn.init.normal_(module.weight, mean=0.0, std=std * scale)
-            if module.bias is not None:
-                nn.init.zeros_(module.bias)
-        elif isinstance(module, nn.Embedding):
-            nn.init.normal_(module.weight, mean=0.0, std=std)
-        elif isinstance(module, (nn.LayerNorm, RMSNorm)):
-            nn.init.ones_(module.weight)
-            if getattr(module, "bias", None) is not None:
-                nn.init.zeros_(module.bias)
-
-
 def count_parameters(model: nn.Module, excluded: tuple[nn.Module, ...] = ()) -> int:
     """Unique parameters of ``model`` (tied ones once), leaving out the weights of ``excluded`` modules."""
     params = {id(p): p for p in model.parameters()}
@@ -181,22 +213,53 @@ def count_parameters(model: nn.Module, excluded: tuple[nn.Module, ...] = ()) -> 
     return sum(p.numel() for p in params.values())
 
 
-class Decoder(nn.Module):
-    """Token embedding -> transformer stack -> LM head (optionally tied to the embedding)."""
+class LanguageModel(nn.Module):
+    """What the single-width families share: token embedding (+ dropout), their own ``stacks`` of layers,
+    final norm, and an LM head tied to the embedding when configured; initialisation, the loss and
+    parameter counts.
 
-    def __init__(self, config: DecoderConfig) -> None:
+    ``stacks`` are registered in order between the embedding and the head, so initialisation visits the
+    modules in the order the model reads.
+    """
+
+    def __init__(self, config: DecoderConfig, **stacks: nn.Module) -> None:
         super().__init__()
         self.config = config
         self.embed = nn.Embedding(config.padded_vocab_size, config.d_model)
         self.drop = nn.Dropout(config.dropout)
-        self.body = TransformerStack(config)
+        for name, module in stacks.items():
+            setattr(self, name, module)
+        self.norm = build_norm(config.norm, config.d_model, config.norm_eps)
         self.lm_head = nn.Linear(config.d_model, config.padded_vocab_size, bias=False)
         if config.tie_embeddings:
             self.lm_head.weight = self.embed.weight
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
-        init_weights(self, self.config.init_std, self.config.n_layer)
+        c = self.config
+        init_weights(self, std=c.init_std, n_layer=c.n_layer, scheme=c.init)
+
+    def logits(self, x: Tensor) -> Tensor:
+        """The LM head on final-normed states, times the muP readout multiplier (1 without muP)."""
+        return self.lm_head(x) * self.config.logit_multiplier
+
+    @staticmethod
+    def loss(logits: Tensor, targets: Tensor | None) -> Tensor | None:
+        """Mean next-token cross-entropy over targets that are not -100 (None without targets)."""
+        if targets is None:
+            return None
+        return F.cross_entropy(at_least_fp32(logits.flatten(0, 1)), targets.flatten(), ignore_index=-100)
+
+    def num_parameters(self, *, non_embedding: bool = False) -> int:
+        """Unique parameters (tied weights counted once); ``non_embedding`` drops embedding and head."""
+        return count_parameters(self, (self.embed, self.lm_head) if non_embedding else ())
+
+
+class Decoder(LanguageModel):
+    """Token embedding -> n_layer blocks -> final norm -> LM head (optionally tied to the embedding)."""
+
+    def __init__(self, config: DecoderConfig) -> None:
+        super().__init__(config, body=TransformerStack(config, final_norm=False))
 
     def allocate_cache(self, batch_size: int, max_len: int, *, dtype: torch.dtype | None = None) -> DecoderCache:
         """A static cache for ``batch_size`` rows of up to ``max_len`` tokens (prompt + generated)."""
@@ -249,14 +312,8 @@ class Decoder(nn.Module):
         if cache is None and idx.shape[1] > self.config.context_length:
             raise ValueError(f"sequence of {idx.shape[1]} tokens exceeds the model context of {self.config.context_length}")
         x = self.body(self.drop(self.embed(idx)), positions=positions, cache=cache, slots=slots, token_valid=token_valid)
+        x = self.norm(x)
         if last_only:
             x = x[:, -1:]
-        logits = self.lm_head(x)
-        loss = None
-        if targets is not None:
-            loss = F.cross_entropy(at_least_fp32(logits.flatten(0, 1)), targets.flatten(), ignore_index=-100)
-        return logits, loss
-
-    def num_parameters(self, *, non_embedding: bool = False) -> int:
-        """Unique parameters (tied weights counted once); ``non_embedding`` drops embedding and head."""
-        return count_parameters(self, (self.embed, self.lm_head) if non_embedding else ())
+        logits = self.logits(x)
+        return logits, self.loss(logits, targets)

@@ -71,6 +71,18 @@ def attention(
     return (out, lse) if return_lse else out
 
 
+def merge_attention(out_a: Tensor, lse_a: Tensor, out_b: Tensor, lse_b: Tensor) -> tuple[Tensor, Tensor]:
+    """Combine two attentions of the same queries over disjoint key sets into the one over their union.
+
+    With Z = exp(lse), softmax over the union weights the two partial outputs by Z_a / (Z_a + Z_b) =
+    sigmoid(lse_a - lse_b), so this is exactly one softmax over both key sets. A side with no visible key
+    (lse = -inf) gets weight 0; rows empty on both sides stay zero.
+    """
+    weight = torch.sigmoid(lse_a - lse_b).nan_to_num(1.0).unsqueeze(-1)
+    out = weight.to(out_a.dtype) * out_a + (1 - weight).to(out_b.dtype) * out_b
+    return out, torch.logaddexp(lse_a, lse_b)
+
+
 def causal_mask_mod(offset: int = 0) -> MaskMod:
     """Query ``i`` sees keys ``<= i + offset`` (offset = Tk - Tq when queries are the last Tq keys)."""
 

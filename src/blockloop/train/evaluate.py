@@ -29,11 +29,13 @@ def evaluate(
     byte_lengths: np.ndarray | None = None,
     device: torch.device | str = "cpu",
     autocast_dtype: torch.dtype | None = None,
+    objective: str = "lm",
 ) -> dict[str, float]:
     """Loss/perplexity (and bits per byte when ``byte_lengths`` per token id is given).
 
     The model's own collator shapes each batch (with fixed seeds, so every evaluation sees the same
-    batches); the loss is summed over the targets it keeps (ignore index -100 dropped).
+    batches) for ``objective``; the loss is summed over the targets it keeps (ignore index -100 dropped).
+    Ids beyond the tokenizer's (span-corruption sentinels) count no bytes.
     """
     was_training = model.training
     model.eval()
@@ -41,7 +43,7 @@ def evaluate(
     lengths = torch.as_tensor(byte_lengths, dtype=torch.long) if byte_lengths is not None else None
     device = torch.device(device)
     autocast = torch.autocast(device.type, dtype=autocast_dtype) if autocast_dtype else nullcontext()
-    collate = collate_for(getattr(model, "_orig_mod", model))
+    collate = collate_for(getattr(model, "_orig_mod", model), objective)
     for i, (inputs, targets) in enumerate(eval_batches(sequences, batch_size, max_batches)):
         batch = {k: v.to(device) for k, v in collate(inputs, targets, step_generator(0, i)).items()}
         targets = batch.pop("targets")
@@ -52,7 +54,8 @@ def evaluate(
         total_nats += nats.item()
         total_tokens += kept.numel()
         if lengths is not None:
-            total_bytes += int(lengths[kept.cpu()].sum())
+            kept = kept.cpu()
+            total_bytes += int(lengths[kept[kept < len(lengths)]].sum())
     model.train(was_training)
     if total_tokens == 0:
         raise ValueError("evaluation saw no tokens")

@@ -3,6 +3,11 @@
 Weight decay applies to matrices only: norms and biases never decay (decaying a gain towards zero is
 not regularisation), and embeddings only when asked, since decaying rarely seen token rows erases them.
 The schedule is a pure function of the step, so resuming needs nothing but the step number.
+
+With muP width scaling (the double-decoder paper's protocol, section 4 and Table 1) hidden matrices
+train at ``hidden_lr_scale`` = d0/d times the base rate while embeddings, the output projection, norms
+and biases keep the base rate; each group carries its factor as ``lr_scale`` and the trainer multiplies
+the scheduled rate by it.
 """
 
 from __future__ import annotations
@@ -23,18 +28,26 @@ def build_optimizer(
     betas: tuple[float, float],
     decay_embeddings: bool = False,
     fused: bool = False,
+    hidden_lr_scale: float = 1.0,
 ) -> torch.optim.AdamW:
     embedding_ids = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
-    decay, no_decay = [], []
-    for param in model.parameters():  # tied parameters are yielded once
+    decay, no_decay, readout = [], [], []
+    for name, param in model.named_parameters():  # tied parameters are yielded once
         if not param.requires_grad:
             continue
         is_embedding = id(param) in embedding_ids
         if param.dim() < 2 or (is_embedding and not decay_embeddings):
             no_decay.append(param)
+        elif hidden_lr_scale != 1.0 and (is_embedding or name.endswith("lm_head.weight")):
+            readout.append(param)  # decayed, but at the base learning rate under muP
         else:
             decay.append(param)
-    groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    groups = [
+        {"params": decay, "weight_decay": weight_decay, "lr_scale": hidden_lr_scale},
+        {"params": no_decay, "weight_decay": 0.0, "lr_scale": 1.0},
+    ]
+    if readout:
+        groups.append({"params": readout, "weight_decay": weight_decay, "lr_scale": 1.0})
     return torch.optim.AdamW(groups, lr=lr, betas=betas, fused=fused or None)
 
 

@@ -70,7 +70,8 @@ def prepare_run(
     documents = load_documents(spec.data) if spec.tokenizer.split(":")[0] == "bpe" else None
     tokenizer = build_tokenizer(spec.tokenizer, documents)
     splits = prepare_tokens(spec.data, tokenizer, show_progress=show_progress)
-    vocab = {"vocab_size": tokenizer.vocab_size, "padded_vocab_size": padded_vocab(tokenizer.vocab_size)}
+    padded = padded_vocab(tokenizer.vocab_size + config.reserved_ids)  # + span-corruption sentinels, if any
+    vocab = {"vocab_size": tokenizer.vocab_size, "padded_vocab_size": padded}
     if isinstance(config, BlockTransformerConfig):
         vocab["pad_id"] = tokenizer.eos_id  # block padding reads as "between documents"
     config = config.replace(**vocab)

@@ -25,7 +25,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_
 from tqdm import tqdm
 
 from blockloop.config import ModelConfig
-from blockloop.data.collate import collate_for, step_generator
+from blockloop.data.collate import OBJECTIVES, collate_for, step_generator
 from blockloop.data.loader import PackedSequences, TrainBatches
 from blockloop.data.tokenizers import Tokenizer
 from blockloop.errors import BlockloopError, ConfigError
@@ -66,6 +66,7 @@ class TrainConfig:
     precision: str = "auto"
     compile: bool = False
     distributed: str = "ddp"
+    objective: str = "lm"
     progress: bool = True
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -78,6 +79,8 @@ class TrainConfig:
             raise ConfigError(f"--lr must be a positive number, got {self.lr}")
         if self.schedule not in SCHEDULES:
             raise ConfigError(f"--schedule {self.schedule!r} is not one of {SCHEDULES}")
+        if self.objective not in OBJECTIVES:
+            raise ConfigError(f"--objective {self.objective!r} is not one of {OBJECTIVES}")
         if self.precision not in ("auto", "fp32", "bf16"):
             raise ConfigError(f"--precision {self.precision!r} is not one of auto, fp32, bf16")
 
@@ -134,9 +137,10 @@ class Trainer:
             betas=(config.beta1, config.beta2),
             decay_embeddings=config.decay_embeddings,
             fused=self.device.type == "cuda",
+            hidden_lr_scale=model_config.hidden_lr_multiplier,
         )
         self.train_data, self.val_data = train_data, val_data
-        self.collate = collate_for(model)
+        self.collate = collate_for(model, config.objective)
         self.batches = TrainBatches(
             train_data, config.batch_size, seed=config.seed, rank=dist_info.rank, world_size=dist_info.world_size
         )
@@ -186,7 +190,7 @@ class Trainer:
                 schedule=cfg.schedule, min_lr_ratio=cfg.min_lr_ratio,
             )
             for group in self.optimizer.param_groups:
-                group["lr"] = lr
+                group["lr"] = lr * group.get("lr_scale", 1.0)
             loss = self._train_step()
             self.step += 1
             window_tokens += self.tokens_per_step
@@ -248,6 +252,7 @@ class Trainer:
             max_batches=self.config.eval_batches,
             device=self.device,
             autocast_dtype=self.autocast_dtype,
+            objective=self.config.objective,
         )
         return {"val_loss": result["loss"], "val_perplexity": result["perplexity"]}
 

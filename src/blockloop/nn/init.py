@@ -1,0 +1,31 @@
+"""Weight initialisation shared by every model family.
+
+``normal`` is GPT-2's: N(0, std) for matrices and embeddings, with residual output projections (modules
+named ``*.proj``) scaled by 1/sqrt(2 n_layer). ``xavier_uniform`` is what the double-decoder paper uses
+for all its families (Table 1). Either way biases start at zero and norms at identity.
+"""
+
+from __future__ import annotations
+
+import math
+
+from torch import nn
+
+from blockloop.nn.norm import RMSNorm
+
+
+
+def init_weights(model: nn.Module, *, std: float, n_layer: int, scheme: str = "normal") -> None:
+    for name, module in model.named_modules():
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            if scheme == "xavier_uniform":
+                nn.init.xavier_uniform_(module.weight)
+            else:
+                scale = 1 / math.sqrt(2 * n_layer) if name.endswith(".proj") else 1.0
+                nn.init.normal_(module.weight, mean=0.0, std=std * scale)
+            if getattr(module, "bias", None) is not None:
+                nn.init.zeros_(module.bias)
+        elif isinstance(module, (nn.LayerNorm, RMSNorm)):
+            nn.init.ones_(module.weight)
+            if getattr(module, "bias", None) is not None:
+                nn.init.zeros_(module.bias)
