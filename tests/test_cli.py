@@ -170,3 +170,14 @@ def test_set_overrides_model_fields_and_rejects_unknown_ones(tmp_path, capsys):
     one_line_error(capsys, [*argv, "--out", str(tmp_path / "z"), "--set", "oops"], "FIELD=VALUE")
     argv[argv.index("--seq-len") + 1] = "30"
     one_line_error(capsys, [*argv, "--out", str(tmp_path / "w")], "not a multiple of the model's block length 4")
+
+
+@pytest.mark.parametrize("preset", ["tiny", "tiny-block", "tiny-double", "tiny-encdec"])
+def test_flops_reports_every_family(preset, capsys):
+    assert main(["flops", "--preset", preset, "--seq-len", "64", "--out-len", "16", "--measure"]) == 0
+    out = capsys.readouterr().out
+    assert "FLOPs/token" in out and "MiB" in out
+
+
+def test_flops_rejects_a_window_that_splits_a_block(capsys):
+    one_line_error(capsys, ["flops", "--preset", "tiny-block", "--seq-len", "30"], "not a multiple of the block length 4")

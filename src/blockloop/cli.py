@@ -449,6 +449,8 @@ def cmd_flops(args: argparse.Namespace) -> int:
         raise BlockloopError(f"--seq-len must be in 2..{config.context_length} (the model context), got {T}")
     if args.out_len < 1 or args.bytes < 1:
         raise BlockloopError("--out-len and --bytes must be at least 1")
+    if config.family == "block":
+        return _block_flops(config, T, args)
     shared = {f.name for f in dataclasses.fields(DecoderConfig)}
     baseline = DecoderConfig(**{k: v for k, v in dataclasses.asdict(config).items() if k in shared})
     rows = [("model", "paper formula FLOPs/token", "config FLOPs/token", "measured FLOPs/token", f"KV cache T={T}+{args.out_len}")]
@@ -471,6 +473,32 @@ def cmd_flops(args: argparse.Namespace) -> int:
     print("paper formula: appendix A.2 (MHA, 4d MLP, no LM head, 2/3-1/3 split); config: this preset's exact shapes "
           "incl. LM head; measured: 3 x one forward under torch FlopCounterMode (the double decoder's dense dual "
           "attention counts two attentions where the paper's efficient implementation counts one).")
+    return 0
+
+
+def _block_flops(config: "BlockTransformerConfig", T: int, args: argparse.Namespace) -> int:  # noqa: F821
+    """A Block Transformer has no appendix-A formula: its own count, measured FLOPs, and its allocated caches."""
+    import torch
+
+    from blockloop.models import build_model
+    from blockloop.train import flops
+
+    if T % config.block_len:
+        raise BlockloopError(f"--seq-len {T} is not a multiple of the block length {config.block_len}")
+    with torch.device("meta"):
+        model = build_model(config.replace(context_length=-(-(T + args.out_len) // config.block_len) * config.block_len))
+        caches = model.generation_caches(1, T, args.out_len)
+    kv = sum(layer.k.numel() + layer.v.numel() for cache in caches for layer in cache.layers) * args.bytes
+    measured = "-"
+    if args.measure:
+        idx = torch.zeros(1, T, dtype=torch.long, device="meta")
+        measured = f"{3 * flops.measured_forward_flops(model, {'idx': idx}) / T:.4g}"
+    rows = [("model", "config FLOPs/token", "measured FLOPs/token", f"KV cache T={T}+{args.out_len}"),
+            (f"block ({args.preset})", f"{flops.block_flops_per_token(config, T):.4g}", measured, f"{kv / 2**20:.2f} MiB")]
+    _print_table(rows)
+    print("config: steady-state training FLOPs per token (block decoder once per block, token decoder n_lead + L_B - 1 "
+          "positions per block); measured: 3 x one forward under torch FlopCounterMode (the first block of a window "
+          "is not decoded); KV cache: the block decoder's cache plus one block of token-decoder cache.")
     return 0
 
 
