@@ -73,7 +73,7 @@ def test_mup_scales_hidden_learning_rates_and_logits():
     opt = build_optimizer(model, lr=1e-2, weight_decay=0.1, betas=(0.9, 0.95), hidden_lr_scale=config.hidden_lr_multiplier)
     scale = {id(p): g["lr_scale"] for g in opt.param_groups for p in g["params"]}
     assert scale[id(model.generation[0].attn.cross_kv.weight)] == 0.25
-    assert scale[id(model.context[0].mlp.up.weight)] == 0.25
+    assert scale[id(model.context.blocks[0].mlp.up.weight)] == 0.25
     assert scale[id(model.embed.weight)] == 1.0 and scale[id(model.norm.weight)] == 1.0
     plain = build_model(config.replace(mup_base_width=None))
     plain.load_state_dict(model.state_dict())

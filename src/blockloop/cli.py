@@ -437,7 +437,6 @@ def _add_flops(sub: argparse._SubParsersAction) -> None:
 def cmd_flops(args: argparse.Namespace) -> int:
     import torch
 
-    from blockloop.config import DecoderConfig
     from blockloop.data.collate import collate_for, step_generator
     from blockloop.models import build_model
     from blockloop.presets import from_name
@@ -451,8 +450,7 @@ def cmd_flops(args: argparse.Namespace) -> int:
         raise BlockloopError("--out-len and --bytes must be at least 1")
     if config.family == "block":
         return _block_flops(config, T, args)
-    shared = {f.name for f in dataclasses.fields(DecoderConfig)}
-    baseline = DecoderConfig(**{k: v for k, v in dataclasses.asdict(config).items() if k in shared})
+    baseline = config.stack(config.n_layer)
     rows = [("model", "paper formula FLOPs/token", "config FLOPs/token", "measured FLOPs/token", f"KV cache T={T}+{args.out_len}")]
     for label, c in ((f"{config.family} ({args.preset})", config), ("decoder-only, same width/depth", baseline)):
         t_in, t_out = flops.encoder_decoder_lengths(c, T) if c.family == "encoder_decoder" else (T, None)

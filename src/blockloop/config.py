@@ -169,6 +169,11 @@ class DecoderConfig(ModelConfigBase):
     def mup_width(self) -> int:
         return self.d_model
 
+    def stack(self, n_layer: int) -> "DecoderConfig":
+        """A plain decoder config of this shape with ``n_layer`` layers: one stack of a two-stack family."""
+        fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(DecoderConfig)}
+        return DecoderConfig(**{**fields, "n_layer": n_layer})
+
     def summary(self) -> str:
         return f"{self.n_layer} layers, d={self.d_model}, heads {self.n_head}/{self.n_kv_head}"
 

@@ -32,10 +32,9 @@ from torch import Tensor, nn
 from blockloop.config import DoubleDecoderConfig
 from blockloop.data.collate import unscored_prefix
 from blockloop.data.partitions import block_masks, prefix_partition, sample_partition
-from blockloop.models.decoder import Block, CrossKV, LanguageModel, SelfAttention, merge_heads, split_heads
+from blockloop.models.decoder import Block, CrossKV, LanguageModel, SelfAttention, TransformerStack, merge_heads, split_heads
 from blockloop.nn.attention import attention, merge_attention
 from blockloop.nn.kv_cache import DecoderCache, KVCache
-from blockloop.nn.norm import build_norm
 from blockloop.nn.rope import apply_rope, rope_angles
 
 
@@ -109,8 +108,7 @@ class DoubleDecoder(LanguageModel):
     def __init__(self, config: DoubleDecoderConfig) -> None:
         super().__init__(
             config,
-            context=nn.ModuleList(Block(config) for _ in range(config.n_context_layer)),
-            context_norm=build_norm(config.norm, config.d_model, config.norm_eps),
+            context=TransformerStack(config.stack(config.n_context_layer)),
             generation=nn.ModuleList(Block(config, DualAttention) for _ in range(config.n_generation_layer)),
         )
 
@@ -141,18 +139,11 @@ class DoubleDecoder(LanguageModel):
             boundaries = torch.tensor([0, length], device=idx.device)
         cos, sin = rope_angles(torch.arange(length, device=idx.device), self.config.rotary_dim, self.config.rope_base)
         x = self.drop(self.embed(idx))
-        latents = self._context(x, cos, sin)
+        latents = self.context(x)  # the context decoder: causal latents h_t (final norm applied, no head)
         within, cross = block_masks(boundaries.to(idx.device), length)
         cross_kv = [layer.attn.cross_keys(latents, cos, sin) for layer in self.generation]
         logits = self._generate(x, cos, sin, cross_kv, cross, mask=within)
         return logits, self.loss(logits, targets)
-
-    def _context(self, x: Tensor, cos: Tensor, sin: Tensor, cache: DecoderCache | None = None,
-                 slots: Tensor | None = None, mask: Tensor | None = None) -> Tensor:
-        """The context decoder: causal latents h_t (final norm applied, no head)."""
-        for i, block in enumerate(self.context):
-            x = block(x, cos, sin, cache=cache.layers[i] if cache is not None else None, slots=slots, mask=mask)
-        return self.context_norm(x)
 
     def _generate(self, x: Tensor, cos: Tensor, sin: Tensor, cross: list[CrossKV], cross_mask: Tensor, *,
                   mask: Tensor, cache: DecoderCache | None = None, slots: Tensor | None = None) -> Tensor:
@@ -177,8 +168,7 @@ class DoubleDecoder(LanguageModel):
         idx = torch.tensor([tokens], device=device)
         slots = torch.arange(len(tokens), device=device)
         cache = self._cache(self.config.n_context_layer, 1, len(tokens))
-        cos, sin = rope_angles(slots, self.config.rotary_dim, self.config.rope_base)
-        latents = self._context(self.embed(idx), cos, sin, cache, slots, cache.attention_mask(slots, None))
+        latents = self.context(self.embed(idx), cache=cache, slots=slots)
         return ContextPrefix(tokens, [layer.k for layer in cache.layers], [layer.v for layer in cache.layers], latents)
 
     @torch.no_grad()
@@ -203,9 +193,9 @@ class DoubleDecoder(LanguageModel):
         latents = [prefix.latents.expand(batch, -1, -1)] if prefix is not None else []
         if length > 1:
             slots = torch.arange(start, context_len, device=device)
-            cos, sin = rope_angles(positions[:, :-1], self.config.rotary_dim, self.config.rope_base)
-            mask = cache.attention_mask(slots, token_valid[:, :-1])
-            latents.append(self._context(self.embed(idx[:, :-1]), cos, sin, cache, slots, mask))
+            latents.append(self.context(
+                self.embed(idx[:, :-1]), positions=positions[:, :-1], cache=cache, slots=slots, token_valid=token_valid[:, :-1]
+            ))
         latents = torch.cat(latents, 1) if latents else self.embed.weight.new_zeros(batch, 0, self.config.d_model)
         context_positions = torch.cat(
             [torch.arange(start, device=device).expand(batch, -1), positions[:, :-1]], 1
