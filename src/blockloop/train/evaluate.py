@@ -39,9 +39,12 @@ def evaluate(
     """
     was_training = model.training
     model.eval()
-    total_nats, total_tokens, total_bytes = 0.0, 0, 0
-    lengths = torch.as_tensor(byte_lengths, dtype=torch.long) if byte_lengths is not None else None
     device = torch.device(device)
+    # Sums stay on the device: one host sync at the end, not one per batch.
+    total_nats = torch.zeros((), dtype=torch.float64, device=device)
+    total_tokens = torch.zeros((), dtype=torch.long, device=device)
+    total_bytes = torch.zeros((), dtype=torch.long, device=device)
+    lengths = torch.as_tensor(byte_lengths, dtype=torch.long, device=device) if byte_lengths is not None else None
     autocast = torch.autocast(device.type, dtype=autocast_dtype) if autocast_dtype else nullcontext()
     collate = collate_for(getattr(model, "_orig_mod", model), objective)
     for i, (inputs, targets) in enumerate(eval_batches(sequences, batch_size, max_batches)):
@@ -50,13 +53,14 @@ def evaluate(
         with autocast:
             logits, _ = model(**batch)
         nats = F.cross_entropy(at_least_fp32(logits.flatten(0, 1)), targets.flatten(), reduction="sum", ignore_index=-100)
-        kept = targets[targets != -100]
-        total_nats += nats.item()
-        total_tokens += kept.numel()
-        if lengths is not None:
-            kept = kept.cpu()
-            total_bytes += int(lengths[kept[kept < len(lengths)]].sum())
+        scored = targets != -100
+        total_nats += nats.double()
+        total_tokens += scored.sum()
+        if lengths is not None:  # ids past the tokenizer (span-corruption sentinels) count no bytes
+            in_vocab = scored & (targets < len(lengths))
+            total_bytes += lengths[targets.clamp(0, len(lengths) - 1)][in_vocab].sum()
     model.train(was_training)
+    total_nats, total_tokens, total_bytes = total_nats.item(), int(total_tokens), int(total_bytes)
     if total_tokens == 0:
         raise ValueError("evaluation saw no tokens")
     loss = total_nats / total_tokens
