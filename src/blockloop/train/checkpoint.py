@@ -28,6 +28,7 @@ from torch import nn
 
 from blockloop.config import ModelConfig, load_config, save_config
 from blockloop.errors import BlockloopError
+from blockloop.files import atomic_write_text
 
 LATEST = "latest"
 KEEP_LAST = 2
@@ -51,7 +52,7 @@ def commit_checkpoint(run_dir: Path, tmp: Path, step: int) -> Path:
     final = root / f"step_{step:07d}"
     shutil.rmtree(final, ignore_errors=True)
     os.replace(tmp, final)
-    _write_atomic(root / LATEST, final.name + "\n")
+    atomic_write_text(root / LATEST, final.name + "\n")
     for old in sorted(p for p in root.glob("step_*") if p.is_dir())[:-KEEP_LAST]:
         shutil.rmtree(old, ignore_errors=True)
     return final
@@ -163,16 +164,7 @@ def _write_json(path: Path, data: Any) -> None:
 
 
 def write_json_atomic(path: Path, data: Any) -> None:
-    _write_atomic(path, json.dumps(data, indent=2) + "\n")
-
-
-def _write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    atomic_write_text(path, json.dumps(data, indent=2) + "\n")
 
 
 def _read_safetensors(path: Path) -> dict[str, torch.Tensor]:

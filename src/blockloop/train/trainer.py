@@ -29,6 +29,7 @@ from blockloop.data.collate import OBJECTIVES, collate_for, step_generator
 from blockloop.data.loader import PackedSequences, TrainBatches
 from blockloop.data.tokenizers import Tokenizer
 from blockloop.errors import BlockloopError, ConfigError
+from blockloop.files import atomic_write_text
 from blockloop.train import checkpoint as ckpt
 from blockloop.train.distributed import DistInfo, barrier, mean_across_ranks, parallelize
 from blockloop.train.evaluate import evaluate
@@ -171,7 +172,7 @@ class Trainer:
         path = self.out_dir / "metrics.jsonl"
         if path.is_file():
             kept = [line for line in path.read_text().splitlines() if line and json.loads(line)["step"] <= step]
-            ckpt._write_atomic(path, "".join(line + "\n" for line in kept))
+            atomic_write_text(path, "".join(line + "\n" for line in kept))
 
     # ------------------------------------------------------------------ train
     def fit(self, on_step: StepCallback | None = None) -> dict[str, float]:
