@@ -189,16 +189,30 @@ class TransformerStack(nn.Module):
         memory: Tensor | None = None,
     ) -> Tensor:
         """Hidden states for embeddings ``x (B, T, d)``; ``memory`` feeds the cross-attention layers."""
+        cos, sin, mask = self.layer_inputs(x, positions=positions, cache=cache, slots=slots, token_valid=token_valid)
+        for i, block in enumerate(self.blocks):
+            layer_cache = cache.layers[i] if cache is not None else None
+            x = block(x, cos, sin, memory, cache=layer_cache, slots=slots, mask=mask)
+        return self.norm(x)
+
+    def layer_inputs(
+        self,
+        x: Tensor,
+        *,
+        positions: Tensor | None = None,
+        cache: DecoderCache | None = None,
+        slots: Tensor | None = None,
+        token_valid: Tensor | None = None,
+    ) -> tuple[Tensor, Tensor, Tensor | None]:
+        """What every layer of one pass shares: the rotary tables and the cache's attention mask (None
+        without a cache: plain causal). Models that run the blocks in their own order start here."""
         if cache is not None and slots is None:
             raise ValueError("a cached forward needs the cache slots to write")
         if positions is None:
             positions = slots if slots is not None else torch.arange(x.shape[1], device=x.device)
         cos, sin = rope_angles(positions, self.config.rotary_dim, self.config.rope_base)
         mask = cache.attention_mask(slots, token_valid) if cache is not None else None
-        for i, block in enumerate(self.blocks):
-            layer_cache = cache.layers[i] if cache is not None else None
-            x = block(x, cos, sin, memory, cache=layer_cache, slots=slots, mask=mask)
-        return self.norm(x)
+        return cos, sin, mask
 
     def allocate_cache(self, batch_size: int, max_len: int, *, dtype: torch.dtype, device: torch.device) -> DecoderCache:
         c = self.config
