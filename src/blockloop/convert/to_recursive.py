@@ -21,6 +21,8 @@ model exactly when those agree across the tied layers.
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 from torch import nn
 
@@ -56,12 +58,15 @@ def recursive_config_from_vanilla(
             f"--lora-rank {lora_rank} exceeds the rank of the shared weights: {smallest[0]} is {smallest[1][0]}x"
             f"{smallest[1][1]}, so at most min(in, out) = {max_rank}"
         )
-    fields = {k: getattr(config, k) for k in ("vocab_size", "padded_vocab_size", "context_length", "n_head",
-                                               "n_kv_head", "d_model", "d_ff", "head_dim", "tie_embeddings",
-                                               "mup_base_width")}
+    if config.local_layers:
+        raise BlockloopError(
+            f"{config.name} mixes sliding-window local layers {config.local_layers} with global ones; tied layers "
+            "must attend alike, so recursive conversion supports models without local layers"
+        )
+    fields = {f.name: getattr(config, f.name) for f in dataclasses.fields(DecoderConfig) if f.name not in ("name", "n_layer")}
     return RecursiveConfig(
-        name=f"{config.name}-recursive{loops}", n_layer=config.n_layer // loops, loops=loops, tying=tying,
-        lora_rank=lora_rank, lora_alpha=lora_alpha, prefix_len=prefix_len, **fields, **config.style(),
+        **fields, name=f"{config.name}-recursive{loops}", n_layer=config.n_layer // loops, loops=loops, tying=tying,
+        lora_rank=lora_rank, lora_alpha=lora_alpha, prefix_len=prefix_len,
     )
 
 
@@ -69,7 +74,7 @@ def linear_shapes(config: DecoderConfig) -> dict[str, tuple[int, int]]:
     """(out, in) of every linear weight in one layer."""
     qkv = (config.n_head + 2 * config.n_kv_head) * config.head_dim
     shapes = {"attn.qkv": (qkv, config.d_model), "attn.proj": (config.d_model, config.n_head * config.head_dim)}
-    if config.mlp == "gelu":
+    if config.mlp in ("gelu", "gelu_tanh"):
         return {**shapes, "mlp.fc": (config.d_ff, config.d_model), "mlp.proj": (config.d_model, config.d_ff)}
     return {**shapes, "mlp.gate": (config.d_ff, config.d_model), "mlp.up": (config.d_ff, config.d_model),
             "mlp.proj": (config.d_model, config.d_ff)}

@@ -15,8 +15,9 @@ runs loop ``k`` of the shared block on hidden states ``x (B, T, d)`` where ``k``
 tensor giving each row its own loop. With a tensor, all rows go through the same shared layers in one
 batched call (CYCLE tying only: there loop k runs layers 0..n_layer-1 for every k) and each row's LoRA
 delta and prefix are gathered by its loop index. A KV cache in that call needs one loop for the whole
-batch (per-row cache placement belongs to the engine's cache type). :meth:`embed_tokens` and
-:meth:`exit_logits` are the entry and exit around it.
+batch (per-row cache placement belongs to the engine's cache type). ``self.drop(self.embed_tokens(idx))``,
+``self.body.layer_inputs(x, ...)`` and :meth:`exit_logits` are the entry, the shared per-pass inputs and the
+exit around it.
 """
 
 from __future__ import annotations
@@ -25,8 +26,8 @@ import torch
 from torch import Tensor, nn
 
 from blockloop.config import RecursiveConfig
-from blockloop.models.decoder import Decoder, SelfAttention
-from blockloop.nn.attention import attention
+from blockloop.models.decoder import Decoder, LayerInputs, SelfAttention
+from blockloop.nn.attention import MaskMod, attention
 from blockloop.nn.distill import forward_kl
 from blockloop.nn.kv_cache import DecoderCache, KVCache
 from blockloop.nn.lora import LoopIndex, LoopLoRALinear, add_loop_lora
@@ -65,10 +66,11 @@ class PrefixSelfAttention(SelfAttention):
         cache: KVCache | None = None,
         slots: Tensor | None = None,
         mask: Tensor | None = None,
+        mask_mod: MaskMod | None = None,
         prefix: PrefixKV | None = None,
     ) -> Tensor:
         if prefix is None:
-            return super().forward(x, cos, sin, cache=cache, slots=slots, mask=mask)
+            return super().forward(x, cos, sin, cache=cache, slots=slots, mask=mask, mask_mod=mask_mod)
         q, k, v = self.project(x, cos, sin, cache, slots)
         batch, _, length, _ = q.shape
         pk, pv = (t.expand(batch, -1, -1, -1).to(k.dtype) for t in prefix)
@@ -76,7 +78,7 @@ class PrefixSelfAttention(SelfAttention):
             mask = torch.ones(length, k.shape[2], dtype=torch.bool, device=x.device).tril(k.shape[2] - length)[None, None]
         mask = torch.cat([mask.new_ones(*mask.shape[:-1], pk.shape[2]).expand(mask.shape[0], -1, -1, -1), mask], dim=-1)
         dropout = self.dropout if self.training else 0.0
-        out = attention(q, torch.cat([pk, k], 2), torch.cat([pv, v], 2), mask=mask, dropout_p=dropout)
+        out = attention(q, torch.cat([pk, k], 2), torch.cat([pv, v], 2), mask=mask, scale=self.scale, dropout_p=dropout)
         return self.proj(out.transpose(1, 2).reshape(batch, length, -1))
 
 
@@ -122,9 +124,6 @@ class RecursiveDecoder(Decoder):
         return [m for m in self.modules() if isinstance(m, LoopLoRALinear)]
 
     # -------------------------------------------------------------- one loop
-    def embed_tokens(self, idx: Tensor) -> Tensor:
-        return self.drop(self.embed(idx))
-
     def exit_logits(self, x: Tensor) -> Tensor:
         """Logits of hidden states after any loop: the shared final norm and LM head (section 3.7)."""
         return self.logits(self.norm(x))
@@ -133,16 +132,14 @@ class RecursiveDecoder(Decoder):
         self,
         x: Tensor,
         loop: int | Tensor,
-        cos: Tensor,
-        sin: Tensor,
+        inputs: LayerInputs,
         *,
         cache: DecoderCache | None = None,
         slots: Tensor | None = None,
-        mask: Tensor | None = None,
     ) -> Tensor:
         """Loop ``loop`` over the shared block for ``x (B, T, d)``; ``loop`` is an int or a ``(B,)`` tensor.
 
-        ``cos, sin, mask`` come from ``self.body.layer_inputs`` (None mask = causal without a cache).
+        ``inputs`` (rotary tables and masks of the pass) come from ``self.body.layer_inputs``.
         """
         n = self.config.n_layer
         per_row = isinstance(loop, Tensor)
@@ -156,7 +153,8 @@ class RecursiveDecoder(Decoder):
             for j in range(n):
                 layer = j if per_row else self.order[loop * n + j]
                 self.loop_index.value = loop if per_row else self.occurrence[loop * n + j]
-                kwargs: dict[str, object] = {"mask": mask}
+                cos, sin, kwargs = inputs.of(layer in self.config.local_layers)
+                kwargs = dict(kwargs)
                 if cache is not None:
                     kwargs.update(cache=cache.layers[loop * n + j], slots=slots)
                 if self.config.prefix_len:
@@ -179,11 +177,11 @@ class RecursiveDecoder(Decoder):
         """Hidden states after each of the B loops (before the final norm)."""
         if cache is None and idx.shape[1] > self.config.context_length:
             raise ValueError(f"sequence of {idx.shape[1]} tokens exceeds the model context of {self.config.context_length}")
-        x = self.embed_tokens(idx)
-        cos, sin, mask = self.body.layer_inputs(x, positions=positions, cache=cache, slots=slots, token_valid=token_valid)
+        x = self.drop(self.embed_tokens(idx, positions if positions is not None else slots))
+        inputs = self.body.layer_inputs(x, positions=positions, cache=cache, slots=slots, token_valid=token_valid)
         hiddens = []
         for loop in range(self.config.loops):
-            x = self.run_loop(x, loop, cos, sin, cache=cache, slots=slots, mask=mask)
+            x = self.run_loop(x, loop, inputs, cache=cache, slots=slots)
             hiddens.append(x)
         return hiddens
 
