@@ -575,6 +575,9 @@ def cmd_flops(args: argparse.Namespace) -> int:
         raise BlockloopError("--out-len and --bytes must be at least 1")
     if config.family == "block":
         return _block_flops(config, T, args)
+    if config.family == "recursive":  # weights are shared, compute and KV cache are not: count the looped depth
+        print(f"{args.preset}: {config.summary()}; FLOPs and KV cache are those of its {config.depth}-layer looped depth")
+        config = config.stack(config.depth)
     baseline = config.stack(config.n_layer)
     rows = [("model", "paper formula FLOPs/token", "config FLOPs/token", "measured FLOPs/token", f"KV cache T={T}+{args.out_len}")]
     for label, c in ((f"{config.family} ({args.preset})", config), ("decoder-only, same width/depth", baseline)):
