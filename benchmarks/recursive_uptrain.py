@@ -4,7 +4,8 @@ For a source checkpoint (a blockloop run, or SmolLM2 written by `blockloop conve
 records, on the same validation batches: the original model; the recursive model (``--loops``, each
 looped-layer init of section 2.2) converted and after ``--steps`` of uptraining; a reduced-size model
 (L / loops layers, same width) trained from scratch for the same steps; and relaxed models (average init
-+ SVD-initialised LoRA, section 2.3) at several ranks, before and after the same uptraining. Parameter
++ SVD-initialised LoRA, section 2.3) at several ranks and prefix-relaxed ones (appendix K), before and after
+the same uptraining. Parameter
 counts are beside each. Budgets are tiny when run on a shared CPU; the markdown says what was used.
 
     PYTHONPATH=src python benchmarks/recursive_uptrain.py --source runs/source-demo6 --out benchmarks/results/recursive_uptrain_cpu
@@ -42,6 +43,7 @@ def main() -> None:
     p.add_argument("--loops", type=int, default=2)
     p.add_argument("--inits", default="stepwise,average,lower,upper,random")
     p.add_argument("--ranks", default="4,16,64", help="LoRA ranks of the relaxed models (average init, SVD LoRA)")
+    p.add_argument("--prefix-lens", default="8", help="prefix lengths of prefix-relaxed models (average init; '' for none)")
     p.add_argument("--steps", type=int, default=40, help="uptraining / from-scratch steps (0: converted models only)")
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--seq-len", type=int, default=128)
@@ -99,6 +101,11 @@ def main() -> None:
         before = score(model)
         after, seconds = uptrain(model, args.lr)
         record(f"relaxed, average + SVD LoRA r={rank}", model, before, after, seconds)
+    for length in [int(n) for n in args.prefix_lens.split(",") if n]:
+        model = vanilla_to_recursive(source.model, loops=args.loops, init="average", prefix_len=length)
+        before = score(model)
+        after, seconds = uptrain(model, args.lr)
+        record(f"relaxed, average + prefix N={length}", model, before, after, seconds)
 
     meta = {
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),

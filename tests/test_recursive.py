@@ -136,6 +136,14 @@ def test_shared_layer_sources_of_each_init():
     assert shared_layer_sources(6, 2, "upper", order) == [[3], [4], [5]]
 
 
+@pytest.mark.parametrize("init", ["stepwise", "average", "lower", "upper"])
+def test_one_loop_is_the_original_model(init):
+    full = vanilla(n_layer=3, perturb_norms=True)
+    idx = tokens()
+    converted = vanilla_to_recursive(full, loops=1, init=init)
+    torch.testing.assert_close(converted(idx)[0], full(idx)[0], atol=1e-12, rtol=1e-12)
+
+
 def test_stepwise_average_and_lower_copy_the_right_weights():
     full = vanilla(n_layer=4, perturb_norms=True)
     w = [b.attn.qkv.weight for b in full.body.blocks]
@@ -331,3 +339,12 @@ def test_cli_errors_are_one_line(teacher_run, tmp_path, capsys):
         assert code == EXIT_USER_ERROR and len(err.splitlines()) == 1 and match in err, err
     code = main(["train", "--preset", "tiny", "--early-exit", "weighted", *TRAIN, "--out", str(tmp_path / "y")])
     assert code == EXIT_USER_ERROR and "recursive models" in capsys.readouterr().err
+
+
+def test_flops_count_the_looped_depth(capsys):
+    from blockloop.train.flops import training_flops
+
+    config = from_name("tiny-recursive", loops=3)
+    assert training_flops(config, 64) == training_flops(config.stack(3), 64)
+    assert main(["flops", "--preset", "tiny-recursive"]) == 0
+    assert "2-layer looped depth" in capsys.readouterr().out
