@@ -41,7 +41,8 @@ def main() -> None:
     p.add_argument("--out", required=True, help="results path without extension (.json and .md are written)")
     p.add_argument("--data", default=None, help="corpus (default: the source run's, else shakespeare)")
     p.add_argument("--loops", type=int, default=2)
-    p.add_argument("--inits", default="stepwise,average,lower,upper,random")
+    p.add_argument("--inits", default="stepwise,average,lower,upper,random", help="looped-layer inits ('' for none)")
+    p.add_argument("--no-scratch", action="store_true", help="leave out the reduced-size model trained from scratch")
     p.add_argument("--ranks", default="4,16,64", help="LoRA ranks of the relaxed models (average init, SVD LoRA)")
     p.add_argument("--prefix-lens", default="8", help="prefix lengths of prefix-relaxed models (average init; '' for none)")
     p.add_argument("--steps", type=int, default=40, help="uptraining / from-scratch steps (0: converted models only)")
@@ -86,12 +87,12 @@ def main() -> None:
         print(json.dumps(row), flush=True)
 
     record("original (full size)", source.model, score(source.model), None)
-    for init in args.inits.split(","):
+    for init in [i for i in args.inits.split(",") if i]:
         model = vanilla_to_recursive(source.model, loops=args.loops, init=init)
         before = score(model)
         after, seconds = uptrain(model, args.lr)
         record(f"recursive, {init}", model, before, after, seconds)
-    if args.steps:
+    if args.steps and not args.no_scratch:
         torch.manual_seed(0)
         reduced = build_model(source.config.stack(source.config.n_layer // args.loops))
         record(f"reduced size ({reduced.config.n_layer} layers), from scratch", reduced, score(reduced),

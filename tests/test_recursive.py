@@ -163,7 +163,7 @@ def test_stepwise_average_and_lower_copy_the_right_weights():
 @pytest.mark.parametrize("init", ["stepwise", "average", "lower", "upper"])
 @pytest.mark.parametrize("tying", ["cycle", "sequence", "cycle_rev"])
 def test_full_rank_svd_lora_reproduces_the_original_logits(init, tying):
-    full = vanilla(n_layer=4)  # norms at identity: LoRA relaxes linear weights, tied norms must agree
+    full = vanilla(n_layer=4, perturb_norms=True)  # tied pre-norm gains differ: folded into the LoRA targets
     idx = tokens()
     relaxed = vanilla_to_recursive(full, loops=2, init=init, tying=tying, lora_rank=64, lora_alpha=16.0)
     torch.testing.assert_close(relaxed(idx)[0], full(idx)[0], atol=1e-9, rtol=1e-9)

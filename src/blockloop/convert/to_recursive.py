@@ -14,9 +14,14 @@ module of each depth position ℓ gets the truncated SVD of the residual W_ℓ -
 B = U_r Σ_r / s, A = V_r^T, where s = alpha / r is the LoRA scaling, so s B A is the best rank-r
 approximation of the residual and the relaxed model starts as close to the full one as r allows
 (equation 5; exactly equal at full rank). Where the shared weight equals W_ℓ (the layer stepwise/lower
-took it from), and for ``lora_init="zero"``, the module gets the standard zero init (appendix E). LoRA
-relaxes linear weights only: tied norms and biases stay shared, so full-rank SVD reproduces the full
-model exactly when those agree across the tied layers.
+took it from), and for ``lora_init="zero"``, the module gets the standard zero init (appendix E).
+
+LoRA relaxes linear weights, while the pre-norms in front of them are tied too. Since a norm's gain g
+multiplies the input of the next linear, W_ℓ diag(g_ℓ) x̂ = (W_ℓ diag(g_ℓ / g')) diag(g') x̂, the residual
+taken here for the linears fed by a tied pre-norm (q/k/v from ``norm1``, the MLP's input from ``norm2``) is
+W_ℓ diag(g_ℓ / g') - W': equation 4 exactly when the tied gains agree (always, for stepwise/lower at
+the layers they copy), and otherwise the residual whose full-rank LoRA reproduces the full model. What
+LoRA cannot absorb stays shared: LayerNorm and linear biases, and Gemma's q/k and post norms.
 """
 
 from __future__ import annotations
@@ -33,6 +38,8 @@ from blockloop.models.recursive import RecursiveDecoder
 from blockloop.nn.lora import LoopLoRALinear
 
 LOOP_INITS = ("stepwise", "average", "lower", "upper", "random")
+# The pre-norm whose gain scales each linear's input (see the module docstring).
+INPUT_NORMS = {"attn.qkv": "norm1", "mlp.fc": "norm2", "mlp.gate": "norm2", "mlp.up": "norm2"}
 LORA_INITS = ("svd", "zero")
 
 
@@ -141,11 +148,14 @@ def vanilla_to_recursive(
 def _init_lora(model: RecursiveDecoder, full: nn.ModuleList, lora_init: str) -> None:
     """Equation 4 per depth position: the LoRA of its shared layer's occurrence approximates W_ℓ - W'."""
     for position, (layer, occurrence) in enumerate(zip(model.order, model.occurrence)):
-        targets = dict(full[position].named_modules())
-        for name, lora in model.body.blocks[layer].named_modules():
+        source, shared = full[position], model.body.blocks[layer]
+        for name, lora in shared.named_modules():
             if not isinstance(lora, LoopLoRALinear):
                 continue
-            residual = targets[name].weight.double() - lora.weight.double()
+            target = source.get_submodule(name).weight.double()
+            if name in INPUT_NORMS:
+                target = target * _gain_ratio(source.get_submodule(INPUT_NORMS[name]), shared.get_submodule(INPUT_NORMS[name]))
+            residual = target - lora.weight.double()
             if lora_init == "zero" or not residual.any():
                 lora.reset_lora(occurrence)
                 continue
@@ -153,3 +163,12 @@ def _init_lora(model: RecursiveDecoder, full: nn.ModuleList, lora_init: str) -> 
             r = lora.rank
             lora.lora_B[occurrence] = (u[:, :r] * s[:r] / lora.scaling).to(lora.lora_B.dtype)
             lora.lora_A[occurrence] = vh[:r].to(lora.lora_A.dtype)
+
+
+def _gain_ratio(full_norm: nn.Module, shared_norm: nn.Module) -> torch.Tensor:
+    """g_ℓ / g' per input channel (1 where the shared gain is 0, which no weight can compensate)."""
+    def gain(norm: nn.Module) -> torch.Tensor:
+        return norm.weight.double() + getattr(norm, "offset", 0.0)
+
+    g_full, g_shared = gain(full_norm), gain(shared_norm)
+    return torch.where(g_shared != 0, g_full / g_shared.where(g_shared != 0, 1.0), 1.0)
