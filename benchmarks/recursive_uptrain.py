@@ -27,9 +27,9 @@ import torch
 
 from blockloop.convert import vanilla_to_recursive
 from blockloop.data.dataset import prepare_tokens
+from blockloop.data.tokenizers import build_tokenizer
 from blockloop.models import build_model
 from blockloop.train.evaluate import evaluate
-from blockloop.data.tokenizers import build_tokenizer
 from blockloop.train.run import TrainedModel, load_trained, sequences
 from blockloop.train.trainer import TrainConfig, Trainer
 
@@ -141,11 +141,11 @@ def markdown(meta: dict[str, object], rows: list[dict[str, object]]) -> str:
         f"- source: `{meta['source']}` ({meta['source_config']}), data: {meta['data']}",
         f"- device: {meta['device']}; torch {meta['torch']}; {meta['date']}",
         f"- command: `{meta['command']}`",
-        f"- {s['loops']} loops; uptraining and from-scratch runs: {s['steps']} steps of {s['batch_size']} x {s['seq_len']} "
-        f"tokens (LR {s['lr']}, from scratch {s['scratch_lr']}; warm-up 10%, cosine); validation perplexity over the "
-        f"same {meta['val_tokens']} tokens ({s['eval_batches']} batches) for every model.",
-        "- CPU budgets are far below the paper's (15-60B tokens): read the columns as where each initialisation "
-        "starts and how fast it recovers, not as converged quality. GPU runs at real budgets are owed.",
+        (f"- {s['loops']} loops; uptraining and from-scratch runs: {s['steps']} steps of {s['batch_size']} x {s['seq_len']} "
+         f"tokens (LR {s['lr']}, from scratch {s['scratch_lr']}; warm-up 10%, cosine); validation perplexity over the "
+         f"same {meta['val_tokens']} tokens ({s['eval_batches']} batches) for every model."),
+        ("- CPU budgets are far below the paper's (15-60B tokens): read the columns as where each initialisation "
+         "starts and how fast it recovers, not as converged quality. GPU runs at real budgets are owed."),
         "",
         "| model | params | non-emb params | ppl converted | ppl uptrained | train s |",
         "|---|---:|---:|---:|---:|---:|",

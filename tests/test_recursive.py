@@ -3,6 +3,7 @@ prefix relaxation, per-row loops, cached = uncached, early-exit and distillation
 
 from __future__ import annotations
 
+import itertools
 import json
 
 import pytest
@@ -191,7 +192,7 @@ def test_error_of_svd_init_falls_as_rank_grows():
         approx = qkv.weight + qkv.scaling * qkv.lora_B[1] @ qkv.lora_A[1]
         weight_errors.append((approx - full.body.blocks[2].attn.qkv.weight).norm().item())
         logit_errors.append((model(idx)[0] - full(idx)[0]).abs().max().item())
-    assert all(a > b for a, b in zip(weight_errors, weight_errors[1:])), weight_errors
+    assert all(a > b for a, b in itertools.pairwise(weight_errors)), weight_errors
     assert logit_errors[-1] < 1e-9 < logit_errors[0]
 
 
