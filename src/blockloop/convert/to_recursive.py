@@ -16,12 +16,14 @@ approximation of the residual and the relaxed model starts as close to the full 
 (equation 5; exactly equal at full rank). Where the shared weight equals W_ℓ (the layer stepwise/lower
 took it from), and for ``lora_init="zero"``, the module gets the standard zero init (appendix E).
 
-LoRA relaxes linear weights, while the pre-norms in front of them are tied too. Since a norm's gain g
-multiplies the input of the next linear, W_ℓ diag(g_ℓ) x̂ = (W_ℓ diag(g_ℓ / g')) diag(g') x̂, the residual
-taken here for the linears fed by a tied pre-norm (q/k/v from ``norm1``, the MLP's input from ``norm2``) is
-W_ℓ diag(g_ℓ / g') - W': equation 4 exactly when the tied gains agree (always, for stepwise/lower at
-the layers they copy), and otherwise the residual whose full-rank LoRA reproduces the full model. What
-LoRA cannot absorb stays shared: LayerNorm and linear biases, and Gemma's q/k and post norms.
+LoRA relaxes linear weights, while the pre-norms in front of them are tied too. A norm's gain g scales the
+input of the next linear, so what a layer applies to the normalised input x̂ is its effective weight
+W diag(g). For the linears fed by a tied pre-norm (q/k/v from ``norm1``, the MLP's input from ``norm2``)
+the SVD is therefore taken of the effective residual E = W_ℓ diag(g_ℓ) - W' diag(g'), and A = V_r^T
+diag(1/g'): s B A diag(g') is the best rank-r approximation of E, and full rank reproduces the full model
+even where the tied gains differ (Average, or any norm the paper's equation 4 leaves out). For the other
+linears (g = 1) this is equation 4 as printed. What LoRA cannot absorb stays shared: LayerNorm and
+linear biases, and Gemma's q/k and post norms.
 """
 
 from __future__ import annotations
@@ -152,23 +154,21 @@ def _init_lora(model: RecursiveDecoder, full: nn.ModuleList, lora_init: str) -> 
         for name, lora in shared.named_modules():
             if not isinstance(lora, LoopLoRALinear):
                 continue
-            target = source.get_submodule(name).weight.double()
+            weight, target = lora.weight.double(), source.get_submodule(name).weight.double()
+            gain = torch.ones(weight.shape[1], dtype=torch.float64, device=weight.device)
             if name in INPUT_NORMS:
-                target = target * _gain_ratio(source.get_submodule(INPUT_NORMS[name]), shared.get_submodule(INPUT_NORMS[name]))
-            residual = target - lora.weight.double()
+                gain = _gain(shared.get_submodule(INPUT_NORMS[name]))
+                target = target * _gain(source.get_submodule(INPUT_NORMS[name]))
+            residual = target - weight * gain  # E = W_l diag(g_l) - W' diag(g')
             if lora_init == "zero" or not residual.any():
                 lora.reset_lora(occurrence)
                 continue
             u, s, vh = torch.linalg.svd(residual, full_matrices=False)
             r = lora.rank
             lora.lora_B[occurrence] = (u[:, :r] * s[:r] / lora.scaling).to(lora.lora_B.dtype)
-            lora.lora_A[occurrence] = vh[:r].to(lora.lora_A.dtype)
+            lora.lora_A[occurrence] = (vh[:r] / gain.where(gain != 0, 1.0)).to(lora.lora_A.dtype)
 
 
-def _gain_ratio(full_norm: nn.Module, shared_norm: nn.Module) -> torch.Tensor:
-    """g_ℓ / g' per input channel (1 where the shared gain is 0, which no weight can compensate)."""
-    def gain(norm: nn.Module) -> torch.Tensor:
-        return norm.weight.double() + getattr(norm, "offset", 0.0)
-
-    g_full, g_shared = gain(full_norm), gain(shared_norm)
-    return torch.where(g_shared != 0, g_full / g_shared.where(g_shared != 0, 1.0), 1.0)
+def _gain(norm: nn.Module) -> torch.Tensor:
+    """The per-channel gain a norm multiplies the normalised input by (Gemma's 1 + w included)."""
+    return norm.weight.double() + getattr(norm, "offset", 0.0)
