@@ -35,6 +35,10 @@ DEMO_ENTRIES: tuple[DemoEntry, ...] = (
     # 3 context + 1 generation layers (0.89M non-embedding vs 0.85M); its loss is the native block-partition
     # objective, and each step costs more on CPU (the dense dual attention), hence fewer steps.
     DemoEntry("double decoder", "demo-double", steps=150, lr=3e-3),
+    # The demo's 4-layer core run as a Staircase (C=32, S=64: two passes per token, state carried across
+    # segments by truncated BPTT): same parameters, about twice the compute per token, hence smaller batches
+    # (the shared weights leave the unigram plateau later than the plain decoder: about 100 steps at this size).
+    DemoEntry("staircase", "demo-staircase", steps=150, lr=2e-3, batch_size=8, seq_len=128),
 )
 
 
