@@ -242,12 +242,17 @@ def test_streaming_generation_logits_equal_the_full_forward(name):
     torch.testing.assert_close(torch.stack(steps, 1), full[:, prompt - 1 : 29])
 
 
-@pytest.mark.parametrize("name", ["tiny-staircase", "tiny-ladder"])
-def test_generate_runs_through_the_shared_loop(name):
+@pytest.mark.parametrize("name", ["tiny-staircase", "tiny-feedback", "tiny-ladder"])
+def test_greedy_generation_through_the_shared_loop_is_the_full_forward_argmax(name):
     model = tiny(name)
-    out = generate(model, [[1, 2, 3], [4, 5, 6, 7, 8, 9, 10]], 9, temperature=0.0 + 1e-6, seed=0)
-    greedy = [int(model(torch.tensor([[4, 5, 6, 7, 8, 9, 10]]))[0][0, -1, :258].argmax())]
-    assert [len(o) for o in out] == [9, 9] and out[1][0] == greedy[0]
+    prompts = [[1, 2, 3], [4, 5, 6, 7, 8, 9, 10]]
+    out = generate(model, prompts, 6, temperature=0)
+    idx = torch.tensor([[0, 0, 0, 0, 1, 2, 3], [4, 5, 6, 7, 8, 9, 10]])
+    valid = torch.tensor([[False] * 4 + [True] * 3, [True] * 7])
+    for _ in range(6):  # the same left padding, re-read from scratch every token
+        nxt = model(idx, token_valid=valid)[0][:, -1, :258].argmax(-1)
+        idx, valid = torch.cat((idx, nxt[:, None]), 1), torch.cat((valid, torch.ones(2, 1, dtype=torch.bool)), 1)
+    assert out == idx[:, 7:].tolist()
 
 
 # ---------------------------------------------------------------- TBPTT
@@ -295,3 +300,34 @@ def test_validation_of_a_recurrent_model_carries_state_across_segments():
         targets.append(window[None, 1:])
     loss = torch.nn.functional.cross_entropy(torch.cat(logits).flatten(0, 1), torch.cat(targets).flatten())
     assert result["loss"] == pytest.approx(loss.item(), rel=1e-5)
+
+
+def test_segments_that_split_a_chunk_are_refused(tmp_path):
+    from blockloop.data.tokenizers import build_tokenizer
+    from blockloop.errors import BlockloopError
+    from blockloop.train.trainer import TrainConfig, Trainer
+
+    config = from_name("tiny-staircase")  # C = 4
+    data = PackedSequences(np.arange(2000, dtype=np.int64) % 200, 10)
+    with pytest.raises(ConfigError, match="chunk size 4"):
+        Trainer(build_model(config), config, build_tokenizer("byte"), data, None,
+                TrainConfig(seq_len=10, batch_size=2, device="cpu", progress=False), tmp_path)
+    with pytest.raises(BlockloopError, match="chunk size 4"):
+        evaluate(build_model(config), data, batch_size=2, max_batches=1)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("name", ["tiny-staircase", "tiny-cached-staircase", "tiny-ladder", "tiny-transformer-xl"])
+def test_cuda_bf16_forward_backward_and_streaming_match_cpu(name):
+    cpu = tiny(name)
+    gpu = build_model(from_name(name)).cuda()
+    gpu.load_state_dict(cpu.state_dict())
+    idx = tokens(2, 64)
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        got, loss = gpu(idx.cuda(), idx.cuda())
+    torch.testing.assert_close(got.double().cpu(), cpu(idx)[0], atol=5e-2, rtol=5e-2)
+    loss.backward()
+    assert all(torch.isfinite(p.grad).all() for p in gpu.parameters() if p.grad is not None)
+    prompts = [idx[0, :20].tolist(), idx[1, :9].tolist()]
+    assert generate(gpu.eval(), prompts, 8, temperature=0) == generate(cpu.float().eval(), prompts, 8, temperature=0)

@@ -16,6 +16,7 @@ from torch import nn
 
 from blockloop.data.collate import collate_for, step_generator
 from blockloop.data.loader import PackedSequences, eval_batches, stream_eval_batches
+from blockloop.errors import BlockloopError
 from blockloop.nn.precision import at_least_fp32
 
 
@@ -50,6 +51,12 @@ def evaluate(
     collate = collate_for(base, objective)
     # Recurrent models read the split as side-by-side streams and carry their state from batch to batch.
     recurrent = getattr(getattr(base, "config", None), "recurrent", False)
+    chunk = getattr(base.config, "chunk_size", 1) if recurrent else 1
+    if sequences.seq_len % chunk:
+        raise BlockloopError(
+            f"sequence length {sequences.seq_len} is not a multiple of the model's chunk size {chunk}; "
+            "evaluate with a --seq-len that is"
+        )
     batches = (stream_eval_batches if recurrent else eval_batches)(sequences, batch_size, max_batches)
     state = None
     for i, (inputs, targets) in enumerate(batches):

@@ -120,6 +120,12 @@ class Trainer:
         block_len = getattr(model_config, "block_len", 1)
         if config.seq_len % block_len:
             raise ConfigError(f"--seq-len {config.seq_len} is not a multiple of the model's block length {block_len}")
+        chunk = getattr(model_config, "chunk_size", 1)
+        if config.seq_len % chunk:
+            raise ConfigError(
+                f"--seq-len {config.seq_len} is not a multiple of the model's chunk size {chunk}: the state carried to "
+                "the next segment would skip the last partial chunk"
+            )
         self.config, self.model_config, self.tokenizer = config, model_config, tokenizer
         self.out_dir, self.run_info, self.dist = Path(out_dir), run_info or {}, dist_info
         self.device = torch.device(config.resolved_device())
