@@ -49,10 +49,15 @@ def time_train_step(preset: str, overrides: dict, batch: int, seq_len: int, repe
     model = build_model(from_name(preset, **overrides))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     idx = torch.randint(0, 258, (batch, seq_len))
-    times = []
+    recurrent = getattr(model.config, "recurrent", False)
+    times, state = [], None
     for i in range(repeats + 1):  # the first is a warm-up
         start = time.perf_counter()
-        _, loss = model(idx, idx)
+        if recurrent:  # as in truncated-BPTT training: the previous segment's state comes in
+            _, loss, state = model(idx, idx, state=state, return_state=True)
+            state = state.detach()
+        else:
+            _, loss = model(idx, idx)
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
@@ -79,13 +84,15 @@ def main() -> None:
     lines = [
         "# Staircase family: train time per batch vs the plain transformer (CPU)",
         "",
-        f"- device: CPU ({platform.processor() or platform.machine()}), {args.threads} thread(s); torch {torch.__version__}; "
-        f"date {datetime.date.today().isoformat()}",
+        (f"- device: CPU ({platform.processor() or platform.machine()}), {args.threads} thread(s); "
+         f"torch {torch.__version__}; date {datetime.date.today().isoformat()}"),
         f"- command: `PYTHONPATH=src python {' '.join(sys.argv)}`",
-        f"- one step = forward + backward + AdamW on {args.batch_size} x {args.seq_len} random byte tokens; median of "
-        f"{args.repeats} after a warm-up; core: {CORE['n_layer']} layers, d={CORE['d_model']} (Llama style)",
-        "- CPU numbers only (no GPU was lent to this task): absolute GPU times are owed; the ratios show the cost of "
-        "recurrence, not GPU parallelism (the Feedback Transformer's token-by-token loop costs far more on a GPU)",
+        (f"- one step = forward + backward + AdamW on {args.batch_size} x {args.seq_len} random byte tokens; median of "
+         f"{args.repeats} after a warm-up; core: {CORE['n_layer']} layers, d={CORE['d_model']} (Llama style); recurrent "
+         "models get the previous step's state (truncated BPTT), so caches and memories are full"),
+        "- the machine (2 cores) was shared with other jobs while this ran: expect noise of tens of percent",
+        ("- CPU numbers only (no GPU was lent to this task): absolute GPU times are owed; the ratios show the cost of "
+         "recurrence, not GPU parallelism (the Feedback Transformer's token-by-token loop costs far more on a GPU)"),
         "",
         "| model | parameters | train ms / batch | vs plain |",
         "|---|---|---|---|",
