@@ -27,4 +27,4 @@ def build_model(config: ModelConfig) -> nn.Module:
     return MODEL_CLASSES[config.family](config)
 
 
-__all__ = ["BlockTransformer", "Decoder", "DoubleDecoder", "EncoderDecoder", "Ladder", "MODEL_CLASSES", "Staircase", "build_model"]
+__all__ = ["MODEL_CLASSES", "BlockTransformer", "Decoder", "DoubleDecoder", "EncoderDecoder", "Ladder", "Staircase", "build_model"]

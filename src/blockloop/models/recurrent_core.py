@@ -13,10 +13,9 @@ Staircase, Ladder and their baselines all run one :class:`~blockloop.models.deco
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
-from blockloop.models.decoder import Block, SelfAttention, TransformerStack, merge_heads, split_heads
+from blockloop.models.decoder import Block, SelfAttention, TransformerStack, merge_heads
 from blockloop.nn.attention import attention
 from blockloop.nn.rope import apply_rope
 
@@ -27,11 +26,14 @@ class PrefixAttention(SelfAttention):
     """Self-attention over ``[prefix keys/values, own keys/values]``; same parameters as SelfAttention."""
 
     def keys_values(self, x: Tensor) -> KV:
-        """Un-rotated keys and values ``(B, H_kv, T, D)`` of (already normed) states ``x``, without queries."""
-        q_dim, kv_dim = self.n_head * self.head_dim, self.n_kv_head * self.head_dim
-        bias = self.qkv.bias[q_dim:] if self.qkv.bias is not None else None
-        k, v = F.linear(x, self.qkv.weight[q_dim:], bias).split([kv_dim, kv_dim], dim=-1)
-        return split_heads(k, self.n_kv_head, self.head_dim), split_heads(v, self.n_kv_head, self.head_dim)
+        """Un-rotated keys and values ``(B, H_kv, T, D)`` of (already normed) states ``x``.
+
+        Goes through :meth:`project` with a zero-width rotation, so whatever SelfAttention does to keys
+        (e.g. a key norm) applies to cached states too; the queries it also computes are dropped.
+        """
+        no_rotation = x.new_zeros(x.shape[1], 0)
+        _, k, v = self.project(x, no_rotation, no_rotation)
+        return k, v
 
     def forward(
         self,
