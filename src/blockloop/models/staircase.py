@@ -19,7 +19,9 @@ layers' states (embedding included); with C = 1 and m = 1 that is the Feedback T
 segment has an output. The state returned is the one before the flush (backward chunks and cache), so the
 next segment continues the recurrence exactly: a stream read in segments gives the logits of one long
 forward (truncated BPTT detaches it between training steps). Streaming generation uses the same property:
-the state at the last complete chunk plus the tokens of the chunk being written.
+it keeps the state at the last complete chunk; what the chunk being written attends to at each of its passes
+(the cache and the older chunks in flight) does not depend on it, so it is computed once per chunk, and
+each new token costs one query per pass (:class:`StaircaseDecode`).
 
 Positions are rotary and local to each step's window (cache first, then the chunks in stream order), so
 they stay bounded on an endless stream and only relative distances matter.
@@ -68,11 +70,19 @@ class StaircaseState:
 
 @dataclass
 class StaircaseDecode:
-    """Generation state: the stream state at the last complete chunk, and the chunk being written."""
+    """Generation state: the stream state at the last complete chunk, and the chunk being written.
+
+    ``windows[k]`` is what the chunk being written attends to at its pass k besides itself: per layer the
+    rotated keys/values of the cache and of the older chunks in flight at that step (they never depend on
+    the new chunk, so they are computed once per chunk), and their validity. ``written[k]`` holds, per
+    layer, the rotated keys/values of the chunk's tokens read so far at pass k: a per-pass KV cache.
+    """
 
     state: StaircaseState
     pending: Tensor
     pending_valid: Tensor
+    windows: list[tuple[tuple[KV, ...], Tensor]]
+    written: list[list[KV]]
 
 
 class Staircase(LanguageModel):
@@ -99,6 +109,11 @@ class Staircase(LanguageModel):
         ``x (B, c, d)`` with c <= C (c = 0 for a flush step). The finished chunk (if any) is returned as
         ``(B, c', d)`` and, in the cached variants, moved into the cache.
         """
+        state, done, _ = self._step(state, x, valid)
+        return state, done
+
+    def _step(self, state: StaircaseState, x: Tensor, valid: Tensor) -> tuple[StaircaseState, Tensor, list[Tensor]]:
+        """:meth:`step`, also returning the window's states entering each layer (and leaving the last)."""
         c = self.config
         chunks, valids, passes = state.chunks, state.valid, state.passes
         if x.shape[1]:
@@ -115,7 +130,7 @@ class Staircase(LanguageModel):
             layer_states.append(h)
         pieces = list(torch.split(h, [t.shape[1] for t in chunks], dim=1))
         if passes[0] < c.passes:
-            return StaircaseState(tuple(pieces), valids, passes, state.cache, state.cache_valid), h[:, :0]
+            return StaircaseState(tuple(pieces), valids, passes, state.cache, state.cache_valid), h[:, :0], layer_states
         done, done_valid = pieces[0], valids[0]
         cache, cache_valid = state.cache, state.cache_valid
         if c.cache_after:
@@ -126,7 +141,7 @@ class Staircase(LanguageModel):
             )
             cache_valid = torch.cat((cache_valid, done_valid), dim=1)[:, -c.cache_tokens :]
         rest = StaircaseState(tuple(pieces[1:]), valids[1:], passes[1:], cache, cache_valid)
-        return rest, done
+        return rest, done, layer_states
 
     def _memory(self, layer_states: list[Tensor], length: int) -> Tensor:
         """Feedback memory of the finished chunk: softmax(w)-weighted sum of its states at every layer."""
@@ -181,24 +196,70 @@ class Staircase(LanguageModel):
     # ------------------------------------------------------------- generation
     @torch.no_grad()
     def prefill(self, idx: Tensor, token_valid: Tensor, max_new_tokens: int) -> tuple[Tensor, StaircaseDecode]:
-        """Read the prompts; keep the state at the last complete chunk and the partial chunk after it."""
+        """Read the prompts; keep the state at the last complete chunk and read the partial chunk after it."""
         logits, _, state = self(idx, token_valid=token_valid, return_state=True)
-        pending = idx.shape[1] % self.config.chunk_size
-        start = idx.shape[1] - pending
-        return logits[:, -1], StaircaseDecode(state, idx[:, start:], token_valid[:, start:])
+        start = idx.shape[1] - idx.shape[1] % self.config.chunk_size
+        decode = self._begin_chunk(state)
+        if start < idx.shape[1]:
+            self._read(decode, idx[:, start:], token_valid[:, start:])
+        return logits[:, -1], decode
 
     @torch.no_grad()
     def decode_step(self, decode: StaircaseDecode, token: Tensor) -> Tensor:
-        """Add ``token`` to the chunk being written and read the chunk from the saved state.
+        """Read ``token`` through its S / C (or m) passes, each a one-query attention over its window.
 
-        The recurrence advances (the state is replaced) only when the chunk is complete, so each token
-        costs one pass per recurrent step over its chunk (plus the flush), not a re-read of the stream.
+        When the chunk is complete, the recurrence advances one step (the state is replaced) and the
+        windows of the next chunk are computed.
         """
-        pending = torch.cat((decode.pending, token[:, None]), dim=1)
-        pending_valid = torch.cat((decode.pending_valid, torch.ones_like(token[:, None], dtype=torch.bool)), dim=1)
-        logits, _, state = self(pending, token_valid=pending_valid, state=decode.state, return_state=True)
-        if pending.shape[1] == self.config.chunk_size:
-            decode.state, decode.pending, decode.pending_valid = state, pending[:, :0], pending_valid[:, :0]
-        else:
-            decode.pending, decode.pending_valid = pending, pending_valid
-        return logits[:, -1]
+        h = self._read(decode, token[:, None], torch.ones_like(token[:, None], dtype=torch.bool))
+        if decode.pending.shape[1] == self.config.chunk_size:
+            state, _ = self.step(decode.state, self.embed(decode.pending), decode.pending_valid)
+            fresh = self._begin_chunk(state)
+            decode.state, decode.pending, decode.pending_valid = fresh.state, fresh.pending, fresh.pending_valid
+            decode.windows, decode.written = fresh.windows, fresh.written
+        return self.logits(self.norm(h))[:, -1]
+
+    def _begin_chunk(self, state: StaircaseState) -> StaircaseDecode:
+        """The windows a new chunk will see at each of its passes: run the flush steps of ``state``."""
+        c, windows, current = self.config, [], state
+        batch = state.cache_valid.shape[0]
+        for _ in range(c.passes):
+            n_cache = current.cache_valid.shape[1]
+            older, older_valid, following = [], current.cache_valid[:, :0], current
+            if current.chunks:
+                empty = torch.zeros(batch, 0, c.d_model, dtype=self.embed.weight.dtype, device=older_valid.device)
+                following, _, layer_states = self._step(current, empty, older_valid)
+                older = [prefix_kv(block, states) for block, states in zip(self.core.blocks, layer_states)]
+                older_valid = torch.cat(current.valid, dim=1)
+            n = n_cache + older_valid.shape[1]
+            cos, sin = rope_angles(torch.arange(n, device=older_valid.device), c.rotary_dim, c.rope_base)
+            layers = []
+            for layer in range(c.n_layer):
+                parts = [rotate_prefix(current.cache[layer], cos[:n_cache], sin[:n_cache])] if n_cache else []
+                parts += [rotate_prefix(older[layer], cos[n_cache:], sin[n_cache:])] if older else []
+                empty_kv = torch.zeros(batch, c.n_kv_head, 0, c.head_dim, dtype=self.embed.weight.dtype,
+                                       device=older_valid.device)
+                layers.append(tuple(torch.cat([p[i] for p in parts] or [empty_kv], dim=2) for i in range(2)))
+            windows.append((tuple(layers), torch.cat((current.cache_valid, older_valid), dim=1)))
+            current = following
+        idle = state.cache_valid.new_zeros(batch, 0, dtype=torch.long)
+        written = [[(kv[0][:, :, :0], kv[1][:, :, :0]) for kv in window[0]] for window in windows]
+        return StaircaseDecode(state, idle, idle.bool(), windows, written)
+
+    def _read(self, decode: StaircaseDecode, ids: Tensor, valid: Tensor) -> Tensor:
+        """Append ``ids`` to the chunk being written; their final states ``(B, T, d)``."""
+        c = self.config
+        h = self.embed(ids)
+        for (window, window_valid), written in zip(decode.windows, decode.written):
+            seen = torch.cat((window_valid, decode.pending_valid), dim=1)
+            start = seen.shape[1]
+            cos, sin = rope_angles(torch.arange(start, start + h.shape[1], device=h.device), c.rotary_dim, c.rope_base)
+            mask = window_mask(seen, valid)
+            for layer, block in enumerate(self.core.blocks):
+                new = rotate_prefix(prefix_kv(block, h), cos, sin)
+                prefix = tuple(torch.cat((window[layer][i], written[layer][i]), dim=2) for i in range(2))
+                h = block(h, cos, sin, mask=mask, prefix=prefix)
+                written[layer] = tuple(torch.cat((written[layer][i], new[i]), dim=2) for i in range(2))
+        decode.pending = torch.cat((decode.pending, ids), dim=1)
+        decode.pending_valid = torch.cat((decode.pending_valid, valid), dim=1)
+        return h
