@@ -474,43 +474,6 @@ class RecursiveConfig(DecoderConfig):
         return f"{self.n_layer} shared layers x {self.loops} loops ({self.tying}), d={self.d_model}{relax}"
 
 
-CONFIG_CLASSES: dict[str, type] = {
-    cls.family: cls
-    for cls in (DecoderConfig, DoubleDecoderConfig, EncoderDecoderConfig, BlockTransformerConfig, RecursiveConfig)
-}
-ModelConfig = DecoderConfig | BlockTransformerConfig  # the double decoder and encoder-decoder configs are DecoderConfigs
-
-
-
-def config_from_dict(data: dict[str, Any]) -> "ModelConfig":
-    """Rebuild any family's config from :meth:`to_dict` output, rejecting unknown fields by name."""
-    data = dict(data)
-    family = data.pop("family", "decoder")
-    cls = CONFIG_CLASSES.get(family)
-    if cls is None:
-        raise ConfigError(f"unknown model family {family!r}; known: {', '.join(sorted(CONFIG_CLASSES))}")
-    known = {f.name for f in dataclasses.fields(cls)}
-    unknown = sorted(set(data) - known)
-    if unknown:
-        raise ConfigError(f"unknown config field(s) for {family}: {', '.join(unknown)}")
-    return cls(**data)
-
-
-def save_config(config: "ModelConfig", path: Path) -> None:
-    Path(path).write_text(json.dumps(config.to_dict(), indent=2) + "\n")
-
-
-def load_config(path: Path) -> "ModelConfig":
-    path = Path(path)
-    if not path.is_file():
-        raise BlockloopError(f"model config not found: {path}; point at a checkpoint directory written by train")
-    try:
-        data = json.loads(path.read_text())
-    except json.JSONDecodeError as exc:
-        raise BlockloopError(f"model config {path} is not valid JSON ({exc}); the checkpoint is corrupt") from exc
-    return config_from_dict(data)
-
-
 LADDER_PATTERNS = ("abab", "aabb")
 
 
@@ -619,9 +582,12 @@ class LadderConfig(DecoderConfig):
 
 
 CONFIG_CLASSES: dict[str, type] = {
-    cls.family: cls for cls in (DecoderConfig, DoubleDecoderConfig, EncoderDecoderConfig, BlockTransformerConfig)
+    cls.family: cls
+    for cls in (
+        DecoderConfig, DoubleDecoderConfig, EncoderDecoderConfig, BlockTransformerConfig, RecursiveConfig,
+        StaircaseConfig, LadderConfig,
+    )
 }
-CONFIG_CLASSES.update({cls.family: cls for cls in (StaircaseConfig, LadderConfig)})
 ModelConfig = DecoderConfig | BlockTransformerConfig  # the double decoder and encoder-decoder configs are DecoderConfigs
 
 

@@ -13,13 +13,13 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from blockloop.config import (
-    BlockTransformerConfig, DecoderConfig, DoubleDecoderConfig, EncoderDecoderConfig, ModelConfig, RecursiveConfig,
     BlockTransformerConfig,
     DecoderConfig,
     DoubleDecoderConfig,
     EncoderDecoderConfig,
     LadderConfig,
     ModelConfig,
+    RecursiveConfig,
     StaircaseConfig,
 )
 from blockloop.errors import ConfigError
