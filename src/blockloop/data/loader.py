@@ -42,10 +42,15 @@ class PackedSequences:
         start = i * self.seq_len
         return np.asarray(self.tokens[start : start + self.seq_len + 1], dtype=np.int64)
 
+    @staticmethod
+    def to_batch(windows: list[np.ndarray]) -> tuple[torch.Tensor, torch.Tensor]:
+        """(inputs, targets) of stacked windows: next-token targets are the inputs shifted by one.
 
-def _to_tensors(windows: list[np.ndarray]) -> tuple[torch.Tensor, torch.Tensor]:
-    batch = torch.from_numpy(np.stack(windows))
-    return batch[:, :-1].contiguous(), batch[:, 1:].contiguous()
+        Every sequence source the loaders accept has this method (labelled-position tasks pair each
+        input with its own label instead, see :class:`blockloop.data.tasks.windows.TaskSequences`).
+        """
+        batch = torch.from_numpy(np.stack(windows))
+        return batch[:, :-1].contiguous(), batch[:, 1:].contiguous()
 
 
 class TrainBatches:
@@ -95,7 +100,7 @@ class TrainBatches:
         start = self._index + self.rank * self.batch_size
         indices = self._order[start : start + self.batch_size].tolist()
         self._index += global_batch
-        return _to_tensors([self.sequences[i] for i in indices])
+        return self.sequences.to_batch([self.sequences[i] for i in indices])
 
     def state_dict(self) -> dict[str, int]:
         """Position in the stream; with the same data, seed and layout, :meth:`load_state_dict` resumes it."""
@@ -122,4 +127,4 @@ def eval_batches(
         count = min(count, max_batches)
     for b in range(count):
         stop = min((b + 1) * batch_size, len(sequences))
-        yield _to_tensors([sequences[i] for i in range(b * batch_size, stop)])
+        yield sequences.to_batch([sequences[i] for i in range(b * batch_size, stop)])
