@@ -9,12 +9,16 @@ from blockloop.models.block import BlockTransformer
 from blockloop.models.decoder import Decoder
 from blockloop.models.double_decoder import DoubleDecoder
 from blockloop.models.encoder_decoder import EncoderDecoder
+from blockloop.models.ladder import Ladder
+from blockloop.models.staircase import Staircase
 
 MODEL_CLASSES: dict[str, type[nn.Module]] = {
     "decoder": Decoder,
     "double_decoder": DoubleDecoder,
     "encoder_decoder": EncoderDecoder,
     "block": BlockTransformer,
+    "staircase": Staircase,
+    "ladder": Ladder,
 }
 
 
@@ -23,4 +27,4 @@ def build_model(config: ModelConfig) -> nn.Module:
     return MODEL_CLASSES[config.family](config)
 
 
-__all__ = ["BlockTransformer", "Decoder", "DoubleDecoder", "EncoderDecoder", "MODEL_CLASSES", "build_model"]
+__all__ = ["BlockTransformer", "Decoder", "DoubleDecoder", "EncoderDecoder", "Ladder", "MODEL_CLASSES", "Staircase", "build_model"]

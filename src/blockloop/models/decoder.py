@@ -163,16 +163,23 @@ class TransformerStack(nn.Module):
     """``n_layer`` pre-norm blocks (and, unless ``final_norm=False``, the final norm) over embeddings.
 
     The body of the vanilla decoder, and of the Block Transformer's block decoder, token decoder and
-    (bidirectional) embedder encoder. With a cache, the inputs are written at cache ``slots`` and attend
+    (bidirectional) embedder encoder; ``attention`` swaps in a SelfAttention subclass (the staircase
+    family's, which also attends to cached states). With a cache, the inputs are written at cache ``slots`` and attend
     to everything valid before them.
     """
 
     def __init__(
-        self, config: DecoderConfig, *, causal: bool = True, cross_attention: bool = False, final_norm: bool = True
+        self,
+        config: DecoderConfig,
+        *,
+        causal: bool = True,
+        cross_attention: bool = False,
+        final_norm: bool = True,
+        attention: Callable[..., nn.Module] = SelfAttention,
     ) -> None:
         super().__init__()
         self.config = config
-        attn = SelfAttention if causal else partial(SelfAttention, causal=False)
+        attn = attention if causal else partial(attention, causal=False)
         self.blocks = nn.ModuleList(
             Block(config, attn, cross_attention=cross_attention) for _ in range(config.n_layer)
         )
