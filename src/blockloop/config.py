@@ -405,8 +405,8 @@ class StaircaseConfig(DecoderConfig):
     def validate(self) -> None:
         super().validate()
         C, S, m = self.chunk_size, self.step_size, self.cache_after
+        self._check((C >= 1, f"chunk_size must be at least 1, got {C}"))
         self._check(
-            (C >= 1, f"chunk_size must be at least 1, got {C}"),
             (S >= C and S % C == 0, f"step_size={S} must be a positive multiple of chunk_size={C}"),
             (S <= self.context_length, f"step_size={S} exceeds context_length={self.context_length}; raise the context"),
             (m is None or 1 <= m <= S // C,

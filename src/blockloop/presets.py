@@ -243,19 +243,19 @@ def _demo_block() -> BlockTransformerConfig:
 # d=1024 for Reddit / BASE Data (117M parameters, Table 2), d=512 for Enwik8 (Table 5). Every model of a
 # task shares one core, so parameter counts match (Table 1). The paper's relative position embeddings
 # are rotary here. context_length bounds a segment and a generation (and the global cache's reach).
-_STAIRCASE_TASKS = {"randomwalk": dict(n_layer=4, d_model=256, n_head=4, dropout=0.2, context_length=512),
-                    "algorithm": dict(n_layer=4, d_model=256, n_head=4, dropout=0.2, context_length=512)}
-_STAIRCASE_LM = {"reddit": dict(n_layer=8, d_model=1024, n_head=8, dropout=0.3, context_length=512, vocab_size=50304),
-                 "base": dict(n_layer=8, d_model=1024, n_head=8, dropout=0.3, context_length=512, vocab_size=50304),
-                 "enwik8": dict(n_layer=8, d_model=512, n_head=8, dropout=0.3, context_length=512, vocab_size=258)}
+_STAIRCASE_TASKS = {"randomwalk": {"n_layer": 4, "d_model": 256, "n_head": 4, "dropout": 0.2, "context_length": 512},
+                    "algorithm": {"n_layer": 4, "d_model": 256, "n_head": 4, "dropout": 0.2, "context_length": 512}}
+_STAIRCASE_LM = {"reddit": {"n_layer": 8, "d_model": 1024, "n_head": 8, "dropout": 0.3, "context_length": 512, "vocab_size": 50304},
+                 "base": {"n_layer": 8, "d_model": 1024, "n_head": 8, "dropout": 0.3, "context_length": 512, "vocab_size": 50304},
+                 "enwik8": {"n_layer": 8, "d_model": 512, "n_head": 8, "dropout": 0.3, "context_length": 512, "vocab_size": 258}}
 # Table 6: (recurrent steps, step size S, forward size C) per model; Ladder: (steps, attention span).
 # Feedback Transformer and Global Cached Staircase: the best rows of Tables 7, 8 and 10.
 _TABLE6 = {
-    "randomwalk": dict(staircase=(8, 64, 8), cached=(1, 256, 4), ladder=(8, 512), feedback=64, global_=(1, 512, 8)),
-    "algorithm": dict(staircase=(8, 64, 8), cached=(1, 64, 4), ladder=(2, 512), feedback=32, global_=(1, 512, 8)),
-    "reddit": dict(staircase=(8, 256, 32), cached=(1, 384, 128), ladder=(8, 256), feedback=512),
-    "base": dict(staircase=(8, 256, 32), cached=(1, 384, 128), ladder=(8, 256), feedback=512),
-    "enwik8": dict(staircase=(4, 256, 64), cached=(1, 260, 4), ladder=(4, 256), feedback=256),
+    "randomwalk": {"staircase": (8, 64, 8), "cached": (1, 256, 4), "ladder": (8, 512), "feedback": 64, "global_": (1, 512, 8)},
+    "algorithm": {"staircase": (8, 64, 8), "cached": (1, 64, 4), "ladder": (2, 512), "feedback": 32, "global_": (1, 512, 8)},
+    "reddit": {"staircase": (8, 256, 32), "cached": (1, 384, 128), "ladder": (8, 256), "feedback": 512},
+    "base": {"staircase": (8, 256, 32), "cached": (1, 384, 128), "ladder": (8, 256), "feedback": 512},
+    "enwik8": {"staircase": (4, 256, 64), "cached": (1, 260, 4), "ladder": (4, 256), "feedback": 256},
 }
 
 

@@ -37,7 +37,7 @@ class LadderState:
     memory: tuple[Tensor, ...]
     valid: Tensor
 
-    def detach(self) -> "LadderState":
+    def detach(self) -> LadderState:
         return LadderState(tuple(m.detach() for m in self.memory), self.valid)
 
 

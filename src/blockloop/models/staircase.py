@@ -57,7 +57,7 @@ class StaircaseState:
     def tokens_in_flight(self) -> int:
         return sum(c.shape[1] for c in self.chunks)
 
-    def detach(self) -> "StaircaseState":
+    def detach(self) -> StaircaseState:
         """Cut the graph here (truncated BPTT between training segments)."""
         return replace(
             self,

@@ -26,7 +26,7 @@ from tqdm import tqdm
 
 from blockloop.config import ModelConfig
 from blockloop.data.collate import OBJECTIVES, collate_for, step_generator
-from blockloop.data.loader import PackedSequences, TrainBatches
+from blockloop.data.loader import PackedSequences, StreamBatches, TrainBatches
 from blockloop.data.tasks.windows import TaskSequences
 from blockloop.data.tokenizers import Tokenizer
 from blockloop.errors import BlockloopError, ConfigError
@@ -143,9 +143,19 @@ class Trainer:
         )
         self.train_data, self.val_data = train_data, val_data
         self.collate = collate_for(model, config.objective)
-        self.batches = TrainBatches(
-            train_data, config.batch_size, seed=config.seed, rank=dist_info.rank, world_size=dist_info.world_size
-        )
+        # Recurrent models (staircase family) train with truncated BPTT: contiguous streams, and the state
+        # each micro-batch's streams reached is carried (detached) into their next segment. It is not saved:
+        # after --resume the streams continue from the saved position with an empty state.
+        self.recurrent = getattr(model_config, "recurrent", False)
+        if self.recurrent:
+            self.batches = StreamBatches(
+                train_data, config.batch_size, groups=config.grad_accum, rank=dist_info.rank, world_size=dist_info.world_size
+            )
+        else:
+            self.batches = TrainBatches(
+                train_data, config.batch_size, seed=config.seed, rank=dist_info.rank, world_size=dist_info.world_size
+            )
+        self.stream_states: list[Any] = [None] * config.grad_accum
         self.step = 0
         self.tokens_per_step = config.batch_size * config.grad_accum * config.seq_len * dist_info.world_size
         self.flops_per_token = training_flops_per_token(model_config, config.seq_len)
@@ -238,7 +248,12 @@ class Trainer:
             sync = micro == cfg.grad_accum - 1
             no_sync = getattr(self.train_model, "no_sync", None)
             with (nullcontext() if sync or no_sync is None else no_sync()), autocast:
-                _, loss = self.forward(**batch)
+                if self.recurrent:
+                    state = None if self.batches.starts_streams else self.stream_states[micro]
+                    _, loss, state = self.forward(**batch, state=state, return_state=True)
+                    self.stream_states[micro] = state.detach()
+                else:
+                    _, loss = self.forward(**batch)
                 (loss / cfg.grad_accum).backward()
             total += loss.detach()
         if cfg.grad_clip > 0:
