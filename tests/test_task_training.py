@@ -211,3 +211,13 @@ def test_a_text_model_is_refused_on_a_task(tmp_path, capsys):
     with pytest.raises(BlockloopError, match="not the vocabulary"):
         check_task_vocabulary(other, WALK, task.vocab)
     check_task_vocabulary(TaskTokenizer("random-walk", get_task("random-walk").vocab), WALK, task.vocab)  # variants share ids
+
+
+def test_recurrent_models_train_and_score_on_task_windows(tmp_path, walk_dir, capsys):
+    """The staircase family reads task windows as streams (truncated BPTT) in training and evaluation."""
+    run = tmp_path / "stair"
+    assert main(["train", "--task-dir", str(walk_dir), "--preset", "tiny-staircase", "--out", str(run), *TRAIN[2:]]) == 0
+    assert "val task error" in capsys.readouterr().out
+    assert main(["eval", "--checkpoint", str(run), "--split", "test", "--json", "--device", "cpu"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["task"] == WALK and 0 < result["tokens"] and 0.0 <= result["error"] <= 1.0
