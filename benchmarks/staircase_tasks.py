@@ -33,6 +33,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -61,6 +62,7 @@ LM_MODELS = (
     "ladder-4=tiny-ladder,n_steps=4",
 )
 RESULTS = "staircase_tasks_cpu"
+OBSERVATIONS = "## Observations"
 
 
 def parse_model(entry: str) -> tuple[str, str, dict[str, object]]:
@@ -111,7 +113,7 @@ def train_one(entry: str, spec_fields: dict[str, object], args: argparse.Namespa
     return record | {"_model": trainer.model.eval(), "_run": run, "_val": val}
 
 
-def run_tasks(args: argparse.Namespace) -> dict[str, object]:
+def run_tasks(args: argparse.Namespace, save: Callable[[dict[str, object]], None]) -> dict[str, object]:
     rows = []
     for entry in args.models or TASK_MODELS:
         record = train_one(entry, {"task": args.task}, args)
@@ -125,10 +127,11 @@ def run_tasks(args: argparse.Namespace) -> dict[str, object]:
         record["run"] = provenance(args)
         print(json.dumps(record), flush=True)
         rows.append(record)
+        save({"kind": "task", "rows": rows})
     return {"kind": "task", "rows": rows}
 
 
-def run_lm(args: argparse.Namespace) -> dict[str, object]:
+def run_lm(args: argparse.Namespace, save: Callable[[dict[str, object]], None]) -> dict[str, object]:
     rows = []
     for entry in args.models or LM_MODELS:
         record = train_one(entry, {"data": args.data, "tokenizer": "byte"}, args)
@@ -143,6 +146,7 @@ def run_lm(args: argparse.Namespace) -> dict[str, object]:
         record["run"] = provenance(args) | {"data": args.data}
         print(json.dumps(record), flush=True)
         rows.append(record)
+        save({"kind": "lm", "rows": rows})
     return {"kind": "lm", "rows": rows}
 
 
@@ -213,18 +217,25 @@ def main() -> None:
     parser.add_argument("--out-dir", default="benchmarks/results")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    part = run_tasks(args) if args.part == "tasks" else run_lm(args)
-    out = Path(args.out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    path = out / f"{RESULTS}.json"
-    record = json.loads(path.read_text()) if path.is_file() else {}
     key = args.task if args.part == "tasks" else "lm"
-    if key in record:  # keep the rows of models this call did not run
-        ran = {row["label"] for row in part["rows"]}
-        part["rows"] = [row for row in record[key]["rows"] if row["label"] not in ran] + part["rows"]
-    record[key] = part
-    path.write_text(json.dumps(record, indent=2) + "\n")
-    (out / f"{RESULTS}.md").write_text(markdown(record))
+    out = Path(args.out_dir)
+
+    def save(part: dict[str, object]) -> None:
+        """Merge ``part`` into the results after every model, so an interrupted run keeps what it measured."""
+        out.mkdir(parents=True, exist_ok=True)
+        path = out / f"{RESULTS}.json"
+        record = json.loads(path.read_text()) if path.is_file() else {}
+        if key in record:  # keep the rows of models this call did not run
+            ran = {row["label"] for row in part["rows"]}
+            part = part | {"rows": [row for row in record[key]["rows"] if row["label"] not in ran] + part["rows"]}
+        record[key] = part
+        path.write_text(json.dumps(record, indent=2) + "\n")
+        md = out / f"{RESULTS}.md"
+        # The hand-written reading of the numbers (a section starting at OBSERVATIONS) survives re-runs.
+        kept = md.read_text().partition(OBSERVATIONS)[2] if md.is_file() else ""
+        md.write_text(markdown(record) + (OBSERVATIONS + kept if kept else ""))
+
+    part = run_tasks(args, save) if args.part == "tasks" else run_lm(args, save)
     print(markdown({key: part}))
 
 
