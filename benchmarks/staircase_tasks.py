@@ -233,7 +233,7 @@ def main() -> None:
         md = out / f"{RESULTS}.md"
         # The hand-written reading of the numbers (a section starting at OBSERVATIONS) survives re-runs.
         kept = md.read_text().partition(OBSERVATIONS)[2] if md.is_file() else ""
-        md.write_text(markdown(record) + (OBSERVATIONS + kept if kept else ""))
+        md.write_text(markdown(record) + ("\n" + OBSERVATIONS + kept if kept else ""))
 
     part = run_tasks(args, save) if args.part == "tasks" else run_lm(args, save)
     print(markdown({key: part}))
