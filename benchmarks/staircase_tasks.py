@@ -172,13 +172,17 @@ def markdown(record: dict[str, dict[str, object]]) -> str:
     ]
     for key, part in record.items():
         lines += [f"## {key}", ""]
-        runs = {json.dumps(r["run"], sort_keys=True): r["run"] for r in part["rows"]}
-        for run in runs.values():
-            s = run["settings"]
-            labels = ", ".join(r["label"] for r in part["rows"] if r["run"] == run)
-            lines += [(f"- {labels}: `{run['command']}`; {run['device']}, torch {run['torch']}, {run['date']}; "
-                      f"{s['steps']} steps of batch {s['batch_size']} x {s['seq_len']} tokens, LR {s['lr']} (cosine), "
-                      f"seed {s['seed']}")]
+        # One line per command: its rows were measured one after another (dates: first to last finished).
+        runs: dict[str, list[dict[str, object]]] = {}
+        for r in part["rows"]:
+            runs.setdefault(r["run"]["command"], []).append(r)
+        for command, rows in runs.items():
+            run, s = rows[0]["run"], rows[0]["run"]["settings"]
+            dates = sorted({r["run"]["date"] for r in rows})
+            when = dates[0] if len(dates) == 1 else f"{dates[0]} to {dates[-1]}"
+            lines += [(f"- {', '.join(r['label'] for r in rows)}: `{command}`; {run['device']}, torch {run['torch']}, "
+                       f"{when}; {s['steps']} steps of batch {s['batch_size']} x {s['seq_len']} tokens, LR {s['lr']} "
+                       f"(cosine), seed {s['seed']}")]
         lines.append("")
         if part["kind"] == "task":
             lines += ["| model | preset (overrides) | core | params | valid error | test error | train ms/batch |",
