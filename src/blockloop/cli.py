@@ -88,6 +88,15 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
         help="byte, gpt2, neox, bpe[:VOCAB] (trained on --data and saved with the run) or a tokenizer.json path "
         "(default: byte)",
     )
+    g.add_argument(
+        "--task", metavar="NAME",
+        help="train on a labelled-position task instead of text (algorithm-3, algorithm-5, random-walk, or NAME:LENGTH "
+        "for shorter sequences); its vocabulary becomes the tokenizer and validation reports the task error",
+    )
+    g.add_argument(
+        "--task-dir", metavar="DIR",
+        help="the task dataset to use, written by `blockloop tasks make` (default: generated with seed 0 into the cache)",
+    )
     g.add_argument("--dropout", type=float, help="dropout on embeddings, attention and residuals (default: preset's)")
     g.add_argument(
         "--set", action="append", default=[], metavar="FIELD=VALUE",
@@ -166,7 +175,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         directory = ckpt.resolve_checkpoint(out)
         state = ckpt.read_json(directory / "train_state.json")
         spec = RunSpec(**state["run"])
-        clashes = [f for f in ("preset", "data", "tokenizer", *MODEL_FLAGS) if getattr(args, f) is not None]
+        clashes = [f for f in ("preset", "data", "tokenizer", "task", "task_dir", *MODEL_FLAGS) if getattr(args, f) is not None]
         clashes += ["set"] if args.set else []
         clashes += [f for f in ("early_exit", "exit_coefficient", "exit_kd_weight", "distill_from") if getattr(args, f) is not None]
         if clashes:
@@ -188,6 +197,14 @@ def cmd_train(args: argparse.Namespace) -> int:
                 preset=saved.get("preset", "demo"), data=args.data or saved.get("data", "shakespeare"),
                 tokenizer=saved.get("tokenizer", "byte"), init_from=str(directory),
             )
+            if args.task or args.task_dir:
+                spec = dataclasses.replace(spec, **_task_fields(args))
+            elif args.data is None and saved.get("task") is not None:
+                spec = dataclasses.replace(spec, task=saved["task"], task_dir=saved.get("task_dir"))
+        elif args.task or args.task_dir:
+            if args.data or args.tokenizer:
+                raise BlockloopError("--task brings its own data and vocabulary; drop --data/--tokenizer")
+            spec = RunSpec(preset=args.preset or "demo", model_overrides=overrides, **_task_fields(args))
         else:
             spec = RunSpec(
                 preset=args.preset or "demo", data=args.data or "shakespeare", tokenizer=args.tokenizer or "byte",
@@ -222,10 +239,23 @@ def cmd_train(args: argparse.Namespace) -> int:
             )
         metrics = trainer.fit()
         if info.is_main:
-            print(f"done: step {trainer.step}, val loss {metrics.get('val_loss', float('nan')):.4f}; checkpoint in {out}")
+            error = f", val task error {metrics['val_error']:.2%}" if "val_error" in metrics else ""
+            print(f"done: step {trainer.step}, val loss {metrics.get('val_loss', float('nan')):.4f}{error}; checkpoint in {out}")
     finally:
         shutdown(info)
     return 0
+
+
+def _task_fields(args: argparse.Namespace) -> dict[str, str | None]:
+    """RunSpec fields of ``--task``/``--task-dir``: the task's name (read from the directory if only that is given)."""
+    from blockloop.data.tasks import get_task, load_task
+
+    name = args.task
+    if name is None:
+        name = load_task(Path(args.task_dir)).name
+    get_task(name)  # an unknown task fails here, with the list of known ones
+    task_dir = str(Path(args.task_dir).resolve()) if args.task_dir else None
+    return {"task": name, "task_dir": task_dir, "data": f"task:{name}", "tokenizer": f"task:{name}"}
 
 
 # ----------------------------------------------------------------------- eval
@@ -233,7 +263,16 @@ def _add_eval(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("eval", help="loss, perplexity and bits per byte of a checkpoint on a dataset split")
     p.add_argument("--checkpoint", required=True, help="run directory or checkpoint directory")
     p.add_argument("--data", help="corpus name or path (default: the data the run trained on)")
-    p.add_argument("--split", choices=["train", "val"], default="val", help="which split to score (default: val)")
+    p.add_argument(
+        "--split", choices=["train", "val", "valid", "test"],
+        help="which split to score: train or val of a corpus; train, valid (= val) or test of a task (default: val)",
+    )
+    p.add_argument(
+        "--task", metavar="NAME",
+        help="score the task error on this labelled-position task (default: the task the run trained on, if any); "
+        "a NAME:LENGTH variant tests other sequence lengths",
+    )
+    p.add_argument("--task-dir", metavar="DIR", help="the task dataset to score (default: the run's, or generated into the cache)")
     p.add_argument("--seq-len", type=int, help="window length (default: the run's training --seq-len)")
     p.add_argument("--batch-size", type=int, default=8, help="sequences per forward pass (default: 8)")
     p.add_argument("--max-batches", type=int, help="stop after this many batches (default: the whole split)")
@@ -262,6 +301,11 @@ def cmd_eval(args: argparse.Namespace) -> int:
     device = _device(args.device)
     trained = load_trained(args.checkpoint, device)
     run = trained.state.get("run", {})
+    if args.task or args.task_dir or (args.data is None and (run.get("task") or run.get("task_dir"))):
+        return _eval_task(args, trained, device)
+    if args.split == "test":
+        raise BlockloopError("a corpus has train and val splits only; --split test is for tasks (--task)")
+    args.split = "val" if args.split in (None, "valid") else args.split
     data = args.data or run.get("data")
     if data is None:
         raise BlockloopError("the checkpoint does not record its data; pass --data")
@@ -286,6 +330,41 @@ def cmd_eval(args: argparse.Namespace) -> int:
         if "bits_per_byte" in metrics:
             parts.append(f"bits/byte {metrics['bits_per_byte']:.4f}")
         print(f"{data} {args.split} {objective} ({int(metrics['tokens'])} tokens): " + ", ".join(parts))
+    return 0
+
+
+def _eval_task(args: argparse.Namespace, trained: TrainedModel, device: str) -> int:  # noqa: F821
+    """``eval`` on a labelled-position task: loss and argmax error over the labelled positions of one split."""
+    from blockloop.data.tasks import get_task, open_task
+    from blockloop.train.evaluate import evaluate
+    from blockloop.train.run import check_task_vocabulary, task_sequences
+
+    if args.data:
+        raise BlockloopError("--data names a corpus and --task a task; give one of them")
+    run = trained.state.get("run", {})
+    if args.task or args.task_dir:
+        name, directory = args.task, args.task_dir
+    else:
+        name, directory = run.get("task"), run.get("task_dir")
+    if name is not None:  # a wrong model fails before the task is generated
+        check_task_vocabulary(trained.tokenizer, name, get_task(name).vocab)
+    data = open_task(name, directory)
+    check_task_vocabulary(trained.tokenizer, data.name, data.vocab)
+    split = {None: "valid", "val": "valid"}.get(args.split, args.split)
+    seq_len = args.seq_len or trained.state.get("train_config", {}).get("seq_len") or trained.config.context_length
+    if seq_len > trained.config.context_length:
+        raise BlockloopError(f"--seq-len {seq_len} exceeds the model context of {trained.config.context_length}")
+    metrics = evaluate(
+        trained.model, task_sequences(data, split, seq_len), batch_size=args.batch_size,
+        max_batches=args.max_batches, device=device,
+    )
+    if args.json:
+        print(json.dumps({"task": data.name, "split": split, **metrics}))
+    else:
+        print(
+            f"{data.name} {split} ({int(metrics['tokens'])} labelled positions): loss {metrics['loss']:.4f}, "
+            f"task error {metrics['error']:.2%}"
+        )
     return 0
 
 

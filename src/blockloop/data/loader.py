@@ -42,10 +42,15 @@ class PackedSequences:
         start = i * self.seq_len
         return np.asarray(self.tokens[start : start + self.seq_len + 1], dtype=np.int64)
 
+    @staticmethod
+    def to_batch(windows: list[np.ndarray]) -> tuple[torch.Tensor, torch.Tensor]:
+        """(inputs, targets) of stacked windows: next-token targets are the inputs shifted by one.
 
-def _to_tensors(windows: list[np.ndarray]) -> tuple[torch.Tensor, torch.Tensor]:
-    batch = torch.from_numpy(np.stack(windows))
-    return batch[:, :-1].contiguous(), batch[:, 1:].contiguous()
+        Every sequence source the loaders accept has this method (labelled-position tasks pair each
+        input with its own label instead, see :class:`blockloop.data.tasks.windows.TaskSequences`).
+        """
+        batch = torch.from_numpy(np.stack(windows))
+        return batch[:, :-1].contiguous(), batch[:, 1:].contiguous()
 
 
 class TrainBatches:
@@ -95,7 +100,7 @@ class TrainBatches:
         start = self._index + self.rank * self.batch_size
         indices = self._order[start : start + self.batch_size].tolist()
         self._index += global_batch
-        return _to_tensors([self.sequences[i] for i in indices])
+        return self.sequences.to_batch([self.sequences[i] for i in indices])
 
     def state_dict(self) -> dict[str, int]:
         """Position in the stream; with the same data, seed and layout, :meth:`load_state_dict` resumes it."""
@@ -122,7 +127,7 @@ def eval_batches(
         count = min(count, max_batches)
     for b in range(count):
         stop = min((b + 1) * batch_size, len(sequences))
-        yield _to_tensors([sequences[i] for i in range(b * batch_size, stop)])
+        yield sequences.to_batch([sequences[i] for i in range(b * batch_size, stop)])
 
 
 class StreamBatches:
@@ -164,7 +169,7 @@ class StreamBatches:
             self._group, self._offset = 0, self._offset + 1
             if self._offset == self.stream_len:
                 self._epoch, self._offset = self._epoch + 1, 0
-        return _to_tensors(windows)
+        return self.sequences.to_batch(windows)
 
     def state_dict(self) -> dict[str, int]:
         return {"epoch": self._epoch, "index": self._offset, "group": self._group}
@@ -187,4 +192,4 @@ def stream_eval_batches(
     stream_len = len(sequences) // streams
     count = stream_len if max_batches is None else min(stream_len, max_batches)
     for k in range(count):
-        yield _to_tensors([sequences[s * stream_len + k] for s in range(streams)])
+        yield sequences.to_batch([sequences[s * stream_len + k] for s in range(streams)])

@@ -183,6 +183,10 @@ def load_tokenizer(directory: Path) -> Tokenizer:
         raise BlockloopError(f"{path} is corrupt ({err}); restore it or re-create the run") from None
     if isinstance(data, dict) and data.get("type") == "blockloop-byte":
         return ByteTokenizer()
+    if isinstance(data, dict) and data.get("type") == "blockloop-task":
+        from blockloop.data.tasks.tokenizer import TaskTokenizer  # the task package builds on this module
+
+        return TaskTokenizer.from_saved(data)
     meta_path = path.with_name("tokenizer_meta.json")
     if not meta_path.is_file():
         return _from_file(path, name=str(path.resolve()), eos_id=None)

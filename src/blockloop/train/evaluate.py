@@ -1,7 +1,9 @@
 """Validation metrics: mean token loss, perplexity and bits per byte over a token split.
 
 Bits per byte divides the summed loss (in bits) by the UTF-8 bytes the scored tokens stand for, so
-models with different tokenizers can be compared on the same text.
+models with different tokenizers can be compared on the same text. On a labelled-position task
+(:class:`~blockloop.data.tasks.TaskSequences`) the task error is added: the argmax error over the
+labelled positions only, the number the Staircase paper reports.
 """
 
 from __future__ import annotations
@@ -16,6 +18,8 @@ from torch import nn
 
 from blockloop.data.collate import collate_for, step_generator
 from blockloop.data.loader import PackedSequences, eval_batches, stream_eval_batches
+from blockloop.data.tasks.metrics import labelled_errors
+from blockloop.data.tasks.windows import TaskSequences
 from blockloop.errors import BlockloopError
 from blockloop.nn.precision import at_least_fp32
 
@@ -23,7 +27,7 @@ from blockloop.nn.precision import at_least_fp32
 @torch.no_grad()
 def evaluate(
     model: nn.Module,
-    sequences: PackedSequences,
+    sequences: PackedSequences | TaskSequences,
     *,
     batch_size: int,
     max_batches: int | None = None,
@@ -36,7 +40,8 @@ def evaluate(
 
     The model's own collator shapes each batch (with fixed seeds, so every evaluation sees the same
     batches) for ``objective``; the loss is summed over the targets it keeps (ignore index -100 dropped).
-    Ids beyond the tokenizer's (span-corruption sentinels) count no bytes.
+    Ids beyond the tokenizer's (span-corruption sentinels) count no bytes. Sources with labelled
+    positions also get ``error``, the fraction of scored positions whose argmax is wrong.
     """
     was_training = model.training
     model.eval()
@@ -45,6 +50,8 @@ def evaluate(
     total_nats = torch.zeros((), dtype=torch.float64, device=device)
     total_tokens = torch.zeros((), dtype=torch.long, device=device)
     total_bytes = torch.zeros((), dtype=torch.long, device=device)
+    total_wrong = torch.zeros((), dtype=torch.long, device=device)
+    labelled = getattr(sequences, "labelled_positions", False)
     lengths = torch.as_tensor(byte_lengths, dtype=torch.long, device=device) if byte_lengths is not None else None
     autocast = torch.autocast(device.type, dtype=autocast_dtype) if autocast_dtype else nullcontext()
     base = getattr(model, "_orig_mod", model)
@@ -71,6 +78,8 @@ def evaluate(
         scored = targets != -100
         total_nats += nats.double()
         total_tokens += scored.sum()
+        if labelled:
+            total_wrong += labelled_errors(logits, targets)[0]
         if lengths is not None:  # ids past the tokenizer (span-corruption sentinels) count no bytes
             in_vocab = scored & (targets < len(lengths))
             total_bytes += lengths[targets.clamp(0, len(lengths) - 1)][in_vocab].sum()
@@ -82,4 +91,6 @@ def evaluate(
     metrics = {"loss": loss, "perplexity": math.exp(min(loss, 50.0)), "tokens": float(total_tokens)}
     if lengths is not None and total_bytes:
         metrics["bits_per_byte"] = total_nats / math.log(2) / total_bytes
+    if labelled:
+        metrics["error"] = int(total_wrong) / total_tokens
     return metrics

@@ -19,7 +19,9 @@ from blockloop.config import BlockTransformerConfig, ModelConfig
 from blockloop.data.corpora import load_documents
 from blockloop.data.dataset import TokenSplits, prepare_tokens
 from blockloop.data.loader import PackedSequences
+from blockloop.data.tasks import TaskData, TaskSequences, TaskTokenizer, TaskVocab, get_task, open_task
 from blockloop.data.tokenizers import Tokenizer, build_tokenizer, load_tokenizer
+from blockloop.errors import BlockloopError
 from blockloop.models import build_model
 from blockloop.presets import from_name
 from blockloop.train import checkpoint as ckpt
@@ -34,6 +36,9 @@ class RunSpec:
     tokenizer: str = "byte"
     model_overrides: dict[str, Any] = field(default_factory=dict)
     init_from: str | None = None
+    # A labelled-position task (see blockloop.data.tasks) replaces data and tokenizer when set.
+    task: str | None = None
+    task_dir: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -45,7 +50,7 @@ class PreparedRun:
     tokenizer: Tokenizer
     model_config: ModelConfig
     model: nn.Module
-    splits: TokenSplits
+    splits: TokenSplits | TaskData
 
 
 def padded_vocab(vocab_size: int, multiple: int = 64) -> int:
@@ -63,13 +68,17 @@ def prepare_run(
     """
     if spec.init_from is not None:
         start = load_trained(spec.init_from)
-        splits = prepare_tokens(spec.data, start.tokenizer, show_progress=show_progress)
+        splits = prepare_data(spec, start.tokenizer, show_progress=show_progress)
         return PreparedRun(spec, start.tokenizer, start.config, start.model.train(), splits)
     config = from_name(spec.preset, **spec.model_overrides)  # fail on a bad preset before any data work
-    # Only a tokenizer trained on the corpus needs its documents.
-    documents = load_documents(spec.data) if spec.tokenizer.split(":")[0] == "bpe" else None
-    tokenizer = build_tokenizer(spec.tokenizer, documents)
-    splits = prepare_tokens(spec.data, tokenizer, show_progress=show_progress)
+    if spec.task is not None:
+        splits = open_task(spec.task, spec.task_dir, show_progress=show_progress)
+        tokenizer: Tokenizer = TaskTokenizer(splits.name, splits.vocab)
+    else:
+        # Only a tokenizer trained on the corpus needs its documents.
+        documents = load_documents(spec.data) if spec.tokenizer.split(":")[0] == "bpe" else None
+        tokenizer = build_tokenizer(spec.tokenizer, documents)
+        splits = prepare_tokens(spec.data, tokenizer, show_progress=show_progress)
     padded = padded_vocab(tokenizer.vocab_size + config.reserved_ids)  # + span-corruption sentinels, if any
     vocab = {"vocab_size": tokenizer.vocab_size, "padded_vocab_size": padded}
     if isinstance(config, BlockTransformerConfig):
@@ -79,8 +88,38 @@ def prepare_run(
     return PreparedRun(spec, tokenizer, config, build_model(config), splits)
 
 
-def sequences(splits: TokenSplits, seq_len: int) -> tuple[PackedSequences, PackedSequences]:
+def prepare_data(spec: RunSpec, tokenizer: Tokenizer, *, show_progress: bool = True) -> TokenSplits | TaskData:
+    """The data ``spec`` names, for a model that already has ``tokenizer`` (a checkpoint's)."""
+    if spec.task is None:
+        return prepare_tokens(spec.data, tokenizer, show_progress=show_progress)
+    check_task_vocabulary(tokenizer, spec.task, get_task(spec.task).vocab)  # before generating anything
+    data = open_task(spec.task, spec.task_dir, show_progress=show_progress)
+    check_task_vocabulary(tokenizer, data.name, data.vocab)
+    return data
+
+
+def check_task_vocabulary(tokenizer: Tokenizer, task: str, vocab: TaskVocab) -> None:
+    """Refuse a model whose ids do not mean the task's words: its predictions would be scored as nonsense."""
+    if not isinstance(tokenizer, TaskTokenizer) or not tokenizer.same_vocabulary(vocab):
+        raise BlockloopError(
+            f"the model's vocabulary ({tokenizer.name}, {tokenizer.vocab_size} ids) is not the vocabulary of task "
+            f"{task} ({vocab.vocab_size} ids); use a model trained on {task} (or a variant of it)"
+        )
+
+
+def sequences(
+    splits: TokenSplits | TaskData, seq_len: int
+) -> tuple[PackedSequences | TaskSequences, PackedSequences | TaskSequences]:
+    """Training and validation sequences: packed windows of a corpus, or a task's train/valid windows."""
+    if isinstance(splits, TaskData):
+        return task_sequences(splits, "train", seq_len), task_sequences(splits, "valid", seq_len)
     return PackedSequences(splits.train, seq_len), PackedSequences(splits.val, seq_len)
+
+
+def task_sequences(data: TaskData, split: str, seq_len: int) -> TaskSequences:
+    return TaskSequences(
+        data.splits[split], seq_len, end_id=data.vocab.id("END"), description=f"the {split} split of task {data.name}"
+    )
 
 
 @dataclass

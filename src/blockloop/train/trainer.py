@@ -27,6 +27,7 @@ from tqdm import tqdm
 from blockloop.config import ModelConfig
 from blockloop.data.collate import OBJECTIVES, collate_for, step_generator
 from blockloop.data.loader import PackedSequences, StreamBatches, TrainBatches
+from blockloop.data.tasks.windows import TaskSequences
 from blockloop.data.tokenizers import Tokenizer
 from blockloop.errors import BlockloopError, ConfigError
 from blockloop.files import atomic_write_text
@@ -107,8 +108,8 @@ class Trainer:
         model: nn.Module,
         model_config: ModelConfig,
         tokenizer: Tokenizer,
-        train_data: PackedSequences,
-        val_data: PackedSequences | None,
+        train_data: PackedSequences | TaskSequences,
+        val_data: PackedSequences | TaskSequences | None,
         config: TrainConfig,
         out_dir: Path,
         *,
@@ -236,8 +237,9 @@ class Trainer:
                 self._log(metrics)
                 window_start, window_tokens = time.perf_counter(), 0
             if self.val_data is not None and (self.step % cfg.eval_interval == 0 or self.step == cfg.steps):
-                metrics.update(self.validate())
-                self._log({"step": self.step, "val_loss": metrics["val_loss"], "val_perplexity": metrics["val_perplexity"]})
+                validation = self.validate()
+                metrics.update(validation)
+                self._log({"step": self.step, **validation})
             if self.step % cfg.ckpt_interval == 0 or self.step == cfg.steps:
                 self.save_checkpoint()
             last = metrics
@@ -283,7 +285,10 @@ class Trainer:
             autocast_dtype=self.autocast_dtype,
             objective=self.config.objective,
         )
-        return {"val_loss": result["loss"], "val_perplexity": result["perplexity"]}
+        metrics = {"val_loss": result["loss"], "val_perplexity": result["perplexity"]}
+        if "error" in result:  # a labelled-position task: its error is the number that matters
+            metrics["val_error"] = result["error"]
+        return metrics
 
     # ------------------------------------------------------------ checkpoints
     def save_checkpoint(self) -> Path | None:

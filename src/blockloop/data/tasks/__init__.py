@@ -6,9 +6,11 @@ on-disk layout written by ``blockloop tasks make``.
 """
 
 from blockloop.data.tasks.base import IGNORE_INDEX, SPLITS, Task, TaskStream, TaskVocab
-from blockloop.data.tasks.files import TaskData, generate_splits, load_task, write_task
+from blockloop.data.tasks.files import TaskData, generate_splits, load_task, open_task, write_task
 from blockloop.data.tasks.metrics import labelled_errors, task_error
 from blockloop.data.tasks.registry import TASKS, get_task
+from blockloop.data.tasks.tokenizer import TaskTokenizer
+from blockloop.data.tasks.windows import TaskSequences
 
 __all__ = [
     "IGNORE_INDEX",
@@ -16,12 +18,15 @@ __all__ = [
     "TASKS",
     "Task",
     "TaskData",
+    "TaskSequences",
     "TaskStream",
+    "TaskTokenizer",
     "TaskVocab",
     "generate_splits",
     "get_task",
     "labelled_errors",
     "load_task",
+    "open_task",
     "task_error",
     "write_task",
 ]

@@ -42,8 +42,10 @@ def algorithm_vocab(num_variables: int) -> TaskVocab:
     return TaskVocab(["END", *VARIABLES[num_variables], *symbols, *_VALUE_WORDS])
 
 
-def generator(num_variables: int) -> GenerateFn:
+def generator(num_variables: int, statements: int = STATEMENTS_PER_PROGRAM) -> GenerateFn:
     """The generator of the ``num_variables`` version: ``(count, seed, advance) -> stream of count programs``.
+
+    ``statements`` per program (default 100, the paper's) is lowered only for CPU-sized experiments.
 
     ``seed`` seeds one ``random.Random`` that draws every choice of every program in order, so the same
     seed gives the same stream (for a given Python version).
@@ -56,7 +58,7 @@ def generator(num_variables: int) -> GenerateFn:
         words: list[str] = []
         labels: list[int] = []
         for _ in range(count):
-            _program(rng, names, vocab, words, labels)
+            _program(rng, names, vocab, words, labels, statements)
             advance(1)
         return TaskStream(
             inputs=np.array([vocab.id(w) for w in words], dtype=np.uint16),
@@ -67,12 +69,17 @@ def generator(num_variables: int) -> GenerateFn:
 
 
 def _program(
-    rng: random.Random, names: tuple[str, ...], vocab: TaskVocab, words: list[str], labels: list[int]
+    rng: random.Random,
+    names: tuple[str, ...],
+    vocab: TaskVocab,
+    words: list[str],
+    labels: list[int],
+    statements: int,
 ) -> None:
-    """Append one program and its ``END`` to ``words``, with one label per word to ``labels``."""
+    """Append one program of ``statements`` statements and its ``END`` to ``words``, one label per word to ``labels``."""
     values: dict[str, int] = {}
     written = 0
-    while written < STATEMENTS_PER_PROGRAM:
+    while written < statements:
         kind = rng.choice(_KINDS)
         if kind == "print":
             statement = _print(rng, values, vocab)

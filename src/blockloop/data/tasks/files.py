@@ -25,6 +25,7 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
+from blockloop.data.packages import cache_dir
 from blockloop.data.tasks.base import IGNORE_INDEX, NO_LABEL, SPLITS, Task, TaskStream, TaskVocab, split_seed
 from blockloop.data.tasks.registry import get_task
 from blockloop.errors import BlockloopError
@@ -151,3 +152,27 @@ def load_task(directory: Path) -> TaskData:
             arrays[kind] = np.memmap(path, dtype=dtype, mode="r", shape=(tokens[split],))
         splits[split] = TaskStream(**arrays)
     return TaskData(name=name, vocab=vocab, meta=meta, splits=splits)
+
+
+def open_task(name: str | None, directory: Path | str | None = None, *, show_progress: bool = False) -> TaskData:
+    """The task to train or evaluate on: read from ``directory``, or generated once into the cache.
+
+    Without a directory the task is generated with seed 0 and its default sizes under
+    ``<cache>/tasks/`` (the same files on every machine, so runs that name only the task agree); later
+    calls just map them. With a directory, ``name`` (if given) must be the task it holds.
+    """
+    if directory is None:
+        if name is None:
+            raise BlockloopError("name a task (--task) or a task directory (--task-dir)")
+        task = get_task(name)  # an unknown name fails before any work
+        directory = cache_dir() / "tasks" / f"{task.name.replace(':', '-len')}-seed0-format{FORMAT}"
+        if not (directory / "meta.json").is_file():
+            try:
+                write_task(task.name, directory, seed=0, show_progress=show_progress)
+            except BlockloopError:
+                if not (directory / "meta.json").is_file():  # not a concurrent writer finishing first
+                    raise
+    data = load_task(Path(directory))
+    if name is not None and data.name != name:
+        raise BlockloopError(f"{directory} holds task {data.name}, not {name}; drop --task or point --task-dir elsewhere")
+    return data

@@ -12,8 +12,9 @@ import torch
 from blockloop.data.tasks.base import IGNORE_INDEX
 
 
-def labelled_errors(logits: torch.Tensor, labels: torch.Tensor) -> tuple[int, int]:
-    """(wrong, labelled): argmax mistakes and labelled positions, to sum over batches before dividing.
+def labelled_errors(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(wrong, labelled): argmax mistakes and labelled positions as 0-dim tensors on the logits' device,
+    to sum over batches without a host sync before dividing.
 
     ``logits`` is ``(..., vocab)`` and ``labels`` the matching ``(...)`` ids, ``IGNORE_INDEX`` where
     nothing is asked.
@@ -21,13 +22,13 @@ def labelled_errors(logits: torch.Tensor, labels: torch.Tensor) -> tuple[int, in
     if logits.shape[:-1] != labels.shape:
         raise ValueError(f"logits {tuple(logits.shape)} do not match labels {tuple(labels.shape)}")
     asked = labels != IGNORE_INDEX
-    wrong = logits.argmax(dim=-1)[asked] != labels[asked]
-    return int(wrong.sum()), int(asked.sum())
+    wrong = (logits.argmax(dim=-1) != labels) & asked
+    return wrong.sum(), asked.sum()
 
 
 def task_error(logits: torch.Tensor, labels: torch.Tensor) -> float:
     """Fraction of labelled positions whose argmax prediction is wrong (0 = solved)."""
     wrong, labelled = labelled_errors(logits, labels)
-    if labelled == 0:
+    if int(labelled) == 0:
         raise ValueError("no labelled positions to score")
-    return wrong / labelled
+    return int(wrong) / int(labelled)

@@ -17,7 +17,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from blockloop.data.tasks.base import IGNORE_INDEX, TaskStream, TaskVocab
+from blockloop.data.tasks.base import IGNORE_INDEX, GenerateFn, TaskStream, TaskVocab
 
 GRID_SIZE = 8
 ACTIONS_PER_SEQUENCE = 400
@@ -33,19 +33,28 @@ VOCAB = TaskVocab(
 )
 
 
-def generate(count: int, seed: int, advance: Callable[[int], None]) -> TaskStream:
-    """``count`` sequences of :data:`ACTIONS_PER_SEQUENCE` actions plus ``END``, concatenated.
+def generator(length: int = ACTIONS_PER_SEQUENCE) -> GenerateFn:
+    """The generator of walks of ``length`` actions (default 400, the paper's; shorter only for CPU-sized runs)."""
+
+    def generate(count: int, seed: int, advance: Callable[[int], None]) -> TaskStream:
+        return _generate(count, seed, advance, length)
+
+    return generate
+
+
+def _generate(count: int, seed: int, advance: Callable[[int], None], length: int) -> TaskStream:
+    """``count`` sequences of ``length`` actions plus ``END``, concatenated.
 
     ``seed`` seeds one numpy ``Generator`` that draws all actions, in chunks of 1024 sequences.
     """
     rng = np.random.default_rng(seed)
-    width = ACTIONS_PER_SEQUENCE + 1
+    width = length + 1
     inputs = np.empty((count, width), dtype=np.uint16)
     labels = np.empty((count, width), dtype=np.int16)
     action_ids = np.array([VOCAB.id(a) for a in ACTIONS], dtype=np.uint16)
     first_cell = VOCAB.id("r0c0")
     for start in range(0, count, _CHUNK):
-        actions = rng.integers(0, len(ACTIONS), size=(min(_CHUNK, count - start), ACTIONS_PER_SEQUENCE))
+        actions = rng.integers(0, len(ACTIONS), size=(min(_CHUNK, count - start), length))
         rows = slice(start, start + len(actions))
         inputs[rows, :-1] = action_ids[actions]
         inputs[rows, -1] = VOCAB.id("END")

@@ -1,55 +1,70 @@
-"""The named tasks: ``blockloop tasks make NAME`` and :func:`write_task` look them up here."""
+"""The named tasks: ``blockloop tasks make NAME`` and :func:`write_task` look them up here.
+
+``NAME:N`` is a shorter (or longer) variant of a registered task: ``random-walk:64`` walks 64 actions
+instead of 400, ``algorithm-3:20`` writes programs of 20 statements instead of 100. The paper's settings
+are the plain names; the variants exist so a CPU can train on the same task at a size it can afford.
+"""
 
 from __future__ import annotations
+
+import dataclasses
 
 from blockloop.data.tasks import algorithm, random_walk
 from blockloop.data.tasks.base import Task
 from blockloop.errors import BlockloopError
 
 
-def _algorithm(num_variables: int) -> Task:
+def _algorithm(num_variables: int, statements: int = algorithm.STATEMENTS_PER_PROGRAM) -> Task:
     return Task(
         name=f"algorithm-{num_variables}",
         description=f"Algorithm task, {num_variables} variables: output the value at each print of "
-        "100-statement programs",
+        f"{statements}-statement programs",
         vocab=algorithm.algorithm_vocab(num_variables),
-        generate=algorithm.generator(num_variables),
+        generate=algorithm.generator(num_variables, statements),
         default_sizes=(10_000, 1_000, 1_000),
         details={
             "variables": list(algorithm.VARIABLES[num_variables]),
             "values": [algorithm.LOWEST, algorithm.HIGHEST],
-            "statements_per_program": algorithm.STATEMENTS_PER_PROGRAM,
+            "statements_per_program": statements,
             "unit": "program",
         },
     )
 
 
-TASKS: dict[str, Task] = {
-    task.name: task
-    for task in (
-        _algorithm(3),
-        _algorithm(5),
-        Task(
-            name="random-walk",
-            description=f"Random Walk: output the agent's cell after each of {random_walk.ACTIONS_PER_SEQUENCE} "
-            f"actions on a {random_walk.GRID_SIZE}x{random_walk.GRID_SIZE} grid",
-            vocab=random_walk.VOCAB,
-            generate=random_walk.generate,
-            default_sizes=(5_000, 500, 500),
-            details={
-                "grid_size": random_walk.GRID_SIZE,
-                "start": list(random_walk.START),
-                "start_heading": "north",
-                "actions_per_sequence": random_walk.ACTIONS_PER_SEQUENCE,
-                "unit": "sequence",
-            },
-        ),
+def _random_walk(length: int = random_walk.ACTIONS_PER_SEQUENCE) -> Task:
+    return Task(
+        name="random-walk",
+        description=f"Random Walk: output the agent's cell after each of {length} "
+        f"actions on a {random_walk.GRID_SIZE}x{random_walk.GRID_SIZE} grid",
+        vocab=random_walk.VOCAB,
+        generate=random_walk.generator(length),
+        default_sizes=(5_000, 500, 500),
+        details={
+            "grid_size": random_walk.GRID_SIZE,
+            "start": list(random_walk.START),
+            "start_heading": "north",
+            "actions_per_sequence": length,
+            "unit": "sequence",
+        },
     )
+
+
+TASKS: dict[str, Task] = {task.name: task for task in (_algorithm(3), _algorithm(5), _random_walk())}
+# How to build a task at another length (statements per program, actions per walk), for NAME:N.
+_VARIANTS = {
+    "algorithm-3": lambda n: _algorithm(3, n),
+    "algorithm-5": lambda n: _algorithm(5, n),
+    "random-walk": _random_walk,
 }
 
 
 def get_task(name: str) -> Task:
-    """The registered task called ``name``; an unknown name is a user error that lists the known ones."""
-    if name not in TASKS:
-        raise BlockloopError(f"unknown task {name!r}; choose one of: {', '.join(TASKS)}")
-    return TASKS[name]
+    """The task called ``name`` (or its ``NAME:N`` length variant); an unknown name lists the known ones."""
+    base, sep, length = name.partition(":")
+    if base not in TASKS:
+        raise BlockloopError(f"unknown task {name!r}; choose one of: {', '.join(TASKS)} (or NAME:LENGTH)")
+    if not sep:
+        return TASKS[name]
+    if not length.isdigit() or int(length) < 1:
+        raise BlockloopError(f"task {name!r}: the length after ':' must be a positive whole number, e.g. {base}:50")
+    return dataclasses.replace(_VARIANTS[base](int(length)), name=name)
