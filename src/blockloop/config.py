@@ -474,9 +474,119 @@ class RecursiveConfig(DecoderConfig):
         return f"{self.n_layer} shared layers x {self.loops} loops ({self.tying}), d={self.d_model}{relax}"
 
 
+LADDER_PATTERNS = ("abab", "aabb")
+
+
+@dataclass
+class StaircaseConfig(DecoderConfig):
+    """Staircase attention (Ju et al. 2022, section 3.2): a core of ``n_layer`` layers applied recurrently.
+
+    Each step the core reads ``chunk_size`` (C, the forward size) new tokens together with the backward
+    tokens still in flight, ``step_size`` (S) tokens in all. Staircase (3.2.1): every token is processed
+    ``S / C`` times. Cached Staircase (3.2.2): after ``cache_after`` (m) passes a state leaves the
+    computation and joins a cache of the ``S - m C`` most recent finished tokens that later steps attend to
+    (keys/values only). Global Cached Staircase (3.2.3, ``global_cache``): the cache keeps every prior
+    state, up to ``context_length`` tokens. ``memory_mix`` caches a learned softmax mix of all layers'
+    states instead of the last one: with C = 1 and m = 1 this is the Feedback Transformer (section 3.3).
+
+    ``context_length`` bounds a training segment and a generation; state crosses segments (truncated BPTT).
+    """
+
+    family: ClassVar[str] = "staircase"
+
+    chunk_size: int = 64
+    step_size: int = 128
+    cache_after: int | None = None
+    global_cache: bool = False
+    memory_mix: bool = False
+
+    def validate(self) -> None:
+        super().validate()
+        C, S, m = self.chunk_size, self.step_size, self.cache_after
+        self._check((C >= 1, f"chunk_size must be at least 1, got {C}"))
+        self._check(
+            (S >= C and S % C == 0, f"step_size={S} must be a positive multiple of chunk_size={C}"),
+            (S <= self.context_length, f"step_size={S} exceeds context_length={self.context_length}; raise the context"),
+            (m is None or 1 <= m <= S // C,
+             f"cache_after={m} must be between 1 and step_size / chunk_size = {S // C} recurrent passes"),
+            (m is not None or not self.global_cache, "global_cache needs cache_after (the passes before a state is cached)"),
+            (m is not None or not self.memory_mix, "memory_mix needs cache_after=1 (a Feedback-style cache)"),
+            (not self.memory_mix or m == 1, f"memory_mix mixes the layers of one pass: set cache_after=1, not {m}"),
+            (m is None or self.global_cache or m * C < S,
+             f"cache_after={m} passes of chunk_size={C} fill step_size={S}, leaving no cache; raise step_size"),
+        )
+
+    @property
+    def recurrent(self) -> bool:
+        """State (backward tokens, cache) carries from one segment to the next."""
+        return True
+
+    @property
+    def passes(self) -> int:
+        """How many times the core processes each token: S / C, or m with a cache."""
+        return self.step_size // self.chunk_size if self.cache_after is None else self.cache_after
+
+    @property
+    def cache_tokens(self) -> int:
+        """Finished states kept for attention only: 0, S - m C, or the whole context (global)."""
+        if self.cache_after is None:
+            return 0
+        return self.context_length if self.global_cache else self.step_size - self.cache_after * self.chunk_size
+
+    def summary(self) -> str:
+        kind = "feedback" if self.memory_mix else "global cached" if self.global_cache else (
+            "cached" if self.cache_after else "staircase")
+        return f"{kind}: core {self.n_layer} layers x {self.passes} passes, d={self.d_model}, S={self.step_size}, C={self.chunk_size}"
+
+
+@dataclass
+class LadderConfig(DecoderConfig):
+    """Ladder (Ju et al. 2022, section 3.2.4): the whole segment at once, the core repeated ``n_steps`` times.
+
+    ``pattern`` orders the shared layers (Table 4): ``abab`` repeats the whole core, ``aabb`` repeats each
+    layer before the next. One layer is the Universal Transformer; one step is the plain core. With
+    ``memory_len`` M > 0 each token attends to itself and the M tokens before it, in earlier segments too,
+    through a per-layer memory of their states (Transformer-XL, Dai et al. 2019; rotary positions): the
+    paper's long-sequence setting, and with ``n_steps=1`` the Transformer-XL baseline.
+    """
+
+    family: ClassVar[str] = "ladder"
+
+    n_steps: int = 2
+    pattern: str = "abab"
+    memory_len: int = 0
+
+    def validate(self) -> None:
+        super().validate()
+        self._check(
+            (self.n_steps >= 1, f"n_steps must be at least 1, got {self.n_steps}"),
+            (self.pattern in LADDER_PATTERNS, f"pattern={self.pattern!r} is not one of {LADDER_PATTERNS}"),
+            (self.memory_len >= 0, f"memory_len must be zero or positive, got {self.memory_len}"),
+        )
+
+    @property
+    def recurrent(self) -> bool:
+        return self.memory_len > 0
+
+    @property
+    def execution_order(self) -> list[int]:
+        """Which core layer each of the n_steps x n_layer applications uses (ABAB or AABB)."""
+        layers = range(self.n_layer)
+        if self.pattern == "abab":
+            return [layer for _ in range(self.n_steps) for layer in layers]
+        return [layer for layer in layers for _ in range(self.n_steps)]
+
+    def summary(self) -> str:
+        memory = f", memory {self.memory_len}" if self.memory_len else ""
+        return f"ladder {self.pattern}: core {self.n_layer} layers x {self.n_steps}, d={self.d_model}{memory}"
+
+
 CONFIG_CLASSES: dict[str, type] = {
     cls.family: cls
-    for cls in (DecoderConfig, DoubleDecoderConfig, EncoderDecoderConfig, BlockTransformerConfig, RecursiveConfig)
+    for cls in (
+        DecoderConfig, DoubleDecoderConfig, EncoderDecoderConfig, BlockTransformerConfig, RecursiveConfig,
+        StaircaseConfig, LadderConfig,
+    )
 }
 ModelConfig = DecoderConfig | BlockTransformerConfig  # the double decoder and encoder-decoder configs are DecoderConfigs
 

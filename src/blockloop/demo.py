@@ -37,6 +37,10 @@ DEMO_ENTRIES: tuple[DemoEntry, ...] = (
     DemoEntry("double decoder", "demo-double", steps=150, lr=3e-3),
     # 2 shared layers looped twice: the vanilla demo's depth and compute per step with half its layer weights.
     DemoEntry("recursive transformer", "demo-recursive", steps=300, lr=3e-3),
+    # The demo's 4-layer core run as a Staircase (C=32, S=64: two passes per token, state carried across
+    # segments by truncated BPTT): same parameters, about twice the compute per token, hence smaller batches
+    # (the shared weights leave the unigram plateau later than the plain decoder: about 100 steps at this size).
+    DemoEntry("staircase", "demo-staircase", steps=150, lr=2e-3, batch_size=8, seq_len=128),
 )
 
 

@@ -13,7 +13,14 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from blockloop.config import (
-    BlockTransformerConfig, DecoderConfig, DoubleDecoderConfig, EncoderDecoderConfig, ModelConfig, RecursiveConfig,
+    BlockTransformerConfig,
+    DecoderConfig,
+    DoubleDecoderConfig,
+    EncoderDecoderConfig,
+    LadderConfig,
+    ModelConfig,
+    RecursiveConfig,
+    StaircaseConfig,
 )
 from blockloop.errors import ConfigError
 
@@ -240,3 +247,107 @@ def _tiny_recursive() -> RecursiveConfig:
 @register("demo-recursive", "the demo's 4-layer depth as 2 shared layers looped twice (CYCLE): half the layer weights")
 def _demo_recursive() -> RecursiveConfig:
     return _llama_style(2, 128, 4, 4, 256, RecursiveConfig, loops=2)
+# ------------------------------------------------------------------ staircase paper (Ju et al. 2022)
+# Table 5 (shared per task) and Table 6 (best configuration per model). Tasks: 4 layers, d=256, 4 heads,
+# dropout 0.2, BPTT segments of 128; language models: 8 layers, 8 heads, dropout 0.3, segments of 256,
+# d=1024 for Reddit / BASE Data (117M parameters, Table 2), d=512 for Enwik8 (Table 5). Every model of a
+# task shares one core, so parameter counts match (Table 1). The paper's relative position embeddings
+# are rotary here. context_length bounds a segment and a generation (and the global cache's reach).
+_STAIRCASE_TASKS = {"randomwalk": {"n_layer": 4, "d_model": 256, "n_head": 4, "dropout": 0.2, "context_length": 512},
+                    "algorithm": {"n_layer": 4, "d_model": 256, "n_head": 4, "dropout": 0.2, "context_length": 512}}
+_STAIRCASE_LM = {"reddit": {"n_layer": 8, "d_model": 1024, "n_head": 8, "dropout": 0.3, "context_length": 512, "vocab_size": 50304},
+                 "base": {"n_layer": 8, "d_model": 1024, "n_head": 8, "dropout": 0.3, "context_length": 512, "vocab_size": 50304},
+                 "enwik8": {"n_layer": 8, "d_model": 512, "n_head": 8, "dropout": 0.3, "context_length": 512, "vocab_size": 258}}
+# Table 6: (recurrent steps, step size S, forward size C) per model; Ladder: (steps, attention span).
+# Feedback Transformer and Global Cached Staircase: the best rows of Tables 7, 8 and 10.
+_TABLE6 = {
+    "randomwalk": {"staircase": (8, 64, 8), "cached": (1, 256, 4), "ladder": (8, 512), "feedback": 64, "global_": (1, 512, 8)},
+    "algorithm": {"staircase": (8, 64, 8), "cached": (1, 64, 4), "ladder": (2, 512), "feedback": 32, "global_": (1, 512, 8)},
+    "reddit": {"staircase": (8, 256, 32), "cached": (1, 384, 128), "ladder": (8, 256), "feedback": 512},
+    "base": {"staircase": (8, 256, 32), "cached": (1, 384, 128), "ladder": (8, 256), "feedback": 512},
+    "enwik8": {"staircase": (4, 256, 64), "cached": (1, 260, 4), "ladder": (4, 256), "feedback": 256},
+}
+
+
+def _paper_core(cls: type, task: str, **fields: Any) -> ModelConfig:
+    shape = {**_STAIRCASE_TASKS, **_STAIRCASE_LM}[task]
+    return cls(**{"vocab_size": 64, "norm": "layernorm", "mlp": "gelu", "bias": True, "tie_embeddings": False,
+                  **shape, **fields})
+
+
+def _register_staircase_paper() -> None:
+    for task, best in _TABLE6.items():
+        _, S, C = best["staircase"]
+        register(f"staircase-{task}", f"Staircase, S={S}, C={C} ({S // C} passes), {task} core (staircase Table 6)")(
+            lambda t=task, S=S, C=C: _paper_core(StaircaseConfig, t, step_size=S, chunk_size=C))
+        m, S, C = best["cached"]
+        register(f"cached-staircase-{task}", f"Cached Staircase, m={m}, S={S}, C={C}, {task} core (Table 6)")(
+            lambda t=task, m=m, S=S, C=C: _paper_core(StaircaseConfig, t, step_size=S, chunk_size=C, cache_after=m))
+        steps, span = best["ladder"]
+        register(f"ladder-{task}", f"Ladder, {steps} steps (ABAB), attention span {span}, {task} core (Table 6)")(
+            lambda t=task, n=steps, M=span: _paper_core(LadderConfig, t, n_steps=n, memory_len=M))
+        span = _paper_core(DecoderConfig, task).context_length // 2
+        register(f"transformer-xl-{task}", f"Transformer-XL baseline (one step, memory {span}), {task} core")(
+            lambda t=task, M=span: _paper_core(LadderConfig, t, n_steps=1, memory_len=M))
+        S = best["feedback"]
+        register(f"feedback-{task}", f"Feedback Transformer (C=1, memory mix, span {S - 1}), {task} core")(
+            lambda t=task, S=S: _paper_core(StaircaseConfig, t, step_size=S, chunk_size=1, cache_after=1, memory_mix=True))
+        if "global_" in best:
+            m, S, C = best["global_"]
+            register(f"global-staircase-{task}", f"Global Cached Staircase, m={m}, C={C}, {task} core (Tables 7-8)")(
+                lambda t=task, m=m, S=S, C=C: _paper_core(StaircaseConfig, t, step_size=S, chunk_size=C, cache_after=m,
+                                                          global_cache=True))
+    register("universal-transformer-reddit", "Universal Transformer: one Reddit layer, 8 steps (Table 2)")(
+        lambda: _paper_core(LadderConfig, "reddit", n_layer=1, n_steps=8))
+
+
+_register_staircase_paper()
+
+
+def _tiny_core(cls: type, n_layer: int = 2, **fields: Any) -> ModelConfig:
+    return _llama_style(n_layer, 64, 4, 4, 128, cls, **fields)
+
+
+@register("tiny-staircase", "Staircase, 2-layer core, C=4, S=12 (3 passes) for CPU tests")
+def _tiny_staircase() -> ModelConfig:
+    return _tiny_core(StaircaseConfig, chunk_size=4, step_size=12)
+
+
+@register("tiny-cached-staircase", "Cached Staircase, 2-layer core, C=4, S=16, cached after 2 passes, for CPU tests")
+def _tiny_cached_staircase() -> ModelConfig:
+    return _tiny_core(StaircaseConfig, chunk_size=4, step_size=16, cache_after=2)
+
+
+@register("tiny-global-staircase", "Global Cached Staircase, 2-layer core, C=4, cached after 1 pass, for CPU tests")
+def _tiny_global_staircase() -> ModelConfig:
+    return _tiny_core(StaircaseConfig, chunk_size=4, step_size=8, cache_after=1, global_cache=True)
+
+
+@register("tiny-feedback", "Feedback Transformer, 2 layers, memory span 15, for CPU tests")
+def _tiny_feedback() -> ModelConfig:
+    return _tiny_core(StaircaseConfig, chunk_size=1, step_size=16, cache_after=1, memory_mix=True)
+
+
+@register("tiny-ladder", "Ladder, 2-layer core x 2 steps (ABAB) for CPU tests")
+def _tiny_ladder() -> ModelConfig:
+    return _tiny_core(LadderConfig, n_steps=2)
+
+
+@register("tiny-ladder-aabb", "Ladder, 2-layer core x 2 steps (AABB) for CPU tests")
+def _tiny_ladder_aabb() -> ModelConfig:
+    return _tiny_core(LadderConfig, n_steps=2, pattern="aabb")
+
+
+@register("tiny-universal", "Universal Transformer: one layer x 4 steps, for CPU tests")
+def _tiny_universal() -> ModelConfig:
+    return _tiny_core(LadderConfig, n_layer=1, n_steps=4)
+
+
+@register("tiny-transformer-xl", "Transformer-XL: 2 layers, memory (attention span) 16, for CPU tests")
+def _tiny_transformer_xl() -> ModelConfig:
+    return _tiny_core(LadderConfig, n_steps=1, memory_len=16)
+
+
+@register("demo-staircase", "Staircase over the demo's 4-layer core, C=32, S=64 (2 passes)")
+def _demo_staircase() -> ModelConfig:
+    return _llama_style(4, 128, 4, 4, 256, StaircaseConfig, chunk_size=32, step_size=64)

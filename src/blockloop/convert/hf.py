@@ -10,6 +10,8 @@ here reaches the network: ``transformers`` only sees local paths.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -57,8 +59,23 @@ def load_hf_model(path: Path | str, *, gguf_file: str | None = None) -> nn.Modul
     hf_config = _load_hf_config(path, gguf_file)
     architecture_for(hf_config)  # refuse an unsupported architecture before reading any weights
     extra = {"gguf_file": gguf_file} if gguf_file is not None else {}
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, local_files_only=True, **extra)
+    with quiet_transformers():
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, local_files_only=True, **extra)
     return model.eval()
+
+
+@contextmanager
+def quiet_transformers() -> Iterator[None]:
+    """No transformers progress bars on stderr while loading (the CLI's errors and output stay one line each)."""
+    from transformers.utils import logging as hf_logging
+
+    was_enabled = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            hf_logging.enable_progress_bar()
 
 
 @torch.no_grad()

@@ -37,7 +37,10 @@ def smollm2_tokenizer_file() -> Path:
     if not target.is_file():
         from transformers import AutoTokenizer
 
-        tokenizer = AutoTokenizer.from_pretrained(smollm2_files(), gguf_file=GGUF_FILE, local_files_only=True)
+        from blockloop.convert.hf import quiet_transformers
+
+        with quiet_transformers():
+            tokenizer = AutoTokenizer.from_pretrained(smollm2_files(), gguf_file=GGUF_FILE, local_files_only=True)
         target.parent.mkdir(parents=True, exist_ok=True)
         atomic_write_text(target, tokenizer.backend_tokenizer.to_str())
     return target

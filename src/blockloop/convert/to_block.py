@@ -19,6 +19,7 @@ from blockloop.errors import BlockloopError
 from blockloop.models.block import BlockTransformer
 from blockloop.models.decoder import Decoder
 
+
 def block_config_from_vanilla(config: DecoderConfig, *, block_len: int, prefix_len: int, pad_id: int) -> BlockTransformerConfig:
     if config.n_layer < 2:
         raise BlockloopError(f"a vanilla model with {config.n_layer} layer cannot be split into block and token decoders")

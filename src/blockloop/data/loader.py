@@ -123,3 +123,68 @@ def eval_batches(
     for b in range(count):
         stop = min((b + 1) * batch_size, len(sequences))
         yield _to_tensors([sequences[i] for i in range(b * batch_size, stop)])
+
+
+class StreamBatches:
+    """Training batches for recurrent models (truncated BPTT): row ``i`` of a step continues row ``i`` of
+    the step before, so the state a model carries from one segment to the next belongs to the same text.
+
+    The windows are dealt into ``batch_size * world_size * groups`` contiguous streams (``groups`` = the
+    gradient-accumulation micro-batches, called in turn); each call returns the next window of every
+    stream of this rank and group. When the streams run out they start again from their first window (a
+    new epoch): :attr:`starts_streams` is then True, and the state carried so far must be dropped.
+    """
+
+    def __init__(
+        self, sequences: PackedSequences, batch_size: int, *, groups: int = 1, rank: int = 0, world_size: int = 1
+    ) -> None:
+        if batch_size < 1 or groups < 1 or world_size < 1 or not 0 <= rank < world_size:
+            raise BlockloopError(
+                f"invalid stream layout: batch_size={batch_size}, groups={groups}, rank={rank}, world_size={world_size}"
+            )
+        self.sequences, self.batch_size, self.groups, self.rank, self.world_size = sequences, batch_size, groups, rank, world_size
+        streams = batch_size * world_size * groups
+        self.stream_len = len(sequences) // streams
+        if self.stream_len < 1:
+            raise BlockloopError(
+                f"the data holds {len(sequences)} windows of {sequences.seq_len} tokens, fewer than the {streams} "
+                "parallel streams a recurrent model trains on (batch size x ranks x grad accumulation); use a "
+                "smaller --batch-size or --seq-len, or more data"
+            )
+        self._epoch = self._offset = self._group = 0
+        self.starts_streams = True
+
+    def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(inputs, targets) ``[batch_size, seq_len]``: the next window of this rank's streams in this group."""
+        first = (self._group * self.world_size + self.rank) * self.batch_size
+        windows = [self.sequences[(first + row) * self.stream_len + self._offset] for row in range(self.batch_size)]
+        self.starts_streams = self._offset == 0
+        self._group += 1
+        if self._group == self.groups:
+            self._group, self._offset = 0, self._offset + 1
+            if self._offset == self.stream_len:
+                self._epoch, self._offset = self._epoch + 1, 0
+        return _to_tensors(windows)
+
+    def state_dict(self) -> dict[str, int]:
+        return {"epoch": self._epoch, "index": self._offset, "group": self._group}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self._epoch, self._offset, self._group = int(state["epoch"]), int(state["index"]), int(state.get("group", 0))
+
+
+def stream_eval_batches(
+    sequences: PackedSequences, batch_size: int, max_batches: int | None = None
+) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """Evaluation batches for recurrent models: ``batch_size`` contiguous streams read side by side.
+
+    Batch ``k`` holds window ``k`` of every stream, so a model can carry its state across batches; the
+    windows left over after the last full column are not scored.
+    """
+    if batch_size < 1:
+        raise BlockloopError(f"batch_size must be at least 1, got {batch_size}")
+    streams = min(batch_size, len(sequences))
+    stream_len = len(sequences) // streams
+    count = stream_len if max_batches is None else min(stream_len, max_batches)
+    for k in range(count):
+        yield _to_tensors([sequences[s * stream_len + k] for s in range(streams)])

@@ -33,8 +33,8 @@ from tokenizers import decoders, models, pre_tokenizers, trainers
 
 from blockloop.data.corpora import hash_documents
 from blockloop.data.packages import cache_dir, fetch_package_files
-from blockloop.files import atomic_write_text
 from blockloop.errors import BlockloopError
+from blockloop.files import atomic_write_text
 
 EOS_TOKEN = "<|endoftext|>"
 PAD_TOKEN = "<|pad|>"

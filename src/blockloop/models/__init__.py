@@ -9,7 +9,9 @@ from blockloop.models.block import BlockTransformer
 from blockloop.models.decoder import Decoder
 from blockloop.models.double_decoder import DoubleDecoder
 from blockloop.models.encoder_decoder import EncoderDecoder
+from blockloop.models.ladder import Ladder
 from blockloop.models.recursive import RecursiveDecoder
+from blockloop.models.staircase import Staircase
 
 MODEL_CLASSES: dict[str, type[nn.Module]] = {
     "decoder": Decoder,
@@ -17,6 +19,8 @@ MODEL_CLASSES: dict[str, type[nn.Module]] = {
     "encoder_decoder": EncoderDecoder,
     "block": BlockTransformer,
     "recursive": RecursiveDecoder,
+    "staircase": Staircase,
+    "ladder": Ladder,
 }
 
 
@@ -25,4 +29,4 @@ def build_model(config: ModelConfig) -> nn.Module:
     return MODEL_CLASSES[config.family](config)
 
 
-__all__ = ["BlockTransformer", "Decoder", "DoubleDecoder", "EncoderDecoder", "MODEL_CLASSES", "RecursiveDecoder", "build_model"]
+__all__ = ["MODEL_CLASSES", "BlockTransformer", "Decoder", "DoubleDecoder", "EncoderDecoder", "Ladder", "RecursiveDecoder", "Staircase", "build_model"]

@@ -25,10 +25,10 @@ from torch import Tensor, nn
 from blockloop.config import BlockTransformerConfig
 from blockloop.data.block_padding import random_length_padding
 from blockloop.data.collate import sample_breakpoint
-from blockloop.nn.kv_cache import DecoderCache
-from blockloop.nn.precision import at_least_fp32
 from blockloop.models.decoder import TransformerStack, count_parameters
 from blockloop.nn.init import init_weights
+from blockloop.nn.kv_cache import DecoderCache
+from blockloop.nn.precision import at_least_fp32
 
 
 class LookupEmbedder(nn.Module):

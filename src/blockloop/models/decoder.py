@@ -196,11 +196,18 @@ class TransformerStack(nn.Module):
     """
 
     def __init__(
-        self, config: DecoderConfig, *, causal: bool = True, cross_attention: bool = False, final_norm: bool = True
+        self,
+        config: DecoderConfig,
+        *,
+        causal: bool = True,
+        cross_attention: bool = False,
+        final_norm: bool = True,
+        attention: Callable[..., nn.Module] = SelfAttention,
     ) -> None:
         super().__init__()
         self.config = config
-        attn = SelfAttention if causal else partial(SelfAttention, causal=False)
+        # ``attention``: a SelfAttention subclass may replace it (the staircase family's also reads cached states).
+        attn = attention if causal else partial(attention, causal=False)
         self.blocks = nn.ModuleList(
             Block(config, attn, cross_attention=cross_attention) for _ in range(config.n_layer)
         )

@@ -32,11 +32,18 @@ from torch import Tensor, nn
 from blockloop.config import DoubleDecoderConfig
 from blockloop.data.collate import unscored_prefix
 from blockloop.data.partitions import block_masks, prefix_partition, sample_partition
-from blockloop.models.decoder import Block, CrossKV, LanguageModel, SelfAttention, TransformerStack, merge_heads, split_heads
+from blockloop.models.decoder import (
+    Block,
+    CrossKV,
+    LanguageModel,
+    SelfAttention,
+    TransformerStack,
+    merge_heads,
+    split_heads,
+)
 from blockloop.nn.attention import attention, merge_attention
 from blockloop.nn.kv_cache import DecoderCache, KVCache
 from blockloop.nn.rope import apply_rope, rope_angles
-
 
 
 class DualAttention(SelfAttention):

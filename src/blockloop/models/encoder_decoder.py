@@ -28,6 +28,7 @@ from blockloop.nn.kv_cache import DecoderCache
 from blockloop.nn.norm import build_norm
 from blockloop.nn.rope import rope_angles
 
+
 @dataclass
 class EncDecState:
     cache: DecoderCache

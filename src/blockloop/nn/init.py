@@ -15,7 +15,6 @@ from torch import nn
 from blockloop.nn.norm import RMSNorm
 
 
-
 def init_weights(model: nn.Module, *, std: float, n_layer: int, scheme: str = "normal") -> None:
     for name, module in model.named_modules():
         if isinstance(module, (nn.Linear, nn.Embedding)):

@@ -15,7 +15,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from blockloop.data.collate import collate_for, step_generator
-from blockloop.data.loader import PackedSequences, eval_batches
+from blockloop.data.loader import PackedSequences, eval_batches, stream_eval_batches
+from blockloop.errors import BlockloopError
 from blockloop.nn.precision import at_least_fp32
 
 
@@ -46,12 +47,26 @@ def evaluate(
     total_bytes = torch.zeros((), dtype=torch.long, device=device)
     lengths = torch.as_tensor(byte_lengths, dtype=torch.long, device=device) if byte_lengths is not None else None
     autocast = torch.autocast(device.type, dtype=autocast_dtype) if autocast_dtype else nullcontext()
-    collate = collate_for(getattr(model, "_orig_mod", model), objective)
-    for i, (inputs, targets) in enumerate(eval_batches(sequences, batch_size, max_batches)):
+    base = getattr(model, "_orig_mod", model)
+    collate = collate_for(base, objective)
+    # Recurrent models read the split as side-by-side streams and carry their state from batch to batch.
+    recurrent = getattr(getattr(base, "config", None), "recurrent", False)
+    chunk = getattr(base.config, "chunk_size", 1) if recurrent else 1
+    if sequences.seq_len % chunk:
+        raise BlockloopError(
+            f"sequence length {sequences.seq_len} is not a multiple of the model's chunk size {chunk}; "
+            "evaluate with a --seq-len that is"
+        )
+    batches = (stream_eval_batches if recurrent else eval_batches)(sequences, batch_size, max_batches)
+    state = None
+    for i, (inputs, targets) in enumerate(batches):
         batch = {k: v.to(device) for k, v in collate(inputs, targets, step_generator(0, i)).items()}
         targets = batch.pop("targets")
         with autocast:
-            logits, _ = model(**batch)
+            if recurrent:
+                logits, _, state = model(**batch, state=state, return_state=True)
+            else:
+                logits, _ = model(**batch)
         nats = F.cross_entropy(at_least_fp32(logits.flatten(0, 1)), targets.flatten(), reduction="sum", ignore_index=-100)
         scored = targets != -100
         total_nats += nats.double()

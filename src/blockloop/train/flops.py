@@ -118,6 +118,8 @@ def training_flops_per_token(config: ModelConfig, seq_len: int) -> float:
     """What the trainer's MFU readout uses: FLOPs of a ``seq_len`` window divided by its tokens."""
     if isinstance(config, BlockTransformerConfig):
         return block_flops_per_token(config, seq_len)
+    if config.family in ("staircase", "ladder"):
+        return recurrent_flops_per_token(config, seq_len)
     return training_flops(config, seq_len) / seq_len
 
 
@@ -125,6 +127,21 @@ def _stack_flops(config: DecoderConfig, positions: int, keys: int) -> float:
     """Training FLOPs of ``positions`` tokens through a stack, each attending to ``keys`` keys."""
     weights = config.n_layer * sum(_layer_weights(config).values())
     return positions * (6 * weights + 12 * config.n_layer * config.n_head * config.head_dim * keys)
+
+
+def recurrent_flops_per_token(config: DecoderConfig, seq_len: int) -> float:
+    """Steady-state training FLOPs per token of the staircase family: the core once per pass.
+
+    A Staircase token has S / C (or m) passes, each attending to a window of at most S keys plus the cache
+    (upper bound: full windows, flush steps not counted); a Ladder token has n_steps passes over the
+    segment (and its memory).
+    """
+    if config.family == "staircase":
+        passes, keys = config.passes, config.step_size + config.cache_tokens
+    else:
+        passes, keys = config.n_steps, seq_len + config.memory_len
+    head = 6 * config.d_model * config.padded_vocab_size
+    return passes * _stack_flops(config, 1, keys) + head
 
 
 def block_flops_per_token(config: BlockTransformerConfig, seq_len: int) -> float:

@@ -16,9 +16,9 @@ import torch
 from torch import nn
 
 from blockloop.config import BlockTransformerConfig, ModelConfig
+from blockloop.data.corpora import load_documents
 from blockloop.data.dataset import TokenSplits, prepare_tokens
 from blockloop.data.loader import PackedSequences
-from blockloop.data.corpora import load_documents
 from blockloop.data.tokenizers import Tokenizer, build_tokenizer, load_tokenizer
 from blockloop.models import build_model
 from blockloop.presets import from_name

@@ -26,7 +26,7 @@ from tqdm import tqdm
 
 from blockloop.config import ModelConfig
 from blockloop.data.collate import OBJECTIVES, collate_for, step_generator
-from blockloop.data.loader import PackedSequences, TrainBatches
+from blockloop.data.loader import PackedSequences, StreamBatches, TrainBatches
 from blockloop.data.tokenizers import Tokenizer
 from blockloop.errors import BlockloopError, ConfigError
 from blockloop.files import atomic_write_text
@@ -124,6 +124,12 @@ class Trainer:
         block_len = getattr(model_config, "block_len", 1)
         if config.seq_len % block_len:
             raise ConfigError(f"--seq-len {config.seq_len} is not a multiple of the model's block length {block_len}")
+        chunk = getattr(model_config, "chunk_size", 1)
+        if config.seq_len % chunk:
+            raise ConfigError(
+                f"--seq-len {config.seq_len} is not a multiple of the model's chunk size {chunk}: the state carried to "
+                "the next segment would skip the last partial chunk"
+            )
         self.config, self.model_config, self.tokenizer = config, model_config, tokenizer
         self.loss_hook = loss_hook
         self.out_dir, self.run_info, self.dist = Path(out_dir), run_info or {}, dist_info
@@ -147,9 +153,19 @@ class Trainer:
         )
         self.train_data, self.val_data = train_data, val_data
         self.collate = collate_for(model, config.objective)
-        self.batches = TrainBatches(
-            train_data, config.batch_size, seed=config.seed, rank=dist_info.rank, world_size=dist_info.world_size
-        )
+        # Recurrent models (staircase family) train with truncated BPTT: contiguous streams, and the state
+        # each micro-batch's streams reached is carried (detached) into their next segment. It is not saved:
+        # after --resume the streams continue from the saved position with an empty state.
+        self.recurrent = getattr(model_config, "recurrent", False)
+        if self.recurrent:
+            self.batches = StreamBatches(
+                train_data, config.batch_size, groups=config.grad_accum, rank=dist_info.rank, world_size=dist_info.world_size
+            )
+        else:
+            self.batches = TrainBatches(
+                train_data, config.batch_size, seed=config.seed, rank=dist_info.rank, world_size=dist_info.world_size
+            )
+        self.stream_states: list[Any] = [None] * config.grad_accum
         self.step = 0
         self.tokens_per_step = config.batch_size * config.grad_accum * config.seq_len * dist_info.world_size
         self.flops_per_token = training_flops_per_token(model_config, config.seq_len)
@@ -241,7 +257,12 @@ class Trainer:
             sync = micro == cfg.grad_accum - 1
             no_sync = getattr(self.train_model, "no_sync", None)
             with (nullcontext() if sync or no_sync is None else no_sync()), autocast:
-                logits, loss = self.forward(**batch)
+                if self.recurrent:
+                    state = None if self.batches.starts_streams else self.stream_states[micro]
+                    logits, loss, state = self.forward(**batch, state=state, return_state=True)
+                    self.stream_states[micro] = state.detach()
+                else:
+                    logits, loss = self.forward(**batch)
                 if self.loss_hook is not None:
                     loss = self.loss_hook(batch, logits, loss)
                 (loss / cfg.grad_accum).backward()

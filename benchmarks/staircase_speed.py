@@ -1,0 +1,108 @@
+"""Train time per batch of the staircase family vs the plain transformer with the same core (Table 2 style).
+
+Every model shares one core shape (the demo's: 4 Llama-style layers, d=128), so all but the Universal
+Transformer (one layer of it) have the same parameters; what differs is how often the core runs per token.
+One timed step = forward + backward + AdamW step on a batch of random byte tokens; the plain decoder is
+timed in the same run and every ratio is against it. CPU numbers (one thread by default): the paper's
+absolute times (V100, 117M models) are not comparable, only the ordering and the ratios.
+
+    PYTHONPATH=src python benchmarks/staircase_speed.py --out benchmarks/results/staircase_speed_cpu.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from blockloop.models import build_model
+from blockloop.presets import from_name
+
+CORE = {"n_layer": 4, "d_model": 128, "n_head": 4, "n_kv_head": 4, "context_length": 256}
+
+
+def models(seq_len: int) -> list[tuple[str, str, dict]]:
+    """(label, preset, overrides): the Table 2 rows at CPU size, all on the same core."""
+    return [
+        ("Transformer (plain core)", "tiny", CORE),
+        ("Transformer-XL (memory = segment)", "tiny-transformer-xl", {**CORE, "memory_len": seq_len}),
+        ("Feedback Transformer (C=1)", "tiny-feedback", {**CORE, "step_size": 64}),
+        ("Cached Staircase m=1, S=96, C=32", "tiny-cached-staircase", {**CORE, "chunk_size": 32, "step_size": 96, "cache_after": 1}),
+        ("Staircase 2 steps, S=64, C=32", "tiny-staircase", {**CORE, "chunk_size": 32, "step_size": 64}),
+        ("Ladder 2 steps", "tiny-ladder", {**CORE, "n_steps": 2}),
+        ("Universal Transformer 2 steps (1 layer)", "tiny-universal", {**CORE, "n_layer": 1, "n_steps": 2}),
+        ("Staircase 4 steps, S=64, C=16", "tiny-staircase", {**CORE, "chunk_size": 16, "step_size": 64}),
+        ("Ladder 4 steps", "tiny-ladder", {**CORE, "n_steps": 4}),
+        ("Universal Transformer 4 steps (1 layer)", "tiny-universal", {**CORE, "n_layer": 1, "n_steps": 4}),
+        ("Global Cached Staircase m=1, C=32", "tiny-global-staircase", {**CORE, "chunk_size": 32, "step_size": 32}),
+    ]
+
+
+def time_train_step(preset: str, overrides: dict, batch: int, seq_len: int, repeats: int) -> tuple[int, float]:
+    torch.manual_seed(0)
+    model = build_model(from_name(preset, **overrides))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    idx = torch.randint(0, 258, (batch, seq_len))
+    recurrent = getattr(model.config, "recurrent", False)
+    times, state = [], None
+    for i in range(repeats + 1):  # the first is a warm-up
+        start = time.perf_counter()
+        if recurrent:  # as in truncated-BPTT training: the previous segment's state comes in
+            _, loss, state = model(idx, idx, state=state, return_state=True)
+            state = state.detach()
+        else:
+            _, loss = model(idx, idx)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        if i:
+            times.append(time.perf_counter() - start)
+    return model.num_parameters(), statistics.median(times)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--seq-len", type=int, default=128)
+    parser.add_argument("--repeats", type=int, default=5, help="timed steps per model (median reported)")
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--out", type=Path, help="write the markdown table here")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    rows = []
+    for label, preset, overrides in models(args.seq_len):
+        params, seconds = time_train_step(preset, overrides, args.batch_size, args.seq_len, args.repeats)
+        rows.append((label, params, seconds))
+        print(f"{label}: {params:,} parameters, {seconds * 1e3:.0f} ms per batch", flush=True)
+    base = rows[0][2]
+    lines = [
+        "# Staircase family: train time per batch vs the plain transformer (CPU)",
+        "",
+        (f"- device: CPU ({platform.processor() or platform.machine()}), {args.threads} thread(s); "
+         f"torch {torch.__version__}; date {datetime.date.today().isoformat()}"),
+        f"- command: `PYTHONPATH=src python {' '.join(sys.argv)}`",
+        (f"- one step = forward + backward + AdamW on {args.batch_size} x {args.seq_len} random byte tokens; median of "
+         f"{args.repeats} after a warm-up; core: {CORE['n_layer']} layers, d={CORE['d_model']} (Llama style); recurrent "
+         "models get the previous step's state (truncated BPTT), so caches and memories are full"),
+        "- the machine (2 cores) was shared with other jobs while this ran: expect noise of tens of percent",
+        ("- CPU numbers only (no GPU was lent to this task): absolute GPU times are owed; the ratios show the cost of "
+         "recurrence, not GPU parallelism (the Feedback Transformer's token-by-token loop costs far more on a GPU)"),
+        "",
+        "| model | parameters | train ms / batch | vs plain |",
+        "|---|---|---|---|",
+    ]
+    lines += [f"| {label} | {params:,} | {s * 1e3:.0f} | {s / base:.2f}x |" for label, params, s in rows]
+    text = "\n".join(lines) + "\n"
+    print(text)
+    if args.out:
+        args.out.write_text(text)
+
+
+if __name__ == "__main__":
+    main()

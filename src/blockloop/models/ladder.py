@@ -1,0 +1,120 @@
+"""Ladder (Ju et al. 2022, section 3.2.4, Figure 1d), Universal Transformer and Transformer-XL.
+
+The Ladder feeds the whole segment at once and applies the shared core ``n_steps`` times, each application
+reading the previous one's output: recurrence in depth only. The execution order over the shared layers
+is the Table 4 pattern: ``abab`` repeats the core, ``aabb`` repeats each layer before the next. A core of
+one layer is the Universal Transformer (section 3.3); one step is the plain transformer.
+
+For long streams the paper uses Transformer-XL's techniques (section 3.2.4): each token attends to a fixed
+number of previous tokens (``memory_len`` M, the attention span), and the states each layer application
+read in earlier segments are kept in a memory that later segments attend to (keys/values only, recomputed
+from the stored states with rotary positions local to the window). Since the span is fixed per token, a
+stream read in segments gives exactly the logits of one long forward; one step with a memory is the
+Transformer-XL baseline (Dai et al. 2019).
+
+Generation writes every application's keys/values into a :class:`~blockloop.nn.kv_cache.DecoderCache`
+(one layer slot per application) through the vanilla decoder's prefill/decode loop.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from blockloop.config import LadderConfig
+from blockloop.models.decoder import Decoder, LanguageModel
+from blockloop.models.recurrent_core import build_core, prefix_kv, rotate_prefix, window_mask
+from blockloop.nn.kv_cache import DecoderCache
+from blockloop.nn.rope import rope_angles
+
+
+@dataclass(frozen=True)
+class LadderState:
+    """Per layer application: the inputs it read for the last (up to) M tokens of the stream, and their validity."""
+
+    memory: tuple[Tensor, ...]
+    valid: Tensor
+
+    def detach(self) -> LadderState:
+        return LadderState(tuple(m.detach() for m in self.memory), self.valid)
+
+
+class Ladder(LanguageModel):
+    """Embedding -> the core applied n_steps times (ABAB or AABB) -> final norm -> LM head."""
+
+    def __init__(self, config: LadderConfig) -> None:
+        super().__init__(config, core=build_core(config))
+        self.order = config.execution_order
+
+    def segment(self, x: Tensor, valid: Tensor, state: LadderState | None) -> tuple[Tensor, LadderState | None]:
+        """Outputs ``(B, T, d)`` of a segment after ``state``'s memory, and the memory for the next segment."""
+        span = self.config.memory_len or None
+        memory = state.memory if state is not None else ()
+        memory_valid = state.valid if state is not None else valid[:, :0]
+        P = memory_valid.shape[1]
+        cos, sin = rope_angles(torch.arange(P + x.shape[1], device=x.device), self.config.rotary_dim, self.config.rope_base)
+        mask = window_mask(memory_valid, valid, span)
+        h, new_memory = x, []
+        for application, layer in enumerate(self.order):
+            block = self.core.blocks[layer]
+            prefix = rotate_prefix(prefix_kv(block, memory[application]), cos[:P], sin[:P]) if P else None
+            if span:
+                new_memory.append(torch.cat((memory[application], h), dim=1)[:, -span:] if P else h[:, -span:])
+            h = block(h, cos[P:], sin[P:], mask=mask, prefix=prefix)
+        if not span:
+            return h, None
+        return h, LadderState(tuple(new_memory), torch.cat((memory_valid, valid), dim=1)[:, -span:])
+
+    def _cached(self, x: Tensor, cache: DecoderCache, slots: Tensor, positions: Tensor, token_valid: Tensor | None) -> Tensor:
+        cos, sin = rope_angles(positions, self.config.rotary_dim, self.config.rope_base)
+        mask = cache.attention_mask(slots, token_valid)
+        if self.config.memory_len:
+            distance = slots[:, None] - torch.arange(cache.max_len, device=slots.device)[None, :]
+            mask = mask & (distance <= self.config.memory_len)
+        for application, layer in enumerate(self.order):
+            x = self.core.blocks[layer](x, cos, sin, cache=cache.layers[application], slots=slots, mask=mask)
+        return x
+
+    def forward(
+        self,
+        idx: Tensor,
+        targets: Tensor | None = None,
+        *,
+        state: LadderState | None = None,
+        token_valid: Tensor | None = None,
+        return_state: bool = False,
+        cache: DecoderCache | None = None,
+        slots: Tensor | None = None,
+        positions: Tensor | None = None,
+        last_only: bool = False,
+    ) -> tuple[Tensor, Tensor | None] | tuple[Tensor, Tensor | None, LadderState | None]:
+        """Logits for ``idx (B, T)`` after ``state`` (None: a new stream), loss over targets != -100.
+
+        With ``return_state`` the memory for the next segment comes third (None without a memory). With a
+        ``cache`` the tokens are written at cache ``slots`` instead (generation, see Decoder.forward).
+        """
+        x = self.drop(self.embed(idx))
+        new_state = None
+        if cache is not None:
+            h = self._cached(x, cache, slots, slots if positions is None else positions, token_valid)
+        else:
+            if idx.shape[1] > self.config.context_length:
+                raise ValueError(f"segment of {idx.shape[1]} tokens exceeds the model context of {self.config.context_length}")
+            valid = torch.ones_like(idx, dtype=torch.bool) if token_valid is None else token_valid
+            h, new_state = self.segment(x, valid, state)
+        h = self.norm(h)
+        logits = self.logits(h[:, -1:] if last_only else h)
+        loss = self.loss(logits, targets)
+        return (logits, loss, new_state) if return_state else (logits, loss)
+
+    def generation_caches(self, batch_size: int, prompt_len: int, max_new_tokens: int) -> list[DecoderCache]:
+        """One static KV cache with a layer slot per application of a core layer."""
+        c, weight = self.config, self.embed.weight
+        return [DecoderCache(len(self.order), batch_size, c.n_kv_head, prompt_len + max_new_tokens, c.head_dim,
+                             dtype=weight.dtype, device=weight.device)]
+
+    # The vanilla decoder's generation entry points only call forward() with a cache and generation_caches().
+    prefill = Decoder.prefill
+    decode_step = Decoder.decode_step
