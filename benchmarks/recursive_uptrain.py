@@ -46,6 +46,7 @@ def main() -> None:
     p.add_argument("--no-scratch", action="store_true", help="leave out the reduced-size model trained from scratch")
     p.add_argument("--ranks", default="4,16,64", help="LoRA ranks of the relaxed models (average init, SVD LoRA)")
     p.add_argument("--prefix-lens", default="8", help="prefix lengths of prefix-relaxed models (average init; '' for none)")
+    p.add_argument("--lora-init", default="svd", help="svd (equation 4) or svd_effective (see convert/to_recursive.py)")
     p.add_argument("--steps", type=int, default=40, help="uptraining / from-scratch steps (0: converted models only)")
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--seq-len", type=int, default=128)
@@ -104,10 +105,12 @@ def main() -> None:
         record(f"reduced size ({reduced.config.n_layer} layers), from scratch", reduced, score(reduced),
                *uptrain(reduced, args.scratch_lr))
     for rank in [int(r) for r in args.ranks.split(",")]:
-        model = vanilla_to_recursive(source.model, loops=args.loops, init="average", lora_rank=rank, lora_init="svd")
+        model = vanilla_to_recursive(
+            source.model, loops=args.loops, init="average", lora_rank=rank, lora_init=args.lora_init
+        )
         before = score(model)
         after, seconds = uptrain(model, args.lr)
-        record(f"relaxed, average + SVD LoRA r={rank}", model, before, after, seconds)
+        record(f"relaxed, average + {args.lora_init} LoRA r={rank}", model, before, after, seconds)
     for length in [int(n) for n in args.prefix_lens.split(",") if n]:
         model = vanilla_to_recursive(source.model, loops=args.loops, init="average", prefix_len=length)
         before = score(model)

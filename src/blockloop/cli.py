@@ -525,7 +525,9 @@ def _add_recursive_convert_flags(p: argparse.ArgumentParser) -> None:
                    "default: lora when --lora-rank is given, else none")
     g.add_argument("--lora-rank", type=int, default=0, help="LoRA rank r per shared linear and loop (default: 0, none)")
     g.add_argument("--lora-alpha", type=float, default=None, help="LoRA alpha; scaling alpha/r (default: r, scaling 1)")
-    g.add_argument("--lora-init", default="svd", help=f"LoRA init: {', '.join(LORA_INITS)} (default: svd)")
+    g.add_argument("--lora-init", default="svd",
+                   help=f"LoRA init: {', '.join(LORA_INITS)} (default: svd, equation 4; svd_effective also absorbs "
+                   "differing tied norm gains at full rank)")
     g.add_argument("--seed", type=int, default=0, help="seed of random and zero inits (default: 0)")
 
 

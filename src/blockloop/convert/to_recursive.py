@@ -16,14 +16,15 @@ approximation of the residual and the relaxed model starts as close to the full 
 (equation 5; exactly equal at full rank). Where the shared weight equals W_ℓ (the layer stepwise/lower
 took it from), and for ``lora_init="zero"``, the module gets the standard zero init (appendix E).
 
-LoRA relaxes linear weights, while the pre-norms in front of them are tied too. A norm's gain g scales the
-input of the next linear, so what a layer applies to the normalised input x̂ is its effective weight
-W diag(g). For the linears fed by a tied pre-norm (q/k/v from ``norm1``, the MLP's input from ``norm2``)
-the SVD is therefore taken of the effective residual E = W_ℓ diag(g_ℓ) - W' diag(g'), and A = V_r^T
-diag(1/g'): s B A diag(g') is the best rank-r approximation of E, and full rank reproduces the full model
-even where the tied gains differ (Average, or any norm the paper's equation 4 leaves out). For the other
-linears (g = 1) this is equation 4 as printed. What LoRA cannot absorb stays shared: LayerNorm and
-linear biases, and Gemma's q/k and post norms.
+LoRA relaxes linear weights, while the pre-norms in front of them are tied too, so ``svd`` (equation 4
+as printed) reproduces the full model at full rank only where the tied norm gains agree with the layer's.
+``svd_effective`` takes the SVD of the effective residual instead: a norm's gain g scales the input of
+the next linear, so for the linears fed by a tied pre-norm (q/k/v from ``norm1``, the MLP's input from
+``norm2``) E = W_ℓ diag(g_ℓ) - W' diag(g') and A = V_r^T diag(1/g'). Full rank then reproduces the full
+model even where averaged gains differ, but at low rank it weights channels by their gain, and in a
+pretrained LLM the outlier channels (huge activations, small gains) make that the worse fit: on
+SmolLM2-135M it starts worse than ``svd`` below full rank (benchmarks/results/recursive_smollm2_*). What
+LoRA cannot absorb stays shared either way: LayerNorm and linear biases, Gemma's q/k and post norms.
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ from blockloop.nn.lora import LoopLoRALinear
 LOOP_INITS = ("stepwise", "average", "lower", "upper", "random")
 # The pre-norm whose gain scales each linear's input (see the module docstring).
 INPUT_NORMS = {"attn.qkv": "norm1", "mlp.fc": "norm2", "mlp.gate": "norm2", "mlp.up": "norm2"}
-LORA_INITS = ("svd", "zero")
+LORA_INITS = ("svd", "svd_effective", "zero")
 
 
 def recursive_config_from_vanilla(
@@ -156,10 +157,10 @@ def _init_lora(model: RecursiveDecoder, full: nn.ModuleList, lora_init: str) -> 
                 continue
             weight, target = lora.weight.double(), source.get_submodule(name).weight.double()
             gain = torch.ones(weight.shape[1], dtype=torch.float64, device=weight.device)
-            if name in INPUT_NORMS:
+            if name in INPUT_NORMS and lora_init == "svd_effective":
                 gain = _gain(shared.get_submodule(INPUT_NORMS[name]))
                 target = target * _gain(source.get_submodule(INPUT_NORMS[name]))
-            residual = target - weight * gain  # E = W_l diag(g_l) - W' diag(g')
+            residual = target - weight * gain  # equation 4, or E = W_l diag(g_l) - W' diag(g')
             if lora_init == "zero" or not residual.any():
                 lora.reset_lora(occurrence)
                 continue
