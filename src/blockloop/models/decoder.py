@@ -37,6 +37,14 @@ class DecodeState:
     next_position: Tensor
 
 
+@dataclass
+class SlotCache:
+    """A continuous batch's cache: a static cache whose rows are request slots, and each row's length."""
+
+    cache: DecoderCache
+    lengths: Tensor
+
+
 def split_heads(x: Tensor, n_head: int, head_dim: int) -> Tensor:
     """``(B, T, n_head * head_dim) -> (B, n_head, T, head_dim)``."""
     return x.view(x.shape[0], x.shape[1], n_head, head_dim).transpose(1, 2)
@@ -290,6 +298,30 @@ class Decoder(LanguageModel):
         state.next_position = state.next_position + 1
         return logits[:, -1]
 
+    # Continuous batching (blockloop.infer.engine): every row of the cache is a slot holding one request
+    # at its own length; a row's tokens sit at slots 0, 1, ... so its rotary positions are its slots.
+    def allocate_slots(self, n_slots: int, max_len: int) -> SlotCache:
+        return SlotCache(self.allocate_cache(n_slots, max_len), torch.zeros(n_slots, dtype=torch.long, device=self.embed.weight.device))
+
+    @torch.no_grad()
+    def prefill_slot(self, state: SlotCache, slot: int, prompt: Tensor) -> Tensor:
+        """Cache ``prompt (P,)`` in row ``slot`` (which it owns from now on); the next-token logits ``(V,)``."""
+        cache = state.cache.row(slot)
+        cache.reset()
+        slots = torch.arange(prompt.numel(), device=prompt.device)
+        logits, _ = self(prompt[None], cache=cache, slots=slots, last_only=True)
+        state.lengths[slot] = prompt.numel()
+        return logits[0, -1]
+
+    @torch.no_grad()
+    def decode_slots(self, state: SlotCache, tokens: Tensor) -> Tensor:
+        """One token per row, each written at its row's own length; rows that are idle or already
+        finished also step (static shapes), clamped to the last slot so they never write out of range."""
+        slots = state.lengths.clamp_max(state.cache.max_len - 1)[:, None]
+        logits, _ = self(tokens[:, None], cache=state.cache, slots=slots)
+        state.lengths.add_(1)
+        return logits[:, -1]
+
     def forward(
         self,
         idx: Tensor,
@@ -304,8 +336,8 @@ class Decoder(LanguageModel):
         """Logits for ``idx (B, T)``, and the mean next-token loss when ``targets`` is given.
 
         Without a cache this is the training forward over a full causal window. With a cache the tokens
-        are written at cache ``slots (T,)`` (shared by all rows); ``positions (B, T)`` are their rotary
-        positions (default: the slots) and ``token_valid (B, T)`` marks left padding. ``last_only``
+        are written at cache ``slots`` (``(T,)`` shared by all rows, or ``(B, T)`` per row); ``positions
+        (B, T)`` are their rotary positions (default: the slots) and ``token_valid (B, T)`` marks left padding. ``last_only``
         projects only the final position, which is all generation needs. Targets equal to -100 are
         ignored by the loss.
         """

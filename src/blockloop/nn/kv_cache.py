@@ -2,8 +2,11 @@
 
 Growing a cache with ``torch.cat`` reallocates and copies it every step and changes shapes, which
 defeats CUDA graphs and ``torch.compile``. Here each layer owns fixed ``(B, H_kv, S, D)`` buffers and a
-step writes its keys/values with ``index_copy_`` at slot indices. Which slots hold a real token (not
-left padding, not yet written) is tracked once per model in :class:`DecoderCache`.
+step writes its keys/values in place at slot indices: either slots shared by every row ``(T,)`` (a
+lock-step batch) or each row's own slots ``(B, T)`` (continuous batching, where every row of the batch is
+a different request at its own length). Which slots hold a real token (not left padding, not yet
+written) is tracked once per model in :class:`DecoderCache`; :meth:`DecoderCache.row` is a view of one
+row, so a request can be prefilled into its slot while the other rows keep their state.
 """
 
 from __future__ import annotations
@@ -24,10 +27,24 @@ class KVCache(nn.Module):
         self.register_buffer("v", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
 
     def write(self, slots: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
-        """Store ``k, v (B, H_kv, T, D)`` at ``slots (T,)`` and return the whole cache to attend over."""
-        self.k.index_copy_(2, slots, k.to(self.k.dtype))
-        self.v.index_copy_(2, slots, v.to(self.v.dtype))
+        """Store ``k, v (B, H_kv, T, D)`` at ``slots`` (``(T,)`` shared, or ``(B, T)`` per row) and return
+        the whole cache to attend over."""
+        if slots.dim() == 1:
+            self.k.index_copy_(2, slots, k.to(self.k.dtype))
+            self.v.index_copy_(2, slots, v.to(self.v.dtype))
+        else:
+            index = slots[:, None, :, None].expand(-1, k.shape[1], -1, k.shape[3])
+            self.k.scatter_(2, index, k.to(self.k.dtype))
+            self.v.scatter_(2, index, v.to(self.v.dtype))
         return self.k, self.v
+
+    def row(self, index: int) -> KVCache:
+        """Row ``index`` as a batch of one whose buffers are views: writing it writes this cache."""
+        view = KVCache.__new__(KVCache)
+        nn.Module.__init__(view)
+        view.register_buffer("k", self.k[index : index + 1], persistent=False)
+        view.register_buffer("v", self.v[index : index + 1], persistent=False)
+        return view
 
 
 class DecoderCache(nn.Module):
@@ -56,17 +73,29 @@ class DecoderCache(nn.Module):
         self.register_buffer("key_valid", torch.zeros(batch_size, max_len, dtype=torch.bool, device=device), persistent=False)
 
     def attention_mask(self, slots: Tensor, token_valid: Tensor | None) -> Tensor:
-        """Mark ``slots`` as written and return the ``(B, 1, T, S)`` mask for queries at ``slots``.
+        """Mark ``slots`` (``(T,)`` shared or ``(B, T)`` per row) as written and return the ``(B, 1, T, S)``
+        mask for queries at ``slots``.
 
         A query sees valid keys at or before its own slot, and always itself, so that a padding query
         still has one key and its (unused) output stays finite.
         """
-        valid = torch.ones(self.batch_size, slots.numel(), dtype=torch.bool, device=slots.device) if token_valid is None else token_valid
-        self.key_valid[:, slots] = valid
+        length = slots.shape[-1]
+        valid = torch.ones(self.batch_size, length, dtype=torch.bool, device=slots.device) if token_valid is None else token_valid
+        per_row = slots if slots.dim() == 2 else slots.expand(self.batch_size, length)
+        self.key_valid.scatter_(1, per_row, valid)
         key_slots = torch.arange(self.max_len, device=slots.device)
-        causal = key_slots[None, :] <= slots[:, None]
-        own = key_slots[None, :] == slots[:, None]
-        return ((causal[None] & self.key_valid[:, None, :]) | own[None]).unsqueeze(1)
+        causal = key_slots <= per_row[..., None]
+        own = key_slots == per_row[..., None]
+        return ((causal & self.key_valid[:, None, :]) | own).unsqueeze(1)
 
     def reset(self) -> None:
         self.key_valid.zero_()
+
+    def row(self, index: int) -> DecoderCache:
+        """Row ``index`` as a cache of one row whose buffers are views of this one (prefill into a slot)."""
+        view = DecoderCache.__new__(DecoderCache)
+        nn.Module.__init__(view)
+        view.batch_size, view.max_len = 1, self.max_len
+        view.layers = nn.ModuleList(layer.row(index) for layer in self.layers)
+        view.register_buffer("key_valid", self.key_valid[index : index + 1], persistent=False)
+        return view
