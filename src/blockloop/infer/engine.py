@@ -33,7 +33,7 @@ class SlotModel(Protocol):
 
     * ``allocate_slots(n_slots, max_len)``: static caches for ``n_slots`` requests of ``max_len`` tokens;
     * ``prefill_slot(state, slot, prompt (P,)) -> logits (V,)``: take over row ``slot`` for a new prompt;
-    * ``decode_slots(state, tokens (n_slots,)) -> logits (n_slots, V)``: one step for every row;
+    * ``decode_step(state, tokens (n_slots,)) -> logits (n_slots, V)``: one step for every row;
     * ``admit_every``: the engine admits new requests only every this many steps (1, or a Block
       Transformer's block length: rows share the within-block phase);
     * ``prompt_multiple``: prompts are left-padded to a multiple of this (1 unless set).
@@ -43,12 +43,12 @@ class SlotModel(Protocol):
 
     def allocate_slots(self, n_slots: int, max_len: int) -> Any: ...
     def prefill_slot(self, state: Any, slot: int, prompt: Tensor) -> Tensor: ...
-    def decode_slots(self, state: Any, tokens: Tensor) -> Tensor: ...
+    def decode_step(self, state: Any, tokens: Tensor) -> Tensor: ...
 
 
 def serves(model: nn.Module) -> bool:
     """Whether ``model`` implements the slot interface."""
-    return all(hasattr(model, name) for name in ("allocate_slots", "prefill_slot", "decode_slots"))
+    return all(hasattr(model, name) for name in ("allocate_slots", "prefill_slot", "decode_step"))
 
 
 class Engine:
@@ -87,10 +87,10 @@ class Engine:
         zeros = lambda dtype: torch.zeros(n_slots, dtype=dtype, device=self.device)  # noqa: E731
         self.temperature, self.top_p = zeros(torch.float32), torch.ones(n_slots, device=self.device)
         self.top_k, self.seed, self.counter = zeros(torch.long), zeros(torch.long), zeros(torch.long)
-        self._decode = model.decode_slots
+        self._decode = model.decode_step
         if compile:
             mode = "reduce-overhead" if self.device.type == "cuda" else None
-            self._decode = torch.compile(model.decode_slots, mode=mode)
+            self._decode = torch.compile(model.decode_step, mode=mode)
         self.steps = 0
         self.last_window: list[tuple[Request, list[int]]] = []
 
