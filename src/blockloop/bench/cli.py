@@ -161,7 +161,10 @@ def _stream(args: argparse.Namespace, models: list) -> list[dict[str, Any]]:
         m = run_stream(model, prompts, n_slots=args.slots, min_tokens=tmin, max_tokens=tmax, rate=args.rate,
                        sync_every=args.sync_every, seed=args.seed, compile=args.compile)
         rows.append({"kind": "stream", "name": name, "val_loss": val_loss, **m})
-        ms = lambda d, *ks: "/".join(f"{1e3 * d[k]:.1f}" for k in ks)  # noqa: E731
-        print(f"| {name} | {args.slots} | {args.rate} | {m['throughput_tok_s']:.0f} | {ms(m['ttft_s'], 'median', 'p90', 'p99')} | "
-              f"{ms(m['tpot_s'], 'median', 'p90', 'p99')} | {ms(m['itl_s'], 'median', 'p99')} | {ms(m['e2e_s'], 'median', 'p99')} |")
+        print(f"| {name} | {args.slots} | {args.rate} | {m['throughput_tok_s']:.0f} | {_ms(m['ttft_s'], 'median', 'p90', 'p99')} | "
+              f"{_ms(m['tpot_s'], 'median', 'p90', 'p99')} | {_ms(m['itl_s'], 'median', 'p99')} | {_ms(m['e2e_s'], 'median', 'p99')} |")
     return rows
+
+
+def _ms(summary: dict[str, float], *keys: str) -> str:
+    return "/".join(f"{1e3 * summary[k]:.1f}" for k in keys)

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from blockloop.bench.throughput import ThroughputResult
-from blockloop.bench.timing import Timer
+from blockloop.bench.timing import timed
 from blockloop.errors import BlockloopError
 
 
@@ -45,7 +45,7 @@ def hf_throughput(
     seconds = []
     for run in range(warmup + repeats):
         ids = torch.randint(0, model.config.vocab_size, (batch, prompt_len), generator=generator).to(device)
-        with Timer(device) as timer, torch.no_grad():
+        with timed(device) as timer, torch.no_grad():
             hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=gen_len, min_new_tokens=gen_len,
                         do_sample=False, eos_token_id=None, pad_token_id=0)
         if run >= warmup:

@@ -8,8 +8,8 @@ token - arrival; throughput = all output tokens / (last finish - first arrival).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import numpy as np
 

@@ -12,8 +12,7 @@ from blockloop.errors import BlockloopError
 def append_records(path: Path, records: list[dict[str, Any]]) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path, "a") as f:
-        for record in records:
-            f.write(json.dumps(record) + "\n")
+        f.writelines(json.dumps(record) + "\n" for record in records)
 
 
 def read_records(path: Path) -> list[dict[str, Any]]:

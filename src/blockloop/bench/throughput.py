@@ -16,7 +16,7 @@ import torch
 from torch import Tensor, nn
 
 from blockloop.bench.roofline import bytes_per_step
-from blockloop.bench.timing import Timer
+from blockloop.bench.timing import timed
 from blockloop.errors import BlockloopError
 from blockloop.infer.engine import Engine
 from blockloop.infer.requests import SamplingParams
@@ -96,7 +96,7 @@ def engine_throughput(
     seconds, ttft, tpot = [], [], []
     for run in range(warmup + repeats):
         prompts = torch.randint(0, model.config.vocab_size, (batch, prompt_len), generator=generator).tolist()
-        with Timer(device) as timer:
+        with timed(device) as timer:
             requests = [engine.submit(p, gen_len, sampling=greedy) for p in prompts]
             engine.run()
         if run >= warmup:

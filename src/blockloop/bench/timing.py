@@ -1,34 +1,36 @@
-"""Wall-clock timing of device work: CUDA events on GPU, ``perf_counter`` after a sync elsewhere."""
+"""Wall-clock timing of device work: CUDA events on GPU, ``perf_counter`` elsewhere."""
 
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
 
 import torch
 
 
-class Timer:
-    """``with timer: ...`` then ``timer.seconds``; waits for the device so queued kernels are counted."""
+@dataclass
+class Elapsed:
+    seconds: float = 0.0
 
-    def __init__(self, device: torch.device) -> None:
-        self.device = device
-        self.seconds = 0.0
 
-    def __enter__(self) -> Timer:
-        if self.device.type == "cuda":
-            self._start, self._end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            self._start.record()
-        else:
-            self._t0 = time.perf_counter()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        if self.device.type == "cuda":
-            self._end.record()
-            self._end.synchronize()
-            self.seconds = self._start.elapsed_time(self._end) / 1000.0
-        else:
-            self.seconds = time.perf_counter() - self._t0
+@contextmanager
+def timed(device: torch.device) -> Iterator[Elapsed]:
+    """``with timed(device) as t: ...`` then ``t.seconds``; on CUDA the end event is waited for, so
+    queued kernels are counted."""
+    elapsed = Elapsed()
+    if device.type == "cuda":
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        yield elapsed
+        end.record()
+        end.synchronize()
+        elapsed.seconds = start.elapsed_time(end) / 1000.0
+    else:
+        t0 = time.perf_counter()
+        yield elapsed
+        elapsed.seconds = time.perf_counter() - t0
 
 
 def copy_bandwidth(device: torch.device, nbytes: int = 1 << 28, repeats: int = 5) -> float:
@@ -38,7 +40,7 @@ def copy_bandwidth(device: torch.device, nbytes: int = 1 << 28, repeats: int = 5
     dst.copy_(src)
     best = float("inf")
     for _ in range(repeats):
-        with Timer(device) as t:
+        with timed(device) as t:
             dst.copy_(src)
         best = min(best, t.seconds)
     return 2 * src.numel() * 4 / best

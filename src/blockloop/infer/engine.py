@@ -17,7 +17,8 @@ every time, busy or not, so the decode step has static shapes (``torch.compile``
 from __future__ import annotations
 
 import time
-from typing import Any, Iterator, Protocol, Sequence
+from collections.abc import Iterator, Sequence
+from typing import Any, Protocol
 
 import torch
 from torch import Tensor, nn
@@ -84,9 +85,10 @@ class Engine:
         self.scheduler = Scheduler(n_slots)
         self.logits = torch.zeros(n_slots, model.config.padded_vocab_size, dtype=weight.dtype, device=self.device)
         self.ring = torch.zeros(self.sync_every, n_slots, dtype=torch.long, device=self.device)
-        zeros = lambda dtype: torch.zeros(n_slots, dtype=dtype, device=self.device)  # noqa: E731
-        self.temperature, self.top_p = zeros(torch.float32), torch.ones(n_slots, device=self.device)
-        self.top_k, self.seed, self.counter = zeros(torch.long), zeros(torch.long), zeros(torch.long)
+        # Each slot's sampling parameters and how many tokens its request has sampled, on device.
+        self.temperature = torch.zeros(n_slots, device=self.device)
+        self.top_p = torch.ones(n_slots, device=self.device)
+        self.top_k, self.seed, self.counter = (torch.zeros(n_slots, dtype=torch.long, device=self.device) for _ in range(3))
         self._decode = model.decode_step
         if compile:
             mode = "reduce-overhead" if self.device.type == "cuda" else None

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import enum
 import itertools
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 from blockloop.errors import BlockloopError
 
