@@ -1,17 +1,21 @@
 """The serving engine: continuous (sequence-wise) batching of requests over a fixed set of cache slots.
 
 Every model family takes part through one small interface (:class:`SlotModel`): allocate static caches
-for ``n_slots`` rows, prefill a request into a slot, run one decode step over all slots, and free a
-slot. The engine owns everything else, once for all families: the request queue (WAITING -> RUNNING ->
-FINISHED), per-request sampling on device (:func:`~blockloop.infer.sampling.sample_rows`), stopping,
-and streaming.
+for ``n_slots`` rows, prefill a request into a slot, and run one decode step over all rows (a finished
+request's slot is simply prefilled again by the next one). The engine owns everything else, once for
+all families: the request queue (WAITING -> RUNNING -> FINISHED), per-request sampling on device
+(:func:`~blockloop.infer.sampling.sample_rows`), stopping, and streaming.
 
-The decode loop runs ``sync_every`` steps with no host synchronisation: the sampled tokens go to a
-device ring buffer, and only then are they copied to the host in one transfer, where requests that hit
-EOS or their token limit finish, free their slot, and waiting requests are prefilled into the free
-slots while the others keep their caches. Rows that finished inside a window keep stepping until its
-end (their extra tokens are discarded), which is the price of not syncing every token. Every row steps
-every time, busy or not, so the decode step has static shapes (``torch.compile`` / CUDA graphs).
+The decode loop runs a window of ``sync_every`` steps with no host synchronisation: sampled tokens go to
+a device ring buffer and are copied to the host once per window, where requests that hit EOS or their
+token limit finish and free their slot, and waiting requests are prefilled into the free slots while the
+others keep their caches. Rows that finished inside a window keep stepping until its end (their extra
+tokens are discarded): the price of not syncing every token. Every row steps every time, busy or not,
+so the decode step has static shapes (``torch.compile``, CUDA graphs).
+
+Families that only implement the lock-step pair ``prefill(idx, token_valid, max_new_tokens)`` /
+``decode_step`` (and any family given a shared cached prefix) are served in static batches instead:
+waiting requests are admitted together, left-padded, once the previous batch has finished.
 """
 
 from __future__ import annotations
@@ -24,46 +28,56 @@ import torch
 from torch import Tensor, nn
 
 from blockloop.errors import BlockloopError
+from blockloop.infer.batching import left_pad
 from blockloop.infer.requests import Request, SamplingParams, TokenCallback
 from blockloop.infer.sampling import sample_rows
 from blockloop.infer.scheduler import Scheduler
 
 
 class SlotModel(Protocol):
-    """What a model implements to be served. ``state`` is the model's own cache object.
+    """What a model implements for continuous batching. ``state`` is the model's own decode state.
 
     * ``allocate_slots(n_slots, max_len)``: static caches for ``n_slots`` requests of ``max_len`` tokens;
-    * ``prefill_slot(state, slot, prompt (P,)) -> logits (V,)``: take over row ``slot`` for a new prompt;
-    * ``decode_step(state, tokens (n_slots,)) -> logits (n_slots, V)``: one step for every row;
-    * ``admit_every``: the engine admits new requests only every this many steps (1, or a Block
-      Transformer's block length: rows share the within-block phase);
-    * ``prompt_multiple``: prompts are left-padded to a multiple of this (1 unless set).
+    * ``prefill_slot(state, slot, prompt (P,)) -> logits (V,)``: take over row ``slot`` for a new prompt
+      (left-padded with ``config.pad_id`` to a multiple of ``prompt_multiple``, if the model sets one);
+    * ``decode_step(state, tokens (n_slots,)) -> logits (n_slots, V)``: one token for every row, each at
+      its own position (the same step lock-step generation uses);
+    * ``admit_every`` (optional, default 1): requests join only every this many steps (a Block
+      Transformer's block length: its rows share the within-block phase).
     """
-
-    admit_every: int
 
     def allocate_slots(self, n_slots: int, max_len: int) -> Any: ...
     def prefill_slot(self, state: Any, slot: int, prompt: Tensor) -> Tensor: ...
     def decode_step(self, state: Any, tokens: Tensor) -> Tensor: ...
 
 
-def serves(model: nn.Module) -> bool:
-    """Whether ``model`` implements the slot interface."""
+def serves_continuously(model: nn.Module) -> bool:
+    """Whether ``model`` implements the slot interface (else it is served in static batches)."""
     return all(hasattr(model, name) for name in ("allocate_slots", "prefill_slot", "decode_step"))
 
 
 class Engine:
-    """Continuous batching over ``n_slots`` rows for one model (see the module docstring).
+    """Batching over ``n_slots`` rows for one model (see the module docstring).
 
-    ``compile=True`` wraps the decode step in ``torch.compile`` (``mode="reduce-overhead"``, i.e. CUDA
-    graphs, on CUDA). The model is used as given: cast it (e.g. ``model.to(torch.bfloat16)``) first.
+    ``prefill_kwargs`` go to the model's lock-step ``prefill`` (e.g. a double decoder's cached
+    ``prefix``) and select static batches. ``compile=True`` wraps the decode step in ``torch.compile``
+    (``mode="reduce-overhead"``, i.e. CUDA graphs, on CUDA). The model is used as given: cast it (e.g.
+    ``model.to(torch.bfloat16)``) first.
     """
 
     def __init__(
-        self, model: nn.Module, n_slots: int, *, max_len: int | None = None, sync_every: int = 8, compile: bool = False
+        self,
+        model: nn.Module,
+        n_slots: int,
+        *,
+        max_len: int | None = None,
+        sync_every: int = 8,
+        compile: bool = False,
+        prefill_kwargs: dict[str, Any] | None = None,
     ) -> None:
-        if not serves(model):
-            raise BlockloopError(f"{type(model).__name__} does not implement the engine's slot interface yet")
+        self.continuous = serves_continuously(model) and not prefill_kwargs
+        if not self.continuous and not all(hasattr(model, n) for n in ("prefill", "decode_step")):
+            raise BlockloopError(f"{type(model).__name__} cannot generate: it implements neither prefill_slot nor prefill")
         if n_slots < 1:
             raise BlockloopError(f"the engine needs at least one slot, got n_slots={n_slots}")
         if sync_every < 1:
@@ -74,14 +88,17 @@ class Engine:
             raise BlockloopError(f"max_len {self.max_len} must be between 1 and the model context of {context}")
         model.eval()
         self.model, self.n_slots = model, n_slots
-        self.admit_every = getattr(model, "admit_every", 1)
+        self.prefill_kwargs = prefill_kwargs or {}
+        self.reserved = len(self.prefill_kwargs.get("prefix", ()))  # context taken by a shared prefix
         self.prompt_multiple = getattr(model, "prompt_multiple", 1)
-        # Windows end on admission points, so a window always starts where new requests may join.
-        self.sync_every = -(-sync_every // self.admit_every) * self.admit_every
+        # Windows end on admission points, so each window starts where new requests may join.
+        admit_every = getattr(model, "admit_every", 1)
+        self.sync_every = -(-sync_every // admit_every) * admit_every
         self.vocab_size = model.config.vocab_size
         weight = next(model.parameters())
         self.device = weight.device
-        self.state = model.allocate_slots(n_slots, self.max_len)
+        self.state = model.allocate_slots(n_slots, self.max_len) if self.continuous else None
+        self.rows = n_slots if self.continuous else 0  # rows the current decode state has
         self.scheduler = Scheduler(n_slots)
         self.logits = torch.zeros(n_slots, model.config.padded_vocab_size, dtype=weight.dtype, device=self.device)
         self.ring = torch.zeros(self.sync_every, n_slots, dtype=torch.long, device=self.device)
@@ -91,8 +108,7 @@ class Engine:
         self.top_k, self.seed, self.counter = (torch.zeros(n_slots, dtype=torch.long, device=self.device) for _ in range(3))
         self._decode = model.decode_step
         if compile:
-            mode = "reduce-overhead" if self.device.type == "cuda" else None
-            self._decode = torch.compile(model.decode_step, mode=mode)
+            self._decode = torch.compile(model.decode_step, mode="reduce-overhead" if self.device.type == "cuda" else None)
         self.steps = 0
         self.last_window: list[tuple[Request, list[int]]] = []
 
@@ -114,15 +130,17 @@ class Engine:
             raise BlockloopError(f"max_tokens must be at least 1, got {max_tokens}")
         if max(prompt) >= self.vocab_size or min(prompt) < 0:
             raise BlockloopError(f"prompt token ids must lie in [0, {self.vocab_size}); re-encode it with the model's tokenizer")
-        padded = -(-len(prompt) // self.prompt_multiple) * self.prompt_multiple
-        if padded + max_tokens > self.max_len:
+        if self._padded(len(prompt)) + max_tokens + self.reserved > self.max_len:
             raise BlockloopError(
-                f"prompt of {padded} tokens plus {max_tokens} new tokens exceeds the engine's {self.max_len}-token "
-                "slots (the model context); shorten the prompt or lower max_tokens"
+                f"prompt of {self._padded(len(prompt))} tokens plus {max_tokens} new tokens exceeds the engine's "
+                f"{self.max_len - self.reserved}-token slots (the model context); shorten the prompt or lower max_tokens"
             )
         request = Request(prompt, max_tokens, sampling or SamplingParams(), eos_id, on_token, arrival_time=time.perf_counter())
         self.scheduler.add(request)
         return request
+
+    def _padded(self, length: int) -> int:
+        return -(-length // self.prompt_multiple) * self.prompt_multiple
 
     # ------------------------------------------------------------- stepping
     @property
@@ -131,39 +149,67 @@ class Engine:
 
     @torch.no_grad()
     def step(self) -> list[Request]:
-        """Admit waiting requests into free slots, decode one window, and hand tokens to their requests.
+        """Admit waiting requests, decode one window, and hand its tokens to their requests.
 
         Returns the requests that finished in this window.
         """
-        for slot, request in self.scheduler.admit():
-            self._prefill(slot, request)
+        if self.continuous:
+            for slot, request in self.scheduler.admit():
+                self._prefill_slot(slot, request)
+        elif not self.scheduler.running:
+            self._prefill_batch(self.scheduler.admit(fits=self._fits_together))
         running = dict(self.scheduler.running)
         if not running:
             return []
+        steps, last = self.sync_every, False
+        if not self.continuous:  # a static batch stops exactly when its longest request is done
+            remaining = max(r.max_tokens - len(r.output) for r in running.values())
+            steps, last = min(steps, remaining), remaining <= steps
         filtered = any(r.sampling.filters for r in running.values())
-        logits = self.logits
-        for i in range(self.sync_every):
+        rows, logits = self.rows, self.logits[: self.rows]
+        for i in range(steps):
             tokens = sample_rows(
-                logits[:, : self.vocab_size], self.temperature, self.top_k, self.top_p, self.seed, self.counter,
-                filtered=filtered,
+                logits[:, : self.vocab_size], self.temperature[:rows], self.top_k[:rows], self.top_p[:rows],
+                self.seed[:rows], self.counter[:rows], filtered=filtered,
             )
-            self.ring[i] = tokens
-            self.counter.add_(1)
-            logits = self._decode(self.state, tokens)
-        self.logits = logits.clone()  # a compiled step may reuse its output buffer; prefill writes rows here
-        self.steps += self.sync_every
-        return self._collect(running)
+            self.ring[i, :rows] = tokens
+            self.counter[:rows] += 1
+            if not (last and i == steps - 1):
+                logits = self._decode(self.state, tokens)
+        # Kept in the engine's own buffer: a compiled step may reuse its output, and prefill writes rows here.
+        self.logits[:rows] = logits
+        self.steps += steps
+        return self._collect(running, steps)
 
-    def _prefill(self, slot: int, request: Request) -> None:
-        pad = -len(request.prompt) % self.prompt_multiple
-        prompt = torch.tensor([getattr(self.model.config, "pad_id", 0)] * pad + request.prompt, device=self.device)
-        self.logits[slot] = self.model.prefill_slot(self.state, slot, prompt)
-        s = request.sampling
+    def _set_sampling(self, slot: int, s: SamplingParams) -> None:
         self.temperature[slot], self.seed[slot], self.counter[slot] = s.temperature, s.seed, 0
         self.top_k[slot], self.top_p[slot] = s.top_k or 0, s.top_p if s.top_p is not None else 1.0
 
-    def _collect(self, running: dict[int, Request]) -> list[Request]:
-        tokens = self.ring.T.tolist()  # the window's one host sync
+    def _prefill_slot(self, slot: int, request: Request) -> None:
+        pad = self._padded(len(request.prompt)) - len(request.prompt)
+        prompt = torch.tensor([getattr(self.model.config, "pad_id", 0)] * pad + request.prompt, device=self.device)
+        self.logits[slot] = self.model.prefill_slot(self.state, slot, prompt)
+        self._set_sampling(slot, request.sampling)
+
+    def _fits_together(self, group: list[Request], candidate: Request) -> bool:
+        """Whether a static batch still fits the context with ``candidate``: all rows share one length."""
+        members = [*group, candidate]
+        longest = self._padded(max(len(r.prompt) for r in members))
+        return self.reserved + longest + max(r.max_tokens for r in members) <= self.max_len
+
+    def _prefill_batch(self, admitted: list[tuple[int, Request]]) -> None:
+        prompts = [r.prompt for _, r in admitted]
+        idx, token_valid = left_pad(prompts, self._padded(max(map(len, prompts))), self.device)
+        max_new = max(r.max_tokens for _, r in admitted)
+        logits, self.state = self.model.prefill(idx, token_valid, max_new, **self.prefill_kwargs)
+        self.rows = len(admitted)
+        for row, (slot, request) in enumerate(admitted):
+            assert slot == row, "a static batch takes the slots from 0 up"
+            self.logits[slot] = logits[row]
+            self._set_sampling(slot, request.sampling)
+
+    def _collect(self, running: dict[int, Request], steps: int) -> list[Request]:
+        tokens = self.ring[:steps].T.tolist()  # the window's one host sync
         now = time.perf_counter()
         finished, self.last_window = [], []
         for slot, request in running.items():
@@ -182,16 +228,7 @@ class Engine:
             self.step()
 
     def stream(self) -> Iterator[tuple[Request, list[int]]]:
-        """Step until idle, yielding ``(request, new tokens)`` for each request after every window."""
+        """Step until idle, yielding ``(request, new tokens)`` for each running request after every window."""
         while not self.idle:
             self.step()
             yield from self.last_window
-
-
-def generate_all(
-    engine: Engine, prompts: Sequence[Sequence[int]], max_tokens: int, **kwargs: Any
-) -> list[list[int]]:
-    """Submit ``prompts`` and run to completion; each prompt's new tokens (convenience for tests/bench)."""
-    requests = [engine.submit(p, max_tokens, **kwargs) for p in prompts]
-    engine.run()
-    return [r.output for r in requests]

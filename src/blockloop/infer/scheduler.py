@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 
 from blockloop.infer.requests import Request, RequestStatus
 
@@ -19,10 +20,13 @@ class Scheduler:
         request.status = RequestStatus.WAITING
         self.waiting.append(request)
 
-    def admit(self) -> list[tuple[int, Request]]:
-        """Pop waiting requests into free slots (lowest slot first), marking them RUNNING."""
-        admitted = []
+    def admit(self, fits: Callable[[list[Request], Request], bool] | None = None) -> list[tuple[int, Request]]:
+        """Pop waiting requests into free slots (lowest slot first), marking them RUNNING; with ``fits``,
+        stop at the first request that ``fits(admitted so far, request)`` rejects (the first always goes)."""
+        admitted: list[tuple[int, Request]] = []
         while self.waiting and self.free:
+            if fits is not None and admitted and not fits([r for _, r in admitted], self.waiting[0]):
+                break
             slot, request = self.free.pop(), self.waiting.popleft()
             request.status, request.slot = RequestStatus.RUNNING, slot
             self.running[slot] = request
