@@ -337,12 +337,23 @@ def cmd_generate(args: argparse.Namespace) -> int:
 def _add_convert(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "convert",
-        help="turn a trained model into another family for uptraining (then `train --init-from`)",
+        help="turn a trained model into another family for uptraining (then `train --init-from`); import or "
+        "export Hugging Face models",
         description="Initialise a structured model from a trained vanilla one and write it as a checkpoint; "
-        "continue with `blockloop train --init-from OUT`.",
+        "continue with `blockloop train --init-from OUT`. --from-hf imports a Hugging Face causal LM (Llama, "
+        "Gemma, Gemma-3, GPT-NeoX, GPT-2) as a checkpoint; --to hf exports a vanilla checkpoint to a Hugging Face folder.",
     )
-    p.add_argument("--to", required=True, choices=["block"], help="target family")
-    p.add_argument("--checkpoint", required=True, help="run directory or checkpoint of a trained vanilla model")
+    p.add_argument("--to", choices=["block", "hf"], help="target: block (Block Transformer) or hf (Hugging Face folder)")
+    p.add_argument("--checkpoint", help="run directory or checkpoint of a trained vanilla model (with --to)")
+    p.add_argument(
+        "--from-hf", metavar="PATH",
+        help="import a Hugging Face model folder (config.json + safetensors, or a GGUF with --gguf-file), or "
+        "'smollm2' to fetch and import the built-in SmolLM2-135M-Instruct",
+    )
+    p.add_argument("--gguf-file", metavar="NAME", help="--from-hf: the .gguf file inside PATH to read")
+    p.add_argument(
+        "--tokenizer", help="--from-hf: tokenizer to save with the model (default: the source's own tokenizer)"
+    )
     p.add_argument("--out", required=True, help="directory to write the converted checkpoint to")
     p.add_argument("--block-len", type=int, default=4, help="block: tokens per block L_B (default: 4)")
     p.add_argument("--prefix-len", type=int, default=2, help="block: prefix tokens of the token decoder (default: 2)")
@@ -354,6 +365,14 @@ def cmd_convert(args: argparse.Namespace) -> int:
     from blockloop.train import checkpoint as ckpt
     from blockloop.train.run import load_trained
 
+    if (args.from_hf is None) == (args.to is None):
+        raise BlockloopError("give either --from-hf PATH (import) or --to block|hf --checkpoint RUN (convert/export)")
+    if args.from_hf is not None:
+        return _convert_from_hf(args)
+    if args.checkpoint is None:
+        raise BlockloopError(f"--to {args.to} needs --checkpoint RUN, the trained model to convert")
+    if args.to == "hf":
+        return _convert_to_hf(args)
     if args.block_len < 1 or args.prefix_len < 1:
         raise BlockloopError("--block-len and --prefix-len must be at least 1")
     out = Path(args.out)
@@ -373,6 +392,27 @@ def cmd_convert(args: argparse.Namespace) -> int:
         f"wrote {model.config.name} ({model.num_parameters() / 1e6:.2f}M parameters, {model.config.summary()}) to {out}; "
         f"uptrain with: blockloop train --init-from {out} --out RUN"
     )
+    return 0
+
+
+def _convert_from_hf(args: argparse.Namespace) -> int:
+    from blockloop.convert.hf_checkpoint import import_checkpoint
+
+    model, tokenizer = import_checkpoint(args.from_hf, Path(args.out), gguf_file=args.gguf_file, tokenizer=args.tokenizer)
+    print(
+        f"wrote {model.config.name} ({model.num_parameters() / 1e6:.2f}M parameters, {model.config.summary()}, "
+        f"tokenizer {tokenizer.name}) to {args.out}; try: blockloop generate --checkpoint {args.out} --prompt TEXT"
+    )
+    return 0
+
+
+def _convert_to_hf(args: argparse.Namespace) -> int:
+    from blockloop.convert.hf_checkpoint import export_checkpoint
+    from blockloop.train.run import load_trained
+
+    source = load_trained(args.checkpoint)
+    out = export_checkpoint(source.model, source.tokenizer, Path(args.out))
+    print(f"wrote a Hugging Face model to {out}; load it with transformers.AutoModelForCausalLM.from_pretrained")
     return 0
 
 

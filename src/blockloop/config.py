@@ -17,8 +17,8 @@ from typing import Any, ClassVar
 
 from blockloop.errors import BlockloopError, ConfigError
 
-NORMS = ("layernorm", "rmsnorm")
-MLPS = ("gelu", "swiglu", "geglu")
+NORMS = ("layernorm", "rmsnorm", "rmsnorm1p")
+MLPS = ("gelu", "gelu_tanh", "swiglu", "geglu")
 INITS = ("normal", "xavier_uniform")
 PARTITIONS = ("uniform", "logspace", "histogram")
 
@@ -122,6 +122,16 @@ class DecoderConfig(ModelConfigBase):
     ``n_kv_head`` < ``n_head`` gives grouped-query attention (1 = multi-query). ``rotary_pct`` < 1
     rotates only the first part of each head, as Pythia does (0.25). ``parallel_residual`` computes
     attention and MLP from the same input and adds both, as GPT-NeoX does.
+
+    The remaining fields exist so pretrained architectures load exactly (see :mod:`blockloop.convert.hf`);
+    their defaults leave the model above unchanged. ``learned_positions``: a learned absolute position
+    table added to the token embeddings (GPT-2; use with ``rotary_pct=0``). ``embed_scale``: embeddings
+    times sqrt(d_model) (Gemma). ``qk_norm``: RMSNorm over each query/key head before rotary (Gemma-3).
+    ``sandwich_norm``: norms on the attention and MLP outputs too, before the residual add (Gemma-3).
+    ``attn_scalar``: scores scaled by attn_scalar^-1/2 instead of head_dim^-1/2 (Gemma-3's
+    query_pre_attn_scalar). ``local_layers``: layers whose queries see only the last ``sliding_window``
+    positions, rotated with ``local_rope_base`` when given (Gemma-3). ``logit_softcap``: logits become
+    c * tanh(logits / c).
     """
 
     family: ClassVar[str] = "decoder"
@@ -132,6 +142,15 @@ class DecoderConfig(ModelConfigBase):
     d_model: int = 768
     d_ff: int | None = None
     head_dim: int | None = None
+    learned_positions: bool = False
+    embed_scale: bool = False
+    qk_norm: bool = False
+    sandwich_norm: bool = False
+    attn_scalar: float | None = None
+    sliding_window: int | None = None
+    local_layers: list[int] = field(default_factory=list)
+    local_rope_base: float | None = None
+    logit_softcap: float | None = None
 
     def __post_init__(self) -> None:
         if self.n_kv_head is None:
@@ -145,7 +164,7 @@ class DecoderConfig(ModelConfigBase):
             self.head_dim = self.d_model // self.n_head
         if self.d_ff is None:
             # Gated MLPs use 2/3 of the 4x width so their parameter count matches a plain 4x MLP.
-            self.d_ff = 4 * self.d_model if self.mlp == "gelu" else _round_up(8 * self.d_model // 3, 64)
+            self.d_ff = 4 * self.d_model if self.mlp in ("gelu", "gelu_tanh") else _round_up(8 * self.d_model // 3, 64)
         self.validate()
 
     def validate(self) -> None:
@@ -158,7 +177,22 @@ class DecoderConfig(ModelConfigBase):
                 f"n_kv_head={self.n_kv_head} must divide n_head={self.n_head} (grouped-query attention)",
             ),
             (self.head_dim % 2 == 0, f"head_dim={self.head_dim} must be even for rotary embeddings"),
+            (
+                all(0 <= i < self.n_layer for i in self.local_layers),
+                f"local_layers={self.local_layers} must be layer indices below n_layer={self.n_layer}",
+            ),
+            (
+                not self.local_layers or (self.sliding_window or 0) > 0,
+                "local_layers need a positive sliding_window (how many recent positions they see)",
+            ),
+            (self.logit_softcap is None or self.logit_softcap > 0, "logit_softcap must be positive"),
+            (self.attn_scalar is None or self.attn_scalar > 0, "attn_scalar must be positive"),
         )
+
+    @property
+    def attn_scale(self) -> float | None:
+        """Scale of the attention scores: attn_scalar^-1/2, or None for attention()'s head_dim^-1/2."""
+        return None if self.attn_scalar is None else self.attn_scalar**-0.5
 
     @property
     def rotary_dim(self) -> int:

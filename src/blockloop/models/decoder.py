@@ -1,7 +1,9 @@
 """The vanilla decoder-only transformer, and the layers every family is built from.
 
 Pre-norm blocks; ``parallel_residual`` gives GPT-NeoX's x + attn(ln1(x)) + mlp(ln2(x)), otherwise
-x + attn(ln1(x)) then + mlp(ln2(.)). Positions enter only through rotary embeddings on q and k.
+x + attn(ln1(x)) then + mlp(ln2(.)). Positions enter through rotary embeddings on q and k (and, for
+GPT-2, a learned absolute table). The config fields that pretrained architectures need (Gemma's scaled
+embeddings and sandwich norms, Gemma-3's q/k norms and sliding-window layers, ...) default to off.
 With a :class:`~blockloop.nn.kv_cache.DecoderCache` the same forward does prefill (many tokens) and
 decode steps (one token), writing keys/values at explicit cache slots.
 """
@@ -17,7 +19,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from blockloop.config import DecoderConfig
-from blockloop.nn.attention import attention
+from blockloop.nn.attention import MaskMod, attention, sliding_window_mask_mod, within_window
 from blockloop.nn.init import init_weights
 from blockloop.nn.kv_cache import DecoderCache, KVCache
 from blockloop.nn.mlp import build_mlp
@@ -75,6 +77,10 @@ class SelfAttention(nn.Module):
         self.qkv = nn.Linear(config.d_model, (config.n_head + 2 * config.n_kv_head) * config.head_dim, bias=config.bias)
         self.proj = nn.Linear(config.n_head * config.head_dim, config.d_model, bias=config.bias)
         self.dropout = config.dropout
+        self.scale = config.attn_scale
+        # Gemma-3 normalises each query/key head before rotary; identity otherwise.
+        qk_norm = partial(build_norm, config.norm, config.head_dim, config.norm_eps) if config.qk_norm else nn.Identity
+        self.q_norm, self.k_norm = qk_norm(), qk_norm()
 
     def project(
         self, x: Tensor, cos: Tensor, sin: Tensor, cache: KVCache | None = None, slots: Tensor | None = None
@@ -85,7 +91,7 @@ class SelfAttention(nn.Module):
         )
         q, k = split_heads(q, self.n_head, self.head_dim), split_heads(k, self.n_kv_head, self.head_dim)
         v = split_heads(v, self.n_kv_head, self.head_dim)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        q, k = apply_rope(self.q_norm(q), cos, sin), apply_rope(self.k_norm(k), cos, sin)
         if cache is not None:
             k, v = cache.write(slots, k, v)
         return q, k, v
@@ -99,10 +105,12 @@ class SelfAttention(nn.Module):
         cache: KVCache | None = None,
         slots: Tensor | None = None,
         mask: Tensor | None = None,
+        mask_mod: MaskMod | None = None,
     ) -> Tensor:
         q, k, v = self.project(x, cos, sin, cache, slots)
         dropout = self.dropout if self.training else 0.0
-        out = attention(q, k, v, causal=self.causal and mask is None, mask=mask, dropout_p=dropout)
+        causal = self.causal and mask is None and mask_mod is None
+        out = attention(q, k, v, causal=causal, mask=mask, mask_mod=mask_mod, scale=self.scale, dropout_p=dropout)
         return self.proj(merge_heads(out))
 
 
@@ -131,6 +139,9 @@ class CrossAttention(nn.Module):
 class Block(nn.Module):
     """Pre-norm layer: self-attention, optional cross-attention to a memory, MLP.
 
+    With ``sandwich_norm`` the attention and MLP outputs are normalised again before their residual add
+    (Gemma-2/3's post-attention and post-feedforward norms).
+
     ``attention`` builds the self-attention (double decoders swap in their dual attention); keyword
     arguments of :meth:`forward` other than the memory go to it.
     """
@@ -150,6 +161,8 @@ class Block(nn.Module):
             self.cross = CrossAttention(config)
         self.norm2 = build_norm(config.norm, config.d_model, config.norm_eps)
         self.mlp = build_mlp(config.mlp, config.d_model, config.d_ff, config.bias)
+        post_norm = partial(build_norm, config.norm, config.d_model, config.norm_eps) if config.sandwich_norm else nn.Identity
+        self.post_attn_norm, self.post_mlp_norm = post_norm(), post_norm()
         self.parallel_residual = config.parallel_residual
         self.drop = nn.Dropout(config.dropout)
 
@@ -163,14 +176,14 @@ class Block(nn.Module):
         **attn_kwargs: object,
     ) -> Tensor:
         """``memory`` is a memory ``(B, M, d)`` or its precomputed cross K/V (see CrossAttention.keys)."""
-        attn_out = self.drop(self.attn(self.norm1(x), cos, sin, **attn_kwargs))
+        attn_out = self.drop(self.post_attn_norm(self.attn(self.norm1(x), cos, sin, **attn_kwargs)))
         if self.parallel_residual and memory is None:
-            return x + attn_out + self.drop(self.mlp(self.norm2(x)))
+            return x + attn_out + self.drop(self.post_mlp_norm(self.mlp(self.norm2(x))))
         x = x + attn_out
         if memory is not None:
             cross = self.cross.keys(memory) if isinstance(memory, Tensor) else memory
             x = x + self.drop(self.cross(self.norm_cross(x), cross, memory_mask))
-        return x + self.drop(self.mlp(self.norm2(x)))
+        return x + self.drop(self.post_mlp_norm(self.mlp(self.norm2(x))))
 
 
 class TransformerStack(nn.Module):
@@ -178,7 +191,8 @@ class TransformerStack(nn.Module):
 
     The body of the vanilla decoder, and of the Block Transformer's block decoder, token decoder and
     (bidirectional) embedder encoder. With a cache, the inputs are written at cache ``slots`` and attend
-    to everything valid before them.
+    to everything valid before them; ``local_layers`` see only the last ``sliding_window`` of those and
+    are rotated with ``local_rope_base`` (Gemma-3's interleaved local/global attention).
     """
 
     def __init__(
@@ -207,11 +221,21 @@ class TransformerStack(nn.Module):
             raise ValueError("a cached forward needs the cache slots to write")
         if positions is None:
             positions = slots if slots is not None else torch.arange(x.shape[1], device=x.device)
-        cos, sin = rope_angles(positions, self.config.rotary_dim, self.config.rope_base)
+        c = self.config
+        rope = rope_angles(positions, c.rotary_dim, c.rope_base)
         mask = cache.attention_mask(slots, token_valid) if cache is not None else None
+        masks = {"mask": mask}
+        if c.local_layers:
+            local_rope = rope_angles(positions, c.rotary_dim, c.local_rope_base) if c.local_rope_base else rope
+            if mask is None:
+                local_masks = {"mask_mod": sliding_window_mask_mod(c.sliding_window)}
+            else:
+                local_masks = {"mask": mask & within_window(slots, mask.shape[-1], c.sliding_window)}
         for i, block in enumerate(self.blocks):
             layer_cache = cache.layers[i] if cache is not None else None
-            x = block(x, cos, sin, memory, cache=layer_cache, slots=slots, mask=mask)
+            local = i in c.local_layers
+            cos, sin = local_rope if local else rope
+            x = block(x, cos, sin, memory, cache=layer_cache, slots=slots, **(local_masks if local else masks))
         return self.norm(x)
 
     def allocate_cache(self, batch_size: int, max_len: int, *, dtype: torch.dtype, device: torch.device) -> DecoderCache:
@@ -240,6 +264,8 @@ class LanguageModel(nn.Module):
         super().__init__()
         self.config = config
         self.embed = nn.Embedding(config.padded_vocab_size, config.d_model)
+        if config.learned_positions:
+            self.pos_embed = nn.Embedding(config.context_length, config.d_model)
         self.drop = nn.Dropout(config.dropout)
         for name, module in stacks.items():
             setattr(self, name, module)
@@ -253,9 +279,23 @@ class LanguageModel(nn.Module):
         c = self.config
         init_weights(self, std=c.init_std, n_layer=c.n_layer, scheme=c.init)
 
+    def embed_tokens(self, idx: Tensor, positions: Tensor | None = None) -> Tensor:
+        """Token embeddings, times sqrt(d) with ``embed_scale`` (Gemma), plus the learned absolute position
+        embeddings of ``positions`` (default 0..T-1) with ``learned_positions`` (GPT-2)."""
+        x = self.embed(idx)
+        c = self.config
+        if c.embed_scale:
+            x = x * torch.tensor(c.d_model**0.5, dtype=x.dtype)
+        if c.learned_positions:
+            x = x + self.pos_embed(torch.arange(idx.shape[1], device=idx.device) if positions is None else positions)
+        return x
+
     def logits(self, x: Tensor) -> Tensor:
-        """The LM head on final-normed states, times the muP readout multiplier (1 without muP)."""
-        return self.lm_head(x) * self.config.logit_multiplier
+        """The LM head on final-normed states, times the muP readout multiplier (1 without muP), soft-capped
+        to c * tanh(logits / c) with ``logit_softcap``."""
+        logits = self.lm_head(x) * self.config.logit_multiplier
+        cap = self.config.logit_softcap
+        return logits if cap is None else cap * torch.tanh(logits / cap)
 
     @staticmethod
     def loss(logits: Tensor, targets: Tensor | None) -> Tensor | None:
@@ -339,7 +379,8 @@ class Decoder(LanguageModel):
         """
         if cache is None and idx.shape[1] > self.config.context_length:
             raise ValueError(f"sequence of {idx.shape[1]} tokens exceeds the model context of {self.config.context_length}")
-        x = self.body(self.drop(self.embed(idx)), positions=positions, cache=cache, slots=slots, token_valid=token_valid)
+        x = self.drop(self.embed_tokens(idx, positions if positions is not None else slots))
+        x = self.body(x, positions=positions, cache=cache, slots=slots, token_valid=token_valid)
         x = self.norm(x)
         if last_only:
             x = x[:, -1:]

@@ -92,6 +92,25 @@ def causal_mask_mod(offset: int = 0) -> MaskMod:
     return mask_mod
 
 
+def sliding_window_mask_mod(window: int, offset: int = 0) -> MaskMod:
+    """Causal attention to the last ``window`` positions only (the query's own included), as Gemma-3's
+    local layers: query ``i`` (at key position ``i + offset``) sees keys ``j`` with ``0 <= i + offset - j < window``.
+    """
+
+    def mask_mod(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+        distance = q_idx + offset - kv_idx
+        return (distance >= 0) & (distance < window)
+
+    return mask_mod
+
+
+def within_window(query_slots: Tensor, n_keys: int, window: int) -> Tensor:
+    """``(Tq, n_keys)``: which cache slots lie less than ``window`` slots before each query's slot, the band
+    that restricts a cache's mask to a sliding window."""
+    key_slots = torch.arange(n_keys, device=query_slots.device)
+    return key_slots[None, :] > query_slots[:, None] - window
+
+
 def _dense_mask(
     q: Tensor, k: Tensor, causal: bool, mask: Tensor | None, mask_mod: MaskMod | None
 ) -> Tensor | None:

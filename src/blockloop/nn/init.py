@@ -2,7 +2,8 @@
 
 ``normal`` is GPT-2's: N(0, std) for matrices and embeddings, with residual output projections (modules
 named ``*.proj``) scaled by 1/sqrt(2 n_layer). ``xavier_uniform`` is what the double-decoder paper uses
-for all its families (Table 1). Either way biases start at zero and norms at identity.
+for all its families (Table 1). Either way biases start at zero and norms at identity (weight 1, or 0 for
+Gemma's 1 + weight RMSNorm).
 """
 
 from __future__ import annotations
@@ -26,6 +27,6 @@ def init_weights(model: nn.Module, *, std: float, n_layer: int, scheme: str = "n
             if getattr(module, "bias", None) is not None:
                 nn.init.zeros_(module.bias)
         elif isinstance(module, (nn.LayerNorm, RMSNorm)):
-            nn.init.ones_(module.weight)
+            nn.init.constant_(module.weight, 1.0 - getattr(module, "offset", 0.0))
             if getattr(module, "bias", None) is not None:
                 nn.init.zeros_(module.bias)

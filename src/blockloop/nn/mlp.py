@@ -1,4 +1,5 @@
-"""Feed-forward layers: the plain GELU MLP (GPT-2/Pythia) and the gated SwiGLU/GeGLU ones (Llama/Gemma)."""
+"""Feed-forward layers: the plain GELU MLP (Pythia: exact erf; GPT-2: tanh approximation) and the gated
+SwiGLU/GeGLU ones (Llama/Gemma)."""
 
 from __future__ import annotations
 
@@ -7,15 +8,17 @@ from torch import Tensor, nn
 
 
 class MLP(nn.Module):
-    """down(act(fc(x))), the 4x-wide MLP of GPT-2 and Pythia (exact erf GELU, as Pythia uses)."""
+    """down(act(fc(x))), the 4x-wide MLP of GPT-2 and Pythia: exact erf GELU as Pythia uses, or with
+    ``approximate="tanh"`` GPT-2's ``gelu_new``."""
 
-    def __init__(self, d_model: int, d_ff: int, bias: bool) -> None:
+    def __init__(self, d_model: int, d_ff: int, bias: bool, approximate: str = "none") -> None:
         super().__init__()
         self.fc = nn.Linear(d_model, d_ff, bias=bias)
         self.proj = nn.Linear(d_ff, d_model, bias=bias)
+        self.approximate = approximate
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.proj(F.gelu(self.fc(x)))
+        return self.proj(F.gelu(self.fc(x), approximate=self.approximate))
 
 
 class GatedMLP(nn.Module):
@@ -37,6 +40,8 @@ class GatedMLP(nn.Module):
 def build_mlp(kind: str, d_model: int, d_ff: int, bias: bool) -> nn.Module:
     if kind == "gelu":
         return MLP(d_model, d_ff, bias)
+    if kind == "gelu_tanh":
+        return MLP(d_model, d_ff, bias, approximate="tanh")
     if kind in ("swiglu", "geglu"):
         return GatedMLP(d_model, d_ff, bias, kind)
     raise ValueError(f"unknown mlp {kind!r}")

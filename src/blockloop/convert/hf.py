@@ -1,0 +1,160 @@
+"""Hugging Face causal LMs in and out of blockloop's own :class:`~blockloop.models.decoder.Decoder`.
+
+Import reads a local folder (config.json + safetensors) or a GGUF file (dequantised by ``transformers``)
+through ``transformers`` itself, translates the config (``hf_archs``) and renames/reshapes the weights with
+the architecture's declarative key map. Export runs the same map backwards for a blockloop decoder whose
+layer style one of those architectures has, and writes a folder ``AutoModelForCausalLM`` loads. Nothing
+here reaches the network: ``transformers`` only sees local paths.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from blockloop.config import DecoderConfig
+from blockloop.convert.hf_archs import ARCHITECTURES, Architecture
+from blockloop.errors import BlockloopError
+from blockloop.models.decoder import Decoder
+
+SUPPORTED = ", ".join(ARCHITECTURES)
+# Fields an exported model need not reproduce: naming, the vocabulary padding (exported as real rows),
+# training-only settings.
+_NOT_EXPORTED = {"name", "vocab_size", "padded_vocab_size", "dropout", "init", "init_std", "extra"}
+
+
+def architecture_for(hf_config: Any) -> Architecture:
+    """The conversion of ``hf_config.model_type``, or a one-line error listing the supported ones."""
+    model_type = getattr(hf_config, "model_type", None)
+    if model_type not in ARCHITECTURES:
+        raise BlockloopError(f"unsupported Hugging Face architecture {model_type!r}; supported: {SUPPORTED}")
+    return ARCHITECTURES[model_type]
+
+
+def _load_hf_config(path: Path, gguf_file: str | None) -> Any:
+    from transformers import AutoConfig
+
+    if not path.is_dir():
+        raise BlockloopError(f"{path} is not a directory; give a Hugging Face model folder (config.json + weights)")
+    if gguf_file is not None:
+        if not (path / gguf_file).is_file():
+            raise BlockloopError(f"no GGUF file {gguf_file!r} in {path}; name a .gguf file inside that folder")
+        return AutoConfig.from_pretrained(path, gguf_file=gguf_file, local_files_only=True)
+    if not (path / "config.json").is_file():
+        raise BlockloopError(f"no config.json in {path}; give a Hugging Face model folder, or --gguf-file for a GGUF")
+    return AutoConfig.from_pretrained(path, local_files_only=True)
+
+
+def load_hf_model(path: Path | str, *, gguf_file: str | None = None) -> nn.Module:
+    """The ``transformers`` model at ``path`` in float32 and eval mode (the reference that parity tests use)."""
+    from transformers import AutoModelForCausalLM
+
+    path = Path(path)
+    hf_config = _load_hf_config(path, gguf_file)
+    architecture_for(hf_config)  # refuse an unsupported architecture before reading any weights
+    extra = {"gguf_file": gguf_file} if gguf_file is not None else {}
+    with quiet_transformers():
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, local_files_only=True, **extra)
+    return model.eval()
+
+
+@contextmanager
+def quiet_transformers() -> Iterator[None]:
+    """No transformers progress bars on stderr while loading (the CLI's errors and output stay one line each)."""
+    from transformers.utils import logging as hf_logging
+
+    was_enabled = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            hf_logging.enable_progress_bar()
+
+
+@torch.no_grad()
+def from_hf_model(hf_model: nn.Module, name: str | None = None) -> Decoder:
+    """A blockloop Decoder with ``hf_model``'s weights (float32, eval mode)."""
+    hf_config = hf_model.config
+    arch = architecture_for(hf_config)
+    config = arch.to_config(hf_config, name or hf_config.model_type)
+    state = arch.keymap.to_blockloop({k: v.float() for k, v in hf_model.state_dict().items()}, config)
+    model = Decoder(config)
+    if config.tie_embeddings:
+        state["lm_head.weight"] = state["embed.weight"]
+    model.load_state_dict(state, strict=True)
+    return model.float().eval()
+
+
+def import_hf(path: Path | str, *, gguf_file: str | None = None) -> Decoder:
+    """The Hugging Face causal LM in folder ``path`` (or GGUF ``gguf_file`` inside it) as a blockloop Decoder."""
+    path = Path(path)
+    name = Path(gguf_file).stem if gguf_file else path.name
+    return from_hf_model(load_hf_model(path, gguf_file=gguf_file), name=name)
+
+
+def _model_fields(config: DecoderConfig) -> dict[str, Any]:
+    return {k: v for k, v in dataclasses.asdict(config).items() if k not in _NOT_EXPORTED}
+
+
+def export_architecture(config: DecoderConfig) -> Architecture:
+    """The first architecture whose Hugging Face config reproduces every model field of ``config``.
+
+    Checked by round trip (config -> Hugging Face config -> config), so a field an architecture cannot
+    express (say, rotary embeddings in GPT-2, or muP logit scaling anywhere) rules it out.
+    """
+    if type(config) is not DecoderConfig:
+        raise BlockloopError(f"only vanilla decoders export to Hugging Face, not {config.family} models")
+    wanted = _model_fields(config)
+    for arch in ARCHITECTURES.values():
+        back = _round_trip(arch, config)
+        if back is not None and _model_fields(back) == wanted:
+            return arch
+    raise BlockloopError(
+        f"{config.name} ({config.norm}, {config.mlp} MLP, bias={config.bias}) matches no Hugging Face architecture "
+        f"blockloop exports ({SUPPORTED}); only vanilla models in one of those layer styles export"
+    )
+
+
+def _round_trip(arch: Architecture, config: DecoderConfig) -> DecoderConfig | None:
+    """``config`` through ``arch``'s Hugging Face config and back, or None where either side refuses it."""
+    try:
+        return arch.to_config(arch.from_config(config), config.name)
+    except Exception:  # noqa: BLE001 - transformers rejects impossible configs with assorted error types
+        return None
+
+
+@torch.no_grad()
+def to_hf_model(model: Decoder) -> nn.Module:
+    """A ``transformers`` model with ``model``'s weights (float32)."""
+    from transformers import AutoModelForCausalLM
+
+    if not isinstance(model, Decoder) or type(model.config) is not DecoderConfig:
+        raise BlockloopError(f"only vanilla decoders export to Hugging Face, not {type(model).__name__}")
+    config = model.config
+    arch = export_architecture(config)
+    hf_model = AutoModelForCausalLM.from_config(arch.from_config(config), dtype=torch.float32)
+    state = arch.keymap.to_hf({k: v.detach().float().cpu() for k, v in model.state_dict().items()}, config)
+    result = hf_model.load_state_dict(state, strict=False)
+    embedding = hf_model.get_input_embeddings().weight
+    untouched = [k for k in result.missing_keys if hf_model.get_parameter(k) is not embedding]
+    if untouched or result.unexpected_keys:
+        raise BlockloopError(f"export to {arch.hf_class} left {untouched or result.unexpected_keys} unmapped (a bug)")
+    return hf_model.eval()
+
+
+def export_hf(model: Decoder, out_dir: Path | str) -> Path:
+    """Write ``model`` as a Hugging Face folder (config.json + model.safetensors) and return it."""
+    out = Path(out_dir)
+    if (out / "model.safetensors").exists() or (out / "config.json").exists():
+        raise BlockloopError(f"{out} already holds a model; choose another output directory")
+    hf_model = to_hf_model(model)
+    out.mkdir(parents=True, exist_ok=True)
+    hf_model.save_pretrained(out)
+    return out

@@ -1,0 +1,244 @@
+"""Hugging Face import/export: logits equal transformers' for every architecture, cached generation, errors."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from blockloop.cli import EXIT_USER_ERROR, main
+from blockloop.config import DecoderConfig
+from blockloop.convert.hf import export_hf, from_hf_model, import_hf, to_hf_model
+from blockloop.errors import BlockloopError
+from blockloop.infer.generate import generate
+from blockloop.models.decoder import Decoder
+from blockloop.train.run import load_trained
+
+TOL = 1e-4
+SEQ = 24
+SMALL = {"vocab_size": 97, "hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 3,
+         "num_attention_heads": 4, "max_position_embeddings": 64}
+
+
+def _llama(**kw):
+    return transformers.LlamaConfig(**SMALL, num_key_value_heads=4, **kw)
+
+
+def _llama_gqa(**kw):
+    return transformers.LlamaConfig(**SMALL, num_key_value_heads=2, tie_word_embeddings=True,
+                                    rope_parameters={"rope_type": "default", "rope_theta": 500.0}, **kw)
+
+
+def _gemma(**kw):
+    return transformers.GemmaConfig(**SMALL, num_key_value_heads=1, head_dim=16, **kw)
+
+
+def _gemma3(**kw):
+    return transformers.Gemma3TextConfig(
+        **SMALL, num_key_value_heads=2, head_dim=16, query_pre_attn_scalar=12, sliding_window=5,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention"], final_logit_softcapping=3.0,
+        rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                         "sliding_attention": {"rope_type": "default", "rope_theta": 100.0}}, **kw)
+
+
+def _neox(**kw):
+    return transformers.GPTNeoXConfig(**SMALL, rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                                                "partial_rotary_factor": 0.5}, **kw)
+
+
+def _gpt2(**kw):
+    return transformers.GPT2Config(**{"vocab_size": 97, "n_embd": 32, "n_layer": 3, "n_head": 4, "n_positions": 64, **kw})
+
+
+CONFIGS = {"llama": _llama, "llama_gqa": _llama_gqa, "gemma": _gemma, "gemma3": _gemma3, "gpt_neox": _neox,
+           "gpt2": _gpt2}
+
+
+def random_hf_model(kind: str, seed: int = 0):
+    """A tiny randomly initialised transformers model; norms and biases perturbed so they are not identities."""
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(CONFIGS[kind](), dtype=torch.float32)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.ndim == 1:
+                p.add_(0.1 * torch.randn_like(p))
+    return model.eval()
+
+
+def tokens(vocab: int = 97, batch: int = 2, length: int = SEQ, seed: int = 1) -> torch.Tensor:
+    return torch.randint(0, vocab, (batch, length), generator=torch.Generator().manual_seed(seed))
+
+
+def max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
+    return (a - b).abs().max().item()
+
+
+@pytest.mark.parametrize("kind", list(CONFIGS))
+def test_import_matches_transformers(kind):
+    hf = random_hf_model(kind)
+    ours = from_hf_model(hf)
+    idx = tokens()
+    with torch.no_grad():
+        expected = hf(idx).logits
+        got, _ = ours(idx)
+    assert got.shape == expected.shape
+    assert max_diff(got, expected) <= TOL
+    assert expected.abs().max() > 0.1  # a real signal, not two sets of zeros
+
+
+def test_gemma3_sliding_window_is_active():
+    """The test sequence is longer than the window, so dropping the local layers' window changes logits."""
+    hf = random_hf_model("gemma3")
+    ours = from_hf_model(hf)
+    assert ours.config.local_layers == [0, 2] and ours.config.sliding_window < SEQ
+    idx = tokens()
+    global_only = Decoder(ours.config.replace(local_layers=[], sliding_window=None, local_rope_base=None))
+    global_only.load_state_dict(ours.state_dict())
+    with torch.no_grad():
+        assert max_diff(global_only.eval()(idx)[0], hf(idx).logits) > 1e-3
+
+
+@pytest.mark.parametrize("kind", ["llama_gqa", "gemma3", "gpt2", "gpt_neox"])
+def test_cached_generation_equals_full_forward(kind):
+    """Greedy generation through prefill/decode_step (left-padded batch of two prompts) picks, at every
+    step, the argmax of a full uncached forward over the row's own tokens."""
+    model = from_hf_model(random_hf_model(kind))
+    prompts = [tokens(batch=1, length=9, seed=3)[0].tolist(), tokens(batch=1, length=4, seed=4)[0].tolist()]
+    new = generate(model, prompts, max_new_tokens=10, temperature=0.0)
+    for prompt, row in zip(prompts, new):
+        assert len(row) == 10
+        seq = torch.tensor([prompt + row])
+        with torch.no_grad():
+            logits, _ = model(seq[:, :-1])
+        assert logits[0, len(prompt) - 1:].argmax(-1).tolist() == row
+
+
+def test_folder_import_and_export_round_trip(tmp_path):
+    hf = random_hf_model("llama_gqa")
+    hf.save_pretrained(tmp_path / "hf")
+    ours = import_hf(tmp_path / "hf")
+    assert ours.config.name == "hf" and not ours.training
+    out = export_hf(ours, tmp_path / "export")
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    idx = tokens()
+    with torch.no_grad():
+        assert max_diff(reloaded(idx).logits, ours(idx)[0]) <= TOL
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        DecoderConfig(vocab_size=90, padded_vocab_size=128, context_length=32, n_layer=2, n_head=4, d_model=32,
+                      rotary_pct=0.25, parallel_residual=True),  # Pythia style -> GPT-NeoX
+        DecoderConfig(vocab_size=90, context_length=32, n_layer=2, n_head=4, d_model=32),  # sequential residual
+        DecoderConfig(vocab_size=90, context_length=32, n_layer=2, n_head=4, n_kv_head=2, d_model=32, norm="rmsnorm",
+                      mlp="swiglu", bias=False, tie_embeddings=False),  # Llama shape
+    ],
+    ids=["neox", "neox_sequential", "llama"],
+)
+def test_export_native_decoders(config, tmp_path):
+    torch.manual_seed(0)
+    model = Decoder(config).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    hf = transformers.AutoModelForCausalLM.from_pretrained(export_hf(model, tmp_path / "x"), dtype=torch.float32)
+    idx = tokens(vocab=90)
+    with torch.no_grad():
+        assert max_diff(hf.eval()(idx).logits, model(idx)[0]) <= TOL
+    assert json.loads((tmp_path / "x" / "config.json").read_text())["vocab_size"] == config.padded_vocab_size
+
+
+@pytest.mark.parametrize("kind", list(CONFIGS))
+def test_weights_round_trip_through_the_key_map(kind):
+    hf = random_hf_model(kind)
+    back = to_hf_model(from_hf_model(hf))
+    theirs, ours = hf.state_dict(), back.state_dict()
+    for key, value in theirs.items():
+        assert torch.equal(ours[key], value), key
+
+
+def test_unsupported_architecture_names_the_supported_ones(tmp_path):
+    torch.manual_seed(0)
+    hf = transformers.AutoModelForCausalLM.from_config(
+        transformers.OPTConfig(vocab_size=50, hidden_size=16, num_hidden_layers=1, num_attention_heads=2, ffn_dim=32))
+    hf.save_pretrained(tmp_path / "opt")
+    with pytest.raises(BlockloopError, match=r"unsupported Hugging Face architecture 'opt'; supported: llama, .*gpt2"):
+        import_hf(tmp_path / "opt")
+
+
+def test_bad_paths_and_inexpressible_models(tmp_path):
+    with pytest.raises(BlockloopError, match="not a directory"):
+        import_hf(tmp_path / "missing")
+    with pytest.raises(BlockloopError, match="no config.json"):
+        import_hf(tmp_path)
+    with pytest.raises(BlockloopError, match="no GGUF file"):
+        import_hf(tmp_path, gguf_file="model.gguf")
+    with pytest.raises(BlockloopError, match="RoPE scaling"):
+        from_hf_model(transformers.AutoModelForCausalLM.from_config(_llama(rope_parameters={
+            "rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0})))
+    mup = DecoderConfig(vocab_size=90, context_length=32, n_layer=1, n_head=4, d_model=32, mup_base_width=16)
+    with pytest.raises(BlockloopError, match="matches no Hugging Face architecture"):
+        export_hf(Decoder(mup), tmp_path / "mup")
+
+
+def test_cli_import_generate_and_export(tmp_path, capsys):
+    """convert --from-hf writes a checkpoint that load_trained/generate read; --to hf exports it back."""
+    torch.manual_seed(0)
+    hf = transformers.AutoModelForCausalLM.from_config(_gpt2(vocab_size=260)).eval()
+    hf.save_pretrained(tmp_path / "hf")
+    run = tmp_path / "run"
+    assert main(["convert", "--from-hf", str(tmp_path / "hf"), "--tokenizer", "byte", "--out", str(run)]) == 0
+    trained = load_trained(run)
+    assert trained.tokenizer.name == "byte" and trained.state["run"]["tokenizer"] == "byte"
+    idx = tokens(vocab=256)
+    with torch.no_grad():
+        assert max_diff(trained.model(idx)[0], hf(idx).logits) <= TOL
+    assert main(["generate", "--checkpoint", str(run), "--prompt", "to be", "--max-new-tokens", "5"]) == 0
+    assert main(["convert", "--to", "hf", "--checkpoint", str(run), "--out", str(tmp_path / "back")]) == 0
+    back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "back", dtype=torch.float32).eval()
+    with torch.no_grad():
+        assert max_diff(back(idx).logits, hf(idx).logits) <= TOL
+
+
+def one_line_error(capsys, argv, match):
+    capsys.readouterr()
+    assert main(argv) == EXIT_USER_ERROR
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "Traceback" not in err and match in err, err
+
+
+def test_cli_errors(tmp_path, capsys):
+    one_line_error(capsys, ["convert", "--out", str(tmp_path / "x")], "give either --from-hf")
+    one_line_error(capsys, ["convert", "--from-hf", "x", "--to", "hf", "--out", str(tmp_path / "x")], "give either")
+    one_line_error(capsys, ["convert", "--to", "hf", "--out", str(tmp_path / "x")], "needs --checkpoint")
+    one_line_error(capsys, ["convert", "--from-hf", str(tmp_path / "nope"), "--out", str(tmp_path / "x")],
+                   "is not a directory")
+    hf = random_hf_model("llama")
+    hf.save_pretrained(tmp_path / "hf")
+    one_line_error(capsys, ["convert", "--from-hf", str(tmp_path / "hf"), "--out", str(tmp_path / "x")],
+                   "no tokenizer.json")
+    one_line_error(capsys, ["convert", "--from-hf", str(tmp_path / "hf"), "--tokenizer", "byte", "--out",
+                            str(tmp_path / "x")], "has 258 ids but the model only 97")
+
+
+@pytest.mark.slow
+def test_smollm2_gguf_matches_transformers():
+    """The real SmolLM2-135M (Q4_1 GGUF, dequantised): blockloop's logits equal transformers' on real text."""
+    from blockloop.convert.hf import load_hf_model
+    from blockloop.convert.smollm2 import GGUF_FILE, smollm2_files
+    from blockloop.data.tokenizers import build_tokenizer
+
+    start = time.perf_counter()
+    hf = load_hf_model(smollm2_files(), gguf_file=GGUF_FILE)
+    ours = from_hf_model(hf)
+    tok = build_tokenizer("smollm2")
+    idx = torch.tensor([tok.encode("Shall I compare thee to a summer's day? Thou art more lovely and more temperate.")])
+    with torch.no_grad():
+        diff = max_diff(ours(idx)[0], hf(idx).logits)
+    assert diff <= TOL, diff
+    assert time.perf_counter() - start < 600
