@@ -13,9 +13,15 @@ import os
 import platform
 import sys
 from pathlib import Path
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 from blockloop.errors import BlockloopError
+
+if TYPE_CHECKING:
+    from torch import nn
+
+    from blockloop.data.loader import PackedSequences
+    from blockloop.train.run import PreparedRun
 
 EXIT_USER_ERROR = 2
 
@@ -100,6 +106,7 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
         "fine-tuning, the PrefixLM phase after pretraining, or uptraining a model made by `blockloop convert`; "
         "the data is RUN's unless --data is given",
     )
+    _add_recursive_train_flags(p)
     g.add_argument(
         "--mup-base-width", type=int,
         help="muP width scaling with base width d0: hidden-matrix LR x d0/d, logits x sqrt(d0/d) (paper: 64)",
@@ -145,6 +152,7 @@ MODEL_FLAGS = ("dropout", "mup_base_width")
 
 def cmd_train(args: argparse.Namespace) -> int:
     from blockloop.train import checkpoint as ckpt
+    from blockloop.train.distill import build_distillation
     from blockloop.train.distributed import init_distributed, shutdown
     from blockloop.train.run import RunSpec, prepare_run, sequences
     from blockloop.train.trainer import TrainConfig, Trainer
@@ -161,6 +169,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         spec = RunSpec(**state["run"])
         clashes = [f for f in ("preset", "data", "tokenizer", *MODEL_FLAGS) if getattr(args, f) is not None]
         clashes += ["set"] if args.set else []
+        clashes += [f for f in ("early_exit", "exit_coefficient", "exit_kd_weight", "distill_from") if getattr(args, f) is not None]
         if clashes:
             raise BlockloopError(f"--resume continues the saved run; drop --{', --'.join(f.replace('_', '-') for f in clashes)}")
         # The model, config and tokenizer come from the run's own checkpoint, whatever it started from.
@@ -187,10 +196,13 @@ def cmd_train(args: argparse.Namespace) -> int:
             )
         source = spec
         config = TrainConfig(**given)
+        if args.distill_from is not None:
+            config.extra.update(distill_from=args.distill_from, distill_weight=args.distill_weight)
     config.progress = not args.no_progress
     info = init_distributed(config.resolved_device())
     try:
         run = prepare_run(source, seed=config.seed, show_progress=info.is_main)
+        _apply_early_exit(run, args)
         if args.tokens is not None:
             per_step = config.batch_size * config.grad_accum * config.seq_len * info.world_size
             config.steps = max(1, int(args.tokens // per_step))
@@ -198,6 +210,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         trainer = Trainer(
             run.model, run.model_config, run.tokenizer, train_seqs, val_seqs, config, out,
             run_info=spec.to_dict(), dist_info=info,
+            loss_hook=build_distillation(config.extra, run.model_config, config.resolved_device()),
         )
         if args.resume:
             trainer.resume(out)
@@ -231,6 +244,11 @@ def _add_eval(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--device", default="auto", help="auto, cpu or cuda (default: auto)")
     p.add_argument("--json", action="store_true", help="print the metrics as one JSON object")
+    p.add_argument(
+        "--per-loop", action="store_true",
+        help="recursive models: static early exit after every loop - loss, next-token accuracy, agreement with "
+        "the final loop and the oracle-exit share per loop",
+    )
     p.set_defaults(handler=cmd_eval)
 
 
@@ -256,6 +274,8 @@ def cmd_eval(args: argparse.Namespace) -> int:
     objective = args.objective or trained.state.get("train_config", {}).get("objective", "lm")
     splits = prepare_tokens(data, trained.tokenizer)
     seqs = PackedSequences(getattr(splits, args.split), seq_len)
+    if args.per_loop:
+        return _eval_per_loop(trained.model, seqs, args, device, data)
     metrics = evaluate(
         trained.model, seqs, batch_size=args.batch_size, max_batches=args.max_batches,
         byte_lengths=trained.tokenizer.token_byte_lengths(), device=device, objective=objective,
@@ -343,7 +363,8 @@ def _add_convert(sub: argparse._SubParsersAction) -> None:
         "continue with `blockloop train --init-from OUT`. --from-hf imports a Hugging Face causal LM (Llama, "
         "Gemma, Gemma-3, GPT-NeoX, GPT-2) as a checkpoint; --to hf exports a vanilla checkpoint to a Hugging Face folder.",
     )
-    p.add_argument("--to", choices=["block", "hf"], help="target: block (Block Transformer) or hf (Hugging Face folder)")
+    p.add_argument("--to", choices=["block", "recursive", "hf"],
+                   help="target: block (Block Transformer), recursive (Relaxed Recursive) or hf (Hugging Face folder)")
     p.add_argument("--checkpoint", help="run directory or checkpoint of a trained vanilla model (with --to)")
     p.add_argument(
         "--from-hf", metavar="PATH",
@@ -356,7 +377,10 @@ def _add_convert(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--out", required=True, help="directory to write the converted checkpoint to")
     p.add_argument("--block-len", type=int, default=4, help="block: tokens per block L_B (default: 4)")
-    p.add_argument("--prefix-len", type=int, default=2, help="block: prefix tokens of the token decoder (default: 2)")
+    p.add_argument("--prefix-len", type=int, default=None,
+                   help="block: prefix tokens of the token decoder (default: 2); recursive: learned prefix key/values "
+                   "per depth position with --relax prefix (default: 0)")
+    _add_recursive_convert_flags(p)
     p.set_defaults(handler=cmd_convert)
 
 
@@ -366,21 +390,24 @@ def cmd_convert(args: argparse.Namespace) -> int:
     from blockloop.train.run import load_trained
 
     if (args.from_hf is None) == (args.to is None):
-        raise BlockloopError("give either --from-hf PATH (import) or --to block|hf --checkpoint RUN (convert/export)")
+        raise BlockloopError("give either --from-hf PATH (import) or --to block|recursive|hf --checkpoint RUN (convert/export)")
     if args.from_hf is not None:
         return _convert_from_hf(args)
     if args.checkpoint is None:
         raise BlockloopError(f"--to {args.to} needs --checkpoint RUN, the trained model to convert")
     if args.to == "hf":
         return _convert_to_hf(args)
-    if args.block_len < 1 or args.prefix_len < 1:
+    if args.to == "recursive":
+        return _convert_recursive(args)
+    prefix_len = 2 if args.prefix_len is None else args.prefix_len
+    if args.block_len < 1 or prefix_len < 1:
         raise BlockloopError("--block-len and --prefix-len must be at least 1")
     out = Path(args.out)
     if (out / "model.safetensors").exists():
         raise BlockloopError(f"{out} already holds a model; choose another --out")
     source = load_trained(args.checkpoint)
     model = vanilla_to_block(
-        source.model, block_len=args.block_len, prefix_len=args.prefix_len, pad_id=source.tokenizer.eos_id
+        source.model, block_len=args.block_len, prefix_len=prefix_len, pad_id=source.tokenizer.eos_id
     )
     out.mkdir(parents=True, exist_ok=True)
     ckpt.save_model_files(out, model, model.config)
@@ -406,6 +433,59 @@ def _convert_from_hf(args: argparse.Namespace) -> int:
     return 0
 
 
+# ------------------------------------------------- recursive transformers (issue 3)
+def _add_recursive_convert_flags(p: argparse.ArgumentParser) -> None:
+    from blockloop.config import TYING_STRATEGIES
+    from blockloop.convert.to_recursive import LOOP_INITS, LORA_INITS
+
+    g = p.add_argument_group("--to recursive (Relaxed Recursive Transformers, sections 2.2-2.3)")
+    g.add_argument("--loops", type=int, default=2, help="loops B over L/B shared layers; must divide the depth (default: 2)")
+    g.add_argument("--init", default="stepwise", help=f"shared-layer init: {', '.join(LOOP_INITS)} (default: stepwise)")
+    g.add_argument("--strategy", default="cycle", help=f"layer tying: {', '.join(TYING_STRATEGIES)} (default: cycle)")
+    g.add_argument("--relax", choices=["none", "lora", "prefix"], default=None,
+                   help="relaxation: per-loop LoRA (--lora-rank) or per-position prefix (--prefix-len); "
+                   "default: lora when --lora-rank is given, else none")
+    g.add_argument("--lora-rank", type=int, default=0, help="LoRA rank r per shared linear and loop (default: 0, none)")
+    g.add_argument("--lora-alpha", type=float, default=None, help="LoRA alpha; scaling alpha/r (default: r, scaling 1)")
+    g.add_argument("--lora-init", default="svd", help=f"LoRA init: {', '.join(LORA_INITS)} (default: svd)")
+    g.add_argument("--seed", type=int, default=0, help="seed of random and zero inits (default: 0)")
+
+
+def _convert_recursive(args: argparse.Namespace) -> int:
+    from blockloop.convert import vanilla_to_recursive
+    from blockloop.train import checkpoint as ckpt
+    from blockloop.train.run import load_trained
+
+    relax = args.relax or ("lora" if args.lora_rank else "none")
+    prefix_len = args.prefix_len or 0
+    if relax == "lora" and args.lora_rank < 1:
+        raise BlockloopError("--relax lora needs --lora-rank R (R >= 1)")
+    if relax == "prefix" and prefix_len < 1:
+        raise BlockloopError("--relax prefix needs --prefix-len N (N >= 1)")
+    if relax != "lora" and args.lora_rank:
+        raise BlockloopError(f"--lora-rank is for --relax lora, not --relax {relax}")
+    if relax != "prefix" and prefix_len:
+        raise BlockloopError(f"--prefix-len is for --relax prefix, not --relax {relax}")
+    out = Path(args.out)
+    if (out / "model.safetensors").exists():
+        raise BlockloopError(f"{out} already holds a model; choose another --out")
+    source = load_trained(args.checkpoint)
+    model = vanilla_to_recursive(
+        source.model, loops=args.loops, init=args.init, tying=args.strategy, lora_rank=args.lora_rank,
+        lora_alpha=args.lora_alpha, lora_init=args.lora_init, prefix_len=prefix_len, seed=args.seed,
+    )
+    out.mkdir(parents=True, exist_ok=True)
+    ckpt.save_model_files(out, model, model.config)
+    source.tokenizer.save(out)
+    run = source.state.get("run", {})
+    ckpt.write_json_atomic(out / "train_state.json", {"step": 0, "run": run, "converted_from": str(source.directory)})
+    print(
+        f"wrote {model.config.name} ({model.num_parameters() / 1e6:.2f}M parameters vs {source.model.num_parameters() / 1e6:.2f}M; "
+        f"{model.config.summary()}, {args.init} init) to {out}; uptrain with: blockloop train --init-from {out} --out RUN"
+    )
+    return 0
+
+
 def _convert_to_hf(args: argparse.Namespace) -> int:
     from blockloop.convert.hf_checkpoint import export_checkpoint
     from blockloop.train.run import load_trained
@@ -413,6 +493,52 @@ def _convert_to_hf(args: argparse.Namespace) -> int:
     source = load_trained(args.checkpoint)
     out = export_checkpoint(source.model, source.tokenizer, Path(args.out))
     print(f"wrote a Hugging Face model to {out}; load it with transformers.AutoModelForCausalLM.from_pretrained")
+    return 0
+
+
+def _add_recursive_train_flags(p: argparse.ArgumentParser) -> None:
+    from blockloop.config import EXIT_LOSSES
+
+    g = p.add_argument_group("recursive models: distillation and early exit (section 3.7, appendices L, M)")
+    g.add_argument("--distill-from", metavar="RUN",
+                   help="add forward-KL distillation from this frozen teacher (e.g. the model a recursive one was "
+                   "converted from); the teacher is never saved with the student")
+    g.add_argument("--distill-weight", type=float, default=1.0, help="weight of the KL term (default: 1.0)")
+    g.add_argument("--early-exit", choices=EXIT_LOSSES,
+                   help="train every loop's exit: weighted (alpha_i = i / sum i) or aggressive (intermediate loops "
+                   "x --exit-coefficient, final x 1); recursive models only")
+    g.add_argument("--exit-coefficient", type=float, help="aggressive strategy: intermediate-loop weight (default: 0.1)")
+    g.add_argument("--exit-kd-weight", type=float,
+                   help="add KD from the detached final loop to each intermediate loop, with this weight (default: 0)")
+
+
+def _apply_early_exit(run: PreparedRun, args: argparse.Namespace) -> None:
+    """Set the early-exit loss fields of a recursive model's config (also on a model loaded with --init-from)."""
+    changes = {
+        field: getattr(args, flag) for field, flag in
+        (("exit_loss", "early_exit"), ("exit_coefficient", "exit_coefficient"), ("exit_kd_weight", "exit_kd_weight"))
+        if getattr(args, flag, None) is not None
+    }
+    if not changes:
+        return
+    if run.model_config.family != "recursive":
+        raise BlockloopError(f"--early-exit and --exit-* train recursive models, not {run.model_config.family} models")
+    run.model_config = run.model.config = run.model_config.replace(**changes)
+
+
+def _eval_per_loop(model: nn.Module, seqs: PackedSequences, args: argparse.Namespace, device: str, data: str) -> int:
+    from blockloop.train.exit_eval import evaluate_loops
+
+    metrics = evaluate_loops(model, seqs, batch_size=args.batch_size, max_batches=args.max_batches, device=device)
+    if args.json:
+        print(json.dumps({"data": data, "split": args.split, **metrics}))
+        return 0
+    rows = [("loop", "loss", "perplexity", "accuracy", "agreement with final", "oracle exit share")]
+    rows += [(str(r["loop"]), f"{r['loss']:.4f}", f"{r['perplexity']:.3f}", f"{r['accuracy']:.4f}",
+              f"{r['agreement']:.4f}", f"{r['oracle_exit_share']:.4f}") for r in metrics["loops"]]
+    print(f"{data} {args.split}, static exit after each loop ({metrics['tokens']} tokens):")
+    _print_table(rows)
+    print(f"oracle exit: {metrics['mean_exit_loop']:.3f} loops per token on average of {len(metrics['loops'])}")
     return 0
 
 
@@ -491,6 +617,9 @@ def cmd_flops(args: argparse.Namespace) -> int:
         raise BlockloopError("--out-len and --bytes must be at least 1")
     if config.family == "block":
         return _block_flops(config, T, args)
+    if config.family == "recursive":  # weights are shared, compute and KV cache are not: count the looped depth
+        print(f"{args.preset}: {config.summary()}; FLOPs and KV cache are those of its {config.depth}-layer looped depth")
+        config = config.stack(config.depth)
     baseline = config.stack(config.n_layer)
     rows = [("model", "paper formula FLOPs/token", "config FLOPs/token", "measured FLOPs/token", f"KV cache T={T}+{args.out_len}")]
     for label, c in ((f"{config.family} ({args.preset})", config), ("decoder-only, same width/depth", baseline)):

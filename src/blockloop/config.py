@@ -410,8 +410,73 @@ class BlockTransformerConfig(ModelConfigBase):
                 f"L_B={self.block_len}, {self.embedder}, {lead}")
 
 
+TYING_STRATEGIES = ("cycle", "sequence", "cycle_rev")
+EXIT_LOSSES = ("none", "weighted", "aggressive")
+
+
+@dataclass
+class RecursiveConfig(DecoderConfig):
+    """A (Relaxed) Recursive Transformer (Bae et al. 2024, sections 2.2-2.3): ``loops`` passes B over one block
+    of ``n_layer`` unique layers, so the looped depth is L = n_layer * loops (equation 2).
+
+    ``tying`` orders the shared layers along the depth (appendix D): ``cycle`` repeats the block
+    (0,1,2,0,1,2), ``sequence`` repeats each layer in place (0,0,1,1,2,2), ``cycle_rev`` runs the last loop
+    in reverse (0,1,2,2,1,0). Relaxations (section 2.3, appendix K): ``lora_rank`` > 0 gives every shared
+    linear weight one LoRA per loop (scaling ``lora_alpha / lora_rank``, alpha defaulting to the rank);
+    ``prefix_len`` > 0 gives every (loop, layer) position its own learned prefix keys/values.
+    Early-exit training (section 3.7, appendix M): ``exit_loss`` ``weighted`` weighs loop i's loss by
+    i / sum(i); ``aggressive`` weighs intermediate loops by ``exit_coefficient`` and the last by 1;
+    ``exit_kd_weight`` > 0 adds, for each intermediate loop, that weight times the KL divergence from the
+    detached final-loop distribution.
+    """
+
+    family: ClassVar[str] = "recursive"
+
+    loops: int = 2
+    tying: str = "cycle"
+    lora_rank: int = 0
+    lora_alpha: float | None = None
+    prefix_len: int = 0
+    exit_loss: str = "none"
+    exit_coefficient: float = 0.1
+    exit_kd_weight: float = 0.0
+
+    def validate(self) -> None:
+        super().validate()
+        self._check(
+            (self.loops >= 1, f"loops must be at least 1, got {self.loops}"),
+            (self.tying in TYING_STRATEGIES, f"tying strategy {self.tying!r} is unknown; choose one of {TYING_STRATEGIES}"),
+            (self.lora_rank >= 0, f"lora_rank must be 0 (no LoRA) or positive, got {self.lora_rank}"),
+            (self.lora_alpha is None or self.lora_alpha > 0, f"lora_alpha must be positive, got {self.lora_alpha}"),
+            (self.prefix_len >= 0, f"prefix_len must be 0 (no prefix) or positive, got {self.prefix_len}"),
+            (self.exit_loss in EXIT_LOSSES, f"exit_loss {self.exit_loss!r} is unknown; choose one of {EXIT_LOSSES}"),
+            (0.0 <= self.exit_coefficient <= 1.0, f"exit_coefficient must be in [0, 1], got {self.exit_coefficient}"),
+            (self.exit_kd_weight >= 0.0, f"exit_kd_weight must be non-negative, got {self.exit_kd_weight}"),
+            (
+                not (self.prefix_len and self.local_layers),
+                "prefix relaxation is not defined for sliding-window local layers; use LoRA (lora_rank) instead",
+            ),
+        )
+
+    @property
+    def depth(self) -> int:
+        """The looped depth L = n_layer * loops."""
+        return self.n_layer * self.loops
+
+    @property
+    def lora_scaling(self) -> float:
+        """alpha / r, the factor on every LoRA delta."""
+        return (self.lora_alpha or self.lora_rank) / self.lora_rank if self.lora_rank else 0.0
+
+    def summary(self) -> str:
+        relax = f", LoRA r={self.lora_rank}" if self.lora_rank else ""
+        relax += f", prefix {self.prefix_len}" if self.prefix_len else ""
+        return f"{self.n_layer} shared layers x {self.loops} loops ({self.tying}), d={self.d_model}{relax}"
+
+
 CONFIG_CLASSES: dict[str, type] = {
-    cls.family: cls for cls in (DecoderConfig, DoubleDecoderConfig, EncoderDecoderConfig, BlockTransformerConfig)
+    cls.family: cls
+    for cls in (DecoderConfig, DoubleDecoderConfig, EncoderDecoderConfig, BlockTransformerConfig, RecursiveConfig)
 }
 ModelConfig = DecoderConfig | BlockTransformerConfig  # the double decoder and encoder-decoder configs are DecoderConfigs
 

@@ -35,6 +35,8 @@ DEMO_ENTRIES: tuple[DemoEntry, ...] = (
     # 3 context + 1 generation layers (0.89M non-embedding vs 0.85M); its loss is the native block-partition
     # objective, and each step costs more on CPU (the dense dual attention), hence fewer steps.
     DemoEntry("double decoder", "demo-double", steps=150, lr=3e-3),
+    # 2 shared layers looped twice: the vanilla demo's depth and compute per step with half its layer weights.
+    DemoEntry("recursive transformer", "demo-recursive", steps=300, lr=3e-3),
 )
 
 

@@ -12,7 +12,9 @@ import difflib
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from blockloop.config import BlockTransformerConfig, DecoderConfig, DoubleDecoderConfig, EncoderDecoderConfig, ModelConfig
+from blockloop.config import (
+    BlockTransformerConfig, DecoderConfig, DoubleDecoderConfig, EncoderDecoderConfig, ModelConfig, RecursiveConfig,
+)
 from blockloop.errors import ConfigError
 
 
@@ -227,3 +229,14 @@ def _tiny_block() -> BlockTransformerConfig:
 @register("demo-block", "Block Transformer with the demo's 4 layers split 2+2 (L_B=4, prefix 2)")
 def _demo_block() -> BlockTransformerConfig:
     return _llama_style_block(n_layer=2, d_model=128, n_head=4, context_length=256)
+
+
+# ------------------------------------------------ Recursive Transformers (Bae et al. 2024, section 2.2)
+@register("tiny-recursive", "1 shared Llama-style layer looped twice (CYCLE) for CPU tests")
+def _tiny_recursive() -> RecursiveConfig:
+    return _llama_style(1, 64, 4, 2, 128, RecursiveConfig, loops=2)
+
+
+@register("demo-recursive", "the demo's 4-layer depth as 2 shared layers looped twice (CYCLE): half the layer weights")
+def _demo_recursive() -> RecursiveConfig:
+    return _llama_style(2, 128, 4, 4, 256, RecursiveConfig, loops=2)

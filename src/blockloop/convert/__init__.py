@@ -3,5 +3,6 @@
 from blockloop.convert.hf import export_hf, import_hf
 from blockloop.convert.smollm2 import smollm2_files
 from blockloop.convert.to_block import vanilla_to_block
+from blockloop.convert.to_recursive import vanilla_to_recursive
 
-__all__ = ["export_hf", "import_hf", "smollm2_files", "vanilla_to_block"]
+__all__ = ["export_hf", "import_hf", "smollm2_files", "vanilla_to_block", "vanilla_to_recursive"]

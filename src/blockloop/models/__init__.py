@@ -9,12 +9,14 @@ from blockloop.models.block import BlockTransformer
 from blockloop.models.decoder import Decoder
 from blockloop.models.double_decoder import DoubleDecoder
 from blockloop.models.encoder_decoder import EncoderDecoder
+from blockloop.models.recursive import RecursiveDecoder
 
 MODEL_CLASSES: dict[str, type[nn.Module]] = {
     "decoder": Decoder,
     "double_decoder": DoubleDecoder,
     "encoder_decoder": EncoderDecoder,
     "block": BlockTransformer,
+    "recursive": RecursiveDecoder,
 }
 
 
@@ -23,4 +25,4 @@ def build_model(config: ModelConfig) -> nn.Module:
     return MODEL_CLASSES[config.family](config)
 
 
-__all__ = ["BlockTransformer", "Decoder", "DoubleDecoder", "EncoderDecoder", "MODEL_CLASSES", "build_model"]
+__all__ = ["BlockTransformer", "Decoder", "DoubleDecoder", "EncoderDecoder", "MODEL_CLASSES", "RecursiveDecoder", "build_model"]

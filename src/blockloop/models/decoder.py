@@ -186,6 +186,20 @@ class Block(nn.Module):
         return x + self.drop(self.post_mlp_norm(self.mlp(self.norm2(x))))
 
 
+@dataclass
+class LayerInputs:
+    """Rotary tables ``(cos, sin)`` and mask keyword arguments of one pass: the global layers', and the
+    sliding-window local layers' when the config has any."""
+
+    rope: tuple[Tensor, Tensor]
+    masks: dict[str, object]
+    local_rope: tuple[Tensor, Tensor] | None = None
+    local_masks: dict[str, object] | None = None
+
+    def of(self, local: bool) -> tuple[Tensor, Tensor, dict[str, object]]:
+        return (*self.local_rope, self.local_masks) if local else (*self.rope, self.masks)
+
+
 class TransformerStack(nn.Module):
     """``n_layer`` pre-norm blocks (and, unless ``final_norm=False``, the final norm) over embeddings.
 
@@ -217,6 +231,24 @@ class TransformerStack(nn.Module):
         memory: Tensor | None = None,
     ) -> Tensor:
         """Hidden states for embeddings ``x (B, T, d)``; ``memory`` feeds the cross-attention layers."""
+        inputs = self.layer_inputs(x, positions=positions, cache=cache, slots=slots, token_valid=token_valid)
+        for i, block in enumerate(self.blocks):
+            layer_cache = cache.layers[i] if cache is not None else None
+            cos, sin, masks = inputs.of(i in self.config.local_layers)
+            x = block(x, cos, sin, memory, cache=layer_cache, slots=slots, **masks)
+        return self.norm(x)
+
+    def layer_inputs(
+        self,
+        x: Tensor,
+        *,
+        positions: Tensor | None = None,
+        cache: DecoderCache | None = None,
+        slots: Tensor | None = None,
+        token_valid: Tensor | None = None,
+    ) -> LayerInputs:
+        """What the layers of one pass share: rotary tables and masks (the cache's mask, or causal without a
+        cache), and the local layers' own. Models that run the blocks in their own order start here."""
         if cache is not None and slots is None:
             raise ValueError("a cached forward needs the cache slots to write")
         if positions is None:
@@ -224,19 +256,14 @@ class TransformerStack(nn.Module):
         c = self.config
         rope = rope_angles(positions, c.rotary_dim, c.rope_base)
         mask = cache.attention_mask(slots, token_valid) if cache is not None else None
-        masks = {"mask": mask}
+        inputs = LayerInputs(rope, {"mask": mask})
         if c.local_layers:
-            local_rope = rope_angles(positions, c.rotary_dim, c.local_rope_base) if c.local_rope_base else rope
+            inputs.local_rope = rope_angles(positions, c.rotary_dim, c.local_rope_base) if c.local_rope_base else rope
             if mask is None:
-                local_masks = {"mask_mod": sliding_window_mask_mod(c.sliding_window)}
+                inputs.local_masks = {"mask_mod": sliding_window_mask_mod(c.sliding_window)}
             else:
-                local_masks = {"mask": mask & within_window(slots, mask.shape[-1], c.sliding_window)}
-        for i, block in enumerate(self.blocks):
-            layer_cache = cache.layers[i] if cache is not None else None
-            local = i in c.local_layers
-            cos, sin = local_rope if local else rope
-            x = block(x, cos, sin, memory, cache=layer_cache, slots=slots, **(local_masks if local else masks))
-        return self.norm(x)
+                inputs.local_masks = {"mask": mask & within_window(slots, mask.shape[-1], c.sliding_window)}
+        return inputs
 
     def allocate_cache(self, batch_size: int, max_len: int, *, dtype: torch.dtype, device: torch.device) -> DecoderCache:
         c = self.config

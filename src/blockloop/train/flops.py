@@ -74,6 +74,8 @@ def stack_layers(config: DecoderConfig) -> tuple[int, int]:
         return config.n_context_layer, config.n_generation_layer
     if config.family == "encoder_decoder":
         return config.n_encoder_layer, config.n_decoder_layer
+    if config.family == "recursive":
+        return config.depth, config.depth  # every loop computes (and caches) its own keys and values
     return config.n_layer, config.n_layer
 
 
@@ -89,6 +91,8 @@ def training_flops(config: DecoderConfig, seq_len: int, out_len: int | None = No
     For the encoder-decoder, ``seq_len`` is T_in and ``out_len`` T_out (default: the span-corruption
     lengths of a ``seq_len`` window).
     """
+    if config.family == "recursive":  # the looped depth's FLOPs; LoRA/prefix relaxations are not counted
+        return training_flops(config.stack(config.depth), seq_len, lm_head=lm_head)
     w = _layer_weights(config)
     layer = w["q_o"] + w["kv"] + w["mlp"]
     att = 12 * config.n_head * config.head_dim  # per layer, per query, per key

@@ -94,6 +94,9 @@ class TrainConfig:
 
 
 StepCallback = Callable[[int, dict[str, float]], None]
+# Adds a training-only term to the model's loss, e.g. distillation from a teacher that must stay out of the
+# model (and so out of checkpoints): (batch, logits, loss) -> loss. Validation reports the model's own loss.
+LossHook = Callable[[dict[str, torch.Tensor], torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 class Trainer:
@@ -111,6 +114,7 @@ class Trainer:
         *,
         run_info: dict[str, Any] | None = None,
         dist_info: DistInfo = DistInfo(),
+        loss_hook: LossHook | None = None,
     ) -> None:
         if config.seq_len > model_config.context_length:
             raise ConfigError(
@@ -121,6 +125,7 @@ class Trainer:
         if config.seq_len % block_len:
             raise ConfigError(f"--seq-len {config.seq_len} is not a multiple of the model's block length {block_len}")
         self.config, self.model_config, self.tokenizer = config, model_config, tokenizer
+        self.loss_hook = loss_hook
         self.out_dir, self.run_info, self.dist = Path(out_dir), run_info or {}, dist_info
         self.device = torch.device(config.resolved_device())
         if self.device.type == "cuda" and self.device.index is None:
@@ -236,7 +241,9 @@ class Trainer:
             sync = micro == cfg.grad_accum - 1
             no_sync = getattr(self.train_model, "no_sync", None)
             with (nullcontext() if sync or no_sync is None else no_sync()), autocast:
-                _, loss = self.forward(**batch)
+                logits, loss = self.forward(**batch)
+                if self.loss_hook is not None:
+                    loss = self.loss_hook(batch, logits, loss)
                 (loss / cfg.grad_accum).backward()
             total += loss.detach()
         if cfg.grad_clip > 0:

@@ -1,0 +1,333 @@
+"""Recursive and Relaxed Recursive Transformers: tying orders, shared storage, conversion inits, LoRA and
+prefix relaxation, per-row loops, cached = uncached, early-exit and distillation losses, CLI round trip."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from blockloop.cli import EXIT_USER_ERROR, main
+from blockloop.convert import vanilla_to_recursive
+from blockloop.convert.to_recursive import shared_layer_sources
+from blockloop.errors import BlockloopError, ConfigError
+from blockloop.infer.generate import generate
+from blockloop.models import build_model
+from blockloop.models.recursive import layer_order
+from blockloop.nn.distill import forward_kl
+from blockloop.presets import from_name
+from blockloop.train.distill import Distillation
+
+
+def vanilla(n_layer=4, mlp="swiglu", perturb_norms=False):
+    """A tiny full-size decoder in float64 with non-trivial weights."""
+    torch.manual_seed(0)
+    model = build_model(from_name("tiny", n_layer=n_layer, mlp=mlp, bias=mlp == "gelu")).double().eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() > 1:
+                p.add_(0.02 * torch.randn_like(p))
+            elif perturb_norms or "bias" in name:
+                p.add_(0.1 * torch.randn_like(p))
+    return model
+
+
+def tokens(batch=2, length=12, seed=1):
+    return torch.randint(0, 258, (batch, length), generator=torch.Generator().manual_seed(seed))
+
+
+def recursive(**overrides):
+    torch.manual_seed(0)
+    return build_model(from_name("tiny-recursive", **overrides)).double().eval()
+
+
+# ---------------------------------------------------------------- tying (appendix D)
+def test_tying_strategies_execution_orders():
+    assert layer_order(3, 2, "cycle") == [0, 1, 2, 0, 1, 2]
+    assert layer_order(3, 2, "sequence") == [0, 0, 1, 1, 2, 2]
+    assert layer_order(3, 2, "cycle_rev") == [0, 1, 2, 2, 1, 0]
+    assert layer_order(2, 3, "cycle_rev") == [0, 1, 0, 1, 1, 0]
+
+
+@pytest.mark.parametrize("tying", ["cycle", "sequence", "cycle_rev"])
+def test_forward_runs_the_shared_layers_in_the_tying_order(tying):
+    model = recursive(n_layer=3, loops=2, tying=tying)
+    calls = []
+    hooks = [b.register_forward_hook(lambda m, i, o, j=j: calls.append(j)) for j, b in enumerate(model.body.blocks)]
+    model(tokens())
+    for h in hooks:
+        h.remove()
+    assert calls == layer_order(3, 2, tying)
+
+
+def test_tied_layers_share_storage_and_parameters_count_once():
+    model = recursive(n_layer=2, loops=3, lora_rank=0)
+    flat = build_model(from_name("tiny", n_layer=2)).double()
+    assert len(model.body.blocks) == 2
+    assert model.num_parameters() == flat.num_parameters()  # 6 looped layers cost 2 layers of weights
+    # The same tensors are used at every depth position: hook the weight seen at each call.
+    seen = []
+    hook = model.body.blocks[0].attn.qkv.register_forward_pre_hook(lambda m, i: seen.append(m.weight.data_ptr()))
+    model(tokens())
+    hook.remove()
+    assert len(seen) == 3 and len(set(seen)) == 1
+    state = model.state_dict()
+    assert all(".blocks.2." not in k for k in state)  # nothing stored per loop
+    cache = model.allocate_cache(2, 16)
+    assert len(cache.layers) == 6  # but each depth position caches its own keys/values
+
+
+# --------------------------------------------------------- generation and per-row loops
+@pytest.mark.parametrize("overrides", [{}, {"lora_rank": 4}, {"prefix_len": 3}, {"tying": "sequence", "n_layer": 2}])
+def test_cached_generation_equals_the_full_forward(overrides):
+    model = recursive(**overrides)
+    if overrides.get("lora_rank"):
+        with torch.no_grad():
+            for lora in model.lora_layers():
+                lora.lora_B.normal_(0, 0.1)  # non-zero deltas, so each loop really differs
+    idx = tokens(length=20)
+    full, _ = model(idx)
+    logits, state = model.prefill(idx[:, :6], torch.ones(2, 6, dtype=torch.bool), 14)
+    steps = [logits]
+    for t in range(6, 19):
+        steps.append(model.decode_step(state, idx[:, t]))
+    torch.testing.assert_close(torch.stack(steps, 1), full[:, 5:19], atol=1e-10, rtol=1e-10)
+
+
+def test_left_padded_batch_generates_like_each_prompt_alone():
+    model = recursive(lora_rank=2, prefix_len=2)
+    prompts = [[5, 6, 7, 8, 9], [11, 12]]
+    batched = generate(model, prompts, 6, temperature=0)
+    alone = [generate(model, [p], 6, temperature=0)[0] for p in prompts]
+    assert batched == alone
+
+
+@pytest.mark.parametrize("overrides", [{"lora_rank": 3}, {"prefix_len": 2}, {"lora_rank": 2, "prefix_len": 2}])
+def test_rows_at_different_loops_in_one_call_equal_each_loop_run_alone(overrides):
+    model = recursive(loops=3, **overrides)
+    with torch.no_grad():
+        for lora in model.lora_layers():
+            lora.lora_B.normal_(0, 0.1)
+    x = torch.randn(4, 7, 64, dtype=torch.float64)
+    loops = torch.tensor([2, 0, 1, 0])
+    inputs = model.body.layer_inputs(x)
+    batched = model.run_loop(x, loops, inputs)
+    for row, loop in enumerate(loops.tolist()):
+        alone = model.run_loop(x[row : row + 1], loop, inputs)
+        torch.testing.assert_close(batched[row : row + 1], alone, atol=1e-12, rtol=1e-12)
+
+
+def test_per_row_loops_need_cycle_tying():
+    model = recursive(n_layer=2, tying="sequence")
+    x = torch.randn(2, 3, 64, dtype=torch.float64)
+    with pytest.raises(ValueError, match="cycle"):
+        model.run_loop(x, torch.tensor([0, 1]), model.body.layer_inputs(x))
+
+
+# --------------------------------------------------------------- conversion (section 2.2)
+def test_shared_layer_sources_of_each_init():
+    order = layer_order(3, 2, "cycle")
+    assert shared_layer_sources(6, 2, "stepwise", order) == [[0], [3], [5]]  # first and last kept
+    assert shared_layer_sources(30, 2, "stepwise", layer_order(15, 2, "cycle"))[-1] == [29]
+    assert shared_layer_sources(6, 2, "average", order) == [[0, 3], [1, 4], [2, 5]]
+    assert shared_layer_sources(6, 2, "average", layer_order(3, 2, "sequence")) == [[0, 1], [2, 3], [4, 5]]
+    assert shared_layer_sources(6, 2, "lower", order) == [[0], [1], [2]]
+    assert shared_layer_sources(6, 2, "upper", order) == [[3], [4], [5]]
+
+
+def test_stepwise_average_and_lower_copy_the_right_weights():
+    full = vanilla(n_layer=4, perturb_norms=True)
+    w = [b.attn.qkv.weight for b in full.body.blocks]
+    stepwise = vanilla_to_recursive(full, loops=2, init="stepwise")
+    assert torch.equal(stepwise.body.blocks[0].attn.qkv.weight, w[0])
+    assert torch.equal(stepwise.body.blocks[1].attn.qkv.weight, w[3])
+    average = vanilla_to_recursive(full, loops=2, init="average")
+    torch.testing.assert_close(average.body.blocks[1].attn.qkv.weight, (w[1] + w[3]) / 2)
+    torch.testing.assert_close(
+        average.body.blocks[0].norm1.weight, (full.body.blocks[0].norm1.weight + full.body.blocks[2].norm1.weight) / 2
+    )
+    lower = vanilla_to_recursive(full, loops=2, init="lower")
+    assert torch.equal(lower.body.blocks[1].mlp.proj.weight, full.body.blocks[1].mlp.proj.weight)
+    assert torch.equal(lower.embed.weight, full.embed.weight) and torch.equal(lower.norm.weight, full.norm.weight)
+
+
+@pytest.mark.parametrize("init", ["stepwise", "average", "lower", "upper"])
+@pytest.mark.parametrize("tying", ["cycle", "sequence", "cycle_rev"])
+def test_full_rank_svd_lora_reproduces_the_original_logits(init, tying):
+    full = vanilla(n_layer=4)  # norms at identity: LoRA relaxes linear weights, tied norms must agree
+    idx = tokens()
+    relaxed = vanilla_to_recursive(full, loops=2, init=init, tying=tying, lora_rank=64, lora_alpha=16.0)
+    torch.testing.assert_close(relaxed(idx)[0], full(idx)[0], atol=1e-9, rtol=1e-9)
+
+
+def test_svd_init_folds_the_lora_scaling_and_zero_inits_where_weights_already_match():
+    full = vanilla(n_layer=4)
+    relaxed = vanilla_to_recursive(full, loops=2, init="stepwise", lora_rank=8, lora_alpha=32.0)
+    qkv = relaxed.body.blocks[1].attn.qkv  # shared layer 1 = full layer 3 (stepwise); loop 0 is full layer 1
+    assert qkv.scaling == 4.0
+    assert torch.count_nonzero(qkv.lora_B[1]) == 0 and torch.count_nonzero(qkv.lora_A[1]) > 0  # equal: zero init
+    residual = full.body.blocks[1].attn.qkv.weight - qkv.weight
+    u, s, vh = torch.linalg.svd(residual)
+    best = (u[:, :8] * s[:8]) @ vh[:8]  # Eckart-Young: the best rank-8 approximation
+    torch.testing.assert_close(qkv.scaling * qkv.lora_B[0] @ qkv.lora_A[0], best, atol=1e-10, rtol=1e-8)
+
+
+def test_error_of_svd_init_falls_as_rank_grows():
+    full = vanilla(n_layer=4)
+    idx = tokens()
+    weight_errors, logit_errors = [], []
+    for rank in (1, 8, 32, 64):
+        model = vanilla_to_recursive(full, loops=2, init="average", lora_rank=rank)
+        qkv = model.body.blocks[0].attn.qkv  # loop 1 relaxes it towards full layer 2
+        approx = qkv.weight + qkv.scaling * qkv.lora_B[1] @ qkv.lora_A[1]
+        weight_errors.append((approx - full.body.blocks[2].attn.qkv.weight).norm().item())
+        logit_errors.append((model(idx)[0] - full(idx)[0]).abs().max().item())
+    assert all(a > b for a, b in zip(weight_errors, weight_errors[1:])), weight_errors
+    assert logit_errors[-1] < 1e-9 < logit_errors[0]
+
+
+def test_tied_biases_are_not_relaxed_so_full_rank_is_exact_only_when_they_agree():
+    full = vanilla(n_layer=4, mlp="gelu")  # perturbed biases differ between the tied layers
+    idx = tokens()
+    relaxed = vanilla_to_recursive(full, loops=2, init="average", lora_rank=64)
+    assert (relaxed(idx)[0] - full(idx)[0]).abs().max() > 1e-3
+
+
+def test_rank_zero_and_zero_init_lora_equal_the_plain_recursive_model():
+    full = vanilla(n_layer=4)
+    idx = tokens()
+    plain = vanilla_to_recursive(full, loops=2, init="average")
+    zero = vanilla_to_recursive(full, loops=2, init="average", lora_rank=4, lora_init="zero")
+    assert plain.config.lora_rank == 0 and not plain.lora_layers()
+    torch.testing.assert_close(zero(idx)[0], plain(idx)[0], atol=0, rtol=0)
+    assert zero.num_parameters() > plain.num_parameters()
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"loops": 3}, "--loops 3 does not divide the model's 4 layers"),
+        ({"loops": 2, "lora_rank": 65}, "exceeds the rank"),
+        ({"loops": 2, "init": "middle"}, "unknown looped-layer init 'middle'"),
+        ({"loops": 2, "tying": "zigzag"}, "tying strategy 'zigzag' is unknown"),
+        ({"loops": 2, "lora_rank": 2, "lora_init": "pissa"}, "unknown LoRA init 'pissa'"),
+    ],
+)
+def test_impossible_conversions_raise_clear_errors(kwargs, message):
+    with pytest.raises(BlockloopError, match=message):
+        vanilla_to_recursive(vanilla(n_layer=4), **kwargs)
+
+
+def test_config_validation():
+    with pytest.raises(ConfigError, match="exit_loss 'sum' is unknown"):
+        from_name("tiny-recursive", exit_loss="sum")
+    with pytest.raises(ConfigError, match="loops must be at least 1"):
+        from_name("tiny-recursive", loops=0)
+
+
+# ------------------------------------------------------- early exit and distillation (3.7, M)
+def test_early_exit_weights():
+    weighted = recursive(loops=3, exit_loss="weighted").exit_weights()
+    assert weighted == pytest.approx([1 / 6, 2 / 6, 3 / 6]) and sum(weighted) == pytest.approx(1.0)
+    assert recursive(loops=3, exit_loss="aggressive", exit_coefficient=0.1).exit_weights() == [0.1, 0.1, 1.0]
+
+
+def test_early_exit_loss_combines_every_loop_and_trains_intermediate_exits():
+    idx = tokens()
+    model = recursive(loops=2, exit_loss="aggressive", exit_coefficient=0.25)
+    logits = model.loop_logits(idx)
+    expected = 0.25 * model.loss(logits[0], idx) + model.loss(logits[1], idx)
+    _, loss = model(idx, idx)
+    torch.testing.assert_close(loss, expected)
+    # The first exit's loss reaches the shared block through loop 1 only: its gradient is non-zero.
+    model.zero_grad()
+    model.loss(model.loop_logits(idx)[0], idx).backward()
+    assert model.body.blocks[0].attn.qkv.weight.grad.abs().sum() > 0
+    # KD from the detached final loop adds weight * KL for intermediate loops and leaves the final loop alone.
+    kd = recursive(loops=2, exit_loss="aggressive", exit_coefficient=0.25, exit_kd_weight=2.0)
+    _, kd_loss = kd(idx, idx)
+    torch.testing.assert_close(kd_loss, expected + 0.25 * 2.0 * forward_kl(logits[1], logits[0], idx))
+    kd.zero_grad()
+    kd_loss.backward()
+    assert all(p.grad is not None for p in kd.parameters())
+
+
+def test_kd_is_zero_when_student_equals_teacher_and_positive_otherwise():
+    model = recursive()
+    idx = tokens()
+    logits, loss = model(idx, idx)
+    hook = Distillation(model, weight=0.5)
+    torch.testing.assert_close(hook({"idx": idx, "targets": idx}, logits, loss), loss, atol=1e-12, rtol=0)
+    other = recursive(loops=3)
+    assert hook({"idx": idx, "targets": idx}, other(idx)[0], loss) > loss
+    assert not any(p.requires_grad for p in model.parameters())  # the teacher is frozen
+
+
+# --------------------------------------------------------------- CLI round trip and training
+TRAIN = ["--steps", "16", "--batch-size", "4", "--seq-len", "32", "--warmup-steps", "2", "--lr", "3e-3",
+         "--log-interval", "4", "--eval-interval", "16", "--eval-batches", "2", "--ckpt-interval", "16",
+         "--device", "cpu", "--no-progress"]
+
+
+def losses(run):
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    return [r["loss"] for r in rows if "loss" in r]
+
+
+@pytest.fixture(scope="module")
+def teacher_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("recursive") / "teacher"
+    assert main(["train", "--preset", "tiny", "--set", "n_layer=4", *TRAIN, "--out", str(out)]) == 0
+    return out
+
+
+def test_convert_uptrain_with_distillation_and_evaluate_per_loop(teacher_run, tmp_path, capsys):
+    converted = tmp_path / "relaxed"
+    assert main(["convert", "--to", "recursive", "--checkpoint", str(teacher_run), "--out", str(converted),
+                 "--loops", "2", "--init", "average", "--lora-rank", "8"]) == 0
+    assert "uptrain with" in capsys.readouterr().out
+    run = tmp_path / "uptrained"
+    assert main(["train", "--init-from", str(converted), *TRAIN, "--distill-from", str(teacher_run),
+                 "--distill-weight", "0.5", "--early-exit", "aggressive", "--exit-kd-weight", "1.0",
+                 "--out", str(run)]) == 0
+    curve = losses(run)
+    assert curve[-1] < curve[0]
+    saved = json.loads((run / "checkpoints" / "step_0000016" / "config.json").read_text())
+    assert saved["family"] == "recursive" and saved["exit_loss"] == "aggressive" and saved["lora_rank"] == 8
+    state = json.loads((run / "checkpoints" / "step_0000016" / "train_state.json").read_text())
+    assert state["train_config"]["extra"]["distill_from"] == str(teacher_run)
+    from safetensors import safe_open
+
+    with safe_open(str(run / "checkpoints" / "step_0000016" / "model.safetensors"), "pt") as f:
+        names = list(f.keys())
+    assert not any("teacher" in n for n in names) and len([n for n in names if "blocks." in n and "qkv.weight" in n]) == 2
+    capsys.readouterr()
+    assert main(["eval", "--checkpoint", str(run), "--per-loop", "--max-batches", "2", "--device", "cpu", "--json"]) == 0
+    metrics = json.loads(capsys.readouterr().out)
+    loops = metrics["loops"]
+    assert [r["loop"] for r in loops] == [1, 2] and loops[-1]["agreement"] == 1.0
+    assert sum(r["oracle_exit_share"] for r in loops) == pytest.approx(1.0)
+    assert 1.0 <= metrics["mean_exit_loop"] <= 2.0
+
+
+def test_recursive_preset_trains_and_its_loss_falls(tmp_path):
+    run = tmp_path / "run"
+    assert main(["train", "--preset", "tiny-recursive", *TRAIN, "--out", str(run)]) == 0
+    curve = losses(run)
+    assert curve[-1] < curve[0] - 0.3
+
+
+def test_cli_errors_are_one_line(teacher_run, tmp_path, capsys):
+    for argv, match in [
+        (["--loops", "3"], "does not divide"),
+        (["--lora-rank", "1000"], "exceeds the rank"),
+        (["--init", "middle"], "unknown looped-layer init"),
+        (["--strategy", "zigzag"], "tying strategy 'zigzag' is unknown"),
+        (["--relax", "prefix"], "--relax prefix needs --prefix-len"),
+    ]:
+        code = main(["convert", "--to", "recursive", "--checkpoint", str(teacher_run), "--out", str(tmp_path / "x"), *argv])
+        err = capsys.readouterr().err.strip()
+        assert code == EXIT_USER_ERROR and len(err.splitlines()) == 1 and match in err, err
+    code = main(["train", "--preset", "tiny", "--early-exit", "weighted", *TRAIN, "--out", str(tmp_path / "y")])
+    assert code == EXIT_USER_ERROR and "recursive models" in capsys.readouterr().err
