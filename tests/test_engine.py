@@ -21,7 +21,7 @@ from blockloop.nn.kv_cache import DecoderCache
 from blockloop.presets import from_name
 
 GREEDY = SamplingParams(temperature=0.0)
-FAMILIES = ["tiny", "tiny-neox", "tiny-block", "tiny-double"]
+FAMILIES = ["tiny", "tiny-neox", "tiny-recursive", "tiny-block", "tiny-double"]
 
 
 def tiny(name: str = "tiny"):
@@ -247,3 +247,21 @@ def test_compiled_cuda_graph_decode_in_bf16_matches_eager(name):
         outs.append([r.output for r in requests])
     agree = sum(a == b for x, y in zip(*outs) for a, b in zip(x, y)) / sum(len(x) for x in outs[0])
     assert agree > 0.9  # bf16 kernels may differ in the last bit; near-ties can flip late tokens
+
+
+def test_hf_generate_baseline_decodes_the_same_greedy_tokens():
+    pytest.importorskip("transformers")
+    from blockloop.bench.hf_baseline import hf_throughput
+    from blockloop.convert.hf import to_hf_model
+
+    model = tiny().float()
+    prompts = random_prompts((6, 6))
+    engine = Engine(model, 2)
+    requests = [engine.submit(p, 8, sampling=GREEDY) for p in prompts]
+    engine.run()
+    hf = to_hf_model(model).eval()
+    out = hf.generate(torch.tensor(prompts), attention_mask=torch.ones(2, 6, dtype=torch.long), max_new_tokens=8,
+                      min_new_tokens=8, do_sample=False, eos_token_id=None, pad_token_id=0)
+    assert out[:, 6:].tolist() == [r.output for r in requests]
+    result = hf_throughput(model, 2, 6, 4, repeats=1, warmup=0)
+    assert result.name == "hf-generate" and result.tok_s > 0

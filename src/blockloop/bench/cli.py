@@ -25,6 +25,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     m.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
                    help="weights/cache dtype (default: bfloat16 on CUDA, float32 on CPU)")
     m.add_argument("--compile", action="store_true", help="torch.compile the decode step (CUDA graphs on CUDA)")
+    m.add_argument("--threads", type=int, help="CPU threads for torch (default: torch's own; 1 is steadier on a shared box)")
     t = p.add_argument_group("throughput protocol (Block Transformer section 3.2)")
     t.add_argument("--scenario", choices=["prefill-heavy", "decode-heavy"], default="decode-heavy",
                    help="prompt/gen lengths 2048/128 or 128/2048 (default: decode-heavy)")
@@ -91,16 +92,20 @@ def run(args: argparse.Namespace, device: str) -> int:
         n = records.plot_pareto(records.read_records(args.record), args.plot)
         print(f"wrote {args.plot} ({n} runs)")
         return 0
+    if args.threads is not None:
+        if args.threads < 1:
+            raise BlockloopError(f"--threads must be >= 1, got {args.threads}")
+        torch.set_num_threads(args.threads)
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}.get(
         args.dtype, torch.bfloat16 if device.startswith("cuda") else torch.float32)
     meta = {"device": torch.cuda.get_device_name() if device.startswith("cuda") else f"cpu ({platform.processor() or platform.machine()})",
             "torch": torch.__version__, "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "dtype": str(dtype).removeprefix("torch.")}
+            "dtype": str(dtype).removeprefix("torch."), "threads": torch.get_num_threads()}
     models = _models(args, device, dtype)
     results = _stream(args, models) if args.stream else _throughput(args, models, torch.device(device))
     for r in results:
         r.update(meta)
-    print(f"device: {meta['device']}  torch {meta['torch']}  {meta['dtype']}  {meta['date']}")
+    print(f"device: {meta['device']}, {meta['threads']} threads  torch {meta['torch']}  {meta['dtype']}  {meta['date']}")
     if args.record is not None:
         records.append_records(args.record, results)
     return 0

@@ -1,9 +1,8 @@
-"""The Hugging Face ``generate()`` baseline: the same vanilla model exported to a HF folder and decoded
-by ``transformers`` with the paper's protocol (greedy, exactly ``gen_len`` tokens, no EOS)."""
+"""The Hugging Face ``generate()`` baseline: the same vanilla model converted to a ``transformers`` model
+(:func:`blockloop.convert.hf.to_hf_model`, the export path) and decoded by ``generate()`` with the
+paper's protocol (greedy, exactly ``gen_len`` tokens, no EOS)."""
 
 from __future__ import annotations
-
-import tempfile
 
 import torch
 from torch import nn
@@ -20,27 +19,26 @@ def hf_available() -> str | None:
     except ImportError:
         return "transformers is not installed (pip install 'blockloop[hf]')"
     try:
-        from blockloop.convert.hf import export_hf  # noqa: F401
+        from blockloop.convert.hf import to_hf_model  # noqa: F401
     except ImportError:
-        return "blockloop.convert.hf.export_hf is not available in this build"
+        return "blockloop.convert.hf.to_hf_model is not available in this build"
     return None
 
 
 def hf_throughput(
     model: nn.Module, batch: int, prompt_len: int, gen_len: int, *, repeats: int = 3, warmup: int = 1, seed: int = 0
 ) -> ThroughputResult:
-    """Time ``transformers`` ``generate()`` on ``model`` exported with :func:`blockloop.convert.hf.export_hf`."""
+    """Time ``transformers`` ``generate()`` on ``model`` converted with :func:`blockloop.convert.hf.to_hf_model`
+    (in the model's dtype, on its device). Raises for a model that does not export (not vanilla)."""
     reason = hf_available()
     if reason is not None:
         raise BlockloopError(f"the HF generate() baseline needs {reason}")
-    from transformers import AutoModelForCausalLM
+    from blockloop.convert.hf import quiet_transformers, to_hf_model
 
-    from blockloop.convert.hf import export_hf
-
-    device = next(model.parameters()).device
-    with tempfile.TemporaryDirectory() as out:
-        export_hf(model, out)
-        hf = AutoModelForCausalLM.from_pretrained(out, torch_dtype=next(model.parameters()).dtype).to(device).eval()
+    weight = next(model.parameters())
+    device = weight.device
+    with quiet_transformers():
+        hf = to_hf_model(model).to(device=device, dtype=weight.dtype).eval()
     generator = torch.Generator().manual_seed(seed)
     seconds = []
     for run in range(warmup + repeats):
