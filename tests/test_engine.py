@@ -4,6 +4,7 @@ sampling, slot reuse, per-row cache slots, serving metrics, and the bench CLI.""
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 import torch
@@ -265,3 +266,47 @@ def test_hf_generate_baseline_decodes_the_same_greedy_tokens():
     assert out[:, 6:].tolist() == [r.output for r in requests]
     result = hf_throughput(model, 2, 6, 4, repeats=1, warmup=0)
     assert result.name == "hf-generate" and result.tok_s > 0
+
+
+def test_depthwise_batching_without_exits_equals_sequence_wise_greedy():
+    from blockloop.infer.depthwise import DepthwiseRecursive
+
+    model = tiny("tiny-recursive")
+    prompts, budgets = random_prompts((3, 11, 7, 5, 9)), [9, 4, 7, 6, 3]
+    reference = [generate(model, [p], n, temperature=0)[0] for p, n in zip(prompts, budgets)]
+    served = DepthwiseRecursive(model)
+    engine = Engine(served, 2, sync_every=3)
+    requests = [engine.submit(p, n, sampling=GREEDY) for p, n in zip(prompts, budgets)]
+    engine.run()
+    assert [r.output for r in requests] == reference
+    assert served.mean_exit_loop(engine.state) == 2.0  # every token ran both loops
+
+
+def test_early_exit_skips_loops_and_fills_the_owed_deeper_kv():
+    from blockloop.infer.depthwise import DepthwiseRecursive, ExitRule
+
+    model = tiny("tiny-recursive")
+    served = DepthwiseRecursive(model, ExitRule("max_prob", 0.0))  # every token may leave after loop 1
+    engine = Engine(served, 1, sync_every=4)
+    request = engine.submit([5, 6, 7], 6, sampling=GREEDY)
+    engine.run()
+    assert len(request.output) == 6 and served.mean_exit_loop(engine.state) == 1.0
+    (k, v), cache = engine.state.decode.cache.stacked[0], engine.state.decode.cache
+    generated = slice(3, 3 + 5)  # the fed-back generated tokens exited after loop 0: loop 1 holds a copy
+    assert torch.equal(k[1, 0, :, generated], k[0, 0, :, generated]) and torch.equal(v[1, 0, :, generated], v[0, 0, :, generated])
+    assert not torch.equal(k[1, 0, :, :3], k[0, 0, :, :3])  # the prompt ran both loops
+    assert cache.layers[1].k.data_ptr() == k[1].data_ptr()  # depth entry 1 is loop 1 of shared layer 0
+
+
+def test_exit_rules_on_known_distributions():
+    from blockloop.infer.depthwise import ExitRule
+
+    logits = torch.log(torch.tensor([[0.9, 0.05, 0.05], [0.4, 0.3, 0.3]]))
+    one = torch.ones(2, dtype=torch.long)
+    assert ExitRule("max_prob", 0.8).fires(logits, one).tolist() == [True, False]
+    entropy_first = -(0.9 * math.log(0.9) + 0.1 * math.log(0.05))
+    assert ExitRule("entropy", entropy_first + 1e-4).fires(logits, one).tolist() == [True, False]
+    assert ExitRule("max_prob", 0.8, min_loops=2).fires(logits, one).tolist() == [False, False]
+    assert ExitRule("none").fires(logits, one).tolist() == [False, False]
+    with pytest.raises(BlockloopError, match="unknown exit rule"):
+        ExitRule("confidence")

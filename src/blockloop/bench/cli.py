@@ -46,6 +46,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     s.add_argument("--prompt-range", default="16,64", help="min,max prompt tokens cut from the corpus (default: 16,64)")
     s.add_argument("--tokens-range", default="16,64", help="min,max tokens each request asks for (default: 16,64)")
     s.add_argument("--corpus", default="shakespeare", help="built-in corpus the prompts come from (default: shakespeare)")
+    s.add_argument("--exit", metavar="RULE:THRESHOLD", action="append", default=[],
+                   help="also serve recursive models depth-wise with this early-exit rule, e.g. max_prob:0.9, "
+                   "entropy:2.0 or none:0 (repeatable); reports mean loops per token and greedy agreement with "
+                   "the sequence-wise (no-exit) run")
     o = p.add_argument_group("output")
     o.add_argument("--record", type=Path, help="append every result to this JSON-lines file")
     o.add_argument("--plot", type=Path, metavar="PNG",
@@ -152,24 +156,51 @@ def _throughput(args: argparse.Namespace, models: list, device: torch.device) ->
 
 
 def _stream(args: argparse.Namespace, models: list) -> list[dict[str, Any]]:
-    from blockloop.bench.stream import corpus_prompts, run_stream
+    from blockloop.bench.stream import agreement, corpus_prompts, run_stream
+    from blockloop.infer.depthwise import DepthwiseRecursive
 
     lo, hi = _ints(args.prompt_range, "--prompt-range")[:2]
     tmin, tmax = _ints(args.tokens_range, "--tokens-range")[:2]
     if args.requests < 1:
         raise BlockloopError(f"--requests must be >= 1, got {args.requests}")
-    rows = []
-    print("| model | slots | req/s in | tok/s | TTFT p50/p90/p99 ms | TPOT p50/p90/p99 ms | ITL p50/p99 ms | E2E p50/p99 ms |")
-    print("|---|---|---|---|---|---|---|---|")
+    rules = [_exit_rule(text) for text in args.exit]
+    served = []
     for name, model, val_loss in models:
+        served.append((name, model, val_loss, None))
+        if model.config.family == "recursive":
+            served += [(f"{name} depth-wise exit {r.kind}:{r.threshold:g}", DepthwiseRecursive(model, r), val_loss, name)
+                       for r in rules]
+    rows: list[dict[str, Any]] = []
+    outputs: dict[str, list[list[int]]] = {}
+    print("| model | slots | req/s in | tok/s | vs first | TTFT p50/p90/p99 ms | TPOT p50/p90/p99 ms | ITL p50/p99 ms "
+          "| E2E p50/p99 ms | loops/token | agreement |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    for name, model, val_loss, reference in served:
         prompts = corpus_prompts(model.config.vocab_size, args.requests, lo, hi, corpus=args.corpus, seed=args.seed)
         m = run_stream(model, prompts, n_slots=args.slots, min_tokens=tmin, max_tokens=tmax, rate=args.rate,
                        sync_every=args.sync_every, seed=args.seed, compile=args.compile)
+        outputs[name] = m.pop("outputs")
+        if reference is not None:
+            m["agreement_vs_no_exit"] = agreement(outputs[name], outputs[reference])
+        m["ratio_vs_baseline"] = m["throughput_tok_s"] / rows[0]["throughput_tok_s"] if rows else 1.0
         rows.append({"kind": "stream", "name": name, "val_loss": val_loss, **m})
-        print(f"| {name} | {args.slots} | {args.rate} | {m['throughput_tok_s']:.0f} | {_ms(m['ttft_s'], 'median', 'p90', 'p99')} | "
-              f"{_ms(m['tpot_s'], 'median', 'p90', 'p99')} | {_ms(m['itl_s'], 'median', 'p99')} | {_ms(m['e2e_s'], 'median', 'p99')} |")
+        loops = f"{m['mean_exit_loop']:.2f}" if "mean_exit_loop" in m else "-"
+        agree = f"{100 * m['agreement_vs_no_exit']:.1f}%" if "agreement_vs_no_exit" in m else "-"
+        print(f"| {name} | {args.slots} | {args.rate} | {m['throughput_tok_s']:.0f} | {m['ratio_vs_baseline']:.2f}x | "
+              f"{_ms(m['ttft_s'], 'median', 'p90', 'p99')} | {_ms(m['tpot_s'], 'median', 'p90', 'p99')} | "
+              f"{_ms(m['itl_s'], 'median', 'p99')} | {_ms(m['e2e_s'], 'median', 'p99')} | {loops} | {agree} |")
     return rows
 
 
 def _ms(summary: dict[str, float], *keys: str) -> str:
     return "/".join(f"{1e3 * summary[k]:.1f}" for k in keys)
+
+
+def _exit_rule(text: str) -> Any:
+    from blockloop.infer.depthwise import ExitRule
+
+    kind, _, threshold = text.partition(":")
+    try:
+        return ExitRule(kind, float(threshold or 0))
+    except ValueError as exc:
+        raise BlockloopError(f"--exit takes RULE:THRESHOLD such as max_prob:0.9, got {text!r}") from exc

@@ -7,6 +7,7 @@ the ``gen_len`` decode steps after a ``prompt_len`` prompt (``B`` rows, KV entri
 * Block Transformer (section 2, Table 1): the embedder and block decoder (weights and a block KV cache of
   ``(P + G/2) / L_B`` entries) run once every ``L_B`` tokens; the token decoder (weights, and a local
   cache of ``n_lead + (L_B - 1) / 2`` entries on average) runs every token;
+* recursive (RRT section 2.2): the shared layers' weights once per loop, KV of every depth position;
 * double decoder (section 3.3): only the generation layers and head run; they read cross K/V of the
   ``P - 1`` prompt latents and their own K/V of ``G / 2`` generated tokens on average.
 
@@ -37,6 +38,10 @@ def bytes_per_step(model: nn.Module, batch: int, prompt_len: int, gen_len: int) 
     if c.family == "decoder":
         weights = _param_bytes(model) - model.embed.weight.numel() * element * (not c.tie_embeddings)
         return weights + batch * context * _kv_entry_bytes(c, c.n_layer, element)
+    if c.family == "recursive":  # the shared layers are read once per loop; one KV entry per depth position
+        weights = _param_bytes(model) + (c.loops - 1) * _param_bytes(model.body.blocks)
+        weights -= model.embed.weight.numel() * element * (not c.tie_embeddings)
+        return weights + batch * context * _kv_entry_bytes(c, c.depth, element)
     if c.family == "block":
         block_len = c.block_len
         slow = _param_bytes(model.embedder, model.block_decoder) + batch * context / block_len * _kv_entry_bytes(

@@ -35,7 +35,8 @@ def run_stream(
     model: nn.Module, prompts: list[list[int]], *, n_slots: int, min_tokens: int, max_tokens: int,
     rate: float = float("inf"), sync_every: int = 8, seed: int = 0, compile: bool = False,
 ) -> dict[str, Any]:
-    """Serve ``prompts`` arriving at ``rate`` requests/s (inf: all at t=0); metrics of the whole stream."""
+    """Serve ``prompts`` arriving at ``rate`` requests/s (inf: all at t=0); metrics of the whole stream,
+    and each request's ``outputs`` (in submission order)."""
     if rate <= 0:
         raise BlockloopError(f"--rate must be > 0 requests/s (inf for a fixed queue), got {rate}")
     if not 1 <= min_tokens <= max_tokens:
@@ -62,4 +63,13 @@ def run_stream(
             engine.step()
     metrics = serving_metrics([Timing(r.arrival_time, r.token_times) for r in requests])
     metrics.update(n_slots=n_slots, rate=rate, steps=engine.steps)
+    if hasattr(model, "mean_exit_loop"):
+        metrics["mean_exit_loop"] = model.mean_exit_loop(engine.state)
+    metrics["outputs"] = [r.output for r in requests]
     return metrics
+
+
+def agreement(outputs: list[list[int]], reference: list[list[int]]) -> float:
+    """Share of positions where two greedy decodings of the same requests emit the same token."""
+    pairs = [(a, b) for out, ref in zip(outputs, reference) for a, b in zip(out, ref)]
+    return sum(a == b for a, b in pairs) / max(len(pairs), 1)

@@ -41,7 +41,9 @@ class SlotModel(Protocol):
     * ``prefill_slot(state, slot, prompt (P,)) -> logits (V,)``: take over row ``slot`` for a new prompt
       (left-padded with ``config.pad_id`` to a multiple of ``prompt_multiple``, if the model sets one);
     * ``decode_step(state, tokens (n_slots,)) -> logits (n_slots, V)``: one token for every row, each at
-      its own position (the same step lock-step generation uses);
+      its own position (the same step lock-step generation uses). A model may instead return
+      ``(logits, ready)``: then only ``ready`` rows emit a token next step, the others get -1 (depth-wise
+      batching, :mod:`blockloop.infer.depthwise`);
     * ``admit_every`` (optional, default 1): requests join only every this many steps (a Block
       Transformer's block length: its rows share the within-block phase).
     """
@@ -102,6 +104,8 @@ class Engine:
         self.scheduler = Scheduler(n_slots)
         self.logits = torch.zeros(n_slots, model.config.padded_vocab_size, dtype=weight.dtype, device=self.device)
         self.ring = torch.zeros(self.sync_every, n_slots, dtype=torch.long, device=self.device)
+        # Which rows' logits are a finished token's (always all, except under depth-wise batching).
+        self.ready = torch.ones(n_slots, dtype=torch.bool, device=self.device)
         # Each slot's sampling parameters and how many tokens its request has sampled, on device.
         self.temperature = torch.zeros(n_slots, device=self.device)
         self.top_p = torch.ones(n_slots, device=self.device)
@@ -166,16 +170,19 @@ class Engine:
             remaining = max(r.max_tokens - len(r.output) for r in running.values())
             steps, last = min(steps, remaining), remaining <= steps
         filtered = any(r.sampling.filters for r in running.values())
-        rows, logits = self.rows, self.logits[: self.rows]
+        rows, logits, ready = self.rows, self.logits[: self.rows], self.ready[: self.rows]
         for i in range(steps):
             tokens = sample_rows(
                 logits[:, : self.vocab_size], self.temperature[:rows], self.top_k[:rows], self.top_p[:rows],
                 self.seed[:rows], self.counter[:rows], filtered=filtered,
             )
+            tokens = torch.where(ready, tokens, -1)  # rows inside a token (depth-wise) emit nothing
             self.ring[i, :rows] = tokens
-            self.counter[:rows] += 1
+            self.counter[:rows] += ready
             if not (last and i == steps - 1):
-                logits = self._decode(self.state, tokens)
+                out = self._decode(self.state, tokens)
+                logits, ready = out if isinstance(out, tuple) else (out, ready)
+        self.ready[:rows] = ready
         # Kept in the engine's own buffer: a compiled step may reuse its output, and prefill writes rows here.
         self.logits[:rows] = logits
         self.steps += steps
@@ -189,6 +196,7 @@ class Engine:
         pad = self._padded(len(request.prompt)) - len(request.prompt)
         prompt = torch.tensor([getattr(self.model.config, "pad_id", 0)] * pad + request.prompt, device=self.device)
         self.logits[slot] = self.model.prefill_slot(self.state, slot, prompt)
+        self.ready[slot] = True
         self._set_sampling(slot, request.sampling)
 
     def _fits_together(self, group: list[Request], candidate: Request) -> bool:
@@ -215,7 +223,7 @@ class Engine:
         for slot, request in running.items():
             start = len(request.output)
             for token in tokens[slot]:
-                if request.accept(token, now):
+                if token >= 0 and request.accept(token, now):
                     self.scheduler.release(slot)
                     finished.append(request)
                     break

@@ -38,13 +38,37 @@ class KVCache(nn.Module):
             self.v.scatter_(2, index, v.to(self.v.dtype))
         return self.k, self.v
 
+    @classmethod
+    def of(cls, k: Tensor, v: Tensor) -> KVCache:
+        """A cache over existing ``(B, H_kv, S, D)`` buffers (views): writing it writes them."""
+        view = cls.__new__(cls)
+        nn.Module.__init__(view)
+        view.register_buffer("k", k, persistent=False)
+        view.register_buffer("v", v, persistent=False)
+        return view
+
     def row(self, index: int) -> KVCache:
         """Row ``index`` as a batch of one whose buffers are views: writing it writes this cache."""
-        view = KVCache.__new__(KVCache)
-        nn.Module.__init__(view)
-        view.register_buffer("k", self.k[index : index + 1], persistent=False)
-        view.register_buffer("v", self.v[index : index + 1], persistent=False)
-        return view
+        return KVCache.of(self.k[index : index + 1], self.v[index : index + 1])
+
+
+class RowLoopKV:
+    """One shared layer's keys/values when each row of the batch runs its own loop (depth-wise batching).
+
+    ``k, v`` are ``(loops, B, H_kv, S, D)``; row ``b`` reads and writes loop ``loop[b]``. Writing gathers
+    each row's loop into a ``(B, H_kv, S, D)`` copy to attend over, so it costs one cache read more than
+    a plain layer (a kernel that indexes the loop in place would avoid it).
+    """
+
+    def __init__(self, k: Tensor, v: Tensor, loop: Tensor) -> None:
+        self.k, self.v, self.loop = k, v, loop
+
+    def write(self, slots: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        """Store one token per row, ``k, v (B, H_kv, 1, D)`` at per-row ``slots (B, 1)``."""
+        rows = torch.arange(k.shape[0], device=k.device)
+        self.k[self.loop, rows, :, slots[:, 0]] = k[:, :, 0].to(self.k.dtype)
+        self.v[self.loop, rows, :, slots[:, 0]] = v[:, :, 0].to(self.v.dtype)
+        return self.k[self.loop, rows], self.v[self.loop, rows]
 
 
 class DecoderCache(nn.Module):
@@ -99,3 +123,25 @@ class DecoderCache(nn.Module):
         view.layers = nn.ModuleList(layer.row(index) for layer in self.layers)
         view.register_buffer("key_valid", self.key_valid[index : index + 1], persistent=False)
         return view
+
+    @classmethod
+    def looped(
+        cls, n_layer: int, loops: int, batch_size: int, n_kv_head: int, max_len: int, head_dim: int, *,
+        dtype: torch.dtype, device: torch.device | str,
+    ) -> DecoderCache:
+        """A cache for ``n_layer`` shared layers run ``loops`` times, with depth entry ``loop * n_layer + j``
+        a view of loop ``loop`` of shared layer ``j``'s stacked buffers ``(loops, B, H_kv, S, D)``, so one
+        batch can also run each row at its own loop (:meth:`loop_layer`)."""
+        cache = cls(0, batch_size, n_kv_head, max_len, head_dim, dtype=dtype, device=device)
+        shape = (loops, batch_size, n_kv_head, max_len, head_dim)
+        cache.stacked = [(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+                         for _ in range(n_layer)]
+        cache.layers = nn.ModuleList(KVCache.of(cache.stacked[j][0][loop], cache.stacked[j][1][loop])
+                                     for loop in range(loops) for j in range(n_layer))
+        return cache
+
+    def loop_layer(self, layer: int, loop: Tensor) -> RowLoopKV:
+        """Shared layer ``layer`` with row ``b`` at loop ``loop[b]`` (a cache built by :meth:`looped`)."""
+        if not hasattr(self, "stacked"):
+            raise ValueError("rows at different loops need a cache built by DecoderCache.looped")
+        return RowLoopKV(*self.stacked[layer], loop)
