@@ -208,11 +208,13 @@ def test_bench_cli_runs_throughput_and_stream_end_to_end(tmp_path, capsys):
     assert [(r["name"], r["batch"]) for r in rows] == [("tiny", 1), ("tiny", 2), ("tiny-block", 1), ("tiny-block", 2)]
     assert all(r["tok_s"] > 0 and 0 < r["roofline_fraction"] for r in rows)
     assert rows[0]["ratio_vs_baseline"] == 1.0 and rows[0]["device"].startswith("cpu")
-    assert main(["bench", "--stream", "--presets", "tiny", "--requests", "5", "--slots", "2",
-                 "--prompt-range", "4,9", "--tokens-range", "2,6", *common]) == 0
-    stream = json.loads(record.read_text().splitlines()[-1])
-    assert stream["requests"] == 5 and 10 <= stream["output_tokens"] <= 30
-    assert "| tiny | 2 |" in capsys.readouterr().out
+    assert main(["bench", "--stream", "--presets", "tiny-recursive", "--requests", "5", "--slots", "2",
+                 "--prompt-range", "4,9", "--tokens-range", "2,6", "--exit", "none:0", *common]) == 0
+    sequence_wise, depth_wise = map(json.loads, record.read_text().splitlines()[-2:])
+    assert sequence_wise["requests"] == 5 and 10 <= sequence_wise["output_tokens"] <= 30
+    assert depth_wise["output_tokens"] == sequence_wise["output_tokens"]
+    assert depth_wise["agreement_vs_no_exit"] == 1.0 and depth_wise["mean_exit_loop"] == 2.0
+    assert "| tiny-recursive depth-wise exit none:0 | 2 |" in capsys.readouterr().out
 
 
 def test_bench_cli_errors_are_one_line(tmp_path, capsys):

@@ -17,10 +17,10 @@ from blockloop.errors import BlockloopError
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     m = p.add_argument_group("models (the first one is the baseline the ratios divide by)")
-    m.add_argument("--presets", default="pythia-85m,block-85m",
-                   help="comma-separated presets, randomly initialised (default: pythia-85m,block-85m)")
+    m.add_argument("--presets",
+                   help="comma-separated presets, randomly initialised (default without --checkpoint: pythia-85m,block-85m)")
     m.add_argument("--checkpoint", action="append", default=[],
-                   help="a trained run to bench instead (repeatable; its validation loss is recorded for --plot)")
+                   help="a trained run to bench, after the --presets (repeatable; its validation loss is recorded for --plot)")
     m.add_argument("--device", default="auto", help="auto, cpu or cuda (default: auto)")
     m.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
                    help="weights/cache dtype (default: bfloat16 on CUDA, float32 on CPU)")
@@ -73,15 +73,15 @@ def _models(args: argparse.Namespace, device: str, dtype: torch.dtype) -> list[t
     from blockloop.presets import from_name
 
     models: list[tuple[str, nn.Module, float | None]] = []
+    presets = args.presets if args.presets is not None else ("" if args.checkpoint else "pythia-85m,block-85m")
+    for name in [n.strip() for n in presets.split(",") if n.strip()]:
+        torch.manual_seed(args.seed)
+        models.append((name, build_model(from_name(name)).to(device=device, dtype=dtype).eval(), None))
     for path in args.checkpoint:
         from blockloop.train.run import load_trained
 
         trained = load_trained(path, device)
         models.append((Path(path).name, trained.model.to(dtype), last_val_loss(Path(path))))
-    if not args.checkpoint:
-        for name in [n for n in args.presets.split(",") if n.strip()]:
-            torch.manual_seed(args.seed)
-            models.append((name, build_model(from_name(name.strip())).to(device=device, dtype=dtype).eval(), None))
     if not models:
         raise BlockloopError("nothing to bench: give --presets or --checkpoint")
     return models
