@@ -121,7 +121,8 @@ class DepthwiseRecursive(nn.Module):
         logits = m.exit_logits(x)[:, -1]
         last = loop == self.config.loops - 1
         ready = last | self.exit_rule.fires(logits[:, : self.config.vocab_size], loop + 1)
-        self._fill_owed(decode.cache, ready & ~last, loop, slot)
+        if self.exit_rule.kind != "none":
+            self._fill_owed(decode.cache, ready & ~last, loop, slot)
         state.exits.index_add_(0, loop, ready.long())
         state.hidden, state.loop, state.slot, state.position = x, loop + 1, slot, position
         return logits, ready
