@@ -94,8 +94,8 @@ class Engine:
         self.reserved = len(self.prefill_kwargs.get("prefix", ()))  # context taken by a shared prefix
         self.prompt_multiple = getattr(model, "prompt_multiple", 1)
         # Windows end on admission points, so each window starts where new requests may join.
-        admit_every = getattr(model, "admit_every", 1)
-        self.sync_every = -(-sync_every // admit_every) * admit_every
+        self.admit_every = getattr(model, "admit_every", 1)
+        self.sync_every = -(-sync_every // self.admit_every) * self.admit_every
         self.vocab_size = model.config.vocab_size
         weight = next(model.parameters())
         self.device = weight.device
@@ -152,10 +152,11 @@ class Engine:
         return self.scheduler.idle
 
     @torch.no_grad()
-    def step(self) -> list[Request]:
+    def step(self, max_steps: int | None = None) -> list[Request]:
         """Admit waiting requests, decode one window, and hand its tokens to their requests.
 
-        Returns the requests that finished in this window.
+        ``max_steps`` shortens the window (rounded up to a multiple of ``admit_every``; benchmarks use it
+        to time the first token alone). Returns the requests that finished in this window.
         """
         if self.continuous:
             for slot, request in self.scheduler.admit():
@@ -166,7 +167,11 @@ class Engine:
         if not running:
             return []
         steps, last = self.sync_every, False
-        if not self.continuous:  # a static batch stops exactly when its longest request is done
+        if max_steps is not None:
+            steps = min(steps, -(-max_steps // self.admit_every) * self.admit_every)
+        if self.admit_every == 1 or not self.continuous:
+            # Stop exactly when the longest request is done, skipping the decode after its last token
+            # (a Block Transformer's continuous batch keeps whole blocks: its rows share the phase).
             remaining = max(r.max_tokens - len(r.output) for r in running.values())
             steps, last = min(steps, remaining), remaining <= steps
         filtered = any(r.sampling.filters for r in running.values())
