@@ -175,12 +175,16 @@ class Engine:
             remaining = max(r.max_tokens - len(r.output) for r in running.values())
             steps, last = min(steps, remaining), remaining <= steps
         filtered = any(r.sampling.filters for r in running.values())
+        greedy = all(r.sampling.temperature == 0 for r in running.values())  # skip the noise (idle rows: any token)
         rows, logits, ready = self.rows, self.logits[: self.rows], self.ready[: self.rows]
         for i in range(steps):
-            tokens = sample_rows(
-                logits[:, : self.vocab_size], self.temperature[:rows], self.top_k[:rows], self.top_p[:rows],
-                self.seed[:rows], self.counter[:rows], filtered=filtered,
-            )
+            if greedy:
+                tokens = logits[:, : self.vocab_size].argmax(dim=-1)
+            else:
+                tokens = sample_rows(
+                    logits[:, : self.vocab_size], self.temperature[:rows], self.top_k[:rows], self.top_p[:rows],
+                    self.seed[:rows], self.counter[:rows], filtered=filtered,
+                )
             tokens = torch.where(ready, tokens, -1)  # rows inside a token (depth-wise) emit nothing
             self.ring[i, :rows] = tokens
             self.counter[:rows] += ready
