@@ -312,3 +312,15 @@ def test_exit_rules_on_known_distributions():
     assert ExitRule("none").fires(logits, one).tolist() == [False, False]
     with pytest.raises(BlockloopError, match="unknown exit rule"):
         ExitRule("confidence")
+
+
+def test_poisson_stream_serves_every_request_and_counts_queueing_in_ttft():
+    from blockloop.bench.stream import run_stream
+
+    metrics = run_stream(tiny(), random_prompts((4, 7, 5, 6)), n_slots=2, min_tokens=3, max_tokens=5, rate=200.0,
+                         sync_every=2)
+    assert metrics["requests"] == 4 and 12 <= metrics["output_tokens"] <= 20
+    assert all(3 <= len(o) <= 5 for o in metrics["outputs"])
+    assert metrics["ttft_s"]["median"] > 0 and metrics["e2e_s"]["p99"] >= metrics["ttft_s"]["p99"]
+    with pytest.raises(BlockloopError, match="--rate"):
+        run_stream(tiny(), [[1, 2]], n_slots=1, min_tokens=1, max_tokens=1, rate=0.0)
