@@ -85,6 +85,7 @@ class DepthwiseRecursive(nn.Module):
             raise BlockloopError(f"depth-wise batching needs cycle tying (rows share layers per loop), not {model.config.tying!r}")
         self.model, self.config = model, model.config
         self.exit_rule = exit_rule or ExitRule("none")
+        self.token_per_step = False  # rows emit a token only when they leave a loop (see the engine)
 
     def allocate_slots(self, n_slots: int, max_len: int) -> DepthwiseState:
         c, weight = self.config, self.model.embed.weight

@@ -45,7 +45,8 @@ class SlotModel(Protocol):
       ``(logits, ready)``: then only ``ready`` rows emit a token next step, the others get -1 (depth-wise
       batching, :mod:`blockloop.infer.depthwise`);
     * ``admit_every`` (optional, default 1): requests join only every this many steps (a Block
-      Transformer's block length: its rows share the within-block phase).
+      Transformer's block length: its rows share the within-block phase);
+    * ``token_per_step`` (optional, default True): False when ``decode_step`` returns ``(logits, ready)``.
     """
 
     def allocate_slots(self, n_slots: int, max_len: int) -> Any: ...
@@ -95,6 +96,7 @@ class Engine:
         self.prompt_multiple = getattr(model, "prompt_multiple", 1)
         # Windows end on admission points, so each window starts where new requests may join.
         self.admit_every = getattr(model, "admit_every", 1)
+        self.token_per_step = getattr(model, "token_per_step", True)
         self.sync_every = -(-sync_every // self.admit_every) * self.admit_every
         self.vocab_size = model.config.vocab_size
         weight = next(model.parameters())
@@ -169,9 +171,10 @@ class Engine:
         steps, last = self.sync_every, False
         if max_steps is not None:
             steps = min(steps, -(-max_steps // self.admit_every) * self.admit_every)
-        if self.admit_every == 1 or not self.continuous:
+        if not self.continuous or (self.admit_every == 1 and self.token_per_step):
             # Stop exactly when the longest request is done, skipping the decode after its last token
-            # (a Block Transformer's continuous batch keeps whole blocks: its rows share the phase).
+            # (a Block Transformer's continuous batch keeps whole blocks: its rows share the phase; a
+            # depth-wise batch emits tokens at uneven steps).
             remaining = max(r.max_tokens - len(r.output) for r in running.values())
             steps, last = min(steps, remaining), remaining <= steps
         filtered = any(r.sampling.filters for r in running.values())
