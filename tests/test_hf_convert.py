@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import time
 
 import pytest
 import torch
@@ -233,7 +232,6 @@ def test_smollm2_gguf_matches_transformers():
     from blockloop.convert.smollm2 import GGUF_FILE, smollm2_files
     from blockloop.data.tokenizers import build_tokenizer
 
-    start = time.perf_counter()
     hf = load_hf_model(smollm2_files(), gguf_file=GGUF_FILE)
     ours = from_hf_model(hf)
     tok = build_tokenizer("smollm2")
@@ -241,4 +239,3 @@ def test_smollm2_gguf_matches_transformers():
     with torch.no_grad():
         diff = max_diff(ours(idx)[0], hf(idx).logits)
     assert diff <= TOL, diff
-    assert time.perf_counter() - start < 600
