@@ -4,7 +4,8 @@ For a source checkpoint (a blockloop run, or SmolLM2 written by `blockloop conve
 records, on the same validation batches: the original model; the recursive model (``--loops``, each
 looped-layer init of section 2.2) converted and after ``--steps`` of uptraining; a reduced-size model
 (L / loops layers, same width) trained from scratch for the same steps; and relaxed models (average init
-+ SVD-initialised LoRA, section 2.3) at several ranks, before and after the same uptraining. Parameter
++ SVD-initialised LoRA, section 2.3) at several ranks and prefix-relaxed ones (appendix K), before and after
+the same uptraining. Parameter
 counts are beside each. Budgets are tiny when run on a shared CPU; the markdown says what was used.
 
     PYTHONPATH=src python benchmarks/recursive_uptrain.py --source runs/source-demo6 --out benchmarks/results/recursive_uptrain_cpu
@@ -13,6 +14,7 @@ counts are beside each. Budgets are tiny when run on a shared CPU; the markdown 
 from __future__ import annotations
 
 import argparse
+import copy
 import datetime
 import json
 import platform
@@ -26,9 +28,9 @@ import torch
 
 from blockloop.convert import vanilla_to_recursive
 from blockloop.data.dataset import prepare_tokens
+from blockloop.data.tokenizers import build_tokenizer
 from blockloop.models import build_model
 from blockloop.train.evaluate import evaluate
-from blockloop.data.tokenizers import build_tokenizer
 from blockloop.train.run import TrainedModel, load_trained, sequences
 from blockloop.train.trainer import TrainConfig, Trainer
 
@@ -40,8 +42,10 @@ def main() -> None:
     p.add_argument("--out", required=True, help="results path without extension (.json and .md are written)")
     p.add_argument("--data", default=None, help="corpus (default: the source run's, else shakespeare)")
     p.add_argument("--loops", type=int, default=2)
-    p.add_argument("--inits", default="stepwise,average,lower,upper,random")
+    p.add_argument("--inits", default="stepwise,average,lower,upper,random", help="looped-layer inits ('' for none)")
+    p.add_argument("--no-scratch", action="store_true", help="leave out the reduced-size model trained from scratch")
     p.add_argument("--ranks", default="4,16,64", help="LoRA ranks of the relaxed models (average init, SVD LoRA)")
+    p.add_argument("--prefix-lens", default="8", help="prefix lengths of prefix-relaxed models (average init; '' for none)")
     p.add_argument("--steps", type=int, default=40, help="uptraining / from-scratch steps (0: converted models only)")
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--seq-len", type=int, default=128)
@@ -83,13 +87,18 @@ def main() -> None:
         rows.append(row)
         print(json.dumps(row), flush=True)
 
-    record("original (full size)", source.model, score(source.model), None)
-    for init in args.inits.split(","):
+    original = score(source.model)
+    if args.steps:  # the fair baseline: the full-size model given the same extra training
+        record("original (full size), same extra training", source.model, original,
+               *uptrain(copy.deepcopy(source.model), args.lr))
+    else:
+        record("original (full size)", source.model, original, None)
+    for init in [i for i in args.inits.split(",") if i]:
         model = vanilla_to_recursive(source.model, loops=args.loops, init=init)
         before = score(model)
         after, seconds = uptrain(model, args.lr)
         record(f"recursive, {init}", model, before, after, seconds)
-    if args.steps:
+    if args.steps and not args.no_scratch:
         torch.manual_seed(0)
         reduced = build_model(source.config.stack(source.config.n_layer // args.loops))
         record(f"reduced size ({reduced.config.n_layer} layers), from scratch", reduced, score(reduced),
@@ -99,6 +108,11 @@ def main() -> None:
         before = score(model)
         after, seconds = uptrain(model, args.lr)
         record(f"relaxed, average + SVD LoRA r={rank}", model, before, after, seconds)
+    for length in [int(n) for n in args.prefix_lens.split(",") if n]:
+        model = vanilla_to_recursive(source.model, loops=args.loops, init="average", prefix_len=length)
+        before = score(model)
+        after, seconds = uptrain(model, args.lr)
+        record(f"relaxed, average + prefix N={length}", model, before, after, seconds)
 
     meta = {
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
@@ -133,11 +147,11 @@ def markdown(meta: dict[str, object], rows: list[dict[str, object]]) -> str:
         f"- source: `{meta['source']}` ({meta['source_config']}), data: {meta['data']}",
         f"- device: {meta['device']}; torch {meta['torch']}; {meta['date']}",
         f"- command: `{meta['command']}`",
-        f"- {s['loops']} loops; uptraining and from-scratch runs: {s['steps']} steps of {s['batch_size']} x {s['seq_len']} "
-        f"tokens (LR {s['lr']}, from scratch {s['scratch_lr']}; warm-up 10%, cosine); validation perplexity over the "
-        f"same {meta['val_tokens']} tokens ({s['eval_batches']} batches) for every model.",
-        "- CPU budgets are far below the paper's (15-60B tokens): read the columns as where each initialisation "
-        "starts and how fast it recovers, not as converged quality. GPU runs at real budgets are owed.",
+        (f"- {s['loops']} loops; uptraining and from-scratch runs: {s['steps']} steps of {s['batch_size']} x {s['seq_len']} "
+         f"tokens (LR {s['lr']}, from scratch {s['scratch_lr']}; warm-up 10%, cosine); validation perplexity over the "
+         f"same {meta['val_tokens']} tokens ({s['eval_batches']} batches) for every model."),
+        ("- CPU budgets are far below the paper's (15-60B tokens): read the columns as where each initialisation "
+         "starts and how fast it recovers, not as converged quality. GPU runs at real budgets are owed."),
         "",
         "| model | params | non-emb params | ppl converted | ppl uptrained | train s |",
         "|---|---:|---:|---:|---:|---:|",

@@ -14,9 +14,16 @@ module of each depth position ℓ gets the truncated SVD of the residual W_ℓ -
 B = U_r Σ_r / s, A = V_r^T, where s = alpha / r is the LoRA scaling, so s B A is the best rank-r
 approximation of the residual and the relaxed model starts as close to the full one as r allows
 (equation 5; exactly equal at full rank). Where the shared weight equals W_ℓ (the layer stepwise/lower
-took it from), and for ``lora_init="zero"``, the module gets the standard zero init (appendix E). LoRA
-relaxes linear weights only: tied norms and biases stay shared, so full-rank SVD reproduces the full
-model exactly when those agree across the tied layers.
+took it from), and for ``lora_init="zero"``, the module gets the standard zero init (appendix E).
+
+LoRA relaxes linear weights, while the pre-norms in front of them are tied too. A norm's gain g scales the
+input of the next linear, so what a layer applies to the normalised input x̂ is its effective weight
+W diag(g). For the linears fed by a tied pre-norm (q/k/v from ``norm1``, the MLP's input from ``norm2``)
+the SVD is therefore taken of the effective residual E = W_ℓ diag(g_ℓ) - W' diag(g'), and A = V_r^T
+diag(1/g'): s B A diag(g') is the best rank-r approximation of E, and full rank reproduces the full model
+even where the tied gains differ (Average, or any norm the paper's equation 4 leaves out). For the other
+linears (g = 1) this is equation 4 as printed. What LoRA cannot absorb stays shared: LayerNorm and
+linear biases, and Gemma's q/k and post norms.
 """
 
 from __future__ import annotations
@@ -33,6 +40,8 @@ from blockloop.models.recursive import RecursiveDecoder
 from blockloop.nn.lora import LoopLoRALinear
 
 LOOP_INITS = ("stepwise", "average", "lower", "upper", "random")
+# The pre-norm whose gain scales each linear's input (see the module docstring).
+INPUT_NORMS = {"attn.qkv": "norm1", "mlp.fc": "norm2", "mlp.gate": "norm2", "mlp.up": "norm2"}
 LORA_INITS = ("svd", "zero")
 
 
@@ -141,15 +150,25 @@ def vanilla_to_recursive(
 def _init_lora(model: RecursiveDecoder, full: nn.ModuleList, lora_init: str) -> None:
     """Equation 4 per depth position: the LoRA of its shared layer's occurrence approximates W_ℓ - W'."""
     for position, (layer, occurrence) in enumerate(zip(model.order, model.occurrence)):
-        targets = dict(full[position].named_modules())
-        for name, lora in model.body.blocks[layer].named_modules():
+        source, shared = full[position], model.body.blocks[layer]
+        for name, lora in shared.named_modules():
             if not isinstance(lora, LoopLoRALinear):
                 continue
-            residual = targets[name].weight.double() - lora.weight.double()
+            weight, target = lora.weight.double(), source.get_submodule(name).weight.double()
+            gain = torch.ones(weight.shape[1], dtype=torch.float64, device=weight.device)
+            if name in INPUT_NORMS:
+                gain = _gain(shared.get_submodule(INPUT_NORMS[name]))
+                target = target * _gain(source.get_submodule(INPUT_NORMS[name]))
+            residual = target - weight * gain  # E = W_l diag(g_l) - W' diag(g')
             if lora_init == "zero" or not residual.any():
                 lora.reset_lora(occurrence)
                 continue
             u, s, vh = torch.linalg.svd(residual, full_matrices=False)
             r = lora.rank
             lora.lora_B[occurrence] = (u[:, :r] * s[:r] / lora.scaling).to(lora.lora_B.dtype)
-            lora.lora_A[occurrence] = vh[:r].to(lora.lora_A.dtype)
+            lora.lora_A[occurrence] = (vh[:r] / gain.where(gain != 0, 1.0)).to(lora.lora_A.dtype)
+
+
+def _gain(norm: nn.Module) -> torch.Tensor:
+    """The per-channel gain a norm multiplies the normalised input by (Gemma's 1 + w included)."""
+    return norm.weight.double() + getattr(norm, "offset", 0.0)

@@ -45,8 +45,8 @@ class LoopLoRALinear(nn.Linear):
 
     @torch.no_grad()
     def reset_lora(self, loops: slice | int = slice(None)) -> None:
-        """Zero init of the given loops' modules: A ~ N(0, 1/r) (as LoRA's Gaussian A), B = 0."""
-        nn.init.normal_(self.lora_A[loops], std=1 / math.sqrt(self.rank))
+        """Zero init of the given loops' modules: Gaussian A ~ N(0, 1/in) (each A x entry at the scale of x), B = 0."""
+        nn.init.normal_(self.lora_A[loops], std=1 / math.sqrt(self.in_features))
         nn.init.zeros_(self.lora_B[loops])
 
     def delta(self, x: Tensor, loop: int | Tensor) -> Tensor:
