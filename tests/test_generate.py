@@ -7,7 +7,6 @@ import torch
 
 from blockloop.errors import BlockloopError
 from blockloop.infer.generate import generate
-from blockloop.infer.sampling import sample
 from blockloop.models import build_model
 from blockloop.presets import from_name
 
@@ -65,17 +64,3 @@ def test_prompt_longer_than_context_is_a_clear_error(model):
         generate(model, [[1] * 120], 10)
     with pytest.raises(BlockloopError, match="non-empty"):
         generate(model, [[]], 10)
-
-
-def test_top_k_and_top_p_restrict_the_support():
-    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]])).repeat(2000, 1)
-    g = torch.Generator().manual_seed(0)
-    assert set(sample(logits, top_k=2, generator=g).tolist()) == {0, 1}
-    assert set(sample(logits, top_p=0.7, generator=g).tolist()) == {0, 1}  # 0.5 < 0.7 needs the 2nd token
-    assert set(sample(logits, top_p=0.4, generator=g).tolist()) == {0}
-    assert set(sample(logits, temperature=1.0, generator=g).tolist()) == {0, 1, 2, 3}
-    freq = (sample(logits, generator=g) == 0).float().mean().item()
-    assert abs(freq - 0.5) < 0.05
-    assert torch.equal(sample(logits[:3], temperature=0), torch.zeros(3, dtype=torch.long))
-    with pytest.raises(ValueError, match="top_p"):
-        sample(logits, top_p=0.0)

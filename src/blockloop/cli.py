@@ -1,4 +1,4 @@
-"""``blockloop <verb>``: train, eval, generate, presets, flops, info, demo.
+"""``blockloop <verb>``: train, eval, generate, presets, flops, bench, info, demo.
 
 Each verb is a thin layer over the library. User mistakes surface as :class:`BlockloopError` and are
 printed as one line on stderr with exit code 2; anything else is a bug and keeps its traceback.
@@ -53,6 +53,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("presets", help="list the named model presets with parameter counts")
     p.set_defaults(handler=cmd_presets)
     _add_flops(sub)
+    _add_bench(sub)
     p = sub.add_parser("info", help="show the environment, or a checkpoint's config and training state")
     p.add_argument("checkpoint", nargs="?", help="run directory or checkpoint directory (omit for the environment)")
     p.set_defaults(handler=cmd_info)
@@ -814,6 +815,25 @@ def _parse_overrides(items: list[str]) -> dict[str, object]:
         except json.JSONDecodeError:
             overrides[field] = value
     return overrides
+
+
+# ---------------------------------------------------------------------- bench
+def _add_bench(sub: argparse._SubParsersAction) -> None:
+    from blockloop.bench.cli import add_arguments
+
+    p = sub.add_parser(
+        "bench", help="benchmark inference: throughput protocol, request stream, Pareto plot",
+        description="Time the serving engine with the Block Transformer paper's protocol (random prompts, no EOS, "
+        "warm-up, repeated runs), or serve a stream of corpus prompts (--stream), or plot recorded runs (--plot).",
+    )
+    add_arguments(p)
+    p.set_defaults(handler=cmd_bench)
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from blockloop.bench.cli import run
+
+    return run(args, _device(args.device))
 
 
 def _device(name: str) -> str:

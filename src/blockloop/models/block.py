@@ -125,10 +125,11 @@ class TokenDecoder(nn.Module):
 
 @dataclass
 class BlockDecodeState:
-    """Generation state: the block decoder's cache, the current block's context and token-decoder cache."""
+    """Generation state: the block decoder's cache (each row's next block slot and position), the current
+    block's context vectors and token-decoder cache. All rows share the within-block phase ``filled``."""
 
     block_cache: DecoderCache
-    next_block_slot: int
+    next_block_slot: Tensor
     next_block_position: Tensor
     token_cache: DecoderCache
     vectors: Tensor
@@ -143,6 +144,8 @@ class BlockTransformer(nn.Module):
         super().__init__()
         self.config = config
         self.prompt_multiple = config.block_len
+        # Rows of a continuous batch share the within-block phase, so requests join at block boundaries.
+        self.admit_every = config.block_len
         self.embedder = LookupEmbedder(config) if config.embedder == "lookup" else EncoderEmbedder(config)
         self.drop = nn.Dropout(config.dropout)
         self.block_decoder = TransformerStack(config.block_decoder_config())
@@ -240,10 +243,10 @@ class BlockTransformer(nn.Module):
             self.embedder(blocks), positions=positions, cache=block_cache, slots=slots, token_valid=block_valid
         )[:, -1]
         state = BlockDecodeState(
-            block_cache, n_blocks, positions[:, -1] + 1, token_cache, self.token_decoder.context_vectors(context),
+            block_cache, torch.full_like(positions[:, -1], n_blocks), positions[:, -1] + 1, token_cache, self.token_decoder.context_vectors(context),
             torch.full((batch, c.block_len), c.pad_id, dtype=torch.long, device=idx.device),
         )
-        return self._start_block(state), state
+        return self._start_block(state.vectors, state.token_cache), state
 
     @torch.no_grad()
     def decode_step(self, state: BlockDecodeState, token: Tensor) -> Tensor:
@@ -258,23 +261,52 @@ class BlockTransformer(nn.Module):
         return tokdec.lm_head(hidden[:, -1])
 
     def _next_block(self, state: BlockDecodeState) -> Tensor:
-        """The block is complete: one block-decoder step gives the next context; the local cache restarts."""
-        slot = torch.full((1,), state.next_block_slot, device=state.block_tokens.device)
+        """The block is complete: one block-decoder step gives the next context; the local cache restarts.
+
+        Each row writes its own next block slot (rows past the end of the cache, idle rows of a
+        continuous batch, rewrite their last one)."""
+        slots = state.next_block_slot.clamp_max(state.block_cache.max_len - 1)[:, None]
         block = self.embedder(state.block_tokens[:, None])
         context = self.block_decoder(
-            block, positions=state.next_block_position[:, None], cache=state.block_cache, slots=slot
+            block, positions=state.next_block_position[:, None], cache=state.block_cache, slots=slots
         )[:, -1]
-        state.next_block_slot += 1
+        state.next_block_slot = state.next_block_slot + 1
         state.next_block_position = state.next_block_position + 1
         state.vectors = self.token_decoder.context_vectors(context)
         state.filled = 0
-        return self._start_block(state)
+        return self._start_block(state.vectors, state.token_cache)
 
-    def _start_block(self, state: BlockDecodeState) -> Tensor:
+    def _start_block(self, vectors: Tensor, token_cache: DecoderCache) -> Tensor:
         tokdec = self.token_decoder
-        state.token_cache.reset()
-        slots = torch.arange(tokdec.n_lead, device=state.vectors.device)
-        hidden = tokdec.body(
-            tokdec.lead(state.vectors), cache=state.token_cache, slots=slots, memory=tokdec.memory(state.vectors)
-        )
+        token_cache.reset()
+        slots = torch.arange(tokdec.n_lead, device=vectors.device)
+        hidden = tokdec.body(tokdec.lead(vectors), cache=token_cache, slots=slots, memory=tokdec.memory(vectors))
         return tokdec.lm_head(hidden[:, -1])
+
+    # Continuous batching (blockloop.infer.engine): every row is a slot holding one request. Requests
+    # are admitted only at block boundaries (``admit_every``), when every row's token cache holds just
+    # its lead, so one shared within-block phase keeps the token decoder's steps batched.
+    def allocate_slots(self, n_slots: int, max_len: int) -> BlockDecodeState:
+        block_cache, token_cache = self.generation_caches(n_slots, max_len, 0)
+        device = token_cache.key_valid.device
+        zeros = torch.zeros(n_slots, dtype=torch.long, device=device)
+        vectors = self.token_decoder.context_vectors(torch.zeros(n_slots, self.config.block_d_model, device=device,
+                                                                 dtype=self.token_decoder.embed.weight.dtype))
+        blocks = torch.full((n_slots, self.config.block_len), self.config.pad_id, dtype=torch.long, device=device)
+        return BlockDecodeState(block_cache, zeros, zeros.clone(), token_cache, vectors, blocks)
+
+    @torch.no_grad()
+    def prefill_slot(self, state: BlockDecodeState, slot: int, prompt: Tensor) -> Tensor:
+        """Cache ``prompt (P,)`` (left-padded with pad tokens to whole blocks) in row ``slot``'s block cache
+        and open its first block; the first token's logits ``(V,)``."""
+        if state.filled:
+            raise RuntimeError("requests join a Block Transformer batch only at block boundaries")
+        blocks = prompt.view(1, -1, self.config.block_len)
+        n_blocks = blocks.shape[1]
+        cache = state.block_cache.row(slot)
+        cache.reset()
+        slots = torch.arange(n_blocks, device=prompt.device)
+        context = self.block_decoder(self.embedder(blocks), cache=cache, slots=slots)[:, -1]
+        state.next_block_slot[slot] = state.next_block_position[slot] = n_blocks
+        state.vectors[slot] = self.token_decoder.context_vectors(context)[0]
+        return self._start_block(state.vectors[slot : slot + 1], state.token_cache.row(slot))[0]

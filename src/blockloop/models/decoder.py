@@ -32,11 +32,25 @@ CrossKV = tuple[Tensor, Tensor]
 
 @dataclass
 class DecodeState:
-    """Where each row of a generation batch is: the cache, the next slot, each row's next position."""
+    """Where each row of a generation batch is: the cache, each row's next cache slot and next position.
+
+    Rows advance independently, so the same state serves a lock-step batch of left-padded prompts
+    (:meth:`Decoder.prefill`) and a continuous batch whose rows are requests of different lengths
+    (:meth:`Decoder.prefill_slot`).
+    """
 
     cache: DecoderCache
-    next_slot: int
+    next_slot: Tensor
     next_position: Tensor
+
+    def step_slots(self) -> tuple[Tensor, Tensor]:
+        """``(B, 1)`` slots and positions of the next token, then advance. Rows past the end of the cache
+        (idle or finished rows of a continuous batch that keep stepping) rewrite their last slot."""
+        slots = self.next_slot.clamp_max(self.cache.max_len - 1)[:, None]
+        positions = self.next_position[:, None]
+        self.next_slot = self.next_slot + 1
+        self.next_position = self.next_position + 1
+        return slots, positions
 
 
 def split_heads(x: Tensor, n_head: int, head_dim: int) -> Tensor:
@@ -354,15 +368,29 @@ class Decoder(LanguageModel):
         positions = (slots[None, :] - (~token_valid).sum(1, keepdim=True)).clamp_min(0)
         (cache,) = self.generation_caches(batch, length, max_new_tokens)
         logits, _ = self(idx, cache=cache, slots=slots, positions=positions, token_valid=token_valid, last_only=True)
-        return logits[:, -1], DecodeState(cache, length, positions[:, -1] + 1)
+        return logits[:, -1], DecodeState(cache, torch.full_like(positions[:, -1], length), positions[:, -1] + 1)
 
     @torch.no_grad()
     def decode_step(self, state: DecodeState, token: Tensor) -> Tensor:
-        slot = torch.full((1,), state.next_slot, device=token.device)
-        logits, _ = self(token[:, None], cache=state.cache, slots=slot, positions=state.next_position[:, None])
-        state.next_slot += 1
-        state.next_position = state.next_position + 1
+        """One token per row, written at that row's own next slot."""
+        slots, positions = state.step_slots()
+        logits, _ = self(token[:, None], cache=state.cache, slots=slots, positions=positions)
         return logits[:, -1]
+
+    # Continuous batching (blockloop.infer.engine): every row of the cache is a slot holding one request.
+    def allocate_slots(self, n_slots: int, max_len: int) -> DecodeState:
+        zeros = torch.zeros(n_slots, dtype=torch.long, device=self.embed.weight.device)
+        return DecodeState(self.allocate_cache(n_slots, max_len), zeros, zeros.clone())
+
+    @torch.no_grad()
+    def prefill_slot(self, state: DecodeState, slot: int, prompt: Tensor) -> Tensor:
+        """Cache ``prompt (P,)`` at slots 0..P-1 of row ``slot``; the next-token logits ``(V,)``."""
+        cache = state.cache.row(slot)
+        cache.reset()
+        slots = torch.arange(prompt.numel(), device=prompt.device)
+        logits, _ = self(prompt[None], cache=cache, slots=slots, last_only=True)
+        state.next_slot[slot] = state.next_position[slot] = prompt.numel()
+        return logits[0, -1]
 
     def forward(
         self,
@@ -378,8 +406,8 @@ class Decoder(LanguageModel):
         """Logits for ``idx (B, T)``, and the mean next-token loss when ``targets`` is given.
 
         Without a cache this is the training forward over a full causal window. With a cache the tokens
-        are written at cache ``slots (T,)`` (shared by all rows); ``positions (B, T)`` are their rotary
-        positions (default: the slots) and ``token_valid (B, T)`` marks left padding. ``last_only``
+        are written at cache ``slots`` (``(T,)`` shared by all rows, or ``(B, T)`` per row); ``positions
+        (B, T)`` are their rotary positions (default: the slots) and ``token_valid (B, T)`` marks left padding. ``last_only``
         projects only the final position, which is all generation needs. Targets equal to -100 are
         ignored by the loss.
         """

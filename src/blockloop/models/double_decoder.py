@@ -100,12 +100,13 @@ class ContextPrefix:
 
 @dataclass
 class DoubleDecodeState:
-    """Generation state: the generation decoder's own KV cache, the per-layer cross K/V (fixed), positions."""
+    """Generation state: the generation decoder's own KV cache, the per-layer cross K/V (fixed), each
+    row's next cache slot and position."""
 
     cache: DecoderCache
     cross: list[CrossKV]
     cross_mask: Tensor
-    next_slot: int
+    next_slot: Tensor
     next_position: Tensor
 
 
@@ -213,19 +214,47 @@ class DoubleDecoder(LanguageModel):
             self._cache(self.config.n_generation_layer, batch, 1 + max_new_tokens),
             cross,
             cache.key_valid[:, None, None, :].clone(),
-            0,
+            torch.zeros_like(positions[:, -1]),
             positions[:, -1],
         )
         return self.decode_step(state, idx[:, -1]), state
 
     @torch.no_grad()
     def decode_step(self, state: DoubleDecodeState, token: Tensor) -> Tensor:
-        """One token per row through the generation decoder only (its cache + the fixed cross K/V)."""
-        slots = torch.full((1,), state.next_slot, device=token.device)
+        """One token per row through the generation decoder only (its cache + the fixed cross K/V); each row
+        writes its own next slot (rows past the end of the cache rewrite their last one)."""
+        slots = state.next_slot.clamp_max(state.cache.max_len - 1)[:, None]
         cos, sin = rope_angles(state.next_position[:, None], self.config.rotary_dim, self.config.rope_base)
         mask = state.cache.attention_mask(slots, None)
         logits = self._generate(self.embed(token[:, None]), cos, sin, state.cross, state.cross_mask,
                                 mask=mask, cache=state.cache, slots=slots)
-        state.next_slot += 1
+        state.next_slot = state.next_slot + 1
         state.next_position = state.next_position + 1
         return logits[:, -1]
+
+    # Continuous batching (blockloop.infer.engine): every row is a slot holding one request, with static
+    # cross K/V buffers of ``max_len`` entries per generation layer (masked past the row's prompt).
+    def allocate_slots(self, n_slots: int, max_len: int) -> DoubleDecodeState:
+        c, weight = self.config, self.embed.weight
+        shape = (n_slots, c.n_kv_head, max_len, c.head_dim)
+        cross = [(weight.new_zeros(shape), weight.new_zeros(shape)) for _ in self.generation]
+        zeros = torch.zeros(n_slots, dtype=torch.long, device=weight.device)
+        mask = torch.zeros(n_slots, 1, 1, max_len, dtype=torch.bool, device=weight.device)
+        return DoubleDecodeState(self._cache(c.n_generation_layer, n_slots, max_len), cross, mask, zeros, zeros.clone())
+
+    @torch.no_grad()
+    def prefill_slot(self, state: DoubleDecodeState, slot: int, prompt: Tensor) -> Tensor:
+        """:meth:`prefill` of one prompt, copied into row ``slot``: its cross K/V and the generation
+        cache entry of its last prompt token. The first token's logits ``(V,)``."""
+        logits, one = self.prefill(prompt[None], torch.ones_like(prompt[None], dtype=torch.bool), 0)
+        length = one.cross_mask.shape[-1]
+        for (k, v), (k1, v1) in zip(state.cross, one.cross):
+            k[slot, :, :length], v[slot, :, :length] = k1[0], v1[0]
+        state.cross_mask[slot] = False
+        state.cross_mask[slot, ..., :length] = one.cross_mask[0]
+        for layer, layer1 in zip(state.cache.layers, one.cache.layers):
+            layer.k[slot, :, :1], layer.v[slot, :, :1] = layer1.k[0, :, :1], layer1.v[0, :, :1]
+        state.cache.key_valid[slot] = False
+        state.cache.key_valid[slot, 0] = True
+        state.next_slot[slot], state.next_position[slot] = 1, one.next_position[0]
+        return logits[0]

@@ -14,8 +14,8 @@ Interface for continuous depth-wise batching (section 2.4; the engine of issue 6
 runs loop ``k`` of the shared block on hidden states ``x (B, T, d)`` where ``k`` is an ``int`` or a ``(B,)``
 tensor giving each row its own loop. With a tensor, all rows go through the same shared layers in one
 batched call (CYCLE tying only: there loop k runs layers 0..n_layer-1 for every k) and each row's LoRA
-delta and prefix are gathered by its loop index. A KV cache in that call needs one loop for the whole
-batch (per-row cache placement belongs to the engine's cache type). ``self.drop(self.embed_tokens(idx))``,
+delta and prefix are gathered by its loop index. A KV cache in that call must be a
+:meth:`DecoderCache.looped` one, so each row reads and writes its own loop's entries. ``self.drop(self.embed_tokens(idx))``,
 ``self.body.layer_inputs(x, ...)`` and :meth:`exit_logits` are the entry, the shared per-pass inputs and the
 exit around it.
 """
@@ -147,16 +147,14 @@ class RecursiveDecoder(Decoder):
             raise ValueError(
                 f"rows at different loops share layers only under cycle tying, not {self.config.tying!r}"
             )
-        if per_row and cache is not None:
-            raise ValueError("a cached pass runs one loop for the whole batch; pass an int loop")
         try:
             for j in range(n):
                 layer = j if per_row else self.order[loop * n + j]
                 self.loop_index.value = loop if per_row else self.occurrence[loop * n + j]
                 cos, sin, kwargs = inputs.of(layer in self.config.local_layers)
                 kwargs = dict(kwargs)
-                if cache is not None:
-                    kwargs.update(cache=cache.layers[loop * n + j], slots=slots)
+                if cache is not None:  # per-row loops: each row's loop of shared layer j (DecoderCache.looped)
+                    kwargs.update(cache=cache.loop_layer(j, loop) if per_row else cache.layers[loop * n + j], slots=slots)
                 if self.config.prefix_len:
                     kv = self.prefix_kv[loop * n + j]  # (2, H, P, D), or (B, 2, H, P, D) per row
                     kwargs["prefix"] = (kv[:, 0], kv[:, 1]) if per_row else (kv[0:1], kv[1:2])

@@ -105,10 +105,12 @@ def sliding_window_mask_mod(window: int, offset: int = 0) -> MaskMod:
 
 
 def within_window(query_slots: Tensor, n_keys: int, window: int) -> Tensor:
-    """``(Tq, n_keys)``: which cache slots lie less than ``window`` slots before each query's slot, the band
-    that restricts a cache's mask to a sliding window."""
+    """``(Tq, n_keys)`` for shared query slots ``(Tq,)``, or ``(B, 1, Tq, n_keys)`` for per-row ones ``(B, Tq)``:
+    which cache slots lie less than ``window`` slots before each query's slot, the band that restricts a
+    cache's mask to a sliding window."""
     key_slots = torch.arange(n_keys, device=query_slots.device)
-    return key_slots[None, :] > query_slots[:, None] - window
+    band = key_slots > query_slots[..., None] - window
+    return band if query_slots.dim() == 1 else band[:, None]
 
 
 def _dense_mask(

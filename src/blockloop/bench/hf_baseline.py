@@ -1,0 +1,53 @@
+"""The Hugging Face ``generate()`` baseline: the same vanilla model converted to a ``transformers`` model
+(:func:`blockloop.convert.hf.to_hf_model`, the export path) and decoded by ``generate()`` with the
+paper's protocol (greedy, exactly ``gen_len`` tokens, no EOS)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from blockloop.bench.throughput import ThroughputResult
+from blockloop.bench.timing import timed
+from blockloop.errors import BlockloopError
+
+
+def hf_available() -> str | None:
+    """None when the baseline can run, else why not (one line)."""
+    try:
+        import transformers  # noqa: F401
+    except ImportError:
+        return "transformers is not installed (pip install 'blockloop[hf]')"
+    try:
+        from blockloop.convert.hf import to_hf_model  # noqa: F401
+    except ImportError:
+        return "blockloop.convert.hf.to_hf_model is not available in this build"
+    return None
+
+
+def hf_throughput(
+    model: nn.Module, batch: int, prompt_len: int, gen_len: int, *, repeats: int = 3, warmup: int = 1, seed: int = 0
+) -> ThroughputResult:
+    """Time ``transformers`` ``generate()`` on ``model`` converted with :func:`blockloop.convert.hf.to_hf_model`
+    (in the model's dtype, on its device). Raises for a model that does not export (not vanilla)."""
+    reason = hf_available()
+    if reason is not None:
+        raise BlockloopError(f"the HF generate() baseline needs {reason}")
+    from blockloop.convert.hf import quiet_transformers, to_hf_model
+
+    weight = next(model.parameters())
+    device = weight.device
+    with quiet_transformers():
+        hf = to_hf_model(model).to(device=device, dtype=weight.dtype).eval()
+    generator = torch.Generator().manual_seed(seed)
+    seconds = []
+    for run in range(warmup + repeats):
+        ids = torch.randint(0, model.config.vocab_size, (batch, prompt_len), generator=generator).to(device)
+        with timed(device) as timer, torch.no_grad():
+            hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=gen_len, min_new_tokens=gen_len,
+                        do_sample=False, eos_token_id=None, pad_token_id=0)
+        if run >= warmup:
+            seconds.append(timer.seconds)
+    mean = sum(seconds) / len(seconds)
+    return ThroughputResult("hf-generate", batch, prompt_len, gen_len, batch * gen_len / mean, float("nan"),
+                            float("nan"), None, None, None, None)

@@ -1,0 +1,141 @@
+"""The Block Transformer paper's throughput protocol (section 3.2 / appendix E) on the serving engine.
+
+A batch of ``B`` random-token prompts of ``prompt_len`` tokens, each continued by exactly ``gen_len``
+tokens (no EOS), after warm-up runs; every timed run reuses the same engine slots. Reported: generated
+tokens per second, time to first token and time per output token (means over requests), peak memory
+per sample (CUDA) and static cache bytes per sample, and the fraction of the memory-bandwidth roofline.
+TTFT is timed as the same batch asking for one token (all prompts prefilled, first tokens sampled; a
+Block Transformer's window is one block, so its TTFT also holds ``L_B - 1`` token-decoder steps);
+TPOT = (run time - TTFT) / (gen_len - 1).
+Prefill-heavy is 2048 / 128 and decode-heavy 128 / 2048 in the paper; on CPU shrink them with flags.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, is_dataclass
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from blockloop.bench.roofline import bytes_per_step
+from blockloop.bench.timing import timed
+from blockloop.errors import BlockloopError
+from blockloop.infer.engine import Engine
+from blockloop.infer.requests import SamplingParams
+
+SCENARIOS = {"prefill-heavy": (2048, 128), "decode-heavy": (128, 2048)}
+
+
+@dataclass
+class ThroughputResult:
+    name: str
+    batch: int
+    prompt_len: int
+    gen_len: int
+    tok_s: float
+    ttft_s: float
+    tpot_s: float
+    peak_mem_per_sample: int | None
+    cache_bytes_per_sample: int | None
+    roofline_tok_s: float | None
+    roofline_fraction: float | None
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def state_bytes(obj: object) -> int:
+    """Bytes of every tensor held by a decode state (caches, cross K/V, buffers), each storage once."""
+    seen: dict[int, int] = {}
+
+    def visit(x: object) -> None:
+        if isinstance(x, Tensor):
+            seen[x.untyped_storage().data_ptr()] = x.untyped_storage().nbytes()
+        elif isinstance(x, nn.Module):
+            for b in x.buffers():
+                visit(b)
+        elif isinstance(x, (list, tuple)):
+            for item in x:
+                visit(item)
+        elif is_dataclass(x):
+            for value in vars(x).values():
+                visit(value)
+
+    visit(obj)
+    return sum(seen.values())
+
+
+def check_lengths(model: nn.Module, prompt_len: int, gen_len: int) -> int:
+    """The engine slot length for this protocol; a clear error when it exceeds the model context."""
+    if prompt_len < 1 or gen_len < 1:
+        raise BlockloopError(f"prompt and generation lengths must be >= 1, got {prompt_len} and {gen_len}")
+    multiple = getattr(model, "prompt_multiple", 1)
+    need = -(-prompt_len // multiple) * multiple + gen_len
+    context = model.config.context_length
+    if need > context:
+        raise BlockloopError(
+            f"prompt {prompt_len} + generation {gen_len} tokens exceed the model context of {context}; "
+            "lower --prompt-len/--gen-len or pick a preset with a longer context"
+        )
+    return need
+
+
+def engine_throughput(
+    model: nn.Module, name: str, batch: int, prompt_len: int, gen_len: int, *,
+    repeats: int = 3, warmup: int = 1, sync_every: int = 16, compile: bool = False, bandwidth: float | None = None,
+    seed: int = 0,
+) -> ThroughputResult:
+    """Time ``repeats`` runs of the protocol on one engine (after ``warmup`` untimed ones)."""
+    if batch < 1:
+        raise BlockloopError(f"batch sizes must be >= 1, got {batch}")
+    max_len = check_lengths(model, prompt_len, gen_len)
+    device = next(model.parameters()).device
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    engine = Engine(model, batch, max_len=max_len, sync_every=sync_every, compile=compile)
+    generator = torch.Generator().manual_seed(seed)
+    greedy = SamplingParams(temperature=0.0)
+    seconds, ttft = [], []
+    for run in range(warmup + repeats):
+        prompts = torch.randint(0, model.config.vocab_size, (batch, prompt_len), generator=generator).tolist()
+        with timed(device) as timer:
+            for p in prompts:
+                engine.submit(p, gen_len, sampling=greedy)
+            engine.run()
+        # Time to first token on its own: the same batch asking for one token (prefill + first sample),
+        # since within a full run tokens only reach the host once per sync window.
+        with timed(device) as first:
+            for p in prompts:
+                engine.submit(p, 1, sampling=greedy)
+            engine.step(max_steps=1)
+        if run >= warmup:
+            seconds.append(timer.seconds)
+            ttft.append(first.seconds)
+    mean = sum(seconds) / len(seconds)
+    mean_ttft = sum(ttft) / len(ttft)
+    tok_s = batch * gen_len / mean
+    step_bytes = bytes_per_step(model, batch, prompt_len, gen_len)
+    roofline = batch * bandwidth / step_bytes if bandwidth and step_bytes else None
+    peak = torch.cuda.max_memory_allocated(device) // batch if device.type == "cuda" else None
+    return ThroughputResult(
+        name, batch, prompt_len, gen_len, tok_s, mean_ttft, max(mean - mean_ttft, 0.0) / max(gen_len - 1, 1), peak,
+        state_bytes(engine.state) // batch, roofline, tok_s / roofline if roofline else None,
+    )
+
+
+def search_batches(run: Any, batches: list[int], *, search: bool, max_batch: int) -> list[ThroughputResult]:
+    """Run ``run(batch)`` for each batch size; with ``search``, keep doubling past the last until the
+    device runs out of memory or ``max_batch``. Out-of-memory ends the list (the largest that fits)."""
+    results = []
+    sizes = list(batches)
+    while sizes:
+        batch = sizes.pop(0)
+        try:
+            results.append(run(batch))
+        except torch.OutOfMemoryError:
+            torch.cuda.empty_cache()
+            break
+        if search and not sizes and batch * 2 <= max_batch:
+            sizes.append(batch * 2)
+    return results

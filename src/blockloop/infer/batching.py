@@ -1,0 +1,25 @@
+"""Left-padding prompts of different lengths into one lock-step batch."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+
+
+def padded_prompt_length(model: nn.Module, prompts: Sequence[Sequence[int]]) -> int:
+    """The batch's prompt length: the longest prompt, rounded up to the model's ``prompt_multiple``."""
+    multiple = getattr(model, "prompt_multiple", 1)
+    longest = max(len(p) for p in prompts)
+    return -(-longest // multiple) * multiple
+
+
+def left_pad(prompts: Sequence[Sequence[int]], length: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(B, length)`` ids with each prompt right-aligned, and the mask of real (non-padding) tokens."""
+    idx = torch.zeros(len(prompts), length, dtype=torch.long, device=device)
+    token_valid = torch.zeros(len(prompts), length, dtype=torch.bool, device=device)
+    for row, prompt in enumerate(prompts):
+        idx[row, length - len(prompt) :] = torch.tensor(prompt, dtype=torch.long, device=device)
+        token_valid[row, length - len(prompt) :] = True
+    return idx, token_valid

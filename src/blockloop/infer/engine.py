@@ -1,0 +1,254 @@
+"""The serving engine: continuous (sequence-wise) batching of requests over a fixed set of cache slots.
+
+Every model family takes part through one small interface (:class:`SlotModel`): allocate static caches
+for ``n_slots`` rows, prefill a request into a slot, and run one decode step over all rows (a finished
+request's slot is simply prefilled again by the next one). The engine owns everything else, once for
+all families: the request queue (WAITING -> RUNNING -> FINISHED), per-request sampling on device
+(:func:`~blockloop.infer.sampling.sample_rows`), stopping, and streaming.
+
+The decode loop runs a window of ``sync_every`` steps with no host synchronisation: sampled tokens go to
+a device ring buffer and are copied to the host once per window, where requests that hit EOS or their
+token limit finish and free their slot, and waiting requests are prefilled into the free slots while the
+others keep their caches. Rows that finished inside a window keep stepping until its end (their extra
+tokens are discarded): the price of not syncing every token. Every row steps every time, busy or not,
+so the decode step has static shapes (``torch.compile``, CUDA graphs).
+
+Families that only implement the lock-step pair ``prefill(idx, token_valid, max_new_tokens)`` /
+``decode_step`` (and any family given a shared cached prefix) are served in static batches instead:
+waiting requests are admitted together, left-padded, once the previous batch has finished.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator, Sequence
+from typing import Any, Protocol
+
+import torch
+from torch import Tensor, nn
+
+from blockloop.errors import BlockloopError
+from blockloop.infer.batching import left_pad
+from blockloop.infer.requests import Request, SamplingParams, TokenCallback
+from blockloop.infer.sampling import sample_rows
+from blockloop.infer.scheduler import Scheduler
+
+
+class SlotModel(Protocol):
+    """What a model implements for continuous batching. ``state`` is the model's own decode state.
+
+    * ``allocate_slots(n_slots, max_len)``: static caches for ``n_slots`` requests of ``max_len`` tokens;
+    * ``prefill_slot(state, slot, prompt (P,)) -> logits (V,)``: take over row ``slot`` for a new prompt
+      (left-padded with ``config.pad_id`` to a multiple of ``prompt_multiple``, if the model sets one);
+    * ``decode_step(state, tokens (n_slots,)) -> logits (n_slots, V)``: one token for every row, each at
+      its own position (the same step lock-step generation uses). A model may instead return
+      ``(logits, ready)``: then only ``ready`` rows emit a token next step, the others get -1 (depth-wise
+      batching, :mod:`blockloop.infer.depthwise`);
+    * ``admit_every`` (optional, default 1): requests join only every this many steps (a Block
+      Transformer's block length: its rows share the within-block phase);
+    * ``token_per_step`` (optional, default True): False when ``decode_step`` returns ``(logits, ready)``.
+    """
+
+    def allocate_slots(self, n_slots: int, max_len: int) -> Any: ...
+    def prefill_slot(self, state: Any, slot: int, prompt: Tensor) -> Tensor: ...
+    def decode_step(self, state: Any, tokens: Tensor) -> Tensor: ...
+
+
+def serves_continuously(model: nn.Module) -> bool:
+    """Whether ``model`` implements the slot interface (else it is served in static batches)."""
+    return all(hasattr(model, name) for name in ("allocate_slots", "prefill_slot", "decode_step"))
+
+
+class Engine:
+    """Batching over ``n_slots`` rows for one model (see the module docstring).
+
+    ``prefill_kwargs`` go to the model's lock-step ``prefill`` (e.g. a double decoder's cached
+    ``prefix``) and select static batches. ``compile=True`` wraps the decode step in ``torch.compile``
+    (``mode="reduce-overhead"``, i.e. CUDA graphs, on CUDA). The model is used as given: cast it (e.g.
+    ``model.to(torch.bfloat16)``) first.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        n_slots: int,
+        *,
+        max_len: int | None = None,
+        sync_every: int = 8,
+        compile: bool = False,
+        prefill_kwargs: dict[str, Any] | None = None,
+    ) -> None:
+        self.continuous = serves_continuously(model) and not prefill_kwargs
+        if not self.continuous and not all(hasattr(model, n) for n in ("prefill", "decode_step")):
+            raise BlockloopError(f"{type(model).__name__} cannot generate: it implements neither prefill_slot nor prefill")
+        if n_slots < 1:
+            raise BlockloopError(f"the engine needs at least one slot, got n_slots={n_slots}")
+        if sync_every < 1:
+            raise BlockloopError(f"sync_every must be at least 1, got {sync_every}")
+        context = model.config.context_length
+        self.max_len = context if max_len is None else max_len
+        if not 1 <= self.max_len <= context:
+            raise BlockloopError(f"max_len {self.max_len} must be between 1 and the model context of {context}")
+        model.eval()
+        self.model, self.n_slots = model, n_slots
+        self.prefill_kwargs = prefill_kwargs or {}
+        self.reserved = len(self.prefill_kwargs.get("prefix", ()))  # context taken by a shared prefix
+        self.prompt_multiple = getattr(model, "prompt_multiple", 1)
+        # Windows end on admission points, so each window starts where new requests may join.
+        self.admit_every = getattr(model, "admit_every", 1)
+        self.token_per_step = getattr(model, "token_per_step", True)
+        self.sync_every = -(-sync_every // self.admit_every) * self.admit_every
+        self.vocab_size = model.config.vocab_size
+        weight = next(model.parameters())
+        self.device = weight.device
+        self.state = model.allocate_slots(n_slots, self.max_len) if self.continuous else None
+        self.rows = n_slots if self.continuous else 0  # rows the current decode state has
+        self.scheduler = Scheduler(n_slots)
+        self.logits = torch.zeros(n_slots, model.config.padded_vocab_size, dtype=weight.dtype, device=self.device)
+        self.ring = torch.zeros(self.sync_every, n_slots, dtype=torch.long, device=self.device)
+        # Which rows' logits are a finished token's (always all, except under depth-wise batching).
+        self.ready = torch.ones(n_slots, dtype=torch.bool, device=self.device)
+        # Each slot's sampling parameters and how many tokens its request has sampled, on device.
+        self.temperature = torch.zeros(n_slots, device=self.device)
+        self.top_p = torch.ones(n_slots, device=self.device)
+        self.top_k, self.seed, self.counter = (torch.zeros(n_slots, dtype=torch.long, device=self.device) for _ in range(3))
+        self._decode = model.decode_step
+        if compile:
+            self._decode = torch.compile(model.decode_step, mode="reduce-overhead" if self.device.type == "cuda" else None)
+        self.steps = 0
+        self.last_window: list[tuple[Request, list[int]]] = []
+
+    # ------------------------------------------------------------- requests
+    def submit(
+        self,
+        prompt: Sequence[int],
+        max_tokens: int,
+        *,
+        sampling: SamplingParams | None = None,
+        eos_id: int | None = None,
+        on_token: TokenCallback | None = None,
+    ) -> Request:
+        """Queue a request; it is prefilled into the first free slot. Raises on a request that cannot fit."""
+        prompt = [int(t) for t in prompt]
+        if not prompt:
+            raise BlockloopError("every prompt needs at least one token; give a non-empty prompt")
+        if max_tokens < 1:
+            raise BlockloopError(f"max_tokens must be at least 1, got {max_tokens}")
+        if max(prompt) >= self.vocab_size or min(prompt) < 0:
+            raise BlockloopError(f"prompt token ids must lie in [0, {self.vocab_size}); re-encode it with the model's tokenizer")
+        if self._padded(len(prompt)) + max_tokens + self.reserved > self.max_len:
+            raise BlockloopError(
+                f"prompt of {self._padded(len(prompt))} tokens plus {max_tokens} new tokens exceeds the engine's "
+                f"{self.max_len - self.reserved}-token slots (the model context); shorten the prompt or lower max_tokens"
+            )
+        request = Request(prompt, max_tokens, sampling or SamplingParams(), eos_id, on_token, arrival_time=time.perf_counter())
+        self.scheduler.add(request)
+        return request
+
+    def _padded(self, length: int) -> int:
+        return -(-length // self.prompt_multiple) * self.prompt_multiple
+
+    # ------------------------------------------------------------- stepping
+    @property
+    def idle(self) -> bool:
+        return self.scheduler.idle
+
+    @torch.no_grad()
+    def step(self, max_steps: int | None = None) -> list[Request]:
+        """Admit waiting requests, decode one window, and hand its tokens to their requests.
+
+        ``max_steps`` shortens the window (rounded up to a multiple of ``admit_every``; benchmarks use it
+        to time the first token alone). Returns the requests that finished in this window.
+        """
+        if self.continuous:
+            for slot, request in self.scheduler.admit():
+                self._prefill_slot(slot, request)
+        elif not self.scheduler.running:
+            self._prefill_batch(self.scheduler.admit(fits=self._fits_together))
+        running = dict(self.scheduler.running)
+        if not running:
+            return []
+        steps, last = self.sync_every, False
+        if max_steps is not None:
+            steps = min(steps, -(-max_steps // self.admit_every) * self.admit_every)
+        if not self.continuous or (self.admit_every == 1 and self.token_per_step):
+            # Stop exactly when the longest request is done, skipping the decode after its last token
+            # (a Block Transformer's continuous batch keeps whole blocks: its rows share the phase; a
+            # depth-wise batch emits tokens at uneven steps).
+            remaining = max(r.max_tokens - len(r.output) for r in running.values())
+            steps, last = min(steps, remaining), remaining <= steps
+        filtered = any(r.sampling.filters for r in running.values())
+        greedy = all(r.sampling.temperature == 0 for r in running.values())  # skip the noise (idle rows: any token)
+        rows, logits, ready = self.rows, self.logits[: self.rows], self.ready[: self.rows]
+        for i in range(steps):
+            if greedy:
+                tokens = logits[:, : self.vocab_size].argmax(dim=-1)
+            else:
+                tokens = sample_rows(
+                    logits[:, : self.vocab_size], self.temperature[:rows], self.top_k[:rows], self.top_p[:rows],
+                    self.seed[:rows], self.counter[:rows], filtered=filtered,
+                )
+            tokens = torch.where(ready, tokens, -1)  # rows inside a token (depth-wise) emit nothing
+            self.ring[i, :rows] = tokens
+            self.counter[:rows] += ready
+            if not (last and i == steps - 1):
+                out = self._decode(self.state, tokens)
+                logits, ready = out if isinstance(out, tuple) else (out, ready)
+        self.ready[:rows] = ready
+        # Kept in the engine's own buffer: a compiled step may reuse its output, and prefill writes rows here.
+        self.logits[:rows] = logits
+        self.steps += steps
+        return self._collect(running, steps)
+
+    def _set_sampling(self, slot: int, s: SamplingParams) -> None:
+        self.temperature[slot], self.seed[slot], self.counter[slot] = s.temperature, s.seed, 0
+        self.top_k[slot], self.top_p[slot] = s.top_k or 0, s.top_p if s.top_p is not None else 1.0
+
+    def _prefill_slot(self, slot: int, request: Request) -> None:
+        pad = self._padded(len(request.prompt)) - len(request.prompt)
+        prompt = torch.tensor([getattr(self.model.config, "pad_id", 0)] * pad + request.prompt, device=self.device)
+        self.logits[slot] = self.model.prefill_slot(self.state, slot, prompt)
+        self.ready[slot] = True
+        self._set_sampling(slot, request.sampling)
+
+    def _fits_together(self, group: list[Request], candidate: Request) -> bool:
+        """Whether a static batch still fits the context with ``candidate``: all rows share one length."""
+        members = [*group, candidate]
+        longest = self._padded(max(len(r.prompt) for r in members))
+        return self.reserved + longest + max(r.max_tokens for r in members) <= self.max_len
+
+    def _prefill_batch(self, admitted: list[tuple[int, Request]]) -> None:
+        prompts = [r.prompt for _, r in admitted]
+        idx, token_valid = left_pad(prompts, self._padded(max(map(len, prompts))), self.device)
+        max_new = max(r.max_tokens for _, r in admitted)
+        logits, self.state = self.model.prefill(idx, token_valid, max_new, **self.prefill_kwargs)
+        self.rows = len(admitted)
+        for row, (slot, request) in enumerate(admitted):
+            assert slot == row, "a static batch takes the slots from 0 up"
+            self.logits[slot] = logits[row]
+            self._set_sampling(slot, request.sampling)
+
+    def _collect(self, running: dict[int, Request], steps: int) -> list[Request]:
+        tokens = self.ring[:steps].T.tolist()  # the window's one host sync
+        now = time.perf_counter()
+        finished, self.last_window = [], []
+        for slot, request in running.items():
+            start = len(request.output)
+            for token in tokens[slot]:
+                if token >= 0 and request.accept(token, now):
+                    self.scheduler.release(slot)
+                    finished.append(request)
+                    break
+            self.last_window.append((request, request.output[start:]))
+        return finished
+
+    def run(self) -> None:
+        """Step until every submitted request has finished."""
+        while not self.idle:
+            self.step()
+
+    def stream(self) -> Iterator[tuple[Request, list[int]]]:
+        """Step until idle, yielding ``(request, new tokens)`` for each running request after every window."""
+        while not self.idle:
+            self.step()
+            yield from self.last_window

@@ -1,0 +1,83 @@
+"""Requests to the serving engine: what to generate, how to sample it, and what happened to it when."""
+
+from __future__ import annotations
+
+import enum
+import itertools
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from blockloop.errors import BlockloopError
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Per-request sampling: ``temperature`` 0 is greedy; ``seed`` fixes the request's random stream."""
+
+    temperature: float = 1.0
+    top_k: int | None = None
+    top_p: float | None = None
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.temperature < 0:
+            raise BlockloopError(f"temperature must be >= 0, got {self.temperature}; use 0 for greedy decoding")
+        if self.top_k is not None and self.top_k < 1:
+            raise BlockloopError(f"top_k must be >= 1, got {self.top_k}; leave it unset to sample from all tokens")
+        if self.top_p is not None and not 0.0 < self.top_p <= 1.0:
+            raise BlockloopError(f"top_p must be in (0, 1], got {self.top_p}")
+
+    @property
+    def filters(self) -> bool:
+        return self.temperature > 0 and (self.top_k is not None or (self.top_p is not None and self.top_p < 1.0))
+
+
+TokenCallback = Callable[["Request", int], None]
+_ids = itertools.count()
+
+
+@dataclass
+class Request:
+    """One prompt's life in the engine. Times are ``time.perf_counter()`` seconds on the host, taken when
+    tokens reach the host (the engine syncs every few steps, so tokens arrive in small bursts)."""
+
+    prompt: list[int]
+    max_tokens: int
+    sampling: SamplingParams = SamplingParams()
+    eos_id: int | None = None
+    on_token: TokenCallback | None = None
+    id: int = field(default_factory=lambda: next(_ids))
+    status: RequestStatus = RequestStatus.WAITING
+    output: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    slot: int | None = None
+    arrival_time: float | None = None
+    token_times: list[float] = field(default_factory=list)
+    finish_time: float | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.status is RequestStatus.FINISHED
+
+    def accept(self, token: int, now: float) -> bool:
+        """Take one sampled token; True once the request is complete (EOS, not kept, or max_tokens)."""
+        if token == self.eos_id:
+            self.finish("eos", now)
+            return True
+        self.output.append(token)
+        self.token_times.append(now)
+        if self.on_token is not None:
+            self.on_token(self, token)
+        if len(self.output) >= self.max_tokens:
+            self.finish("length", now)
+            return True
+        return False
+
+    def finish(self, reason: str, now: float) -> None:
+        self.status, self.finish_reason, self.finish_time = RequestStatus.FINISHED, reason, now
