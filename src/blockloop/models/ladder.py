@@ -71,7 +71,8 @@ class Ladder(LanguageModel):
         cos, sin = rope_angles(positions, self.config.rotary_dim, self.config.rope_base)
         mask = cache.attention_mask(slots, token_valid)
         if self.config.memory_len:
-            distance = slots[:, None] - torch.arange(cache.max_len, device=slots.device)[None, :]
+            per_row = slots if slots.dim() == 2 else slots[None]  # slots are (T,) shared or (B, T) per row
+            distance = per_row[:, None, :, None] - torch.arange(cache.max_len, device=slots.device)
             mask = mask & (distance <= self.config.memory_len)
         for application, layer in enumerate(self.order):
             x = self.core.blocks[layer](x, cos, sin, cache=cache.layers[application], slots=slots, mask=mask)
