@@ -62,6 +62,29 @@ class StaircaseState:
     def tokens_in_flight(self) -> int:
         return sum(c.shape[1] for c in self.chunks)
 
+    @property
+    def layout(self) -> tuple[object, ...]:
+        """What must agree for two streams' states to be stepped as one batch."""
+        return self.passes, tuple(c.shape[1] for c in self.chunks), self.cache_valid.shape[1]
+
+    def row(self, index: int) -> StaircaseState:
+        """Stream ``index`` as a batch of one."""
+        pick = slice(index, index + 1)
+        return StaircaseState(tuple(c[pick] for c in self.chunks), tuple(v[pick] for v in self.valid), self.passes,
+                              tuple((k[pick], v[pick]) for k, v in self.cache), self.cache_valid[pick])
+
+    @staticmethod
+    def batch(states: list[StaircaseState]) -> StaircaseState:
+        """Streams of one layout as one batch (the inverse of :meth:`row`)."""
+        first = states[0]
+        cat = lambda tensors: torch.cat(list(tensors), dim=0)  # noqa: E731
+        return StaircaseState(
+            tuple(cat(s.chunks[i] for s in states) for i in range(len(first.chunks))),
+            tuple(cat(s.valid[i] for s in states) for i in range(len(first.valid))), first.passes,
+            tuple((cat(s.cache[i][0] for s in states), cat(s.cache[i][1] for s in states)) for i in range(len(first.cache))),
+            cat(s.cache_valid for s in states),
+        )
+
     def detach(self) -> StaircaseState:
         """Cut the graph here (truncated BPTT between training segments)."""
         return replace(
@@ -216,20 +239,18 @@ class Staircase(LanguageModel):
                   for _ in range(c.passes)]
         ids = torch.zeros(n_slots, c.chunk_size, dtype=torch.long, device=weight.device)
         slots = StaircaseSlots(
-            [self.initial_state(1) for _ in range(n_slots)], passes,
+            [None] * n_slots, passes,  # type: ignore[list-item]  # every row's state is set just below
             torch.zeros(c.passes, n_slots, dtype=torch.long, device=weight.device), ids, ids.bool(),
             torch.zeros(n_slots, dtype=torch.long, device=weight.device), [0] * n_slots,
         )
-        for row in range(n_slots):
-            self._begin_chunk(slots, row)
+        self._begin_chunks(slots, list(range(n_slots)), self.initial_state(n_slots))
         return slots
 
     @torch.no_grad()
     def prefill_slot(self, slots: StaircaseSlots, slot: int, prompt: Tensor) -> Tensor:
         """Read ``prompt (P,)`` as a new stream in row ``slot`` (the other rows keep theirs); logits ``(V,)``."""
         logits, _, state = self(prompt[None], return_state=True)
-        slots.states[slot] = state
-        self._begin_chunk(slots, slot)
+        self._begin_chunks(slots, [slot], state)
         start = prompt.numel() - prompt.numel() % self.config.chunk_size
         if start < prompt.numel():
             rest = prompt[None, start:]
@@ -241,13 +262,7 @@ class Staircase(LanguageModel):
         """Lock-step prefill of left-padded prompts (chunks counted from the padded start, as the forward does)."""
         logits, _, state = self(idx, token_valid=token_valid, return_state=True)
         slots = self.allocate_slots(idx.shape[0])
-        for row in range(idx.shape[0]):
-            slots.states[row] = StaircaseState(
-                tuple(t[row : row + 1] for t in state.chunks), tuple(v[row : row + 1] for v in state.valid),
-                state.passes, tuple((k[row : row + 1], v[row : row + 1]) for k, v in state.cache),
-                state.cache_valid[row : row + 1],
-            )
-            self._begin_chunk(slots, row)
+        self._begin_chunks(slots, list(range(idx.shape[0])), state)
         start = idx.shape[1] - idx.shape[1] % self.config.chunk_size
         if start < idx.shape[1]:
             self._read(slots, idx[:, start:], token_valid[:, start:])
@@ -257,45 +272,54 @@ class Staircase(LanguageModel):
     def decode_step(self, slots: StaircaseSlots, token: Tensor) -> Tensor:
         """Read one token per row through its S / C (or m) passes, each a one-query attention over that
         pass's static window and the chunk so far. Rows whose chunk is now complete advance the recurrence
-        one step (their state is replaced) and get the windows of their next chunk."""
+        one step (their state is replaced) and get the windows of their next chunk, batched over rows whose
+        states have one layout (all of them in lock-step generation)."""
         h = self._read(slots, token[:, None], torch.ones_like(token[:, None], dtype=torch.bool))
+        groups: dict[tuple[object, ...], list[int]] = {}
         for row, phase in enumerate(slots.host_phase):
             if phase == self.config.chunk_size:
-                chunk = self.embed(slots.pending[row : row + 1])
-                slots.states[row], _ = self.step(slots.states[row], chunk, slots.pending_valid[row : row + 1])
-                self._begin_chunk(slots, row)
+                groups.setdefault(slots.states[row].layout, []).append(row)
+        for rows in groups.values():
+            index = torch.tensor(rows, device=token.device)
+            state = StaircaseState.batch([slots.states[row] for row in rows])
+            state, _ = self.step(state, self.embed(slots.pending[index]), slots.pending_valid[index])
+            self._begin_chunks(slots, rows, state)
         return self.logits(self.norm(h))[:, -1]
 
-    def _begin_chunk(self, slots: StaircaseSlots, row: int) -> None:
-        """Load row ``row``'s windows for its next chunk: what the chunk attends to at each pass besides
-        itself, found by running the flush steps of its state. Empties the chunk being written."""
-        c, state = self.config, slots.states[row]
-        current = state
+    def _begin_chunks(self, slots: StaircaseSlots, rows: list[int], state: StaircaseState) -> None:
+        """Give ``rows`` the stream state ``state`` (batch row i for ``rows[i]``) and load their windows for the
+        next chunk: what it attends to at each pass besides itself, found by running the flush steps of the
+        state. Empties the chunks being written."""
+        c, current, batch = self.config, state, len(rows)
+        for i, row in enumerate(rows):
+            slots.states[row] = state.row(i)
         for k, cache in enumerate(slots.passes):
             n_cache = current.cache_valid.shape[1]
             older, older_valid, following = [], current.cache_valid[:, :0], current
             if current.chunks:
-                empty = torch.zeros(1, 0, c.d_model, dtype=self.embed.weight.dtype, device=older_valid.device)
+                empty = torch.zeros(batch, 0, c.d_model, dtype=self.embed.weight.dtype, device=older_valid.device)
                 following, _, layer_states = self._step(current, empty, older_valid)
                 older = [prefix_kv(block, states) for block, states in zip(self.core.blocks, layer_states)]
                 older_valid = torch.cat(current.valid, dim=1)
             n = n_cache + older_valid.shape[1]
             cos, sin = rope_angles(torch.arange(n, device=older_valid.device), c.rotary_dim, c.rope_base)
-            view = cache.row(row)
-            view.reset()
-            view.key_valid[:, :n_cache] = current.cache_valid
-            view.key_valid[:, n_cache:n] = older_valid
-            for layer, kv in enumerate(view.layers):
-                if n_cache:
-                    key, value = rotate_prefix(current.cache[layer], cos[:n_cache], sin[:n_cache])
-                    kv.k[:, :, :n_cache], kv.v[:, :, :n_cache] = key, value
-                if older:
-                    key, value = rotate_prefix(older[layer], cos[n_cache:], sin[n_cache:])
-                    kv.k[:, :, n_cache:n], kv.v[:, :, n_cache:n] = key, value
-            slots.offset[k, row] = n
+            cached = [rotate_prefix(kv, cos[:n_cache], sin[:n_cache]) for kv in current.cache] if n_cache else []
+            chunks = [rotate_prefix(kv, cos[n_cache:], sin[n_cache:]) for kv in older]
+            for i, row in enumerate(rows):
+                view = cache.row(row)
+                view.reset()
+                view.key_valid[:, :n_cache] = current.cache_valid[i]
+                view.key_valid[:, n_cache:n] = older_valid[i]
+                for layer, kv in enumerate(view.layers):
+                    if n_cache:
+                        kv.k[:, :, :n_cache], kv.v[:, :, :n_cache] = cached[layer][0][i], cached[layer][1][i]
+                    if older:
+                        kv.k[:, :, n_cache:n], kv.v[:, :, n_cache:n] = chunks[layer][0][i], chunks[layer][1][i]
+                slots.offset[k, row] = n
             current = following
-        slots.pending_valid[row] = False
-        slots.phase[row] = slots.host_phase[row] = 0
+        for row in rows:
+            slots.pending_valid[row] = False
+            slots.phase[row] = slots.host_phase[row] = 0
 
     def _read(self, slots: StaircaseSlots, ids: Tensor, valid: Tensor, rows: slice = slice(None)) -> Tensor:
         """Append ``ids (B, T)`` to the chunk each of ``rows`` is writing; their final states ``(B, T, d)``."""
