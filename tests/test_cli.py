@@ -172,7 +172,7 @@ def test_set_overrides_model_fields_and_rejects_unknown_ones(tmp_path, capsys):
     one_line_error(capsys, [*argv, "--out", str(tmp_path / "w")], "not a multiple of the model's block length 4")
 
 
-@pytest.mark.parametrize("preset", ["tiny", "tiny-block", "tiny-double", "tiny-encdec"])
+@pytest.mark.parametrize("preset", ["tiny", "tiny-block", "tiny-double", "tiny-encdec", "tiny-staircase", "tiny-transformer-xl"])
 def test_flops_reports_every_family(preset, capsys):
     assert main(["flops", "--preset", preset, "--seq-len", "64", "--out-len", "16", "--measure"]) == 0
     out = capsys.readouterr().out

@@ -37,3 +37,29 @@ def test_block_formula_matches_measured_flops(overrides):
     model = build_model(from_name("tiny-block", **overrides))
     ratio = training_flops_per_token(model.config, 128) / 3 / measured_forward_flops_per_token(model, 128)
     assert 1.0 < ratio < 1.0 + 1 / 32
+
+
+def measured_segment_flops_per_token(model, length: int, carried: bool) -> float:
+    """One forward of a segment, after a first segment's carried state when ``carried``."""
+    idx = torch.randint(0, 258, (2, length))
+    state = model(idx, return_state=True)[2] if carried else None
+    with FlopCounterMode(display=False) as counter, sdpa_kernel(SDPBackend.MATH):
+        model(idx, state=state)
+    return counter.get_total_flops() / idx.numel()
+
+
+@pytest.mark.parametrize("name", ["tiny-ladder", "tiny-universal", "tiny-transformer-xl"])
+def test_ladder_formula_is_three_forward_passes_of_a_segment_after_its_memory(name):
+    """Steady state: Transformer-XL's memory is full (M keys before the segment, re-projected per segment)."""
+    model = build_model(from_name(name)).eval()
+    formula = training_flops_per_token(model.config, 64)
+    assert formula / 3 == pytest.approx(measured_segment_flops_per_token(model, 64, carried=True), rel=1e-9)
+
+
+@pytest.mark.parametrize("name", ["tiny-staircase", "tiny-cached-staircase", "tiny-global-staircase", "tiny-feedback"])
+def test_staircase_formula_bounds_a_stream_from_empty(name):
+    """Every pass and cache projection is counted exactly; attention is counted over full windows (S keys and
+    a full cache), which a stream's first steps and a global cache that has not filled do not reach."""
+    model = build_model(from_name(name)).eval()
+    ratio = training_flops_per_token(model.config, 128) / 3 / measured_segment_flops_per_token(model, 128, carried=False)
+    assert 1.0 <= ratio < 1.15  # the global cache of 128 states is half full on average over 128 tokens

@@ -214,7 +214,7 @@ def test_a_text_model_is_refused_on_a_task(tmp_path, capsys):
 
 
 def test_recurrent_models_train_and_score_on_task_windows(tmp_path, walk_dir, capsys):
-    """The staircase family reads task windows as streams (truncated BPTT) in training and evaluation."""
+    """The staircase family trains and is scored on task windows (each read from an empty state)."""
     run = tmp_path / "stair"
     args = [*TRAIN[2:]]
     args[args.index("--seq-len") + 1] = "20"  # a whole number of the staircase's 4-token chunks
@@ -223,3 +223,19 @@ def test_recurrent_models_train_and_score_on_task_windows(tmp_path, walk_dir, ca
     assert main(["eval", "--checkpoint", str(run), "--split", "test", "--json", "--device", "cpu"]) == 0
     result = json.loads(capsys.readouterr().out)
     assert result["task"] == WALK and 0 < result["tokens"] and 0.0 <= result["error"] <= 1.0
+
+
+@pytest.mark.parametrize("name", ["tiny-staircase", "tiny-transformer-xl"])
+def test_recurrent_models_read_each_overlapping_task_window_once_from_an_empty_state(name):
+    """Algorithm windows overlap (the next starts at the last program start inside the previous one): a
+    recurrent model carrying its state across them would read the overlap twice. Evaluation must equal
+    scoring each window on its own, from an empty state."""
+    _, _, seqs = windows_of("algorithm-3:6", sizes=(12, 2, 2), seq_len=64)
+    assert (np.diff(seqs.starts) < 64).any()  # some windows overlap
+    torch.manual_seed(0)
+    model = build_model(from_name(name)).double().eval()
+    inputs, labels = seqs.to_batch([seqs[i] for i in range(len(seqs))])
+    logits = torch.cat([model(inputs[i : i + 1])[0] for i in range(len(seqs))])  # one window at a time, fresh
+    expected = torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=IGNORE_INDEX)
+    metrics = evaluate(model, seqs, batch_size=2)
+    assert metrics["loss"] == pytest.approx(expected.item(), rel=1e-9)

@@ -698,6 +698,8 @@ def cmd_flops(args: argparse.Namespace) -> int:
         raise BlockloopError("--out-len and --bytes must be at least 1")
     if config.family == "block":
         return _block_flops(config, T, args)
+    if config.family in ("staircase", "ladder"):
+        return _recurrent_flops(config, T, args)
     if config.family == "recursive":  # weights are shared, compute and KV cache are not: count the looped depth
         print(f"{args.preset}: {config.summary()}; FLOPs and KV cache are those of its {config.depth}-layer looped depth")
         config = config.stack(config.depth)
@@ -748,6 +750,38 @@ def _block_flops(config: "BlockTransformerConfig", T: int, args: argparse.Namesp
     print("config: steady-state training FLOPs per token (block decoder once per block, token decoder n_lead + L_B - 1 "
           "positions per block); measured: 3 x one forward under torch FlopCounterMode (the first block of a window "
           "is not decoded); KV cache: the block decoder's cache plus one block of token-decoder cache.")
+    return 0
+
+
+def _recurrent_flops(config: "DecoderConfig", T: int, args: argparse.Namespace) -> int:  # noqa: F821
+    """The staircase family has no appendix-A formula: the core counted once per pass, measured FLOPs, and
+    the generation state the engine allocates per slot, beside the core run once as a plain decoder."""
+    import torch
+
+    from blockloop.models import build_model
+    from blockloop.train import flops
+
+    with torch.device("meta"):
+        model = build_model(config)
+        if config.family == "staircase":  # bounded by S and the cache, whatever the stream length
+            caches = model.allocate_slots(1).passes
+        else:
+            caches = model.generation_caches(1, T, args.out_len)
+    state = sum(layer.k.numel() + layer.v.numel() for cache in caches for layer in cache.layers) * args.bytes
+    measured = "-"
+    if args.measure:
+        idx = torch.zeros(1, T, dtype=torch.long, device="meta")
+        measured = f"{3 * flops.measured_forward_flops(model, {'idx': idx}) / T:.4g}"
+    core = config.stack(config.n_layer)
+    rows = [("model", "config FLOPs/token", "measured FLOPs/token", f"generation KV state T={T}+{args.out_len}"),
+            (f"{config.family} ({args.preset})", f"{flops.training_flops_per_token(config, T):.4g}", measured,
+             f"{state / 2**20:.2f} MiB"),
+            ("core as a plain decoder (one pass)", f"{flops.training_flops_per_token(core, T):.4g}", "-",
+             f"{flops.kv_cache_bytes(core, T, args.out_len, args.bytes) / 2**20:.2f} MiB")]
+    _print_table(rows)
+    print("config: steady-state training FLOPs per token (the core once per pass, full windows, cache/memory "
+          "projections); measured: 3 x one forward from an empty stream under torch FlopCounterMode; state: the "
+          "static caches generation allocates per slot (a staircase's is bounded by S and the cache).")
     return 0
 
 

@@ -378,9 +378,11 @@ class Decoder(LanguageModel):
         return logits[:, -1]
 
     # Continuous batching (blockloop.infer.engine): every row of the cache is a slot holding one request.
+    # Subclasses whose generation_caches() is one DecoderCache (Recursive, Ladder) share all three methods.
     def allocate_slots(self, n_slots: int, max_len: int) -> DecodeState:
         zeros = torch.zeros(n_slots, dtype=torch.long, device=self.embed.weight.device)
-        return DecodeState(self.allocate_cache(n_slots, max_len), zeros, zeros.clone())
+        (cache,) = self.generation_caches(n_slots, max_len, 0)
+        return DecodeState(cache, zeros, zeros.clone())
 
     @torch.no_grad()
     def prefill_slot(self, state: DecodeState, slot: int, prompt: Tensor) -> Tensor:

@@ -13,7 +13,8 @@ stream read in segments gives exactly the logits of one long forward; one step w
 Transformer-XL baseline (Dai et al. 2019).
 
 Generation writes every application's keys/values into a :class:`~blockloop.nn.kv_cache.DecoderCache`
-(one layer slot per application) through the vanilla decoder's prefill/decode loop.
+(one layer slot per application) through the vanilla decoder's prefill/decode loop, and joins the
+engine's continuous batching through the vanilla decoder's slot methods.
 """
 
 from __future__ import annotations
@@ -116,6 +117,10 @@ class Ladder(LanguageModel):
         return [DecoderCache(len(self.order), batch_size, c.n_kv_head, prompt_len + max_new_tokens, c.head_dim,
                              dtype=weight.dtype, device=weight.device)]
 
-    # The vanilla decoder's generation entry points only call forward() with a cache and generation_caches().
+    # The vanilla decoder's generation entry points only call forward() with a cache and generation_caches(),
+    # so the lock-step pair and the continuous-batching slots (per-row cache slots, which _cached's span
+    # mask measures distances from) are shared, not re-implemented.
     prefill = Decoder.prefill
     decode_step = Decoder.decode_step
+    allocate_slots = Decoder.allocate_slots
+    prefill_slot = Decoder.prefill_slot

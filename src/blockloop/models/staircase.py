@@ -21,7 +21,9 @@ next segment continues the recurrence exactly: a stream read in segments gives t
 forward (truncated BPTT detaches it between training steps). Streaming generation uses the same property:
 it keeps the state at the last complete chunk; what the chunk being written attends to at each of its passes
 (the cache and the older chunks in flight) does not depend on it, so it is computed once per chunk, and
-each new token costs one query per pass (:class:`StaircaseDecode`).
+each new token costs one query per pass. Those windows and the chunk's own keys/values live in static
+per-slot buffers (:class:`StaircaseSlots`, bounded by S and the cache, written at explicit slots), so the
+serving engine batches streams continuously: a request is prefilled into one slot while the others decode.
 
 Positions are rotary and local to each step's window (cache first, then the chunks in stream order), so
 they stay bounded on an endless stream and only relative distances matter.
@@ -37,6 +39,7 @@ from torch import Tensor, nn
 from blockloop.config import StaircaseConfig
 from blockloop.models.decoder import LanguageModel
 from blockloop.models.recurrent_core import KV, build_core, prefix_kv, rotate_prefix, window_mask
+from blockloop.nn.kv_cache import DecoderCache
 from blockloop.nn.rope import rope_angles
 
 
@@ -59,6 +62,29 @@ class StaircaseState:
     def tokens_in_flight(self) -> int:
         return sum(c.shape[1] for c in self.chunks)
 
+    @property
+    def layout(self) -> tuple[object, ...]:
+        """What must agree for two streams' states to be stepped as one batch."""
+        return self.passes, tuple(c.shape[1] for c in self.chunks), self.cache_valid.shape[1]
+
+    def row(self, index: int) -> StaircaseState:
+        """Stream ``index`` as a batch of one."""
+        pick = slice(index, index + 1)
+        return StaircaseState(tuple(c[pick] for c in self.chunks), tuple(v[pick] for v in self.valid), self.passes,
+                              tuple((k[pick], v[pick]) for k, v in self.cache), self.cache_valid[pick])
+
+    @staticmethod
+    def batch(states: list[StaircaseState]) -> StaircaseState:
+        """Streams of one layout as one batch (the inverse of :meth:`row`)."""
+        first = states[0]
+        cat = lambda tensors: torch.cat(list(tensors), dim=0)  # noqa: E731
+        return StaircaseState(
+            tuple(cat(s.chunks[i] for s in states) for i in range(len(first.chunks))),
+            tuple(cat(s.valid[i] for s in states) for i in range(len(first.valid))), first.passes,
+            tuple((cat(s.cache[i][0] for s in states), cat(s.cache[i][1] for s in states)) for i in range(len(first.cache))),
+            cat(s.cache_valid for s in states),
+        )
+
     def detach(self) -> StaircaseState:
         """Cut the graph here (truncated BPTT between training segments)."""
         return replace(
@@ -69,20 +95,30 @@ class StaircaseState:
 
 
 @dataclass
-class StaircaseDecode:
-    """Generation state: the stream state at the last complete chunk, and the chunk being written.
+class StaircaseSlots:
+    """Generation state of ``B`` slots, each a stream at its own point (continuous batching).
 
-    ``windows[k]`` is what the chunk being written attends to at its pass k besides itself: per layer the
-    rotated keys/values of the cache and of the older chunks in flight at that step (they never depend on
-    the new chunk, so they are computed once per chunk), and their validity. ``written[k]`` holds, per
-    layer, the rotated keys/values of the chunk's tokens read so far at pass k: a per-pass KV cache.
+    ``states[b]``: slot b's stream state at its last complete chunk (a batch of one; it changes once per
+    chunk). What the chunk being written reads is static: ``passes[k]`` is a
+    :class:`~blockloop.nn.kv_cache.DecoderCache` (one layer entry per core layer) of ``W + C`` slots per
+    row, where ``W = cache_tokens + (passes - 1) C`` bounds the window of pass k (the cache and the older
+    chunks in flight, rotated keys at slots ``0..n-1``, computed once per chunk) and the chunk's own tokens
+    are written at slot ``W + phase`` as they are read: a per-pass KV cache. ``offset[k, b]`` is the window
+    length n, the rotary position of the chunk's first token; ``phase[b]`` how many chunk tokens slot b
+    has read (mirrored on the host, so finding the rows whose chunk is complete needs no device sync).
     """
 
-    state: StaircaseState
+    states: list[StaircaseState]
+    passes: list[DecoderCache]
+    offset: Tensor
     pending: Tensor
     pending_valid: Tensor
-    windows: list[tuple[tuple[KV, ...], Tensor]]
-    written: list[list[KV]]
+    phase: Tensor
+    host_phase: list[int]
+
+    @property
+    def window(self) -> int:
+        return self.passes[0].max_len - self.pending.shape[1]
 
 
 class Staircase(LanguageModel):
@@ -194,36 +230,70 @@ class Staircase(LanguageModel):
         return (logits, loss, new_state) if return_state else (logits, loss)
 
     # ------------------------------------------------------------- generation
+    def allocate_slots(self, n_slots: int, max_len: int | None = None) -> StaircaseSlots:
+        """Static decode buffers for ``n_slots`` streams; each starts empty. ``max_len`` is not needed:
+        the buffers are bounded by the step size and cache, not the stream length."""
+        c, weight = self.config, self.embed.weight
+        width = c.cache_tokens + (c.passes - 1) * c.chunk_size + c.chunk_size
+        passes = [DecoderCache(c.n_layer, n_slots, c.n_kv_head, width, c.head_dim, dtype=weight.dtype, device=weight.device)
+                  for _ in range(c.passes)]
+        ids = torch.zeros(n_slots, c.chunk_size, dtype=torch.long, device=weight.device)
+        slots = StaircaseSlots(
+            [None] * n_slots, passes,  # type: ignore[list-item]  # every row's state is set just below
+            torch.zeros(c.passes, n_slots, dtype=torch.long, device=weight.device), ids, ids.bool(),
+            torch.zeros(n_slots, dtype=torch.long, device=weight.device), [0] * n_slots,
+        )
+        self._begin_chunks(slots, list(range(n_slots)), self.initial_state(n_slots))
+        return slots
+
     @torch.no_grad()
-    def prefill(self, idx: Tensor, token_valid: Tensor, max_new_tokens: int) -> tuple[Tensor, StaircaseDecode]:
-        """Read the prompts; keep the state at the last complete chunk and read the partial chunk after it."""
+    def prefill_slot(self, slots: StaircaseSlots, slot: int, prompt: Tensor) -> Tensor:
+        """Read ``prompt (P,)`` as a new stream in row ``slot`` (the other rows keep theirs); logits ``(V,)``."""
+        logits, _, state = self(prompt[None], return_state=True)
+        self._begin_chunks(slots, [slot], state)
+        start = prompt.numel() - prompt.numel() % self.config.chunk_size
+        if start < prompt.numel():
+            rest = prompt[None, start:]
+            self._read(slots, rest, torch.ones_like(rest, dtype=torch.bool), rows=slice(slot, slot + 1))
+        return logits[0, -1]
+
+    @torch.no_grad()
+    def prefill(self, idx: Tensor, token_valid: Tensor, max_new_tokens: int) -> tuple[Tensor, StaircaseSlots]:
+        """Lock-step prefill of left-padded prompts (chunks counted from the padded start, as the forward does)."""
         logits, _, state = self(idx, token_valid=token_valid, return_state=True)
+        slots = self.allocate_slots(idx.shape[0])
+        self._begin_chunks(slots, list(range(idx.shape[0])), state)
         start = idx.shape[1] - idx.shape[1] % self.config.chunk_size
-        decode = self._begin_chunk(state)
         if start < idx.shape[1]:
-            self._read(decode, idx[:, start:], token_valid[:, start:])
-        return logits[:, -1], decode
+            self._read(slots, idx[:, start:], token_valid[:, start:])
+        return logits[:, -1], slots
 
     @torch.no_grad()
-    def decode_step(self, decode: StaircaseDecode, token: Tensor) -> Tensor:
-        """Read ``token`` through its S / C (or m) passes, each a one-query attention over its window.
-
-        When the chunk is complete, the recurrence advances one step (the state is replaced) and the
-        windows of the next chunk are computed.
-        """
-        h = self._read(decode, token[:, None], torch.ones_like(token[:, None], dtype=torch.bool))
-        if decode.pending.shape[1] == self.config.chunk_size:
-            state, _ = self.step(decode.state, self.embed(decode.pending), decode.pending_valid)
-            fresh = self._begin_chunk(state)
-            decode.state, decode.pending, decode.pending_valid = fresh.state, fresh.pending, fresh.pending_valid
-            decode.windows, decode.written = fresh.windows, fresh.written
+    def decode_step(self, slots: StaircaseSlots, token: Tensor) -> Tensor:
+        """Read one token per row through its S / C (or m) passes, each a one-query attention over that
+        pass's static window and the chunk so far. Rows whose chunk is now complete advance the recurrence
+        one step (their state is replaced) and get the windows of their next chunk, batched over rows whose
+        states have one layout (all of them in lock-step generation)."""
+        h = self._read(slots, token[:, None], torch.ones_like(token[:, None], dtype=torch.bool))
+        groups: dict[tuple[object, ...], list[int]] = {}
+        for row, phase in enumerate(slots.host_phase):
+            if phase == self.config.chunk_size:
+                groups.setdefault(slots.states[row].layout, []).append(row)
+        for rows in groups.values():
+            index = torch.tensor(rows, device=token.device)
+            state = StaircaseState.batch([slots.states[row] for row in rows])
+            state, _ = self.step(state, self.embed(slots.pending[index]), slots.pending_valid[index])
+            self._begin_chunks(slots, rows, state)
         return self.logits(self.norm(h))[:, -1]
 
-    def _begin_chunk(self, state: StaircaseState) -> StaircaseDecode:
-        """The windows a new chunk will see at each of its passes: run the flush steps of ``state``."""
-        c, windows, current = self.config, [], state
-        batch = state.cache_valid.shape[0]
-        for _ in range(c.passes):
+    def _begin_chunks(self, slots: StaircaseSlots, rows: list[int], state: StaircaseState) -> None:
+        """Give ``rows`` the stream state ``state`` (batch row i for ``rows[i]``) and load their windows for the
+        next chunk: what it attends to at each pass besides itself, found by running the flush steps of the
+        state. Empties the chunks being written."""
+        c, current, batch = self.config, state, len(rows)
+        for i, row in enumerate(rows):
+            slots.states[row] = state.row(i)
+        for k, cache in enumerate(slots.passes):
             n_cache = current.cache_valid.shape[1]
             older, older_valid, following = [], current.cache_valid[:, :0], current
             if current.chunks:
@@ -233,33 +303,41 @@ class Staircase(LanguageModel):
                 older_valid = torch.cat(current.valid, dim=1)
             n = n_cache + older_valid.shape[1]
             cos, sin = rope_angles(torch.arange(n, device=older_valid.device), c.rotary_dim, c.rope_base)
-            layers = []
-            for layer in range(c.n_layer):
-                parts = [rotate_prefix(current.cache[layer], cos[:n_cache], sin[:n_cache])] if n_cache else []
-                parts += [rotate_prefix(older[layer], cos[n_cache:], sin[n_cache:])] if older else []
-                empty_kv = torch.zeros(batch, c.n_kv_head, 0, c.head_dim, dtype=self.embed.weight.dtype,
-                                       device=older_valid.device)
-                layers.append(tuple(torch.cat([p[i] for p in parts] or [empty_kv], dim=2) for i in range(2)))
-            windows.append((tuple(layers), torch.cat((current.cache_valid, older_valid), dim=1)))
+            cached = [rotate_prefix(kv, cos[:n_cache], sin[:n_cache]) for kv in current.cache] if n_cache else []
+            chunks = [rotate_prefix(kv, cos[n_cache:], sin[n_cache:]) for kv in older]
+            for i, row in enumerate(rows):
+                view = cache.row(row)
+                view.reset()
+                view.key_valid[:, :n_cache] = current.cache_valid[i]
+                view.key_valid[:, n_cache:n] = older_valid[i]
+                for layer, kv in enumerate(view.layers):
+                    if n_cache:
+                        kv.k[:, :, :n_cache], kv.v[:, :, :n_cache] = cached[layer][0][i], cached[layer][1][i]
+                    if older:
+                        kv.k[:, :, n_cache:n], kv.v[:, :, n_cache:n] = chunks[layer][0][i], chunks[layer][1][i]
+                slots.offset[k, row] = n
             current = following
-        idle = state.cache_valid.new_zeros(batch, 0, dtype=torch.long)
-        written = [[(kv[0][:, :, :0], kv[1][:, :, :0]) for kv in window[0]] for window in windows]
-        return StaircaseDecode(state, idle, idle.bool(), windows, written)
+        for row in rows:
+            slots.pending_valid[row] = False
+            slots.phase[row] = slots.host_phase[row] = 0
 
-    def _read(self, decode: StaircaseDecode, ids: Tensor, valid: Tensor) -> Tensor:
-        """Append ``ids`` to the chunk being written; their final states ``(B, T, d)``."""
-        c = self.config
+    def _read(self, slots: StaircaseSlots, ids: Tensor, valid: Tensor, rows: slice = slice(None)) -> Tensor:
+        """Append ``ids (B, T)`` to the chunk each of ``rows`` is writing; their final states ``(B, T, d)``."""
+        c, T = self.config, ids.shape[1]
+        phase = slots.phase[rows]
+        chunk_slots = phase[:, None] + torch.arange(T, device=ids.device)
         h = self.embed(ids)
-        for (window, window_valid), written in zip(decode.windows, decode.written):
-            seen = torch.cat((window_valid, decode.pending_valid), dim=1)
-            start = seen.shape[1]
-            cos, sin = rope_angles(torch.arange(start, start + h.shape[1], device=h.device), c.rotary_dim, c.rope_base)
-            mask = window_mask(seen, valid)
+        for k, cache in enumerate(slots.passes):
+            view = cache if rows == slice(None) else cache.row(rows.start)
+            cos, sin = rope_angles(slots.offset[k, rows][:, None] + chunk_slots, c.rotary_dim, c.rope_base)
+            cache_slots = slots.window + chunk_slots
+            mask = view.attention_mask(cache_slots, valid)
             for layer, block in enumerate(self.core.blocks):
-                new = rotate_prefix(prefix_kv(block, h), cos, sin)
-                prefix = tuple(torch.cat((window[layer][i], written[layer][i]), dim=2) for i in range(2))
-                h = block(h, cos, sin, mask=mask, prefix=prefix)
-                written[layer] = tuple(torch.cat((written[layer][i], new[i]), dim=2) for i in range(2))
-        decode.pending = torch.cat((decode.pending, ids), dim=1)
-        decode.pending_valid = torch.cat((decode.pending_valid, valid), dim=1)
+                h = block(h, cos, sin, cache=view.layers[layer], slots=cache_slots, mask=mask)
+        slots.pending[rows].scatter_(1, chunk_slots, ids)
+        slots.pending_valid[rows].scatter_(1, chunk_slots, valid)
+        slots.phase[rows] += T
+        indices = range(len(slots.host_phase))[rows]
+        for row in indices:
+            slots.host_phase[row] += T
         return h

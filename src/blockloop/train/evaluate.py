@@ -59,6 +59,8 @@ def evaluate(
     # Recurrent models read the split as side-by-side streams and carry their state from batch to batch.
     recurrent = getattr(getattr(base, "config", None), "recurrent", False)
     chunk = getattr(base.config, "chunk_size", 1) if recurrent else 1
+    # Independent windows (task windows overlap, each holds whole sequences) are each read from an empty state.
+    recurrent = recurrent and not getattr(sequences, "independent_windows", False)
     if sequences.seq_len % chunk:
         raise BlockloopError(
             f"sequence length {sequences.seq_len} is not a multiple of the model's chunk size {chunk}; "

@@ -133,15 +133,22 @@ def recurrent_flops_per_token(config: DecoderConfig, seq_len: int) -> float:
     """Steady-state training FLOPs per token of the staircase family: the core once per pass.
 
     A Staircase token has S / C (or m) passes, each attending to a window of at most S keys plus the cache
-    (upper bound: full windows, flush steps not counted); a Ladder token has n_steps passes over the
-    segment (and its memory).
+    (upper bound: full windows); a Ladder token has n_steps passes over the segment and its memory
+    (``seq_len`` tokens, of which at most M before the segment). Keys/values of states the model does not
+    compute further are projected through the layer's fused q/k/v projection (the query is dropped): once
+    per layer for a state entering the Cached Staircase's cache, and for the Transformer-XL memory once per
+    layer application and segment, i.e. M / T times per token. The Feedback mix adds its weighted sum.
     """
+    qkv = 6 * config.d_model * (config.n_head + 2 * config.n_kv_head) * config.head_dim
     if config.family == "staircase":
         passes, keys = config.passes, config.step_size + config.cache_tokens
+        extra = config.n_layer * qkv if config.cache_after else 0
+        extra += 6 * (config.n_layer + 1) * config.d_model if config.memory_mix else 0
     else:
         passes, keys = config.n_steps, seq_len + config.memory_len
+        extra = passes * config.n_layer * qkv * min(config.memory_len, seq_len) / seq_len
     head = 6 * config.d_model * config.padded_vocab_size
-    return passes * _stack_flops(config, 1, keys) + head
+    return passes * _stack_flops(config, 1, keys) + extra + head
 
 
 def block_flops_per_token(config: BlockTransformerConfig, seq_len: int) -> float:

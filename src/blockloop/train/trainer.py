@@ -156,8 +156,10 @@ class Trainer:
         self.collate = collate_for(model, config.objective)
         # Recurrent models (staircase family) train with truncated BPTT: contiguous streams, and the state
         # each micro-batch's streams reached is carried (detached) into their next segment. It is not saved:
-        # after --resume the streams continue from the saved position with an empty state.
-        self.recurrent = getattr(model_config, "recurrent", False)
+        # after --resume the streams continue from the saved position with an empty state. Data whose windows
+        # are independent (task windows: whole sequences, overlapping) is read window by window from an empty
+        # state, in shuffled batches, as for any model.
+        self.recurrent = getattr(model_config, "recurrent", False) and not getattr(train_data, "independent_windows", False)
         if self.recurrent:
             self.batches = StreamBatches(
                 train_data, config.batch_size, groups=config.grad_accum, rank=dist_info.rank, world_size=dist_info.world_size

@@ -31,6 +31,10 @@ class TaskSequences:
 
     # Tells the trainer and `eval` to report the task error beside the loss.
     labelled_positions = True
+    # Windows overlap and each holds its scored sequences whole (the paper's tasks are independent
+    # sequences, section 4.1), so recurrent models read each window once from an empty state instead of
+    # carrying state from one window to the next, which would re-read the overlap after the state saw it.
+    independent_windows = True
 
     def __init__(self, stream: TaskStream, seq_len: int, *, end_id: int, description: str = "task split") -> None:
         if seq_len < 1:

@@ -1,0 +1,87 @@
+"""The staircase family in the serving engine: continuous batching (requests joining mid-batch into a
+free slot while the others decode) gives the greedy tokens of the full forward pass."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from blockloop.infer.engine import Engine, serves_continuously
+from blockloop.infer.requests import RequestStatus, SamplingParams
+from blockloop.models import build_model
+from blockloop.presets import from_name
+
+GREEDY = SamplingParams(temperature=0.0)
+STAIRCASES = ["tiny-staircase", "tiny-cached-staircase", "tiny-global-staircase", "tiny-feedback"]
+CONTINUOUS = ["tiny-ladder", "tiny-transformer-xl", *STAIRCASES]
+
+
+def tiny(name: str) -> torch.nn.Module:
+    torch.manual_seed(0)
+    model = build_model(from_name(name)).double().eval()
+    if getattr(model.config, "memory_mix", False):
+        with torch.no_grad():  # a non-uniform mix, so the test sees the weights used
+            model.memory_weights.copy_(torch.tensor([0.5, -1.0, 1.5], dtype=torch.float64))
+    return model
+
+
+def random_prompts(lengths, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(1, 258, (n,), generator=g).tolist() for n in lengths]
+
+
+def full_forward_greedy(model, prompt, n):
+    """Re-read the whole sequence with the training forward for every token: no cache, no batch."""
+    idx = torch.tensor([prompt])
+    for _ in range(n):
+        logits = model(idx)[0]
+        idx = torch.cat([idx, logits[:, -1, :258].argmax(-1, keepdim=True)], 1)
+    return idx[0, len(prompt):].tolist()
+
+
+@pytest.mark.parametrize("name", CONTINUOUS)
+def test_engine_with_mid_batch_joins_equals_full_forward_greedy(name):
+    model = tiny(name)
+    assert serves_continuously(model)
+    # Prompt + generation reaches past Transformer-XL's span of 16, so the span mask is exercised per row.
+    prompts = random_prompts((3, 14, 6, 5))
+    budgets = [6, 4, 7, 5]
+    engine = Engine(model, 2, sync_every=3)
+    requests = [engine.submit(p, n, sampling=GREEDY) for p, n in zip(prompts[:3], budgets[:3])]
+    engine.step()
+    assert [r.status for r in requests] == [RequestStatus.RUNNING, RequestStatus.RUNNING, RequestStatus.WAITING]
+    requests += [engine.submit(p, n, sampling=GREEDY) for p, n in zip(prompts[3:], budgets[3:])]
+    engine.run()
+    assert [r.output for r in requests] == [full_forward_greedy(model, p, n) for p, n in zip(prompts, budgets)]
+
+
+@pytest.mark.parametrize("name", CONTINUOUS)
+def test_slot_logits_equal_the_full_forward_when_a_slot_is_refilled_mid_decode(name):
+    """Row 1 is refilled with a new request while row 0 keeps decoding past Transformer-XL's span of 16:
+    every logit row from prefill_slot/decode_step equals that sequence's full forward."""
+    model = tiny(name)
+    sequences = random_prompts((24, 8, 18), seed=3)
+    prompt_len = [4, 5, 6]
+    state = model.allocate_slots(2, 24)
+    got: list[list[torch.Tensor]] = [[], [], []]
+    job, read = [0, 1], [0, 0]  # each row's request, and how many of its tokens it has read
+
+    def prefill(row, j):
+        job[row], read[row] = j, prompt_len[j]
+        got[j].append(model.prefill_slot(state, row, torch.tensor(sequences[j][: prompt_len[j]])))
+
+    prefill(0, 0)
+    prefill(1, 1)
+    for t in range(20):
+        if t == 3:  # row 1's request is done: the next takes its slot while row 0 decodes on
+            prefill(1, 2)
+        fed = [sequences[job[r]][min(read[r], len(sequences[job[r]]) - 1)] for r in range(2)]
+        logits = model.decode_step(state, torch.tensor(fed))
+        for r in range(2):
+            if read[r] < len(sequences[job[r]]):
+                got[job[r]].append(logits[r])
+            read[r] += 1
+    for j, steps in enumerate(got):
+        full = model(torch.tensor([sequences[j]]))[0][0]
+        start = prompt_len[j] - 1
+        torch.testing.assert_close(torch.stack(steps), full[start : start + len(steps)])
