@@ -48,8 +48,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     s.add_argument("--corpus", default="shakespeare", help="built-in corpus the prompts come from (default: shakespeare)")
     s.add_argument("--exit", metavar="RULE:THRESHOLD", action="append", default=[],
                    help="also serve recursive models depth-wise with this early-exit rule, e.g. max_prob:0.9, "
-                   "entropy:2.0 or none:0 (repeatable); reports mean loops per token and greedy agreement with "
-                   "the sequence-wise (no-exit) run")
+                   "entropy:2.0, none:0 or oracle (repeatable); reports mean loops per token, greedy agreement with "
+                   "the sequence-wise (no-exit) run, and the simulated depth-wise speedup (RRT appendix N) of the "
+                   "recorded exits; oracle runs every loop and exits at the first loop agreeing with the last")
     o = p.add_argument_group("output")
     o.add_argument("--record", type=Path, help="append every result to this JSON-lines file")
     o.add_argument("--plot", type=Path, metavar="PNG",
@@ -158,6 +159,7 @@ def _throughput(args: argparse.Namespace, models: list, device: torch.device) ->
 def _stream(args: argparse.Namespace, models: list) -> list[dict[str, Any]]:
     from blockloop.bench.stream import agreement, corpus_prompts, run_stream
     from blockloop.infer.depthwise import DepthwiseRecursive
+    from blockloop.infer.exit_schedule import simulate
 
     lo, hi = _ints(args.prompt_range, "--prompt-range")[:2]
     tmin, tmax = _ints(args.tokens_range, "--tokens-range")[:2]
@@ -168,7 +170,7 @@ def _stream(args: argparse.Namespace, models: list) -> list[dict[str, Any]]:
     for name, model, val_loss in models:
         served.append((name, model, val_loss, None))
         if model.config.family == "recursive":
-            served += [(f"{name} depth-wise exit {r.kind}:{r.threshold:g}", DepthwiseRecursive(model, r), val_loss, name)
+            served += [(f"{name} depth-wise exit {_rule_name(r)}", DepthwiseRecursive(model, r), val_loss, name)
                        for r in rules]
     rows: list[dict[str, Any]] = []
     outputs: dict[str, list[list[int]]] = {}
@@ -180,6 +182,9 @@ def _stream(args: argparse.Namespace, models: list) -> list[dict[str, Any]]:
         m = run_stream(model, prompts, n_slots=args.slots, min_tokens=tmin, max_tokens=tmax, rate=args.rate,
                        sync_every=args.sync_every, seed=args.seed, compile=args.compile)
         outputs[name] = m.pop("outputs")
+        if "exit_trajectories" in m:
+            m["simulated"] = simulate(m.pop("exit_trajectories"), args.slots, model.config.loops)
+            m["mean_exit_loop"] = m["simulated"]["mean_exit_loop"]  # of the delivered tokens only
         if reference is not None:
             m["agreement_vs_no_exit"] = agreement(outputs[name], outputs[reference])
         m["ratio_vs_baseline"] = m["throughput_tok_s"] / rows[0]["throughput_tok_s"] if rows else 1.0
@@ -189,7 +194,23 @@ def _stream(args: argparse.Namespace, models: list) -> list[dict[str, Any]]:
         print(f"| {name} | {args.slots} | {args.rate} | {m['throughput_tok_s']:.0f} | {m['ratio_vs_baseline']:.2f}x | "
               f"{_ms(m['ttft_s'], 'median', 'p90', 'p99')} | {_ms(m['tpot_s'], 'median', 'p90', 'p99')} | "
               f"{_ms(m['itl_s'], 'median', 'p99')} | {_ms(m['e2e_s'], 'median', 'p99')} | {loops} | {agree} |")
+    simulated = [r for r in rows if "simulated" in r]
+    if simulated:
+        print(f"\nsimulated schedules of the recorded exits ({args.slots} slots, steps = block passes over the batch; "
+              "RRT appendix N):")
+        print("| model | decoded tokens | mean exit loop | depth-wise steps | sequence-wise steps | static steps "
+              "| speedup vs sequence-wise | vs static |")
+        print("|---|---|---|---|---|---|---|---|")
+        for r in simulated:
+            sim = r["simulated"]
+            print(f"| {r['name']} | {sim['decoded_tokens']} | {sim['mean_exit_loop']:.3f} | {sim['depthwise_steps']} | "
+                  f"{sim['sequencewise_steps']} | {sim['static_steps']} | {sim['speedup_vs_sequencewise']:.2f}x | "
+                  f"{sim['speedup_vs_static']:.2f}x |")
     return rows
+
+
+def _rule_name(rule: Any) -> str:
+    return "oracle" if rule.kind == "oracle" else f"{rule.kind}:{rule.threshold:g}"
 
 
 def _ms(summary: dict[str, float], *keys: str) -> str:

@@ -48,6 +48,7 @@ def run_stream(
     engine = Engine(model, n_slots, sync_every=sync_every, compile=compile)
     greedy = SamplingParams(temperature=0.0)
     requests, pending = [], list(zip(offsets, prompts, budgets))
+    trajectories: dict[int, list[int]] = {}  # exit loops per request (depth-wise serving), read as each finishes
     start = time.perf_counter()
     with torch.no_grad():
         while pending or not engine.idle:
@@ -60,11 +61,15 @@ def run_stream(
             if engine.idle:
                 time.sleep(max(0.0, pending[0][0] - (time.perf_counter() - start)))
                 continue
-            engine.step()
+            for request in engine.step():
+                if hasattr(model, "exit_trajectory"):
+                    trajectories[request.id] = model.exit_trajectory(
+                        engine.state, request.slot, len(request.prompt), len(request.output) - 1 + (request.finish_reason == "eos"))
     metrics = serving_metrics([Timing(r.arrival_time, r.token_times) for r in requests])
     metrics.update(n_slots=n_slots, rate=rate, steps=engine.steps)
     if hasattr(model, "mean_exit_loop"):
         metrics["mean_exit_loop"] = model.mean_exit_loop(engine.state)
+        metrics["exit_trajectories"] = [trajectories[r.id] for r in requests]
     metrics["outputs"] = [r.output for r in requests]
     return metrics
 

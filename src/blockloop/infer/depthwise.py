@@ -15,6 +15,13 @@ deeper loops' cache entries (the "copy the exit state" choice, as in depth-adapt
 state propagation); it is cheap (one slot per layer and loop) and keeps every loop's cache dense. Its
 quality effect is measured as greedy agreement with no-exit decoding (``benchmarks/results``).
 
+Oracle exit (section 3.8, appendix N): ``ExitRule("oracle")`` reproduces the paper's simulation. Every token
+still runs every loop (so the cache and the output are exactly no-exit greedy decoding), but the wrapper
+records, per token, the earliest loop whose greedy prediction equals the final loop's: the loop it *would*
+have left after. Those exit trajectories (:meth:`DepthwiseRecursive.exit_trajectory`) are then scheduled
+by :mod:`blockloop.infer.exit_schedule`, which counts the steps a depth-wise batch would need against a
+sequence-wise one, the paper's simulated speedup.
+
 The engine drives this wrapper like any model: ``decode_step`` returns ``(logits, ready)``, and the
 engine samples only rows that are ``ready`` (token -1 for the others).
 """
@@ -30,14 +37,15 @@ from blockloop.errors import BlockloopError
 from blockloop.models.decoder import DecodeState
 from blockloop.nn.kv_cache import DecoderCache
 
-EXIT_RULES = ("none", "max_prob", "entropy")
+EXIT_RULES = ("none", "max_prob", "entropy", "oracle")
 
 
 @dataclass(frozen=True)
 class ExitRule:
     """When a token may leave after a loop: ``max_prob`` (top probability >= threshold) or ``entropy``
     (entropy in nats <= threshold) of that loop's exit logits, never before ``min_loops`` loops;
-    ``none`` always runs every loop."""
+    ``none`` always runs every loop; ``oracle`` runs every loop too but records the earliest loop that
+    agrees with the final one (the threshold is unused)."""
 
     kind: str = "max_prob"
     threshold: float = 0.9
@@ -51,7 +59,7 @@ class ExitRule:
 
     def fires(self, logits: Tensor, loops_done: Tensor) -> Tensor:
         """``(B,)`` bool: which rows may exit, given their exit logits and how many loops they ran."""
-        if self.kind == "none":
+        if self.kind in ("none", "oracle"):
             return torch.zeros_like(loops_done, dtype=torch.bool)
         log_probs = logits.float().log_softmax(-1)
         if self.kind == "max_prob":
@@ -72,6 +80,8 @@ class DepthwiseState:
     slot: Tensor
     position: Tensor
     exits: Tensor  # how many tokens exited after each loop (statistics, on device)
+    predictions: Tensor  # (rows, loops): the in-flight token's greedy prediction after each loop (oracle exit)
+    exit_log: Tensor  # (rows, max_len): the loop (1-based) each token left after, at its input token's cache slot
 
 
 class DepthwiseRecursive(nn.Module):
@@ -95,7 +105,8 @@ class DepthwiseRecursive(nn.Module):
                                     dtype=weight.dtype, device=weight.device)
         zeros = torch.zeros(n_slots, dtype=torch.long, device=weight.device)
         return DepthwiseState(DecodeState(cache, zeros, zeros.clone()), weight.new_zeros(n_slots, 1, c.d_model),
-                              zeros.clone(), zeros.clone(), zeros.clone(), torch.zeros(c.loops, dtype=torch.long, device=weight.device))
+                              zeros.clone(), zeros.clone(), zeros.clone(), torch.zeros(c.loops, dtype=torch.long, device=weight.device),
+                              zeros.new_zeros(n_slots, c.loops), zeros.new_zeros(n_slots, max_len))
 
     @torch.no_grad()
     def prefill_slot(self, state: DepthwiseState, slot: int, prompt: Tensor) -> Tensor:
@@ -122,11 +133,30 @@ class DepthwiseRecursive(nn.Module):
         logits = m.exit_logits(x)[:, -1]
         last = loop == self.config.loops - 1
         ready = last | self.exit_rule.fires(logits[:, : self.config.vocab_size], loop + 1)
-        if self.exit_rule.kind != "none":
+        exit_loop = loop
+        if self.exit_rule.kind == "oracle":
+            exit_loop = self._oracle_exit(state, logits, loop)
+        elif self.exit_rule.kind != "none":
             self._fill_owed(decode.cache, ready & ~last, loop, slot)
-        state.exits.index_add_(0, loop, ready.long())
+        state.exits.index_add_(0, exit_loop, ready.long())
+        rows = torch.arange(len(slot), device=slot.device)
+        state.exit_log[rows, slot] = torch.where(ready, exit_loop + 1, state.exit_log[rows, slot])
         state.hidden, state.loop, state.slot, state.position = x, loop + 1, slot, position
         return logits, ready
+
+    def _oracle_exit(self, state: DepthwiseState, logits: Tensor, loop: Tensor) -> Tensor:
+        """Record each row's greedy prediction after ``loop``; for rows that just ran the last loop, the
+        earliest loop (0-based) whose prediction equals the last one's (the last always does)."""
+        rows = torch.arange(len(loop), device=loop.device)
+        state.predictions[rows, loop] = logits[:, : self.config.vocab_size].argmax(-1)
+        matches = state.predictions == state.predictions[:, -1:]
+        return matches.long().argmax(1)
+
+    def exit_trajectory(self, state: DepthwiseState, row: int, start: int, n_tokens: int) -> list[int]:
+        """The loops (1-based) the ``n_tokens`` tokens decoded in ``row`` from cache slot ``start`` on left
+        after, i.e. of the request's output tokens 2.. (the first comes from the sequence-wise prefill).
+        Read it once the request has finished, before its row is prefilled again (a host sync)."""
+        return state.exit_log[row, start : start + n_tokens].tolist()
 
     def _fill_owed(self, cache: DecoderCache, exited: Tensor, loop: Tensor, slot: Tensor) -> None:
         """Copy the K/V an early-exited token wrote at its exit loop into every deeper loop's entry."""
