@@ -247,6 +247,8 @@ def _tiny_recursive() -> RecursiveConfig:
 @register("demo-recursive", "the demo's 4-layer depth as 2 shared layers looped twice (CYCLE): half the layer weights")
 def _demo_recursive() -> RecursiveConfig:
     return _llama_style(2, 128, 4, 4, 256, RecursiveConfig, loops=2)
+
+
 # ------------------------------------------------------------------ staircase paper (Ju et al. 2022)
 # Table 5 (shared per task) and Table 6 (best configuration per model). Tasks: 4 layers, d=256, 4 heads,
 # dropout 0.2, BPTT segments of 128; language models: 8 layers, 8 heads, dropout 0.3, segments of 256,
