@@ -871,13 +871,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 
 def _device(name: str) -> str:
-    import torch
+    from blockloop.device import resolve_device
 
-    if name == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    if name.startswith("cuda") and not torch.cuda.is_available():
-        raise BlockloopError(f"--device {name} requested but CUDA is not available; use --device cpu")
-    return name
+    return resolve_device(name)
 
 
 def _human(n: int) -> str:

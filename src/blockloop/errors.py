@@ -12,3 +12,17 @@ class BlockloopError(Exception):
 
 class ConfigError(BlockloopError, ValueError):
     """A configuration that cannot describe a working model or run."""
+
+
+class ContextLengthError(BlockloopError, ValueError):
+    """More tokens than a model's context (or an engine slot) holds."""
+
+
+def check_context(length: int, context: int, what: str, fix: str = "shorten the input") -> None:
+    """The one context-length check: ``what`` of ``length`` tokens must fit ``context``.
+
+    Raised as a :class:`ContextLengthError` (a ``ValueError`` too, so model code keeps the exception type
+    tensor code expects) with the message every caller used to write by hand.
+    """
+    if length > context:
+        raise ContextLengthError(f"{what} of {length} tokens exceeds the model context of {context}; {fix}")

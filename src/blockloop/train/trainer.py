@@ -29,6 +29,7 @@ from blockloop.data.collate import OBJECTIVES, collate_for, step_generator
 from blockloop.data.loader import PackedSequences, StreamBatches, TrainBatches
 from blockloop.data.tasks.windows import TaskSequences
 from blockloop.data.tokenizers import Tokenizer
+from blockloop.device import resolve_device
 from blockloop.errors import BlockloopError, ConfigError
 from blockloop.files import atomic_write_text
 from blockloop.train import checkpoint as ckpt
@@ -87,11 +88,7 @@ class TrainConfig:
             raise ConfigError(f"--precision {self.precision!r} is not one of auto, fp32, bf16")
 
     def resolved_device(self) -> str:
-        if self.device == "auto":
-            return "cuda" if torch.cuda.is_available() else "cpu"
-        if self.device.startswith("cuda") and not torch.cuda.is_available():
-            raise BlockloopError(f"--device {self.device} requested but CUDA is not available; use --device cpu")
-        return self.device
+        return resolve_device(self.device)
 
 
 StepCallback = Callable[[int, dict[str, float]], None]

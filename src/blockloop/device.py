@@ -1,0 +1,16 @@
+"""The one device resolver: ``auto`` means CUDA when present, and asking for CUDA without it is a clear error."""
+
+from __future__ import annotations
+
+import torch
+
+from blockloop.errors import BlockloopError
+
+
+def resolve_device(name: str) -> str:
+    """``auto`` -> ``cuda`` or ``cpu``; any other name is returned after checking that it can be used."""
+    if name == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise BlockloopError(f"--device {name} requested but CUDA is not available; use --device cpu")
+    return name
