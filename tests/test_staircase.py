@@ -40,10 +40,10 @@ def tokens(batch: int, length: int, seed: int = 1) -> torch.Tensor:
     return torch.randint(0, 258, (batch, length), generator=torch.Generator().manual_seed(seed))
 
 
-def core_as_decoder(model: torch.nn.Module, order: list[int] | None = None) -> Decoder:
-    """A vanilla Decoder whose layers are copies of ``model``'s core layers in ``order``."""
+def core_as_decoder(model: torch.nn.Module, order: list[int] | None = None, **overrides) -> Decoder:
+    """A vanilla Decoder (``tiny`` with ``overrides``) whose layers are copies of ``model``'s core layers in ``order``."""
     order = list(range(model.config.n_layer)) if order is None else order
-    decoder = Decoder(from_name("tiny", n_layer=len(order), n_kv_head=4)).double().eval()
+    decoder = Decoder(from_name("tiny", n_layer=len(order), n_kv_head=4, **overrides)).double().eval()
     state = {k: v for k, v in model.state_dict().items() if not k.startswith("core.")}
     for i, layer in enumerate(order):
         for k, v in model.core.blocks[layer].state_dict().items():
@@ -95,6 +95,15 @@ def test_staircase_with_one_step_and_full_chunk_is_the_plain_transformer():
     model = tiny("tiny-staircase", chunk_size=24, step_size=24)
     idx = tokens(2, 24)
     torch.testing.assert_close(model(idx)[0], core_as_decoder(model)(idx)[0])
+
+
+@pytest.mark.parametrize("attn_scalar", [None, 1.0, 7.0])
+def test_staircase_run_as_a_decoder_equals_the_decoder_for_any_attn_scalar(attn_scalar):
+    """The core's prefix attention scales scores by the config's attn_scalar^-1/2, as the decoder's does."""
+    model = tiny("tiny-staircase", chunk_size=24, step_size=24, attn_scalar=attn_scalar)
+    decoder = core_as_decoder(model, attn_scalar=attn_scalar)
+    idx = tokens(2, 24)
+    torch.testing.assert_close(model(idx)[0], decoder(idx)[0])
 
 
 def test_ladder_with_one_step_is_the_core_and_universal_is_one_layer_repeated():

@@ -26,13 +26,11 @@ import torch
 from torch import Tensor, nn
 
 from blockloop.config import RecursiveConfig
-from blockloop.models.decoder import Decoder, LayerInputs, SelfAttention
-from blockloop.nn.attention import MaskMod, attention
+from blockloop.models.decoder import Decoder, LayerInputs
+from blockloop.models.prefix_attention import PrefixSelfAttention, with_visible_prefix
 from blockloop.nn.distill import forward_kl
-from blockloop.nn.kv_cache import DecoderCache, KVCache
+from blockloop.nn.kv_cache import DecoderCache
 from blockloop.nn.lora import LoopIndex, LoopLoRALinear, add_loop_lora
-
-PrefixKV = tuple[Tensor, Tensor]
 
 
 def layer_order(n_layer: int, loops: int, tying: str) -> list[int]:
@@ -49,37 +47,6 @@ def layer_order(n_layer: int, loops: int, tying: str) -> list[int]:
     if tying == "cycle_rev":
         return block * (loops - 1) + block[::-1]
     raise ValueError(f"unknown tying strategy {tying!r}")
-
-
-class PrefixSelfAttention(SelfAttention):
-    """Self-attention that also attends to learned prefix keys/values (appendix K), visible to every query.
-
-    The prefix has no position (no rotary) and is not cached: it is a parameter of the depth position.
-    """
-
-    def forward(
-        self,
-        x: Tensor,
-        cos: Tensor,
-        sin: Tensor,
-        *,
-        cache: KVCache | None = None,
-        slots: Tensor | None = None,
-        mask: Tensor | None = None,
-        mask_mod: MaskMod | None = None,
-        prefix: PrefixKV | None = None,
-    ) -> Tensor:
-        if prefix is None:
-            return super().forward(x, cos, sin, cache=cache, slots=slots, mask=mask, mask_mod=mask_mod)
-        q, k, v = self.project(x, cos, sin, cache, slots)
-        batch, _, length, _ = q.shape
-        pk, pv = (t.expand(batch, -1, -1, -1).to(k.dtype) for t in prefix)
-        if mask is None:
-            mask = torch.ones(length, k.shape[2], dtype=torch.bool, device=x.device).tril(k.shape[2] - length)[None, None]
-        mask = torch.cat([mask.new_ones(*mask.shape[:-1], pk.shape[2]).expand(mask.shape[0], -1, -1, -1), mask], dim=-1)
-        dropout = self.dropout if self.training else 0.0
-        out = attention(q, torch.cat([pk, k], 2), torch.cat([pv, v], 2), mask=mask, scale=self.scale, dropout_p=dropout)
-        return self.proj(out.transpose(1, 2).reshape(batch, length, -1))
 
 
 class RecursiveDecoder(Decoder):
@@ -158,6 +125,8 @@ class RecursiveDecoder(Decoder):
                 if self.config.prefix_len:
                     kv = self.prefix_kv[loop * n + j]  # (2, H, P, D), or (B, 2, H, P, D) per row
                     kwargs["prefix"] = (kv[:, 0], kv[:, 1]) if per_row else (kv[0:1], kv[1:2])
+                    if kwargs.get("mask") is not None:  # a cache's mask: every query also sees the whole prefix
+                        kwargs["mask"] = with_visible_prefix(kwargs["mask"], self.config.prefix_len)
                 x = self.body.blocks[layer](x, cos, sin, **kwargs)
         finally:
             self.loop_index.value = 0

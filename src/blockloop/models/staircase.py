@@ -38,7 +38,8 @@ from torch import Tensor, nn
 
 from blockloop.config import StaircaseConfig
 from blockloop.models.decoder import LanguageModel
-from blockloop.models.recurrent_core import KV, build_core, prefix_kv, rotate_prefix, window_mask
+from blockloop.models.prefix_attention import KV
+from blockloop.models.recurrent_core import build_core, prefix_kv, rotate_prefix, window_mask
 from blockloop.nn.kv_cache import DecoderCache
 from blockloop.nn.rope import rope_angles
 
