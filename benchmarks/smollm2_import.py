@@ -25,9 +25,9 @@ import torch
 import torch.nn.functional as F
 
 from blockloop.convert.hf import from_hf_model, load_hf_model
-from blockloop.convert.smollm2 import GGUF_FILE, smollm2_files
 from blockloop.data.dataset import prepare_tokens
 from blockloop.data.loader import PackedSequences
+from blockloop.data.pretrained import SMOLLM2_GGUF, smollm2_files
 from blockloop.data.tokenizers import build_tokenizer
 
 
@@ -39,7 +39,7 @@ def main() -> None:
     parser.add_argument("--out-dir", default="benchmarks/results")
     args = parser.parse_args()
 
-    hf = load_hf_model(smollm2_files(), gguf_file=GGUF_FILE)
+    hf = load_hf_model(smollm2_files(), gguf_file=SMOLLM2_GGUF)
     ours = from_hf_model(hf, name="SmolLM2-135M-Instruct.Q4_1")
     tokenizer = build_tokenizer("smollm2")
     val = PackedSequences(prepare_tokens(args.data, tokenizer, show_progress=False).val, args.seq_len)
@@ -63,7 +63,7 @@ def main() -> None:
             for name, logits in (("blockloop", mine), ("transformers", theirs)):
                 nll[name] += F.cross_entropy(logits[0], y[0], reduction="sum").item()
     result = {
-        "model": GGUF_FILE, "data": f"{args.data} val", "windows": count, "seq_len": args.seq_len,
+        "model": SMOLLM2_GGUF, "data": f"{args.data} val", "windows": count, "seq_len": args.seq_len,
         "tokens": positions, "max_abs_logit_diff": max_diff, "top1_agreement": agree / positions,
         "perplexity": {k: math.exp(v / positions) for k, v in nll.items()},
         "forward_s_per_window": {k: v / count for k, v in seconds.items()},

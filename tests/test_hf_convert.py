@@ -229,10 +229,10 @@ def test_cli_errors(tmp_path, capsys):
 def test_smollm2_gguf_matches_transformers():
     """The real SmolLM2-135M (Q4_1 GGUF, dequantised): blockloop's logits equal transformers' on real text."""
     from blockloop.convert.hf import load_hf_model
-    from blockloop.convert.smollm2 import GGUF_FILE, smollm2_files
+    from blockloop.data.pretrained import SMOLLM2_GGUF, smollm2_files
     from blockloop.data.tokenizers import build_tokenizer
 
-    hf = load_hf_model(smollm2_files(), gguf_file=GGUF_FILE)
+    hf = load_hf_model(smollm2_files(), gguf_file=SMOLLM2_GGUF)
     ours = from_hf_model(hf)
     tok = build_tokenizer("smollm2")
     idx = torch.tensor([tok.encode("Shall I compare thee to a summer's day? Thou art more lovely and more temperate.")])

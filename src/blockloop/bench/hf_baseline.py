@@ -33,7 +33,8 @@ def hf_throughput(
     reason = hf_available()
     if reason is not None:
         raise BlockloopError(f"the HF generate() baseline needs {reason}")
-    from blockloop.convert.hf import quiet_transformers, to_hf_model
+    from blockloop.convert.hf import to_hf_model
+    from blockloop.data.pretrained import quiet_transformers
 
     weight = next(model.parameters())
     device = weight.device

@@ -10,8 +10,6 @@ here reaches the network: ``transformers`` only sees local paths.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +18,7 @@ from torch import nn
 
 from blockloop.config import DecoderConfig
 from blockloop.convert.hf_archs import ARCHITECTURES, Architecture
+from blockloop.data.pretrained import quiet_transformers
 from blockloop.errors import BlockloopError
 from blockloop.models.decoder import Decoder
 
@@ -62,20 +61,6 @@ def load_hf_model(path: Path | str, *, gguf_file: str | None = None) -> nn.Modul
     with quiet_transformers():
         model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, local_files_only=True, **extra)
     return model.eval()
-
-
-@contextmanager
-def quiet_transformers() -> Iterator[None]:
-    """No transformers progress bars on stderr while loading (the CLI's errors and output stay one line each)."""
-    from transformers.utils import logging as hf_logging
-
-    was_enabled = hf_logging.is_progress_bar_enabled()
-    hf_logging.disable_progress_bar()
-    try:
-        yield
-    finally:
-        if was_enabled:
-            hf_logging.enable_progress_bar()
 
 
 @torch.no_grad()

