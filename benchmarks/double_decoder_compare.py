@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from blockloop.infer.generate import generate
+from blockloop.serve.generate import generate
 from blockloop.train.evaluate import evaluate
 from blockloop.train.run import RunSpec, prepare_run, sequences
 from blockloop.train.trainer import TrainConfig, Trainer

@@ -11,9 +11,9 @@ from blockloop.config import BlockTransformerConfig
 from blockloop.convert import vanilla_to_block
 from blockloop.data.block_padding import random_length_padding
 from blockloop.errors import BlockloopError, ConfigError
-from blockloop.infer.generate import generate
 from blockloop.models import build_model
 from blockloop.presets import from_name
+from blockloop.serve.generate import generate
 
 VARIANTS = list(itertools.product(["lookup", "encoder", "cls"], ["prefix", "sum", "cross"]))
 

@@ -11,10 +11,10 @@ from blockloop.config import DoubleDecoderConfig
 from blockloop.data.collate import collate_for, step_generator
 from blockloop.data.partitions import block_ids, block_masks, sample_partition
 from blockloop.errors import ConfigError
-from blockloop.infer.generate import generate
 from blockloop.models import build_model
 from blockloop.nn.attention import attention, merge_attention
 from blockloop.presets import from_name
+from blockloop.serve.generate import generate
 
 
 @pytest.fixture(scope="module")

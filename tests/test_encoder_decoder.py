@@ -7,9 +7,9 @@ import torch
 
 from blockloop.data.collate import collate_for, step_generator
 from blockloop.data.span_corruption import span_corrupt, span_counts
-from blockloop.infer.generate import generate
 from blockloop.models import build_model
 from blockloop.presets import from_name
+from blockloop.serve.generate import generate
 
 VOCAB = 258
 

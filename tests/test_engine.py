@@ -13,13 +13,13 @@ from blockloop.bench.metrics import Timing, serving_metrics, summarize
 from blockloop.bench.records import pareto_front
 from blockloop.cli import main
 from blockloop.errors import BlockloopError
-from blockloop.infer.engine import Engine
-from blockloop.infer.generate import generate
-from blockloop.infer.requests import RequestStatus, SamplingParams
-from blockloop.infer.sampling import sample_rows
 from blockloop.models import build_model
 from blockloop.nn.kv_cache import DecoderCache
 from blockloop.presets import from_name
+from blockloop.serve.engine import Engine
+from blockloop.serve.generate import generate
+from blockloop.serve.requests import RequestStatus, SamplingParams
+from blockloop.serve.sampling import sample_rows
 
 GREEDY = SamplingParams(temperature=0.0)
 FAMILIES = ["tiny", "tiny-neox", "tiny-recursive", "tiny-block", "tiny-double"]
@@ -271,7 +271,7 @@ def test_hf_generate_baseline_decodes_the_same_greedy_tokens():
 
 
 def test_depthwise_batching_without_exits_equals_sequence_wise_greedy():
-    from blockloop.infer.depthwise import DepthwiseRecursive
+    from blockloop.serve.depthwise import DepthwiseRecursive
 
     model = tiny("tiny-recursive")
     prompts, budgets = random_prompts((3, 11, 7, 5, 9)), [9, 4, 7, 6, 2]
@@ -289,7 +289,7 @@ def test_depthwise_batching_without_exits_equals_sequence_wise_greedy():
 
 
 def test_early_exit_skips_loops_and_fills_the_owed_deeper_kv():
-    from blockloop.infer.depthwise import DepthwiseRecursive, ExitRule
+    from blockloop.serve.depthwise import DepthwiseRecursive, ExitRule
 
     model = tiny("tiny-recursive")
     served = DepthwiseRecursive(model, ExitRule("max_prob", 0.0))  # every token may leave after loop 1
@@ -305,7 +305,7 @@ def test_early_exit_skips_loops_and_fills_the_owed_deeper_kv():
 
 
 def test_exit_rules_on_known_distributions():
-    from blockloop.infer.depthwise import ExitRule
+    from blockloop.serve.depthwise import ExitRule
 
     logits = torch.log(torch.tensor([[0.9, 0.05, 0.05], [0.4, 0.3, 0.3]]))
     one = torch.ones(2, dtype=torch.long)

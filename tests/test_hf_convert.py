@@ -13,8 +13,8 @@ from blockloop.cli import EXIT_USER_ERROR, main
 from blockloop.config import DecoderConfig
 from blockloop.convert.hf import export_hf, from_hf_model, import_hf, to_hf_model
 from blockloop.errors import BlockloopError
-from blockloop.infer.generate import generate
 from blockloop.models.decoder import Decoder
+from blockloop.serve.generate import generate
 from blockloop.train.run import load_trained
 
 TOL = 1e-4

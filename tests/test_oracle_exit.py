@@ -11,13 +11,13 @@ import torch
 
 from blockloop.cli import main
 from blockloop.errors import BlockloopError
-from blockloop.infer.depthwise import DepthwiseRecursive, ExitRule
-from blockloop.infer.engine import Engine
-from blockloop.infer.exit_schedule import depthwise_steps, sequencewise_steps, simulate, static_steps
-from blockloop.infer.generate import generate
-from blockloop.infer.requests import SamplingParams
 from blockloop.models import build_model
 from blockloop.presets import from_name
+from blockloop.serve.depthwise import DepthwiseRecursive, ExitRule
+from blockloop.serve.engine import Engine
+from blockloop.serve.exit_schedule import depthwise_steps, sequencewise_steps, simulate, static_steps
+from blockloop.serve.generate import generate
+from blockloop.serve.requests import SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0)
 

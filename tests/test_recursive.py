@@ -13,11 +13,11 @@ from blockloop.cli import EXIT_USER_ERROR, main
 from blockloop.convert import vanilla_to_recursive
 from blockloop.convert.to_recursive import shared_layer_sources
 from blockloop.errors import BlockloopError, ConfigError
-from blockloop.infer.generate import generate
 from blockloop.models import build_model
 from blockloop.models.recursive import layer_order
 from blockloop.nn.distill import forward_kl
 from blockloop.presets import from_name
+from blockloop.serve.generate import generate
 from blockloop.train.distill import Distillation
 
 

@@ -14,12 +14,12 @@ import torch
 from blockloop.config import LadderConfig, StaircaseConfig, config_from_dict
 from blockloop.data.loader import PackedSequences, StreamBatches, stream_eval_batches
 from blockloop.errors import ConfigError
-from blockloop.infer.generate import generate
 from blockloop.models import build_model
 from blockloop.models.decoder import Decoder
 from blockloop.models.recurrent_core import prefix_kv, rotate_prefix, window_mask
 from blockloop.nn.rope import rope_angles
 from blockloop.presets import from_name
+from blockloop.serve.generate import generate
 from blockloop.train.evaluate import evaluate
 
 STAIRCASES = ["tiny-staircase", "tiny-cached-staircase", "tiny-global-staircase", "tiny-feedback"]

@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from blockloop.infer.engine import Engine, serves_continuously
-from blockloop.infer.requests import RequestStatus, SamplingParams
 from blockloop.models import build_model
 from blockloop.presets import from_name
+from blockloop.serve.engine import Engine, serves_continuously
+from blockloop.serve.requests import RequestStatus, SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0)
 STAIRCASES = ["tiny-staircase", "tiny-cached-staircase", "tiny-global-staircase", "tiny-feedback"]

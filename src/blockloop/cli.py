@@ -388,7 +388,7 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    from blockloop.infer.generate import generate
+    from blockloop.serve.generate import generate
     from blockloop.train.run import load_trained
 
     if args.num_samples < 1:

@@ -158,8 +158,8 @@ def _throughput(args: argparse.Namespace, models: list, device: torch.device) ->
 
 def _stream(args: argparse.Namespace, models: list) -> list[dict[str, Any]]:
     from blockloop.bench.stream import agreement, corpus_prompts, run_stream
-    from blockloop.infer.depthwise import DepthwiseRecursive
-    from blockloop.infer.exit_schedule import simulate
+    from blockloop.serve.depthwise import DepthwiseRecursive
+    from blockloop.serve.exit_schedule import simulate
 
     lo, hi = _ints(args.prompt_range, "--prompt-range")[:2]
     tmin, tmax = _ints(args.tokens_range, "--tokens-range")[:2]
@@ -218,7 +218,7 @@ def _ms(summary: dict[str, float], *keys: str) -> str:
 
 
 def _exit_rule(text: str) -> Any:
-    from blockloop.infer.depthwise import ExitRule
+    from blockloop.serve.depthwise import ExitRule
 
     kind, _, threshold = text.partition(":")
     try:

@@ -13,8 +13,8 @@ from torch import nn
 
 from blockloop.bench.metrics import Timing, serving_metrics
 from blockloop.errors import BlockloopError
-from blockloop.infer.engine import Engine
-from blockloop.infer.requests import SamplingParams
+from blockloop.serve.engine import Engine
+from blockloop.serve.requests import SamplingParams
 
 
 def corpus_prompts(vocab_size: int, n: int, min_len: int, max_len: int, *, corpus: str = "shakespeare", seed: int = 0) -> list[list[int]]:

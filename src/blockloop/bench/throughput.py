@@ -21,8 +21,8 @@ from torch import Tensor, nn
 from blockloop.bench.roofline import bytes_per_step
 from blockloop.bench.timing import timed
 from blockloop.errors import BlockloopError
-from blockloop.infer.engine import Engine
-from blockloop.infer.requests import SamplingParams
+from blockloop.serve.engine import Engine
+from blockloop.serve.requests import SamplingParams
 
 SCENARIOS = {"prefill-heavy": (2048, 128), "decode-heavy": (128, 2048)}
 

@@ -283,7 +283,7 @@ class BlockTransformer(nn.Module):
         hidden = tokdec.body(tokdec.lead(vectors), cache=token_cache, slots=slots, memory=tokdec.memory(vectors))
         return tokdec.lm_head(hidden[:, -1])
 
-    # Continuous batching (blockloop.infer.engine): every row is a slot holding one request. Requests
+    # Continuous batching (blockloop.serve.engine): every row is a slot holding one request. Requests
     # are admitted only at block boundaries (``admit_every``), when every row's token cache holds just
     # its lead, so one shared within-block phase keeps the token decoder's steps batched.
     def allocate_slots(self, n_slots: int, max_len: int) -> BlockDecodeState:

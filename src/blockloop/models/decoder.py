@@ -377,7 +377,7 @@ class Decoder(LanguageModel):
         logits, _ = self(token[:, None], cache=state.cache, slots=slots, positions=positions)
         return logits[:, -1]
 
-    # Continuous batching (blockloop.infer.engine): every row of the cache is a slot holding one request.
+    # Continuous batching (blockloop.serve.engine): every row of the cache is a slot holding one request.
     # Subclasses whose generation_caches() is one DecoderCache (Recursive, Ladder) share all three methods.
     def allocate_slots(self, n_slots: int, max_len: int) -> DecodeState:
         zeros = torch.zeros(n_slots, dtype=torch.long, device=self.embed.weight.device)

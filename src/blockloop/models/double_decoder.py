@@ -232,7 +232,7 @@ class DoubleDecoder(LanguageModel):
         state.next_position = state.next_position + 1
         return logits[:, -1]
 
-    # Continuous batching (blockloop.infer.engine): every row is a slot holding one request, with static
+    # Continuous batching (blockloop.serve.engine): every row is a slot holding one request, with static
     # cross K/V buffers of ``max_len`` entries per generation layer (masked past the row's prompt).
     def allocate_slots(self, n_slots: int, max_len: int) -> DoubleDecodeState:
         c, weight = self.config, self.embed.weight

@@ -1,6 +1,6 @@
 """Batched, cached generation for every model family: a thin layer over the serving engine.
 
-``generate`` submits each prompt as a request to an :class:`~blockloop.infer.engine.Engine` with one
+``generate`` submits each prompt as a request to an :class:`~blockloop.serve.engine.Engine` with one
 slot per prompt and runs it to completion, so sampling, stopping and streaming are the engine's, once
 for all families. A model takes part through the engine's interface: continuous batching
 (``allocate_slots``/``prefill_slot``/``decode_step``) or, for families that only implement the lock-step
@@ -16,12 +16,9 @@ import torch
 from torch import nn
 
 from blockloop.errors import BlockloopError
-from blockloop.infer.batching import left_pad, padded_prompt_length
-from blockloop.infer.engine import Engine
-from blockloop.infer.requests import Request, SamplingParams
-
-TokenCallback = Callable[[int, int], None]
-__all__ = ["generate", "left_pad", "padded_prompt_length"]
+from blockloop.serve.batching import padded_prompt_length
+from blockloop.serve.engine import Engine
+from blockloop.serve.requests import Request, SamplingParams
 
 
 @torch.no_grad()
@@ -35,7 +32,7 @@ def generate(
     top_p: float | None = None,
     eos_id: int | None = None,
     seed: int | None = None,
-    on_token: TokenCallback | None = None,
+    on_token: Callable[[int, int], None] | None = None,
     prefix: Sized | None = None,
 ) -> list[list[int]]:
     """Continue each prompt by up to ``max_new_tokens`` tokens; a row stops early at ``eos_id``.

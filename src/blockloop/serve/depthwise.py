@@ -19,7 +19,7 @@ Oracle exit (section 3.8, appendix N): ``ExitRule("oracle")`` reproduces the pap
 still runs every loop (so the cache and the output are exactly no-exit greedy decoding), but the wrapper
 records, per token, the earliest loop whose greedy prediction equals the final loop's: the loop it *would*
 have left after. Those exit trajectories (:meth:`DepthwiseRecursive.exit_trajectory`) are then scheduled
-by :mod:`blockloop.infer.exit_schedule`, which counts the steps a depth-wise batch would need against a
+by :mod:`blockloop.serve.exit_schedule`, which counts the steps a depth-wise batch would need against a
 sequence-wise one, the paper's simulated speedup.
 
 The engine drives this wrapper like any model: ``decode_step`` returns ``(logits, ready)``, and the

@@ -4,7 +4,7 @@ Every model family takes part through one small interface (:class:`SlotModel`): 
 for ``n_slots`` rows, prefill a request into a slot, and run one decode step over all rows (a finished
 request's slot is simply prefilled again by the next one). The engine owns everything else, once for
 all families: the request queue (WAITING -> RUNNING -> FINISHED), per-request sampling on device
-(:func:`~blockloop.infer.sampling.sample_rows`), stopping, and streaming.
+(:func:`~blockloop.serve.sampling.sample_rows`), stopping, and streaming.
 
 The decode loop runs a window of ``sync_every`` steps with no host synchronisation: sampled tokens go to
 a device ring buffer and are copied to the host once per window, where requests that hit EOS or their
@@ -28,10 +28,10 @@ import torch
 from torch import Tensor, nn
 
 from blockloop.errors import BlockloopError
-from blockloop.infer.batching import left_pad
-from blockloop.infer.requests import Request, SamplingParams, TokenCallback
-from blockloop.infer.sampling import sample_rows
-from blockloop.infer.scheduler import Scheduler
+from blockloop.serve.batching import left_pad
+from blockloop.serve.requests import Request, SamplingParams, TokenCallback
+from blockloop.serve.sampling import sample_rows
+from blockloop.serve.scheduler import Scheduler
 
 
 class SlotModel(Protocol):
@@ -43,7 +43,7 @@ class SlotModel(Protocol):
     * ``decode_step(state, tokens (n_slots,)) -> logits (n_slots, V)``: one token for every row, each at
       its own position (the same step lock-step generation uses). A model may instead return
       ``(logits, ready)``: then only ``ready`` rows emit a token next step, the others get -1 (depth-wise
-      batching, :mod:`blockloop.infer.depthwise`);
+      batching, :mod:`blockloop.serve.depthwise`);
     * ``admit_every`` (optional, default 1): requests join only every this many steps (a Block
       Transformer's block length: its rows share the within-block phase);
     * ``token_per_step`` (optional, default True): False when ``decode_step`` returns ``(logits, ready)``.
