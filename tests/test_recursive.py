@@ -18,6 +18,7 @@ from blockloop.models.recursive import layer_order
 from blockloop.nn.distill import forward_kl
 from blockloop.presets import from_name
 from blockloop.serve.generate import generate
+from blockloop.serve.runners import runner_for
 from blockloop.train.distill import Distillation
 
 
@@ -89,10 +90,11 @@ def test_cached_generation_equals_the_full_forward(overrides):
                 lora.lora_B.normal_(0, 0.1)  # non-zero deltas, so each loop really differs
     idx = tokens(length=20)
     full, _ = model(idx)
-    logits, state = model.prefill(idx[:, :6], torch.ones(2, 6, dtype=torch.bool), 14)
-    steps = [logits]
+    runner = runner_for(model)
+    runner.allocate(2, 20)
+    steps = [runner.prefill_batch(idx[:, :6], torch.ones(2, 6, dtype=torch.bool))]
     for t in range(6, 19):
-        steps.append(model.decode_step(state, idx[:, t]))
+        steps.append(runner.decode_step(idx[:, t]))
     torch.testing.assert_close(torch.stack(steps, 1), full[:, 5:19], atol=1e-10, rtol=1e-10)
 
 

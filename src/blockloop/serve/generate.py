@@ -2,10 +2,8 @@
 
 ``generate`` submits each prompt as a request to an :class:`~blockloop.serve.engine.Engine` with one
 slot per prompt and runs it to completion, so sampling, stopping and streaming are the engine's, once
-for all families. A model takes part through the engine's interface: continuous batching
-(``allocate_slots``/``prefill_slot``/``decode_step``) or, for families that only implement the lock-step
-pair (``prefill(idx, token_valid, max_new_tokens) -> (logits, state)`` over left-padded prompts and
-``decode_step(state, token) -> logits``), static batches.
+for all families. A model takes part through its family's serving runner
+(:mod:`blockloop.serve.runners`): lock-step generation is the engine with every prompt admitted at once.
 """
 
 from __future__ import annotations
@@ -19,6 +17,7 @@ from blockloop.errors import BlockloopError
 from blockloop.serve.batching import padded_prompt_length
 from blockloop.serve.engine import Engine
 from blockloop.serve.requests import Request, SamplingParams
+from blockloop.serve.runners import runner_for
 
 
 @torch.no_grad()
@@ -56,7 +55,7 @@ def generate(
     base = seed if seed is not None else int(torch.randint(2**31, ()).item())
     was_training = model.training
     try:
-        engine = Engine(model, len(prompts), prefill_kwargs=None if prefix is None else {"prefix": prefix})
+        engine = Engine(runner_for(model) if prefix is None else runner_for(model, prefix=prefix), len(prompts))
         rows: dict[int, int] = {}
 
         def stream(request: Request, token: int) -> None:
