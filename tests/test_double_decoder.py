@@ -9,10 +9,11 @@ import torch
 
 from blockloop.config import DoubleDecoderConfig
 from blockloop.data.collate import collate_for, step_generator
-from blockloop.data.partitions import block_ids, block_masks, sample_partition
+from blockloop.data.partitions import block_ids, sample_partition
 from blockloop.errors import ConfigError
 from blockloop.models import build_model
 from blockloop.nn.attention import attention, merge_attention
+from blockloop.nn.masks import block_masks
 from blockloop.presets import from_name
 from blockloop.serve.generate import generate
 from blockloop.serve.runners import runner_for

@@ -15,10 +15,11 @@ from blockloop.cli import main
 from blockloop.errors import BlockloopError
 from blockloop.models import build_model
 from blockloop.nn.kv_cache import DecoderCache
-from blockloop.presets import from_name
+from blockloop.presets import PRESETS, from_name
 from blockloop.serve.engine import Engine
 from blockloop.serve.generate import generate
 from blockloop.serve.requests import RequestStatus, SamplingParams
+from blockloop.serve.runners import runner_for
 from blockloop.serve.sampling import sample_rows
 
 GREEDY = SamplingParams(temperature=0.0)
@@ -168,11 +169,19 @@ def test_building_a_mask_does_not_change_the_cache():
 
 def test_every_model_family_has_a_runner():
     from blockloop.models import MODEL_CLASSES
-    from blockloop.serve.runners import RUNNERS, Runner, runner_for
+    from blockloop.serve.runners import RUNNERS, Runner
 
     assert set(RUNNERS) == set(MODEL_CLASSES)
     for family in ("decoder", "block", "double_decoder", "encoder_decoder", "staircase", "ladder", "recursive"):
         assert isinstance(runner_for(tiny(PRESET_OF[family])), Runner)
+
+
+@pytest.mark.parametrize("name", [n for n in PRESETS if n.startswith("tiny")])
+def test_every_tiny_preset_decodes_through_its_runner(name):
+    engine = Engine(runner_for(tiny(name)), 2, sync_every=2)
+    requests = [engine.submit(p, 3, sampling=GREEDY) for p in random_prompts((5, 2, 7))]
+    engine.run()
+    assert all(len(r.output) == 3 for r in requests)
 
 
 PRESET_OF = {"decoder": "tiny", "block": "tiny-block", "double_decoder": "tiny-double", "encoder_decoder": "tiny-encdec",

@@ -16,7 +16,8 @@ from blockloop.data.loader import PackedSequences, StreamBatches, stream_eval_ba
 from blockloop.errors import ConfigError
 from blockloop.models import build_model
 from blockloop.models.decoder import Decoder
-from blockloop.models.recurrent_core import prefix_kv, rotate_prefix, window_mask
+from blockloop.models.recurrent_core import prefix_kv, rotate_prefix
+from blockloop.nn.masks import window_mask
 from blockloop.nn.rope import rope_angles
 from blockloop.presets import from_name
 from blockloop.serve.generate import generate

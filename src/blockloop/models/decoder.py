@@ -212,26 +212,22 @@ class TransformerStack(nn.Module):
         x: Tensor,
         *,
         step: StepContext | None = None,
-        positions: Tensor | None = None,
         memory: Tensor | None = None,
     ) -> Tensor:
-        """Hidden states for embeddings ``x (B, T, d)`` (at ``positions``, default 0..T-1, without a
-        cache); ``memory`` feeds the cross-attention layers."""
-        inputs = self.layer_inputs(x, step, positions)
+        """Hidden states for embeddings ``x (B, T, d)`` (at positions 0..T-1 without a ``step``);
+        ``memory`` feeds the cross-attention layers."""
+        inputs = self.layer_inputs(x, step)
         for i, block in enumerate(self.blocks):
             cached = {"cache": step.cache.layers[i], "slots": step.slots} if step is not None else {}
             cos, sin, masks = inputs.of(i in self.config.local_layers)
             x = block(x, cos, sin, memory, **cached, **masks)
         return self.norm(x)
 
-    def layer_inputs(self, x: Tensor, step: StepContext | None = None, positions: Tensor | None = None) -> LayerInputs:
+    def layer_inputs(self, x: Tensor, step: StepContext | None = None) -> LayerInputs:
         """What the layers of one pass share: rotary tables and masks (the step's cache mask, after marking
         its slots written, or causal without a cache), and the local layers' own. Models that run the blocks
         in their own order start here."""
-        if step is not None:
-            positions = step.token_positions
-        elif positions is None:
-            positions = torch.arange(x.shape[1], device=x.device)
+        positions = step.token_positions if step is not None else torch.arange(x.shape[1], device=x.device)
         c = self.config
         rope = rope_angles(positions, c.rotary_dim, c.rope_base)
         mask = step.begin() if step is not None else None

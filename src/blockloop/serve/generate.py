@@ -13,7 +13,7 @@ from collections.abc import Callable, Sequence, Sized
 import torch
 from torch import nn
 
-from blockloop.errors import BlockloopError
+from blockloop.errors import BlockloopError, check_context
 from blockloop.serve.batching import padded_prompt_length
 from blockloop.serve.engine import Engine
 from blockloop.serve.requests import Request, SamplingParams
@@ -45,13 +45,9 @@ def generate(
         raise BlockloopError("every prompt needs at least one token; give a non-empty --prompt")
     if max_new_tokens < 1:
         raise BlockloopError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
-    context = model.config.context_length
     longest = padded_prompt_length(model, prompts)
-    if (len(prefix) if prefix is not None else 0) + longest + max_new_tokens > context:
-        raise BlockloopError(
-            f"prompt of {longest} tokens plus {max_new_tokens} new tokens exceeds the model context of "
-            f"{context}; shorten the prompt or lower --max-new-tokens"
-        )
+    check_context((len(prefix) if prefix is not None else 0) + longest + max_new_tokens, model.config.context_length,
+                  f"prompt of {longest} plus {max_new_tokens} new tokens, in all", "shorten the prompt or lower --max-new-tokens")
     base = seed if seed is not None else int(torch.randint(2**31, ()).item())
     was_training = model.training
     try:
