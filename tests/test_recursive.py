@@ -114,7 +114,7 @@ def test_rows_at_different_loops_in_one_call_equal_each_loop_run_alone(overrides
             lora.lora_B.normal_(0, 0.1)
     x = torch.randn(4, 7, 64, dtype=torch.float64)
     loops = torch.tensor([2, 0, 1, 0])
-    inputs = model.body.layer_inputs(x)
+    inputs = model.loop_inputs(x)
     batched = model.run_loop(x, loops, inputs)
     for row, loop in enumerate(loops.tolist()):
         alone = model.run_loop(x[row : row + 1], loop, inputs)
@@ -125,7 +125,7 @@ def test_per_row_loops_need_cycle_tying():
     model = recursive(n_layer=2, tying="sequence")
     x = torch.randn(2, 3, 64, dtype=torch.float64)
     with pytest.raises(ValueError, match="cycle"):
-        model.run_loop(x, torch.tensor([0, 1]), model.body.layer_inputs(x))
+        model.run_loop(x, torch.tensor([0, 1]), model.loop_inputs(x))
 
 
 # --------------------------------------------------------------- conversion (section 2.2)
