@@ -27,7 +27,8 @@ from pathlib import Path
 
 import torch
 
-from blockloop.infer.generate import generate
+from blockloop.serve.generate import generate
+from blockloop.serve.runners import runner_for
 from blockloop.train.evaluate import evaluate
 from blockloop.train.run import RunSpec, prepare_run, sequences
 from blockloop.train.trainer import TrainConfig, Trainer
@@ -56,7 +57,10 @@ def timed_generate(model, prompts: list[list[int]], new_tokens: int, repeats: in
 
 def cache_bytes(model, prompts: list[list[int]], new_tokens: int) -> int:
     idx = torch.tensor(prompts)
-    _, state = model.prefill(idx, torch.ones_like(idx, dtype=torch.bool), new_tokens)
+    runner = runner_for(model)
+    runner.allocate(idx.shape[0], idx.shape[1] + new_tokens)
+    runner.prefill_batch(idx, torch.ones_like(idx, dtype=torch.bool))
+    state = runner.state
     tensors = [t for layer in state.cache.layers for t in (layer.k, layer.v)]
     tensors += [t for pair in getattr(state, "cross", []) for t in pair]
     return sum(t.numel() * t.element_size() for t in tensors)

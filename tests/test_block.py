@@ -11,9 +11,10 @@ from blockloop.config import BlockTransformerConfig
 from blockloop.convert import vanilla_to_block
 from blockloop.data.block_padding import random_length_padding
 from blockloop.errors import BlockloopError, ConfigError
-from blockloop.infer.generate import generate
 from blockloop.models import build_model
 from blockloop.presets import from_name
+from blockloop.serve.generate import generate
+from blockloop.serve.runners import runner_for
 
 VARIANTS = list(itertools.product(["lookup", "encoder", "cls"], ["prefix", "sum", "cross"]))
 
@@ -30,10 +31,11 @@ def test_cached_generation_logits_equal_the_full_forward(embedder, token_decoder
     model = block_model(embedder, token_decoder)
     idx = torch.randint(0, 258, (2, 24), generator=torch.Generator().manual_seed(1))
     full, _ = model(idx)
-    logits, state = model.prefill(idx[:, :8], torch.ones(2, 8, dtype=torch.bool), 16)
-    steps = [logits]
+    runner = runner_for(model)
+    runner.allocate(2, 24)
+    steps = [runner.prefill_batch(idx[:, :8], torch.ones(2, 8, dtype=torch.bool))]
     for t in range(8, 23):
-        steps.append(model.decode_step(state, idx[:, t]))
+        steps.append(runner.decode_step(idx[:, t]))
     torch.testing.assert_close(torch.stack(steps, 1), full[:, 8:], atol=1e-10, rtol=1e-10)
 
 
@@ -125,7 +127,10 @@ def test_generation_respects_sampling_and_stopping():
 
 def test_kv_cache_is_a_block_per_entry_and_the_token_cache_one_block():
     model = block_model()
-    _, state = model.prefill(torch.ones(2, 64, dtype=torch.long), torch.ones(2, 64, dtype=torch.bool), 32)
+    runner = runner_for(model)
+    runner.allocate(2, 64 + 32)
+    runner.prefill_batch(torch.ones(2, 64, dtype=torch.long), torch.ones(2, 64, dtype=torch.bool))
+    state = runner.state
     assert state.block_cache.layers[0].k.shape[2] == (64 + 32) // 4
     assert state.token_cache.layers[0].k.shape[2] == model.config.n_lead + model.config.block_len - 1
 

@@ -9,6 +9,7 @@ from blockloop.config import DecoderConfig, DoubleDecoderConfig, EncoderDecoderC
 from blockloop.data.collate import collate_for, step_generator
 from blockloop.models import build_model
 from blockloop.presets import from_name
+from blockloop.serve.runners import runner_for
 from blockloop.train.flops import (
     kv_cache_bytes,
     measured_forward_flops,
@@ -74,7 +75,10 @@ def test_measured_cache_bytes_equal_the_formula(preset):
     torch.manual_seed(0)
     model = build_model(from_name(preset)).eval()
     idx = torch.randint(0, 258, (2, 20))
-    _, state = model.prefill(idx, torch.ones_like(idx, dtype=torch.bool), 7)
+    runner = runner_for(model)
+    runner.allocate(2, 20 + 7)
+    runner.prefill_batch(idx, torch.ones_like(idx, dtype=torch.bool))
+    state = runner.state
     kv = [t for layer in state.cache.layers for t in (layer.k, layer.v)]
     kv += [t for pair in getattr(state, "cross", []) for t in pair]
     per_row = sum(t.numel() * t.element_size() for t in kv) // 2

@@ -9,12 +9,14 @@ import torch
 
 from blockloop.config import DoubleDecoderConfig
 from blockloop.data.collate import collate_for, step_generator
-from blockloop.data.partitions import block_ids, block_masks, sample_partition
+from blockloop.data.partitions import block_ids, sample_partition
 from blockloop.errors import ConfigError
-from blockloop.infer.generate import generate
 from blockloop.models import build_model
 from blockloop.nn.attention import attention, merge_attention
+from blockloop.nn.masks import block_masks
 from blockloop.presets import from_name
+from blockloop.serve.generate import generate
+from blockloop.serve.runners import runner_for
 
 
 @pytest.fixture(scope="module")
@@ -128,10 +130,11 @@ def test_cached_generation_logits_equal_the_full_forward(model):
     outs = generate(model, prompts, 6, temperature=0)
     for prompt, out in zip(prompts, outs):
         idx = torch.tensor([prompt])
-        logits, state = model.prefill(idx, torch.ones_like(idx, dtype=torch.bool), 6)
-        steps = [logits[0]]
+        runner = runner_for(model)
+        runner.allocate(1, idx.shape[1] + 6)
+        steps = [runner.prefill_batch(idx, torch.ones_like(idx, dtype=torch.bool))[0]]
         for token in out[:-1]:
-            steps.append(model.decode_step(state, torch.tensor([token]))[0])
+            steps.append(runner.decode_step(torch.tensor([token]))[0])
         full = full_forward_logits(model, prompt, out[:-1])
         assert torch.allclose(torch.stack(steps), full, atol=1e-10)
         assert out == full.argmax(-1).tolist()
@@ -146,15 +149,22 @@ def test_reusing_a_cached_prompt_prefix_gives_identical_outputs(model):
         model, suffixes, 8, temperature=0, prefix=prefix
     )
     idx = torch.tensor([shared + suffixes[0]])
-    want, _ = model.prefill(idx, torch.ones_like(idx, dtype=torch.bool), 1)
+    runner = runner_for(model)
+    runner.allocate(1, idx.shape[1] + 1)
+    want = runner.prefill_batch(idx, torch.ones_like(idx, dtype=torch.bool))
     idx = torch.tensor([suffixes[0]])
-    got, _ = model.prefill(idx, torch.ones_like(idx, dtype=torch.bool), 1, prefix=prefix)
+    runner = runner_for(model, prefix=prefix)
+    runner.allocate(1, idx.shape[1] + 1)
+    got = runner.prefill_batch(idx, torch.ones_like(idx, dtype=torch.bool))
     assert torch.allclose(got, want, atol=1e-12)
 
 
 def test_generation_keeps_a_kv_cache_for_the_generation_layers_only(model):
     idx = torch.randint(0, 258, (2, 10))
-    _, state = model.prefill(idx, torch.ones_like(idx, dtype=torch.bool), 5)
+    runner = runner_for(model)
+    runner.allocate(2, 15)
+    runner.prefill_batch(idx, torch.ones_like(idx, dtype=torch.bool))
+    state = runner.state
     assert len(state.cache.layers) == model.config.n_generation_layer
     assert len(state.cross) == model.config.n_generation_layer
     assert state.cross[0][0].shape[2] == 9  # context = the prompt but its last token

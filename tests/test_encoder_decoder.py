@@ -7,9 +7,10 @@ import torch
 
 from blockloop.data.collate import collate_for, step_generator
 from blockloop.data.span_corruption import span_corrupt, span_counts
-from blockloop.infer.generate import generate
 from blockloop.models import build_model
 from blockloop.presets import from_name
+from blockloop.serve.generate import generate
+from blockloop.serve.runners import runner_for
 
 VOCAB = 258
 
@@ -85,7 +86,9 @@ def test_cached_generation_logits_equal_the_full_forward(model):
     outs = generate(model, prompts, 6, temperature=0)
     for prompt, out in zip(prompts, outs):
         idx = torch.tensor([prompt])
-        logits, state = model.prefill(idx, torch.ones_like(idx, dtype=torch.bool), 6)
-        steps = [logits[0]] + [model.decode_step(state, torch.tensor([t]))[0] for t in out[:-1]]
+        runner = runner_for(model)
+        runner.allocate(1, idx.shape[1] + 6)
+        logits = runner.prefill_batch(idx, torch.ones_like(idx, dtype=torch.bool))
+        steps = [logits[0]] + [runner.decode_step(torch.tensor([t]))[0] for t in out[:-1]]
         full, _ = model(torch.tensor([prompt[:-1]]), decoder_idx=torch.tensor([prompt[-1:] + out[:-1]]))
         assert torch.allclose(torch.stack(steps), full[0], atol=1e-10)

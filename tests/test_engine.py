@@ -13,13 +13,14 @@ from blockloop.bench.metrics import Timing, serving_metrics, summarize
 from blockloop.bench.records import pareto_front
 from blockloop.cli import main
 from blockloop.errors import BlockloopError
-from blockloop.infer.engine import Engine
-from blockloop.infer.generate import generate
-from blockloop.infer.requests import RequestStatus, SamplingParams
-from blockloop.infer.sampling import sample_rows
 from blockloop.models import build_model
 from blockloop.nn.kv_cache import DecoderCache
-from blockloop.presets import from_name
+from blockloop.presets import PRESETS, from_name
+from blockloop.serve.engine import Engine
+from blockloop.serve.generate import generate
+from blockloop.serve.requests import RequestStatus, SamplingParams
+from blockloop.serve.runners import runner_for
+from blockloop.serve.sampling import sample_rows
 
 GREEDY = SamplingParams(temperature=0.0)
 FAMILIES = ["tiny", "tiny-neox", "tiny-recursive", "tiny-block", "tiny-double"]
@@ -140,7 +141,8 @@ def test_cache_writes_each_row_at_its_own_slots_and_row_views_write_through():
     slots = torch.tensor([[0], [4], [2]])
     k = torch.arange(3, dtype=torch.float32).view(3, 1, 1, 1).expand(3, 1, 1, 2)
     keys, _ = cache.layers[0].write(slots, k, k)
-    mask = cache.attention_mask(slots, None)
+    cache.mark(slots)
+    mask = cache.mask(slots)
     for row, slot in enumerate([0, 4, 2]):
         assert torch.equal(keys[row, 0, slot], torch.full((2,), float(row)))
         assert keys[row, 0].abs().sum() == 2 * row  # nothing else of the row was written
@@ -149,10 +151,71 @@ def test_cache_writes_each_row_at_its_own_slots_and_row_views_write_through():
     view = cache.row(1)
     view.reset()
     view.layers[0].write(torch.tensor([1]), torch.full((1, 1, 1, 2), 9.0), torch.zeros(1, 1, 1, 2))
-    view.attention_mask(torch.tensor([1]), None)
+    view.mark(torch.tensor([1]))
     assert cache.layers[0].k[1, 0, 1].tolist() == [9.0, 9.0]
     assert cache.key_valid[1].tolist() == [False, True, False, False, False, False]
     assert cache.key_valid[2, 2]  # other rows untouched
+
+
+def test_building_a_mask_does_not_change_the_cache():
+    cache = DecoderCache(1, 2, 1, 5, 2, dtype=torch.float32, device="cpu")
+    cache.mark(torch.tensor([[0, 1], [0, 1]]), torch.tensor([[False, True], [True, True]]))
+    before = cache.key_valid.clone()
+    mask = cache.mask(torch.tensor([[2], [3]]))
+    assert torch.equal(cache.key_valid, before)  # the queries' own slots were not marked
+    assert mask[0, 0, 0].tolist() == [False, True, True, False, False]  # itself always, padding never
+    assert mask[1, 0, 0].tolist() == [True, True, False, True, False]
+
+
+def test_every_model_family_has_a_runner():
+    from blockloop.models import MODEL_CLASSES
+    from blockloop.serve.runners import RUNNERS, Runner
+
+    assert set(RUNNERS) == set(MODEL_CLASSES)
+    for family in ("decoder", "block", "double_decoder", "encoder_decoder", "staircase", "ladder", "recursive"):
+        assert isinstance(runner_for(tiny(PRESET_OF[family])), Runner)
+
+
+@pytest.mark.parametrize("name", [n for n in PRESETS if n.startswith("tiny")])
+def test_every_tiny_preset_decodes_through_its_runner(name):
+    engine = Engine(runner_for(tiny(name)), 2, sync_every=2)
+    requests = [engine.submit(p, 3, sampling=GREEDY) for p in random_prompts((5, 2, 7))]
+    engine.run()
+    assert all(len(r.output) == 3 for r in requests)
+
+
+PRESET_OF = {"decoder": "tiny", "block": "tiny-block", "double_decoder": "tiny-double", "encoder_decoder": "tiny-encdec",
+             "staircase": "tiny-staircase", "ladder": "tiny-ladder", "recursive": "tiny-recursive"}
+
+
+def full_forward_greedy(model, prompt, n):
+    """Greedy tokens from the family's uncached full forward, re-run for every token (no runner at all)."""
+    out = []
+    for _ in range(n):
+        seq = prompt + out
+        family = model.config.family
+        if family == "encoder_decoder":
+            logits, _ = model(torch.tensor([seq[: len(prompt) - 1]]), decoder_idx=torch.tensor([seq[len(prompt) - 1 :]]))
+        elif family == "double_decoder":
+            boundaries = torch.tensor([0, len(prompt) - 1, len(seq)]) if len(prompt) > 1 else None
+            logits, _ = model(torch.tensor([seq]), boundaries=boundaries)
+        else:
+            logits, _ = model(torch.tensor([seq]))
+        out.append(int(logits[0, -1].argmax()))
+    return out
+
+
+@pytest.mark.parametrize("name", ["tiny-recursive", "tiny-double", "tiny-encdec"])  # ladder, staircase: test_staircase_engine
+def test_every_family_serves_a_continuous_batch_with_joins_like_its_full_forward(name):
+    model = tiny(name)
+    prompts, budgets = random_prompts((3, 9, 6, 2)), [6, 4, 7, 5]
+    engine = Engine(model, 2, sync_every=2)
+    assert engine.continuous
+    requests = [engine.submit(p, n, sampling=GREEDY) for p, n in zip(prompts[:3], budgets[:3])]
+    engine.step()
+    requests.append(engine.submit(prompts[3], budgets[3], sampling=GREEDY))  # joins mid-batch
+    engine.run()
+    assert [r.output for r in requests] == [full_forward_greedy(model, p, n) for p, n in zip(prompts, budgets)]
 
 
 def test_block_transformer_admits_requests_only_at_block_boundaries():
@@ -160,8 +223,8 @@ def test_block_transformer_admits_requests_only_at_block_boundaries():
     engine = Engine(model, 2, sync_every=3)
     assert engine.sync_every == 4  # rounded up to the block length
     with pytest.raises(RuntimeError, match="block boundaries"):
-        engine.state.filled = 1
-        model.prefill_slot(engine.state, 0, torch.ones(4, dtype=torch.long))
+        engine.runner.state.filled = 1
+        engine.runner.prefill_slot(0, torch.ones(4, dtype=torch.long))
 
 
 def test_bad_requests_and_engines_are_clear_errors():
@@ -271,17 +334,17 @@ def test_hf_generate_baseline_decodes_the_same_greedy_tokens():
 
 
 def test_depthwise_batching_without_exits_equals_sequence_wise_greedy():
-    from blockloop.infer.depthwise import DepthwiseRecursive
+    from blockloop.serve.runners import ExitRule, runner_for
 
     model = tiny("tiny-recursive")
     prompts, budgets = random_prompts((3, 11, 7, 5, 9)), [9, 4, 7, 6, 2]
     reference = [generate(model, [p], n, temperature=0)[0] for p, n in zip(prompts, budgets)]
-    served = DepthwiseRecursive(model)
+    served = runner_for(model, exit_rule=ExitRule("none"))
     engine = Engine(served, 2, sync_every=3)
     requests = [engine.submit(p, n, sampling=GREEDY) for p, n in zip(prompts, budgets)]
     engine.run()
     assert [r.output for r in requests] == reference
-    assert served.mean_exit_loop(engine.state) == 2.0  # every token ran both loops
+    assert served.mean_exit_loop() == 2.0  # every token ran both loops
     for budget in (1, 2, 5):  # windows must not stop on a token count: depth-wise rows emit at uneven steps
         engine.submit(prompts[0], budget, sampling=GREEDY)
         engine.run()
@@ -289,15 +352,15 @@ def test_depthwise_batching_without_exits_equals_sequence_wise_greedy():
 
 
 def test_early_exit_skips_loops_and_fills_the_owed_deeper_kv():
-    from blockloop.infer.depthwise import DepthwiseRecursive, ExitRule
+    from blockloop.serve.runners import ExitRule, runner_for
 
     model = tiny("tiny-recursive")
-    served = DepthwiseRecursive(model, ExitRule("max_prob", 0.0))  # every token may leave after loop 1
+    served = runner_for(model, exit_rule=ExitRule("max_prob", 0.0))  # every token may leave after loop 1
     engine = Engine(served, 1, sync_every=4)
     request = engine.submit([5, 6, 7], 6, sampling=GREEDY)
     engine.run()
-    assert len(request.output) == 6 and served.mean_exit_loop(engine.state) == 1.0
-    (k, v), cache = engine.state.decode.cache.stacked[0], engine.state.decode.cache
+    assert len(request.output) == 6 and served.mean_exit_loop() == 1.0
+    (k, v), cache = served.state.cache.stacked[0], served.state.cache
     generated = slice(3, 3 + 5)  # the fed-back generated tokens exited after loop 0: loop 1 holds a copy
     assert torch.equal(k[1, 0, :, generated], k[0, 0, :, generated]) and torch.equal(v[1, 0, :, generated], v[0, 0, :, generated])
     assert not torch.equal(k[1, 0, :, :3], k[0, 0, :, :3])  # the prompt ran both loops
@@ -305,7 +368,7 @@ def test_early_exit_skips_loops_and_fills_the_owed_deeper_kv():
 
 
 def test_exit_rules_on_known_distributions():
-    from blockloop.infer.depthwise import ExitRule
+    from blockloop.serve.runners import ExitRule
 
     logits = torch.log(torch.tensor([[0.9, 0.05, 0.05], [0.4, 0.3, 0.3]]))
     one = torch.ones(2, dtype=torch.long)

@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from blockloop.errors import BlockloopError
-from blockloop.infer.generate import generate
 from blockloop.models import build_model
 from blockloop.presets import from_name
+from blockloop.serve.generate import generate
 
 
 @pytest.fixture(scope="module")

@@ -13,8 +13,8 @@ from blockloop.cli import EXIT_USER_ERROR, main
 from blockloop.config import DecoderConfig
 from blockloop.convert.hf import export_hf, from_hf_model, import_hf, to_hf_model
 from blockloop.errors import BlockloopError
-from blockloop.infer.generate import generate
 from blockloop.models.decoder import Decoder
+from blockloop.serve.generate import generate
 from blockloop.train.run import load_trained
 
 TOL = 1e-4
@@ -103,8 +103,8 @@ def test_gemma3_sliding_window_is_active():
 
 @pytest.mark.parametrize("kind", ["llama_gqa", "gemma3", "gpt2", "gpt_neox"])
 def test_cached_generation_equals_full_forward(kind):
-    """Greedy generation through prefill/decode_step (left-padded batch of two prompts) picks, at every
-    step, the argmax of a full uncached forward over the row's own tokens."""
+    """Greedy generation through the decoder's runner (two prompts of different lengths in one batch)
+    picks, at every step, the argmax of a full uncached forward over the row's own tokens."""
     model = from_hf_model(random_hf_model(kind))
     prompts = [tokens(batch=1, length=9, seed=3)[0].tolist(), tokens(batch=1, length=4, seed=4)[0].tolist()]
     new = generate(model, prompts, max_new_tokens=10, temperature=0.0)

@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from blockloop.config import DecoderConfig, config_from_dict, load_config, save_config
 from blockloop.errors import ConfigError
 from blockloop.models import build_model
+from blockloop.nn.kv_cache import StepContext
 from blockloop.nn.mlp import build_mlp
 from blockloop.nn.norm import RMSNorm
 from blockloop.nn.rope import apply_rope, rope_angles
@@ -157,10 +158,10 @@ def test_cached_prefill_and_decode_equal_the_full_forward(name):
     idx = torch.randint(0, 258, (3, 24))
     full, _ = model(idx)
     cache = model.allocate_cache(3, 32)
-    pieces = [model(idx[:, :10], cache=cache, slots=torch.arange(10))[0]]
-    pieces.append(model(idx[:, 10:17], cache=cache, slots=torch.arange(10, 17))[0])  # chunked prefill
+    pieces = [model(idx[:, :10], step=StepContext(cache, torch.arange(10)))[0]]
+    pieces.append(model(idx[:, 10:17], step=StepContext(cache, torch.arange(10, 17)))[0])  # chunked prefill
     for t in range(17, 24):
-        pieces.append(model(idx[:, t : t + 1], cache=cache, slots=torch.tensor([t]))[0])
+        pieces.append(model(idx[:, t : t + 1], step=StepContext(cache, torch.tensor([t])))[0])
     torch.testing.assert_close(torch.cat(pieces, 1), full, atol=1e-10, rtol=1e-10)
 
 
@@ -172,7 +173,7 @@ def test_left_padding_does_not_change_a_rows_logits():
     valid = torch.arange(12)[None] >= 5
     positions = (torch.arange(12) - 5).clamp_min(0)[None]
     cache = model.allocate_cache(1, 12)
-    logits, _ = model(padded, cache=cache, slots=torch.arange(12), positions=positions, token_valid=valid)
+    logits, _ = model(padded, step=StepContext(cache, torch.arange(12), positions, valid))
     torch.testing.assert_close(logits[:, 5:], alone, atol=1e-10, rtol=1e-10)
 
 
@@ -202,8 +203,8 @@ def test_cuda_bf16_cached_decode_matches_the_full_forward():
     with torch.no_grad():
         full, _ = model(idx)
         cache = model.allocate_cache(4, 40)
-        pieces = [model(idx[:, :32], cache=cache, slots=torch.arange(32, device="cuda"))[0]]
+        pieces = [model(idx[:, :32], step=StepContext(cache, torch.arange(32, device="cuda")))[0]]
         for t in range(32, 40):
-            pieces.append(model(idx[:, t : t + 1], cache=cache, slots=torch.tensor([t], device="cuda"))[0])
+            pieces.append(model(idx[:, t : t + 1], step=StepContext(cache, torch.tensor([t], device="cuda")))[0])
     cached = torch.cat(pieces, 1).float()
     assert ((cached - full.float()).norm() / full.float().norm()).item() < 2e-2

@@ -11,13 +11,13 @@ import torch
 
 from blockloop.cli import main
 from blockloop.errors import BlockloopError
-from blockloop.infer.depthwise import DepthwiseRecursive, ExitRule
-from blockloop.infer.engine import Engine
-from blockloop.infer.exit_schedule import depthwise_steps, sequencewise_steps, simulate, static_steps
-from blockloop.infer.generate import generate
-from blockloop.infer.requests import SamplingParams
 from blockloop.models import build_model
 from blockloop.presets import from_name
+from blockloop.serve.engine import Engine
+from blockloop.serve.exit_schedule import depthwise_steps, sequencewise_steps, simulate, static_steps
+from blockloop.serve.generate import generate
+from blockloop.serve.requests import SamplingParams
+from blockloop.serve.runners import ExitRule, runner_for
 
 GREEDY = SamplingParams(temperature=0.0)
 
@@ -53,13 +53,13 @@ def test_oracle_exit_outputs_equal_no_exit_greedy_and_exits_are_the_first_agreei
     prompts = [torch.randint(1, 258, (n,), generator=g).tolist() for n in (3, 9, 6, 4, 7)]
     budgets = [8, 3, 6, 1, 5]
     reference = [generate(model, [p], n, temperature=0)[0] for p, n in zip(prompts, budgets)]
-    served = DepthwiseRecursive(model, ExitRule("oracle"))
+    served = runner_for(model, exit_rule=ExitRule("oracle"))
     engine = Engine(served, 2, sync_every=3)
     requests = [engine.submit(p, n, sampling=GREEDY) for p, n in zip(prompts, budgets)]
     trajectories = {}
     while not engine.idle:  # read each request's exits as it finishes, before its row is reused
         for r in engine.step():
-            trajectories[r.id] = served.exit_trajectory(engine.state, r.slot, len(r.prompt), len(r.output) - 1)
+            trajectories[r.id] = served.exit_trajectory(r.slot, len(r.prompt), len(r.output) - 1)
     assert [r.output for r in requests] == reference
     expected = [brute_force_exits(model, p, r.output) for p, r in zip(prompts, requests)]
     assert [trajectories[r.id] for r in requests] == expected

@@ -13,11 +13,12 @@ from blockloop.cli import EXIT_USER_ERROR, main
 from blockloop.convert import vanilla_to_recursive
 from blockloop.convert.to_recursive import shared_layer_sources
 from blockloop.errors import BlockloopError, ConfigError
-from blockloop.infer.generate import generate
 from blockloop.models import build_model
 from blockloop.models.recursive import layer_order
 from blockloop.nn.distill import forward_kl
 from blockloop.presets import from_name
+from blockloop.serve.generate import generate
+from blockloop.serve.runners import runner_for
 from blockloop.train.distill import Distillation
 
 
@@ -89,10 +90,11 @@ def test_cached_generation_equals_the_full_forward(overrides):
                 lora.lora_B.normal_(0, 0.1)  # non-zero deltas, so each loop really differs
     idx = tokens(length=20)
     full, _ = model(idx)
-    logits, state = model.prefill(idx[:, :6], torch.ones(2, 6, dtype=torch.bool), 14)
-    steps = [logits]
+    runner = runner_for(model)
+    runner.allocate(2, 20)
+    steps = [runner.prefill_batch(idx[:, :6], torch.ones(2, 6, dtype=torch.bool))]
     for t in range(6, 19):
-        steps.append(model.decode_step(state, idx[:, t]))
+        steps.append(runner.decode_step(idx[:, t]))
     torch.testing.assert_close(torch.stack(steps, 1), full[:, 5:19], atol=1e-10, rtol=1e-10)
 
 
@@ -112,7 +114,7 @@ def test_rows_at_different_loops_in_one_call_equal_each_loop_run_alone(overrides
             lora.lora_B.normal_(0, 0.1)
     x = torch.randn(4, 7, 64, dtype=torch.float64)
     loops = torch.tensor([2, 0, 1, 0])
-    inputs = model.body.layer_inputs(x)
+    inputs = model.loop_inputs(x)
     batched = model.run_loop(x, loops, inputs)
     for row, loop in enumerate(loops.tolist()):
         alone = model.run_loop(x[row : row + 1], loop, inputs)
@@ -123,7 +125,7 @@ def test_per_row_loops_need_cycle_tying():
     model = recursive(n_layer=2, tying="sequence")
     x = torch.randn(2, 3, 64, dtype=torch.float64)
     with pytest.raises(ValueError, match="cycle"):
-        model.run_loop(x, torch.tensor([0, 1]), model.body.layer_inputs(x))
+        model.run_loop(x, torch.tensor([0, 1]), model.loop_inputs(x))
 
 
 # --------------------------------------------------------------- conversion (section 2.2)

@@ -14,12 +14,14 @@ import torch
 from blockloop.config import LadderConfig, StaircaseConfig, config_from_dict
 from blockloop.data.loader import PackedSequences, StreamBatches, stream_eval_batches
 from blockloop.errors import ConfigError
-from blockloop.infer.generate import generate
 from blockloop.models import build_model
 from blockloop.models.decoder import Decoder
-from blockloop.models.recurrent_core import prefix_kv, rotate_prefix, window_mask
+from blockloop.models.recurrent_core import prefix_kv, rotate_prefix
+from blockloop.nn.masks import window_mask
 from blockloop.nn.rope import rope_angles
 from blockloop.presets import from_name
+from blockloop.serve.generate import generate
+from blockloop.serve.runners import runner_for
 from blockloop.train.evaluate import evaluate
 
 STAIRCASES = ["tiny-staircase", "tiny-cached-staircase", "tiny-global-staircase", "tiny-feedback"]
@@ -243,10 +245,11 @@ def test_streaming_generation_logits_equal_the_full_forward(name):
     valid[1, :3] = False  # left padding of a shorter prompt
     valid[2, :6] = False
     prompt = 9
-    logits, decode = model.prefill(idx[:, :prompt], valid[:, :prompt], 30 - prompt)
-    steps = [logits]
+    runner = runner_for(model)
+    runner.allocate(3, 30)
+    steps = [runner.prefill_batch(idx[:, :prompt], valid[:, :prompt])]
     for t in range(prompt, 29):
-        steps.append(model.decode_step(decode, idx[:, t]))
+        steps.append(runner.decode_step(idx[:, t]))
     full = model(idx, token_valid=valid)[0]
     torch.testing.assert_close(torch.stack(steps, 1), full[:, prompt - 1 : 29])
 

@@ -6,10 +6,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from blockloop.infer.engine import Engine, serves_continuously
-from blockloop.infer.requests import RequestStatus, SamplingParams
 from blockloop.models import build_model
 from blockloop.presets import from_name
+from blockloop.serve.engine import Engine
+from blockloop.serve.requests import RequestStatus, SamplingParams
+from blockloop.serve.runners import runner_for
 
 GREEDY = SamplingParams(temperature=0.0)
 STAIRCASES = ["tiny-staircase", "tiny-cached-staircase", "tiny-global-staircase", "tiny-feedback"]
@@ -42,7 +43,7 @@ def full_forward_greedy(model, prompt, n):
 @pytest.mark.parametrize("name", CONTINUOUS)
 def test_engine_with_mid_batch_joins_equals_full_forward_greedy(name):
     model = tiny(name)
-    assert serves_continuously(model)
+    assert runner_for(model).per_slot
     # Prompt + generation reaches past Transformer-XL's span of 16, so the span mask is exercised per row.
     prompts = random_prompts((3, 14, 6, 5))
     budgets = [6, 4, 7, 5]
@@ -62,13 +63,14 @@ def test_slot_logits_equal_the_full_forward_when_a_slot_is_refilled_mid_decode(n
     model = tiny(name)
     sequences = random_prompts((24, 8, 18), seed=3)
     prompt_len = [4, 5, 6]
-    state = model.allocate_slots(2, 24)
+    runner = runner_for(model)
+    runner.allocate(2, 24)
     got: list[list[torch.Tensor]] = [[], [], []]
     job, read = [0, 1], [0, 0]  # each row's request, and how many of its tokens it has read
 
     def prefill(row, j):
         job[row], read[row] = j, prompt_len[j]
-        got[j].append(model.prefill_slot(state, row, torch.tensor(sequences[j][: prompt_len[j]])))
+        got[j].append(runner.prefill_slot(row, torch.tensor(sequences[j][: prompt_len[j]])))
 
     prefill(0, 0)
     prefill(1, 1)
@@ -76,7 +78,7 @@ def test_slot_logits_equal_the_full_forward_when_a_slot_is_refilled_mid_decode(n
         if t == 3:  # row 1's request is done: the next takes its slot while row 0 decodes on
             prefill(1, 2)
         fed = [sequences[job[r]][min(read[r], len(sequences[job[r]]) - 1)] for r in range(2)]
-        logits = model.decode_step(state, torch.tensor(fed))
+        logits = runner.decode_step(torch.tensor(fed))
         for r in range(2):
             if read[r] < len(sequences[job[r]]):
                 got[job[r]].append(logits[r])

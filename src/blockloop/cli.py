@@ -388,7 +388,7 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    from blockloop.infer.generate import generate
+    from blockloop.serve.generate import generate
     from blockloop.train.run import load_trained
 
     if args.num_samples < 1:
@@ -759,12 +759,15 @@ def _recurrent_flops(config: "DecoderConfig", T: int, args: argparse.Namespace) 
     import torch
 
     from blockloop.models import build_model
+    from blockloop.serve.runners import runner_for
     from blockloop.train import flops
 
     with torch.device("meta"):
         model = build_model(config)
         if config.family == "staircase":  # bounded by S and the cache, whatever the stream length
-            caches = model.allocate_slots(1).passes
+            runner = runner_for(model)
+            runner.allocate(1, T + args.out_len)
+            caches = runner.state.passes
         else:
             caches = model.generation_caches(1, T, args.out_len)
     state = sum(layer.k.numel() + layer.v.numel() for cache in caches for layer in cache.layers) * args.bytes

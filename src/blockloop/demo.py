@@ -12,7 +12,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from blockloop.infer.generate import generate, padded_prompt_length
+from blockloop.serve.batching import padded_prompt_length
+from blockloop.serve.generate import generate
 from blockloop.train.run import RunSpec, prepare_run, sequences
 from blockloop.train.trainer import TrainConfig, Trainer
 

@@ -158,8 +158,9 @@ def _throughput(args: argparse.Namespace, models: list, device: torch.device) ->
 
 def _stream(args: argparse.Namespace, models: list) -> list[dict[str, Any]]:
     from blockloop.bench.stream import agreement, corpus_prompts, run_stream
-    from blockloop.infer.depthwise import DepthwiseRecursive
-    from blockloop.infer.exit_schedule import simulate
+    from blockloop.serve.exit_schedule import simulate
+    from blockloop.serve.runners import runner_for
+    from blockloop.serve.runners.recursive import RecursiveRunner
 
     lo, hi = _ints(args.prompt_range, "--prompt-range")[:2]
     tmin, tmax = _ints(args.tokens_range, "--tokens-range")[:2]
@@ -169,8 +170,8 @@ def _stream(args: argparse.Namespace, models: list) -> list[dict[str, Any]]:
     served = []
     for name, model, val_loss in models:
         served.append((name, model, val_loss, None))
-        if model.config.family == "recursive":
-            served += [(f"{name} depth-wise exit {_rule_name(r)}", DepthwiseRecursive(model, r), val_loss, name)
+        if isinstance(runner_for(model), RecursiveRunner):
+            served += [(f"{name} depth-wise exit {_rule_name(r)}", runner_for(model, exit_rule=r), val_loss, name)
                        for r in rules]
     rows: list[dict[str, Any]] = []
     outputs: dict[str, list[list[int]]] = {}
@@ -218,7 +219,7 @@ def _ms(summary: dict[str, float], *keys: str) -> str:
 
 
 def _exit_rule(text: str) -> Any:
-    from blockloop.infer.depthwise import ExitRule
+    from blockloop.serve.runners import ExitRule
 
     kind, _, threshold = text.partition(":")
     try:

@@ -13,8 +13,10 @@ from torch import nn
 
 from blockloop.bench.metrics import Timing, serving_metrics
 from blockloop.errors import BlockloopError
-from blockloop.infer.engine import Engine
-from blockloop.infer.requests import SamplingParams
+from blockloop.serve.engine import Engine
+from blockloop.serve.requests import SamplingParams
+from blockloop.serve.runners import Runner
+from blockloop.serve.runners.recursive import RecursiveRunner
 
 
 def corpus_prompts(vocab_size: int, n: int, min_len: int, max_len: int, *, corpus: str = "shakespeare", seed: int = 0) -> list[list[int]]:
@@ -32,11 +34,12 @@ def corpus_prompts(vocab_size: int, n: int, min_len: int, max_len: int, *, corpu
 
 
 def run_stream(
-    model: nn.Module, prompts: list[list[int]], *, n_slots: int, min_tokens: int, max_tokens: int,
+    served: nn.Module | Runner, prompts: list[list[int]], *, n_slots: int, min_tokens: int, max_tokens: int,
     rate: float = float("inf"), sync_every: int = 8, seed: int = 0, compile: bool = False,
 ) -> dict[str, Any]:
     """Serve ``prompts`` arriving at ``rate`` requests/s (inf: all at t=0); metrics of the whole stream,
-    and each request's ``outputs`` (in submission order)."""
+    and each request's ``outputs`` (in submission order). ``served`` is a model or its runner (a recursive
+    model's depth-wise runner also reports its exits)."""
     if rate <= 0:
         raise BlockloopError(f"--rate must be > 0 requests/s (inf for a fixed queue), got {rate}")
     if not 1 <= min_tokens <= max_tokens:
@@ -45,7 +48,9 @@ def run_stream(
     gaps = rng.exponential(1.0 / rate, size=len(prompts)) if np.isfinite(rate) else np.zeros(len(prompts))
     offsets = np.cumsum(gaps) - gaps[0]
     budgets = rng.integers(min_tokens, max_tokens + 1, size=len(prompts))
-    engine = Engine(model, n_slots, sync_every=sync_every, compile=compile)
+    engine = Engine(served, n_slots, sync_every=sync_every, compile=compile)
+    runner = engine.runner
+    depthwise = isinstance(runner, RecursiveRunner) and runner.exit_rule is not None
     greedy = SamplingParams(temperature=0.0)
     requests, pending = [], list(zip(offsets, prompts, budgets))
     trajectories: dict[int, list[int]] = {}  # exit loops per request (depth-wise serving), read as each finishes
@@ -62,13 +67,13 @@ def run_stream(
                 time.sleep(max(0.0, pending[0][0] - (time.perf_counter() - start)))
                 continue
             for request in engine.step():
-                if hasattr(model, "exit_trajectory"):
-                    trajectories[request.id] = model.exit_trajectory(
-                        engine.state, request.slot, len(request.prompt), len(request.output) - 1 + (request.finish_reason == "eos"))
+                if depthwise:
+                    trajectories[request.id] = runner.exit_trajectory(
+                        request.slot, len(request.prompt), len(request.output) - 1 + (request.finish_reason == "eos"))
     metrics = serving_metrics([Timing(r.arrival_time, r.token_times) for r in requests])
     metrics.update(n_slots=n_slots, rate=rate, steps=engine.steps)
-    if hasattr(model, "mean_exit_loop"):
-        metrics["mean_exit_loop"] = model.mean_exit_loop(engine.state)
+    if depthwise:
+        metrics["mean_exit_loop"] = runner.mean_exit_loop()
         metrics["exit_trajectories"] = [trajectories[r.id] for r in requests]
     metrics["outputs"] = [r.output for r in requests]
     return metrics

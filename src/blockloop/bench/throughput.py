@@ -21,8 +21,9 @@ from torch import Tensor, nn
 from blockloop.bench.roofline import bytes_per_step
 from blockloop.bench.timing import timed
 from blockloop.errors import BlockloopError
-from blockloop.infer.engine import Engine
-from blockloop.infer.requests import SamplingParams
+from blockloop.serve.engine import Engine
+from blockloop.serve.requests import SamplingParams
+from blockloop.serve.runners import runner_for
 
 SCENARIOS = {"prefill-heavy": (2048, 128), "decode-heavy": (128, 2048)}
 
@@ -70,7 +71,7 @@ def check_lengths(model: nn.Module, prompt_len: int, gen_len: int) -> int:
     """The engine slot length for this protocol; a clear error when it exceeds the model context."""
     if prompt_len < 1 or gen_len < 1:
         raise BlockloopError(f"prompt and generation lengths must be >= 1, got {prompt_len} and {gen_len}")
-    multiple = getattr(model, "prompt_multiple", 1)
+    multiple = runner_for(model).prompt_multiple
     need = -(-prompt_len // multiple) * multiple + gen_len
     context = model.config.context_length
     if need > context:
@@ -120,7 +121,7 @@ def engine_throughput(
     peak = torch.cuda.max_memory_allocated(device) // batch if device.type == "cuda" else None
     return ThroughputResult(
         name, batch, prompt_len, gen_len, tok_s, mean_ttft, max(mean - mean_ttft, 0.0) / max(gen_len - 1, 1), peak,
-        state_bytes(engine.state) // batch, roofline, tok_s / roofline if roofline else None,
+        state_bytes(engine.runner.state) // batch, roofline, tok_s / roofline if roofline else None,
     )
 
 

@@ -63,18 +63,3 @@ def prefix_partition(length: int, breakpoint: int) -> Tensor:
 def block_ids(boundaries: Tensor, positions: Tensor) -> Tensor:
     """The block k with b_k <= position < b_{k+1}, for each position."""
     return torch.bucketize(positions, boundaries.to(positions.device), right=True) - 1
-
-
-def block_masks(boundaries: Tensor, length: int) -> tuple[Tensor, Tensor]:
-    """The generation decoder's two ``(T, T)`` masks (True = may attend), section 3.1:
-
-    * within-block: key in the query's block at a position <= the query's (causal self-attention);
-    * cross-block: key in an earlier block (the context latents h_s of blocks m < k).
-
-    They are disjoint and together never reach a key after the query: no token sees the future.
-    """
-    positions = torch.arange(length, device=boundaries.device)
-    block = block_ids(boundaries, positions)
-    within = (block[:, None] == block[None, :]) & (positions[:, None] >= positions[None, :])
-    cross = block[None, :] < block[:, None]
-    return within, cross

@@ -11,12 +11,11 @@ Three parts, as in section 2:
 Global attention therefore runs over ``T / L_B`` positions and the token decoder's cache never holds
 more than one block: that is where the decode-time KV savings of Table 1 come from. Block 0 of a
 sequence has no context embedding, so its tokens are not predicted (its logits are zeros and its
-targets are ignored).
+targets are ignored). Generation (:mod:`blockloop.serve.runners.block`) calls :meth:`BlockTransformer.block_context`
+once per block and :meth:`BlockTransformer.token_logits` once per token.
 """
 
 from __future__ import annotations
-
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -25,9 +24,10 @@ from torch import Tensor, nn
 from blockloop.config import BlockTransformerConfig
 from blockloop.data.block_padding import random_length_padding
 from blockloop.data.collate import sample_breakpoint
+from blockloop.errors import check_context
 from blockloop.models.decoder import TransformerStack, count_parameters
 from blockloop.nn.init import init_weights
-from blockloop.nn.kv_cache import DecoderCache
+from blockloop.nn.kv_cache import DecoderCache, StepContext
 from blockloop.nn.precision import at_least_fp32
 
 
@@ -123,29 +123,12 @@ class TokenDecoder(nn.Module):
         return self.lm_head(hidden[:, self.n_lead - 1 :])
 
 
-@dataclass
-class BlockDecodeState:
-    """Generation state: the block decoder's cache (each row's next block slot and position), the current
-    block's context vectors and token-decoder cache. All rows share the within-block phase ``filled``."""
-
-    block_cache: DecoderCache
-    next_block_slot: Tensor
-    next_block_position: Tensor
-    token_cache: DecoderCache
-    vectors: Tensor
-    block_tokens: Tensor
-    filled: int = 0
-
-
 class BlockTransformer(nn.Module):
     """Embedder -> block decoder -> token decoder, trained with next-token loss on every block but the first."""
 
     def __init__(self, config: BlockTransformerConfig) -> None:
         super().__init__()
         self.config = config
-        self.prompt_multiple = config.block_len
-        # Rows of a continuous batch share the within-block phase, so requests join at block boundaries.
-        self.admit_every = config.block_len
         self.embedder = LookupEmbedder(config) if config.embedder == "lookup" else EncoderEmbedder(config)
         self.drop = nn.Dropout(config.dropout)
         self.block_decoder = TransformerStack(config.block_decoder_config())
@@ -192,8 +175,7 @@ class BlockTransformer(nn.Module):
         batch, length = idx.shape
         if length % c.block_len:
             raise ValueError(f"sequence length {length} is not a multiple of block_len={c.block_len}")
-        if length > c.context_length:
-            raise ValueError(f"sequence of {length} tokens exceeds the model context of {c.context_length}")
+        check_context(length, c.context_length, "sequence")
         blocks = idx.view(batch, -1, c.block_len)
         context = self.block_decoder(self.drop(self.embedder(blocks)))
         logits = self.token_decoder(context[:, :-1].flatten(0, 1), blocks[:, 1:].flatten(0, 1))
@@ -222,91 +204,12 @@ class BlockTransformer(nn.Module):
             ),
         ]
 
-    @torch.no_grad()
-    def prefill(self, idx: Tensor, token_valid: Tensor, max_new_tokens: int) -> tuple[Tensor, BlockDecodeState]:
-        """Run the prompt blocks through the block decoder only (the token decoder has no prefill).
+    def block_context(self, blocks: Tensor, step: StepContext) -> Tensor:
+        """Context embeddings ``(B, d_block)`` after the blocks ``(B, n, L_B)`` (the last one's), cached."""
+        return self.block_decoder(self.embedder(blocks), step=step)[:, -1]
 
-        Prompts arrive left-padded to whole blocks; pad tokens are embedded like in training, blocks that
-        are all padding are masked out of the block decoder, and block positions count from each row's
-        first real block.
-        """
-        c = self.config
-        batch, length = idx.shape
-        idx = idx.masked_fill(~token_valid, c.pad_id)
-        blocks = idx.view(batch, -1, c.block_len)
-        n_blocks = blocks.shape[1]
-        block_valid = token_valid.view(batch, n_blocks, c.block_len).any(-1)
-        slots = torch.arange(n_blocks, device=idx.device)
-        positions = (slots[None, :] - (~block_valid).sum(1, keepdim=True)).clamp_min(0)
-        block_cache, token_cache = self.generation_caches(batch, length, max_new_tokens)
-        context = self.block_decoder(
-            self.embedder(blocks), positions=positions, cache=block_cache, slots=slots, token_valid=block_valid
-        )[:, -1]
-        state = BlockDecodeState(
-            block_cache, torch.full_like(positions[:, -1], n_blocks), positions[:, -1] + 1, token_cache, self.token_decoder.context_vectors(context),
-            torch.full((batch, c.block_len), c.pad_id, dtype=torch.long, device=idx.device),
-        )
-        return self._start_block(state.vectors, state.token_cache), state
-
-    @torch.no_grad()
-    def decode_step(self, state: BlockDecodeState, token: Tensor) -> Tensor:
-        c, tokdec = self.config, self.token_decoder
-        state.block_tokens[:, state.filled] = token
-        state.filled += 1
-        if state.filled == c.block_len:
-            return self._next_block(state)
-        x = tokdec.token_inputs(token[:, None], state.vectors, state.filled - 1)
-        slot = torch.full((1,), c.n_lead + state.filled - 1, device=token.device)
-        hidden = tokdec.body(x, cache=state.token_cache, slots=slot, memory=tokdec.memory(state.vectors))
-        return tokdec.lm_head(hidden[:, -1])
-
-    def _next_block(self, state: BlockDecodeState) -> Tensor:
-        """The block is complete: one block-decoder step gives the next context; the local cache restarts.
-
-        Each row writes its own next block slot (rows past the end of the cache, idle rows of a
-        continuous batch, rewrite their last one)."""
-        slots = state.next_block_slot.clamp_max(state.block_cache.max_len - 1)[:, None]
-        block = self.embedder(state.block_tokens[:, None])
-        context = self.block_decoder(
-            block, positions=state.next_block_position[:, None], cache=state.block_cache, slots=slots
-        )[:, -1]
-        state.next_block_slot = state.next_block_slot + 1
-        state.next_block_position = state.next_block_position + 1
-        state.vectors = self.token_decoder.context_vectors(context)
-        state.filled = 0
-        return self._start_block(state.vectors, state.token_cache)
-
-    def _start_block(self, vectors: Tensor, token_cache: DecoderCache) -> Tensor:
+    def token_logits(self, x: Tensor, vectors: Tensor, step: StepContext) -> Tensor:
+        """The token decoder over inputs ``x (B, T, d)`` of a block with context ``vectors``, cached: the
+        last position's logits ``(B, V)``."""
         tokdec = self.token_decoder
-        token_cache.reset()
-        slots = torch.arange(tokdec.n_lead, device=vectors.device)
-        hidden = tokdec.body(tokdec.lead(vectors), cache=token_cache, slots=slots, memory=tokdec.memory(vectors))
-        return tokdec.lm_head(hidden[:, -1])
-
-    # Continuous batching (blockloop.infer.engine): every row is a slot holding one request. Requests
-    # are admitted only at block boundaries (``admit_every``), when every row's token cache holds just
-    # its lead, so one shared within-block phase keeps the token decoder's steps batched.
-    def allocate_slots(self, n_slots: int, max_len: int) -> BlockDecodeState:
-        block_cache, token_cache = self.generation_caches(n_slots, max_len, 0)
-        device = token_cache.key_valid.device
-        zeros = torch.zeros(n_slots, dtype=torch.long, device=device)
-        vectors = self.token_decoder.context_vectors(torch.zeros(n_slots, self.config.block_d_model, device=device,
-                                                                 dtype=self.token_decoder.embed.weight.dtype))
-        blocks = torch.full((n_slots, self.config.block_len), self.config.pad_id, dtype=torch.long, device=device)
-        return BlockDecodeState(block_cache, zeros, zeros.clone(), token_cache, vectors, blocks)
-
-    @torch.no_grad()
-    def prefill_slot(self, state: BlockDecodeState, slot: int, prompt: Tensor) -> Tensor:
-        """Cache ``prompt (P,)`` (left-padded with pad tokens to whole blocks) in row ``slot``'s block cache
-        and open its first block; the first token's logits ``(V,)``."""
-        if state.filled:
-            raise RuntimeError("requests join a Block Transformer batch only at block boundaries")
-        blocks = prompt.view(1, -1, self.config.block_len)
-        n_blocks = blocks.shape[1]
-        cache = state.block_cache.row(slot)
-        cache.reset()
-        slots = torch.arange(n_blocks, device=prompt.device)
-        context = self.block_decoder(self.embedder(blocks), cache=cache, slots=slots)[:, -1]
-        state.next_block_slot[slot] = state.next_block_position[slot] = n_blocks
-        state.vectors[slot] = self.token_decoder.context_vectors(context)[0]
-        return self._start_block(state.vectors[slot : slot + 1], state.token_cache.row(slot))[0]
+        return tokdec.lm_head(tokdec.body(x, step=step, memory=tokdec.memory(vectors))[:, -1])

@@ -4,8 +4,9 @@ Pre-norm blocks; ``parallel_residual`` gives GPT-NeoX's x + attn(ln1(x)) + mlp(l
 x + attn(ln1(x)) then + mlp(ln2(.)). Positions enter through rotary embeddings on q and k (and, for
 GPT-2, a learned absolute table). The config fields that pretrained architectures need (Gemma's scaled
 embeddings and sandwich norms, Gemma-3's q/k norms and sliding-window layers, ...) default to off.
-With a :class:`~blockloop.nn.kv_cache.DecoderCache` the same forward does prefill (many tokens) and
-decode steps (one token), writing keys/values at explicit cache slots.
+With a :class:`~blockloop.nn.kv_cache.StepContext` the same forward does prefill (many tokens) and
+decode steps (one token), writing keys/values at explicit cache slots; the decode state around it is the
+serving runner's (:mod:`blockloop.serve.runners.decoder`).
 """
 
 from __future__ import annotations
@@ -19,38 +20,17 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from blockloop.config import DecoderConfig
-from blockloop.nn.attention import MaskMod, attention, sliding_window_mask_mod, within_window
+from blockloop.errors import check_context
+from blockloop.nn.attention import attention
 from blockloop.nn.init import init_weights
-from blockloop.nn.kv_cache import DecoderCache, KVCache
+from blockloop.nn.kv_cache import DecoderCache, KVCache, StepContext
+from blockloop.nn.masks import MaskMod, sliding_window_mask_mod, within_window
 from blockloop.nn.mlp import build_mlp
 from blockloop.nn.norm import build_norm
 from blockloop.nn.precision import at_least_fp32
 from blockloop.nn.rope import apply_rope, rope_angles
 
 CrossKV = tuple[Tensor, Tensor]
-
-
-@dataclass
-class DecodeState:
-    """Where each row of a generation batch is: the cache, each row's next cache slot and next position.
-
-    Rows advance independently, so the same state serves a lock-step batch of left-padded prompts
-    (:meth:`Decoder.prefill`) and a continuous batch whose rows are requests of different lengths
-    (:meth:`Decoder.prefill_slot`).
-    """
-
-    cache: DecoderCache
-    next_slot: Tensor
-    next_position: Tensor
-
-    def step_slots(self) -> tuple[Tensor, Tensor]:
-        """``(B, 1)`` slots and positions of the next token, then advance. Rows past the end of the cache
-        (idle or finished rows of a continuous batch that keep stepping) rewrite their last slot."""
-        slots = self.next_slot.clamp_max(self.cache.max_len - 1)[:, None]
-        positions = self.next_position[:, None]
-        self.next_slot = self.next_slot + 1
-        self.next_position = self.next_position + 1
-        return slots, positions
 
 
 def split_heads(x: Tensor, n_head: int, head_dim: int) -> Tensor:
@@ -204,8 +184,8 @@ class TransformerStack(nn.Module):
     """``n_layer`` pre-norm blocks (and, unless ``final_norm=False``, the final norm) over embeddings.
 
     The body of the vanilla decoder, and of the Block Transformer's block decoder, token decoder and
-    (bidirectional) embedder encoder. With a cache, the inputs are written at cache ``slots`` and attend
-    to everything valid before them; ``local_layers`` see only the last ``sliding_window`` of those and
+    (bidirectional) embedder encoder. With a ``step``, the inputs are written at its cache slots and
+    attend to everything valid before them; ``local_layers`` see only the last ``sliding_window`` of those and
     are rotated with ``local_rope_base`` (Gemma-3's interleaved local/global attention).
     """
 
@@ -231,45 +211,33 @@ class TransformerStack(nn.Module):
         self,
         x: Tensor,
         *,
-        positions: Tensor | None = None,
-        cache: DecoderCache | None = None,
-        slots: Tensor | None = None,
-        token_valid: Tensor | None = None,
+        step: StepContext | None = None,
         memory: Tensor | None = None,
     ) -> Tensor:
-        """Hidden states for embeddings ``x (B, T, d)``; ``memory`` feeds the cross-attention layers."""
-        inputs = self.layer_inputs(x, positions=positions, cache=cache, slots=slots, token_valid=token_valid)
+        """Hidden states for embeddings ``x (B, T, d)`` (at positions 0..T-1 without a ``step``);
+        ``memory`` feeds the cross-attention layers."""
+        inputs = self.layer_inputs(x, step)
         for i, block in enumerate(self.blocks):
-            layer_cache = cache.layers[i] if cache is not None else None
+            cached = {"cache": step.cache.layers[i], "slots": step.slots} if step is not None else {}
             cos, sin, masks = inputs.of(i in self.config.local_layers)
-            x = block(x, cos, sin, memory, cache=layer_cache, slots=slots, **masks)
+            x = block(x, cos, sin, memory, **cached, **masks)
         return self.norm(x)
 
-    def layer_inputs(
-        self,
-        x: Tensor,
-        *,
-        positions: Tensor | None = None,
-        cache: DecoderCache | None = None,
-        slots: Tensor | None = None,
-        token_valid: Tensor | None = None,
-    ) -> LayerInputs:
-        """What the layers of one pass share: rotary tables and masks (the cache's mask, or causal without a
-        cache), and the local layers' own. Models that run the blocks in their own order start here."""
-        if cache is not None and slots is None:
-            raise ValueError("a cached forward needs the cache slots to write")
-        if positions is None:
-            positions = slots if slots is not None else torch.arange(x.shape[1], device=x.device)
+    def layer_inputs(self, x: Tensor, step: StepContext | None = None) -> LayerInputs:
+        """What the layers of one pass share: rotary tables and masks (the step's cache mask, after marking
+        its slots written, or causal without a cache), and the local layers' own. Models that run the blocks
+        in their own order start here."""
+        positions = step.token_positions if step is not None else torch.arange(x.shape[1], device=x.device)
         c = self.config
         rope = rope_angles(positions, c.rotary_dim, c.rope_base)
-        mask = cache.attention_mask(slots, token_valid) if cache is not None else None
+        mask = step.begin() if step is not None else None
         inputs = LayerInputs(rope, {"mask": mask})
         if c.local_layers:
             inputs.local_rope = rope_angles(positions, c.rotary_dim, c.local_rope_base) if c.local_rope_base else rope
             if mask is None:
                 inputs.local_masks = {"mask_mod": sliding_window_mask_mod(c.sliding_window)}
             else:
-                inputs.local_masks = {"mask": mask & within_window(slots, mask.shape[-1], c.sliding_window)}
+                inputs.local_masks = {"mask": mask & within_window(step.slots, mask.shape[-1], c.sliding_window)}
         return inputs
 
     def allocate_cache(self, batch_size: int, max_len: int, *, dtype: torch.dtype, device: torch.device) -> DecoderCache:
@@ -351,8 +319,7 @@ class Decoder(LanguageModel):
 
     def allocate_cache(self, batch_size: int, max_len: int, *, dtype: torch.dtype | None = None) -> DecoderCache:
         """A static cache for ``batch_size`` rows of up to ``max_len`` tokens (prompt + generated)."""
-        if max_len > self.config.context_length:
-            raise ValueError(f"cache of {max_len} tokens exceeds the model context of {self.config.context_length}")
+        check_context(max_len, self.config.context_length, "cache", "allocate fewer slots")
         weight = self.embed.weight
         return self.body.allocate_cache(batch_size, max_len, dtype=dtype or weight.dtype, device=weight.device)
 
@@ -360,63 +327,25 @@ class Decoder(LanguageModel):
         """Every static cache generation needs: one KV cache over prompt and generated tokens."""
         return [self.allocate_cache(batch_size, prompt_len + max_new_tokens)]
 
-    @torch.no_grad()
-    def prefill(self, idx: Tensor, token_valid: Tensor, max_new_tokens: int) -> tuple[Tensor, DecodeState]:
-        """Cache left-padded prompts; rotary positions count from each row's first real token."""
-        batch, length = idx.shape
-        slots = torch.arange(length, device=idx.device)
-        positions = (slots[None, :] - (~token_valid).sum(1, keepdim=True)).clamp_min(0)
-        (cache,) = self.generation_caches(batch, length, max_new_tokens)
-        logits, _ = self(idx, cache=cache, slots=slots, positions=positions, token_valid=token_valid, last_only=True)
-        return logits[:, -1], DecodeState(cache, torch.full_like(positions[:, -1], length), positions[:, -1] + 1)
-
-    @torch.no_grad()
-    def decode_step(self, state: DecodeState, token: Tensor) -> Tensor:
-        """One token per row, written at that row's own next slot."""
-        slots, positions = state.step_slots()
-        logits, _ = self(token[:, None], cache=state.cache, slots=slots, positions=positions)
-        return logits[:, -1]
-
-    # Continuous batching (blockloop.infer.engine): every row of the cache is a slot holding one request.
-    # Subclasses whose generation_caches() is one DecoderCache (Recursive, Ladder) share all three methods.
-    def allocate_slots(self, n_slots: int, max_len: int) -> DecodeState:
-        zeros = torch.zeros(n_slots, dtype=torch.long, device=self.embed.weight.device)
-        (cache,) = self.generation_caches(n_slots, max_len, 0)
-        return DecodeState(cache, zeros, zeros.clone())
-
-    @torch.no_grad()
-    def prefill_slot(self, state: DecodeState, slot: int, prompt: Tensor) -> Tensor:
-        """Cache ``prompt (P,)`` at slots 0..P-1 of row ``slot``; the next-token logits ``(V,)``."""
-        cache = state.cache.row(slot)
-        cache.reset()
-        slots = torch.arange(prompt.numel(), device=prompt.device)
-        logits, _ = self(prompt[None], cache=cache, slots=slots, last_only=True)
-        state.next_slot[slot] = state.next_position[slot] = prompt.numel()
-        return logits[0, -1]
-
     def forward(
         self,
         idx: Tensor,
         targets: Tensor | None = None,
         *,
-        cache: DecoderCache | None = None,
-        slots: Tensor | None = None,
-        positions: Tensor | None = None,
-        token_valid: Tensor | None = None,
+        step: StepContext | None = None,
         last_only: bool = False,
     ) -> tuple[Tensor, Tensor | None]:
         """Logits for ``idx (B, T)``, and the mean next-token loss when ``targets`` is given.
 
-        Without a cache this is the training forward over a full causal window. With a cache the tokens
-        are written at cache ``slots`` (``(T,)`` shared by all rows, or ``(B, T)`` per row); ``positions
-        (B, T)`` are their rotary positions (default: the slots) and ``token_valid (B, T)`` marks left padding. ``last_only``
-        projects only the final position, which is all generation needs. Targets equal to -100 are
-        ignored by the loss.
+        Without a ``step`` this is the training forward over a full causal window. With one the tokens
+        are written at its cache slots (``(T,)`` shared by all rows, or ``(B, T)`` per row), at its rotary
+        positions, its ``token_valid`` marking left padding. ``last_only`` projects only the final
+        position, which is all generation needs. Targets equal to -100 are ignored by the loss.
         """
-        if cache is None and idx.shape[1] > self.config.context_length:
-            raise ValueError(f"sequence of {idx.shape[1]} tokens exceeds the model context of {self.config.context_length}")
-        x = self.drop(self.embed_tokens(idx, positions if positions is not None else slots))
-        x = self.body(x, positions=positions, cache=cache, slots=slots, token_valid=token_valid)
+        if step is None:
+            check_context(idx.shape[1], self.config.context_length, "sequence")
+        x = self.drop(self.embed_tokens(idx, step.token_positions if step is not None else None))
+        x = self.body(x, step=step)
         x = self.norm(x)
         if last_only:
             x = x[:, -1:]

@@ -16,7 +16,9 @@ Inference (section 3.3): the context decoder runs once over the prompt but its l
 latents become the cross K/V of every generation layer, computed once; the last prompt token opens the
 generation block, and only the generation layers keep a KV cache. Because both stacks are causal, the
 context decoder's cache for a shared prompt prefix can be computed once and reused
-(:meth:`DoubleDecoder.cache_prefix`, section 3.3 item 3). Positions are absolute everywhere (RoPE on
+(:meth:`DoubleDecoder.cache_prefix`, section 3.3 item 3). The decode state is the serving runner's
+(:mod:`blockloop.serve.runners.double_decoder`); it calls :meth:`DoubleDecoder.context_pass` once per
+prompt and :meth:`DoubleDecoder.generation_step` once per token. Positions are absolute everywhere (RoPE on
 queries, within-block keys and cross keys alike), so the merged attention is one attention over the
 union of keys with consistent relative positions.
 """
@@ -31,7 +33,8 @@ from torch import Tensor, nn
 
 from blockloop.config import DoubleDecoderConfig
 from blockloop.data.collate import unscored_prefix
-from blockloop.data.partitions import block_masks, prefix_partition, sample_partition
+from blockloop.data.partitions import prefix_partition, sample_partition
+from blockloop.errors import check_context
 from blockloop.models.decoder import (
     Block,
     CrossKV,
@@ -42,7 +45,8 @@ from blockloop.models.decoder import (
     split_heads,
 )
 from blockloop.nn.attention import attention, merge_attention
-from blockloop.nn.kv_cache import DecoderCache, KVCache
+from blockloop.nn.kv_cache import DecoderCache, KVCache, StepContext
+from blockloop.nn.masks import block_masks
 from blockloop.nn.rope import apply_rope, rope_angles
 
 
@@ -98,18 +102,6 @@ class ContextPrefix:
         return len(self.tokens)
 
 
-@dataclass
-class DoubleDecodeState:
-    """Generation state: the generation decoder's own KV cache, the per-layer cross K/V (fixed), each
-    row's next cache slot and position."""
-
-    cache: DecoderCache
-    cross: list[CrossKV]
-    cross_mask: Tensor
-    next_slot: Tensor
-    next_position: Tensor
-
-
 class DoubleDecoder(LanguageModel):
     """Shared embedding -> context decoder -> latents h; embedding + h -> generation decoder -> tied head."""
 
@@ -141,8 +133,7 @@ class DoubleDecoder(LanguageModel):
         Without ``boundaries`` the window is one block (the generation decoder alone, no context).
         """
         length = idx.shape[1]
-        if length > self.config.context_length:
-            raise ValueError(f"sequence of {length} tokens exceeds the model context of {self.config.context_length}")
+        check_context(length, self.config.context_length, "sequence")
         if boundaries is None:
             boundaries = torch.tensor([0, length], device=idx.device)
         cos, sin = rope_angles(torch.arange(length, device=idx.device), self.config.rotary_dim, self.config.rope_base)
@@ -154,15 +145,16 @@ class DoubleDecoder(LanguageModel):
         return logits, self.loss(logits, targets)
 
     def _generate(self, x: Tensor, cos: Tensor, sin: Tensor, cross: list[CrossKV], cross_mask: Tensor, *,
-                  mask: Tensor, cache: DecoderCache | None = None, slots: Tensor | None = None) -> Tensor:
+                  mask: Tensor, step: StepContext | None = None) -> Tensor:
         """The generation decoder from token embeddings ``x`` to logits (muP readout multiplier applied)."""
         for i, block in enumerate(self.generation):
-            layer_cache = cache.layers[i] if cache is not None else None
-            x = block(x, cos, sin, cross=cross[i], cross_mask=cross_mask, mask=mask, cache=layer_cache, slots=slots)
+            cached = {"cache": step.cache.layers[i], "slots": step.slots} if step is not None else {}
+            x = block(x, cos, sin, cross=cross[i], cross_mask=cross_mask, mask=mask, **cached)
         return self.logits(self.norm(x))
 
     # ------------------------------------------------------------ inference
-    def _cache(self, n_layer: int, batch_size: int, max_len: int) -> DecoderCache:
+    def allocate_cache(self, n_layer: int, batch_size: int, max_len: int) -> DecoderCache:
+        """A static KV cache for ``n_layer`` layers of either stack."""
         c, weight = self.config, self.embed.weight
         return DecoderCache(n_layer, batch_size, c.n_kv_head, max_len, c.head_dim, dtype=weight.dtype, device=weight.device)
 
@@ -175,86 +167,42 @@ class DoubleDecoder(LanguageModel):
         device = self.embed.weight.device
         idx = torch.tensor([tokens], device=device)
         slots = torch.arange(len(tokens), device=device)
-        cache = self._cache(self.config.n_context_layer, 1, len(tokens))
-        latents = self.context(self.embed(idx), cache=cache, slots=slots)
+        cache = self.allocate_cache(self.config.n_context_layer, 1, len(tokens))
+        latents = self.context(self.embed(idx), step=StepContext(cache, slots))
         return ContextPrefix(tokens, [layer.k for layer in cache.layers], [layer.v for layer in cache.layers], latents)
 
     @torch.no_grad()
-    def prefill(
-        self, idx: Tensor, token_valid: Tensor, max_new_tokens: int, *, prefix: ContextPrefix | None = None
-    ) -> tuple[Tensor, DoubleDecodeState]:
-        """Context decoder over prompt[:-1] (after ``prefix``, if cached), cross K/V once, first logits.
-
-        ``idx (B, P)`` are left-padded prompts (the suffixes after ``prefix`` when one is given).
-        """
+    def context_pass(
+        self, idx: Tensor, token_valid: Tensor, prefix: ContextPrefix | None = None
+    ) -> tuple[list[CrossKV], Tensor, Tensor]:
+        """The context decoder over left-padded prompts ``idx (B, P)`` but their last token (after
+        ``prefix``, if cached): every generation layer's cross K/V, their key mask ``(B, 1, 1, S)``, and
+        the rotary positions ``(B, P)`` of the prompt tokens, which count real tokens only so that a row's
+        positions do not depend on its padding."""
         batch, length = idx.shape
         device = idx.device
         start = len(prefix) if prefix is not None else 0
         context_len = start + length - 1
-        # Rotary positions count real tokens only, so a row's positions do not depend on its padding.
         positions = start + (token_valid.long().cumsum(1) - 1).clamp_min(0)
-        cache = self._cache(self.config.n_context_layer, batch, context_len)
+        cache = self.allocate_cache(self.config.n_context_layer, batch, context_len)
         if prefix is not None:
+            prefix_slots = torch.arange(start, device=device)
             for layer, k, v in zip(cache.layers, prefix.keys, prefix.values):
-                layer.k[:, :, :start], layer.v[:, :, :start] = k, v
-            cache.key_valid[:, :start] = True
+                layer.write(prefix_slots, k.expand(batch, -1, -1, -1), v.expand(batch, -1, -1, -1))
+            cache.mark(prefix_slots)
         latents = [prefix.latents.expand(batch, -1, -1)] if prefix is not None else []
         if length > 1:
-            slots = torch.arange(start, context_len, device=device)
-            latents.append(self.context(
-                self.embed(idx[:, :-1]), positions=positions[:, :-1], cache=cache, slots=slots, token_valid=token_valid[:, :-1]
-            ))
+            step = StepContext(cache, torch.arange(start, context_len, device=device), positions[:, :-1], token_valid[:, :-1])
+            latents.append(self.context(self.embed(idx[:, :-1]), step=step))
         latents = torch.cat(latents, 1) if latents else self.embed.weight.new_zeros(batch, 0, self.config.d_model)
-        context_positions = torch.cat(
-            [torch.arange(start, device=device).expand(batch, -1), positions[:, :-1]], 1
-        )
+        context_positions = torch.cat([torch.arange(start, device=device).expand(batch, -1), positions[:, :-1]], 1)
         cos, sin = rope_angles(context_positions, self.config.rotary_dim, self.config.rope_base)
         cross = [layer.attn.cross_keys(latents, cos, sin) for layer in self.generation]
-        state = DoubleDecodeState(
-            self._cache(self.config.n_generation_layer, batch, 1 + max_new_tokens),
-            cross,
-            cache.key_valid[:, None, None, :].clone(),
-            torch.zeros_like(positions[:, -1]),
-            positions[:, -1],
-        )
-        return self.decode_step(state, idx[:, -1]), state
+        return cross, cache.key_valid[:, None, None, :].clone(), positions
 
-    @torch.no_grad()
-    def decode_step(self, state: DoubleDecodeState, token: Tensor) -> Tensor:
-        """One token per row through the generation decoder only (its cache + the fixed cross K/V); each row
-        writes its own next slot (rows past the end of the cache rewrite their last one)."""
-        slots = state.next_slot.clamp_max(state.cache.max_len - 1)[:, None]
-        cos, sin = rope_angles(state.next_position[:, None], self.config.rotary_dim, self.config.rope_base)
-        mask = state.cache.attention_mask(slots, None)
-        logits = self._generate(self.embed(token[:, None]), cos, sin, state.cross, state.cross_mask,
-                                mask=mask, cache=state.cache, slots=slots)
-        state.next_slot = state.next_slot + 1
-        state.next_position = state.next_position + 1
-        return logits[:, -1]
-
-    # Continuous batching (blockloop.infer.engine): every row is a slot holding one request, with static
-    # cross K/V buffers of ``max_len`` entries per generation layer (masked past the row's prompt).
-    def allocate_slots(self, n_slots: int, max_len: int) -> DoubleDecodeState:
-        c, weight = self.config, self.embed.weight
-        shape = (n_slots, c.n_kv_head, max_len, c.head_dim)
-        cross = [(weight.new_zeros(shape), weight.new_zeros(shape)) for _ in self.generation]
-        zeros = torch.zeros(n_slots, dtype=torch.long, device=weight.device)
-        mask = torch.zeros(n_slots, 1, 1, max_len, dtype=torch.bool, device=weight.device)
-        return DoubleDecodeState(self._cache(c.n_generation_layer, n_slots, max_len), cross, mask, zeros, zeros.clone())
-
-    @torch.no_grad()
-    def prefill_slot(self, state: DoubleDecodeState, slot: int, prompt: Tensor) -> Tensor:
-        """:meth:`prefill` of one prompt, copied into row ``slot``: its cross K/V and the generation
-        cache entry of its last prompt token. The first token's logits ``(V,)``."""
-        logits, one = self.prefill(prompt[None], torch.ones_like(prompt[None], dtype=torch.bool), 0)
-        length = one.cross_mask.shape[-1]
-        for (k, v), (k1, v1) in zip(state.cross, one.cross):
-            k[slot, :, :length], v[slot, :, :length] = k1[0], v1[0]
-        state.cross_mask[slot] = False
-        state.cross_mask[slot, ..., :length] = one.cross_mask[0]
-        for layer, layer1 in zip(state.cache.layers, one.cache.layers):
-            layer.k[slot, :, :1], layer.v[slot, :, :1] = layer1.k[0, :, :1], layer1.v[0, :, :1]
-        state.cache.key_valid[slot] = False
-        state.cache.key_valid[slot, 0] = True
-        state.next_slot[slot], state.next_position[slot] = 1, one.next_position[0]
-        return logits[0]
+    def generation_step(self, tokens: Tensor, step: StepContext, cross: list[CrossKV], cross_mask: Tensor) -> Tensor:
+        """One token per row ``tokens (B,)`` through the generation decoder only (its cache + the fixed cross
+        K/V); the next-token logits ``(B, V)``."""
+        cos, sin = rope_angles(step.token_positions, self.config.rotary_dim, self.config.rope_base)
+        mask = step.begin()
+        return self._generate(self.embed(tokens[:, None]), cos, sin, cross, cross_mask, mask=mask, step=step)[:, -1]

@@ -9,13 +9,13 @@ the LM head. Rotary positions are used in the two self-attentions; cross-attenti
 Pretraining is span corruption (:mod:`blockloop.data.span_corruption`); the PrefixLM phase routes the
 prefix through the encoder and decodes the suffix. Generation encodes prompt[:-1] once, computes each
 layer's cross K/V once, and starts decoding at the last prompt token, exactly like the double decoder,
-with a KV cache for the decoder's self-attention only (appendix A.1). A prompt prefix cannot be cached:
+with a KV cache for the decoder's self-attention only (appendix A.1): the serving runner
+(:mod:`blockloop.serve.runners.encoder_decoder`) calls :meth:`EncoderDecoder.encode` once per prompt and
+:meth:`EncoderDecoder.decoder_step` once per token. A prompt prefix cannot be cached:
 with a bidirectional encoder every state depends on the whole prompt (section 3.3, item 3).
 """
 
 from __future__ import annotations
-
-from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
@@ -23,18 +23,12 @@ from torch import Tensor, nn
 from blockloop.config import EncoderDecoderConfig
 from blockloop.data.collate import sample_breakpoint
 from blockloop.data.span_corruption import span_corrupt
+from blockloop.errors import check_context
 from blockloop.models.decoder import Block, CrossKV, LanguageModel
-from blockloop.nn.kv_cache import DecoderCache
+from blockloop.nn.kv_cache import DecoderCache, StepContext
+from blockloop.nn.masks import padding_mask
 from blockloop.nn.norm import build_norm
 from blockloop.nn.rope import rope_angles
-
-
-@dataclass
-class EncDecState:
-    cache: DecoderCache
-    cross: list[CrossKV]
-    cross_mask: Tensor
-    next_slot: int
 
 
 class EncoderDecoder(LanguageModel):
@@ -67,8 +61,7 @@ class EncoderDecoder(LanguageModel):
         encoder_valid: Tensor | None = None,
     ) -> tuple[Tensor, Tensor | None]:
         """Logits ``(B, T_out, V)`` for ``decoder_idx`` given the encoder input ``idx (B, T_in)``."""
-        if max(idx.shape[1], decoder_idx.shape[1]) > self.config.context_length:
-            raise ValueError(f"encoder or decoder input exceeds the model context of {self.config.context_length}")
+        check_context(max(idx.shape[1], decoder_idx.shape[1]), self.config.context_length, "encoder or decoder input")
         cross, cross_mask = self.encode(idx, encoder_valid)
         positions = torch.arange(decoder_idx.shape[1], device=idx.device)
         cos, sin = rope_angles(positions, self.config.rotary_dim, self.config.rope_base)
@@ -82,39 +75,31 @@ class EncoderDecoder(LanguageModel):
             valid = torch.ones(batch, length, dtype=torch.bool, device=idx.device)
         positions = (valid.long().cumsum(1) - 1).clamp_min(0)
         cos, sin = rope_angles(positions, self.config.rotary_dim, self.config.rope_base)
-        key_mask = valid[:, None, None, :]
-        # A padding query sees the real keys (or itself in an all-padding row), so every row stays finite.
-        own = torch.eye(length, dtype=torch.bool, device=idx.device)
+        mask = padding_mask(valid)
         x = self.drop(self.embed(idx))
         for block in self.encoder:
-            x = block(x, cos, sin, mask=key_mask | own)
+            x = block(x, cos, sin, mask=mask)
         memory = self.encoder_norm(x)
-        return [layer.cross.keys(memory) for layer in self.decoder], key_mask
+        return [layer.cross.keys(memory) for layer in self.decoder], valid[:, None, None, :]
 
     def _decode(self, idx: Tensor, cos: Tensor, sin: Tensor, cross: list[CrossKV], cross_mask: Tensor, *,
-                cache: DecoderCache | None = None, slots: Tensor | None = None) -> Tensor:
+                step: StepContext | None = None) -> Tensor:
         x = self.drop(self.embed(idx))
-        mask = cache.attention_mask(slots, None) if cache is not None else None
+        mask = step.begin() if step is not None else None
         for i, layer in enumerate(self.decoder):
-            layer_cache = cache.layers[i] if cache is not None else None
-            x = layer(x, cos, sin, cross[i], cross_mask, cache=layer_cache, slots=slots, mask=mask)
+            cached = {"cache": step.cache.layers[i], "slots": step.slots} if step is not None else {}
+            x = layer(x, cos, sin, cross[i], cross_mask, mask=mask, **cached)
         return self.logits(self.norm(x))
 
     # ------------------------------------------------------------ inference
-    @torch.no_grad()
-    def prefill(self, idx: Tensor, token_valid: Tensor, max_new_tokens: int) -> tuple[Tensor, EncDecState]:
-        """Encode prompt[:-1] once; the decoder starts at the last prompt token (as in the PrefixLM phase)."""
-        cross, cross_mask = self.encode(idx[:, :-1], token_valid[:, :-1])
+    def allocate_cache(self, batch_size: int, max_len: int) -> DecoderCache:
+        """A static KV cache for the decoder's self-attention."""
         c, weight = self.config, self.embed.weight
-        cache = DecoderCache(c.n_decoder_layer, idx.shape[0], c.n_kv_head, 1 + max_new_tokens, c.head_dim,
-                             dtype=weight.dtype, device=weight.device)
-        state = EncDecState(cache, cross, cross_mask, 0)
-        return self.decode_step(state, idx[:, -1]), state
+        return DecoderCache(c.n_decoder_layer, batch_size, c.n_kv_head, max_len, c.head_dim,
+                            dtype=weight.dtype, device=weight.device)
 
-    @torch.no_grad()
-    def decode_step(self, state: EncDecState, token: Tensor) -> Tensor:
-        slots = torch.full((1,), state.next_slot, device=token.device)
-        cos, sin = rope_angles(slots, self.config.rotary_dim, self.config.rope_base)
-        logits = self._decode(token[:, None], cos, sin, state.cross, state.cross_mask, cache=state.cache, slots=slots)
-        state.next_slot += 1
-        return logits[:, -1]
+    def decoder_step(self, tokens: Tensor, step: StepContext, cross: list[CrossKV], cross_mask: Tensor) -> Tensor:
+        """One token per row ``tokens (B,)`` through the decoder (its cache + the fixed cross K/V); the
+        next-token logits ``(B, V)``."""
+        cos, sin = rope_angles(step.token_positions, self.config.rotary_dim, self.config.rope_base)
+        return self._decode(tokens[:, None], cos, sin, cross, cross_mask, step=step)[:, -1]

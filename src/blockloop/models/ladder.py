@@ -13,8 +13,9 @@ stream read in segments gives exactly the logits of one long forward; one step w
 Transformer-XL baseline (Dai et al. 2019).
 
 Generation writes every application's keys/values into a :class:`~blockloop.nn.kv_cache.DecoderCache`
-(one layer slot per application) through the vanilla decoder's prefill/decode loop, and joins the
-engine's continuous batching through the vanilla decoder's slot methods.
+(one layer slot per application) and is served by the vanilla decoder's runner
+(:mod:`blockloop.serve.runners.decoder`), which only calls :meth:`Ladder.forward` with a step and
+:meth:`Ladder.allocate_cache`.
 """
 
 from __future__ import annotations
@@ -25,9 +26,11 @@ import torch
 from torch import Tensor
 
 from blockloop.config import LadderConfig
-from blockloop.models.decoder import Decoder, LanguageModel
-from blockloop.models.recurrent_core import build_core, prefix_kv, rotate_prefix, window_mask
-from blockloop.nn.kv_cache import DecoderCache
+from blockloop.errors import check_context
+from blockloop.models.decoder import LanguageModel
+from blockloop.models.recurrent_core import build_core, prefix_kv, rotate_prefix
+from blockloop.nn.kv_cache import DecoderCache, StepContext
+from blockloop.nn.masks import window_mask, within_span
 from blockloop.nn.rope import rope_angles
 
 
@@ -68,15 +71,13 @@ class Ladder(LanguageModel):
             return h, None
         return h, LadderState(tuple(new_memory), torch.cat((memory_valid, valid), dim=1)[:, -span:])
 
-    def _cached(self, x: Tensor, cache: DecoderCache, slots: Tensor, positions: Tensor, token_valid: Tensor | None) -> Tensor:
-        cos, sin = rope_angles(positions, self.config.rotary_dim, self.config.rope_base)
-        mask = cache.attention_mask(slots, token_valid)
+    def _cached(self, x: Tensor, step: StepContext) -> Tensor:
+        cos, sin = rope_angles(step.token_positions, self.config.rotary_dim, self.config.rope_base)
+        mask = step.begin()
         if self.config.memory_len:
-            per_row = slots if slots.dim() == 2 else slots[None]  # slots are (T,) shared or (B, T) per row
-            distance = per_row[:, None, :, None] - torch.arange(cache.max_len, device=slots.device)
-            mask = mask & (distance <= self.config.memory_len)
+            mask = mask & within_span(step.slots, step.cache.max_len, self.config.memory_len)
         for application, layer in enumerate(self.order):
-            x = self.core.blocks[layer](x, cos, sin, cache=cache.layers[application], slots=slots, mask=mask)
+            x = self.core.blocks[layer](x, cos, sin, cache=step.cache.layers[application], slots=step.slots, mask=mask)
         return x
 
     def forward(
@@ -87,23 +88,20 @@ class Ladder(LanguageModel):
         state: LadderState | None = None,
         token_valid: Tensor | None = None,
         return_state: bool = False,
-        cache: DecoderCache | None = None,
-        slots: Tensor | None = None,
-        positions: Tensor | None = None,
+        step: StepContext | None = None,
         last_only: bool = False,
     ) -> tuple[Tensor, Tensor | None] | tuple[Tensor, Tensor | None, LadderState | None]:
         """Logits for ``idx (B, T)`` after ``state`` (None: a new stream), loss over targets != -100.
 
         With ``return_state`` the memory for the next segment comes third (None without a memory). With a
-        ``cache`` the tokens are written at cache ``slots`` instead (generation, see Decoder.forward).
+        ``step`` the tokens are written at its cache slots instead (generation, see Decoder.forward).
         """
         x = self.drop(self.embed(idx))
         new_state = None
-        if cache is not None:
-            h = self._cached(x, cache, slots, slots if positions is None else positions, token_valid)
+        if step is not None:
+            h = self._cached(x, step)
         else:
-            if idx.shape[1] > self.config.context_length:
-                raise ValueError(f"segment of {idx.shape[1]} tokens exceeds the model context of {self.config.context_length}")
+            check_context(idx.shape[1], self.config.context_length, "segment")
             valid = torch.ones_like(idx, dtype=torch.bool) if token_valid is None else token_valid
             h, new_state = self.segment(x, valid, state)
         h = self.norm(h)
@@ -111,16 +109,12 @@ class Ladder(LanguageModel):
         loss = self.loss(logits, targets)
         return (logits, loss, new_state) if return_state else (logits, loss)
 
-    def generation_caches(self, batch_size: int, prompt_len: int, max_new_tokens: int) -> list[DecoderCache]:
+    def allocate_cache(self, batch_size: int, max_len: int) -> DecoderCache:
         """One static KV cache with a layer slot per application of a core layer."""
         c, weight = self.config, self.embed.weight
-        return [DecoderCache(len(self.order), batch_size, c.n_kv_head, prompt_len + max_new_tokens, c.head_dim,
-                             dtype=weight.dtype, device=weight.device)]
+        return DecoderCache(len(self.order), batch_size, c.n_kv_head, max_len, c.head_dim,
+                            dtype=weight.dtype, device=weight.device)
 
-    # The vanilla decoder's generation entry points only call forward() with a cache and generation_caches(),
-    # so the lock-step pair and the continuous-batching slots (per-row cache slots, which _cached's span
-    # mask measures distances from) are shared, not re-implemented.
-    prefill = Decoder.prefill
-    decode_step = Decoder.decode_step
-    allocate_slots = Decoder.allocate_slots
-    prefill_slot = Decoder.prefill_slot
+    def generation_caches(self, batch_size: int, prompt_len: int, max_new_tokens: int) -> list[DecoderCache]:
+        """Every static cache generation needs: :meth:`allocate_cache` over prompt and generated tokens."""
+        return [self.allocate_cache(batch_size, prompt_len + max_new_tokens)]

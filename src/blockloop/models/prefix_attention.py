@@ -22,8 +22,9 @@ import torch
 from torch import Tensor
 
 from blockloop.models.decoder import SelfAttention, merge_heads
-from blockloop.nn.attention import MaskMod, attention
+from blockloop.nn.attention import attention
 from blockloop.nn.kv_cache import KVCache
+from blockloop.nn.masks import MaskMod
 
 KV = tuple[Tensor, Tensor]
 

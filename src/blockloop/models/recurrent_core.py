@@ -7,13 +7,12 @@ Staircase, Ladder and their baselines all run one :class:`~blockloop.models.deco
   start with precomputed ones: the Cached Staircase's cache, the Feedback Transformer's memory and
   Transformer-XL's memory enter the self-attention sublayer "only when computing keys and values"
   (section 3.2.2), with no queries and no feed-forward;
-* :func:`window_mask` is the one mask they share: a query sees the prefix keys that are valid, and causal
-  keys of its own window (and, with ``span``, only the nearest ones), and always itself.
+* :func:`blockloop.nn.masks.window_mask` is the one mask they share: a query sees the prefix keys that are
+  valid, and causal keys of its own window (and, with ``span``, only the nearest ones), and always itself.
 """
 
 from __future__ import annotations
 
-import torch
 from torch import Tensor
 
 from blockloop.models.decoder import Block, TransformerStack
@@ -34,20 +33,3 @@ def prefix_kv(block: Block, states: Tensor) -> KV:
 def rotate_prefix(kv: KV, cos: Tensor, sin: Tensor) -> KV:
     """Rotate cached keys to the positions they have in the current window (values have no position)."""
     return apply_rope(kv[0], cos, sin), kv[1]
-
-
-def window_mask(prefix_valid: Tensor, valid: Tensor, span: int | None = None) -> Tensor:
-    """``(B, 1, T, P + T)`` boolean mask for ``T`` queries over ``P`` prefix keys then their own ``T`` keys.
-
-    Keys are laid out in stream order (prefix first). A query sees earlier-or-equal keys that are valid
-    and, with ``span``, at most ``span`` positions back; it always sees itself, so padding queries stay finite.
-    """
-    P, T = prefix_valid.shape[1], valid.shape[1]
-    keys_valid = torch.cat((prefix_valid, valid), dim=1)
-    q_pos = torch.arange(P, P + T, device=valid.device)[:, None]
-    k_pos = torch.arange(P + T, device=valid.device)[None, :]
-    visible = k_pos <= q_pos
-    if span is not None:
-        visible = visible & (q_pos - k_pos <= span)
-    mask = visible[None] & keys_valid[:, None, :]
-    return (mask | (k_pos == q_pos)[None]).unsqueeze(1)

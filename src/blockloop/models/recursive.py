@@ -10,14 +10,14 @@ linear weight (:mod:`blockloop.nn.lora`), or, as the alternative of appendix K, 
 prefix keys/values for self-attention. Early-exit training (section 3.7, appendix M) reads every loop's
 output through the shared final norm and LM head.
 
-Interface for continuous depth-wise batching (section 2.4; the engine of issue 6): :meth:`RecursiveDecoder.run_loop`
-runs loop ``k`` of the shared block on hidden states ``x (B, T, d)`` where ``k`` is an ``int`` or a ``(B,)``
-tensor giving each row its own loop. With a tensor, all rows go through the same shared layers in one
-batched call (CYCLE tying only: there loop k runs layers 0..n_layer-1 for every k) and each row's LoRA
-delta and prefix are gathered by its loop index. A KV cache in that call must be a
-:meth:`DecoderCache.looped` one, so each row reads and writes its own loop's entries. ``self.drop(self.embed_tokens(idx))``,
-``self.body.layer_inputs(x, ...)`` and :meth:`exit_logits` are the entry, the shared per-pass inputs and the
-exit around it.
+Interface for continuous depth-wise batching (section 2.4; :mod:`blockloop.serve.runners.recursive`):
+:meth:`RecursiveDecoder.run_loop` runs loop ``k`` of the shared block on hidden states ``x (B, T, d)`` where
+``k`` is an ``int`` or a ``(B,)`` tensor giving each row its own loop. With a tensor, all rows go through the
+same shared layers in one batched call (CYCLE tying only: there loop k runs layers 0..n_layer-1 for every k)
+and each row's LoRA delta and prefix are gathered by its loop index; the step's cache must then lay the
+loops out per row (``cache.loop_layer(j, loop)``, the runner's looped cache), so each row reads and writes
+its own loop's entries. :meth:`embed_input`, :meth:`loop_inputs` and :meth:`exit_logits` are the entry, the
+shared per-pass inputs and the exit around it.
 """
 
 from __future__ import annotations
@@ -26,10 +26,11 @@ import torch
 from torch import Tensor, nn
 
 from blockloop.config import RecursiveConfig
+from blockloop.errors import check_context
 from blockloop.models.decoder import Decoder, LayerInputs
 from blockloop.models.prefix_attention import PrefixSelfAttention, with_visible_prefix
 from blockloop.nn.distill import forward_kl
-from blockloop.nn.kv_cache import DecoderCache
+from blockloop.nn.kv_cache import DecoderCache, StepContext
 from blockloop.nn.lora import LoopIndex, LoopLoRALinear, add_loop_lora
 
 
@@ -52,8 +53,9 @@ def layer_order(n_layer: int, loops: int, tying: str) -> list[int]:
 class RecursiveDecoder(Decoder):
     """A decoder whose ``n_layer`` blocks are looped ``loops`` times (equation 2), optionally relaxed (equation 3).
 
-    Generation comes from :class:`Decoder` (``prefill``/``decode_step``); the KV cache has one entry per
-    depth position, n_layer * loops, because each loop computes new keys and values with the shared weights.
+    Served sequence-wise like a decoder, or depth-wise (:mod:`blockloop.serve.runners.recursive`); the KV
+    cache has one entry per depth position, n_layer * loops, because each loop computes new keys and values
+    with the shared weights.
     """
 
     config: RecursiveConfig
@@ -95,18 +97,18 @@ class RecursiveDecoder(Decoder):
         """Logits of hidden states after any loop: the shared final norm and LM head (section 3.7)."""
         return self.logits(self.norm(x))
 
-    def run_loop(
-        self,
-        x: Tensor,
-        loop: int | Tensor,
-        inputs: LayerInputs,
-        *,
-        cache: DecoderCache | None = None,
-        slots: Tensor | None = None,
-    ) -> Tensor:
+    def embed_input(self, idx: Tensor, positions: Tensor | None = None) -> Tensor:
+        """The hidden states loop 0 reads: token (and learned position) embeddings, dropout."""
+        return self.drop(self.embed_tokens(idx, positions))
+
+    def loop_inputs(self, x: Tensor, step: StepContext | None = None) -> LayerInputs:
+        """Rotary tables and masks every loop of one pass shares (marks the step's slots written)."""
+        return self.body.layer_inputs(x, step)
+
+    def run_loop(self, x: Tensor, loop: int | Tensor, inputs: LayerInputs, *, step: StepContext | None = None) -> Tensor:
         """Loop ``loop`` over the shared block for ``x (B, T, d)``; ``loop`` is an int or a ``(B,)`` tensor.
 
-        ``inputs`` (rotary tables and masks of the pass) come from ``self.body.layer_inputs``.
+        ``inputs`` (rotary tables and masks of the pass) come from :meth:`loop_inputs`.
         """
         n = self.config.n_layer
         per_row = isinstance(loop, Tensor)
@@ -120,8 +122,9 @@ class RecursiveDecoder(Decoder):
                 self.loop_index.value = loop if per_row else self.occurrence[loop * n + j]
                 cos, sin, kwargs = inputs.of(layer in self.config.local_layers)
                 kwargs = dict(kwargs)
-                if cache is not None:  # per-row loops: each row's loop of shared layer j (DecoderCache.looped)
-                    kwargs.update(cache=cache.loop_layer(j, loop) if per_row else cache.layers[loop * n + j], slots=slots)
+                if step is not None:  # per-row loops: each row's loop of shared layer j (a looped cache)
+                    layer_cache = step.cache.loop_layer(j, loop) if per_row else step.cache.layers[loop * n + j]
+                    kwargs.update(cache=layer_cache, slots=step.slots)
                 if self.config.prefix_len:
                     kv = self.prefix_kv[loop * n + j]  # (2, H, P, D), or (B, 2, H, P, D) per row
                     kwargs["prefix"] = (kv[:, 0], kv[:, 1]) if per_row else (kv[0:1], kv[1:2])
@@ -132,23 +135,15 @@ class RecursiveDecoder(Decoder):
             self.loop_index.value = 0
         return x
 
-    def loop_hiddens(
-        self,
-        idx: Tensor,
-        *,
-        cache: DecoderCache | None = None,
-        slots: Tensor | None = None,
-        positions: Tensor | None = None,
-        token_valid: Tensor | None = None,
-    ) -> list[Tensor]:
+    def loop_hiddens(self, idx: Tensor, *, step: StepContext | None = None) -> list[Tensor]:
         """Hidden states after each of the B loops (before the final norm)."""
-        if cache is None and idx.shape[1] > self.config.context_length:
-            raise ValueError(f"sequence of {idx.shape[1]} tokens exceeds the model context of {self.config.context_length}")
-        x = self.drop(self.embed_tokens(idx, positions if positions is not None else slots))
-        inputs = self.body.layer_inputs(x, positions=positions, cache=cache, slots=slots, token_valid=token_valid)
+        if step is None:
+            check_context(idx.shape[1], self.config.context_length, "sequence")
+        x = self.embed_input(idx, step.token_positions if step is not None else None)
+        inputs = self.loop_inputs(x, step)
         hiddens = []
         for loop in range(self.config.loops):
-            x = self.run_loop(x, loop, inputs, cache=cache, slots=slots)
+            x = self.run_loop(x, loop, inputs, step=step)
             hiddens.append(x)
         return hiddens
 
@@ -162,14 +157,11 @@ class RecursiveDecoder(Decoder):
         idx: Tensor,
         targets: Tensor | None = None,
         *,
-        cache: DecoderCache | None = None,
-        slots: Tensor | None = None,
-        positions: Tensor | None = None,
-        token_valid: Tensor | None = None,
+        step: StepContext | None = None,
         last_only: bool = False,
     ) -> tuple[Tensor, Tensor | None]:
         """As :meth:`Decoder.forward`; with ``exit_loss`` set and targets given, the loss is the early-exit loss."""
-        hiddens = self.loop_hiddens(idx, cache=cache, slots=slots, positions=positions, token_valid=token_valid)
+        hiddens = self.loop_hiddens(idx, step=step)
         x = hiddens[-1][:, -1:] if last_only else hiddens[-1]
         logits = self.exit_logits(x)
         if targets is not None and self.config.exit_loss != "none":
@@ -200,8 +192,7 @@ class RecursiveDecoder(Decoder):
     def allocate_cache(self, batch_size: int, max_len: int, *, dtype: torch.dtype | None = None) -> DecoderCache:
         """One KV cache entry per depth position (n_layer * loops): the loops share weights, not keys/values."""
         c = self.config
-        if max_len > c.context_length:
-            raise ValueError(f"cache of {max_len} tokens exceeds the model context of {c.context_length}")
+        check_context(max_len, c.context_length, "cache", "allocate fewer slots")
         weight = self.embed.weight
         return DecoderCache(
             c.depth, batch_size, c.n_kv_head, max_len, c.head_dim, dtype=dtype or weight.dtype, device=weight.device

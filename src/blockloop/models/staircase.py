@@ -22,8 +22,10 @@ forward (truncated BPTT detaches it between training steps). Streaming generatio
 it keeps the state at the last complete chunk; what the chunk being written attends to at each of its passes
 (the cache and the older chunks in flight) does not depend on it, so it is computed once per chunk, and
 each new token costs one query per pass. Those windows and the chunk's own keys/values live in static
-per-slot buffers (:class:`StaircaseSlots`, bounded by S and the cache, written at explicit slots), so the
-serving engine batches streams continuously: a request is prefilled into one slot while the others decode.
+per-slot buffers bounded by S and the cache (the serving runner's, :mod:`blockloop.serve.runners.staircase`,
+which calls :meth:`Staircase.traced_step`, :meth:`Staircase.window_keys` and :meth:`Staircase.read_pass`),
+so the serving engine batches streams continuously: a request is prefilled into one slot while the others
+decode.
 
 Positions are rotary and local to each step's window (cache first, then the chunks in stream order), so
 they stay bounded on an endless stream and only relative distances matter.
@@ -39,8 +41,9 @@ from torch import Tensor, nn
 from blockloop.config import StaircaseConfig
 from blockloop.models.decoder import LanguageModel
 from blockloop.models.prefix_attention import KV
-from blockloop.models.recurrent_core import build_core, prefix_kv, rotate_prefix, window_mask
-from blockloop.nn.kv_cache import DecoderCache
+from blockloop.models.recurrent_core import build_core, prefix_kv, rotate_prefix
+from blockloop.nn.kv_cache import StepContext
+from blockloop.nn.masks import window_mask
 from blockloop.nn.rope import rope_angles
 
 
@@ -95,33 +98,6 @@ class StaircaseState:
         )
 
 
-@dataclass
-class StaircaseSlots:
-    """Generation state of ``B`` slots, each a stream at its own point (continuous batching).
-
-    ``states[b]``: slot b's stream state at its last complete chunk (a batch of one; it changes once per
-    chunk). What the chunk being written reads is static: ``passes[k]`` is a
-    :class:`~blockloop.nn.kv_cache.DecoderCache` (one layer entry per core layer) of ``W + C`` slots per
-    row, where ``W = cache_tokens + (passes - 1) C`` bounds the window of pass k (the cache and the older
-    chunks in flight, rotated keys at slots ``0..n-1``, computed once per chunk) and the chunk's own tokens
-    are written at slot ``W + phase`` as they are read: a per-pass KV cache. ``offset[k, b]`` is the window
-    length n, the rotary position of the chunk's first token; ``phase[b]`` how many chunk tokens slot b
-    has read (mirrored on the host, so finding the rows whose chunk is complete needs no device sync).
-    """
-
-    states: list[StaircaseState]
-    passes: list[DecoderCache]
-    offset: Tensor
-    pending: Tensor
-    pending_valid: Tensor
-    phase: Tensor
-    host_phase: list[int]
-
-    @property
-    def window(self) -> int:
-        return self.passes[0].max_len - self.pending.shape[1]
-
-
 class Staircase(LanguageModel):
     """Embedding -> staircase over the shared core -> final norm -> LM head (tied to the embedding if set)."""
 
@@ -146,10 +122,10 @@ class Staircase(LanguageModel):
         ``x (B, c, d)`` with c <= C (c = 0 for a flush step). The finished chunk (if any) is returned as
         ``(B, c', d)`` and, in the cached variants, moved into the cache.
         """
-        state, done, _ = self._step(state, x, valid)
+        state, done, _ = self.traced_step(state, x, valid)
         return state, done
 
-    def _step(self, state: StaircaseState, x: Tensor, valid: Tensor) -> tuple[StaircaseState, Tensor, list[Tensor]]:
+    def traced_step(self, state: StaircaseState, x: Tensor, valid: Tensor) -> tuple[StaircaseState, Tensor, list[Tensor]]:
         """:meth:`step`, also returning the window's states entering each layer (and leaving the last)."""
         c = self.config
         chunks, valids, passes = state.chunks, state.valid, state.passes
@@ -231,114 +207,14 @@ class Staircase(LanguageModel):
         return (logits, loss, new_state) if return_state else (logits, loss)
 
     # ------------------------------------------------------------- generation
-    def allocate_slots(self, n_slots: int, max_len: int | None = None) -> StaircaseSlots:
-        """Static decode buffers for ``n_slots`` streams; each starts empty. ``max_len`` is not needed:
-        the buffers are bounded by the step size and cache, not the stream length."""
-        c, weight = self.config, self.embed.weight
-        width = c.cache_tokens + (c.passes - 1) * c.chunk_size + c.chunk_size
-        passes = [DecoderCache(c.n_layer, n_slots, c.n_kv_head, width, c.head_dim, dtype=weight.dtype, device=weight.device)
-                  for _ in range(c.passes)]
-        ids = torch.zeros(n_slots, c.chunk_size, dtype=torch.long, device=weight.device)
-        slots = StaircaseSlots(
-            [None] * n_slots, passes,  # type: ignore[list-item]  # every row's state is set just below
-            torch.zeros(c.passes, n_slots, dtype=torch.long, device=weight.device), ids, ids.bool(),
-            torch.zeros(n_slots, dtype=torch.long, device=weight.device), [0] * n_slots,
-        )
-        self._begin_chunks(slots, list(range(n_slots)), self.initial_state(n_slots))
-        return slots
+    def window_keys(self, layer_states: list[Tensor]) -> list[KV]:
+        """Per core layer, the un-rotated keys/values it reads from the states entering it (a traced step's)."""
+        return [prefix_kv(block, states) for block, states in zip(self.core.blocks, layer_states)]
 
-    @torch.no_grad()
-    def prefill_slot(self, slots: StaircaseSlots, slot: int, prompt: Tensor) -> Tensor:
-        """Read ``prompt (P,)`` as a new stream in row ``slot`` (the other rows keep theirs); logits ``(V,)``."""
-        logits, _, state = self(prompt[None], return_state=True)
-        self._begin_chunks(slots, [slot], state)
-        start = prompt.numel() - prompt.numel() % self.config.chunk_size
-        if start < prompt.numel():
-            rest = prompt[None, start:]
-            self._read(slots, rest, torch.ones_like(rest, dtype=torch.bool), rows=slice(slot, slot + 1))
-        return logits[0, -1]
-
-    @torch.no_grad()
-    def prefill(self, idx: Tensor, token_valid: Tensor, max_new_tokens: int) -> tuple[Tensor, StaircaseSlots]:
-        """Lock-step prefill of left-padded prompts (chunks counted from the padded start, as the forward does)."""
-        logits, _, state = self(idx, token_valid=token_valid, return_state=True)
-        slots = self.allocate_slots(idx.shape[0])
-        self._begin_chunks(slots, list(range(idx.shape[0])), state)
-        start = idx.shape[1] - idx.shape[1] % self.config.chunk_size
-        if start < idx.shape[1]:
-            self._read(slots, idx[:, start:], token_valid[:, start:])
-        return logits[:, -1], slots
-
-    @torch.no_grad()
-    def decode_step(self, slots: StaircaseSlots, token: Tensor) -> Tensor:
-        """Read one token per row through its S / C (or m) passes, each a one-query attention over that
-        pass's static window and the chunk so far. Rows whose chunk is now complete advance the recurrence
-        one step (their state is replaced) and get the windows of their next chunk, batched over rows whose
-        states have one layout (all of them in lock-step generation)."""
-        h = self._read(slots, token[:, None], torch.ones_like(token[:, None], dtype=torch.bool))
-        groups: dict[tuple[object, ...], list[int]] = {}
-        for row, phase in enumerate(slots.host_phase):
-            if phase == self.config.chunk_size:
-                groups.setdefault(slots.states[row].layout, []).append(row)
-        for rows in groups.values():
-            index = torch.tensor(rows, device=token.device)
-            state = StaircaseState.batch([slots.states[row] for row in rows])
-            state, _ = self.step(state, self.embed(slots.pending[index]), slots.pending_valid[index])
-            self._begin_chunks(slots, rows, state)
-        return self.logits(self.norm(h))[:, -1]
-
-    def _begin_chunks(self, slots: StaircaseSlots, rows: list[int], state: StaircaseState) -> None:
-        """Give ``rows`` the stream state ``state`` (batch row i for ``rows[i]``) and load their windows for the
-        next chunk: what it attends to at each pass besides itself, found by running the flush steps of the
-        state. Empties the chunks being written."""
-        c, current, batch = self.config, state, len(rows)
-        for i, row in enumerate(rows):
-            slots.states[row] = state.row(i)
-        for k, cache in enumerate(slots.passes):
-            n_cache = current.cache_valid.shape[1]
-            older, older_valid, following = [], current.cache_valid[:, :0], current
-            if current.chunks:
-                empty = torch.zeros(batch, 0, c.d_model, dtype=self.embed.weight.dtype, device=older_valid.device)
-                following, _, layer_states = self._step(current, empty, older_valid)
-                older = [prefix_kv(block, states) for block, states in zip(self.core.blocks, layer_states)]
-                older_valid = torch.cat(current.valid, dim=1)
-            n = n_cache + older_valid.shape[1]
-            cos, sin = rope_angles(torch.arange(n, device=older_valid.device), c.rotary_dim, c.rope_base)
-            cached = [rotate_prefix(kv, cos[:n_cache], sin[:n_cache]) for kv in current.cache] if n_cache else []
-            chunks = [rotate_prefix(kv, cos[n_cache:], sin[n_cache:]) for kv in older]
-            for i, row in enumerate(rows):
-                view = cache.row(row)
-                view.reset()
-                view.key_valid[:, :n_cache] = current.cache_valid[i]
-                view.key_valid[:, n_cache:n] = older_valid[i]
-                for layer, kv in enumerate(view.layers):
-                    if n_cache:
-                        kv.k[:, :, :n_cache], kv.v[:, :, :n_cache] = cached[layer][0][i], cached[layer][1][i]
-                    if older:
-                        kv.k[:, :, n_cache:n], kv.v[:, :, n_cache:n] = chunks[layer][0][i], chunks[layer][1][i]
-                slots.offset[k, row] = n
-            current = following
-        for row in rows:
-            slots.pending_valid[row] = False
-            slots.phase[row] = slots.host_phase[row] = 0
-
-    def _read(self, slots: StaircaseSlots, ids: Tensor, valid: Tensor, rows: slice = slice(None)) -> Tensor:
-        """Append ``ids (B, T)`` to the chunk each of ``rows`` is writing; their final states ``(B, T, d)``."""
-        c, T = self.config, ids.shape[1]
-        phase = slots.phase[rows]
-        chunk_slots = phase[:, None] + torch.arange(T, device=ids.device)
-        h = self.embed(ids)
-        for k, cache in enumerate(slots.passes):
-            view = cache if rows == slice(None) else cache.row(rows.start)
-            cos, sin = rope_angles(slots.offset[k, rows][:, None] + chunk_slots, c.rotary_dim, c.rope_base)
-            cache_slots = slots.window + chunk_slots
-            mask = view.attention_mask(cache_slots, valid)
-            for layer, block in enumerate(self.core.blocks):
-                h = block(h, cos, sin, cache=view.layers[layer], slots=cache_slots, mask=mask)
-        slots.pending[rows].scatter_(1, chunk_slots, ids)
-        slots.pending_valid[rows].scatter_(1, chunk_slots, valid)
-        slots.phase[rows] += T
-        indices = range(len(slots.host_phase))[rows]
-        for row in indices:
-            slots.host_phase[row] += T
+    def read_pass(self, h: Tensor, cos: Tensor, sin: Tensor, step: StepContext) -> Tensor:
+        """One pass of the core over new tokens ``h (B, T, d)`` written at the step's cache slots, attending to
+        what the cache holds (a pass's window and the chunk so far); marks the slots written."""
+        mask = step.begin()
+        for layer, block in enumerate(self.core.blocks):
+            h = block(h, cos, sin, cache=step.cache.layers[layer], slots=step.slots, mask=mask)
         return h

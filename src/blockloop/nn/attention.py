@@ -10,7 +10,7 @@ to one of three backends:
 
 A mask is given either as ``causal=True``, as a dense boolean tensor (True = may attend) broadcastable
 to ``(B, H, Tq, Tk)``, or as a FlexAttention-style ``mask_mod(b, h, q_idx, kv_idx) -> bool``; every backend
-accepts every form. With ``Tq < Tk`` a causal query ``i`` sits at key position ``i + Tk - Tq``, which is
+accepts every form (the builders live in :mod:`blockloop.nn.masks`). With ``Tq < Tk`` a causal query ``i`` sits at key position ``i + Tk - Tq``, which is
 what chunked prefill over a cache needs. ``return_lse=True`` also returns the natural-log log-sum-exp of
 the scaled scores per query, ``(B, H, Tq)``, which lets two attentions over disjoint key sets be merged
 exactly (double decoders). A query row with no visible key returns zeros and lse = -inf.
@@ -25,9 +25,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from blockloop.nn.masks import MaskMod, causal_mask_mod
 from blockloop.nn.precision import at_least_fp32
 
-MaskMod = Callable[[Tensor, Tensor, Tensor, Tensor], Tensor]
 BACKENDS = ("sdpa", "flex", "eager")
 
 
@@ -81,36 +81,6 @@ def merge_attention(out_a: Tensor, lse_a: Tensor, out_b: Tensor, lse_b: Tensor) 
     weight = torch.sigmoid(lse_a - lse_b).nan_to_num(1.0).unsqueeze(-1)
     out = weight.to(out_a.dtype) * out_a + (1 - weight).to(out_b.dtype) * out_b
     return out, torch.logaddexp(lse_a, lse_b)
-
-
-def causal_mask_mod(offset: int = 0) -> MaskMod:
-    """Query ``i`` sees keys ``<= i + offset`` (offset = Tk - Tq when queries are the last Tq keys)."""
-
-    def mask_mod(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
-        return q_idx + offset >= kv_idx
-
-    return mask_mod
-
-
-def sliding_window_mask_mod(window: int, offset: int = 0) -> MaskMod:
-    """Causal attention to the last ``window`` positions only (the query's own included), as Gemma-3's
-    local layers: query ``i`` (at key position ``i + offset``) sees keys ``j`` with ``0 <= i + offset - j < window``.
-    """
-
-    def mask_mod(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
-        distance = q_idx + offset - kv_idx
-        return (distance >= 0) & (distance < window)
-
-    return mask_mod
-
-
-def within_window(query_slots: Tensor, n_keys: int, window: int) -> Tensor:
-    """``(Tq, n_keys)`` for shared query slots ``(Tq,)``, or ``(B, 1, Tq, n_keys)`` for per-row ones ``(B, Tq)``:
-    which cache slots lie less than ``window`` slots before each query's slot, the band that restricts a
-    cache's mask to a sliding window."""
-    key_slots = torch.arange(n_keys, device=query_slots.device)
-    band = key_slots > query_slots[..., None] - window
-    return band if query_slots.dim() == 1 else band[:, None]
 
 
 def _dense_mask(

@@ -7,12 +7,21 @@ lock-step batch) or each row's own slots ``(B, T)`` (continuous batching, where 
 a different request at its own length). Which slots hold a real token (not left padding, not yet
 written) is tracked once per model in :class:`DecoderCache`; :meth:`DecoderCache.row` is a view of one
 row, so a request can be prefilled into its slot while the other rows keep their state.
+
+One way in: keys/values enter a cache only through :meth:`KVCache.write`, and slots become visible only
+through :meth:`DecoderCache.mark`; building a mask (:meth:`DecoderCache.mask`) reads, never writes. A
+cached forward gets one :class:`StepContext` (the cache, the slots it writes, the tokens' positions and
+validity) instead of those four things one by one.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import Tensor, nn
+
+from blockloop.nn.masks import cache_mask
 
 
 class KVCache(nn.Module):
@@ -52,25 +61,6 @@ class KVCache(nn.Module):
         return KVCache.of(self.k[index : index + 1], self.v[index : index + 1])
 
 
-class RowLoopKV:
-    """One shared layer's keys/values when each row of the batch runs its own loop (depth-wise batching).
-
-    ``k, v`` are ``(loops, B, H_kv, S, D)``; row ``b`` reads and writes loop ``loop[b]``. Writing gathers
-    each row's loop into a ``(B, H_kv, S, D)`` copy to attend over, so it costs one cache read more than
-    a plain layer (a kernel that indexes the loop in place would avoid it).
-    """
-
-    def __init__(self, k: Tensor, v: Tensor, loop: Tensor) -> None:
-        self.k, self.v, self.loop = k, v, loop
-
-    def write(self, slots: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
-        """Store one token per row, ``k, v (B, H_kv, 1, D)`` at per-row ``slots (B, 1)``."""
-        rows = torch.arange(k.shape[0], device=k.device)
-        self.k[self.loop, rows, :, slots[:, 0]] = k[:, :, 0].to(self.k.dtype)
-        self.v[self.loop, rows, :, slots[:, 0]] = v[:, :, 0].to(self.v.dtype)
-        return self.k[self.loop, rows], self.v[self.loop, rows]
-
-
 class DecoderCache(nn.Module):
     """Per-layer KV caches plus which slots of each row hold a real token.
 
@@ -96,21 +86,16 @@ class DecoderCache(nn.Module):
         )
         self.register_buffer("key_valid", torch.zeros(batch_size, max_len, dtype=torch.bool, device=device), persistent=False)
 
-    def attention_mask(self, slots: Tensor, token_valid: Tensor | None) -> Tensor:
-        """Mark ``slots`` (``(T,)`` shared or ``(B, T)`` per row) as written and return the ``(B, 1, T, S)``
-        mask for queries at ``slots``.
-
-        A query sees valid keys at or before its own slot, and always itself, so that a padding query
-        still has one key and its (unused) output stays finite.
-        """
+    def mark(self, slots: Tensor, token_valid: Tensor | None = None) -> None:
+        """Record ``slots`` (``(T,)`` shared or ``(B, T)`` per row) as written, real where ``token_valid
+        (B, T)`` says so (all of them by default)."""
         length = slots.shape[-1]
         valid = torch.ones(self.batch_size, length, dtype=torch.bool, device=slots.device) if token_valid is None else token_valid
-        per_row = slots if slots.dim() == 2 else slots.expand(self.batch_size, length)
-        self.key_valid.scatter_(1, per_row, valid)
-        key_slots = torch.arange(self.max_len, device=slots.device)
-        causal = key_slots <= per_row[..., None]
-        own = key_slots == per_row[..., None]
-        return ((causal & self.key_valid[:, None, :]) | own).unsqueeze(1)
+        self.key_valid.scatter_(1, slots if slots.dim() == 2 else slots.expand(self.batch_size, length), valid)
+
+    def mask(self, slots: Tensor) -> Tensor:
+        """The ``(B, 1, T, S)`` mask of queries at ``slots`` over what has been marked (see :func:`cache_mask`)."""
+        return cache_mask(self.key_valid, slots)
 
     def reset(self) -> None:
         self.key_valid.zero_()
@@ -124,24 +109,24 @@ class DecoderCache(nn.Module):
         view.register_buffer("key_valid", self.key_valid[index : index + 1], persistent=False)
         return view
 
-    @classmethod
-    def looped(
-        cls, n_layer: int, loops: int, batch_size: int, n_kv_head: int, max_len: int, head_dim: int, *,
-        dtype: torch.dtype, device: torch.device | str,
-    ) -> DecoderCache:
-        """A cache for ``n_layer`` shared layers run ``loops`` times, with depth entry ``loop * n_layer + j``
-        a view of loop ``loop`` of shared layer ``j``'s stacked buffers ``(loops, B, H_kv, S, D)``, so one
-        batch can also run each row at its own loop (:meth:`loop_layer`)."""
-        cache = cls(0, batch_size, n_kv_head, max_len, head_dim, dtype=dtype, device=device)
-        shape = (loops, batch_size, n_kv_head, max_len, head_dim)
-        cache.stacked = [(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
-                         for _ in range(n_layer)]
-        cache.layers = nn.ModuleList(KVCache.of(cache.stacked[j][0][loop], cache.stacked[j][1][loop])
-                                     for loop in range(loops) for j in range(n_layer))
-        return cache
 
-    def loop_layer(self, layer: int, loop: Tensor) -> RowLoopKV:
-        """Shared layer ``layer`` with row ``b`` at loop ``loop[b]`` (a cache built by :meth:`looped`)."""
-        if not hasattr(self, "stacked"):
-            raise ValueError("rows at different loops need a cache built by DecoderCache.looped")
-        return RowLoopKV(*self.stacked[layer], loop)
+@dataclass
+class StepContext:
+    """One cached forward pass: the ``cache``, the ``slots`` its tokens are written at (``(T,)`` shared or
+    ``(B, T)`` per row), their rotary ``positions`` (default: the slots) and which are real tokens
+    (``token_valid (B, T)``, default all)."""
+
+    cache: DecoderCache
+    slots: Tensor
+    positions: Tensor | None = None
+    token_valid: Tensor | None = None
+
+    @property
+    def token_positions(self) -> Tensor:
+        return self.slots if self.positions is None else self.positions
+
+    def begin(self) -> Tensor:
+        """Mark this step's slots written and return the mask of its queries: the one place a forward
+        pass makes its tokens visible."""
+        self.cache.mark(self.slots, self.token_valid)
+        return self.cache.mask(self.slots)

@@ -1,10 +1,11 @@
 """The serving engine: continuous (sequence-wise) batching of requests over a fixed set of cache slots.
 
-Every model family takes part through one small interface (:class:`SlotModel`): allocate static caches
-for ``n_slots`` rows, prefill a request into a slot, and run one decode step over all rows (a finished
-request's slot is simply prefilled again by the next one). The engine owns everything else, once for
+Every model family takes part through its serving runner (:class:`~blockloop.serve.runners.base.Runner`,
+built by :func:`~blockloop.serve.runners.runner_for`): allocate static caches for ``n_slots`` rows,
+prefill a request into a slot, and run one decode step over all rows (a finished request's slot is simply
+prefilled again by the next one), under the admission rules the runner declares. The engine owns everything else, once for
 all families: the request queue (WAITING -> RUNNING -> FINISHED), per-request sampling on device
-(:func:`~blockloop.infer.sampling.sample_rows`), stopping, and streaming.
+(:func:`~blockloop.serve.sampling.sample_rows`), stopping, and streaming.
 
 The decode loop runs a window of ``sync_every`` steps with no host synchronisation: sampled tokens go to
 a device ring buffer and are copied to the host once per window, where requests that hit EOS or their
@@ -13,74 +14,47 @@ others keep their caches. Rows that finished inside a window keep stepping until
 tokens are discarded): the price of not syncing every token. Every row steps every time, busy or not,
 so the decode step has static shapes (``torch.compile``, CUDA graphs).
 
-Families that only implement the lock-step pair ``prefill(idx, token_valid, max_new_tokens)`` /
-``decode_step`` (and any family given a shared cached prefix) are served in static batches instead:
-waiting requests are admitted together, left-padded, once the previous batch has finished.
+A runner that cannot prefill one slot at a time (``per_slot = False``: a double decoder given a shared
+cached prefix) is served in static batches instead: waiting requests are admitted together, left-padded,
+once the previous batch has finished.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Iterator, Sequence
-from typing import Any, Protocol
 
 import torch
-from torch import Tensor, nn
+from torch import nn
 
 from blockloop.errors import BlockloopError
-from blockloop.infer.batching import left_pad
-from blockloop.infer.requests import Request, SamplingParams, TokenCallback
-from blockloop.infer.sampling import sample_rows
-from blockloop.infer.scheduler import Scheduler
-
-
-class SlotModel(Protocol):
-    """What a model implements for continuous batching. ``state`` is the model's own decode state.
-
-    * ``allocate_slots(n_slots, max_len)``: static caches for ``n_slots`` requests of ``max_len`` tokens;
-    * ``prefill_slot(state, slot, prompt (P,)) -> logits (V,)``: take over row ``slot`` for a new prompt
-      (left-padded with ``config.pad_id`` to a multiple of ``prompt_multiple``, if the model sets one);
-    * ``decode_step(state, tokens (n_slots,)) -> logits (n_slots, V)``: one token for every row, each at
-      its own position (the same step lock-step generation uses). A model may instead return
-      ``(logits, ready)``: then only ``ready`` rows emit a token next step, the others get -1 (depth-wise
-      batching, :mod:`blockloop.infer.depthwise`);
-    * ``admit_every`` (optional, default 1): requests join only every this many steps (a Block
-      Transformer's block length: its rows share the within-block phase);
-    * ``token_per_step`` (optional, default True): False when ``decode_step`` returns ``(logits, ready)``.
-    """
-
-    def allocate_slots(self, n_slots: int, max_len: int) -> Any: ...
-    def prefill_slot(self, state: Any, slot: int, prompt: Tensor) -> Tensor: ...
-    def decode_step(self, state: Any, tokens: Tensor) -> Tensor: ...
-
-
-def serves_continuously(model: nn.Module) -> bool:
-    """Whether ``model`` implements the slot interface (else it is served in static batches)."""
-    return all(hasattr(model, name) for name in ("allocate_slots", "prefill_slot", "decode_step"))
+from blockloop.serve.batching import left_pad
+from blockloop.serve.requests import Request, SamplingParams, TokenCallback
+from blockloop.serve.runners import Runner, runner_for
+from blockloop.serve.sampling import sample_rows
+from blockloop.serve.scheduler import Scheduler
 
 
 class Engine:
     """Batching over ``n_slots`` rows for one model (see the module docstring).
 
-    ``prefill_kwargs`` go to the model's lock-step ``prefill`` (e.g. a double decoder's cached
-    ``prefix``) and select static batches. ``compile=True`` wraps the decode step in ``torch.compile``
-    (``mode="reduce-overhead"``, i.e. CUDA graphs, on CUDA). The model is used as given: cast it (e.g.
-    ``model.to(torch.bfloat16)``) first.
+    ``served`` is a runner, or a model served by its family's default runner (:func:`runner_for`).
+    ``compile=True`` wraps the decode step in ``torch.compile`` (``mode="reduce-overhead"``, i.e. CUDA
+    graphs, on CUDA). The model is used as given: cast it (e.g. ``model.to(torch.bfloat16)``) first.
     """
 
     def __init__(
         self,
-        model: nn.Module,
+        served: Runner | nn.Module,
         n_slots: int,
         *,
         max_len: int | None = None,
         sync_every: int = 8,
         compile: bool = False,
-        prefill_kwargs: dict[str, Any] | None = None,
     ) -> None:
-        self.continuous = serves_continuously(model) and not prefill_kwargs
-        if not self.continuous and not all(hasattr(model, n) for n in ("prefill", "decode_step")):
-            raise BlockloopError(f"{type(model).__name__} cannot generate: it implements neither prefill_slot nor prefill")
+        runner = served if isinstance(served, Runner) else runner_for(served)
+        model = runner.model
+        self.continuous = runner.per_slot
         if n_slots < 1:
             raise BlockloopError(f"the engine needs at least one slot, got n_slots={n_slots}")
         if sync_every < 1:
@@ -90,18 +64,18 @@ class Engine:
         if not 1 <= self.max_len <= context:
             raise BlockloopError(f"max_len {self.max_len} must be between 1 and the model context of {context}")
         model.eval()
-        self.model, self.n_slots = model, n_slots
-        self.prefill_kwargs = prefill_kwargs or {}
-        self.reserved = len(self.prefill_kwargs.get("prefix", ()))  # context taken by a shared prefix
-        self.prompt_multiple = getattr(model, "prompt_multiple", 1)
+        self.runner, self.model, self.n_slots = runner, model, n_slots
+        self.reserved = runner.reserved  # context taken by a shared prefix
+        self.prompt_multiple = runner.prompt_multiple
         # Windows end on admission points, so each window starts where new requests may join.
-        self.admit_every = getattr(model, "admit_every", 1)
-        self.token_per_step = getattr(model, "token_per_step", True)
+        self.admit_every = runner.admit_every
+        self.token_per_step = runner.token_per_step
         self.sync_every = -(-sync_every // self.admit_every) * self.admit_every
         self.vocab_size = model.config.vocab_size
         weight = next(model.parameters())
         self.device = weight.device
-        self.state = model.allocate_slots(n_slots, self.max_len) if self.continuous else None
+        if self.continuous:
+            runner.allocate(n_slots, self.max_len)
         self.rows = n_slots if self.continuous else 0  # rows the current decode state has
         self.scheduler = Scheduler(n_slots)
         self.logits = torch.zeros(n_slots, model.config.padded_vocab_size, dtype=weight.dtype, device=self.device)
@@ -112,9 +86,9 @@ class Engine:
         self.temperature = torch.zeros(n_slots, device=self.device)
         self.top_p = torch.ones(n_slots, device=self.device)
         self.top_k, self.seed, self.counter = (torch.zeros(n_slots, dtype=torch.long, device=self.device) for _ in range(3))
-        self._decode = model.decode_step
+        self._decode = runner.decode_step
         if compile:
-            self._decode = torch.compile(model.decode_step, mode="reduce-overhead" if self.device.type == "cuda" else None)
+            self._decode = torch.compile(runner.decode_step, mode="reduce-overhead" if self.device.type == "cuda" else None)
         self.steps = 0
         self.last_window: list[tuple[Request, list[int]]] = []
 
@@ -192,7 +166,7 @@ class Engine:
             self.ring[i, :rows] = tokens
             self.counter[:rows] += ready
             if not (last and i == steps - 1):
-                out = self._decode(self.state, tokens)
+                out = self._decode(tokens)
                 logits, ready = out if isinstance(out, tuple) else (out, ready)
         self.ready[:rows] = ready
         # Kept in the engine's own buffer: a compiled step may reuse its output, and prefill writes rows here.
@@ -206,8 +180,8 @@ class Engine:
 
     def _prefill_slot(self, slot: int, request: Request) -> None:
         pad = self._padded(len(request.prompt)) - len(request.prompt)
-        prompt = torch.tensor([getattr(self.model.config, "pad_id", 0)] * pad + request.prompt, device=self.device)
-        self.logits[slot] = self.model.prefill_slot(self.state, slot, prompt)
+        prompt = torch.tensor([self.runner.pad_id] * pad + request.prompt, device=self.device)
+        self.logits[slot] = self.runner.prefill_slot(slot, prompt)
         self.ready[slot] = True
         self._set_sampling(slot, request.sampling)
 
@@ -220,8 +194,8 @@ class Engine:
     def _prefill_batch(self, admitted: list[tuple[int, Request]]) -> None:
         prompts = [r.prompt for _, r in admitted]
         idx, token_valid = left_pad(prompts, self._padded(max(map(len, prompts))), self.device)
-        max_new = max(r.max_tokens for _, r in admitted)
-        logits, self.state = self.model.prefill(idx, token_valid, max_new, **self.prefill_kwargs)
+        self.runner.allocate(len(admitted), idx.shape[1] + max(r.max_tokens for _, r in admitted))
+        logits = self.runner.prefill_batch(idx, token_valid)
         self.rows = len(admitted)
         for row, (slot, request) in enumerate(admitted):
             assert slot == row, "a static batch takes the slots from 0 up"

@@ -7,10 +7,12 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
+from blockloop.serve.runners import runner_for
+
 
 def padded_prompt_length(model: nn.Module, prompts: Sequence[Sequence[int]]) -> int:
-    """The batch's prompt length: the longest prompt, rounded up to the model's ``prompt_multiple``."""
-    multiple = getattr(model, "prompt_multiple", 1)
+    """The batch's prompt length: the longest prompt, rounded up to its runner's ``prompt_multiple``."""
+    multiple = runner_for(model).prompt_multiple
     longest = max(len(p) for p in prompts)
     return -(-longest // multiple) * multiple
 

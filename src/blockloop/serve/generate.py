@@ -1,11 +1,9 @@
 """Batched, cached generation for every model family: a thin layer over the serving engine.
 
-``generate`` submits each prompt as a request to an :class:`~blockloop.infer.engine.Engine` with one
+``generate`` submits each prompt as a request to an :class:`~blockloop.serve.engine.Engine` with one
 slot per prompt and runs it to completion, so sampling, stopping and streaming are the engine's, once
-for all families. A model takes part through the engine's interface: continuous batching
-(``allocate_slots``/``prefill_slot``/``decode_step``) or, for families that only implement the lock-step
-pair (``prefill(idx, token_valid, max_new_tokens) -> (logits, state)`` over left-padded prompts and
-``decode_step(state, token) -> logits``), static batches.
+for all families. A model takes part through its family's serving runner
+(:mod:`blockloop.serve.runners`): lock-step generation is the engine with every prompt admitted at once.
 """
 
 from __future__ import annotations
@@ -15,13 +13,11 @@ from collections.abc import Callable, Sequence, Sized
 import torch
 from torch import nn
 
-from blockloop.errors import BlockloopError
-from blockloop.infer.batching import left_pad, padded_prompt_length
-from blockloop.infer.engine import Engine
-from blockloop.infer.requests import Request, SamplingParams
-
-TokenCallback = Callable[[int, int], None]
-__all__ = ["generate", "left_pad", "padded_prompt_length"]
+from blockloop.errors import BlockloopError, check_context
+from blockloop.serve.batching import padded_prompt_length
+from blockloop.serve.engine import Engine
+from blockloop.serve.requests import Request, SamplingParams
+from blockloop.serve.runners import runner_for
 
 
 @torch.no_grad()
@@ -35,7 +31,7 @@ def generate(
     top_p: float | None = None,
     eos_id: int | None = None,
     seed: int | None = None,
-    on_token: TokenCallback | None = None,
+    on_token: Callable[[int, int], None] | None = None,
     prefix: Sized | None = None,
 ) -> list[list[int]]:
     """Continue each prompt by up to ``max_new_tokens`` tokens; a row stops early at ``eos_id``.
@@ -49,17 +45,13 @@ def generate(
         raise BlockloopError("every prompt needs at least one token; give a non-empty --prompt")
     if max_new_tokens < 1:
         raise BlockloopError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
-    context = model.config.context_length
     longest = padded_prompt_length(model, prompts)
-    if (len(prefix) if prefix is not None else 0) + longest + max_new_tokens > context:
-        raise BlockloopError(
-            f"prompt of {longest} tokens plus {max_new_tokens} new tokens exceeds the model context of "
-            f"{context}; shorten the prompt or lower --max-new-tokens"
-        )
+    check_context((len(prefix) if prefix is not None else 0) + longest + max_new_tokens, model.config.context_length,
+                  f"prompt of {longest} plus {max_new_tokens} new tokens, in all", "shorten the prompt or lower --max-new-tokens")
     base = seed if seed is not None else int(torch.randint(2**31, ()).item())
     was_training = model.training
     try:
-        engine = Engine(model, len(prompts), prefill_kwargs=None if prefix is None else {"prefix": prefix})
+        engine = Engine(runner_for(model) if prefix is None else runner_for(model, prefix=prefix), len(prompts))
         rows: dict[int, int] = {}
 
         def stream(request: Request, token: int) -> None:

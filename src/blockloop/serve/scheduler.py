@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Callable
 
-from blockloop.infer.requests import Request, RequestStatus
+from blockloop.serve.requests import Request, RequestStatus
 
 
 class Scheduler:

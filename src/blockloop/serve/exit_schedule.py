@@ -1,6 +1,6 @@
 """The hypothetical generation speedup of continuous depth-wise batching (Bae et al. 2024, section 3.8 and
 appendix N): given each request's exit trajectory (the loop every decoded token leaves after, e.g. the
-oracle exits :class:`~blockloop.infer.depthwise.DepthwiseRecursive` records), count the steps a batch of
+oracle exits :class:`~blockloop.serve.runners.recursive.RecursiveRunner` records), count the steps a batch of
 ``n_slots`` rows needs under each schedule. One step is one pass of the shared block over the batch, the
 unit whose time the paper measures (only Transformer-block time is counted, as in appendix N).
 

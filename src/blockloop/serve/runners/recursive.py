@@ -1,9 +1,10 @@
-"""Continuous depth-wise batching with confidence-based early exit for Recursive Transformers
-(Bae et al. 2024, section 2.4 and appendix N).
+"""Serving Recursive Transformers: sequence-wise like a decoder, or with continuous depth-wise batching and
+confidence-based early exit (Bae et al. 2024, section 2.4 and appendix N).
 
-Sequence-wise serving runs all ``B`` loops of a token before the next. Here one decode step runs ONE
+:class:`RecursiveRunner` without an exit rule is the decoder's runner. Sequence-wise serving runs all ``B`` loops of a token before the next. Here one decode step runs ONE
 loop of the shared block over every row, each row at its own loop (its per-loop LoRA gathered by loop
-index, :meth:`RecursiveDecoder.run_loop` with a ``(rows,)`` loop tensor). After loop ``k`` a row's exit
+index, :meth:`RecursiveDecoder.run_loop` with a ``(rows,)`` loop tensor, over this module's
+:class:`LoopedCache`). After loop ``k`` a row's exit
 logits (shared final norm + head, section 3.7) are scored by an :class:`ExitRule`; a row whose rule
 fires, or that finished the last loop, emits its token, and starts the next token's loop 0 at the very
 next step, while the other rows go on to their next loop. With early exits, tokens cost fewer loops
@@ -18,12 +19,12 @@ quality effect is measured as greedy agreement with no-exit decoding (``benchmar
 Oracle exit (section 3.8, appendix N): ``ExitRule("oracle")`` reproduces the paper's simulation. Every token
 still runs every loop (so the cache and the output are exactly no-exit greedy decoding), but the wrapper
 records, per token, the earliest loop whose greedy prediction equals the final loop's: the loop it *would*
-have left after. Those exit trajectories (:meth:`DepthwiseRecursive.exit_trajectory`) are then scheduled
-by :mod:`blockloop.infer.exit_schedule`, which counts the steps a depth-wise batch would need against a
+have left after. Those exit trajectories (:meth:`RecursiveRunner.exit_trajectory`) are then scheduled
+by :mod:`blockloop.serve.exit_schedule`, which counts the steps a depth-wise batch would need against a
 sequence-wise one, the paper's simulated speedup.
 
-The engine drives this wrapper like any model: ``decode_step`` returns ``(logits, ready)``, and the
-engine samples only rows that are ``ready`` (token -1 for the others).
+The engine drives this runner like any other: depth-wise, ``decode_step`` returns ``(logits, ready)``,
+and the engine samples only rows that are ``ready`` (token -1 for the others).
 """
 
 from __future__ import annotations
@@ -33,9 +34,10 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from blockloop.errors import BlockloopError
-from blockloop.models.decoder import DecodeState
-from blockloop.nn.kv_cache import DecoderCache
+from blockloop.errors import BlockloopError, check_context
+from blockloop.models.recursive import RecursiveDecoder
+from blockloop.nn.kv_cache import DecoderCache, KVCache, StepContext
+from blockloop.serve.runners.decoder import DecoderRunner, DecodeState
 
 EXIT_RULES = ("none", "max_prob", "entropy", "oracle")
 
@@ -69,12 +71,52 @@ class ExitRule:
         return confident & (loops_done >= self.min_loops)
 
 
+class RowLoopKV:
+    """One shared layer's keys/values when each row of the batch runs its own loop (depth-wise batching).
+
+    ``k, v`` are ``(loops, B, H_kv, S, D)``; row ``b`` reads and writes loop ``loop[b]``. Writing gathers
+    each row's loop into a ``(B, H_kv, S, D)`` copy to attend over, so it costs one cache read more than
+    a plain layer (a kernel that indexes the loop in place would avoid it).
+    """
+
+    def __init__(self, k: Tensor, v: Tensor, loop: Tensor) -> None:
+        self.k, self.v, self.loop = k, v, loop
+
+    def write(self, slots: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        """Store one token per row, ``k, v (B, H_kv, 1, D)`` at per-row ``slots (B, 1)``."""
+        rows = torch.arange(k.shape[0], device=k.device)
+        self.k[self.loop, rows, :, slots[:, 0]] = k[:, :, 0].to(self.k.dtype)
+        self.v[self.loop, rows, :, slots[:, 0]] = v[:, :, 0].to(self.v.dtype)
+        return self.k[self.loop, rows], self.v[self.loop, rows]
+
+
+class LoopedCache(DecoderCache):
+    """A cache for ``n_layer`` shared layers run ``loops`` times: depth entry ``loop * n_layer + j`` is a view
+    of loop ``loop`` of shared layer ``j``'s stacked buffers ``(loops, B, H_kv, S, D)``, so one batch can
+    run every row at the same loop (``layers``, the sequence-wise prefill) or each row at its own
+    (:meth:`loop_layer`)."""
+
+    def __init__(
+        self, n_layer: int, loops: int, batch_size: int, n_kv_head: int, max_len: int, head_dim: int, *,
+        dtype: torch.dtype, device: torch.device | str,
+    ) -> None:
+        super().__init__(0, batch_size, n_kv_head, max_len, head_dim, dtype=dtype, device=device)
+        shape = (loops, batch_size, n_kv_head, max_len, head_dim)
+        self.stacked = [(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+                        for _ in range(n_layer)]
+        self.layers = nn.ModuleList(KVCache.of(self.stacked[j][0][loop], self.stacked[j][1][loop])
+                                    for loop in range(loops) for j in range(n_layer))
+
+    def loop_layer(self, layer: int, loop: Tensor) -> RowLoopKV:
+        """Shared layer ``layer`` with row ``b`` at loop ``loop[b]``."""
+        return RowLoopKV(*self.stacked[layer], loop)
+
+
 @dataclass
 class DepthwiseState:
     """Sequence-wise state (cache, next slot/position per row) plus each row's in-flight token: its hidden
     state, loop, and the slot and position it is written at."""
 
-    decode: DecodeState
     hidden: Tensor
     loop: Tensor
     slot: Tensor
@@ -84,52 +126,59 @@ class DepthwiseState:
     exit_log: Tensor  # (rows, max_len): the loop (1-based) each token left after, at its input token's cache slot
 
 
-class DepthwiseRecursive(nn.Module):
-    """Serves a :class:`~blockloop.models.recursive.RecursiveDecoder` (CYCLE tying) depth-wise."""
+class RecursiveRunner(DecoderRunner):
+    """Serves a :class:`~blockloop.models.recursive.RecursiveDecoder`: sequence-wise without ``exit_rule``
+    (every token runs every loop before the next), depth-wise with one (CYCLE tying: one loop per decode
+    step, rows at their own loops, leaving by the rule)."""
 
-    def __init__(self, model: nn.Module, exit_rule: ExitRule | None = None) -> None:
-        super().__init__()
-        if getattr(model.config, "family", None) != "recursive":
-            raise BlockloopError(f"depth-wise batching serves recursive models, not {model.config.family} models")
-        if model.config.tying != "cycle":
-            raise BlockloopError(f"depth-wise batching needs cycle tying (rows share layers per loop), not {model.config.tying!r}")
-        self.model, self.config = model, model.config
-        self.exit_rule = exit_rule or ExitRule("none")
-        self.token_per_step = False  # rows emit a token only when they leave a loop (see the engine)
+    model: RecursiveDecoder
 
-    def allocate_slots(self, n_slots: int, max_len: int) -> DepthwiseState:
+    def __init__(self, model: RecursiveDecoder, exit_rule: ExitRule | None = None) -> None:
+        super().__init__(model)
+        self.config = model.config
+        self.exit_rule = exit_rule
+        if exit_rule is not None:
+            if model.config.tying != "cycle":
+                raise BlockloopError(
+                    f"depth-wise batching needs cycle tying (rows share layers per loop), not {model.config.tying!r}"
+                )
+            self.token_per_step = False  # rows emit a token only when they leave a loop (see the engine)
+
+    def allocate(self, n_slots: int, max_len: int) -> None:
+        if self.exit_rule is None:
+            return super().allocate(n_slots, max_len)
         c, weight = self.config, self.model.embed.weight
-        if max_len > c.context_length:
-            raise ValueError(f"cache of {max_len} tokens exceeds the model context of {c.context_length}")
-        cache = DecoderCache.looped(c.n_layer, c.loops, n_slots, c.n_kv_head, max_len, c.head_dim,
-                                    dtype=weight.dtype, device=weight.device)
+        check_context(max_len, c.context_length, "cache", "allocate fewer slots")
+        cache = LoopedCache(c.n_layer, c.loops, n_slots, c.n_kv_head, max_len, c.head_dim,
+                            dtype=weight.dtype, device=weight.device)
         zeros = torch.zeros(n_slots, dtype=torch.long, device=weight.device)
-        return DepthwiseState(DecodeState(cache, zeros, zeros.clone()), weight.new_zeros(n_slots, 1, c.d_model),
-                              zeros.clone(), zeros.clone(), zeros.clone(), torch.zeros(c.loops, dtype=torch.long, device=weight.device),
-                              zeros.new_zeros(n_slots, c.loops), zeros.new_zeros(n_slots, max_len))
+        self.state = DecodeState(cache, zeros, zeros.clone())
+        self.depth = DepthwiseState(weight.new_zeros(n_slots, 1, c.d_model), zeros.clone(), zeros.clone(), zeros.clone(),
+                                    torch.zeros(c.loops, dtype=torch.long, device=weight.device),
+                                    zeros.new_zeros(n_slots, c.loops), zeros.new_zeros(n_slots, max_len))
+
+    def decode_step(self, tokens: Tensor) -> Tensor | tuple[Tensor, Tensor]:
+        if self.exit_rule is None:
+            return super().decode_step(tokens)
+        return self._depthwise_step(tokens)
 
     @torch.no_grad()
-    def prefill_slot(self, state: DepthwiseState, slot: int, prompt: Tensor) -> Tensor:
-        """The prompt runs every loop (sequence-wise); its next-token logits are the last loop's."""
-        return self.model.prefill_slot(state.decode, slot, prompt)
-
-    @torch.no_grad()
-    def decode_step(self, state: DepthwiseState, tokens: Tensor) -> tuple[Tensor, Tensor]:
+    def _depthwise_step(self, tokens: Tensor) -> tuple[Tensor, Tensor]:
         """One loop for every row. ``tokens`` holds a new token for rows that emitted one (they start loop
         0 at their next slot) and -1 for rows still inside a token. Returns every row's exit logits and
         which rows are ready to emit."""
-        m, decode = self.model, state.decode
+        m, decode, state = self.model, self.state, self.depth
         new = tokens >= 0
         max_len = decode.cache.max_len
         slot = torch.where(new, decode.next_slot.clamp_max(max_len - 1), state.slot)
         position = torch.where(new, decode.next_position, state.position)
         decode.next_slot = decode.next_slot + new
         decode.next_position = decode.next_position + new
-        embedded = m.drop(m.embed_tokens(tokens.clamp_min(0)[:, None], position[:, None]))
+        embedded = m.embed_input(tokens.clamp_min(0)[:, None], position[:, None])
         x = torch.where(new[:, None, None], embedded, state.hidden)
         loop = torch.where(new, 0, state.loop)
-        inputs = m.body.layer_inputs(x, positions=position[:, None], cache=decode.cache, slots=slot[:, None])
-        x = m.run_loop(x, loop, inputs, cache=decode.cache, slots=slot[:, None])
+        step = StepContext(decode.cache, slot[:, None], position[:, None])
+        x = m.run_loop(x, loop, m.loop_inputs(x, step), step=step)
         logits = m.exit_logits(x)[:, -1]
         last = loop == self.config.loops - 1
         ready = last | self.exit_rule.fires(logits[:, : self.config.vocab_size], loop + 1)
@@ -152,13 +201,13 @@ class DepthwiseRecursive(nn.Module):
         matches = state.predictions == state.predictions[:, -1:]
         return matches.long().argmax(1)
 
-    def exit_trajectory(self, state: DepthwiseState, row: int, start: int, n_tokens: int) -> list[int]:
+    def exit_trajectory(self, row: int, start: int, n_tokens: int) -> list[int]:
         """The loops (1-based) the ``n_tokens`` tokens decoded in ``row`` from cache slot ``start`` on left
         after, i.e. of the request's output tokens 2.. (the first comes from the sequence-wise prefill).
         Read it once the request has finished, before its row is prefilled again (a host sync)."""
-        return state.exit_log[row, start : start + n_tokens].tolist()
+        return self.depth.exit_log[row, start : start + n_tokens].tolist()
 
-    def _fill_owed(self, cache: DecoderCache, exited: Tensor, loop: Tensor, slot: Tensor) -> None:
+    def _fill_owed(self, cache: LoopedCache, exited: Tensor, loop: Tensor, slot: Tensor) -> None:
         """Copy the K/V an early-exited token wrote at its exit loop into every deeper loop's entry."""
         rows = torch.arange(loop.shape[0], device=loop.device)
         for k_stack, v_stack in cache.stacked:
@@ -168,7 +217,7 @@ class DepthwiseRecursive(nn.Module):
                     owed = (exited & (loop < deeper))[:, None, None]
                     buffer[deeper, rows, :, slot] = torch.where(owed, exit_kv, buffer[deeper, rows, :, slot])
 
-    def mean_exit_loop(self, state: DepthwiseState) -> float:
+    def mean_exit_loop(self) -> float:
         """Average loops per emitted token so far (a host sync: for reports, not inside the loop)."""
-        counts = state.exits.double()
+        counts = self.depth.exits.double()
         return float((counts * torch.arange(1, len(counts) + 1, device=counts.device)).sum() / counts.sum().clamp_min(1))

@@ -1,0 +1,42 @@
+"""Serving runners, one per model family, and the registry the engine builds them from.
+
+:func:`runner_for` looks the model's family (``model.config.family``) up in :data:`RUNNERS`; a new family
+registers its runner class here.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import nn
+
+from blockloop.errors import BlockloopError
+from blockloop.serve.runners.base import Runner
+from blockloop.serve.runners.block import BlockRunner
+from blockloop.serve.runners.decoder import DecoderRunner
+from blockloop.serve.runners.double_decoder import DoubleDecoderRunner
+from blockloop.serve.runners.encoder_decoder import EncoderDecoderRunner
+from blockloop.serve.runners.recursive import ExitRule, RecursiveRunner
+from blockloop.serve.runners.staircase import StaircaseRunner
+
+RUNNERS: dict[str, type[Runner]] = {
+    "decoder": DecoderRunner,
+    "ladder": DecoderRunner,
+    "recursive": RecursiveRunner,
+    "block": BlockRunner,
+    "double_decoder": DoubleDecoderRunner,
+    "encoder_decoder": EncoderDecoderRunner,
+    "staircase": StaircaseRunner,
+}
+
+
+def runner_for(model: nn.Module, **options: Any) -> Runner:
+    """The runner serving ``model``'s family; ``options`` go to its constructor (a recursive model's
+    ``exit_rule``, a double decoder's cached ``prefix``)."""
+    family = model.config.family
+    if family not in RUNNERS:
+        raise BlockloopError(f"no serving runner for the {family!r} family; register one in blockloop.serve.runners.RUNNERS")
+    return RUNNERS[family](model, **options)
+
+
+__all__ = ["RUNNERS", "ExitRule", "Runner", "runner_for"]

@@ -1,0 +1,75 @@
+"""Sequence-wise serving of the single-stack families: the vanilla decoder, and the Ladder / Universal
+Transformer / Transformer-XL and the Recursive Transformer run the same way.
+
+The model needs two things: ``allocate_cache(batch_size, max_len)`` (one KV cache entry per layer
+application) and a ``forward(idx, step=StepContext, last_only=True)`` that writes at the step's slots.
+Rows advance independently, each at its own next cache slot and rotary position, so one state serves
+a lock-step batch of left-padded prompts and a continuous batch of requests of different lengths.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from blockloop.nn.kv_cache import DecoderCache, StepContext
+from blockloop.serve.runners.base import Runner
+
+
+@dataclass
+class DecodeState:
+    """The cache, each row's next cache slot and next rotary position."""
+
+    cache: DecoderCache
+    next_slot: Tensor
+    next_position: Tensor
+
+    def step_slots(self) -> tuple[Tensor, Tensor]:
+        """``(B, 1)`` slots and positions of the next token, then advance. Rows past the end of the cache
+        (idle or finished rows of a continuous batch that keep stepping) rewrite their last slot."""
+        slots = self.next_slot.clamp_max(self.cache.max_len - 1)[:, None]
+        positions = self.next_position[:, None]
+        self.next_slot = self.next_slot + 1
+        self.next_position = self.next_position + 1
+        return slots, positions
+
+
+class DecoderRunner(Runner):
+    """One KV cache over prompt and generated tokens; every forward writes one step's slots."""
+
+    state: DecodeState
+
+    def allocate(self, n_slots: int, max_len: int) -> None:
+        cache = self.model.allocate_cache(n_slots, max_len)
+        zeros = torch.zeros(n_slots, dtype=torch.long, device=cache.key_valid.device)
+        self.state = DecodeState(cache, zeros, zeros.clone())
+
+    @torch.no_grad()
+    def prefill_slot(self, slot: int, prompt: Tensor) -> Tensor:
+        """Cache ``prompt (P,)`` at slots 0..P-1 of row ``slot``."""
+        cache = self.state.cache.row(slot)
+        cache.reset()
+        slots = torch.arange(prompt.numel(), device=prompt.device)
+        logits, _ = self.model(prompt[None], step=StepContext(cache, slots), last_only=True)
+        self.state.next_slot[slot] = self.state.next_position[slot] = prompt.numel()
+        return logits[0, -1]
+
+    @torch.no_grad()
+    def prefill_batch(self, idx: Tensor, token_valid: Tensor) -> Tensor:
+        """Left-padded prompts at shared slots; rotary positions count from each row's first real token."""
+        length = idx.shape[1]
+        slots = torch.arange(length, device=idx.device)
+        positions = (slots[None, :] - (~token_valid).sum(1, keepdim=True)).clamp_min(0)
+        logits, _ = self.model(idx, step=StepContext(self.state.cache, slots, positions, token_valid), last_only=True)
+        self.state.next_slot = torch.full_like(positions[:, -1], length)
+        self.state.next_position = positions[:, -1] + 1
+        return logits[:, -1]
+
+    @torch.no_grad()
+    def decode_step(self, tokens: Tensor) -> Tensor:
+        """One token per row, written at that row's own next slot."""
+        slots, positions = self.state.step_slots()
+        logits, _ = self.model(tokens[:, None], step=StepContext(self.state.cache, slots, positions))
+        return logits[:, -1]
