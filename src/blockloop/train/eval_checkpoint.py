@@ -15,7 +15,7 @@ from blockloop.data.dataset import prepare_tokens
 from blockloop.data.loader import PackedSequences
 from blockloop.data.tasks import get_task, open_task
 from blockloop.device import resolve_device
-from blockloop.errors import BlockloopError
+from blockloop.errors import BlockloopError, check_context
 from blockloop.train.evaluate import evaluate
 from blockloop.train.exit_eval import evaluate_loops
 from blockloop.train.run import TrainedModel, check_task_vocabulary, load_trained, task_sequences
@@ -93,6 +93,5 @@ def evaluate_task(trained: TrainedModel, request: EvalRequest, device: str) -> d
 def _seq_len(trained: TrainedModel, request: EvalRequest) -> int:
     """The window: as asked, else the run's training ``seq_len``, else the model context (never more)."""
     seq_len = request.seq_len or trained.state.get("train_config", {}).get("seq_len") or trained.config.context_length
-    if seq_len > trained.config.context_length:
-        raise BlockloopError(f"--seq-len {seq_len} exceeds the model context of {trained.config.context_length}")
+    check_context(seq_len, trained.config.context_length, "--seq-len window", "lower --seq-len")
     return seq_len
