@@ -97,15 +97,14 @@ def _throughput(args: argparse.Namespace, models: list, device: Any) -> list[dic
     from blockloop.bench.throughput import SCENARIOS
 
     prompt_len, gen_len = SCENARIOS[args.scenario]
+    hf_missing = hf_available() if args.hf else None  # why the HF baseline cannot run, if asked for
     settings = ThroughputSettings(
         args.prompt_len or prompt_len, args.gen_len or gen_len, parse_ints(args.batch_sizes, "--batch-sizes"),
         repeats=args.repeats, warmup=args.warmup, sync_every=args.sync_every, compile=args.compile,
-        search=args.search, max_batch=args.max_batch, seed=args.seed,
+        search=args.search, max_batch=args.max_batch, seed=args.seed, hf=args.hf and hf_missing is None,
     )
     bandwidth = measure_bandwidth(device)
     print(f"measured copy bandwidth: {bandwidth / 1e9:.1f} GB/s; prompt {settings.prompt_len}, generate {settings.gen_len}")
-    hf_missing = hf_available() if args.hf else None
-    settings.hf = args.hf and hf_missing is None
     rows = throughput_rows(models, settings, bandwidth)
     if hf_missing is not None:
         print(f"HF generate() baseline skipped: {hf_missing}")

@@ -19,7 +19,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     from blockloop.convert.checkpoints import TARGETS
 
     p.add_argument("--to", choices=list(TARGETS),
-                   help="target: " + ", ".join(f"{name} ({t.title})" for name, t in TARGETS.items()))
+                   help="target: " + "; ".join(f"{name}, {t.title}" for name, t in TARGETS.items()))
     p.add_argument("--checkpoint", help="run directory or checkpoint of a trained vanilla model (with --to)")
     p.add_argument(
         "--from-hf", metavar="PATH",

@@ -10,7 +10,7 @@ HELP = "list the named model presets with parameter counts"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    pass
+    """``presets`` takes no options."""
 
 
 def run(args: argparse.Namespace) -> int:
