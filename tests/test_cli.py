@@ -181,3 +181,19 @@ def test_flops_reports_every_family(preset, capsys):
 
 def test_flops_rejects_a_window_that_splits_a_block(capsys):
     one_line_error(capsys, ["flops", "--preset", "tiny-block", "--seq-len", "30"], "not a multiple of the block length 4")
+
+
+def test_the_cli_package_names_no_model_family():
+    """Choices and rules about families come from the library; the CLI only has them in help sentences."""
+    import ast
+    from pathlib import Path
+
+    import blockloop.cli
+
+    families = {"decoder", "block", "recursive", "staircase", "ladder", "double_decoder", "encoder_decoder"}
+    for path in Path(blockloop.cli.__file__).parent.glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Constant) and isinstance(node.value, str):
+                assert node.value not in families, f"{path.name}:{node.lineno} names the family {node.value!r}"
+            if isinstance(node, ast.Compare):
+                assert "family" not in ast.unparse(node), f"{path.name}:{node.lineno} branches on a family"

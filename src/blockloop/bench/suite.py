@@ -1,0 +1,177 @@
+"""A benchmark session: the models to compare, the throughput protocol over them, and the request stream.
+
+What ``blockloop bench`` runs, as rows (one dict per model and batch size, or per model in the stream)
+that a caller prints or appends to a JSON-lines record. The first model is the baseline the ratios
+divide by. In the stream, looped models are also served depth-wise under each early-exit rule given.
+"""
+
+from __future__ import annotations
+
+import datetime
+import platform
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterator
+
+import torch
+from torch import nn
+
+from blockloop.bench.hf_baseline import hf_throughput
+from blockloop.bench.records import last_val_loss
+from blockloop.bench.stream import agreement, corpus_prompts, run_stream
+from blockloop.bench.throughput import engine_throughput, search_batches
+from blockloop.bench.timing import copy_bandwidth
+from blockloop.errors import BlockloopError
+from blockloop.models import build_model
+from blockloop.presets import from_name
+from blockloop.serve.exit_schedule import simulate
+from blockloop.serve.runners import ExitRule, runner_for
+from blockloop.serve.runners.recursive import RecursiveRunner
+from blockloop.train.run import load_trained
+
+DEFAULT_PRESETS = "pythia-85m,block-85m"
+
+
+@dataclass
+class BenchModel:
+    name: str
+    model: nn.Module
+    val_loss: float | None  # of a trained run, for the throughput-vs-loss plot
+
+
+def bench_dtype(name: str, device: str) -> torch.dtype:
+    """``float32`` / ``bfloat16``, or ``auto``: bfloat16 on CUDA, float32 on CPU."""
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16}.get(
+        name, torch.bfloat16 if device.startswith("cuda") else torch.float32)
+
+
+def environment(device: str, dtype: torch.dtype) -> dict[str, Any]:
+    """What every recorded row carries: device, torch version, date, dtype and CPU threads."""
+    cpu = f"cpu ({platform.processor() or platform.machine()})"
+    return {"device": torch.cuda.get_device_name() if device.startswith("cuda") else cpu,
+            "torch": torch.__version__, "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "dtype": str(dtype).removeprefix("torch."), "threads": torch.get_num_threads()}
+
+
+def load_models(
+    presets: str | None, checkpoints: list[str], device: str, dtype: torch.dtype, seed: int = 0
+) -> list[BenchModel]:
+    """Comma-separated ``presets`` randomly initialised (seeded), then trained ``checkpoints``; with neither given,
+    the Block Transformer paper's pair."""
+    models = []
+    names = presets if presets is not None else ("" if checkpoints else DEFAULT_PRESETS)
+    for name in [n.strip() for n in names.split(",") if n.strip()]:
+        torch.manual_seed(seed)
+        models.append(BenchModel(name, build_model(from_name(name)).to(device=device, dtype=dtype).eval(), None))
+    for path in checkpoints:
+        trained = load_trained(path, device)
+        models.append(BenchModel(Path(path).name, trained.model.to(dtype), last_val_loss(Path(path))))
+    if not models:
+        raise BlockloopError("nothing to bench: give --presets or --checkpoint")
+    return models
+
+
+def measure_bandwidth(device: torch.device) -> float:
+    """Bytes per second of a device-to-device copy: the roofline's memory bandwidth."""
+    return copy_bandwidth(device, nbytes=(1 << 28) if device.type == "cuda" else (1 << 26))
+
+
+@dataclass
+class ThroughputSettings:
+    """The throughput protocol (Block Transformer section 3.2) at each batch size."""
+
+    prompt_len: int
+    gen_len: int
+    batches: list[int]
+    repeats: int = 3
+    warmup: int = 1
+    sync_every: int = 16
+    compile: bool = False
+    search: bool = False  # keep doubling past the list until out of memory
+    max_batch: int = 4096
+    seed: int = 0
+    hf: bool = False  # also time HF generate() on the first model
+
+    def __post_init__(self) -> None:
+        if self.repeats < 1 or self.warmup < 0:
+            raise BlockloopError("--repeats must be >= 1 and --warmup >= 0")
+
+
+def throughput_rows(models: list[BenchModel], settings: ThroughputSettings, bandwidth: float) -> list[dict[str, Any]]:
+    """One row per model and batch size, with ``ratio_vs_baseline`` to the first model at the same batch."""
+    s = settings
+    rows: list[dict[str, Any]] = []
+    for m in models:
+        def one(batch: int, model: nn.Module = m.model, name: str = m.name) -> Any:
+            return engine_throughput(model, name, batch, s.prompt_len, s.gen_len, repeats=s.repeats, warmup=s.warmup,
+                                     sync_every=s.sync_every, compile=s.compile, bandwidth=bandwidth, seed=s.seed)
+        for result in search_batches(one, s.batches, search=s.search, max_batch=s.max_batch):
+            rows.append({"kind": "throughput", "val_loss": m.val_loss, **result.to_dict()})
+    if s.hf:
+        for batch in s.batches:
+            rows.append({"kind": "throughput", "val_loss": None, **hf_throughput(
+                models[0].model, batch, s.prompt_len, s.gen_len, repeats=s.repeats, warmup=s.warmup, seed=s.seed).to_dict()})
+    base = {r["batch"]: r["tok_s"] for r in rows if r["name"] == models[0].name}
+    for r in rows:
+        r["ratio_vs_baseline"] = r["tok_s"] / base[r["batch"]] if r["batch"] in base else None
+    return rows
+
+
+def parse_exit_rule(text: str) -> ExitRule:
+    """``RULE:THRESHOLD`` (``max_prob:0.9``, ``entropy:2.0``, ``none:0``) or ``oracle``."""
+    kind, _, threshold = text.partition(":")
+    try:
+        return ExitRule(kind, float(threshold or 0))
+    except ValueError as exc:
+        raise BlockloopError(f"--exit takes RULE:THRESHOLD such as max_prob:0.9, got {text!r}") from exc
+
+
+def rule_name(rule: ExitRule) -> str:
+    return "oracle" if rule.kind == "oracle" else f"{rule.kind}:{rule.threshold:g}"
+
+
+@dataclass
+class StreamSettings:
+    """A stream of corpus prompts served with continuous batching."""
+
+    requests: int = 64
+    slots: int = 16
+    prompt_range: tuple[int, int] = (16, 64)
+    tokens_range: tuple[int, int] = (16, 64)
+    rate: float = float("inf")  # Poisson arrivals per second; inf = a fixed queue
+    corpus: str = "shakespeare"
+    sync_every: int = 16
+    compile: bool = False
+    seed: int = 0
+    exits: list[ExitRule] = field(default_factory=list)  # depth-wise early-exit rules for looped models
+
+    def __post_init__(self) -> None:
+        if self.requests < 1:
+            raise BlockloopError(f"--requests must be >= 1, got {self.requests}")
+
+
+def stream_rows(models: list[BenchModel], settings: StreamSettings) -> Iterator[dict[str, Any]]:
+    """One row per served model, yielded as each finishes: serving metrics, and for depth-wise runs the mean
+    exit loop, the simulated schedules (RRT appendix N) and greedy agreement with the sequence-wise run."""
+    s = settings
+    served: list[tuple[str, Any, float | None, str | None]] = []
+    for m in models:
+        served.append((m.name, m.model, m.val_loss, None))
+        if isinstance(runner_for(m.model), RecursiveRunner):
+            served += [(f"{m.name} depth-wise exit {rule_name(r)}", runner_for(m.model, exit_rule=r), m.val_loss, m.name)
+                       for r in s.exits]
+    first: float | None = None
+    outputs: dict[str, list[list[int]]] = {}
+    for name, model, val_loss, reference in served:
+        prompts = corpus_prompts(model.config.vocab_size, s.requests, *s.prompt_range, corpus=s.corpus, seed=s.seed)
+        m = run_stream(model, prompts, n_slots=s.slots, min_tokens=s.tokens_range[0], max_tokens=s.tokens_range[1],
+                       rate=s.rate, sync_every=s.sync_every, seed=s.seed, compile=s.compile)
+        outputs[name] = m.pop("outputs")
+        if "exit_trajectories" in m:
+            m["simulated"] = simulate(m.pop("exit_trajectories"), s.slots, model.config.loops)
+            m["mean_exit_loop"] = m["simulated"]["mean_exit_loop"]  # of the delivered tokens only
+        if reference is not None:
+            m["agreement_vs_no_exit"] = agreement(outputs[name], outputs[reference])
+        m["ratio_vs_baseline"] = m["throughput_tok_s"] / first if first is not None else 1.0
+        first = m["throughput_tok_s"] if first is None else first
+        yield {"kind": "stream", "name": name, "val_loss": val_loss, **m}

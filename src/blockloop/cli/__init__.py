@@ -1,0 +1,51 @@
+"""``blockloop <verb>``: train, eval, generate, convert, tasks, presets, flops, bench, info, demo.
+
+:data:`COMMANDS` maps each verb to a small module that declares its arguments (``HELP``, ``DESCRIPTION``,
+``add_arguments``), calls the library and prints (``run``); the decisions live in the library, where the
+Python API gets the same answers. User mistakes surface as :class:`BlockloopError` and are printed as one
+line on stderr with exit code 2; anything else is a bug and keeps its traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from types import ModuleType
+from typing import Sequence
+
+from blockloop.cli import bench, convert, demo, flops, generate, info, presets, tasks, train
+from blockloop.cli import eval as eval_
+from blockloop.errors import BlockloopError
+
+EXIT_USER_ERROR = 2
+
+COMMANDS: dict[str, ModuleType] = {
+    "train": train, "eval": eval_, "generate": generate, "convert": convert, "tasks": tasks, "presets": presets,
+    "flops": flops, "bench": bench, "info": info, "demo": demo,
+}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return args.handler(args) or 0
+    except BlockloopError as exc:
+        print(f"blockloop {args.command}: error: {exc}", file=sys.stderr)
+        return EXIT_USER_ERROR
+    except KeyboardInterrupt:
+        print(f"blockloop {args.command}: interrupted; the last checkpoint written is kept", file=sys.stderr)
+        return 130
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="blockloop",
+        description="Train, evaluate and sample language models that reuse computation across depth and time.",
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for verb, module in COMMANDS.items():
+        p = sub.add_parser(verb, help=module.HELP, description=getattr(module, "DESCRIPTION", None))
+        module.add_arguments(p)
+        p.set_defaults(handler=module.run)
+    return parser

@@ -1,0 +1,76 @@
+"""``blockloop convert``: a trained model into another family (for uptraining) or a Hugging Face folder, and
+Hugging Face models in. The targets and their options come from :data:`blockloop.convert.checkpoints.TARGETS`."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from blockloop.errors import BlockloopError
+
+HELP = ("turn a trained model into another family for uptraining (then `train --init-from`); import or export "
+        "Hugging Face models")
+DESCRIPTION = ("Initialise a structured model from a trained vanilla one and write it as a checkpoint; continue with "
+               "`blockloop train --init-from OUT`. --from-hf imports a Hugging Face causal LM (Llama, Gemma, Gemma-3, "
+               "GPT-NeoX, GPT-2) as a checkpoint; --to hf exports a vanilla checkpoint to a Hugging Face folder.")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    from blockloop.convert.checkpoints import TARGETS
+
+    p.add_argument("--to", choices=list(TARGETS),
+                   help="target: " + "; ".join(f"{name}, {t.title}" for name, t in TARGETS.items()))
+    p.add_argument("--checkpoint", help="run directory or checkpoint of a trained vanilla model (with --to)")
+    p.add_argument(
+        "--from-hf", metavar="PATH",
+        help="import a Hugging Face model folder (config.json + safetensors, or a GGUF with --gguf-file), or "
+        "'smollm2' to fetch and import the built-in SmolLM2-135M-Instruct",
+    )
+    p.add_argument("--gguf-file", metavar="NAME", help="--from-hf: the .gguf file inside PATH to read")
+    p.add_argument("--tokenizer", help="--from-hf: tokenizer to save with the model (default: the source's own tokenizer)")
+    p.add_argument("--out", required=True, help="directory to write the converted checkpoint to")
+    # An option several targets take is one flag; its help says what it means to each.
+    helps: dict[str, dict[str, str]] = {}
+    for name, target in TARGETS.items():
+        for option in target.options:
+            helps.setdefault(option.name, {})[name] = option.help
+    added: set[str] = set()
+    for name, target in TARGETS.items():
+        if not target.options:
+            continue
+        g = p.add_argument_group(f"--to {name}: {target.title}")
+        for option in target.options:
+            if option.name in added:
+                continue
+            added.add(option.name)
+            g.add_argument(f"--{option.name.replace('_', '-')}", type=option.type, default=option.default,
+                           choices=option.choices, help=_merged_help(helps[option.name]))
+
+
+def _merged_help(helps: dict[str, str]) -> str:
+    """One target's help as it is; a shared option's as ``TARGET: help; TARGET: help``."""
+    return next(iter(helps.values())) if len(helps) == 1 else "; ".join(f"{t}: {h}" for t, h in helps.items())
+
+
+def run(args: argparse.Namespace) -> int:
+    from blockloop.convert.checkpoints import TARGETS, convert_checkpoint
+
+    if (args.from_hf is None) == (args.to is None):
+        raise BlockloopError(
+            f"give either --from-hf PATH (import) or --to {'|'.join(TARGETS)} --checkpoint RUN (convert/export)"
+        )
+    if args.from_hf is not None:
+        from blockloop.convert.hf_checkpoint import import_checkpoint
+
+        model, tokenizer = import_checkpoint(args.from_hf, Path(args.out), gguf_file=args.gguf_file, tokenizer=args.tokenizer)
+        print(
+            f"wrote {model.config.name} ({model.num_parameters() / 1e6:.2f}M parameters, {model.config.summary()}, "
+            f"tokenizer {tokenizer.name}) to {args.out}; try: blockloop generate --checkpoint {args.out} --prompt TEXT"
+        )
+        return 0
+    if args.checkpoint is None:
+        raise BlockloopError(f"--to {args.to} needs --checkpoint RUN, the trained model to convert")
+    options = {option.name: getattr(args, option.name) for option in TARGETS[args.to].options}
+    done = convert_checkpoint(args.to, args.checkpoint, Path(args.out), **options)
+    print(f"wrote {done.what} to {done.out}; {done.hint}")
+    return 0

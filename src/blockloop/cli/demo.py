@@ -1,0 +1,24 @@
+"""``blockloop demo``: every family trained briefly on Shakespeare and compared (:mod:`blockloop.demo`)."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from blockloop.cli.common import add_device
+
+HELP = "train every model family briefly on Shakespeare and compare them (CPU, minutes)"
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--out", default="runs/demo", help="where the demo writes its runs (default: runs/demo)")
+    p.add_argument("--steps", type=int, default=None, help="training steps per model (default: the demo's own)")
+    add_device(p)
+
+
+def run(args: argparse.Namespace) -> int:
+    from blockloop.demo import run_demo
+    from blockloop.device import resolve_device
+
+    run_demo(Path(args.out), steps=args.steps, device=resolve_device(args.device))
+    return 0

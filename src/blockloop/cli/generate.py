@@ -1,0 +1,72 @@
+"""``blockloop generate``: continue a prompt from a checkpoint, streaming one sample or printing several."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from blockloop.cli.common import add_device
+from blockloop.errors import BlockloopError
+
+HELP = "print a continuation of --prompt from a checkpoint"
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--checkpoint", required=True, help="run directory or checkpoint directory")
+    p.add_argument("--prompt", required=True, help="text to continue")
+    p.add_argument(
+        "--max-new-tokens", type=int, help="tokens to generate at most (default: 200, or what fits in the model context)"
+    )
+    p.add_argument("--temperature", type=float, default=0.8, help="0 = greedy (default: 0.8)")
+    p.add_argument("--top-k", type=int, help="sample only among the k most likely tokens")
+    p.add_argument("--top-p", type=float, help="sample only from the smallest set with this total probability")
+    p.add_argument("--num-samples", type=int, default=1, help="independent continuations, generated as one batch")
+    p.add_argument("--seed", type=int, help="seed for sampling (same seed, same text)")
+    p.add_argument("--no-stop", action="store_true", help="do not stop at the end-of-text token")
+    add_device(p)
+
+
+def run(args: argparse.Namespace) -> int:
+    from blockloop.device import resolve_device
+    from blockloop.serve.generate import generate
+    from blockloop.train.run import load_trained
+
+    if args.num_samples < 1:
+        raise BlockloopError(f"--num-samples must be at least 1, got {args.num_samples}")
+    trained = load_trained(args.checkpoint, resolve_device(args.device))
+    tok = trained.tokenizer
+    prompt = tok.encode(args.prompt)
+    max_new = args.max_new_tokens
+    if max_new is None:
+        max_new = min(200, trained.config.context_length - len(prompt))
+        if max_new < 1:
+            raise BlockloopError(
+                f"prompt of {len(prompt)} tokens fills the model context of {trained.config.context_length}; shorten it"
+            )
+    kwargs = dict(
+        temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+        eos_id=None if args.no_stop else tok.eos_id, seed=args.seed,
+    )
+    try:
+        if args.num_samples == 1:
+            # Stream: print each token's text as soon as it decodes to whole characters.
+            pending: list[int] = []
+            sys.stdout.write(args.prompt)
+
+            def on_token(row: int, token: int) -> None:
+                pending.append(token)
+                text = tok.decode(pending)
+                if not text.endswith("\ufffd"):
+                    sys.stdout.write(text)
+                    sys.stdout.flush()
+                    pending.clear()
+
+            generate(trained.model, [prompt], max_new, on_token=on_token, **kwargs)
+            sys.stdout.write(tok.decode(pending) + "\n")
+        else:
+            outs = generate(trained.model, [prompt] * args.num_samples, max_new, **kwargs)
+            for i, out in enumerate(outs):
+                print(f"--- sample {i + 1}\n{args.prompt}{tok.decode(out)}")
+    except ValueError as exc:  # bad sampling parameters
+        raise BlockloopError(str(exc)) from exc
+    return 0

@@ -1,0 +1,39 @@
+"""``blockloop info``: the environment, or a checkpoint's model, tokenizer, training state and config."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+
+HELP = "show the environment, or a checkpoint's config and training state"
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("checkpoint", nargs="?", help="run directory or checkpoint directory (omit for the environment)")
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+
+    import blockloop
+    from blockloop.data.packages import cache_dir
+
+    if args.checkpoint is None:
+        print(f"blockloop {blockloop.__version__}, python {platform.python_version()}, torch {torch.__version__}")
+        cuda = torch.cuda.is_available()
+        print(f"cuda available: {cuda}" + (f" ({torch.cuda.get_device_name()})" if cuda else ""))
+        print(f"cache: {cache_dir()}")
+        return 0
+    from blockloop.train.run import load_trained
+
+    trained = load_trained(args.checkpoint)
+    m = trained.model
+    print(f"checkpoint: {trained.directory}")
+    print(f"model: {trained.config.family} {trained.config.name}, {m.num_parameters() / 1e6:.3f}M parameters "
+          f"({m.num_parameters(non_embedding=True) / 1e6:.3f}M non-embedding)")
+    print(f"tokenizer: {trained.tokenizer.name} (vocab {trained.tokenizer.vocab_size})")
+    if trained.state:
+        print(f"trained: step {trained.state['step']} on {trained.state['run'].get('data')}")
+    print("config: " + json.dumps(trained.config.to_dict()))
+    return 0

@@ -1,0 +1,141 @@
+"""``blockloop train``: flags -> :class:`blockloop.train.setup.TrainRequest`; the library decides what they mean."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from blockloop.cli.common import parse_overrides
+
+HELP = "train a model (single process, or under torchrun for DDP/FSDP)"
+DESCRIPTION = ("Train a model from a preset on a built-in corpus or your own text. Flags left out take the defaults "
+               "shown; with --resume they come from the checkpoint instead.")
+
+# Flags that are TrainConfig fields of the same name.
+TRAIN_FLAGS = (
+    "steps", "batch_size", "grad_accum", "seq_len", "lr", "min_lr_ratio", "warmup_steps", "schedule", "weight_decay",
+    "decay_embeddings", "grad_clip", "seed", "eval_interval", "eval_batches", "log_interval", "ckpt_interval",
+    "device", "precision", "compile", "distributed", "objective",
+)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    from blockloop.config import EXIT_LOSSES
+    from blockloop.data.corpora import BUILTIN_CORPORA
+    from blockloop.train.trainer import TrainConfig
+
+    d = TrainConfig()
+    g = p.add_argument_group("model and data")
+    g.add_argument("--preset", help="model preset (see `blockloop presets`; default: demo)")
+    g.add_argument(
+        "--data",
+        help=f"built-in corpus ({', '.join(BUILTIN_CORPORA)}) or a path: text file, directory of .txt, .jsonl with a "
+        "'text' field, or bytes:PATH for raw bytes (default: shakespeare)",
+    )
+    g.add_argument(
+        "--tokenizer",
+        help="byte, gpt2, neox, bpe[:VOCAB] (trained on --data and saved with the run) or a tokenizer.json path "
+        "(default: byte)",
+    )
+    g.add_argument(
+        "--task", metavar="NAME",
+        help="train on a labelled-position task instead of text (algorithm-3, algorithm-5, random-walk, or NAME:LENGTH "
+        "for shorter sequences); its vocabulary becomes the tokenizer and validation reports the task error",
+    )
+    g.add_argument(
+        "--task-dir", metavar="DIR",
+        help="the task dataset to use, written by `blockloop tasks make` (default: generated with seed 0 into the cache)",
+    )
+    g.add_argument("--dropout", type=float, help="dropout on embeddings, attention and residuals (default: preset's)")
+    g.add_argument(
+        "--set", action="append", default=[], metavar="FIELD=VALUE",
+        help="override a field of the preset's model config, e.g. --set embedder=cls --set prefix_len=1 (repeatable; "
+        "see the config dataclasses in blockloop/config.py)",
+    )
+    g.add_argument(
+        "--objective", choices=["lm", "prefix_lm"],
+        help="lm: each family's own pretraining objective (next token; block partitions; span corruption); "
+        "prefix_lm: score only the suffix after a breakpoint drawn per batch (default: lm)",
+    )
+    g.add_argument(
+        "--init-from", metavar="RUN",
+        help="start a new run (fresh optimizer and schedule) from the model, config and tokenizer of RUN: "
+        "fine-tuning, the PrefixLM phase after pretraining, or uptraining a model made by `blockloop convert`; "
+        "the data is RUN's unless --data is given",
+    )
+    e = p.add_argument_group("distillation and early exit of looped models (RRT section 3.7, appendices L, M)")
+    e.add_argument("--distill-from", metavar="RUN",
+                   help="add forward-KL distillation from this frozen teacher (e.g. the model a looped one was "
+                   "converted from); the teacher is never saved with the student")
+    e.add_argument("--distill-weight", type=float, default=1.0, help="weight of the KL term (default: 1.0)")
+    e.add_argument("--early-exit", choices=EXIT_LOSSES,
+                   help="train every loop's exit: weighted (alpha_i = i / sum i) or aggressive (intermediate loops "
+                   "x --exit-coefficient, final x 1); looped models only")
+    e.add_argument("--exit-coefficient", type=float, help="aggressive strategy: intermediate-loop weight (default: 0.1)")
+    e.add_argument("--exit-kd-weight", type=float,
+                   help="add KD from the detached final loop to each intermediate loop, with this weight (default: 0)")
+    g.add_argument(
+        "--mup-base-width", type=int,
+        help="muP width scaling with base width d0: hidden-matrix LR x d0/d, logits x sqrt(d0/d) (paper: 64)",
+    )
+    g = p.add_argument_group("length of training")
+    g.add_argument("--steps", type=int, help=f"optimizer steps (default: {d.steps})")
+    g.add_argument("--tokens", type=float, help="train for this many tokens instead of --steps (e.g. 2e6)")
+    g = p.add_argument_group("batch and optimizer")
+    g.add_argument("--batch-size", type=int, help=f"sequences per step per process (default: {d.batch_size})")
+    g.add_argument("--grad-accum", type=int, help=f"micro-batches accumulated per step (default: {d.grad_accum})")
+    g.add_argument("--seq-len", type=int, help=f"tokens per training sequence, at most the model context (default: {d.seq_len})")
+    g.add_argument("--lr", type=float, help=f"peak learning rate (default: {d.lr})")
+    g.add_argument("--min-lr-ratio", type=float, help=f"final LR as a fraction of the peak (default: {d.min_lr_ratio})")
+    g.add_argument("--warmup-steps", type=int, help=f"linear warm-up steps (default: {d.warmup_steps})")
+    g.add_argument("--schedule", choices=["cosine", "linear", "constant"], help=f"decay after warm-up (default: {d.schedule})")
+    g.add_argument("--weight-decay", type=float, help=f"AdamW decay on matrices (default: {d.weight_decay})")
+    g.add_argument("--decay-embeddings", action="store_const", const=True, help="also decay embedding tables")
+    g.add_argument("--grad-clip", type=float, help=f"clip the gradient norm to this; 0 disables (default: {d.grad_clip})")
+    g.add_argument("--seed", type=int, help=f"seed for initialisation, data order and dropout (default: {d.seed})")
+    g = p.add_argument_group("evaluation, logging and checkpoints")
+    g.add_argument("--eval-interval", type=int, help=f"validate every N steps (default: {d.eval_interval})")
+    g.add_argument("--eval-batches", type=int, help=f"validation batches per evaluation (default: {d.eval_batches})")
+    g.add_argument("--log-interval", type=int, help=f"log every N steps (default: {d.log_interval})")
+    g.add_argument("--ckpt-interval", type=int, help=f"checkpoint every N steps and at the end (default: {d.ckpt_interval})")
+    g.add_argument("--out", default="runs/latest", help="run directory for checkpoints and metrics.jsonl (default: runs/latest)")
+    g.add_argument("--resume", action="store_true", help="continue the run in --out from its latest checkpoint")
+    g.add_argument("--no-progress", action="store_true", help="no progress bar (log lines only)")
+    g = p.add_argument_group("hardware")
+    g.add_argument("--device", help="auto, cpu, cuda or cuda:N (default: auto)")
+    g.add_argument("--precision", choices=["auto", "fp32", "bf16"], help="auto = bf16 autocast on CUDA, fp32 on CPU")
+    g.add_argument("--compile", action="store_const", const=True, help="torch.compile the model")
+    g.add_argument("--distributed", choices=["ddp", "fsdp"], help="strategy under torchrun (default: ddp)")
+
+
+def run(args: argparse.Namespace) -> int:
+    from blockloop.train.distributed import init_distributed, shutdown
+    from blockloop.train.setup import EarlyExit, TrainRequest, plan_run, start_training
+
+    given = {k: getattr(args, k) for k in TRAIN_FLAGS if getattr(args, k) is not None}
+    plan = plan_run(TrainRequest(
+        out=Path(args.out), resume=args.resume, init_from=args.init_from, preset=args.preset, data=args.data,
+        tokenizer=args.tokenizer, task=args.task, task_dir=args.task_dir, model_overrides=parse_overrides(args.set),
+        dropout=args.dropout, mup_base_width=args.mup_base_width, train_overrides={**given, "progress": not args.no_progress},
+        tokens=args.tokens, early_exit=EarlyExit(args.early_exit, args.exit_coefficient, args.exit_kd_weight),
+        distill_from=args.distill_from, distill_weight=args.distill_weight,
+    ))
+    info = init_distributed(plan.config.resolved_device())
+    try:
+        run, trainer = start_training(plan, info)
+        if info.is_main:
+            config = trainer.config
+            print(
+                f"training {run.model_config.name} ({run.model.num_parameters() / 1e6:.2f}M parameters) on "
+                f"{plan.spec.data} with the {run.tokenizer.name} tokenizer: {len(trainer.train_data)} train / "
+                f"{len(trainer.val_data)} val sequences of {config.seq_len} tokens; step {trainer.step} of "
+                f"{config.steps} on {trainer.device}"
+            )
+        metrics = trainer.fit()
+        if info.is_main:
+            error = f", val task error {metrics['val_error']:.2%}" if "val_error" in metrics else ""
+            print(f"done: step {trainer.step}, val loss {metrics.get('val_loss', float('nan')):.4f}{error}; "
+                  f"checkpoint in {plan.out}")
+    finally:
+        shutdown(info)
+    return 0

@@ -1,0 +1,147 @@
+"""Converting a trained checkpoint: the targets of ``blockloop convert --to``, their options, and what they write.
+
+An uptraining target (``block``, ``recursive``) turns a trained vanilla decoder into another family and
+writes an ordinary checkpoint directory (weights, config, the source's tokenizer, train_state.json at step 0
+keeping the source run's names), ready for ``blockloop train --init-from``. ``hf`` writes a Hugging Face
+folder instead. :data:`TARGETS` is the table the CLI builds its ``--to`` choices and option flags from.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+from torch import nn
+
+from blockloop.config import TYING_STRATEGIES
+from blockloop.convert.hf_checkpoint import export_checkpoint
+from blockloop.convert.to_block import vanilla_to_block
+from blockloop.convert.to_recursive import LOOP_INITS, LORA_INITS, vanilla_to_recursive
+from blockloop.errors import BlockloopError
+from blockloop.train import checkpoint as ckpt
+from blockloop.train.run import TrainedModel, load_trained
+
+
+@dataclass(frozen=True)
+class Option:
+    """A keyword option of a target (flag ``--name-with-dashes``); ``default`` None = the target decides."""
+
+    name: str
+    type: Callable[[str], Any]
+    default: Any
+    help: str
+    choices: tuple[str, ...] | None = None
+
+
+@dataclass(frozen=True)
+class Converted:
+    """What a conversion wrote: ``out``, described as ``what`` (with the next step a user can take, ``hint``)."""
+
+    out: Path
+    what: str
+    hint: str
+
+
+@dataclass(frozen=True)
+class Target:
+    title: str  # what the target makes, with its reference
+    options: tuple[Option, ...]
+    convert: Callable[..., Converted]  # (checkpoint, out, **options)
+
+
+def _refuse_existing(out: Path) -> None:
+    if (out / "model.safetensors").exists():
+        raise BlockloopError(f"{out} already holds a model; choose another --out")
+
+
+def _write_uptraining(out: Path, model: nn.Module, source: TrainedModel, what: str) -> Converted:
+    """Write ``model`` as a step-0 checkpoint with the source's tokenizer and run names."""
+    out.mkdir(parents=True, exist_ok=True)
+    ckpt.save_model_files(out, model, model.config)
+    source.tokenizer.save(out)
+    ckpt.write_json_atomic(
+        out / "train_state.json", {"step": 0, "run": source.state.get("run", {}), "converted_from": str(source.directory)}
+    )
+    return Converted(out, what, f"uptrain with: blockloop train --init-from {out} --out RUN")
+
+
+def to_block_checkpoint(checkpoint: str | Path, out: Path, *, block_len: int = 4, prefix_len: int | None = None) -> Converted:
+    """A Block Transformer initialised from a trained vanilla decoder (Ho et al. 2024, uptraining)."""
+    prefix_len = 2 if prefix_len is None else prefix_len
+    if block_len < 1 or prefix_len < 1:
+        raise BlockloopError("--block-len and --prefix-len must be at least 1")
+    out = Path(out)
+    _refuse_existing(out)
+    source = load_trained(checkpoint)
+    model = vanilla_to_block(source.model, block_len=block_len, prefix_len=prefix_len, pad_id=source.tokenizer.eos_id)
+    what = f"{model.config.name} ({model.num_parameters() / 1e6:.2f}M parameters, {model.config.summary()})"
+    return _write_uptraining(out, model, source, what)
+
+
+def to_recursive_checkpoint(
+    checkpoint: str | Path, out: Path, *, loops: int = 2, init: str = "stepwise", strategy: str = "cycle",
+    relax: str | None = None, lora_rank: int = 0, lora_alpha: float | None = None, lora_init: str = "svd",
+    prefix_len: int | None = None, seed: int = 0,
+) -> Converted:
+    """A (Relaxed) Recursive Transformer from a trained vanilla decoder (Bae et al. 2024, sections 2.2-2.3).
+
+    The relaxation is per-loop LoRA (``lora_rank``) or per-position prefixes (``prefix_len``), never both:
+    ``relax`` defaults to ``lora`` when a rank is given, else ``none``.
+    """
+    relax = relax or ("lora" if lora_rank else "none")
+    prefix_len = prefix_len or 0
+    if relax == "lora" and lora_rank < 1:
+        raise BlockloopError("--relax lora needs --lora-rank R (R >= 1)")
+    if relax == "prefix" and prefix_len < 1:
+        raise BlockloopError("--relax prefix needs --prefix-len N (N >= 1)")
+    if relax != "lora" and lora_rank:
+        raise BlockloopError(f"--lora-rank is for --relax lora, not --relax {relax}")
+    if relax != "prefix" and prefix_len:
+        raise BlockloopError(f"--prefix-len is for --relax prefix, not --relax {relax}")
+    out = Path(out)
+    _refuse_existing(out)
+    source = load_trained(checkpoint)
+    model = vanilla_to_recursive(
+        source.model, loops=loops, init=init, tying=strategy, lora_rank=lora_rank, lora_alpha=lora_alpha,
+        lora_init=lora_init, prefix_len=prefix_len, seed=seed,
+    )
+    what = (f"{model.config.name} ({model.num_parameters() / 1e6:.2f}M parameters vs "
+            f"{source.model.num_parameters() / 1e6:.2f}M; {model.config.summary()}, {init} init)")
+    return _write_uptraining(out, model, source, what)
+
+
+def to_hf_folder(checkpoint: str | Path, out: Path) -> Converted:
+    """A trained vanilla decoder as a Hugging Face folder (config.json, safetensors, its tokenizer.json)."""
+    source = load_trained(checkpoint)
+    out = export_checkpoint(source.model, source.tokenizer, Path(out))
+    return Converted(out, "a Hugging Face model", "load it with transformers.AutoModelForCausalLM.from_pretrained")
+
+
+TARGETS: dict[str, Target] = {
+    "block": Target("Block Transformer (uptraining, Ho et al. 2024)", (
+        Option("block_len", int, 4, "tokens per block L_B (default: 4)"),
+        Option("prefix_len", int, None, "prefix tokens of the token decoder (default: 2)"),
+    ), to_block_checkpoint),
+    "recursive": Target("Relaxed Recursive Transformer (Bae et al. 2024, sections 2.2-2.3)", (
+        Option("loops", int, 2, "loops B over L/B shared layers; must divide the depth (default: 2)"),
+        Option("init", str, "stepwise", f"shared-layer init: {', '.join(LOOP_INITS)} (default: stepwise)"),
+        Option("strategy", str, "cycle", f"layer tying: {', '.join(TYING_STRATEGIES)} (default: cycle)"),
+        Option("relax", str, None, "relaxation: per-loop LoRA (--lora-rank) or per-position prefix (--prefix-len); "
+               "default: lora when --lora-rank is given, else none", choices=("none", "lora", "prefix")),
+        Option("lora_rank", int, 0, "LoRA rank r per shared linear and loop (default: 0, none)"),
+        Option("lora_alpha", float, None, "LoRA alpha; scaling alpha/r (default: r, scaling 1)"),
+        Option("lora_init", str, "svd", f"LoRA init: {', '.join(LORA_INITS)} (default: svd, equation 4; "
+               "svd_effective also absorbs differing tied norm gains at full rank)"),
+        Option("prefix_len", int, None, "learned prefix key/values per depth position with --relax prefix (default: 0)"),
+        Option("seed", int, 0, "seed of random and zero inits (default: 0)"),
+    ), to_recursive_checkpoint),
+    "hf": Target("Hugging Face folder (export)", (), to_hf_folder),
+}
+
+
+def convert_checkpoint(target: str, checkpoint: str | Path, out: Path, **options: Any) -> Converted:
+    """Convert ``checkpoint`` to ``target`` (a key of :data:`TARGETS`) with that target's ``options``."""
+    if target not in TARGETS:
+        raise BlockloopError(f"unknown conversion target {target!r}; choose one of {', '.join(TARGETS)}")
+    return TARGETS[target].convert(checkpoint, Path(out), **options)

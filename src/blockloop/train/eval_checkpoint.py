@@ -1,0 +1,97 @@
+"""Scoring a trained checkpoint: on a corpus split, on a labelled-position task, or loop by loop.
+
+What ``blockloop eval`` reports, as one dict a caller can print or store: the data (or task) and split that
+were scored, with the metrics of :func:`blockloop.train.evaluate.evaluate` (or, per loop,
+:func:`blockloop.train.exit_eval.evaluate_loops`). Left-out choices default to what the run trained on.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from blockloop.data.dataset import prepare_tokens
+from blockloop.data.loader import PackedSequences
+from blockloop.data.tasks import get_task, open_task
+from blockloop.device import resolve_device
+from blockloop.errors import BlockloopError, check_context
+from blockloop.train.evaluate import evaluate
+from blockloop.train.exit_eval import evaluate_loops
+from blockloop.train.run import TrainedModel, check_task_vocabulary, load_trained, task_sequences
+
+
+@dataclass
+class EvalRequest:
+    """What to score; None means "what the run trained on" (its data or task, window length and objective)."""
+
+    data: str | None = None
+    split: str | None = None  # train or val of a corpus; train, valid (= val) or test of a task
+    task: str | None = None
+    task_dir: str | None = None
+    seq_len: int | None = None
+    batch_size: int = 8
+    max_batches: int | None = None
+    objective: str | None = None
+    per_loop: bool = False  # a looped model's static exit after every loop
+
+
+def evaluate_checkpoint(checkpoint: str | Path, request: EvalRequest, device: str = "auto") -> dict[str, Any]:
+    """``{"data", "split", "objective", **metrics}`` for a corpus, ``{"data", "split", **per-loop metrics}`` with
+    ``per_loop``, or ``{"task", "split", **metrics}`` for a task (the one the run trained on, or the one named)."""
+    if request.batch_size < 1:
+        raise BlockloopError(f"--batch-size must be at least 1, got {request.batch_size}")
+    device = resolve_device(device)
+    trained = load_trained(checkpoint, device)
+    run = trained.state.get("run", {})
+    if request.task or request.task_dir or (request.data is None and (run.get("task") or run.get("task_dir"))):
+        return evaluate_task(trained, request, device)
+    if request.split == "test":
+        raise BlockloopError("a corpus has train and val splits only; --split test is for tasks (--task)")
+    split = "val" if request.split in (None, "valid") else request.split
+    data = request.data or run.get("data")
+    if data is None:
+        raise BlockloopError("the checkpoint does not record its data; pass --data")
+    seq_len = _seq_len(trained, request)
+    if seq_len % getattr(trained.config, "block_len", 1):
+        raise BlockloopError(f"--seq-len {seq_len} is not a multiple of the model's block length {trained.config.block_len}")
+    objective = request.objective or trained.state.get("train_config", {}).get("objective", "lm")
+    seqs = PackedSequences(getattr(prepare_tokens(data, trained.tokenizer), split), seq_len)
+    if request.per_loop:
+        metrics = evaluate_loops(
+            trained.model, seqs, batch_size=request.batch_size, max_batches=request.max_batches, device=device
+        )
+        return {"data": data, "split": split, **metrics}
+    metrics = evaluate(
+        trained.model, seqs, batch_size=request.batch_size, max_batches=request.max_batches,
+        byte_lengths=trained.tokenizer.token_byte_lengths(), device=device, objective=objective,
+    )
+    return {"data": data, "split": split, "objective": objective, **metrics}
+
+
+def evaluate_task(trained: TrainedModel, request: EvalRequest, device: str) -> dict[str, Any]:
+    """Loss and argmax error over the labelled positions of one split of a task (default: the run's, valid)."""
+    if request.data:
+        raise BlockloopError("--data names a corpus and --task a task; give one of them")
+    run = trained.state.get("run", {})
+    if request.task or request.task_dir:
+        name, directory = request.task, request.task_dir
+    else:
+        name, directory = run.get("task"), run.get("task_dir")
+    if name is not None:  # a wrong model fails before the task is generated
+        check_task_vocabulary(trained.tokenizer, name, get_task(name).vocab)
+    data = open_task(name, directory)
+    check_task_vocabulary(trained.tokenizer, data.name, data.vocab)
+    split = {None: "valid", "val": "valid"}.get(request.split, request.split)
+    metrics = evaluate(
+        trained.model, task_sequences(data, split, _seq_len(trained, request)), batch_size=request.batch_size,
+        max_batches=request.max_batches, device=device,
+    )
+    return {"task": data.name, "split": split, **metrics}
+
+
+def _seq_len(trained: TrainedModel, request: EvalRequest) -> int:
+    """The window: as asked, else the run's training ``seq_len``, else the model context (never more)."""
+    seq_len = request.seq_len or trained.state.get("train_config", {}).get("seq_len") or trained.config.context_length
+    check_context(seq_len, trained.config.context_length, "--seq-len window", "lower --seq-len")
+    return seq_len

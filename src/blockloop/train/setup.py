@@ -1,0 +1,178 @@
+"""What a training request means: a fresh run, ``--resume``, ``--init-from``, a task run, early-exit options.
+
+``blockloop train`` and the Python API share these answers. A request names things (preset, data,
+tokenizer, task, a checkpoint to start from) and leaves out what it does not set; :func:`plan_run` turns it
+into the :class:`RunSpec` the run records, where its model comes from, and its :class:`TrainConfig`, refusing
+combinations that cannot mean one thing. :func:`start_training` then builds the model, data and trainer.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from blockloop.config import ModelConfig
+from blockloop.errors import BlockloopError
+from blockloop.train import checkpoint as ckpt
+from blockloop.train.distill import build_distillation
+from blockloop.train.distributed import DistInfo
+from blockloop.train.run import PreparedRun, RunSpec, prepare_run, sequences
+from blockloop.train.trainer import TrainConfig, Trainer
+
+
+@dataclass(frozen=True)
+class EarlyExit:
+    """The early-exit loss fields of a looped model's config (Bae et al. 2024, section 3.7); None = unchanged."""
+
+    exit_loss: str | None = None
+    exit_coefficient: float | None = None
+    exit_kd_weight: float | None = None
+
+    def changes(self) -> dict[str, Any]:
+        return {k: v for k, v in dataclasses.asdict(self).items() if v is not None}
+
+
+@dataclass
+class TrainRequest:
+    """A training run asked for by name; None (or empty) means "not given", so defaults and saved values apply."""
+
+    out: Path
+    resume: bool = False
+    init_from: str | None = None
+    preset: str | None = None
+    data: str | None = None
+    tokenizer: str | None = None
+    task: str | None = None
+    task_dir: str | None = None
+    model_overrides: dict[str, Any] = field(default_factory=dict)  # config fields to set (``--set``)
+    dropout: float | None = None
+    mup_base_width: int | None = None
+    train_overrides: dict[str, Any] = field(default_factory=dict)  # TrainConfig fields given
+    tokens: float | None = None  # a token budget that sets the step count
+    early_exit: EarlyExit = field(default_factory=EarlyExit)
+    distill_from: str | None = None
+    distill_weight: float = 1.0
+
+
+@dataclass
+class RunPlan:
+    """A request resolved: what the run records (``spec``), where its model comes from (``source``), how it trains."""
+
+    spec: RunSpec
+    source: RunSpec
+    config: TrainConfig
+    out: Path
+    resume: bool
+    early_exit: EarlyExit
+    tokens: float | None
+
+
+def plan_run(request: TrainRequest) -> RunPlan:
+    """Resolve ``request``: ``--resume`` continues the run in ``out`` (its model, data and settings, with the given
+    training fields on top); ``--init-from`` starts a new run from a checkpoint's model, config and tokenizer;
+    otherwise a preset is initialised afresh on a corpus or a task."""
+    r = request
+    model_flags = {k: v for k, v in (("dropout", r.dropout), ("mup_base_width", r.mup_base_width)) if v is not None}
+    overrides = {**r.model_overrides, **model_flags}
+    if r.resume and r.init_from:
+        raise BlockloopError("--resume continues the run in --out; --init-from starts a new one: give one of them")
+    if r.resume:
+        directory = ckpt.resolve_checkpoint(r.out)
+        state = ckpt.read_json(directory / "train_state.json")
+        spec = RunSpec(**state["run"])
+        named = (("preset", r.preset), ("data", r.data), ("tokenizer", r.tokenizer), ("task", r.task),
+                 ("task_dir", r.task_dir), ("dropout", r.dropout), ("mup_base_width", r.mup_base_width))
+        clashes = [name for name, value in named if value is not None] + (["set"] if r.model_overrides else [])
+        exits = (("early_exit", r.early_exit.exit_loss), ("exit_coefficient", r.early_exit.exit_coefficient),
+                 ("exit_kd_weight", r.early_exit.exit_kd_weight), ("distill_from", r.distill_from))
+        clashes += [name for name, value in exits if value is not None]
+        if clashes:
+            raise BlockloopError(f"--resume continues the saved run; drop --{', --'.join(f.replace('_', '-') for f in clashes)}")
+        # The model, config and tokenizer come from the run's own checkpoint, whatever it started from.
+        source = dataclasses.replace(spec, init_from=str(directory))
+        config = TrainConfig(**{**state["train_config"], **r.train_overrides})
+        return RunPlan(spec, source, config, r.out, True, r.early_exit, r.tokens)
+    if ckpt.checkpoint_root(r.out).exists():
+        raise BlockloopError(f"{r.out} already holds a run; pass --resume to continue it or choose another --out")
+    if r.init_from is not None:
+        if r.preset or r.tokenizer or overrides:
+            raise BlockloopError(
+                "--init-from keeps the saved model and tokenizer; drop --preset/--tokenizer/--set/--dropout/--mup-base-width"
+            )
+        spec = init_from_spec(r.init_from, data=r.data, task=r.task, task_dir=r.task_dir)
+    elif r.task or r.task_dir:
+        if r.data or r.tokenizer:
+            raise BlockloopError("--task brings its own data and vocabulary; drop --data/--tokenizer")
+        spec = RunSpec(preset=r.preset or "demo", model_overrides=overrides, **task_fields(r.task, r.task_dir))
+    else:
+        spec = RunSpec(
+            preset=r.preset or "demo", data=r.data or "shakespeare", tokenizer=r.tokenizer or "byte",
+            model_overrides=overrides,
+        )
+    config = TrainConfig(**r.train_overrides)
+    if r.distill_from is not None:
+        config.extra.update(distill_from=r.distill_from, distill_weight=r.distill_weight)
+    return RunPlan(spec, spec, config, r.out, False, r.early_exit, r.tokens)
+
+
+def init_from_spec(
+    checkpoint: str | Path, *, data: str | None = None, task: str | None = None, task_dir: str | None = None
+) -> RunSpec:
+    """A new run from ``checkpoint``'s model and tokenizer. Its data is the checkpoint's (corpus or task) unless
+    ``data`` or a task is given."""
+    directory = ckpt.resolve_checkpoint(Path(checkpoint))
+    state_file = directory / "train_state.json"
+    saved = ckpt.read_json(state_file).get("run", {}) if state_file.is_file() else {}
+    spec = RunSpec(
+        preset=saved.get("preset", "demo"), data=data or saved.get("data", "shakespeare"),
+        tokenizer=saved.get("tokenizer", "byte"), init_from=str(directory),
+    )
+    if task or task_dir:
+        return dataclasses.replace(spec, **task_fields(task, task_dir))
+    if data is None and saved.get("task") is not None:
+        return dataclasses.replace(spec, task=saved["task"], task_dir=saved.get("task_dir"))
+    return spec
+
+
+def task_fields(task: str | None, task_dir: str | None) -> dict[str, str | None]:
+    """RunSpec fields of a task run: the task's name (read from ``task_dir`` if only that is given)."""
+    from blockloop.data.tasks import get_task, load_task
+
+    name = task if task is not None else load_task(Path(task_dir)).name
+    get_task(name)  # an unknown task fails here, with the list of known ones
+    resolved = str(Path(task_dir).resolve()) if task_dir else None
+    return {"task": name, "task_dir": resolved, "data": f"task:{name}", "tokenizer": f"task:{name}"}
+
+
+def apply_early_exit(config: ModelConfig, options: EarlyExit) -> ModelConfig:
+    """``config`` with the early-exit loss fields set; only a looped (recursive) model has exits to train."""
+    changes = options.changes()
+    if not changes:
+        return config
+    if config.family != "recursive":
+        raise BlockloopError(f"--early-exit and --exit-* train recursive models, not {config.family} models")
+    return config.replace(**changes)
+
+
+def start_training(plan: RunPlan, info: DistInfo = DistInfo()) -> tuple[PreparedRun, Trainer]:
+    """Model, data and a trainer for ``plan`` (resumed from its last checkpoint on ``--resume``)."""
+    config = plan.config
+    run = prepare_run(plan.source, seed=config.seed, show_progress=info.is_main)
+    # The early-exit fields are part of the model's config, saved with every checkpoint (also after --init-from).
+    model_config = apply_early_exit(run.model_config, plan.early_exit)
+    if model_config is not run.model_config:
+        run.model_config = run.model.config = model_config
+    if plan.tokens is not None:
+        per_step = config.batch_size * config.grad_accum * config.seq_len * info.world_size
+        config.steps = max(1, int(plan.tokens // per_step))
+    train_seqs, val_seqs = sequences(run.splits, config.seq_len)
+    trainer = Trainer(
+        run.model, run.model_config, run.tokenizer, train_seqs, val_seqs, config, plan.out,
+        run_info=plan.spec.to_dict(), dist_info=info,
+        loss_hook=build_distillation(config.extra, run.model_config, config.resolved_device()),
+    )
+    if plan.resume:
+        trainer.resume(plan.out)
+    return run, trainer

@@ -1,0 +1,102 @@
+"""The library behind the CLI: what a training request means, early-exit options, conversion targets, reports."""
+
+from __future__ import annotations
+
+import pytest
+
+from blockloop.bench.reports import flops_report, preset_sizes
+from blockloop.convert.checkpoints import TARGETS, convert_checkpoint, to_recursive_checkpoint
+from blockloop.errors import BlockloopError
+from blockloop.presets import from_name
+from blockloop.train.eval_checkpoint import EvalRequest, evaluate_checkpoint
+from blockloop.train.setup import EarlyExit, TrainRequest, apply_early_exit, plan_run, start_training
+
+TINY = dict(steps=2, batch_size=2, seq_len=32, warmup_steps=1, log_interval=1, eval_interval=2, eval_batches=1,
+            ckpt_interval=2, device="cpu", progress=False)
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    out = tmp_path_factory.mktemp("setup") / "run"
+    plan = plan_run(TrainRequest(out, preset="tiny", train_overrides=TINY))
+    _, trainer = start_training(plan)
+    trainer.fit()
+    return out
+
+
+def test_a_fresh_request_takes_the_defaults(tmp_path):
+    plan = plan_run(TrainRequest(tmp_path / "run", train_overrides={"steps": 7}, model_overrides={"n_layer": 1}))
+    assert (plan.spec.preset, plan.spec.data, plan.spec.tokenizer) == ("demo", "shakespeare", "byte")
+    assert plan.spec.model_overrides == {"n_layer": 1} and plan.source is plan.spec
+    assert plan.config.steps == 7 and not plan.resume
+    with pytest.raises(BlockloopError, match="--task brings its own data"):
+        plan_run(TrainRequest(tmp_path / "run", task="random-walk", data="shakespeare"))
+
+
+def test_resume_continues_the_saved_run_and_refuses_new_model_choices(trained):
+    plan = plan_run(TrainRequest(trained, resume=True, train_overrides={"steps": 5}))
+    assert plan.resume and plan.spec.preset == "tiny" and plan.config.steps == 5 and plan.config.seq_len == 32
+    assert plan.source.init_from is not None and plan.source.init_from.endswith("step_0000002")
+    _, trainer = start_training(plan)
+    assert trainer.step == 2
+    with pytest.raises(BlockloopError, match="--resume continues the saved run; drop --preset, --set, --early-exit"):
+        plan_run(TrainRequest(trained, resume=True, preset="tiny", model_overrides={"n_layer": 1},
+                              early_exit=EarlyExit(exit_loss="weighted")))
+    with pytest.raises(BlockloopError, match="give one of them"):
+        plan_run(TrainRequest(trained, resume=True, init_from=str(trained)))
+    with pytest.raises(BlockloopError, match="already holds a run"):
+        plan_run(TrainRequest(trained))
+
+
+def test_init_from_starts_a_new_run_from_the_saved_model(trained, tmp_path):
+    plan = plan_run(TrainRequest(tmp_path / "fine", init_from=str(trained), train_overrides={"lr": 1e-4}))
+    assert (plan.spec.preset, plan.spec.data) == ("tiny", "shakespeare") and not plan.resume
+    assert plan.spec.init_from.endswith("step_0000002") and plan.config.lr == 1e-4
+    assert plan_run(TrainRequest(tmp_path / "f2", init_from=str(trained), data="bytes:x")).spec.data == "bytes:x"
+    with pytest.raises(BlockloopError, match="--init-from keeps the saved model"):
+        plan_run(TrainRequest(tmp_path / "f3", init_from=str(trained), dropout=0.1))
+
+
+def test_early_exit_options_need_a_looped_model():
+    assert apply_early_exit(from_name("tiny"), EarlyExit()) == from_name("tiny")
+    with pytest.raises(BlockloopError, match="--early-exit and --exit-\\* train recursive models, not decoder models"):
+        apply_early_exit(from_name("tiny"), EarlyExit(exit_loss="weighted"))
+    looped = apply_early_exit(from_name("tiny-recursive"), EarlyExit(exit_loss="aggressive", exit_coefficient=0.2))
+    assert (looped.exit_loss, looped.exit_coefficient) == ("aggressive", 0.2)
+
+
+def test_conversion_targets_check_their_options_before_loading(tmp_path):
+    assert set(TARGETS) == {"block", "recursive", "hf"}
+    with pytest.raises(BlockloopError, match="--relax prefix needs --prefix-len"):
+        to_recursive_checkpoint("/no/such/run", tmp_path / "x", relax="prefix")
+    with pytest.raises(BlockloopError, match="--lora-rank is for --relax lora"):
+        to_recursive_checkpoint("/no/such/run", tmp_path / "x", relax="none", lora_rank=4)
+    with pytest.raises(BlockloopError, match="unknown conversion target 'gguf'"):
+        convert_checkpoint("gguf", "/no/such/run", tmp_path / "x")
+
+
+def test_convert_to_block_writes_an_uptraining_checkpoint(trained, tmp_path):
+    done = convert_checkpoint("block", trained, tmp_path / "block", block_len=4)
+    assert (done.out / "model.safetensors").is_file() and "train --init-from" in done.hint
+    assert plan_run(TrainRequest(tmp_path / "up", init_from=str(done.out))).spec.preset == "tiny"
+
+
+def test_evaluate_checkpoint_defaults_to_the_runs_data(trained):
+    result = evaluate_checkpoint(trained, EvalRequest(max_batches=1), "cpu")
+    assert (result["data"], result["split"], result["objective"]) == ("shakespeare", "val", "lm")
+    with pytest.raises(BlockloopError, match="--batch-size must be at least 1"):
+        evaluate_checkpoint(trained, EvalRequest(batch_size=0), "cpu")
+    with pytest.raises(BlockloopError, match="--split test is for tasks"):
+        evaluate_checkpoint(trained, EvalRequest(split="test"), "cpu")
+
+
+def test_reports_without_training():
+    sizes = {s.name: s for s in preset_sizes()}
+    pythia = sizes["pythia-85m"]
+    assert pythia.non_embedding == pytest.approx(85.06e6, rel=1e-3) and pythia.non_embedding < pythia.total
+    report = flops_report("tiny-recursive", seq_len=64, out_len=16)
+    assert report.note is not None and "looped depth" in report.note
+    assert report.rows[0][0] == "model" and len(report.rows) == 2 and "MiB" in report.rows[1][-1]
+    assert flops_report("tiny-block", seq_len=64).note is None
+    with pytest.raises(BlockloopError, match="not a multiple of the block length 4"):
+        flops_report("tiny-block", seq_len=30)
