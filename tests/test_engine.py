@@ -13,13 +13,12 @@ from blockloop.bench.metrics import Timing, serving_metrics, summarize
 from blockloop.bench.records import pareto_front
 from blockloop.cli import main
 from blockloop.errors import BlockloopError
+from blockloop.families import build_model, from_name
 from blockloop.infer.engine import Engine
 from blockloop.infer.generate import generate
 from blockloop.infer.requests import RequestStatus, SamplingParams
 from blockloop.infer.sampling import sample_rows
-from blockloop.models import build_model
 from blockloop.nn.kv_cache import DecoderCache
-from blockloop.presets import from_name
 
 GREEDY = SamplingParams(temperature=0.0)
 FAMILIES = ["tiny", "tiny-neox", "tiny-recursive", "tiny-block", "tiny-double"]

@@ -6,9 +6,8 @@ import pytest
 import torch
 
 from blockloop.errors import BlockloopError
+from blockloop.families import build_model, from_name
 from blockloop.infer.generate import generate
-from blockloop.models import build_model
-from blockloop.presets import from_name
 
 
 @pytest.fixture(scope="module")

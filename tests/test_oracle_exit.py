@@ -11,13 +11,12 @@ import torch
 
 from blockloop.cli import main
 from blockloop.errors import BlockloopError
+from blockloop.families import build_model, from_name
 from blockloop.infer.depthwise import DepthwiseRecursive, ExitRule
 from blockloop.infer.engine import Engine
 from blockloop.infer.exit_schedule import depthwise_steps, sequencewise_steps, simulate, static_steps
 from blockloop.infer.generate import generate
 from blockloop.infer.requests import SamplingParams
-from blockloop.models import build_model
-from blockloop.presets import from_name
 
 GREEDY = SamplingParams(temperature=0.0)
 

@@ -6,10 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from blockloop.families import build_model, from_name
 from blockloop.infer.engine import Engine, serves_continuously
 from blockloop.infer.requests import RequestStatus, SamplingParams
-from blockloop.models import build_model
-from blockloop.presets import from_name
 
 GREEDY = SamplingParams(temperature=0.0)
 STAIRCASES = ["tiny-staircase", "tiny-cached-staircase", "tiny-global-staircase", "tiny-feedback"]

@@ -2,7 +2,7 @@
 
 A partition is a strictly increasing sequence 0 = b_0 < b_1 < ... < b_K = T that cuts a window into K
 contiguous blocks; one is drawn per batch and shared by its rows, so it only changes the generation
-decoder's attention masks. Every position lies in exactly one block, so every token is scored exactly
+decoder's attention masks (:func:`blockloop.models.double_decoder.block_masks`). Every position lies in exactly one block, so every token is scored exactly
 once whatever the partition.
 
 Strategies (``DoubleDecoderConfig.partition``):
@@ -22,8 +22,9 @@ from typing import Sequence
 import torch
 from torch import Tensor
 
-from blockloop.config import PARTITIONS
 from blockloop.errors import ConfigError
+
+PARTITIONS = ("uniform", "logspace", "histogram")
 
 
 def sample_partition(
@@ -58,23 +59,3 @@ def sample_partition(
 def prefix_partition(length: int, breakpoint: int) -> Tensor:
     """The two-block partition of the PrefixLM phase: a context block [0, breakpoint), then the response."""
     return torch.tensor([0, breakpoint, length], dtype=torch.long)
-
-
-def block_ids(boundaries: Tensor, positions: Tensor) -> Tensor:
-    """The block k with b_k <= position < b_{k+1}, for each position."""
-    return torch.bucketize(positions, boundaries.to(positions.device), right=True) - 1
-
-
-def block_masks(boundaries: Tensor, length: int) -> tuple[Tensor, Tensor]:
-    """The generation decoder's two ``(T, T)`` masks (True = may attend), section 3.1:
-
-    * within-block: key in the query's block at a position <= the query's (causal self-attention);
-    * cross-block: key in an earlier block (the context latents h_s of blocks m < k).
-
-    They are disjoint and together never reach a key after the query: no token sees the future.
-    """
-    positions = torch.arange(length, device=boundaries.device)
-    block = block_ids(boundaries, positions)
-    within = (block[:, None] == block[None, :]) & (positions[:, None] >= positions[None, :])
-    cross = block[None, :] < block[:, None]
-    return within, cross

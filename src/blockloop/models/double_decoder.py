@@ -11,7 +11,8 @@ Two stacks share one (tied) token embedding:
   merged with their log-sum-exps, which is exactly the joint softmax (:func:`merge_attention`); a query
   of the first block has no cross keys and simply gets its within-block attention.
 
-Training draws a block partition per batch (:mod:`blockloop.data.partitions`); every token is scored once.
+Training draws a block partition per batch (:mod:`blockloop.data.partitions`, batched by the family spec);
+every token is scored once.
 Inference (section 3.3): the context decoder runs once over the prompt but its last token, whose
 latents become the cross K/V of every generation layer, computed once; the last prompt token opens the
 generation block, and only the generation layers keep a KV cache. Because both stacks are causal, the
@@ -24,14 +25,11 @@ union of keys with consistent relative positions.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 import torch
 from torch import Tensor, nn
 
-from blockloop.config import DoubleDecoderConfig
-from blockloop.data.collate import unscored_prefix
-from blockloop.data.partitions import block_masks, prefix_partition, sample_partition
 from blockloop.models.decoder import (
     Block,
     CrossKV,
@@ -44,6 +42,29 @@ from blockloop.models.decoder import (
 from blockloop.nn.attention import attention, merge_attention
 from blockloop.nn.kv_cache import DecoderCache, KVCache
 from blockloop.nn.rope import apply_rope, rope_angles
+
+if TYPE_CHECKING:
+    from blockloop.families.double_decoder import DoubleDecoderConfig
+
+
+def block_ids(boundaries: Tensor, positions: Tensor) -> Tensor:
+    """The block k with b_k <= position < b_{k+1}, for each position."""
+    return torch.bucketize(positions, boundaries.to(positions.device), right=True) - 1
+
+
+def block_masks(boundaries: Tensor, length: int) -> tuple[Tensor, Tensor]:
+    """The generation decoder's two ``(T, T)`` masks (True = may attend), section 3.1:
+
+    * within-block: key in the query's block at a position <= the query's (causal self-attention);
+    * cross-block: key in an earlier block (the context latents h_s of blocks m < k).
+
+    They are disjoint and together never reach a key after the query: no token sees the future.
+    """
+    positions = torch.arange(length, device=boundaries.device)
+    block = block_ids(boundaries, positions)
+    within = (block[:, None] == block[None, :]) & (positions[:, None] >= positions[None, :])
+    cross = block[None, :] < block[:, None]
+    return within, cross
 
 
 class DualAttention(SelfAttention):
@@ -119,19 +140,6 @@ class DoubleDecoder(LanguageModel):
             context=TransformerStack(config.stack(config.n_context_layer)),
             generation=nn.ModuleList(Block(config, DualAttention) for _ in range(config.n_generation_layer)),
         )
-
-    # ------------------------------------------------------------- training
-    def collate_batch(
-        self, inputs: Tensor, targets: Tensor, generator: torch.Generator, objective: str = "lm"
-    ) -> dict[str, Tensor]:
-        """A block partition per batch (native objective), or the PrefixLM split [0, b) | [b, T)."""
-        length = inputs.shape[1]
-        if objective == "prefix_lm":
-            targets, breakpoint = unscored_prefix(targets, generator)
-            return {"idx": inputs, "targets": targets, "boundaries": prefix_partition(length, breakpoint)}
-        c = self.config
-        boundaries = sample_partition(length, c.partition, generator, max_blocks=c.max_blocks, lengths=c.partition_lengths)
-        return {"idx": inputs, "targets": targets, "boundaries": boundaries}
 
     def forward(
         self, idx: Tensor, targets: Tensor | None = None, *, boundaries: Tensor | None = None

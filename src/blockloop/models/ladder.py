@@ -20,15 +20,18 @@ engine's continuous batching through the vanilla decoder's slot methods.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
 
-from blockloop.config import LadderConfig
 from blockloop.models.decoder import Decoder, LanguageModel
 from blockloop.models.recurrent_core import build_core, prefix_kv, rotate_prefix, window_mask
 from blockloop.nn.kv_cache import DecoderCache
 from blockloop.nn.rope import rope_angles
+
+if TYPE_CHECKING:
+    from blockloop.families.ladder import LadderConfig
 
 
 @dataclass(frozen=True)

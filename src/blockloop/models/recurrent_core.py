@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from blockloop.config import TransformerShape
 from blockloop.models.decoder import Block, SelfAttention, TransformerStack, merge_heads
 from blockloop.nn.attention import attention
 from blockloop.nn.rope import apply_rope
@@ -55,9 +56,9 @@ class PrefixAttention(SelfAttention):
         return self.proj(merge_heads(out))
 
 
-def build_core(config: object) -> TransformerStack:
+def build_core(config: TransformerShape) -> TransformerStack:
     """The core: the plain stack's layers (same parameter names) with :class:`PrefixAttention`, no final norm."""
-    return TransformerStack(config, final_norm=False, attention=PrefixAttention)
+    return TransformerStack(config.stack(), final_norm=False, attention=PrefixAttention)
 
 
 def prefix_kv(block: Block, states: Tensor) -> KV:

@@ -22,15 +22,19 @@ exit around it.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 from torch import Tensor, nn
 
-from blockloop.config import RecursiveConfig
 from blockloop.models.decoder import Decoder, LayerInputs, SelfAttention
 from blockloop.nn.attention import MaskMod, attention
 from blockloop.nn.distill import forward_kl
 from blockloop.nn.kv_cache import DecoderCache, KVCache
 from blockloop.nn.lora import LoopIndex, LoopLoRALinear, add_loop_lora
+
+if TYPE_CHECKING:
+    from blockloop.families.recursive import RecursiveConfig
 
 PrefixKV = tuple[Tensor, Tensor]
 

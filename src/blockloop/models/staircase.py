@@ -32,15 +32,18 @@ they stay bounded on an endless stream and only relative distances matter.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor, nn
 
-from blockloop.config import StaircaseConfig
 from blockloop.models.decoder import LanguageModel
 from blockloop.models.recurrent_core import KV, build_core, prefix_kv, rotate_prefix, window_mask
 from blockloop.nn.kv_cache import DecoderCache
 from blockloop.nn.rope import rope_angles
+
+if TYPE_CHECKING:
+    from blockloop.families.staircase import StaircaseConfig
 
 
 @dataclass(frozen=True)
