@@ -33,8 +33,7 @@ from pathlib import Path
 
 import torch
 
-from blockloop.models import build_model
-from blockloop.presets import from_name
+from blockloop.families import build_model, from_name
 from blockloop.serve.generate import generate
 from blockloop.train.run import RunSpec, prepare_run, sequences
 from blockloop.train.trainer import TrainConfig, Trainer

@@ -29,7 +29,7 @@ import torch
 from blockloop.convert import vanilla_to_recursive
 from blockloop.data.dataset import prepare_tokens
 from blockloop.data.tokenizers import build_tokenizer
-from blockloop.models import build_model
+from blockloop.families import build_model
 from blockloop.train.evaluate import evaluate
 from blockloop.train.run import TrainedModel, load_trained, sequences
 from blockloop.train.trainer import TrainConfig, Trainer

@@ -38,7 +38,7 @@ from pathlib import Path
 
 import torch
 
-from blockloop.presets import from_name
+from blockloop.families import from_name
 from blockloop.train.evaluate import evaluate
 from blockloop.train.run import RunSpec, prepare_run, sequences, task_sequences
 from blockloop.train.trainer import TrainConfig, Trainer

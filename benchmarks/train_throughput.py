@@ -22,7 +22,8 @@ from pathlib import Path
 
 import torch
 
-from blockloop.train.flops import peak_flops, training_flops_per_token
+from blockloop.families import spec_of
+from blockloop.train.flops import peak_flops
 from blockloop.train.run import RunSpec, prepare_run, sequences
 from blockloop.train.trainer import TrainConfig, Trainer
 
@@ -57,7 +58,7 @@ def run_variant(args: argparse.Namespace, compile_model: bool, out: Path) -> dic
     }
     peak = peak_flops(trainer.device)
     if peak:
-        result["mfu"] = training_flops_per_token(run.model_config, args.seq_len) * tokens_per_s / peak
+        result["mfu"] = spec_of(run.model_config).training_flops_per_token(run.model_config, args.seq_len) * tokens_per_s / peak
     if trainer.device.type == "cuda":
         result["peak_memory_gib"] = torch.cuda.max_memory_allocated() / 2**30
     return result

@@ -7,12 +7,11 @@ import itertools
 import pytest
 import torch
 
-from blockloop.config import BlockTransformerConfig
 from blockloop.convert import vanilla_to_block
 from blockloop.data.block_padding import random_length_padding
 from blockloop.errors import BlockloopError, ConfigError
-from blockloop.models import build_model
-from blockloop.presets import from_name
+from blockloop.families import build_model, collate_for, from_name
+from blockloop.families.block import BlockTransformerConfig
 from blockloop.serve.generate import generate
 from blockloop.serve.runners import runner_for
 
@@ -62,7 +61,7 @@ def test_first_block_is_not_predicted():
     idx = torch.randint(0, 258, (2, 12))
     logits, _ = model(idx)
     assert torch.all(logits[:, :4] == 0)
-    batch = model.collate_batch(idx, idx, torch.Generator().manual_seed(0))
+    batch = collate_for(model.config)(idx, idx, torch.Generator().manual_seed(0))
     assert torch.all(batch["targets"][:, :4] == -100)
 
 
@@ -96,7 +95,7 @@ def test_collation_scores_every_real_token_after_the_first_block_and_no_pad():
     model = block_model()
     window = torch.randint(1, 200, (3, 33))
     window[:, 10] = model.config.pad_id  # a document boundary (pad id = end-of-text)
-    batch = model.collate_batch(window[:, :-1], window[:, 1:], torch.Generator().manual_seed(0))
+    batch = collate_for(model.config)(window[:, :-1], window[:, 1:], torch.Generator().manual_seed(0))
     idx, real = random_length_padding(window, 4, eos_id=model.config.pad_id, pad_id=model.config.pad_id, length=32,
                                       generator=torch.Generator().manual_seed(0))
     assert torch.equal(batch["idx"], idx)

@@ -5,20 +5,27 @@ from __future__ import annotations
 import pytest
 import torch
 
-from blockloop.config import DecoderConfig, DoubleDecoderConfig, EncoderDecoderConfig
-from blockloop.data.collate import collate_for, step_generator
-from blockloop.models import build_model
-from blockloop.presets import from_name
+from blockloop.config import DecoderConfig
+from blockloop.data.collate import step_generator
+from blockloop.families import FAMILIES, build_model, collate_for, from_name, spec_of
+from blockloop.families.double_decoder import DoubleDecoderConfig
+from blockloop.families.encoder_decoder import EncoderDecoderConfig
 from blockloop.serve.runners import runner_for
-from blockloop.train.flops import (
-    kv_cache_bytes,
-    measured_forward_flops,
-    paper_kv_cache_bytes,
-    paper_training_flops,
-    training_flops,
-)
+from blockloop.train.flops import measured_forward_flops
 
 T, T_OUT = 2048, 256
+
+
+def paper_training_flops(family, *args):
+    return FAMILIES[family].paper_training_flops(*args)
+
+
+def paper_kv_cache_bytes(family, *args):
+    return FAMILIES[family].paper_kv_bytes(*args)
+
+
+def kv_cache_bytes(config, *args, **kwargs):
+    return spec_of(config).kv_bytes(config, *args, **kwargs)
 
 
 def paper_shape(cls, n_layer=12, d=256, **fields):
@@ -57,8 +64,9 @@ def test_config_counts_reduce_to_the_paper_formulas_on_its_shapes(config):
     of the encoder output is L * 4 T_in d^2, as in the paper's summed 52 T_in d^2 (its decoder-only line
     prints "4 T_in d", a typo)."""
     t_out = T_OUT if config.family == "encoder_decoder" else None
-    exact = training_flops(config, T, t_out, lm_head=False)
-    assert exact == paper_training_flops(config.family, T, config.d_model, config.n_layer, t_out)
+    lengths = (T, t_out) if t_out else (T,)
+    exact = spec_of(config).training_flops(config, *lengths, lm_head=False)
+    assert exact == paper_training_flops(config.family, *lengths[:1], config.d_model, config.n_layer, *lengths[1:])
 
 
 def test_kv_cache_memory_matches_appendix_a1_and_cuts_two_thirds():
@@ -94,8 +102,8 @@ def test_torch_flop_counter_beside_the_formula(preset):
     with torch.device("meta"):
         model = build_model(config)
     x = torch.zeros(1, 256, dtype=torch.long)
-    batch = collate_for(model)(x, x, step_generator(0, 0))
+    batch = collate_for(config)(x, x, step_generator(0, 0))
     batch.pop("targets")
     measured = 3 * measured_forward_flops(model, {k: v.to("meta") for k, v in batch.items()})
     extra = 12 * config.d_model * config.n_generation_layer * 256**2 if config.family == "double_decoder" else 0
-    assert measured == training_flops(config, 256) + extra
+    assert measured == spec_of(config).training_flops(config, 256) + extra

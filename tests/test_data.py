@@ -14,20 +14,12 @@ import numpy as np
 import pytest
 import torch
 
-from blockloop.data import (
-    BUILTIN_CORPORA,
-    ByteTokenizer,
-    PackedSequences,
-    Tokenizer,
-    TrainBatches,
-    build_tokenizer,
-    eval_batches,
-    fetch_package_files,
-    load_documents,
-    load_tokenizer,
-    prepare_tokens,
-)
 from blockloop.data import tokenizers as tokenizers_module
+from blockloop.data.corpora import BUILTIN_CORPORA, load_documents
+from blockloop.data.dataset import prepare_tokens
+from blockloop.data.loader import PackedSequences, TrainBatches, eval_batches
+from blockloop.data.packages import fetch_package_files
+from blockloop.data.tokenizers import ByteTokenizer, Tokenizer, build_tokenizer, load_tokenizer
 from blockloop.errors import BlockloopError
 
 SAMPLE = "Hello world! Ünïcödé — 日本語 🙂 tabs\tand\nnewlines,  double  spaces."

@@ -7,14 +7,13 @@ import math
 import pytest
 import torch
 
-from blockloop.config import DoubleDecoderConfig
-from blockloop.data.collate import collate_for, step_generator
-from blockloop.data.partitions import block_ids, sample_partition
+from blockloop.data.collate import step_generator
+from blockloop.data.partitions import sample_partition
 from blockloop.errors import ConfigError
-from blockloop.models import build_model
+from blockloop.families import build_model, collate_for, from_name
+from blockloop.families.double_decoder import DoubleDecoderConfig
 from blockloop.nn.attention import attention, merge_attention
-from blockloop.nn.masks import block_masks
-from blockloop.presets import from_name
+from blockloop.nn.masks import block_ids, block_masks
 from blockloop.serve.generate import generate
 from blockloop.serve.runners import runner_for
 
@@ -94,11 +93,11 @@ def test_partitions_cover_the_window_and_masks_never_see_the_future(strategy):
 def test_every_token_is_scored_exactly_once_and_prefix_lm_scores_only_the_suffix(model):
     inputs = torch.randint(0, 258, (3, 40))
     targets = torch.randint(0, 258, (3, 40))
-    batch = collate_for(model)(inputs, targets, step_generator(0, 5))
+    batch = collate_for(model.config)(inputs, targets, step_generator(0, 5))
     assert torch.equal(batch["targets"], targets)  # the native objective scores every position once
     logits, _ = model(batch["idx"], boundaries=batch["boundaries"])
     assert logits.shape[:2] == targets.shape
-    prefix = collate_for(model, "prefix_lm")(inputs, targets, step_generator(0, 5))
+    prefix = collate_for(model.config, "prefix_lm")(inputs, targets, step_generator(0, 5))
     b = int(prefix["boundaries"][1])
     assert prefix["boundaries"].tolist() == [0, b, 40]
     assert (prefix["targets"][:, :b] == -100).all() and torch.equal(prefix["targets"][:, b:], targets[:, b:])

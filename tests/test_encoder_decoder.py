@@ -5,10 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from blockloop.data.collate import collate_for, step_generator
+from blockloop.data.collate import step_generator
 from blockloop.data.span_corruption import span_corrupt, span_counts
-from blockloop.models import build_model
-from blockloop.presets import from_name
+from blockloop.families import build_model, collate_for, from_name
 from blockloop.serve.generate import generate
 from blockloop.serve.runners import runner_for
 
@@ -58,12 +57,12 @@ def test_span_count_is_capped_by_the_sentinels():
 
 def test_prefix_lm_routes_the_prefix_to_the_encoder_and_scores_the_suffix(model):
     inputs, targets = torch.randint(0, VOCAB, (2, 50)), torch.randint(0, VOCAB, (2, 50))
-    batch = collate_for(model, "prefix_lm")(inputs, targets, step_generator(0, 3))
+    batch = collate_for(model.config, "prefix_lm")(inputs, targets, step_generator(0, 3))
     b = batch["idx"].shape[1]
     assert torch.equal(torch.cat([batch["idx"], batch["decoder_idx"]], 1), inputs)
     assert torch.equal(batch["targets"], targets[:, b:])
     # the same breakpoint as every other family at the same step
-    decoder_batch = collate_for(build_model(from_name("tiny")), "prefix_lm")(inputs, targets, step_generator(0, 3))
+    decoder_batch = collate_for(from_name("tiny"), "prefix_lm")(inputs, targets, step_generator(0, 3))
     assert (decoder_batch["targets"] != -100).sum() == batch["targets"].numel()
 
 

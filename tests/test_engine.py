@@ -13,14 +13,14 @@ from blockloop.bench.metrics import Timing, serving_metrics, summarize
 from blockloop.bench.records import pareto_front
 from blockloop.cli import main
 from blockloop.errors import BlockloopError
-from blockloop.models import build_model
+from blockloop.families import PRESETS, build_model, from_name, spec_of
 from blockloop.nn.kv_cache import DecoderCache
-from blockloop.presets import PRESETS, from_name
 from blockloop.serve.engine import Engine
 from blockloop.serve.generate import generate
 from blockloop.serve.requests import RequestStatus, SamplingParams
 from blockloop.serve.runners import runner_for
 from blockloop.serve.sampling import sample_rows
+from small_presets import small_variant
 
 GREEDY = SamplingParams(temperature=0.0)
 FAMILIES = ["tiny", "tiny-neox", "tiny-recursive", "tiny-block", "tiny-double"]
@@ -168,20 +168,29 @@ def test_building_a_mask_does_not_change_the_cache():
 
 
 def test_every_model_family_has_a_runner():
-    from blockloop.models import MODEL_CLASSES
+    from blockloop.families import FAMILIES
     from blockloop.serve.runners import RUNNERS, Runner
 
-    assert set(RUNNERS) == set(MODEL_CLASSES)
+    assert set(RUNNERS) == set(FAMILIES)
     for family in ("decoder", "block", "double_decoder", "encoder_decoder", "staircase", "ladder", "recursive"):
         assert isinstance(runner_for(tiny(PRESET_OF[family])), Runner)
 
 
-@pytest.mark.parametrize("name", [n for n in PRESETS if n.startswith("tiny")])
-def test_every_tiny_preset_decodes_through_its_runner(name):
-    engine = Engine(runner_for(tiny(name)), 2, sync_every=2)
-    requests = [engine.submit(p, 3, sampling=GREEDY) for p in random_prompts((5, 2, 7))]
+@pytest.mark.parametrize("name", list(PRESETS))
+def test_every_registered_preset_runs_a_forward_and_a_cached_decode_through_its_runner(name):
+    """Every preset at test size: its runner serves three requests on two slots (the third joins while the second
+    is still decoding), and each request's greedy tokens are those of the uncached full forward over its prompt as
+    the engine fed it (left-padded to the runner's prompt multiple)."""
+    torch.manual_seed(0)
+    model = build_model(small_variant(name)).eval()
+    runner = runner_for(model)
+    prompts = [[int(t) for t in torch.randint(1, 64, (n,))] for n in (8, 5, 6)]
+    engine = Engine(runner, 2, max_len=min(model.config.context_length, 32), sync_every=2)
+    requests = [engine.submit(p, n, sampling=GREEDY) for p, n in zip(prompts, (2, 4, 3))]
     engine.run()
-    assert all(len(r.output) == 3 for r in requests)
+    for prompt, request in zip(prompts, requests):
+        fed = [runner.pad_id] * (-len(prompt) % runner.prompt_multiple) + prompt
+        assert request.output == full_forward_greedy(model, fed, request.max_tokens), name
 
 
 PRESET_OF = {"decoder": "tiny", "block": "tiny-block", "double_decoder": "tiny-double", "encoder_decoder": "tiny-encdec",
@@ -199,9 +208,12 @@ def full_forward_greedy(model, prompt, n):
         elif family == "double_decoder":
             boundaries = torch.tensor([0, len(prompt) - 1, len(seq)]) if len(prompt) > 1 else None
             logits, _ = model(torch.tensor([seq]), boundaries=boundaries)
-        else:
-            logits, _ = model(torch.tensor([seq]))
-        out.append(int(logits[0, -1].argmax()))
+        else:  # whole blocks / chunks: tokens after the one predicted cannot change its logits (causality)
+            unit = spec_of(model.config).sequence_multiple(model.config)
+            aligned = family == "block"  # a Block Transformer's logits at position t predict token t itself
+            logits, _ = model(torch.tensor([seq + [0] * (-(len(seq) + aligned) % unit + aligned)]))
+            logits = logits[:, : len(seq) + aligned]
+        out.append(int(logits[0, -1, : model.config.vocab_size].argmax()))  # generation never samples padding ids
     return out
 
 

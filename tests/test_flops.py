@@ -7,9 +7,11 @@ import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
-from blockloop.models import build_model
-from blockloop.presets import from_name
-from blockloop.train.flops import training_flops_per_token
+from blockloop.families import build_model, from_name, spec_of
+
+
+def training_flops_per_token(config, seq_len: int) -> float:
+    return spec_of(config).training_flops_per_token(config, seq_len)
 
 
 def measured_forward_flops_per_token(model, length: int) -> float:

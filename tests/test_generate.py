@@ -6,8 +6,7 @@ import pytest
 import torch
 
 from blockloop.errors import BlockloopError
-from blockloop.models import build_model
-from blockloop.presets import from_name
+from blockloop.families import build_model, from_name
 from blockloop.serve.generate import generate
 
 

@@ -95,9 +95,9 @@ def test_the_data_layer_has_no_import_cycle():
         visit(module, [])
 
 
-def test_a_saved_task_tokenizer_loads_without_importing_the_task_package_first(tmp_path):
-    """load_tokenizer finds the task tokenizer through its registry, whatever the caller imported."""
+def test_a_saved_task_tokenizer_loads_through_the_checkpoint_loader(tmp_path):
+    """The checkpoint loader (train.run) has the task tokenizer registered, whatever the caller imported."""
     TaskTokenizer("random-walk", get_task("random-walk").vocab).save(tmp_path)
-    code = f"from blockloop.data.tokenizers import load_tokenizer; print(load_tokenizer({str(tmp_path)!r}).name)"
+    code = f"from blockloop.train.run import load_tokenizer; print(load_tokenizer({str(tmp_path)!r}).name)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=SRC)
     assert out.stdout.strip() == "task:random-walk"

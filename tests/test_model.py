@@ -8,14 +8,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from blockloop.config import DecoderConfig, config_from_dict, load_config, save_config
+from blockloop.config import DecoderConfig, save_config
 from blockloop.errors import ConfigError
-from blockloop.models import build_model
+from blockloop.families import PRESETS, build_model, config_from_dict, from_name, load_config
 from blockloop.nn.kv_cache import StepContext
 from blockloop.nn.mlp import build_mlp
 from blockloop.nn.norm import RMSNorm
 from blockloop.nn.rope import apply_rope, rope_angles
-from blockloop.presets import PRESETS, from_name
 
 
 def tiny_model(name: str, **overrides) -> torch.nn.Module:

@@ -11,8 +11,7 @@ import torch
 
 from blockloop.cli import main
 from blockloop.errors import BlockloopError
-from blockloop.models import build_model
-from blockloop.presets import from_name
+from blockloop.families import build_model, from_name
 from blockloop.serve.engine import Engine
 from blockloop.serve.exit_schedule import depthwise_steps, sequencewise_steps, simulate, static_steps
 from blockloop.serve.generate import generate

@@ -13,10 +13,9 @@ from blockloop.cli import EXIT_USER_ERROR, main
 from blockloop.convert import vanilla_to_recursive
 from blockloop.convert.to_recursive import shared_layer_sources
 from blockloop.errors import BlockloopError, ConfigError
-from blockloop.models import build_model
+from blockloop.families import build_model, from_name
 from blockloop.models.recursive import layer_order
 from blockloop.nn.distill import forward_kl
-from blockloop.presets import from_name
 from blockloop.serve.generate import generate
 from blockloop.serve.runners import runner_for
 from blockloop.train.distill import Distillation
@@ -355,9 +354,9 @@ def test_cli_errors_are_one_line(teacher_run, tmp_path, capsys):
 
 
 def test_flops_count_the_looped_depth(capsys):
-    from blockloop.train.flops import training_flops
+    from blockloop.families import spec_of
 
     config = from_name("tiny-recursive", loops=3)
-    assert training_flops(config, 64) == training_flops(config.stack(3), 64)
+    assert spec_of(config).training_flops(config, 64) == spec_of(config.stack(3)).training_flops(config.stack(3), 64)
     assert main(["flops", "--preset", "tiny-recursive"]) == 0
     assert "2-layer looped depth" in capsys.readouterr().out

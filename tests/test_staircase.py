@@ -11,15 +11,15 @@ import numpy as np
 import pytest
 import torch
 
-from blockloop.config import LadderConfig, StaircaseConfig, config_from_dict
 from blockloop.data.loader import PackedSequences, StreamBatches, stream_eval_batches
 from blockloop.errors import ConfigError
-from blockloop.models import build_model
+from blockloop.families import build_model, config_from_dict, from_name, spec_of
+from blockloop.families.ladder import LadderConfig
+from blockloop.families.staircase import StaircaseConfig
 from blockloop.models.decoder import Decoder
 from blockloop.models.recurrent_core import prefix_kv, rotate_prefix
 from blockloop.nn.masks import window_mask
 from blockloop.nn.rope import rope_angles
-from blockloop.presets import from_name
 from blockloop.serve.generate import generate
 from blockloop.serve.runners import runner_for
 from blockloop.train.evaluate import evaluate
@@ -221,11 +221,11 @@ def test_memory_length_zero_is_the_plain_decoder_and_keeps_no_state():
     model = tiny("tiny-transformer-xl", memory_len=0)
     idx = tokens(2, 40)
     torch.testing.assert_close(model(idx)[0], core_as_decoder(model)(idx)[0])
-    assert model(idx, return_state=True)[2] is None and not model.config.recurrent
+    assert model(idx, return_state=True)[2] is None and not spec_of(model.config).recurrent(model.config)
 
 
 # ------------------------------------------------------- state and generation
-@pytest.mark.parametrize("name", [n for n in ALL if from_name(n).recurrent])
+@pytest.mark.parametrize("name", [n for n in ALL if spec_of(from_name(n)).recurrent(from_name(n))])
 def test_a_stream_read_in_segments_gives_the_logits_of_one_forward(name):
     model = tiny(name)
     idx = tokens(2, 48)

@@ -6,8 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from blockloop.models import build_model
-from blockloop.presets import from_name
+from blockloop.families import build_model, from_name
 from blockloop.serve.engine import Engine
 from blockloop.serve.requests import RequestStatus, SamplingParams
 from blockloop.serve.runners import runner_for

@@ -21,8 +21,7 @@ from blockloop.data.tasks import (
     write_task,
 )
 from blockloop.errors import BlockloopError
-from blockloop.models import build_model
-from blockloop.presets import from_name
+from blockloop.families import build_model, from_name
 from blockloop.train.evaluate import evaluate
 from blockloop.train.run import load_trained, padded_vocab
 from blockloop.train.trainer import TrainConfig, Trainer

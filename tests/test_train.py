@@ -134,8 +134,7 @@ def test_schedule_warms_up_then_decays_to_the_floor():
 
 
 def test_weight_decay_skips_norms_biases_and_embeddings():
-    from blockloop.models import build_model
-    from blockloop.presets import from_name
+    from blockloop.families import build_model, from_name
 
     model = build_model(from_name("tiny-neox"))
     opt = build_optimizer(model, lr=1e-3, weight_decay=0.1, betas=(0.9, 0.95))

@@ -7,7 +7,7 @@ import pytest
 from blockloop.bench.reports import flops_report, preset_sizes
 from blockloop.convert.checkpoints import TARGETS, convert_checkpoint, to_recursive_checkpoint
 from blockloop.errors import BlockloopError
-from blockloop.presets import from_name
+from blockloop.families import from_name
 from blockloop.train.eval_checkpoint import EvalRequest, evaluate_checkpoint
 from blockloop.train.setup import EarlyExit, TrainRequest, apply_early_exit, plan_run, start_training
 

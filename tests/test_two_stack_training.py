@@ -9,8 +9,7 @@ import pytest
 import torch
 
 from blockloop.cli import EXIT_USER_ERROR, main
-from blockloop.models import build_model
-from blockloop.presets import PRESETS, from_name
+from blockloop.families import PRESETS, build_model, from_name
 from blockloop.train.optim import build_optimizer
 from blockloop.train.run import RunSpec, prepare_run, sequences
 from blockloop.train.trainer import TrainConfig, Trainer

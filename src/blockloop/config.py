@@ -1,9 +1,18 @@
-"""Model configurations: one typed dataclass per model family, serialisable to JSON.
+"""The shared parts of every model configuration, and their JSON round-trip.
+
+A family's config (in its module under :mod:`blockloop.families`) is a dataclass composed of the field
+groups here: :class:`ModelConfig` (identity, vocabulary, context and the style of every layer) plus
+whichever of :class:`TransformerShape`, :class:`PretrainedFeatures` and :class:`LocalAttention` its model
+honours, and its own fields. A config has exactly the fields its model reads, so a field the family would
+ignore is refused by name instead of silently doing nothing. :class:`DecoderConfig` composes all of them: it
+is the vanilla decoder's config and the plain transformer every stack or core is built from
+(:meth:`TransformerShape.stack`).
 
 Configs validate themselves on construction so that an impossible shape fails with a sentence
-("n_head=5 does not divide d_model=128") instead of a reshape error deep inside a forward pass.
-Layer choices (norm, MLP) are stored as strings so a config round-trips through ``config.json``.
-Named presets live in :mod:`blockloop.presets`.
+("n_head=5 does not divide d_model=128") instead of a reshape error deep inside a forward pass. Each group's
+``validate`` fills its derived defaults, calls the next group's (cooperatively, along the MRO) and adds its
+checks. Layer choices (norm, MLP) are stored as strings so a config round-trips through ``config.json``;
+reading one back needs the family registry (:func:`blockloop.families.load_config`).
 """
 
 from __future__ import annotations
@@ -20,15 +29,13 @@ from blockloop.errors import BlockloopError, ConfigError
 NORMS = ("layernorm", "rmsnorm", "rmsnorm1p")
 MLPS = ("gelu", "gelu_tanh", "swiglu", "geglu")
 INITS = ("normal", "xavier_uniform")
-PARTITIONS = ("uniform", "logspace", "histogram")
-
 
 LAYER_STYLE = ("norm", "norm_eps", "mlp", "bias", "rotary_pct", "rope_base", "parallel_residual", "dropout", "init",
                "init_std")
 
 
 @dataclass
-class ModelConfigBase:
+class ModelConfig:
     """What every family's config has: identity, vocabulary, context, and the style of its layers.
 
     ``vocab_size`` is the tokenizer's; embedding tables and LM heads have ``padded_vocab_size`` rows
@@ -58,6 +65,10 @@ class ModelConfigBase:
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        """Fill derived defaults and check every field (groups extend this cooperatively)."""
         if self.padded_vocab_size is None:
             self.padded_vocab_size = self.vocab_size
         self._check(
@@ -108,33 +119,28 @@ class ModelConfigBase:
         return {k: getattr(self, k) for k in LAYER_STYLE}
 
     def replace(self, **changes: Any) -> Any:
-        """A copy with some fields changed, validated again."""
+        """A copy with some fields changed, validated again; a field this family does not have is refused."""
+        check_fields(type(self), changes)
         return dataclasses.replace(self, **changes)
 
     def to_dict(self) -> dict[str, Any]:
         return {"family": self.family, **dataclasses.asdict(self)}
 
 
+def check_fields(cls: type, names: Any) -> None:
+    """Refuse field ``names`` that the config class ``cls`` does not have, naming them and the family."""
+    unknown = sorted(set(names) - {f.name for f in dataclasses.fields(cls)})
+    if unknown:
+        raise ConfigError(
+            f"{cls.family} config has no config field {', '.join(unknown)} (a {cls.family} model does not use it; "
+            "check the name)"
+        )
+
+
 @dataclass
-class DecoderConfig(ModelConfigBase):
-    """A decoder-only transformer (GPT-NeoX/Pythia and Llama shapes are both expressible).
-
-    ``n_kv_head`` < ``n_head`` gives grouped-query attention (1 = multi-query). ``rotary_pct`` < 1
-    rotates only the first part of each head, as Pythia does (0.25). ``parallel_residual`` computes
-    attention and MLP from the same input and adds both, as GPT-NeoX does.
-
-    The remaining fields exist so pretrained architectures load exactly (see :mod:`blockloop.convert.hf`);
-    their defaults leave the model above unchanged. ``learned_positions``: a learned absolute position
-    table added to the token embeddings (GPT-2; use with ``rotary_pct=0``). ``embed_scale``: embeddings
-    times sqrt(d_model) (Gemma). ``qk_norm``: RMSNorm over each query/key head before rotary (Gemma-3).
-    ``sandwich_norm``: norms on the attention and MLP outputs too, before the residual add (Gemma-3).
-    ``attn_scalar``: scores scaled by attn_scalar^-1/2 instead of head_dim^-1/2 (Gemma-3's
-    query_pre_attn_scalar). ``local_layers``: layers whose queries see only the last ``sliding_window``
-    positions, rotated with ``local_rope_base`` when given (Gemma-3). ``logit_softcap``: logits become
-    c * tanh(logits / c).
-    """
-
-    family: ClassVar[str] = "decoder"
+class TransformerShape:
+    """The shape of a stack of identical layers. ``n_kv_head`` < ``n_head`` gives grouped-query attention
+    (1 = multi-query); ``head_dim`` defaults to d_model / n_head and ``d_ff`` to the MLP's usual width."""
 
     n_layer: int = 12
     n_head: int = 12
@@ -142,17 +148,8 @@ class DecoderConfig(ModelConfigBase):
     d_model: int = 768
     d_ff: int | None = None
     head_dim: int | None = None
-    learned_positions: bool = False
-    embed_scale: bool = False
-    qk_norm: bool = False
-    sandwich_norm: bool = False
-    attn_scalar: float | None = None
-    sliding_window: int | None = None
-    local_layers: list[int] = field(default_factory=list)
-    local_rope_base: float | None = None
-    logit_softcap: float | None = None
 
-    def __post_init__(self) -> None:
+    def validate(self) -> None:
         if self.n_kv_head is None:
             self.n_kv_head = self.n_head
         if self.head_dim is None:
@@ -164,11 +161,8 @@ class DecoderConfig(ModelConfigBase):
             self.head_dim = self.d_model // self.n_head
         if self.d_ff is None:
             # Gated MLPs use 2/3 of the 4x width so their parameter count matches a plain 4x MLP.
-            self.d_ff = 4 * self.d_model if self.mlp in ("gelu", "gelu_tanh") else _round_up(8 * self.d_model // 3, 64)
-        self.validate()
-
-    def validate(self) -> None:
-        super().__post_init__()
+            self.d_ff = 4 * self.d_model if self.mlp in ("gelu", "gelu_tanh") else round_up(8 * self.d_model // 3, 64)
+        super().validate()
         self._check(
             (self.n_layer > 0, f"n_layer must be positive, got {self.n_layer}"),
             (self.n_head > 0 and self.n_kv_head > 0, "n_head and n_kv_head must be positive"),
@@ -177,22 +171,7 @@ class DecoderConfig(ModelConfigBase):
                 f"n_kv_head={self.n_kv_head} must divide n_head={self.n_head} (grouped-query attention)",
             ),
             (self.head_dim % 2 == 0, f"head_dim={self.head_dim} must be even for rotary embeddings"),
-            (
-                all(0 <= i < self.n_layer for i in self.local_layers),
-                f"local_layers={self.local_layers} must be layer indices below n_layer={self.n_layer}",
-            ),
-            (
-                not self.local_layers or (self.sliding_window or 0) > 0,
-                "local_layers need a positive sliding_window (how many recent positions they see)",
-            ),
-            (self.logit_softcap is None or self.logit_softcap > 0, "logit_softcap must be positive"),
-            (self.attn_scalar is None or self.attn_scalar > 0, "attn_scalar must be positive"),
         )
-
-    @property
-    def attn_scale(self) -> float | None:
-        """Scale of the attention scores: attn_scalar^-1/2, or None for attention()'s head_dim^-1/2."""
-        return None if self.attn_scalar is None else self.attn_scalar**-0.5
 
     @property
     def rotary_dim(self) -> int:
@@ -203,21 +182,90 @@ class DecoderConfig(ModelConfigBase):
     def mup_width(self) -> int:
         return self.d_model
 
-    def stack(self, n_layer: int) -> "DecoderConfig":
-        """A plain decoder config of this shape with ``n_layer`` layers: one stack of a two-stack family."""
-        fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(DecoderConfig)}
-        return DecoderConfig(**{**fields, "n_layer": n_layer})
-
     def summary(self) -> str:
         return f"{self.n_layer} layers, d={self.d_model}, heads {self.n_head}/{self.n_kv_head}"
 
+    def stack(self, n_layer: int | None = None) -> DecoderConfig:
+        """The plain transformer of this shape (``n_layer`` layers, default this config's): what a stack or a
+        recurrent core is built from. Fields this family does not have keep the plain decoder's defaults."""
+        shared = {f.name for f in dataclasses.fields(DecoderConfig)}
+        fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name in shared}
+        return DecoderConfig(**{**fields, "n_layer": self.n_layer if n_layer is None else n_layer})
 
 
-def _round_up(x: int, multiple: int) -> int:
+@dataclass
+class PretrainedFeatures:
+    """Architecture features that let pretrained models load exactly (see :mod:`blockloop.convert.hf`); the
+    defaults leave a model unchanged. ``learned_positions``: a learned absolute position table added to the
+    token embeddings (GPT-2; use with ``rotary_pct=0``). ``embed_scale``: embeddings times sqrt(d_model)
+    (Gemma). ``qk_norm``: RMSNorm over each query/key head before rotary (Gemma-3). ``sandwich_norm``: norms
+    on the attention and MLP outputs too, before the residual add (Gemma-3). ``attn_scalar``: scores scaled by
+    attn_scalar^-1/2 instead of head_dim^-1/2 (Gemma-3's query_pre_attn_scalar). ``logit_softcap``: logits
+    become c * tanh(logits / c)."""
+
+    learned_positions: bool = False
+    embed_scale: bool = False
+    qk_norm: bool = False
+    sandwich_norm: bool = False
+    attn_scalar: float | None = None
+    logit_softcap: float | None = None
+
+    def validate(self) -> None:
+        super().validate()
+        self._check(
+            (self.logit_softcap is None or self.logit_softcap > 0, "logit_softcap must be positive"),
+            (self.attn_scalar is None or self.attn_scalar > 0, "attn_scalar must be positive"),
+        )
+
+    @property
+    def attn_scale(self) -> float | None:
+        """Scale of the attention scores: attn_scalar^-1/2, or None for attention()'s head_dim^-1/2."""
+        return None if self.attn_scalar is None else self.attn_scalar**-0.5
+
+
+@dataclass
+class LocalAttention:
+    """Interleaved local/global attention (Gemma-3): ``local_layers`` are layers whose queries see only the
+    last ``sliding_window`` positions, rotated with ``local_rope_base`` when given."""
+
+    sliding_window: int | None = None
+    local_layers: list[int] = field(default_factory=list)
+    local_rope_base: float | None = None
+
+    def validate(self) -> None:
+        super().validate()
+        self._check(
+            (
+                all(0 <= i < self.n_layer for i in self.local_layers),
+                f"local_layers={self.local_layers} must be layer indices below n_layer={self.n_layer}",
+            ),
+            (
+                not self.local_layers or (self.sliding_window or 0) > 0,
+                "local_layers need a positive sliding_window (how many recent positions they see)",
+            ),
+        )
+
+
+@dataclass
+class DecoderConfig(LocalAttention, PretrainedFeatures, TransformerShape, ModelConfig):
+    """A decoder-only transformer (GPT-NeoX/Pythia, Llama, GPT-2 and Gemma-3 shapes are all expressible).
+
+    ``rotary_pct`` < 1 rotates only the first part of each head, as Pythia does (0.25). ``parallel_residual``
+    computes attention and MLP from the same input and adds both, as GPT-NeoX does. It is the decoder
+    family's config and the plain transformer every other family builds its stacks and cores from.
+    """
+
+    family: ClassVar[str] = "decoder"
+
+
+GROUPS = (ModelConfig, TransformerShape, PretrainedFeatures, LocalAttention)
+
+
+def round_up(x: int, multiple: int) -> int:
     return (x + multiple - 1) // multiple * multiple
 
 
-def _split_layers(name: str, total: int, first: int | None, second: int | None, names: tuple[str, str]) -> tuple[int, int]:
+def split_layers(name: str, total: int, first: int | None, second: int | None, names: tuple[str, str]) -> tuple[int, int]:
     """Resolve a two-stack layer split: either count may be left out and is then ``total`` minus the other."""
     if first is None and second is None:
         raise ConfigError(f"{name}: give {names[0]} or {names[1]} (how n_layer={total} is split between the stacks)")
@@ -231,391 +279,24 @@ def _split_layers(name: str, total: int, first: int | None, second: int | None, 
     return first, second
 
 
-@dataclass
-class DoubleDecoderConfig(DecoderConfig):
-    """A block-based double decoder (Alexander et al. 2026, section 3.1): context decoder + generation decoder.
-
-    ``n_layer`` is the total depth, split into ``n_context_layer`` causal context-decoder layers and
-    ``n_generation_layer`` generation-decoder layers (paper: 8/4, 10/5 for the smallest models). The block
-    partition sampled for every training batch follows ``partition`` (see :mod:`blockloop.data.partitions`):
-    ``uniform`` draws the number of blocks uniformly from 1..``max_blocks`` and the boundaries uniformly;
-    ``logspace`` places the boundaries geometrically; ``histogram`` draws block lengths from
-    ``partition_lengths`` (e.g. observed prompt lengths).
-    """
-
-    family: ClassVar[str] = "double_decoder"
-
-    n_context_layer: int | None = None
-    n_generation_layer: int | None = None
-    partition: str = "uniform"
-    max_blocks: int = 16
-    partition_lengths: list[int] = field(default_factory=list)
-
-    def validate(self) -> None:
-        super().validate()
-        self.n_context_layer, self.n_generation_layer = _split_layers(
-            self.name, self.n_layer, self.n_context_layer, self.n_generation_layer,
-            ("n_context_layer", "n_generation_layer"),
-        )
-        self._check(
-            (self.partition in PARTITIONS, f"partition strategy {self.partition!r} is unknown; choose one of {PARTITIONS}"),
-            (self.max_blocks >= 1, f"max_blocks must be at least 1, got {self.max_blocks}"),
-            (
-                self.partition != "histogram" or (self.partition_lengths and min(self.partition_lengths) > 0),
-                "partition='histogram' needs partition_lengths, a list of positive block lengths to draw from",
-            ),
-        )
-
-
-@dataclass
-class EncoderDecoderConfig(DecoderConfig):
-    """A standard encoder-decoder (bidirectional encoder; decoder with self- and cross-attention) as in T5.
-
-    ``n_layer`` is split into ``n_encoder_layer`` and ``n_decoder_layer``; the paper (section 4) removes
-    decoder layers until the non-embedding parameters match the other families, since each decoder layer
-    carries an extra cross-attention sublayer. Pretraining uses span corruption: ``corruption_rate`` of the
-    tokens in spans of mean length ``mean_span_length``, each span replaced by one of ``n_sentinels``
-    sentinel ids placed after the tokenizer's vocabulary (inside the padded embedding table).
-    """
-
-    family: ClassVar[str] = "encoder_decoder"
-
-    n_encoder_layer: int | None = None
-    n_decoder_layer: int | None = None
-    corruption_rate: float = 0.15
-    mean_span_length: float = 3.0
-    n_sentinels: int = 32
-
-    def __post_init__(self) -> None:
-        if self.padded_vocab_size is None:
-            self.padded_vocab_size = self.vocab_size + self.n_sentinels
-        super().__post_init__()
-
-    def validate(self) -> None:
-        super().validate()
-        self.n_encoder_layer, self.n_decoder_layer = _split_layers(
-            self.name, self.n_layer, self.n_encoder_layer, self.n_decoder_layer, ("n_encoder_layer", "n_decoder_layer")
-        )
-        self._check(
-            (0.0 < self.corruption_rate < 1.0, f"corruption_rate must be in (0, 1), got {self.corruption_rate}"),
-            (self.mean_span_length >= 1.0, f"mean_span_length must be at least 1, got {self.mean_span_length}"),
-            (self.n_sentinels >= 2, f"n_sentinels must be at least 2, got {self.n_sentinels}"),
-            (
-                self.padded_vocab_size >= self.vocab_size + self.n_sentinels,
-                f"padded_vocab_size={self.padded_vocab_size} leaves no room for {self.n_sentinels} sentinel ids after "
-                f"vocab_size={self.vocab_size}",
-            ),
-        )
-
-    @property
-    def reserved_ids(self) -> int:
-        return self.n_sentinels
-
-
-EMBEDDERS = ("lookup", "encoder", "cls")
-TOKEN_DECODERS = ("prefix", "sum", "cross")
-
-
-@dataclass
-class BlockTransformerConfig(ModelConfigBase):
-    """Block Transformer (Ho et al. 2024): embedder -> block decoder -> token decoder.
-
-    ``context_length`` counts tokens; the block decoder sees ``context_length / block_len`` blocks.
-    Embedders (appendix F.1): ``lookup`` concatenates ``block_len`` token embeddings of width
-    ``embed_dim`` (default ``block_d_model / block_len``; any other width adds a projection, which is how
-    a vanilla model's full-width embedding is reused when uptraining); ``encoder`` runs a small
-    bidirectional transformer of width ``embed_dim`` over the block's tokens and projects their
-    concatenation; ``cls`` reads ``n_cls`` CLS tokens of that encoder instead. Token decoders
-    (appendix F.2): ``prefix`` projects the context embedding to ``prefix_len`` prefix tokens; ``sum``
-    adds a projected context to each input position (MEGABYTE); ``cross`` lets every layer
-    cross-attend to ``block_len`` projected context states. The layer style fields (norm, MLP, rotary,
-    ...) apply to every transformer inside. ``pad_id`` fills blocks (random-length padding in training,
-    left padding of prompts); runs set it to the tokenizer's end-of-text id.
-    """
-
-    family: ClassVar[str] = "block"
-
-    block_len: int = 4
-    pad_id: int = 0
-    random_padding: bool = True
-    embedder: str = "lookup"
-    embed_dim: int | None = None
-    embedder_n_layer: int = 3
-    embedder_n_head: int = 4
-    n_cls: int = 3
-    block_n_layer: int = 6
-    block_d_model: int = 768
-    block_n_head: int = 12
-    block_n_kv_head: int | None = None
-    block_d_ff: int | None = None
-    token_decoder: str = "prefix"
-    prefix_len: int = 2
-    token_n_layer: int = 6
-    token_d_model: int = 768
-    token_n_head: int = 12
-    token_n_kv_head: int | None = None
-    token_d_ff: int | None = None
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        if self.embed_dim is None:
-            self.embed_dim = self.block_d_model // self.block_len if self.embedder == "lookup" else 256
-        self._check(
-            (self.block_len >= 1, f"block_len must be at least 1, got {self.block_len}"),
-            (
-                self.context_length % self.block_len == 0,
-                f"context_length={self.context_length} is not a multiple of block_len={self.block_len}",
-            ),
-            (self.embedder in EMBEDDERS, f"embedder={self.embedder!r} is not one of {EMBEDDERS}"),
-            (self.token_decoder in TOKEN_DECODERS, f"token_decoder={self.token_decoder!r} is not one of {TOKEN_DECODERS}"),
-            (self.token_decoder != "prefix" or self.prefix_len >= 1, "the prefix token decoder needs prefix_len >= 1"),
-            (self.embedder != "cls" or self.n_cls >= 1, "the cls embedder needs n_cls >= 1"),
-            (0 <= self.pad_id < self.padded_vocab_size, f"pad_id={self.pad_id} is outside the vocabulary"),
-            (self.embed_dim >= 1, f"embed_dim must be positive, got {self.embed_dim}"),
-            (self.mup_base_width is None, "muP width scaling is not defined for block models (two widths)"),
-        )
-        for build_part in (self.block_decoder_config, self.token_decoder_config, self.embedder_config):
-            build_part()  # each part validates its own shape
-
-    @property
-    def n_lead(self) -> int:
-        """Token-decoder positions before the block's first input token: the prefix, or one start token."""
-        return self.prefix_len if self.token_decoder == "prefix" else 1
-
-    def _part(self, part: str, **shape: Any) -> DecoderConfig:
-        return DecoderConfig(name=f"{self.name}/{part}", vocab_size=self.vocab_size, **self.style(), **shape)
-
-    def block_decoder_config(self) -> DecoderConfig:
-        return self._part(
-            "block_decoder", context_length=self.context_length // self.block_len, n_layer=self.block_n_layer,
-            d_model=self.block_d_model, n_head=self.block_n_head, n_kv_head=self.block_n_kv_head, d_ff=self.block_d_ff,
-        )
-
-    def token_decoder_config(self) -> DecoderConfig:
-        return self._part(
-            "token_decoder", context_length=self.n_lead + self.block_len - 1, n_layer=self.token_n_layer,
-            d_model=self.token_d_model, n_head=self.token_n_head, n_kv_head=self.token_n_kv_head, d_ff=self.token_d_ff,
-        )
-
-    def embedder_config(self) -> DecoderConfig:
-        heads = self.embedder_n_head if self.embed_dim % self.embedder_n_head == 0 else 1
-        return self._part(
-            "embedder", context_length=self.block_len + self.n_cls, n_layer=max(1, self.embedder_n_layer),
-            d_model=self.embed_dim, n_head=heads,
-        )
-
-    def summary(self) -> str:
-        lead = f"prefix {self.prefix_len}" if self.token_decoder == "prefix" else self.token_decoder
-        return (f"block {self.block_n_layer}x{self.block_d_model} + token {self.token_n_layer}x{self.token_d_model}, "
-                f"L_B={self.block_len}, {self.embedder}, {lead}")
-
-
-TYING_STRATEGIES = ("cycle", "sequence", "cycle_rev")
-EXIT_LOSSES = ("none", "weighted", "aggressive")
-
-
-@dataclass
-class RecursiveConfig(DecoderConfig):
-    """A (Relaxed) Recursive Transformer (Bae et al. 2024, sections 2.2-2.3): ``loops`` passes B over one block
-    of ``n_layer`` unique layers, so the looped depth is L = n_layer * loops (equation 2).
-
-    ``tying`` orders the shared layers along the depth (appendix D): ``cycle`` repeats the block
-    (0,1,2,0,1,2), ``sequence`` repeats each layer in place (0,0,1,1,2,2), ``cycle_rev`` runs the last loop
-    in reverse (0,1,2,2,1,0). Relaxations (section 2.3, appendix K): ``lora_rank`` > 0 gives every shared
-    linear weight one LoRA per loop (scaling ``lora_alpha / lora_rank``, alpha defaulting to the rank);
-    ``prefix_len`` > 0 gives every (loop, layer) position its own learned prefix keys/values.
-    Early-exit training (section 3.7, appendix M): ``exit_loss`` ``weighted`` weighs loop i's loss by
-    i / sum(i); ``aggressive`` weighs intermediate loops by ``exit_coefficient`` and the last by 1;
-    ``exit_kd_weight`` > 0 adds, for each intermediate loop, that weight times the KL divergence from the
-    detached final-loop distribution.
-    """
-
-    family: ClassVar[str] = "recursive"
-
-    loops: int = 2
-    tying: str = "cycle"
-    lora_rank: int = 0
-    lora_alpha: float | None = None
-    prefix_len: int = 0
-    exit_loss: str = "none"
-    exit_coefficient: float = 0.1
-    exit_kd_weight: float = 0.0
-
-    def validate(self) -> None:
-        super().validate()
-        self._check(
-            (self.loops >= 1, f"loops must be at least 1, got {self.loops}"),
-            (self.tying in TYING_STRATEGIES, f"tying strategy {self.tying!r} is unknown; choose one of {TYING_STRATEGIES}"),
-            (self.lora_rank >= 0, f"lora_rank must be 0 (no LoRA) or positive, got {self.lora_rank}"),
-            (self.lora_alpha is None or self.lora_alpha > 0, f"lora_alpha must be positive, got {self.lora_alpha}"),
-            (self.prefix_len >= 0, f"prefix_len must be 0 (no prefix) or positive, got {self.prefix_len}"),
-            (self.exit_loss in EXIT_LOSSES, f"exit_loss {self.exit_loss!r} is unknown; choose one of {EXIT_LOSSES}"),
-            (0.0 <= self.exit_coefficient <= 1.0, f"exit_coefficient must be in [0, 1], got {self.exit_coefficient}"),
-            (self.exit_kd_weight >= 0.0, f"exit_kd_weight must be non-negative, got {self.exit_kd_weight}"),
-            (
-                not (self.prefix_len and self.local_layers),
-                "prefix relaxation is not defined for sliding-window local layers; use LoRA (lora_rank) instead",
-            ),
-        )
-
-    @property
-    def depth(self) -> int:
-        """The looped depth L = n_layer * loops."""
-        return self.n_layer * self.loops
-
-    @property
-    def lora_scaling(self) -> float:
-        """alpha / r, the factor on every LoRA delta."""
-        return (self.lora_alpha or self.lora_rank) / self.lora_rank if self.lora_rank else 0.0
-
-    def summary(self) -> str:
-        relax = f", LoRA r={self.lora_rank}" if self.lora_rank else ""
-        relax += f", prefix {self.prefix_len}" if self.prefix_len else ""
-        return f"{self.n_layer} shared layers x {self.loops} loops ({self.tying}), d={self.d_model}{relax}"
-
-
-LADDER_PATTERNS = ("abab", "aabb")
-
-
-@dataclass
-class StaircaseConfig(DecoderConfig):
-    """Staircase attention (Ju et al. 2022, section 3.2): a core of ``n_layer`` layers applied recurrently.
-
-    Each step the core reads ``chunk_size`` (C, the forward size) new tokens together with the backward
-    tokens still in flight, ``step_size`` (S) tokens in all. Staircase (3.2.1): every token is processed
-    ``S / C`` times. Cached Staircase (3.2.2): after ``cache_after`` (m) passes a state leaves the
-    computation and joins a cache of the ``S - m C`` most recent finished tokens that later steps attend to
-    (keys/values only). Global Cached Staircase (3.2.3, ``global_cache``): the cache keeps every prior
-    state, up to ``context_length`` tokens. ``memory_mix`` caches a learned softmax mix of all layers'
-    states instead of the last one: with C = 1 and m = 1 this is the Feedback Transformer (section 3.3).
-
-    ``context_length`` bounds a training segment and a generation; state crosses segments (truncated BPTT).
-    """
-
-    family: ClassVar[str] = "staircase"
-
-    chunk_size: int = 64
-    step_size: int = 128
-    cache_after: int | None = None
-    global_cache: bool = False
-    memory_mix: bool = False
-
-    def validate(self) -> None:
-        super().validate()
-        C, S, m = self.chunk_size, self.step_size, self.cache_after
-        self._check((C >= 1, f"chunk_size must be at least 1, got {C}"))
-        self._check(
-            (S >= C and S % C == 0, f"step_size={S} must be a positive multiple of chunk_size={C}"),
-            (S <= self.context_length, f"step_size={S} exceeds context_length={self.context_length}; raise the context"),
-            (m is None or 1 <= m <= S // C,
-             f"cache_after={m} must be between 1 and step_size / chunk_size = {S // C} recurrent passes"),
-            (m is not None or not self.global_cache, "global_cache needs cache_after (the passes before a state is cached)"),
-            (m is not None or not self.memory_mix, "memory_mix needs cache_after=1 (a Feedback-style cache)"),
-            (not self.memory_mix or m == 1, f"memory_mix mixes the layers of one pass: set cache_after=1, not {m}"),
-            (m is None or self.global_cache or m * C < S,
-             f"cache_after={m} passes of chunk_size={C} fill step_size={S}, leaving no cache; raise step_size"),
-        )
-
-    @property
-    def recurrent(self) -> bool:
-        """State (backward tokens, cache) carries from one segment to the next."""
-        return True
-
-    @property
-    def passes(self) -> int:
-        """How many times the core processes each token: S / C, or m with a cache."""
-        return self.step_size // self.chunk_size if self.cache_after is None else self.cache_after
-
-    @property
-    def cache_tokens(self) -> int:
-        """Finished states kept for attention only: 0, S - m C, or the whole context (global)."""
-        if self.cache_after is None:
-            return 0
-        return self.context_length if self.global_cache else self.step_size - self.cache_after * self.chunk_size
-
-    def summary(self) -> str:
-        kind = "feedback" if self.memory_mix else "global cached" if self.global_cache else (
-            "cached" if self.cache_after else "staircase")
-        return f"{kind}: core {self.n_layer} layers x {self.passes} passes, d={self.d_model}, S={self.step_size}, C={self.chunk_size}"
-
-
-@dataclass
-class LadderConfig(DecoderConfig):
-    """Ladder (Ju et al. 2022, section 3.2.4): the whole segment at once, the core repeated ``n_steps`` times.
-
-    ``pattern`` orders the shared layers (Table 4): ``abab`` repeats the whole core, ``aabb`` repeats each
-    layer before the next. One layer is the Universal Transformer; one step is the plain core. With
-    ``memory_len`` M > 0 each token attends to itself and the M tokens before it, in earlier segments too,
-    through a per-layer memory of their states (Transformer-XL, Dai et al. 2019; rotary positions): the
-    paper's long-sequence setting, and with ``n_steps=1`` the Transformer-XL baseline.
-    """
-
-    family: ClassVar[str] = "ladder"
-
-    n_steps: int = 2
-    pattern: str = "abab"
-    memory_len: int = 0
-
-    def validate(self) -> None:
-        super().validate()
-        self._check(
-            (self.n_steps >= 1, f"n_steps must be at least 1, got {self.n_steps}"),
-            (self.pattern in LADDER_PATTERNS, f"pattern={self.pattern!r} is not one of {LADDER_PATTERNS}"),
-            (self.memory_len >= 0, f"memory_len must be zero or positive, got {self.memory_len}"),
-        )
-
-    @property
-    def recurrent(self) -> bool:
-        return self.memory_len > 0
-
-    @property
-    def execution_order(self) -> list[int]:
-        """Which core layer each of the n_steps x n_layer applications uses (ABAB or AABB)."""
-        layers = range(self.n_layer)
-        if self.pattern == "abab":
-            return [layer for _ in range(self.n_steps) for layer in layers]
-        return [layer for layer in layers for _ in range(self.n_steps)]
-
-    def summary(self) -> str:
-        memory = f", memory {self.memory_len}" if self.memory_len else ""
-        return f"ladder {self.pattern}: core {self.n_layer} layers x {self.n_steps}, d={self.d_model}{memory}"
-
-
-CONFIG_CLASSES: dict[str, type] = {
-    cls.family: cls
-    for cls in (
-        DecoderConfig, DoubleDecoderConfig, EncoderDecoderConfig, BlockTransformerConfig, RecursiveConfig,
-        StaircaseConfig, LadderConfig,
-    )
-}
-ModelConfig = DecoderConfig | BlockTransformerConfig  # the double decoder and encoder-decoder configs are DecoderConfigs
-
-
-
-def config_from_dict(data: dict[str, Any]) -> "ModelConfig":
-    """Rebuild any family's config from :meth:`to_dict` output, rejecting unknown fields by name."""
-    data = dict(data)
-    family = data.pop("family", "decoder")
-    cls = CONFIG_CLASSES.get(family)
-    if cls is None:
-        raise ConfigError(f"unknown model family {family!r}; known: {', '.join(sorted(CONFIG_CLASSES))}")
-    known = {f.name for f in dataclasses.fields(cls)}
-    unknown = sorted(set(data) - known)
-    if unknown:
-        raise ConfigError(f"unknown config field(s) for {family}: {', '.join(unknown)}")
-    return cls(**data)
-
-
-def save_config(config: "ModelConfig", path: Path) -> None:
+def shared_defaults() -> dict[str, Any]:
+    """Every shared field's default: a config.json written before a family dropped a group holds these."""
+    return {
+        f.name: f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+        for group in GROUPS for f in dataclasses.fields(group)
+    }
+
+
+def save_config(config: ModelConfig, path: Path) -> None:
     Path(path).write_text(json.dumps(config.to_dict(), indent=2) + "\n")
 
 
-def load_config(path: Path) -> "ModelConfig":
+def read_config_dict(path: Path) -> dict[str, Any]:
+    """The JSON object of a ``config.json``, with a one-line error when it is missing or corrupt."""
     path = Path(path)
     if not path.is_file():
         raise BlockloopError(f"model config not found: {path}; point at a checkpoint directory written by train")
     try:
-        data = json.loads(path.read_text())
+        return json.loads(path.read_text())
     except json.JSONDecodeError as exc:
         raise BlockloopError(f"model config {path} is not valid JSON ({exc}); the checkpoint is corrupt") from exc
-    return config_from_dict(data)

@@ -8,15 +8,15 @@ and depth; families the appendix does not cover get their own rows.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
 
 from blockloop.config import ModelConfig
-from blockloop.data.collate import collate_for, step_generator
+from blockloop.data.collate import step_generator
 from blockloop.errors import BlockloopError
-from blockloop.models import build_model
-from blockloop.presets import PRESETS, from_name
+from blockloop.families import PRESETS, build_model, collate_for, from_name, spec_of
 from blockloop.serve.runners import runner_for
 from blockloop.train import flops
 
@@ -56,42 +56,92 @@ def flops_report(
     preset: str, *, seq_len: int | None = None, out_len: int = 256, bytes_per_value: int = 2, measure: bool = False
 ) -> Report:
     """Training FLOPs per token at window ``seq_len`` (default: the context) and the KV cache of a ``seq_len`` prompt
-    plus ``out_len`` generated tokens at ``bytes_per_value``; ``measure`` adds torch's count of one forward."""
+    plus ``out_len`` generated tokens at ``bytes_per_value``; ``measure`` adds torch's count of one forward.
+
+    Families with the double-decoder paper's closed forms (appendix A) are shown beside them and beside a plain
+    decoder of the same width and depth; the others get their own count and the static state their serving
+    runner allocates."""
     config = from_name(preset)
     T = seq_len or config.context_length
     if not 2 <= T <= config.context_length:
         raise BlockloopError(f"--seq-len must be in 2..{config.context_length} (the model context), got {T}")
     if out_len < 1 or bytes_per_value < 1:
         raise BlockloopError("--out-len and --bytes must be at least 1")
-    if config.family == "block":
-        return _block_report(preset, config, T, out_len, bytes_per_value, measure)
-    if config.family in ("staircase", "ladder"):
-        return _recurrent_report(preset, config, T, out_len, bytes_per_value, measure)
+    spec = spec_of(config)
+    unit = spec.sequence_multiple(config)
+    if T % unit:
+        raise BlockloopError(f"--seq-len {T} is not a multiple of the {spec.sequence_unit} {unit}")
+    if spec.unrolled is None and spec.paper_training_flops is None:
+        return _own_count_report(preset, config, T, out_len, bytes_per_value, measure)
     note = None
-    if config.family == "recursive":  # weights are shared, compute and KV cache are not: count the looped depth
-        note = f"{preset}: {config.summary()}; FLOPs and KV cache are those of its {config.depth}-layer looped depth"
-        config = config.stack(config.depth)
+    if spec.unrolled is not None:
+        config, looped = spec.unrolled(config), config
+        note = f"{preset}: {looped.summary()}; FLOPs and KV cache are those of its {config.n_layer}-layer looped depth"
     baseline = config.stack(config.n_layer)
     rows = [("model", "paper formula FLOPs/token", "config FLOPs/token", "measured FLOPs/token", f"KV cache T={T}+{out_len}")]
     for label, c in ((f"{config.family} ({preset})", config), ("decoder-only, same width/depth", baseline)):
-        t_in, t_out = flops.encoder_decoder_lengths(c, T) if c.family == "encoder_decoder" else (T, None)
-        paper = flops.paper_training_flops(c.family, t_in, c.d_model, c.n_layer, t_out) / T
-        exact = flops.training_flops_per_token(c, T)
+        s = spec_of(c)
+        paper = s.paper_training_flops(*s.paper_lengths(c, T)[:1], c.d_model, c.n_layer, *s.paper_lengths(c, T)[1:]) / T
         measured = "-"
         if measure:
             with torch.device("meta"):
                 model = build_model(c)
-            batch = collate_for(model)(torch.zeros(1, T, dtype=torch.long), torch.zeros(1, T, dtype=torch.long), step_generator(0, 0))
+            batch = collate_for(c)(torch.zeros(1, T, dtype=torch.long), torch.zeros(1, T, dtype=torch.long), step_generator(0, 0))
             batch.pop("targets")
             measured = f"{3 * flops.measured_forward_flops(model, {k: v.to('meta') for k, v in batch.items()}) / T:.4g}"
-        kv = flops.kv_cache_bytes(c, T, out_len, bytes_per_value)
-        rows.append((label, f"{paper:.4g}", f"{exact:.4g}", measured, f"{kv / 2**20:.2f} MiB"))
-        if c is config and c.family == "decoder":
+        kv = s.kv_bytes(c, T, out_len, bytes_per_value)
+        rows.append((label, f"{paper:.4g}", f"{s.training_flops_per_token(c, T):.4g}", measured, f"{kv / 2**20:.2f} MiB"))
+        if type(c) is type(baseline):  # the preset is a plain decoder: it is its own baseline
             break
     footnote = ("paper formula: appendix A.2 (MHA, 4d MLP, no LM head, 2/3-1/3 split); config: this preset's exact "
                 "shapes incl. LM head; measured: 3 x one forward under torch FlopCounterMode (the double decoder's "
                 "dense dual attention counts two attentions where the paper's efficient implementation counts one).")
     return Report(rows, footnote, note)
+
+
+def _generation_state_bytes(model: torch.nn.Module, max_len: int, bytes_per_value: int) -> int:
+    """Floating-point values of the static state the model's serving runner allocates for one slot."""
+    runner = runner_for(model)
+    runner.allocate(1, max_len)
+    seen: dict[int, torch.Tensor] = {}
+
+    def visit(obj: object) -> None:
+        if isinstance(obj, torch.Tensor):
+            seen.setdefault(id(obj), obj)
+        elif isinstance(obj, torch.nn.Module):
+            for tensor in obj.buffers():
+                seen.setdefault(id(tensor), tensor)
+        elif isinstance(obj, (list, tuple)):
+            for item in obj:
+                visit(item)
+        elif dataclasses.is_dataclass(obj):
+            for f in dataclasses.fields(obj):
+                visit(getattr(obj, f.name))
+
+    visit(runner.state)
+    return sum(t.numel() for t in seen.values() if t.is_floating_point()) * bytes_per_value
+
+
+def _own_count_report(preset: str, config: ModelConfig, T: int, out_len: int, nbytes: int, measure: bool) -> Report:
+    """A family without an appendix-A closed form: its own count, measured FLOPs and its generation state,
+    beside the core it repeats (when it has one) run once as a plain decoder."""
+    spec = spec_of(config)
+    unit = spec.sequence_multiple(config)
+    needed = -(-(T + out_len) // unit) * unit
+    with torch.device("meta"):
+        model = build_model(config.replace(context_length=max(config.context_length, needed)))
+        state = _generation_state_bytes(model, T + out_len, nbytes)
+    rows = [("model", "config FLOPs/token", "measured FLOPs/token", f"generation KV state T={T}+{out_len}"),
+            (f"{config.family} ({preset})", f"{spec.training_flops_per_token(config, T):.4g}",
+             _measured(model, T, measure), f"{state / 2**20:.2f} MiB")]
+    if spec.core is not None:
+        core = spec.core(config)
+        core_spec = spec_of(core)
+        rows.append(("core as a plain decoder (one pass)", f"{core_spec.training_flops_per_token(core, T):.4g}", "-",
+                     f"{core_spec.kv_bytes(core, T, out_len, nbytes) / 2**20:.2f} MiB"))
+    footnote = (f"config: steady-state training FLOPs per token ({spec.cost_note}); measured: 3 x one forward from an "
+                "empty state under torch FlopCounterMode; state: the static caches the serving runner allocates per slot.")
+    return Report(rows, footnote)
 
 
 def _measured(model: torch.nn.Module, T: int, measure: bool) -> str:
@@ -100,46 +150,3 @@ def _measured(model: torch.nn.Module, T: int, measure: bool) -> str:
         return "-"
     idx = torch.zeros(1, T, dtype=torch.long, device="meta")
     return f"{3 * flops.measured_forward_flops(model, {'idx': idx}) / T:.4g}"
-
-
-def _cache_bytes(caches: list, bytes_per_value: int) -> int:
-    return sum(layer.k.numel() + layer.v.numel() for cache in caches for layer in cache.layers) * bytes_per_value
-
-
-def _block_report(preset: str, config: ModelConfig, T: int, out_len: int, nbytes: int, measure: bool) -> Report:
-    """A Block Transformer has no appendix-A formula: its own count, measured FLOPs, and its allocated caches."""
-    if T % config.block_len:
-        raise BlockloopError(f"--seq-len {T} is not a multiple of the block length {config.block_len}")
-    with torch.device("meta"):
-        model = build_model(config.replace(context_length=-(-(T + out_len) // config.block_len) * config.block_len))
-        caches = model.generation_caches(1, T, out_len)
-    rows = [("model", "config FLOPs/token", "measured FLOPs/token", f"KV cache T={T}+{out_len}"),
-            (f"block ({preset})", f"{flops.block_flops_per_token(config, T):.4g}", _measured(model, T, measure),
-             f"{_cache_bytes(caches, nbytes) / 2**20:.2f} MiB")]
-    footnote = ("config: steady-state training FLOPs per token (block decoder once per block, token decoder n_lead + "
-                "L_B - 1 positions per block); measured: 3 x one forward under torch FlopCounterMode (the first block "
-                "of a window is not decoded); KV cache: the block decoder's cache plus one block of token-decoder cache.")
-    return Report(rows, footnote)
-
-
-def _recurrent_report(preset: str, config: ModelConfig, T: int, out_len: int, nbytes: int, measure: bool) -> Report:
-    """The staircase family has no appendix-A formula: the core counted once per pass, measured FLOPs, and
-    the generation state the engine allocates per slot, beside the core run once as a plain decoder."""
-    with torch.device("meta"):
-        model = build_model(config)
-        if config.family == "staircase":  # bounded by S and the cache, whatever the stream length
-            runner = runner_for(model)
-            runner.allocate(1, T + out_len)
-            caches = runner.state.passes
-        else:
-            caches = model.generation_caches(1, T, out_len)
-    core = config.stack(config.n_layer)
-    rows = [("model", "config FLOPs/token", "measured FLOPs/token", f"generation KV state T={T}+{out_len}"),
-            (f"{config.family} ({preset})", f"{flops.training_flops_per_token(config, T):.4g}",
-             _measured(model, T, measure), f"{_cache_bytes(caches, nbytes) / 2**20:.2f} MiB"),
-            ("core as a plain decoder (one pass)", f"{flops.training_flops_per_token(core, T):.4g}", "-",
-             f"{flops.kv_cache_bytes(core, T, out_len, nbytes) / 2**20:.2f} MiB")]
-    footnote = ("config: steady-state training FLOPs per token (the core once per pass, full windows, cache/memory "
-                "projections); measured: 3 x one forward from an empty stream under torch FlopCounterMode; state: "
-                "the static caches generation allocates per slot (a staircase's is bounded by S and the cache).")
-    return Report(rows, footnote)

@@ -22,8 +22,7 @@ from blockloop.bench.stream import agreement, corpus_prompts, run_stream
 from blockloop.bench.throughput import engine_throughput, search_batches
 from blockloop.bench.timing import copy_bandwidth
 from blockloop.errors import BlockloopError
-from blockloop.models import build_model
-from blockloop.presets import from_name
+from blockloop.families import build_model, from_name
 from blockloop.serve.exit_schedule import simulate
 from blockloop.serve.runners import ExitRule, runner_for
 from blockloop.serve.runners.recursive import RecursiveRunner

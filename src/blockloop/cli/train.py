@@ -20,8 +20,8 @@ TRAIN_FLAGS = (
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from blockloop.config import EXIT_LOSSES
     from blockloop.data.corpora import BUILTIN_CORPORA
+    from blockloop.families.recursive import EXIT_LOSSES
     from blockloop.train.trainer import TrainConfig
 
     d = TrainConfig()

@@ -14,11 +14,11 @@ from typing import Any, Callable
 
 from torch import nn
 
-from blockloop.config import TYING_STRATEGIES
 from blockloop.convert.hf_checkpoint import export_checkpoint
 from blockloop.convert.to_block import vanilla_to_block
 from blockloop.convert.to_recursive import LOOP_INITS, LORA_INITS, vanilla_to_recursive
 from blockloop.errors import BlockloopError
+from blockloop.families.recursive import TYING_STRATEGIES
 from blockloop.train import checkpoint as ckpt
 from blockloop.train.run import TrainedModel, load_trained
 

@@ -14,8 +14,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from blockloop.config import BlockTransformerConfig, DecoderConfig
+from blockloop.config import DecoderConfig
 from blockloop.errors import BlockloopError
+from blockloop.families.block import BlockTransformerConfig
 from blockloop.models.block import BlockTransformer
 from blockloop.models.decoder import Decoder
 

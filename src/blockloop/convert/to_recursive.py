@@ -34,8 +34,9 @@ import dataclasses
 import torch
 from torch import nn
 
-from blockloop.config import DecoderConfig, RecursiveConfig
+from blockloop.config import DecoderConfig
 from blockloop.errors import BlockloopError
+from blockloop.families.recursive import RecursiveConfig
 from blockloop.models.decoder import Decoder
 from blockloop.models.recursive import RecursiveDecoder
 from blockloop.nn.lora import LoopLoRALinear

@@ -2,8 +2,8 @@
 
 The loader yields ``(inputs, targets)`` windows of one token stream for every family. A family whose
 training input is not the plain window (random-length padding into blocks, a sampled block partition,
-span corruption, a prefix-LM breakpoint) defines ``collate_batch(inputs, targets, generator, objective)``
-on its model class, returning the keyword arguments of its ``forward``; all others get :func:`lm_batch`.
+span corruption, a prefix-LM breakpoint) says so in its spec (``FamilySpec.make_batch``, see
+:mod:`blockloop.families`), returning the keyword arguments of its ``forward``; all others get :func:`lm_batch`.
 The generator is seeded from (seed, step) by the trainer, so the random choices are reproducible and
 resume exactly without being saved.
 
@@ -15,13 +15,10 @@ just the suffix is scored. Every family scores the same targets, which makes the
 
 from __future__ import annotations
 
-from functools import partial
 from typing import Callable
 
 import torch
-from torch import Tensor, nn
-
-from blockloop.errors import ConfigError
+from torch import Tensor
 
 OBJECTIVES = ("lm", "prefix_lm")
 Collate = Callable[[Tensor, Tensor, torch.Generator], dict[str, Tensor]]
@@ -49,12 +46,6 @@ def lm_batch(inputs: Tensor, targets: Tensor, generator: torch.Generator, object
     if objective == "prefix_lm":
         targets, _ = unscored_prefix(targets, generator)
     return {"idx": inputs, "targets": targets}
-
-
-def collate_for(model: nn.Module, objective: str = "lm") -> Collate:
-    if objective not in OBJECTIVES:
-        raise ConfigError(f"objective {objective!r} is not one of {OBJECTIVES}")
-    return partial(getattr(model, "collate_batch", lm_batch), objective=objective)
 
 
 def step_generator(seed: int, step: int) -> torch.Generator:

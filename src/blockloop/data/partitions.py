@@ -2,7 +2,7 @@
 
 A partition is a strictly increasing sequence 0 = b_0 < b_1 < ... < b_K = T that cuts a window into K
 contiguous blocks; one is drawn per batch and shared by its rows, so it only changes the generation
-decoder's attention masks. Every position lies in exactly one block, so every token is scored exactly
+decoder's attention masks (:func:`blockloop.nn.masks.block_masks`). Every position lies in exactly one block, so every token is scored exactly
 once whatever the partition.
 
 Strategies (``DoubleDecoderConfig.partition``):
@@ -22,8 +22,9 @@ from typing import Sequence
 import torch
 from torch import Tensor
 
-from blockloop.config import PARTITIONS
 from blockloop.errors import ConfigError
+
+PARTITIONS = ("uniform", "logspace", "histogram")
 
 
 def sample_partition(
@@ -58,8 +59,3 @@ def sample_partition(
 def prefix_partition(length: int, breakpoint: int) -> Tensor:
     """The two-block partition of the PrefixLM phase: a context block [0, breakpoint), then the response."""
     return torch.tensor([0, breakpoint, length], dtype=torch.long)
-
-
-def block_ids(boundaries: Tensor, positions: Tensor) -> Tensor:
-    """The block k with b_k <= position < b_{k+1}, for each position."""
-    return torch.bucketize(positions, boundaries.to(positions.device), right=True) - 1

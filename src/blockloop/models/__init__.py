@@ -1,32 +1,4 @@
-"""Model families, built from their configs by :func:`build_model`."""
+"""The models of every paper family: each takes its config and computes (forward and the paper's maths).
 
-from __future__ import annotations
-
-from torch import nn
-
-from blockloop.config import ModelConfig
-from blockloop.models.block import BlockTransformer
-from blockloop.models.decoder import Decoder
-from blockloop.models.double_decoder import DoubleDecoder
-from blockloop.models.encoder_decoder import EncoderDecoder
-from blockloop.models.ladder import Ladder
-from blockloop.models.recursive import RecursiveDecoder
-from blockloop.models.staircase import Staircase
-
-MODEL_CLASSES: dict[str, type[nn.Module]] = {
-    "decoder": Decoder,
-    "double_decoder": DoubleDecoder,
-    "encoder_decoder": EncoderDecoder,
-    "block": BlockTransformer,
-    "recursive": RecursiveDecoder,
-    "staircase": Staircase,
-    "ladder": Ladder,
-}
-
-
-def build_model(config: ModelConfig) -> nn.Module:
-    """The model for ``config``'s family; later families register themselves in MODEL_CLASSES."""
-    return MODEL_CLASSES[config.family](config)
-
-
-__all__ = ["MODEL_CLASSES", "BlockTransformer", "Decoder", "DoubleDecoder", "EncoderDecoder", "Ladder", "RecursiveDecoder", "Staircase", "build_model"]
+Which model a config builds is the family registry's business (:func:`blockloop.families.build_model`).
+"""

@@ -17,18 +17,20 @@ once per block and :meth:`BlockTransformer.token_logits` once per token.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from blockloop.config import BlockTransformerConfig
-from blockloop.data.block_padding import random_length_padding
-from blockloop.data.collate import sample_breakpoint
 from blockloop.errors import check_context
 from blockloop.models.decoder import TransformerStack, count_parameters
 from blockloop.nn.init import init_weights
 from blockloop.nn.kv_cache import DecoderCache, StepContext
 from blockloop.nn.precision import at_least_fp32
+
+if TYPE_CHECKING:
+    from blockloop.families.block import BlockTransformerConfig
 
 
 class LookupEmbedder(nn.Module):
@@ -141,35 +143,11 @@ class BlockTransformer(nn.Module):
         if isinstance(self.embedder, EncoderEmbedder) and self.embedder.cls is not None:
             nn.init.normal_(self.embedder.cls, std=c.init_std)
 
-    # ------------------------------------------------------------- training
-    def collate_batch(
-        self, inputs: Tensor, targets: Tensor, generator: torch.Generator, objective: str = "lm"
-    ) -> dict[str, Tensor]:
-        """Random-length padding (appendix H) of the window, then the labels each position predicts.
-
-        The window's ``T + 1`` tokens are re-packed so that every document starts after 0..L_B-1 pads
-        and ends on a block boundary, and cut back to ``T`` tokens. Labels are the tokens themselves,
-        except pads and the first block (which nothing predicts): -100. Under ``prefix_lm`` the positions
-        before the batch's breakpoint are not scored either.
-        """
-        c = self.config
-        breakpoint = sample_breakpoint(inputs.shape[1], generator) if objective == "prefix_lm" else 0
-        if inputs.shape[1] % c.block_len:
-            raise ValueError(f"sequence length {inputs.shape[1]} is not a multiple of block_len={c.block_len}")
-        window = torch.cat([inputs[:, :1], targets], dim=1)
-        if c.random_padding:
-            idx, real = random_length_padding(window, c.block_len, eos_id=c.pad_id, pad_id=c.pad_id,
-                                              length=inputs.shape[1], generator=generator)
-        else:
-            idx, real = window[:, :-1], torch.ones_like(window[:, :-1], dtype=torch.bool)
-        labels = idx.masked_fill(~real, -100)
-        labels[:, : max(c.block_len, breakpoint)] = -100
-        return {"idx": idx, "targets": labels}
-
     def forward(self, idx: Tensor, targets: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
         """Logits ``(B, T, V)`` where position ``t`` predicts token ``idx[:, t]`` itself (block 0: zeros).
 
-        ``targets`` are the labels from :meth:`collate_batch` (same positions, -100 = not scored).
+        ``targets`` are the labels of the block family's batching (:func:`blockloop.families.block.make_batch`):
+        same positions, -100 = not scored.
         """
         c = self.config
         batch, length = idx.shape

@@ -11,7 +11,8 @@ Two stacks share one (tied) token embedding:
   merged with their log-sum-exps, which is exactly the joint softmax (:func:`merge_attention`); a query
   of the first block has no cross keys and simply gets its within-block attention.
 
-Training draws a block partition per batch (:mod:`blockloop.data.partitions`); every token is scored once.
+Training draws a block partition per batch (:mod:`blockloop.data.partitions`, batched by the family spec);
+every token is scored once.
 Inference (section 3.3): the context decoder runs once over the prompt but its last token, whose
 latents become the cross K/V of every generation layer, computed once; the last prompt token opens the
 generation block, and only the generation layers keep a KV cache. Because both stacks are causal, the
@@ -26,14 +27,11 @@ union of keys with consistent relative positions.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 import torch
 from torch import Tensor, nn
 
-from blockloop.config import DoubleDecoderConfig
-from blockloop.data.collate import unscored_prefix
-from blockloop.data.partitions import prefix_partition, sample_partition
 from blockloop.errors import check_context
 from blockloop.models.decoder import (
     Block,
@@ -48,6 +46,9 @@ from blockloop.nn.attention import attention, merge_attention
 from blockloop.nn.kv_cache import DecoderCache, KVCache, StepContext
 from blockloop.nn.masks import block_masks
 from blockloop.nn.rope import apply_rope, rope_angles
+
+if TYPE_CHECKING:
+    from blockloop.families.double_decoder import DoubleDecoderConfig
 
 
 class DualAttention(SelfAttention):
@@ -111,19 +112,6 @@ class DoubleDecoder(LanguageModel):
             context=TransformerStack(config.stack(config.n_context_layer)),
             generation=nn.ModuleList(Block(config, DualAttention) for _ in range(config.n_generation_layer)),
         )
-
-    # ------------------------------------------------------------- training
-    def collate_batch(
-        self, inputs: Tensor, targets: Tensor, generator: torch.Generator, objective: str = "lm"
-    ) -> dict[str, Tensor]:
-        """A block partition per batch (native objective), or the PrefixLM split [0, b) | [b, T)."""
-        length = inputs.shape[1]
-        if objective == "prefix_lm":
-            targets, breakpoint = unscored_prefix(targets, generator)
-            return {"idx": inputs, "targets": targets, "boundaries": prefix_partition(length, breakpoint)}
-        c = self.config
-        boundaries = sample_partition(length, c.partition, generator, max_blocks=c.max_blocks, lengths=c.partition_lengths)
-        return {"idx": inputs, "targets": targets, "boundaries": boundaries}
 
     def forward(
         self, idx: Tensor, targets: Tensor | None = None, *, boundaries: Tensor | None = None

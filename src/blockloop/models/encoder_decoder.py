@@ -17,18 +17,20 @@ with a bidirectional encoder every state depends on the whole prompt (section 3.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 from torch import Tensor, nn
 
-from blockloop.config import EncoderDecoderConfig
-from blockloop.data.collate import sample_breakpoint
-from blockloop.data.span_corruption import span_corrupt
 from blockloop.errors import check_context
 from blockloop.models.decoder import Block, CrossKV, LanguageModel
 from blockloop.nn.kv_cache import DecoderCache, StepContext
 from blockloop.nn.masks import padding_mask
 from blockloop.nn.norm import build_norm
 from blockloop.nn.rope import rope_angles
+
+if TYPE_CHECKING:
+    from blockloop.families.encoder_decoder import EncoderDecoderConfig
 
 
 class EncoderDecoder(LanguageModel):
@@ -39,18 +41,6 @@ class EncoderDecoder(LanguageModel):
             encoder_norm=build_norm(config.norm, config.d_model, config.norm_eps),
             decoder=nn.ModuleList(Block(config, cross_attention=True) for _ in range(config.n_decoder_layer)),
         )
-
-    # ------------------------------------------------------------- training
-    def collate_batch(
-        self, inputs: Tensor, targets: Tensor, generator: torch.Generator, objective: str = "lm"
-    ) -> dict[str, Tensor]:
-        """Span corruption (native objective), or PrefixLM: encoder gets [0, b), decoder [b, T) scored."""
-        if objective == "prefix_lm":
-            b = sample_breakpoint(inputs.shape[1], generator)
-            return {"idx": inputs[:, :b], "decoder_idx": inputs[:, b:], "targets": targets[:, b:]}
-        c = self.config
-        return span_corrupt(inputs, rate=c.corruption_rate, mean_span=c.mean_span_length,
-                            first_sentinel=c.vocab_size, n_sentinels=c.n_sentinels, generator=generator)
 
     def forward(
         self,

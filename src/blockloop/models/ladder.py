@@ -21,17 +21,20 @@ Generation writes every application's keys/values into a :class:`~blockloop.nn.k
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
 
-from blockloop.config import LadderConfig
 from blockloop.errors import check_context
 from blockloop.models.decoder import LanguageModel
 from blockloop.models.recurrent_core import build_core, prefix_kv, rotate_prefix
 from blockloop.nn.kv_cache import DecoderCache, StepContext
 from blockloop.nn.masks import window_mask, within_span
 from blockloop.nn.rope import rope_angles
+
+if TYPE_CHECKING:
+    from blockloop.families.ladder import LadderConfig
 
 
 @dataclass(frozen=True)

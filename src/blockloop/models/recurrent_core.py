@@ -15,14 +15,15 @@ from __future__ import annotations
 
 from torch import Tensor
 
+from blockloop.config import TransformerShape
 from blockloop.models.decoder import Block, TransformerStack
 from blockloop.models.prefix_attention import KV, PrefixSelfAttention
 from blockloop.nn.rope import apply_rope
 
 
-def build_core(config: object) -> TransformerStack:
+def build_core(config: TransformerShape) -> TransformerStack:
     """The core: the plain stack's layers (same parameter names) with :class:`PrefixSelfAttention`, no final norm."""
-    return TransformerStack(config, final_norm=False, attention=PrefixSelfAttention)
+    return TransformerStack(config.stack(), final_norm=False, attention=PrefixSelfAttention)
 
 
 def prefix_kv(block: Block, states: Tensor) -> KV:

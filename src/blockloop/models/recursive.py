@@ -22,16 +22,20 @@ shared per-pass inputs and the exit around it.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 from torch import Tensor, nn
 
-from blockloop.config import RecursiveConfig
 from blockloop.errors import check_context
 from blockloop.models.decoder import Decoder, LayerInputs
 from blockloop.models.prefix_attention import PrefixSelfAttention, with_visible_prefix
 from blockloop.nn.distill import forward_kl
 from blockloop.nn.kv_cache import DecoderCache, StepContext
 from blockloop.nn.lora import LoopIndex, LoopLoRALinear, add_loop_lora
+
+if TYPE_CHECKING:
+    from blockloop.families.recursive import RecursiveConfig
 
 
 def layer_order(n_layer: int, loops: int, tying: str) -> list[int]:

@@ -34,17 +34,20 @@ they stay bounded on an endless stream and only relative distances matter.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor, nn
 
-from blockloop.config import StaircaseConfig
 from blockloop.models.decoder import LanguageModel
 from blockloop.models.prefix_attention import KV
 from blockloop.models.recurrent_core import build_core, prefix_kv, rotate_prefix
 from blockloop.nn.kv_cache import StepContext
 from blockloop.nn.masks import window_mask
 from blockloop.nn.rope import rope_angles
+
+if TYPE_CHECKING:
+    from blockloop.families.staircase import StaircaseConfig
 
 
 @dataclass(frozen=True)

@@ -95,6 +95,11 @@ def padding_mask(valid: Tensor) -> Tensor:
     return valid[:, None, None, :] | own
 
 
+def block_ids(boundaries: Tensor, positions: Tensor) -> Tensor:
+    """The block k with b_k <= position < b_{k+1}, for each position."""
+    return torch.bucketize(positions, boundaries.to(positions.device), right=True) - 1
+
+
 def block_masks(boundaries: Tensor, length: int) -> tuple[Tensor, Tensor]:
     """A double decoder's generation-decoder masks ``(T, T)`` under the partition ``boundaries (K + 1,)``:
 
@@ -104,7 +109,7 @@ def block_masks(boundaries: Tensor, length: int) -> tuple[Tensor, Tensor]:
     They are disjoint and together never reach a key after the query: no token sees the future.
     """
     positions = torch.arange(length, device=boundaries.device)
-    block = torch.bucketize(positions, boundaries, right=True) - 1
+    block = block_ids(boundaries, positions)
     within = (block[:, None] == block[None, :]) & (positions[:, None] >= positions[None, :])
     cross = block[None, :] < block[:, None]
     return within, cross

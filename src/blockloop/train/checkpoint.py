@@ -26,8 +26,9 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from blockloop.config import ModelConfig, load_config, save_config
+from blockloop.config import ModelConfig, save_config
 from blockloop.errors import BlockloopError
+from blockloop.families import load_config
 from blockloop.files import atomic_write_text
 
 LATEST = "latest"

@@ -16,6 +16,7 @@ from blockloop.data.loader import PackedSequences
 from blockloop.data.tasks import get_task, open_task
 from blockloop.device import resolve_device
 from blockloop.errors import BlockloopError, check_context
+from blockloop.families import spec_of
 from blockloop.train.evaluate import evaluate
 from blockloop.train.exit_eval import evaluate_loops
 from blockloop.train.run import TrainedModel, check_task_vocabulary, load_trained, task_sequences
@@ -53,8 +54,9 @@ def evaluate_checkpoint(checkpoint: str | Path, request: EvalRequest, device: st
     if data is None:
         raise BlockloopError("the checkpoint does not record its data; pass --data")
     seq_len = _seq_len(trained, request)
-    if seq_len % getattr(trained.config, "block_len", 1):
-        raise BlockloopError(f"--seq-len {seq_len} is not a multiple of the model's block length {trained.config.block_len}")
+    spec, unit = spec_of(trained.config), spec_of(trained.config).sequence_multiple(trained.config)
+    if seq_len % unit:
+        raise BlockloopError(f"--seq-len {seq_len} is not a multiple of the model's {spec.sequence_unit} {unit}")
     objective = request.objective or trained.state.get("train_config", {}).get("objective", "lm")
     seqs = PackedSequences(getattr(prepare_tokens(data, trained.tokenizer), split), seq_len)
     if request.per_loop:

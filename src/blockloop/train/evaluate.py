@@ -16,11 +16,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from blockloop.data.collate import collate_for, step_generator
+from blockloop.data.collate import step_generator
 from blockloop.data.loader import PackedSequences, eval_batches, stream_eval_batches
 from blockloop.data.tasks.metrics import labelled_errors
 from blockloop.data.tasks.windows import TaskSequences
 from blockloop.errors import BlockloopError
+from blockloop.families import family, spec_of
 from blockloop.nn.precision import at_least_fp32
 
 
@@ -54,11 +55,13 @@ def evaluate(
     labelled = getattr(sequences, "labelled_positions", False)
     lengths = torch.as_tensor(byte_lengths, dtype=torch.long, device=device) if byte_lengths is not None else None
     autocast = torch.autocast(device.type, dtype=autocast_dtype) if autocast_dtype else nullcontext()
-    base = getattr(model, "_orig_mod", model)
-    collate = collate_for(base, objective)
+    # The model itself under torch.compile; a module without a config is batched like a plain decoder.
+    config = getattr(getattr(model, "_orig_mod", model), "config", None)
+    spec = family("decoder") if config is None else spec_of(config)
+    collate = spec.collate(config, objective)
     # Recurrent models read the split as side-by-side streams and carry their state from batch to batch.
-    recurrent = getattr(getattr(base, "config", None), "recurrent", False)
-    chunk = getattr(base.config, "chunk_size", 1) if recurrent else 1
+    recurrent = spec.recurrent(config)
+    chunk = spec.sequence_multiple(config) if recurrent else 1
     # Independent windows (task windows overlap, each holds whole sequences) are each read from an empty state.
     recurrent = recurrent and not getattr(sequences, "independent_windows", False)
     if sequences.seq_len % chunk:

@@ -15,15 +15,14 @@ from typing import Any
 import torch
 from torch import nn
 
-from blockloop.config import BlockTransformerConfig, ModelConfig
+from blockloop.config import ModelConfig
 from blockloop.data.corpora import load_documents
 from blockloop.data.dataset import TokenSplits, prepare_tokens
 from blockloop.data.loader import PackedSequences
 from blockloop.data.tasks import TaskData, TaskSequences, TaskTokenizer, TaskVocab, get_task, open_task
 from blockloop.data.tokenizers import Tokenizer, build_tokenizer, load_tokenizer
 from blockloop.errors import BlockloopError
-from blockloop.models import build_model
-from blockloop.presets import from_name
+from blockloop.families import build_model, from_name, spec_of
 from blockloop.train import checkpoint as ckpt
 
 
@@ -81,7 +80,7 @@ def prepare_run(
         splits = prepare_tokens(spec.data, tokenizer, show_progress=show_progress)
     padded = padded_vocab(tokenizer.vocab_size + config.reserved_ids)  # + span-corruption sentinels, if any
     vocab = {"vocab_size": tokenizer.vocab_size, "padded_vocab_size": padded}
-    if isinstance(config, BlockTransformerConfig):
+    if spec_of(config).pad_with_eos:
         vocab["pad_id"] = tokenizer.eos_id  # block padding reads as "between documents"
     config = config.replace(**vocab)
     torch.manual_seed(seed)

@@ -151,7 +151,7 @@ def apply_early_exit(config: ModelConfig, options: EarlyExit) -> ModelConfig:
     changes = options.changes()
     if not changes:
         return config
-    if config.family != "recursive":
+    if not set(changes) <= {f.name for f in dataclasses.fields(config)}:  # a model without loops has no exits
         raise BlockloopError(f"--early-exit and --exit-* train recursive models, not {config.family} models")
     return config.replace(**changes)
 

@@ -25,17 +25,18 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_
 from tqdm import tqdm
 
 from blockloop.config import ModelConfig
-from blockloop.data.collate import OBJECTIVES, collate_for, step_generator
+from blockloop.data.collate import OBJECTIVES, step_generator
 from blockloop.data.loader import PackedSequences, StreamBatches, TrainBatches
 from blockloop.data.tasks.windows import TaskSequences
 from blockloop.data.tokenizers import Tokenizer
 from blockloop.device import resolve_device
 from blockloop.errors import BlockloopError, ConfigError
+from blockloop.families import spec_of
 from blockloop.files import atomic_write_text
 from blockloop.train import checkpoint as ckpt
 from blockloop.train.distributed import DistInfo, barrier, mean_across_ranks, parallelize
 from blockloop.train.evaluate import evaluate
-from blockloop.train.flops import mfu, training_flops_per_token
+from blockloop.train.flops import mfu
 from blockloop.train.optim import SCHEDULES, build_optimizer, lr_at
 
 
@@ -119,14 +120,12 @@ class Trainer:
                 f"--seq-len {config.seq_len} exceeds the model context of {model_config.context_length}; "
                 "lower --seq-len or pick a preset with a longer context"
             )
-        block_len = getattr(model_config, "block_len", 1)
-        if config.seq_len % block_len:
-            raise ConfigError(f"--seq-len {config.seq_len} is not a multiple of the model's block length {block_len}")
-        chunk = getattr(model_config, "chunk_size", 1)
-        if config.seq_len % chunk:
+        spec = spec_of(model_config)
+        multiple = spec.sequence_multiple(model_config)
+        if config.seq_len % multiple:
             raise ConfigError(
-                f"--seq-len {config.seq_len} is not a multiple of the model's chunk size {chunk}: the state carried to "
-                "the next segment would skip the last partial chunk"
+                f"--seq-len {config.seq_len} is not a multiple of the model's {spec.sequence_unit} {multiple}; "
+                f"choose a multiple of {multiple}"
             )
         self.config, self.model_config, self.tokenizer = config, model_config, tokenizer
         self.loss_hook = loss_hook
@@ -150,13 +149,13 @@ class Trainer:
             hidden_lr_scale=model_config.hidden_lr_multiplier,
         )
         self.train_data, self.val_data = train_data, val_data
-        self.collate = collate_for(model, config.objective)
+        self.collate = spec.collate(model_config, config.objective)
         # Recurrent models (staircase family) train with truncated BPTT: contiguous streams, and the state
         # each micro-batch's streams reached is carried (detached) into their next segment. It is not saved:
         # after --resume the streams continue from the saved position with an empty state. Data whose windows
         # are independent (task windows: whole sequences, overlapping) is read window by window from an empty
         # state, in shuffled batches, as for any model.
-        self.recurrent = getattr(model_config, "recurrent", False) and not getattr(train_data, "independent_windows", False)
+        self.recurrent = spec.recurrent(model_config) and not getattr(train_data, "independent_windows", False)
         if self.recurrent:
             self.batches = StreamBatches(
                 train_data, config.batch_size, groups=config.grad_accum, rank=dist_info.rank, world_size=dist_info.world_size
@@ -168,7 +167,7 @@ class Trainer:
         self.stream_states: list[Any] = [None] * config.grad_accum
         self.step = 0
         self.tokens_per_step = config.batch_size * config.grad_accum * config.seq_len * dist_info.world_size
-        self.flops_per_token = training_flops_per_token(model_config, config.seq_len)
+        self.flops_per_token = spec.training_flops_per_token(model_config, config.seq_len)
 
     # ----------------------------------------------------------------- resume
     def resume(self, checkpoint_dir: Path) -> None:

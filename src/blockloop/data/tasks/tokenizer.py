@@ -4,8 +4,8 @@ A model trained on a task must be saved and reloaded with the ids it was trained
 trained on text is, so the task vocabulary becomes a tokenizer: ids are the :class:`TaskVocab` ids
 (``_`` = 0, then the task's words), ``END`` doubles as end-of-text, and ``tokenizer.json`` holds the
 word list itself, so a checkpoint needs nothing else to rebuild it. This module registers that saved form
-with :func:`~blockloop.data.tokenizers.load_tokenizer` (``blockloop.data`` imports the task package, so
-the registration is in place whenever the data layer is).
+with :func:`~blockloop.data.tokenizers.load_tokenizer`; the checkpoint loader (:mod:`blockloop.train.run`)
+imports the task package, so the registration is in place wherever checkpoints are loaded.
 """
 
 from __future__ import annotations

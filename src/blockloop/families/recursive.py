@@ -1,0 +1,118 @@
+"""The (Relaxed) Recursive Transformer family (Bae et al. 2024): config, presets, FLOPs of the looped depth."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+from torch import nn
+
+from blockloop.config import LocalAttention, ModelConfig, PretrainedFeatures, TransformerShape
+from blockloop.families.decoder import llama_tiny
+from blockloop.families.decoder import training_flops as decoder_training_flops
+from blockloop.families.spec import FamilySpec, Preset
+from blockloop.models.recursive import RecursiveDecoder
+from blockloop.train.flops import kv_cache_bytes, param_bytes
+
+TYING_STRATEGIES = ("cycle", "sequence", "cycle_rev")
+EXIT_LOSSES = ("none", "weighted", "aggressive")
+
+
+@dataclass
+class RecursiveConfig(LocalAttention, PretrainedFeatures, TransformerShape, ModelConfig):
+    """A (Relaxed) Recursive Transformer (sections 2.2-2.3): ``loops`` passes over one block of ``n_layer``
+    unique layers, so the looped depth is L = n_layer * loops (equation 2).
+
+    ``tying`` orders the shared layers along the depth (appendix D): ``cycle`` repeats the block
+    (0,1,2,0,1,2), ``sequence`` repeats each layer in place (0,0,1,1,2,2), ``cycle_rev`` runs the last loop
+    in reverse (0,1,2,2,1,0). Relaxations (section 2.3, appendix K): ``lora_rank`` > 0 gives every shared
+    linear weight one LoRA per loop (scaling ``lora_alpha / lora_rank``, alpha defaulting to the rank);
+    ``prefix_len`` > 0 gives every (loop, layer) position its own learned prefix keys/values.
+    Early-exit training (section 3.7, appendix M): ``exit_loss`` ``weighted`` weighs loop i's loss by
+    i / sum(i); ``aggressive`` weighs intermediate loops by ``exit_coefficient`` and the last by 1;
+    ``exit_kd_weight`` > 0 adds, for each intermediate loop, that weight times the KL divergence from the
+    detached final-loop distribution.
+    """
+
+    family: ClassVar[str] = "recursive"
+
+    loops: int = 2
+    tying: str = "cycle"
+    lora_rank: int = 0
+    lora_alpha: float | None = None
+    prefix_len: int = 0
+    exit_loss: str = "none"
+    exit_coefficient: float = 0.1
+    exit_kd_weight: float = 0.0
+
+    def validate(self) -> None:
+        super().validate()
+        self._check(
+            (self.loops >= 1, f"loops must be at least 1, got {self.loops}"),
+            (self.tying in TYING_STRATEGIES, f"tying strategy {self.tying!r} is unknown; choose one of {TYING_STRATEGIES}"),
+            (self.lora_rank >= 0, f"lora_rank must be 0 (no LoRA) or positive, got {self.lora_rank}"),
+            (self.lora_alpha is None or self.lora_alpha > 0, f"lora_alpha must be positive, got {self.lora_alpha}"),
+            (self.prefix_len >= 0, f"prefix_len must be 0 (no prefix) or positive, got {self.prefix_len}"),
+            (self.exit_loss in EXIT_LOSSES, f"exit_loss {self.exit_loss!r} is unknown; choose one of {EXIT_LOSSES}"),
+            (0.0 <= self.exit_coefficient <= 1.0, f"exit_coefficient must be in [0, 1], got {self.exit_coefficient}"),
+            (self.exit_kd_weight >= 0.0, f"exit_kd_weight must be non-negative, got {self.exit_kd_weight}"),
+            (
+                not (self.prefix_len and self.local_layers),
+                "prefix relaxation is not defined for sliding-window local layers; use LoRA (lora_rank) instead",
+            ),
+        )
+
+    @property
+    def depth(self) -> int:
+        """The looped depth L = n_layer * loops."""
+        return self.n_layer * self.loops
+
+    @property
+    def lora_scaling(self) -> float:
+        """alpha / r, the factor on every LoRA delta."""
+        return (self.lora_alpha or self.lora_rank) / self.lora_rank if self.lora_rank else 0.0
+
+    def summary(self) -> str:
+        relax = f", LoRA r={self.lora_rank}" if self.lora_rank else ""
+        relax += f", prefix {self.prefix_len}" if self.prefix_len else ""
+        return f"{self.n_layer} shared layers x {self.loops} loops ({self.tying}), d={self.d_model}{relax}"
+
+
+PRESETS = (
+    Preset("tiny-recursive", "1 shared Llama-style layer looped twice (CYCLE) for CPU tests",
+           {**llama_tiny(1, 64, 4, 2, 128), "loops": 2}),
+    Preset("demo-recursive", "the demo's 4-layer depth as 2 shared layers looped twice (CYCLE): half the layer weights",
+           {**llama_tiny(2, 128, 4, 4, 256), "loops": 2}),
+)
+
+
+def training_flops(config: RecursiveConfig, seq_len: int, *, lm_head: bool = True) -> float:
+    """The looped depth's FLOPs (weights are shared, compute is not); LoRA/prefix relaxations are not counted."""
+    return decoder_training_flops(config.stack(config.depth), seq_len, lm_head=lm_head)
+
+
+def kv_bytes(config: RecursiveConfig, prompt_len: int, new_tokens: int, bytes_per_value: int = 2) -> int:
+    """Every loop computes (and caches) its own keys and values: K/V of the looped depth."""
+    return kv_cache_bytes(config, config.depth, prompt_len + new_tokens, bytes_per_value)
+
+
+def decode_bytes_per_step(model: nn.Module, batch: int, prompt_len: int, gen_len: int) -> float:
+    """RRT section 2.2: the shared layers' weights once per loop, KV of every depth position."""
+    c = model.config
+    element = next(model.parameters()).element_size()
+    weights = param_bytes(model) + (c.loops - 1) * param_bytes(model.body.blocks)
+    weights -= model.embed.weight.numel() * element * (not c.tie_embeddings)
+    return weights + batch * (prompt_len + gen_len / 2) * kv_cache_bytes(c, c.depth, 1, element)
+
+
+SPEC = FamilySpec(
+    name="recursive",
+    config_class=RecursiveConfig,
+    model_class=RecursiveDecoder,
+    presets=PRESETS,
+    training_flops=training_flops,
+    training_flops_per_token=lambda config, seq_len: training_flops(config, seq_len) / seq_len,
+    kv_bytes=kv_bytes,
+    decode_bytes_per_step=decode_bytes_per_step,
+    unrolled=lambda config: config.stack(config.depth),  # weights are shared; compute and KV cache are not
+)

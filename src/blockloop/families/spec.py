@@ -1,0 +1,97 @@
+"""What a model family is, as data: :class:`FamilySpec`, one per family module, and its :class:`Preset` s.
+
+The rest of the code asks a family's spec instead of branching on its name or probing its model: how to
+batch a training window, which ``--seq-len`` it accepts, whether its state crosses segments, its FLOPs
+and the bytes a decode step reads. A capability a family does not have is ``None`` (no roofline, no paper
+closed form) or the plain decoder's answer (one window per batch, any length, no state).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import partial
+from typing import Any, Callable, Mapping
+
+import torch
+from torch import Tensor, nn
+
+from blockloop.config import ModelConfig
+from blockloop.data.collate import OBJECTIVES, Collate, lm_batch
+from blockloop.errors import ConfigError
+
+Batch = dict[str, Tensor]
+MakeBatch = Callable[[Any, Tensor, Tensor, torch.Generator, str], Batch]
+
+
+@dataclass(frozen=True)
+class Preset:
+    """A named config: its family's config class built from ``fields`` (plain data, JSON-like)."""
+
+    name: str
+    description: str
+    fields: Mapping[str, Any]
+
+
+def plain_batch(config: ModelConfig, inputs: Tensor, targets: Tensor, generator: torch.Generator, objective: str) -> Batch:
+    """The window as it is (next-token prediction), for families with no batching needs of their own."""
+    return lm_batch(inputs, targets, generator, objective)
+
+
+def _one(config: ModelConfig) -> int:
+    return 1
+
+
+def _stateless(config: ModelConfig) -> bool:
+    return False
+
+
+def _whole_window(config: ModelConfig, seq_len: int) -> tuple[int, ...]:
+    return (seq_len,)
+
+
+@dataclass(frozen=True)
+class FamilySpec:
+    """One paper family: its config, model, presets, batching, and the numbers the trainer and bench need.
+
+    * ``make_batch(config, inputs, targets, generator, objective)``: a window's forward keyword arguments
+      (random-length block padding, a sampled partition, span corruption...); see :mod:`blockloop.data.collate`.
+    * ``sequence_multiple(config)``: what a training ``--seq-len`` must be a multiple of, named ``sequence_unit``.
+    * ``recurrent(config)``: state crosses segments (truncated BPTT over contiguous streams).
+    * ``training_flops_per_token(config, seq_len)``: steady-state training FLOPs per token; families counted
+      as appendix A counts (whole windows) also give ``training_flops(config, seq_len, ..., lm_head=True)``.
+    * ``kv_bytes(config, prompt_len, new_tokens, bytes_per_value)``: K/V held generating after a prompt.
+    * ``decode_bytes_per_step(model, batch, prompt_len, gen_len)``: the decode roofline's bytes per step.
+    * ``paper_training_flops(seq_len, d_model, n_layer, out_len)`` / ``paper_kv_bytes(d_model, n_layer,
+      n_dec_layer, in_len, out_len, bytes_per_value)``: the double-decoder paper's closed forms (appendix A).
+    * ``paper_lengths(config, seq_len)``: the lengths the closed form takes for a window (T, or T_in and T_out).
+    * ``unrolled(config)``: the plain decoder whose compute and KV cache equal this model's (a looped model's
+      depth), for the FLOP report; ``core(config)``: the plain decoder its recurrence repeats, shown beside it.
+    * ``cost_note``: how ``training_flops_per_token`` counts, for families without an appendix-A closed form.
+    * ``pad_with_eos``: the config's ``pad_id`` is set to the tokenizer's end-of-text id when a run starts.
+    """
+
+    name: str
+    config_class: type[ModelConfig]
+    model_class: type[nn.Module]
+    presets: tuple[Preset, ...]
+    training_flops_per_token: Callable[[Any, int], float]
+    training_flops: Callable[..., float] | None = None
+    make_batch: MakeBatch = plain_batch
+    sequence_multiple: Callable[[Any], int] = _one
+    sequence_unit: str = "sequence multiple"
+    recurrent: Callable[[Any], bool] = _stateless
+    kv_bytes: Callable[[Any, int, int, int], int] | None = None
+    decode_bytes_per_step: Callable[[Any, int, int, int], float] | None = None
+    paper_training_flops: Callable[..., float] | None = None
+    paper_kv_bytes: Callable[..., int] | None = None
+    paper_lengths: Callable[[Any, int], tuple[int, ...]] = _whole_window
+    unrolled: Callable[[Any], Any] | None = None
+    core: Callable[[Any], Any] | None = None
+    cost_note: str = ""
+    pad_with_eos: bool = False
+
+    def collate(self, config: ModelConfig, objective: str = "lm") -> Collate:
+        """``(inputs, targets, generator) -> forward kwargs`` for ``objective`` (``lm`` or ``prefix_lm``)."""
+        if objective not in OBJECTIVES:
+            raise ConfigError(f"objective {objective!r} is not one of {OBJECTIVES}")
+        return partial(self.make_batch, config, objective=objective)
