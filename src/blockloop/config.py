@@ -45,6 +45,9 @@ class ModelConfig:
     """
 
     family: ClassVar[str]
+    # Off unless a family composes InputEmbedding (which turns them into fields): the embedding reads them.
+    learned_positions: ClassVar[bool] = False
+    embed_scale: ClassVar[bool] = False
 
     name: str = "custom"
     vocab_size: int = 50304
@@ -194,17 +197,24 @@ class TransformerShape:
 
 
 @dataclass
-class PretrainedFeatures:
-    """Architecture features that let pretrained models load exactly (see :mod:`blockloop.convert.hf`); the
-    defaults leave a model unchanged. ``learned_positions``: a learned absolute position table added to the
-    token embeddings (GPT-2; use with ``rotary_pct=0``). ``embed_scale``: embeddings times sqrt(d_model)
-    (Gemma). ``qk_norm``: RMSNorm over each query/key head before rotary (Gemma-3). ``sandwich_norm``: norms
-    on the attention and MLP outputs too, before the residual add (Gemma-3). ``attn_scalar``: scores scaled by
-    attn_scalar^-1/2 instead of head_dim^-1/2 (Gemma-3's query_pre_attn_scalar). ``logit_softcap``: logits
-    become c * tanh(logits / c)."""
+class InputEmbedding:
+    """How pretrained models embed their input (see :mod:`blockloop.convert.hf`), read by the plain decoder's
+    embedding: ``learned_positions`` adds a learned absolute position table to the token embeddings (GPT-2; use
+    with ``rotary_pct=0``); ``embed_scale`` multiplies the embeddings by sqrt(d_model) (Gemma). Families whose
+    input is their own (blocks, streams, two stacks) leave the group out and keep both off."""
 
     learned_positions: bool = False
     embed_scale: bool = False
+
+
+@dataclass
+class PretrainedFeatures:
+    """Architecture features that let pretrained models load exactly (see :mod:`blockloop.convert.hf`); the
+    defaults leave a model unchanged. ``qk_norm``: RMSNorm over each query/key head before rotary (Gemma-3).
+    ``sandwich_norm``: norms on the attention and MLP outputs too, before the residual add (Gemma-3).
+    ``attn_scalar``: scores scaled by attn_scalar^-1/2 instead of head_dim^-1/2 (Gemma-3's
+    query_pre_attn_scalar). ``logit_softcap``: logits become c * tanh(logits / c)."""
+
     qk_norm: bool = False
     sandwich_norm: bool = False
     attn_scalar: float | None = None
@@ -247,7 +257,7 @@ class LocalAttention:
 
 
 @dataclass
-class DecoderConfig(LocalAttention, PretrainedFeatures, TransformerShape, ModelConfig):
+class DecoderConfig(LocalAttention, InputEmbedding, PretrainedFeatures, TransformerShape, ModelConfig):
     """A decoder-only transformer (GPT-NeoX/Pythia, Llama, GPT-2 and Gemma-3 shapes are all expressible).
 
     ``rotary_pct`` < 1 rotates only the first part of each head, as Pythia does (0.25). ``parallel_residual``
@@ -258,7 +268,7 @@ class DecoderConfig(LocalAttention, PretrainedFeatures, TransformerShape, ModelC
     family: ClassVar[str] = "decoder"
 
 
-GROUPS = (ModelConfig, TransformerShape, PretrainedFeatures, LocalAttention)
+GROUPS = (ModelConfig, TransformerShape, PretrainedFeatures, InputEmbedding, LocalAttention)
 
 
 def round_up(x: int, multiple: int) -> int:

@@ -11,10 +11,10 @@ from torch import Tensor, nn
 from blockloop.config import DecoderConfig, ModelConfig
 from blockloop.data.block_padding import random_length_padding
 from blockloop.data.collate import sample_breakpoint
+from blockloop.families.costs import attention_flops, kv_cache_bytes, layer_weights, param_bytes, stack_flops
 from blockloop.families.decoder import LLAMA_TINY, PYTHIA
 from blockloop.families.spec import Batch, FamilySpec, Preset
 from blockloop.models.block import BlockTransformer
-from blockloop.train.flops import attention_flops, kv_cache_bytes, layer_weights, param_bytes, stack_flops
 
 EMBEDDERS = ("lookup", "encoder", "cls")
 TOKEN_DECODERS = ("prefix", "sum", "cross")

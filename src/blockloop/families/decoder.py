@@ -13,15 +13,15 @@ from typing import Any
 from torch import nn
 
 from blockloop.config import DecoderConfig
-from blockloop.families.spec import FamilySpec, Preset
-from blockloop.models.decoder import Decoder
-from blockloop.train.flops import (
+from blockloop.families.costs import (
     attention_flops,
     kv_cache_bytes,
     layer_weights,
     paper_kv_cache_bytes,
     param_bytes,
 )
+from blockloop.families.spec import FamilySpec, Preset
+from blockloop.models.decoder import Decoder
 
 PYTHIA = {"vocab_size": 50304, "context_length": 2048, "norm": "layernorm", "mlp": "gelu", "bias": True,
           "rotary_pct": 0.25, "parallel_residual": True, "tie_embeddings": False}

@@ -11,16 +11,16 @@ from torch import Tensor, nn
 from blockloop.config import ModelConfig, PretrainedFeatures, TransformerShape, split_layers
 from blockloop.data.collate import unscored_prefix
 from blockloop.data.partitions import PARTITIONS, prefix_partition, sample_partition
-from blockloop.families.decoder import PAPER_SIZES, llama_tiny, paper_shape
-from blockloop.families.spec import Batch, FamilySpec, Preset
-from blockloop.models.double_decoder import DoubleDecoder
-from blockloop.train.flops import (
+from blockloop.families.costs import (
     attention_flops,
     kv_cache_bytes,
     layer_weights,
     paper_kv_cache_bytes,
     param_bytes,
 )
+from blockloop.families.decoder import PAPER_SIZES, llama_tiny, paper_shape
+from blockloop.families.spec import Batch, FamilySpec, Preset
+from blockloop.models.double_decoder import DoubleDecoder
 
 
 @dataclass

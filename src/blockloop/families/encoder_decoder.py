@@ -11,10 +11,10 @@ from torch import Tensor
 from blockloop.config import ModelConfig, PretrainedFeatures, TransformerShape, split_layers
 from blockloop.data.collate import sample_breakpoint
 from blockloop.data.span_corruption import span_corrupt, span_counts
+from blockloop.families.costs import attention_flops, kv_cache_bytes, layer_weights, paper_kv_cache_bytes
 from blockloop.families.decoder import PAPER_SIZES, llama_tiny, paper_shape
 from blockloop.families.spec import Batch, FamilySpec, Preset
 from blockloop.models.encoder_decoder import EncoderDecoder
-from blockloop.train.flops import attention_flops, kv_cache_bytes, layer_weights, paper_kv_cache_bytes
 
 
 @dataclass

@@ -9,10 +9,10 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from blockloop.config import ModelConfig, PretrainedFeatures, TransformerShape
+from blockloop.families.costs import stack_flops
 from blockloop.families.spec import FamilySpec, Preset
 from blockloop.families.staircase import CORES, TABLE6, paper_core, qkv_flops, tiny_core
 from blockloop.models.ladder import Ladder
-from blockloop.train.flops import stack_flops
 
 LADDER_PATTERNS = ("abab", "aabb")
 

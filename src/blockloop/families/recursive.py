@@ -7,19 +7,19 @@ from typing import ClassVar
 
 from torch import nn
 
-from blockloop.config import LocalAttention, ModelConfig, PretrainedFeatures, TransformerShape
+from blockloop.config import InputEmbedding, LocalAttention, ModelConfig, PretrainedFeatures, TransformerShape
+from blockloop.families.costs import kv_cache_bytes, param_bytes
 from blockloop.families.decoder import llama_tiny
 from blockloop.families.decoder import training_flops as decoder_training_flops
 from blockloop.families.spec import FamilySpec, Preset
 from blockloop.models.recursive import RecursiveDecoder
-from blockloop.train.flops import kv_cache_bytes, param_bytes
 
 TYING_STRATEGIES = ("cycle", "sequence", "cycle_rev")
 EXIT_LOSSES = ("none", "weighted", "aggressive")
 
 
 @dataclass
-class RecursiveConfig(LocalAttention, PretrainedFeatures, TransformerShape, ModelConfig):
+class RecursiveConfig(LocalAttention, InputEmbedding, PretrainedFeatures, TransformerShape, ModelConfig):
     """A (Relaxed) Recursive Transformer (sections 2.2-2.3): ``loops`` passes over one block of ``n_layer``
     unique layers, so the looped depth is L = n_layer * loops (equation 2).
 

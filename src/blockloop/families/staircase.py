@@ -15,10 +15,10 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from blockloop.config import ModelConfig, PretrainedFeatures, TransformerShape
+from blockloop.families.costs import stack_flops
 from blockloop.families.decoder import llama_tiny
 from blockloop.families.spec import FamilySpec, Preset
 from blockloop.models.staircase import Staircase
-from blockloop.train.flops import stack_flops
 
 # The core of each task of the paper (vocabulary 64 unless given).
 CORES: dict[str, dict[str, Any]] = {

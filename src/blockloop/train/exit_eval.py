@@ -15,6 +15,7 @@ import torch.nn.functional as F
 
 from blockloop.data.loader import PackedSequences, eval_batches
 from blockloop.errors import BlockloopError
+from blockloop.models.recursive import RecursiveDecoder
 from blockloop.nn.precision import at_least_fp32
 
 
@@ -28,7 +29,7 @@ def evaluate_loops(
     device: torch.device | str = "cpu",
 ) -> dict[str, object]:
     """``{"loops": [{loop, loss, perplexity, accuracy, agreement, oracle_exit_share}, ...], "mean_exit_loop", "tokens"}``."""
-    if not hasattr(model, "loop_logits"):
+    if not isinstance(model, RecursiveDecoder):
         raise BlockloopError(f"per-loop evaluation needs a recursive model, not {type(model).__name__}")
     was_training = model.training
     model.eval()
