@@ -50,7 +50,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--set", action="append", default=[], metavar="FIELD=VALUE",
         help="override a field of the preset's model config, e.g. --set embedder=cls --set prefix_len=1 (repeatable; "
-        "see the config dataclasses in blockloop/config.py)",
+        "see the config dataclass of the preset's family in blockloop/families/)",
     )
     g.add_argument(
         "--objective", choices=["lm", "prefix_lm"],
