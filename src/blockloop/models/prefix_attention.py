@@ -24,15 +24,9 @@ from torch import Tensor
 from blockloop.models.decoder import SelfAttention, merge_heads
 from blockloop.nn.attention import attention
 from blockloop.nn.kv_cache import KVCache
-from blockloop.nn.masks import MaskMod
+from blockloop.nn.masks import MaskMod, own_keys_mask, with_visible_prefix
 
 KV = tuple[Tensor, Tensor]
-
-
-def with_visible_prefix(mask: Tensor, prefix_len: int) -> Tensor:
-    """``mask (..., T, K)`` over a sequence's own keys, widened to ``(..., T, P + K)`` by ``prefix_len``
-    prefix keys in front that every query sees (appendix K's prefix)."""
-    return torch.cat((mask.new_ones(*mask.shape[:-1], prefix_len), mask), dim=-1)
 
 
 class PrefixSelfAttention(SelfAttention):
@@ -73,8 +67,7 @@ class PrefixSelfAttention(SelfAttention):
         q, k, v = self.project(x, cos, sin, cache, slots)
         pk, pv = (t.expand(q.shape[0], -1, -1, -1).to(k.dtype) for t in prefix)
         if mask is None:
-            own = torch.ones(q.shape[2], k.shape[2], dtype=torch.bool, device=q.device)
-            mask = with_visible_prefix(own.tril(k.shape[2] - q.shape[2]) if self.causal else own, pk.shape[2])
+            mask = with_visible_prefix(own_keys_mask(q.shape[2], k.shape[2], self.causal, q.device), pk.shape[2])
         dropout = self.dropout if self.training else 0.0
         out = attention(q, torch.cat((pk, k), 2), torch.cat((pv, v), 2), mask=mask, scale=self.scale, dropout_p=dropout)
         return self.proj(merge_heads(out))

@@ -29,10 +29,11 @@ from torch import Tensor, nn
 
 from blockloop.errors import check_context
 from blockloop.models.decoder import Decoder, LayerInputs
-from blockloop.models.prefix_attention import PrefixSelfAttention, with_visible_prefix
+from blockloop.models.prefix_attention import PrefixSelfAttention
 from blockloop.nn.distill import forward_kl
 from blockloop.nn.kv_cache import DecoderCache, StepContext
 from blockloop.nn.lora import LoopIndex, LoopLoRALinear, add_loop_lora
+from blockloop.nn.masks import with_visible_prefix
 
 if TYPE_CHECKING:
     from blockloop.families.recursive import RecursiveConfig

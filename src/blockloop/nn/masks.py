@@ -88,6 +88,18 @@ def window_mask(prefix_valid: Tensor, valid: Tensor, span: int | None = None) ->
     return (mask | (k_pos == q_pos)[None]).unsqueeze(1)
 
 
+def own_keys_mask(n_queries: int, n_keys: int, causal: bool, device: torch.device) -> Tensor:
+    """``(T, K)`` dense mask of the last ``T`` of ``K`` positions over all ``K``: causal, or everything."""
+    own = torch.ones(n_queries, n_keys, dtype=torch.bool, device=device)
+    return own.tril(n_keys - n_queries) if causal else own
+
+
+def with_visible_prefix(mask: Tensor, prefix_len: int) -> Tensor:
+    """``mask (..., T, K)`` over a sequence's own keys, widened to ``(..., T, P + K)`` by ``prefix_len``
+    prefix keys in front that every query sees (the Relaxed Recursive Transformer's appendix K prefix)."""
+    return torch.cat((mask.new_ones(*mask.shape[:-1], prefix_len), mask), dim=-1)
+
+
 def padding_mask(valid: Tensor) -> Tensor:
     """``(B, 1, T, T)`` bidirectional mask over ``valid (B, T)`` tokens (an encoder's): a query sees every
     real key; a padding query also sees itself, so every row stays finite."""
