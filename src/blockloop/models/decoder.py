@@ -23,7 +23,7 @@ from blockloop.config import DecoderConfig
 from blockloop.errors import check_context
 from blockloop.nn.attention import attention
 from blockloop.nn.init import init_weights
-from blockloop.nn.kv_cache import DecoderCache, KVCache, StepContext
+from blockloop.nn.kv_cache import DecoderCache, LayerStep, StepContext
 from blockloop.nn.masks import MaskMod, sliding_window_mask_mod, within_window
 from blockloop.nn.mlp import build_mlp
 from blockloop.nn.norm import build_norm
@@ -63,7 +63,7 @@ class SelfAttention(nn.Module):
         self.q_norm, self.k_norm = qk_norm(), qk_norm()
 
     def project(
-        self, x: Tensor, cos: Tensor, sin: Tensor, cache: KVCache | None = None, slots: Tensor | None = None
+        self, x: Tensor, cos: Tensor, sin: Tensor, kv: LayerStep | None = None
     ) -> tuple[Tensor, Tensor, Tensor]:
         """Rotated queries and the keys/values to attend over (the whole cache after writing, with one)."""
         q, k, v = self.qkv(x).split(
@@ -72,8 +72,8 @@ class SelfAttention(nn.Module):
         q, k = split_heads(q, self.n_head, self.head_dim), split_heads(k, self.n_kv_head, self.head_dim)
         v = split_heads(v, self.n_kv_head, self.head_dim)
         q, k = apply_rope(self.q_norm(q), cos, sin), apply_rope(self.k_norm(k), cos, sin)
-        if cache is not None:
-            k, v = cache.write(slots, k, v)
+        if kv is not None:
+            k, v = kv.write(k, v)
         return q, k, v
 
     def forward(
@@ -82,12 +82,11 @@ class SelfAttention(nn.Module):
         cos: Tensor,
         sin: Tensor,
         *,
-        cache: KVCache | None = None,
-        slots: Tensor | None = None,
+        kv: LayerStep | None = None,
         mask: Tensor | None = None,
         mask_mod: MaskMod | None = None,
     ) -> Tensor:
-        q, k, v = self.project(x, cos, sin, cache, slots)
+        q, k, v = self.project(x, cos, sin, kv)
         dropout = self.dropout if self.training else 0.0
         causal = self.causal and mask is None and mask_mod is None
         out = attention(q, k, v, causal=causal, mask=mask, mask_mod=mask_mod, scale=self.scale, dropout_p=dropout)
@@ -218,9 +217,8 @@ class TransformerStack(nn.Module):
         ``memory`` feeds the cross-attention layers."""
         inputs = self.layer_inputs(x, step)
         for i, block in enumerate(self.blocks):
-            cached = {"cache": step.cache.layers[i], "slots": step.slots} if step is not None else {}
             cos, sin, masks = inputs.of(i in self.config.local_layers)
-            x = block(x, cos, sin, memory, **cached, **masks)
+            x = block(x, cos, sin, memory, kv=step.layer(i) if step is not None else None, **masks)
         return self.norm(x)
 
     def layer_inputs(self, x: Tensor, step: StepContext | None = None) -> LayerInputs:

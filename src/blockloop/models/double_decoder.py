@@ -43,7 +43,7 @@ from blockloop.models.decoder import (
     split_heads,
 )
 from blockloop.nn.attention import attention, merge_attention
-from blockloop.nn.kv_cache import DecoderCache, KVCache, StepContext
+from blockloop.nn.kv_cache import DecoderCache, LayerStep, StepContext
 from blockloop.nn.masks import block_masks
 from blockloop.nn.rope import apply_rope, rope_angles
 
@@ -76,10 +76,9 @@ class DualAttention(SelfAttention):
         cross: CrossKV,
         cross_mask: Tensor,
         mask: Tensor,
-        cache: KVCache | None = None,
-        slots: Tensor | None = None,
+        kv: LayerStep | None = None,
     ) -> Tensor:
-        q, k, v = self.project(x, cos, sin, cache, slots)
+        q, k, v = self.project(x, cos, sin, kv)
         within = attention(q, k, v, mask=mask, return_lse=True)
         across = attention(q, *cross, mask=cross_mask, return_lse=True)
         out, _ = merge_attention(*within, *across)
@@ -136,8 +135,8 @@ class DoubleDecoder(LanguageModel):
                   mask: Tensor, step: StepContext | None = None) -> Tensor:
         """The generation decoder from token embeddings ``x`` to logits (muP readout multiplier applied)."""
         for i, block in enumerate(self.generation):
-            cached = {"cache": step.cache.layers[i], "slots": step.slots} if step is not None else {}
-            x = block(x, cos, sin, cross=cross[i], cross_mask=cross_mask, mask=mask, **cached)
+            kv = step.layer(i) if step is not None else None
+            x = block(x, cos, sin, cross=cross[i], cross_mask=cross_mask, mask=mask, kv=kv)
         return self.logits(self.norm(x))
 
     # ------------------------------------------------------------ inference

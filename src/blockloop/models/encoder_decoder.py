@@ -77,8 +77,7 @@ class EncoderDecoder(LanguageModel):
         x = self.drop(self.embed(idx))
         mask = step.begin() if step is not None else None
         for i, layer in enumerate(self.decoder):
-            cached = {"cache": step.cache.layers[i], "slots": step.slots} if step is not None else {}
-            x = layer(x, cos, sin, cross[i], cross_mask, mask=mask, **cached)
+            x = layer(x, cos, sin, cross[i], cross_mask, mask=mask, kv=step.layer(i) if step is not None else None)
         return self.logits(self.norm(x))
 
     # ------------------------------------------------------------ inference

@@ -80,7 +80,7 @@ class Ladder(LanguageModel):
         if self.config.memory_len:
             mask = mask & within_span(step.slots, step.cache.max_len, self.config.memory_len)
         for application, layer in enumerate(self.order):
-            x = self.core.blocks[layer](x, cos, sin, cache=step.cache.layers[application], slots=step.slots, mask=mask)
+            x = self.core.blocks[layer](x, cos, sin, kv=step.layer(application), mask=mask)
         return x
 
     def forward(

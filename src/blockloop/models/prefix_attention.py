@@ -23,7 +23,7 @@ from torch import Tensor
 
 from blockloop.models.decoder import SelfAttention, merge_heads
 from blockloop.nn.attention import attention
-from blockloop.nn.kv_cache import KVCache
+from blockloop.nn.kv_cache import LayerStep
 from blockloop.nn.masks import MaskMod, own_keys_mask, with_visible_prefix
 
 KV = tuple[Tensor, Tensor]
@@ -48,8 +48,7 @@ class PrefixSelfAttention(SelfAttention):
         cos: Tensor,
         sin: Tensor,
         *,
-        cache: KVCache | None = None,
-        slots: Tensor | None = None,
+        kv: LayerStep | None = None,
         mask: Tensor | None = None,
         mask_mod: MaskMod | None = None,
         prefix: KV | None = None,
@@ -61,10 +60,10 @@ class PrefixSelfAttention(SelfAttention):
         SelfAttention.
         """
         if prefix is None:
-            return super().forward(x, cos, sin, cache=cache, slots=slots, mask=mask, mask_mod=mask_mod)
+            return super().forward(x, cos, sin, kv=kv, mask=mask, mask_mod=mask_mod)
         if mask_mod is not None:
             raise ValueError("attention over a prefix takes a dense mask (prefix keys first), not a mask_mod")
-        q, k, v = self.project(x, cos, sin, cache, slots)
+        q, k, v = self.project(x, cos, sin, kv)
         pk, pv = (t.expand(q.shape[0], -1, -1, -1).to(k.dtype) for t in prefix)
         if mask is None:
             mask = with_visible_prefix(own_keys_mask(q.shape[2], k.shape[2], self.causal, q.device), pk.shape[2])

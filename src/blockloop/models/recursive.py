@@ -128,8 +128,7 @@ class RecursiveDecoder(Decoder):
                 cos, sin, kwargs = inputs.of(layer in self.config.local_layers)
                 kwargs = dict(kwargs)
                 if step is not None:  # per-row loops: each row's loop of shared layer j (a looped cache)
-                    layer_cache = step.cache.loop_layer(j, loop) if per_row else step.cache.layers[loop * n + j]
-                    kwargs.update(cache=layer_cache, slots=step.slots)
+                    kwargs["kv"] = step.layer(j, step.cache.loop_layer(j, loop)) if per_row else step.layer(loop * n + j)
                 if self.config.prefix_len:
                     kv = self.prefix_kv[loop * n + j]  # (2, H, P, D), or (B, 2, H, P, D) per row
                     kwargs["prefix"] = (kv[:, 0], kv[:, 1]) if per_row else (kv[0:1], kv[1:2])

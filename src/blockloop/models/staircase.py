@@ -219,5 +219,5 @@ class Staircase(LanguageModel):
         what the cache holds (a pass's window and the chunk so far); marks the slots written."""
         mask = step.begin()
         for layer, block in enumerate(self.core.blocks):
-            h = block(h, cos, sin, cache=step.cache.layers[layer], slots=step.slots, mask=mask)
+            h = block(h, cos, sin, kv=step.layer(layer), mask=mask)
         return h

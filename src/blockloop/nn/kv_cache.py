@@ -17,6 +17,7 @@ validity) instead of those four things one by one.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 from torch import Tensor, nn
@@ -110,6 +111,25 @@ class DecoderCache(nn.Module):
         return view
 
 
+class KVWriter(Protocol):
+    """Anything an attention layer can store keys/values in: a :class:`KVCache`, or a recursive runner's view
+    of one shared layer with each row at its own loop."""
+
+    def write(self, slots: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]: ...
+
+
+@dataclass
+class LayerStep:
+    """One attention layer's part of a cached step: its cache and the slots this step writes there."""
+
+    cache: KVWriter
+    slots: Tensor
+
+    def write(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        """Store this step's ``k, v (B, H_kv, T, D)`` and return the whole cache to attend over."""
+        return self.cache.write(self.slots, k, v)
+
+
 @dataclass
 class StepContext:
     """One cached forward pass: the ``cache``, the ``slots`` its tokens are written at (``(T,)`` shared or
@@ -120,6 +140,11 @@ class StepContext:
     slots: Tensor
     positions: Tensor | None = None
     token_valid: Tensor | None = None
+
+    def layer(self, index: int, cache: KVWriter | None = None) -> LayerStep:
+        """Layer ``index``'s write of this step (into ``cache`` instead, when a model lays its layers out
+        itself, e.g. one shared layer per loop)."""
+        return LayerStep(self.cache.layers[index] if cache is None else cache, self.slots)
 
     @property
     def token_positions(self) -> Tensor:
