@@ -197,3 +197,38 @@ def test_the_cli_package_names_no_model_family():
                 assert node.value not in families, f"{path.name}:{node.lineno} names the family {node.value!r}"
             if isinstance(node, ast.Compare):
                 assert "family" not in ast.unparse(node), f"{path.name}:{node.lineno} branches on a family"
+
+
+def test_a_missing_optional_package_names_the_extra_that_installs_it(monkeypatch, capsys):
+    from blockloop.cli import presets
+
+    def needs_transformers(args):
+        raise ModuleNotFoundError("No module named 'transformers'", name="transformers")
+
+    monkeypatch.setattr(presets, "run", needs_transformers)
+    one_line_error(capsys, ["presets"], "pip install 'blockloop[hf]'")
+
+
+def test_an_unrelated_missing_module_is_still_a_bug_with_its_traceback(monkeypatch):
+    from blockloop.cli import presets
+
+    def broken(args):
+        raise ModuleNotFoundError("No module named 'blockloop.nowhere'", name="blockloop.nowhere")
+
+    monkeypatch.setattr(presets, "run", broken)
+    with pytest.raises(ModuleNotFoundError):
+        main(["presets"])
+
+
+def test_a_closed_pipe_ends_the_command_quietly():
+    """`blockloop presets | head -1`: the reader leaves early; no BrokenPipeError traceback on stderr."""
+    import subprocess
+    import sys
+
+    proc = subprocess.Popen([sys.executable, "-m", "blockloop.cli", "presets"], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE)
+    proc.stdout.readline()
+    proc.stdout.close()  # the reader goes away while the table is still being written
+    stderr = proc.stderr.read().decode()
+    assert proc.wait(timeout=120) in (0, 1)  # 0 only if the whole table fit the pipe before the reader left
+    assert "Traceback" not in stderr and "BrokenPipeError" not in stderr, stderr

@@ -33,6 +33,19 @@ def test_a_fresh_request_takes_the_defaults(tmp_path):
         plan_run(TrainRequest(tmp_path / "run", task="random-walk", data="shakespeare"))
 
 
+def test_the_default_seq_len_fits_the_model_context(tmp_path):
+    """Without --seq-len a fresh run trains on the default 256-token window, or on the longest whole number of
+    blocks / chunks the context holds when that is shorter; a given --seq-len is left to the trainer's check."""
+    fields = {k: v for k, v in TINY.items() if k != "seq_len"}
+    for preset, expected in (("tiny", 128), ("tiny-block", 128), ("demo", 256)):
+        plan = plan_run(TrainRequest(tmp_path / preset, preset=preset, train_overrides=fields))
+        assert plan.fit_seq_len
+        _, trainer = start_training(plan)
+        assert trainer.config.seq_len == expected == min(256, from_name(preset).context_length), preset
+    with pytest.raises(BlockloopError, match="--seq-len 256 exceeds the model context of 128"):
+        start_training(plan_run(TrainRequest(tmp_path / "given", preset="tiny", train_overrides={**fields, "seq_len": 256})))
+
+
 def test_resume_continues_the_saved_run_and_refuses_new_model_choices(trained):
     plan = plan_run(TrainRequest(trained, resume=True, train_overrides={"steps": 5}))
     assert plan.resume and plan.spec.preset == "tiny" and plan.config.steps == 5 and plan.config.seq_len == 32

@@ -9,6 +9,7 @@ line on stderr with exit code 2; anything else is a bug and keeps its traceback.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from types import ModuleType
 from typing import Sequence
@@ -18,6 +19,8 @@ from blockloop.cli import eval as eval_
 from blockloop.errors import BlockloopError
 
 EXIT_USER_ERROR = 2
+# Optional packages and the extra that installs each: a verb that needs one says so in one line.
+EXTRAS = {"transformers": "hf", "gguf": "hf", "accelerate": "hf", "matplotlib": "plot", "pyarrow": "eval"}
 
 COMMANDS: dict[str, ModuleType] = {
     "train": train, "eval": eval_, "generate": generate, "convert": convert, "tasks": tasks, "presets": presets,
@@ -29,10 +32,24 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
-        return args.handler(args) or 0
+        code = args.handler(args) or 0
+        sys.stdout.flush()  # inside the try: a reader that left early is noticed here, not at interpreter exit
+        return code
     except BlockloopError as exc:
         print(f"blockloop {args.command}: error: {exc}", file=sys.stderr)
         return EXIT_USER_ERROR
+    except ModuleNotFoundError as exc:
+        package = (exc.name or "").split(".")[0]
+        if package not in EXTRAS:
+            raise
+        print(f"blockloop {args.command}: error: this needs the optional package {package}; "
+              f"install it with pip install 'blockloop[{EXTRAS[package]}]'", file=sys.stderr)
+        return EXIT_USER_ERROR
+    except BrokenPipeError:
+        # The reader went away (`blockloop presets | head`): stop quietly, and keep Python's exit-time flush of
+        # stdout from raising again.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
     except KeyboardInterrupt:
         print(f"blockloop {args.command}: interrupted; the last checkpoint written is kept", file=sys.stderr)
         return 130

@@ -15,6 +15,7 @@ from typing import Any
 
 from blockloop.config import ModelConfig
 from blockloop.errors import BlockloopError
+from blockloop.families import spec_of
 from blockloop.train import checkpoint as ckpt
 from blockloop.train.distill import build_distillation
 from blockloop.train.distributed import DistInfo
@@ -67,6 +68,8 @@ class RunPlan:
     resume: bool
     early_exit: EarlyExit
     tokens: float | None
+    # A fresh run without --seq-len: the default window shrinks to what the model's context holds.
+    fit_seq_len: bool = False
 
 
 def plan_run(request: TrainRequest) -> RunPlan:
@@ -114,7 +117,7 @@ def plan_run(request: TrainRequest) -> RunPlan:
     config = TrainConfig(**r.train_overrides)
     if r.distill_from is not None:
         config.extra.update(distill_from=r.distill_from, distill_weight=r.distill_weight)
-    return RunPlan(spec, spec, config, r.out, False, r.early_exit, r.tokens)
+    return RunPlan(spec, spec, config, r.out, False, r.early_exit, r.tokens, fit_seq_len="seq_len" not in r.train_overrides)
 
 
 def init_from_spec(
@@ -164,6 +167,9 @@ def start_training(plan: RunPlan, info: DistInfo = DistInfo()) -> tuple[Prepared
     model_config = apply_early_exit(run.model_config, plan.early_exit)
     if model_config is not run.model_config:
         run.model_config = run.model.config = model_config
+    if plan.fit_seq_len:  # the largest whole number of blocks / chunks the context holds, at most the default
+        unit = spec_of(model_config).sequence_multiple(model_config)
+        config.seq_len = min(config.seq_len, model_config.context_length // unit * unit)
     if plan.tokens is not None:
         per_step = config.batch_size * config.grad_accum * config.seq_len * info.world_size
         config.steps = max(1, int(plan.tokens // per_step))
