@@ -46,6 +46,15 @@ def test_the_default_seq_len_fits_the_model_context(tmp_path):
         start_training(plan_run(TrainRequest(tmp_path / "given", preset="tiny", train_overrides={**fields, "seq_len": 256})))
 
 
+def test_a_run_shorter_than_its_warm_up_is_warned_about(tmp_path, recwarn):
+    start_training(plan_run(TrainRequest(tmp_path / "short", preset="tiny", train_overrides={**TINY, "warmup_steps": 100})))
+    (warning,) = [w for w in recwarn if "warm-up" in str(w.message)]
+    assert "--steps 2 ends inside the 100-step warm-up" in str(warning.message) and "peaks at 2e-05" in str(warning.message)
+    recwarn.clear()
+    start_training(plan_run(TrainRequest(tmp_path / "long", preset="tiny", train_overrides=TINY)))
+    assert not [w for w in recwarn if "warm-up" in str(w.message)]
+
+
 def test_resume_continues_the_saved_run_and_refuses_new_model_choices(trained):
     plan = plan_run(TrainRequest(trained, resume=True, train_overrides={"steps": 5}))
     assert plan.resume and plan.spec.preset == "tiny" and plan.config.steps == 5 and plan.config.seq_len == 32

@@ -9,6 +9,7 @@ combinations that cannot mean one thing. :func:`start_training` then builds the 
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -173,6 +174,12 @@ def start_training(plan: RunPlan, info: DistInfo = DistInfo()) -> tuple[Prepared
     if plan.tokens is not None:
         per_step = config.batch_size * config.grad_accum * config.seq_len * info.world_size
         config.steps = max(1, int(plan.tokens // per_step))
+    if config.steps < config.warmup_steps and info.is_main:
+        warnings.warn(
+            f"--steps {config.steps} ends inside the {config.warmup_steps}-step warm-up: the learning rate peaks at "
+            f"{config.lr * config.steps / config.warmup_steps:.3g}, not --lr {config.lr:g}; lower --warmup-steps",
+            stacklevel=2,
+        )
     train_seqs, val_seqs = sequences(run.splits, config.seq_len)
     trainer = Trainer(
         run.model, run.model_config, run.tokenizer, train_seqs, val_seqs, config, plan.out,
