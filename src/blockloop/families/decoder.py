@@ -103,7 +103,6 @@ SPEC = FamilySpec(
     model_class=Decoder,
     presets=PRESETS,
     training_flops=training_flops,
-    training_flops_per_token=lambda config, seq_len: training_flops(config, seq_len) / seq_len,
     kv_bytes=kv_bytes,
     decode_bytes_per_step=decode_bytes_per_step,
     paper_training_flops=paper_training_flops,

@@ -125,7 +125,6 @@ SPEC = FamilySpec(
     model_class=DoubleDecoder,
     presets=PRESETS,
     training_flops=training_flops,
-    training_flops_per_token=lambda config, seq_len: training_flops(config, seq_len) / seq_len,
     make_batch=make_batch,
     kv_bytes=kv_bytes,
     decode_bytes_per_step=decode_bytes_per_step,

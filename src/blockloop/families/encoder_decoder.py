@@ -127,7 +127,6 @@ SPEC = FamilySpec(
     model_class=EncoderDecoder,
     presets=PRESETS,
     training_flops=training_flops,
-    training_flops_per_token=lambda config, seq_len: training_flops(config, seq_len) / seq_len,
     make_batch=make_batch,
     kv_bytes=kv_bytes,
     paper_training_flops=paper_training_flops,

@@ -111,7 +111,6 @@ SPEC = FamilySpec(
     model_class=RecursiveDecoder,
     presets=PRESETS,
     training_flops=training_flops,
-    training_flops_per_token=lambda config, seq_len: training_flops(config, seq_len) / seq_len,
     kv_bytes=kv_bytes,
     decode_bytes_per_step=decode_bytes_per_step,
     unrolled=lambda config: config.stack(config.depth),  # weights are shared; compute and KV cache are not

@@ -57,8 +57,8 @@ class FamilySpec:
       (random-length block padding, a sampled partition, span corruption...); see :mod:`blockloop.data.collate`.
     * ``sequence_multiple(config)``: what a training ``--seq-len`` must be a multiple of, named ``sequence_unit``.
     * ``recurrent(config)``: state crosses segments (truncated BPTT over contiguous streams).
-    * ``training_flops_per_token(config, seq_len)``: steady-state training FLOPs per token; families counted
-      as appendix A counts (whole windows) also give ``training_flops(config, seq_len, ..., lm_head=True)``.
+    * ``training_flops_per_token(config, seq_len)``: steady-state training FLOPs per token (derived from
+      ``training_flops(config, seq_len, ..., lm_head=True)`` for families counted over whole windows, appendix A).
     * ``kv_bytes(config, prompt_len, new_tokens, bytes_per_value)``: K/V held generating after a prompt.
     * ``decode_bytes_per_step(model, batch, prompt_len, gen_len)``: the decode roofline's bytes per step.
     * ``paper_training_flops(seq_len, d_model, n_layer, out_len)`` / ``paper_kv_bytes(d_model, n_layer,
@@ -74,7 +74,7 @@ class FamilySpec:
     config_class: type[ModelConfig]
     model_class: type[nn.Module]
     presets: tuple[Preset, ...]
-    training_flops_per_token: Callable[[Any, int], float]
+    training_flops_per_token: Callable[[Any, int], float] | None = None
     training_flops: Callable[..., float] | None = None
     make_batch: MakeBatch = plain_batch
     sequence_multiple: Callable[[Any], int] = _one
@@ -89,6 +89,14 @@ class FamilySpec:
     core: Callable[[Any], Any] | None = None
     cost_note: str = ""
     pad_with_eos: bool = False
+
+    def __post_init__(self) -> None:
+        # A family counted over whole windows (appendix A) has its per-token count derived, not restated.
+        if self.training_flops_per_token is None:
+            if self.training_flops is None:
+                raise ValueError(f"family {self.name!r} needs training_flops_per_token or training_flops")
+            whole = self.training_flops
+            object.__setattr__(self, "training_flops_per_token", lambda config, seq_len: whole(config, seq_len) / seq_len)
 
     def collate(self, config: ModelConfig, objective: str = "lm") -> Collate:
         """``(inputs, targets, generator) -> forward kwargs`` for ``objective`` (``lm`` or ``prefix_lm``)."""
