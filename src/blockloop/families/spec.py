@@ -68,6 +68,12 @@ class FamilySpec:
       depth), for the FLOP report; ``core(config)``: the plain decoder its recurrence repeats, shown beside it.
     * ``cost_note``: how ``training_flops_per_token`` counts, for families without an appendix-A closed form.
     * ``pad_with_eos``: the config's ``pad_id`` is set to the tokenizer's end-of-text id when a run starts.
+    * ``scoring``: how the log-likelihood of a continuation given a context is computed exactly (zero-shot
+      evaluation, :mod:`blockloop.evals.scoring`): ``cached`` (the context once into the model's KV cache,
+      every choice continues from it), ``causal`` (one causal forward over context + continuation),
+      ``blocks`` (the context left-padded to whole blocks, as generation does), ``partition`` (the context
+      as the first block of a two-block partition), ``encoder`` (the context as the encoder input); None:
+      the family has not said, and evaluation refuses it rather than approximate.
     """
 
     name: str
@@ -89,6 +95,7 @@ class FamilySpec:
     core: Callable[[Any], Any] | None = None
     cost_note: str = ""
     pad_with_eos: bool = False
+    scoring: str | None = None
 
     def __post_init__(self) -> None:
         # A family counted over whole windows (appendix A) has its per-token count derived, not restated.

@@ -166,6 +166,7 @@ SPEC = FamilySpec(
     name="staircase",
     config_class=StaircaseConfig,
     model_class=Staircase,
+    scoring="causal",
     presets=PRESETS,
     training_flops_per_token=training_flops_per_token,
     sequence_multiple=lambda config: config.chunk_size,

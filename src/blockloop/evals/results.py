@@ -1,0 +1,64 @@
+"""Benchmark results as a table, a JSON record, and two records side by side (``blockloop eval --compare``)."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+from blockloop.errors import BlockloopError
+from blockloop.files import atomic_write_text
+
+RESULTS_FILE = "benchmarks.json"
+
+
+def _cell(value: float, stderr: float) -> str:
+    return f"{100 * value:.1f}" + ("" if math.isnan(stderr) else f" ± {100 * stderr:.1f}")
+
+
+def _key(result: dict[str, Any]) -> tuple:
+    return result["task"], result["metric"], result.get("loop")
+
+
+def table_rows(record: dict[str, Any]) -> list[tuple[str, ...]]:
+    """Header + one row per (task, metric[, loop]): value ± stderr in percent, questions, shots, seconds."""
+    loops = any("loop" in r for r in record["results"])
+    rows = [("task", "metric") + (("loop",) if loops else ()) + ("value (%)", "n", "shots", "seconds")]
+    for r in record["results"]:
+        rows.append((r["task"], r["metric"]) + ((str(r["loop"]),) if loops else ())
+                    + (_cell(r["value"], r["stderr"]), str(r["n"]), str(r["shots"]), f"{record['seconds'][r['task']]:.1f}"))
+    return rows
+
+
+def write_record(record: dict[str, Any], path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(path, json.dumps(record, indent=1, allow_nan=True) + "\n")
+
+
+def read_record(path: str | Path) -> dict[str, Any]:
+    """A record from its JSON file, or from ``benchmarks.json`` in a run directory."""
+    path = Path(path)
+    file = path / RESULTS_FILE if path.is_dir() else path
+    if not file.is_file():
+        raise BlockloopError(f"no benchmark results at {file}; run blockloop eval --tasks ... --out {file} first")
+    try:
+        record = json.loads(file.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as exc:
+        raise BlockloopError(f"{file} is not a benchmark results JSON file ({exc})") from exc
+    if "results" not in record:
+        raise BlockloopError(f"{file} is not a benchmark results JSON file (no 'results')")
+    return record
+
+
+def compare_rows(a: dict[str, Any], b: dict[str, Any], names: tuple[str, str]) -> list[tuple[str, ...]]:
+    """Header + one row per (task, metric[, loop]) in either record: A, B (percent ± stderr) and B - A."""
+    first, second = ({_key(r): r for r in rec["results"]} for rec in (a, b))
+    keys = list(first) + [k for k in second if k not in first]
+    rows = [("task", "metric", "loop", names[0], names[1], "B - A")]
+    for key in keys:
+        x, y = first.get(key), second.get(key)
+        cells = [_cell(r["value"], r["stderr"]) if r else "-" for r in (x, y)]
+        diff = f"{100 * (y['value'] - x['value']):+.1f}" if x and y else "-"
+        rows.append((key[0], key[1], "" if key[2] is None else str(key[2]), *cells, diff))
+    return rows

@@ -1,0 +1,228 @@
+"""Zero/few-shot multiple-choice evaluation: scores against hand-computed values, lm-eval's metric definitions,
+few-shot determinism, prefix reuse equal to scoring from scratch, every family, loops, and the CLI."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from types import SimpleNamespace
+
+import pytest
+import torch
+from torch import nn
+
+from blockloop.cli import EXIT_USER_ERROR, main
+from blockloop.data.tokenizers import ByteTokenizer
+from blockloop.errors import BlockloopError
+from blockloop.evals import scoring
+from blockloop.evals.harness import BenchmarkRequest, mean_stderr, question_metrics, run_benchmarks
+from blockloop.evals.scoring import Request, encode_request, score
+from blockloop.evals.tasks import TASKS, Question, build_questions
+from blockloop.families import FAMILIES, PRESETS, build_model, from_name, spec_of
+from small_presets import small_variant
+
+PROBS = torch.tensor([[0.1, 0.2, 0.3, 0.4], [0.25, 0.25, 0.25, 0.25], [0.5, 0.125, 0.125, 0.25], [0.7, 0.1, 0.1, 0.1]])
+
+
+class Bigram(nn.Module):
+    """Logits at position t = log PROBS[idx[t]]: the next token's probability depends on this token only."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.config = SimpleNamespace(family="staircase", context_length=8)  # a "causal" scoring family
+        self.table = nn.Parameter(PROBS.log())
+
+    def forward(self, idx):
+        return self.table[idx], None
+
+
+def test_scores_equal_hand_computed_log_likelihoods():
+    groups = [[Request((0,), (1, 2)), Request((0,), (3,))], [Request((3, 2), (0, 0, 1))]]
+    out = score(Bigram(), groups, batch_size=1)
+    expected = [math.log(0.2) + math.log(0.25), math.log(0.4), math.log(0.5) + math.log(0.1) + math.log(0.2)]
+    assert out.loglikelihood[:, 0].tolist() == pytest.approx(expected, abs=1e-6)
+    # greedy: every continuation token is the argmax after its predecessor (0 -> 3 yes; 0 -> 1 no)
+    assert out.greedy[:, 0].tolist() == [False, True, False]
+    # a context longer than the window keeps its last tokens, as lm-eval does (window = 8 + 1 tokens)
+    long = score(Bigram(), [[Request((1,) * 20 + (0,), (3,))]])
+    assert long.loglikelihood.item() == pytest.approx(math.log(0.4), abs=1e-6)
+
+
+def test_acc_norm_divides_by_the_characters_of_each_choice_and_stderr_is_the_sample_one():
+    question = Question(((("q", " ab"), ("q", " abcdef"))), 0, (2, 6))
+    assert question_metrics(question, [-4.0, -6.0]) == {"acc": 1.0, "acc_norm": 0.0}  # -2/char vs -1/char
+    assert question_metrics(question, [-5.0, -5.0]) == {"acc": 1.0, "acc_norm": 0.0}  # ties go to the first
+    mean, stderr = mean_stderr([1.0, 0.0, 1.0, 1.0])
+    assert mean == 0.75 and stderr == pytest.approx(0.5 / 2)  # sample std 0.5, n = 4
+    assert math.isnan(mean_stderr([1.0])[1])
+
+
+def test_pairs_are_encoded_as_lm_eval_does():
+    tok = ByteTokenizer()
+    assert encode_request(tok, "Answer: ", "yes") == Request(tuple(b"Answer:"), tuple(b" yes"))
+    assert encode_request(tok, "", "x") == Request((tok.eos_id,), tuple(b"x"))
+
+
+PIQA_ROWS = [{"goal": f"goal {i}", "sol1": f"first {i}", "sol2": f"second {i}", "label": i % 2} for i in range(12)]
+
+
+def test_prompts_follow_lm_eval():
+    q = TASKS["piqa"].question(PIQA_ROWS[1])
+    assert q.pairs == (("Question: goal 1\nAnswer:", " first 1"), ("Question: goal 1\nAnswer:", " second 1"))
+    assert q.gold == 1 and q.norm_lengths == (7, 8)
+    wino = TASKS["winogrande"].question({"sentence": "A beat B so _ won.", "option1": "A", "option2": "B", "answer": "1"})
+    assert wino.pairs == (("A beat B so A", " won."), ("A beat B so B", " won.")) and wino.gold == 0
+    copa = TASKS["copa"].question({"premise": "It rained.", "choice1": "We got wet.", "choice2": "No.", "question": "effect",
+                                   "label": 0})
+    assert copa.pairs[0] == ("It rained therefore", "  we got wet.")
+
+
+def test_few_shot_examples_are_seeded_independent_of_limit_and_never_the_question():
+    task = TASKS["piqa"]
+    a = build_questions(task, PIQA_ROWS, shots=3, seed=7)
+    assert a == build_questions(task, PIQA_ROWS, shots=3, seed=7)
+    assert a[:4] == build_questions(task, PIQA_ROWS, shots=3, seed=7, limit=4)
+    assert a != build_questions(task, PIQA_ROWS, shots=3, seed=8)
+    for i, q in enumerate(a):
+        context = q.pairs[0][0]
+        assert context.count("\n\n") == 3 and context.endswith(f"Question: goal {i}\nAnswer:")
+        assert f"goal {i}\n" not in context[: -len(f"Question: goal {i}\nAnswer:")]
+    with pytest.raises(BlockloopError, match="too few"):
+        build_questions(task, PIQA_ROWS[:3], shots=3)
+
+
+def random_groups(vocab: int, seed: int = 0) -> list[list[Request]]:
+    """Questions with shared contexts of different lengths, and a winogrande-like one (contexts differ, one
+    continuation)."""
+    g = torch.Generator().manual_seed(seed)
+
+    def ids(n):
+        return tuple(torch.randint(1, vocab, (n,), generator=g).tolist())
+
+    groups = []
+    for ctx_len, cont_lens in [(5, (1, 3, 2, 4)), (9, (2, 2)), (3, (6, 1, 1))]:
+        context = ids(ctx_len)
+        groups.append([Request(context, ids(n)) for n in cont_lens])
+    stem = ids(4)
+    groups.append([Request(stem + ids(2), (7, 8, 9)), Request(stem + ids(3), (7, 8, 9))])
+    return groups
+
+
+@pytest.mark.parametrize("preset", ["tiny", "tiny-recursive", "tiny-ladder"])
+def test_prefix_reuse_equals_scoring_each_choice_from_scratch_in_float64(preset):
+    torch.manual_seed(0)
+    model = build_model(small_variant(preset)).double().eval()
+    assert spec_of(model.config).scoring == "cached"
+    groups = random_groups(64)
+    reused = score(model, groups, batch_size=3)
+    scratch = scoring._causal(model, [[r] for g in groups for r in g], None)[0][:, 0]
+    assert torch.allclose(reused.loglikelihood[:, 0], scratch, atol=1e-10, rtol=0)
+
+
+def one_preset_per_family() -> list[str]:
+    chosen: dict[str, str] = {}
+    for name in sorted(PRESETS):
+        family = from_name(name).family
+        if name.startswith("tiny") and family not in chosen:
+            chosen[family] = name
+    assert set(chosen) == set(FAMILIES)
+    return sorted(chosen.values())
+
+
+@pytest.mark.parametrize("preset", one_preset_per_family())
+def test_every_family_scores_the_same_in_a_batch_as_alone(preset):
+    torch.manual_seed(0)
+    model = build_model(small_variant(preset)).double().eval()
+    groups = random_groups(64, seed=1)
+    batched = score(model, groups, batch_size=4).loglikelihood
+    alone = torch.cat([score(model, [[r]], batch_size=1).loglikelihood for g in groups for r in g])
+    assert torch.isfinite(batched).all()
+    assert torch.allclose(batched, alone, atol=1e-10, rtol=0)
+
+
+def test_block_transformer_scores_its_continuation_from_a_block_boundary():
+    torch.manual_seed(0)
+    model = build_model(small_variant("tiny-block")).double().eval()
+    c = model.config
+    request = Request((5, 6, 7), (8, 9))  # context shorter than a block: padded to one whole block
+    idx = torch.tensor([[c.pad_id] * (c.block_len - 3) + [5, 6, 7, 8, 9] + [c.pad_id] * (c.block_len - 2)])
+    logp = torch.log_softmax(model(idx)[0], -1)[0]
+    expected = logp[c.block_len, 8] + logp[c.block_len + 1, 9]
+    assert score(model, [[request]]).loglikelihood.item() == pytest.approx(expected.item(), abs=1e-10)
+
+
+def test_a_family_that_cannot_score_exactly_is_refused(monkeypatch):
+    monkeypatch.setitem(FAMILIES, "decoder", dataclasses.replace(FAMILIES["decoder"], scoring=None))
+    model = build_model(small_variant("tiny")).eval()
+    with pytest.raises(BlockloopError, match="cannot score a continuation exactly"):
+        score(model, [[Request((1, 2), (3,))]])
+
+
+def test_loops_score_each_static_exit():
+    torch.manual_seed(0)
+    model = build_model(small_variant("tiny-recursive")).double().eval()
+    groups = random_groups(64, seed=2)
+    out = score(model, groups, exits=[1, 2]).loglikelihood
+    assert torch.allclose(out[:, 1], score(model, groups).loglikelihood[:, 0], atol=1e-10, rtol=0)
+    # exit after loop 1, by hand: the first loop's logits over each whole window
+    for row, r in enumerate(r for g in groups for r in g):
+        full = torch.tensor([r.context + r.continuation])
+        logp = torch.log_softmax(model.loop_logits(full[:, :-1])[0], -1)[0]
+        n = len(r.continuation)
+        expected = logp[-n:].gather(1, full[0, -n:, None]).sum()
+        assert out[row, 0].item() == pytest.approx(expected.item(), abs=1e-10)
+    with pytest.raises(BlockloopError, match="no loops"):
+        score(build_model(small_variant("tiny")).eval(), groups, exits=[1])
+
+
+def test_run_benchmarks_reports_acc_acc_norm_and_per_loop_rows():
+    torch.manual_seed(0)
+    tok = ByteTokenizer()
+    model = build_model(small_variant("tiny-recursive").replace(vocab_size=tok.vocab_size, padded_vocab_size=320)).eval()
+    request = BenchmarkRequest(["piqa", "copa"], limit=5, per_loop=True)
+    copa = [{"premise": f"P{i}.", "choice1": "Aa", "choice2": "Bb", "question": "cause", "label": i % 2} for i in range(6)]
+    record = run_benchmarks(model, tok, request, rows=lambda dataset: copa if "copa" in dataset else PIQA_ROWS)
+    keys = [(r["task"], r["metric"], r["loop"]) for r in record["results"]]
+    assert keys == [("piqa", "acc", 1), ("piqa", "acc_norm", 1), ("piqa", "acc", 2), ("piqa", "acc_norm", 2),
+                    ("copa", "acc", 1), ("copa", "acc", 2)]
+    assert all(r["n"] == 5 and 0 <= r["value"] <= 1 for r in record["results"])
+    with pytest.raises(BlockloopError, match="outside"):
+        run_benchmarks(model, tok, BenchmarkRequest(["piqa"], loops=3), rows=lambda d: PIQA_ROWS)
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("evals") / "run"
+    assert main(["train", "--preset", "tiny", "--steps", "1", "--batch-size", "2", "--seq-len", "32", "--device", "cpu",
+                 "--no-progress", "--out", str(out)]) == 0
+    return out
+
+
+def test_cli_runs_the_shipped_benchmarks_writes_json_and_compares(tiny_run, tmp_path, capsys):
+    pytest.importorskip("pyarrow")
+    a, b = tmp_path / "a.json", tmp_path / "b.json"
+    base = ["eval", "--checkpoint", str(tiny_run), "--tasks", "arc_easy,copa", "--limit", "3", "--device", "cpu"]
+    assert main([*base, "--out", str(a)]) == 0
+    assert main([*base, "--shots", "1", "--out", str(b)]) == 0
+    out = capsys.readouterr().out
+    assert "arc_easy" in out and "acc_norm" in out
+    record = json.loads(a.read_text())
+    assert record["tokenizer"] == "byte" and record["versions"]["torch"] == torch.__version__
+    assert [(r["task"], r["metric"], r["n"]) for r in record["results"]] == [
+        ("arc_easy", "acc", 3), ("arc_easy", "acc_norm", 3), ("copa", "acc", 3)]
+    assert main(["eval", "--compare", str(a), str(b)]) == 0
+    rows = capsys.readouterr().out.splitlines()
+    assert len(rows) == 2 + 1 + 3 and "B - A" in rows[2]
+
+
+@pytest.mark.parametrize("argv, match", [
+    (["--task", "random-walk", "--tasks", "piqa"], "give one of them"),
+    (["--tasks", "piqa,nope"], "unknown benchmark"),
+    (["--tasks", "piqa", "--loops", "2"], "no loops"),
+    (["--loops", "2"], "go with --tasks"),
+])
+def test_cli_benchmark_errors_are_one_line(tiny_run, capsys, argv, match):
+    code = main(["eval", "--checkpoint", str(tiny_run), "--device", "cpu", *argv])
+    err = capsys.readouterr().err.strip()
+    assert code == EXIT_USER_ERROR and len(err.splitlines()) == 1 and match in err, err
