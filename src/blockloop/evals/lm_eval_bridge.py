@@ -1,0 +1,90 @@
+"""lm-evaluation-harness on blockloop checkpoints: importing this module registers the ``blockloop`` model type.
+
+For people who have lm-eval and its data (``pip install 'blockloop[lm-eval]'``; lm-eval fetches task data
+from a hub unless the task reads local files)::
+
+    import lm_eval
+    import blockloop.evals.lm_eval_bridge  # registers "blockloop"
+    lm_eval.simple_evaluate(model="blockloop", model_args="checkpoint=runs/smollm2,device=cpu", tasks=["piqa"])
+
+``loglikelihood`` goes through :func:`blockloop.evals.scoring.score` (requests with the same context share
+their prefix work, and every family is scored the way its spec says), ``loglikelihood_rolling`` scores
+lm-eval's disjoint rolling windows the same way, and ``generate_until`` decodes greedily through the
+engine (:func:`blockloop.serve.generate.generate`), cut at the first stop string.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from lm_eval.api.model import LM
+from lm_eval.api.registry import register_model
+from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
+from torch import nn
+
+from blockloop.data.tokenizers import Tokenizer
+from blockloop.device import resolve_device
+from blockloop.evals.scoring import Request, encode_request, score
+from blockloop.families import spec_of
+from blockloop.serve.generate import generate
+from blockloop.train.run import load_trained
+
+
+@register_model("blockloop")
+class BlockloopLM(LM):
+    """A blockloop checkpoint (``checkpoint=RUN``), or a ``model`` and ``tokenizer`` already in memory."""
+
+    def __init__(self, checkpoint: str | None = None, device: str = "auto", batch_size: int | str = 8,
+                 loops: int | str | None = None, model: nn.Module | None = None,
+                 tokenizer: Tokenizer | None = None, **_: Any) -> None:
+        super().__init__()
+        if model is None:
+            trained = load_trained(checkpoint, resolve_device(device))
+            model, tokenizer = trained.model, trained.tokenizer
+        self.model, self.tokenizer = model.eval(), tokenizer
+        self.batch_size = int(batch_size) if str(batch_size).isdigit() else 8
+        self.exits = [int(loops)] if loops not in (None, "") else None
+
+    def _score(self, requests: list[Request]) -> list[tuple[float, bool]]:
+        """Requests with equal contexts form one group (one prefix pass); answers in the order asked."""
+        groups: dict[tuple[int, ...], list[int]] = {}
+        for i, r in enumerate(requests):
+            groups.setdefault(r.context, []).append(i)
+        order = [i for members in groups.values() for i in members]
+        scores = score(self.model, [[requests[i] for i in m] for m in groups.values()], exits=self.exits,
+                       batch_size=self.batch_size)
+        answers: list[tuple[float, bool]] = [(0.0, False)] * len(requests)
+        for row, i in enumerate(order):
+            answers[i] = (float(scores.loglikelihood[row, -1]), bool(scores.greedy[row, -1]))
+        return answers
+
+    def loglikelihood(self, requests: list[Any], disable_tqdm: bool = False) -> list[tuple[float, bool]]:
+        return self._score([encode_request(self.tokenizer, *req.args[:2]) for req in requests])
+
+    def loglikelihood_rolling(self, requests: list[Any], disable_tqdm: bool = False) -> list[float]:
+        config = self.model.config
+        multiple = spec_of(config).sequence_multiple(config)
+        window = config.context_length - (multiple if multiple > 1 else 0)  # room for a block-padded context
+        totals = []
+        for req in requests:
+            pairs = [make_disjoint_window(p) for p in get_rolling_token_windows(
+                self.tokenizer.encode(req.args[0]), self.tokenizer.eos_id, window, 1)]
+            totals.append(sum(ll for ll, _ in self._score([Request(tuple(c), tuple(x)) for c, x in pairs])))
+        return totals
+
+    def generate_until(self, requests: list[Any], disable_tqdm: bool = False) -> list[str]:
+        outputs = []
+        for req in requests:
+            context, kwargs = req.args[0], dict(req.args[1])
+            until = kwargs.get("until") or []
+            until = [until] if isinstance(until, str) else list(until)
+            c = self.model.config
+            new = max(1, min(int(kwargs.get("max_gen_toks", 256)), c.context_length // 2))
+            keep = c.context_length - new - spec_of(c).sequence_multiple(c)  # a block family pads the prompt
+            prompt = (self.tokenizer.encode(context) or [self.tokenizer.eos_id])[-keep:]
+            (tokens,) = generate(self.model, [prompt], new, temperature=0.0, eos_id=self.tokenizer.eos_id)
+            text = self.tokenizer.decode(tokens)
+            for stop in until:
+                text = text.split(stop)[0]
+            outputs.append(text)
+        return outputs

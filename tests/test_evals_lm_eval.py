@@ -1,0 +1,98 @@
+"""The lm-eval bridge, offline: a local YAML task over a local JSON file, run through lm-eval's Python API on
+a blockloop model, gives the accuracy blockloop's own evaluator gives on the same items."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+lm_eval = pytest.importorskip("lm_eval")
+
+import torch
+
+from blockloop.data.tokenizers import ByteTokenizer
+from blockloop.evals.harness import BenchmarkRequest, run_benchmarks
+from blockloop.evals.lm_eval_bridge import BlockloopLM
+from blockloop.evals.scoring import encode_request, score
+from blockloop.evals.tasks import TASKS, build_questions
+from blockloop.families import build_model
+from small_presets import small_variant
+
+# PIQA's lm-eval definition (lm_eval/tasks/piqa/piqa.yaml) over a local file
+TASK_YAML = """\
+task: local_piqa
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    validation: {path}
+output_type: multiple_choice
+validation_split: validation
+doc_to_text: "Question: {{{{goal}}}}\\nAnswer:"
+doc_to_target: label
+doc_to_choice: "{{{{[sol1, sol2]}}}}"
+metric_list:
+  - metric: acc
+    aggregation: mean
+    higher_is_better: true
+  - metric: acc_norm
+    aggregation: mean
+    higher_is_better: true
+"""
+
+WORDS = "salt sugar water stone glass paper wood iron milk sand cloth rope".split()
+ROWS = [{"goal": f"How do you clean {WORDS[i]}?", "sol1": f"Rub it with {WORDS[(i + 3) % 12]}.",
+         "sol2": f"Soak it in {WORDS[(i + 5) % 12]} for a day.", "label": i % 2} for i in range(12)]
+
+
+@pytest.fixture(scope="module")
+def byte_model():
+    torch.manual_seed(0)
+    tok = ByteTokenizer()
+    config = small_variant("tiny").replace(vocab_size=tok.vocab_size, padded_vocab_size=320, context_length=256)
+    return build_model(config).eval(), tok
+
+
+def test_lm_eval_on_a_local_task_matches_the_builtin_evaluator(byte_model, tmp_path):
+    from lm_eval.tasks import TaskManager
+
+    model, tok = byte_model
+    data = tmp_path / "piqa.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in ROWS))
+    (tmp_path / "local_piqa.yaml").write_text(TASK_YAML.format(path=data))
+    out = lm_eval.simple_evaluate(model=BlockloopLM(model=model, tokenizer=tok, batch_size=4), tasks=["local_piqa"],
+                                  task_manager=TaskManager(include_path=str(tmp_path), include_defaults=False), num_fewshot=0,
+                                  log_samples=True)
+    theirs = out["results"]["local_piqa"]
+    ours = run_benchmarks(model, tok, BenchmarkRequest(["piqa"]), rows=lambda dataset: ROWS)["results"]
+    # the same strings scored: every choice's log-likelihood equal, item by item
+    questions = build_questions(TASKS["piqa"], ROWS)
+    mine = score(model, [[encode_request(tok, c, x) for c, x in q.pairs] for q in questions]).loglikelihood[:, 0]
+    assert len(out["samples"]["local_piqa"]) == len(ROWS)
+    for sample in out["samples"]["local_piqa"]:
+        lls = [float(ll) for ll, _ in sample["filtered_resps"]]
+        assert lls == pytest.approx(mine[2 * sample["doc_id"] : 2 * sample["doc_id"] + 2].tolist(), abs=1e-9)
+    for r in ours:
+        assert theirs[f"{r['metric']},none"] == pytest.approx(r["value"], abs=1e-12)
+        assert theirs[f"{r['metric']}_stderr,none"] == pytest.approx(r["stderr"], abs=1e-12)
+
+
+def test_rolling_log_likelihood_and_greedy_generation(byte_model):
+    model, tok = byte_model
+    lm = BlockloopLM(model=model, tokenizer=tok)
+    text = "To be, or not to be, that is the question. " * 8  # longer than one 256-token window
+    (total,) = lm.loglikelihood_rolling([type("R", (), {"args": (text,)})()])
+    ids = [tok.eos_id] + tok.encode(text)
+    expected = 0.0
+    with torch.no_grad():
+        for start in range(0, len(ids) - 1, 256):  # disjoint windows, each conditioned on what precedes it
+            n = min(256, len(ids) - 1 - start)
+            window = torch.tensor([ids[max(0, start + 1 + n - 257) : start + 1 + n]])
+            logp = torch.log_softmax(model(window[:, :-1])[0], -1)[0]
+            expected += logp[-n:].gather(1, window[0, -n:, None]).sum().item()
+    assert total == pytest.approx(expected, rel=1e-5)
+    (text_out,) = lm.generate_until([type("R", (), {"args": ("ROMEO:", {"until": ["\n"], "max_gen_toks": 12})})()])
+    assert "\n" not in text_out and len(tok.encode(text_out)) <= 12
