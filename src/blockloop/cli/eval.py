@@ -109,8 +109,14 @@ def benchmarks(args: argparse.Namespace) -> int:
     bars = []
 
     def progress(task: str, total: int):
-        bars.append(tqdm(total=total, desc=task, unit="q", leave=False, dynamic_ncols=True))
-        return bars[-1].update
+        bar = tqdm(total=total, desc=task, unit="q", leave=False, dynamic_ncols=True)
+        bars.append(bar)
+
+        def done(n: int) -> None:
+            bar.update(n)
+            if bar.n >= total:
+                bar.close()
+        return done
 
     try:
         record = evaluate_benchmarks(args.checkpoint, request, args.device, progress=progress)

@@ -95,13 +95,18 @@ def score(
         starts.append(starts[-1] + len(g))
     ll = torch.zeros(starts[-1], n_exits, dtype=torch.float64)
     greedy = torch.zeros(starts[-1], n_exits, dtype=torch.bool)
-    for i in range(0, len(order), batch_size):
-        chosen = order[i : i + batch_size]
-        out_ll, out_greedy = scorer(model, [list(groups[g]) for g in chosen], exits)
-        rows = [r for g in chosen for r in range(starts[g], starts[g + 1])]
-        ll[rows], greedy[rows] = out_ll.cpu(), out_greedy.cpu()
-        if progress is not None:
-            progress(len(chosen))
+    was_training = model.training
+    model.eval()  # no dropout
+    try:
+        for i in range(0, len(order), batch_size):
+            chosen = order[i : i + batch_size]
+            out_ll, out_greedy = scorer(model, [list(groups[g]) for g in chosen], exits)
+            rows = [r for g in chosen for r in range(starts[g], starts[g + 1])]
+            ll[rows], greedy[rows] = out_ll.cpu(), out_greedy.cpu()
+            if progress is not None:
+                progress(len(chosen))
+    finally:
+        model.train(was_training)
     return Scores(ll, greedy)
 
 

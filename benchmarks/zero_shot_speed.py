@@ -1,0 +1,67 @@
+"""What prefix reuse buys: multiple-choice scoring through the KV cache (the context once per question) against
+scoring every choice from scratch (one causal forward over context + choice), same questions, same batches,
+same process, alternating, so the ratio holds on a shared machine. Also checks that both agree.
+
+    PYTHONPATH=src python benchmarks/zero_shot_speed.py --checkpoint runs/eval-smollm2 --tasks hellaswag,piqa,arc_easy --limit 40
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import torch
+
+from blockloop.evals.benchmarks_data import load_rows
+from blockloop.evals.scoring import LAYOUTS, encode_request, score
+from blockloop.evals.tasks import TASKS, build_questions
+from blockloop.families import spec_of
+from blockloop.train.run import load_trained
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--checkpoint", required=True)
+    p.add_argument("--tasks", default="hellaswag,piqa,arc_easy")
+    p.add_argument("--limit", type=int, default=40)
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--out", help="append the rows as JSON lines here")
+    args = p.parse_args()
+    torch.set_num_threads(args.threads)
+    trained = load_trained(args.checkpoint, "cpu")
+    model, tok = trained.model, trained.tokenizer
+    if spec_of(model.config).scoring != "cached":
+        raise SystemExit("this compares prefix reuse with scoring from scratch: give a model that scores 'cached'")
+    from_scratch = LAYOUTS["causal"]
+    for name in args.tasks.split(","):
+        questions = build_questions(TASKS[name], load_rows(TASKS[name].dataset), limit=args.limit)
+        groups = [[encode_request(tok, c, x) for c, x in q.pairs] for q in questions]
+        groups.sort(key=lambda g: -max(len(r.context) + len(r.continuation) for r in g))  # both batch alike
+        best = {"reuse": float("inf"), "scratch": float("inf")}
+        for _ in range(args.repeats):
+            start = time.perf_counter()
+            reused = score(model, groups, batch_size=args.batch_size).loglikelihood[:, 0]
+            best["reuse"] = min(best["reuse"], time.perf_counter() - start)
+            start = time.perf_counter()
+            with torch.no_grad():
+                parts = [from_scratch(model, groups[i : i + args.batch_size], None)[0][:, 0]
+                         for i in range(0, len(groups), args.batch_size)]
+            best["scratch"] = min(best["scratch"], time.perf_counter() - start)
+        scratch = torch.cat(parts)
+        tokens = sum(len(r.context) + len(r.continuation) for g in groups for r in g)
+        row = {"task": name, "questions": len(groups), "requests": sum(map(len, groups)), "tokens": tokens,
+               "reuse_s": round(best["reuse"], 2), "scratch_s": round(best["scratch"], 2),
+               "speedup": round(best["scratch"] / best["reuse"], 2),
+               "max_abs_diff": float((reused - scratch).abs().max()), "threads": args.threads,
+               "torch": torch.__version__}
+        print(json.dumps(row), flush=True)
+        if args.out:
+            with open(args.out, "a", encoding="utf-8") as f:
+                f.write(json.dumps(row) + "\n")
+
+
+if __name__ == "__main__":
+    main()
