@@ -194,7 +194,7 @@ def test_run_benchmarks_reports_acc_acc_norm_and_per_loop_rows():
 @pytest.fixture(scope="module")
 def tiny_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("evals") / "run"
-    assert main(["train", "--preset", "tiny", "--steps", "1", "--batch-size", "2", "--seq-len", "32", "--device", "cpu",
+    assert main(["train", "--preset", "tiny", "--steps", "2", "--warmup-steps", "1", "--batch-size", "2", "--seq-len", "32", "--device", "cpu",
                  "--no-progress", "--out", str(out)]) == 0
     return out
 
@@ -226,3 +226,17 @@ def test_cli_benchmark_errors_are_one_line(tiny_run, capsys, argv, match):
     code = main(["eval", "--checkpoint", str(tiny_run), "--device", "cpu", *argv])
     err = capsys.readouterr().err.strip()
     assert code == EXIT_USER_ERROR and len(err.splitlines()) == 1 and match in err, err
+
+
+def test_compare_lines_a_per_loop_record_final_loop_up_with_plain_rows():
+    from blockloop.evals.results import compare_rows
+
+    def row(value, loop=None):
+        r = {"task": "piqa", "metric": "acc", "value": value, "stderr": 0.01}
+        return r if loop is None else {**r, "loop": loop}
+
+    plain = {"model": {"loops": None}, "results": [row(0.6)]}
+    looped = {"model": {"loops": 2}, "results": [row(0.5, 1), row(0.55, 2)]}
+    rows = compare_rows(plain, looped, ("A", "B"))
+    assert rows[1] == ("piqa", "acc", "", "60.0 ± 1.0", "55.0 ± 1.0", "-5.0")
+    assert rows[2] == ("piqa", "acc", "1", "-", "50.0 ± 1.0", "-")

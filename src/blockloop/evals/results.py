@@ -17,8 +17,10 @@ def _cell(value: float, stderr: float) -> str:
     return f"{100 * value:.1f}" + ("" if math.isnan(stderr) else f" ± {100 * stderr:.1f}")
 
 
-def _key(result: dict[str, Any]) -> tuple:
-    return result["task"], result["metric"], result.get("loop")
+def _key(result: dict[str, Any], final_loop: int | None = None) -> tuple:
+    """(task, metric, loop); a looped model's last exit is its output, so it lines up with a plain row."""
+    loop = result.get("loop")
+    return result["task"], result["metric"], None if loop == final_loop else loop
 
 
 def table_rows(record: dict[str, Any]) -> list[tuple[str, ...]]:
@@ -52,8 +54,9 @@ def read_record(path: str | Path) -> dict[str, Any]:
 
 
 def compare_rows(a: dict[str, Any], b: dict[str, Any], names: tuple[str, str]) -> list[tuple[str, ...]]:
-    """Header + one row per (task, metric[, loop]) in either record: A, B (percent ± stderr) and B - A."""
-    first, second = ({_key(r): r for r in rec["results"]} for rec in (a, b))
+    """Header + one row per (task, metric[, loop]) in either record: A, B (percent ± stderr) and B - A. A
+    per-loop record's last loop is compared with the other's plain rows (both are the model's output)."""
+    first, second = ({_key(r, (rec.get("model") or {}).get("loops")): r for r in rec["results"]} for rec in (a, b))
     keys = list(first) + [k for k in second if k not in first]
     rows = [("task", "metric", "loop", names[0], names[1], "B - A")]
     for key in keys:
