@@ -116,11 +116,26 @@ def test_corrupt_checkpoint_is_reported(trained_run, tmp_path, capsys):
 
 
 def test_every_command_has_help(capsys):
-    for command in ["train", "eval", "generate", "presets", "info", "demo"]:
+    from blockloop.cli import COMMANDS
+
+    for command in COMMANDS:
         with pytest.raises(SystemExit) as exc:
             main([command, "--help"])
         assert exc.value.code == 0
-        assert "usage: blockloop" in capsys.readouterr().out
+        assert f"usage: blockloop {command}" in capsys.readouterr().out
+
+
+def test_top_level_help_imports_no_torch_and_lists_every_verb():
+    """`blockloop --help` must answer at once: building its parser may not import torch (2-5 s)."""
+    import subprocess
+    import sys
+
+    code = ("import sys, time; t = time.perf_counter(); from blockloop.cli import COMMANDS, build_parser; "
+            "text = build_parser(set()).format_help(); elapsed = time.perf_counter() - t; "
+            "heavy = sorted(m for m in ('torch', 'numpy', 'tokenizers', 'transformers') if m in sys.modules); "
+            "print(heavy, all(v in text for v in COMMANDS), elapsed < 0.5)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.split() == ["[]", "True", "True"], out
 
 
 def test_demo_trains_compares_and_samples(tmp_path, capsys):
