@@ -247,3 +247,27 @@ def test_a_closed_pipe_ends_the_command_quietly():
     stderr = proc.stderr.read().decode()
     assert proc.wait(timeout=120) in (0, 1)  # 0 only if the whole table fit the pipe before the reader left
     assert "Traceback" not in stderr and "BrokenPipeError" not in stderr, stderr
+
+
+def test_no_progress_turns_every_bar_off_and_every_long_verb_takes_it(trained_run, monkeypatch, capsys):
+    from blockloop import progress
+    from blockloop.cli import build_parser
+
+    long_running = ["train", "eval", "demo", "bench", "convert"]
+    parser = build_parser(set(long_running))
+    for verb in long_running:
+        assert "--no-progress" in parser._subparsers._group_actions[0].choices[verb].format_help(), verb
+    monkeypatch.setattr(progress, "_enabled", True)
+    monkeypatch.setattr("sys.stderr.isatty", lambda: True, raising=False)
+    assert progress.shown()  # a terminal, no flag: bars are drawn
+    assert main(["eval", "--checkpoint", str(trained_run), "--device", "cpu", "--max-batches", "1", "--no-progress"]) == 0
+    assert not progress.shown()
+
+
+def test_piped_training_logs_are_plain_lines_and_say_when_validation_starts(tmp_path, capsys):
+    argv = [a for a in TINY_TRAIN if a != "--no-progress"]  # no flag: the pipe alone must keep bars away
+    assert main([*argv, "--out", str(tmp_path / "run")]) == 0
+    captured = capsys.readouterr()
+    assert "\r" not in captured.err and "\r" not in captured.out
+    assert "step 4: validating on up to 1 batches" in captured.out
+    assert "val_loss" in captured.out

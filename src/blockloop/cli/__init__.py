@@ -35,6 +35,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     # The top-level parser has no options of its own besides --help: the first word is the verb.
     verb = next((word for word in argv if not word.startswith("-")), None)
     args = build_parser(verbs={verb} if verb else set()).parse_args(argv)
+    if getattr(args, "no_progress", False):
+        from blockloop import progress
+
+        progress.set_enabled(False)
     try:
         code = args.handler(args) or 0
         sys.stdout.flush()  # inside the try: a reader that left early is noticed here, not at interpreter exit

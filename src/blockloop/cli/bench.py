@@ -10,7 +10,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-from blockloop.cli.common import add_device, parse_ints
+from blockloop.cli.common import add_device, add_no_progress, parse_ints
 from blockloop.errors import BlockloopError
 
 HELP = "benchmark inference: throughput protocol, request stream, Pareto plot"
@@ -25,6 +25,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     m.add_argument("--checkpoint", action="append", default=[],
                    help="a trained run to bench, after the --presets (repeatable; its validation loss is recorded for --plot)")
     add_device(m)
+    add_no_progress(m)
     m.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
                    help="weights/cache dtype (default: bfloat16 on CUDA, float32 on CPU)")
     m.add_argument("--compile", action="store_true", help="torch.compile the decode step (CUDA graphs on CUDA)")
