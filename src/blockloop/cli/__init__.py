@@ -22,7 +22,7 @@ from blockloop.errors import BlockloopError
 
 EXIT_USER_ERROR = 2
 # Optional packages and the extra that installs each: a verb that needs one says so in one line.
-EXTRAS = {"transformers": "hf", "gguf": "hf", "accelerate": "hf", "matplotlib": "plot", "pyarrow": "eval"}
+EXTRAS = {"transformers": "hf", "gguf": "hf", "matplotlib": "plot", "pyarrow": "eval"}
 
 COMMANDS: dict[str, ModuleType] = {
     "train": train, "eval": eval_, "generate": generate, "convert": convert, "tasks": tasks, "presets": presets,
