@@ -68,9 +68,10 @@ def evaluate(
     # Independent windows (task windows overlap, each holds whole sequences) are each read from an empty state.
     recurrent = recurrent and not getattr(sequences, "independent_windows", False)
     if sequences.seq_len % chunk:
+        fit = -(-sequences.seq_len // chunk) * chunk
         raise BlockloopError(
-            f"sequence length {sequences.seq_len} is not a multiple of the model's chunk size {chunk}; "
-            "evaluate with a --seq-len that is"
+            f"--seq-len {sequences.seq_len} is not a multiple of the model's chunk size {chunk}; "
+            f"use a multiple of {chunk}, e.g. --seq-len {fit}"
         )
     batches = (stream_eval_batches if recurrent else eval_batches)(sequences, batch_size, max_batches)
     count = (len(sequences) // min(batch_size, len(sequences)) if recurrent
