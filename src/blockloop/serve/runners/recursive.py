@@ -37,6 +37,7 @@ from torch import Tensor, nn
 from blockloop.errors import BlockloopError, check_context
 from blockloop.models.recursive import RecursiveDecoder
 from blockloop.nn.kv_cache import DecoderCache, KVCache, StepContext
+from blockloop.serve.runners.base import StepOutput
 from blockloop.serve.runners.decoder import DecoderRunner, DecodeState
 
 EXIT_RULES = ("none", "max_prob", "entropy", "oracle")
@@ -157,13 +158,13 @@ class RecursiveRunner(DecoderRunner):
                                     torch.zeros(c.loops, dtype=torch.long, device=weight.device),
                                     zeros.new_zeros(n_slots, c.loops), zeros.new_zeros(n_slots, max_len))
 
-    def decode_step(self, tokens: Tensor) -> Tensor | tuple[Tensor, Tensor]:
+    def decode_step(self, tokens: Tensor) -> Tensor | StepOutput:
         if self.exit_rule is None:
             return super().decode_step(tokens)
         return self._depthwise_step(tokens)
 
     @torch.no_grad()
-    def _depthwise_step(self, tokens: Tensor) -> tuple[Tensor, Tensor]:
+    def _depthwise_step(self, tokens: Tensor) -> StepOutput:
         """One loop for every row. ``tokens`` holds a new token for rows that emitted one (they start loop
         0 at their next slot) and -1 for rows still inside a token. Returns every row's exit logits and
         which rows are ready to emit."""
@@ -191,7 +192,7 @@ class RecursiveRunner(DecoderRunner):
         rows = torch.arange(len(slot), device=slot.device)
         state.exit_log[rows, slot] = torch.where(ready, exit_loop + 1, state.exit_log[rows, slot])
         state.hidden, state.loop, state.slot, state.position = x, loop + 1, slot, position
-        return logits, ready
+        return StepOutput(logits, ready)
 
     def _oracle_exit(self, state: DepthwiseState, logits: Tensor, loop: Tensor) -> Tensor:
         """Record each row's greedy prediction after ``loop``; for rows that just ran the last loop, the
