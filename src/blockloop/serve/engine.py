@@ -154,14 +154,11 @@ class Engine:
             # depth-wise batch emits tokens at uneven steps).
             remaining = max(r.max_tokens - len(r.output) for r in running.values())
             steps, last = min(steps, remaining), remaining <= steps
-        filtered = any(r.sampling.filters for r in running.values())
-        greedy = all(r.sampling.temperature == 0 for r in running.values())  # skip the noise (idle rows: any token)
+        self.sampling.filtered = any(r.sampling.filters for r in running.values())
+        self.sampling.greedy = all(r.sampling.temperature == 0 for r in running.values())  # idle rows: any token
         rows, logits, ready = self.rows, self.logits[: self.rows], self.ready[: self.rows]
         for i in range(steps):
-            if greedy:
-                tokens = logits[:, : self.vocab_size].argmax(dim=-1)
-            else:
-                tokens = self.sampling.sample(logits[:, : self.vocab_size], filtered=filtered)
+            tokens = self.sampling.sample(logits[:, : self.vocab_size])
             tokens = torch.where(ready, tokens, -1)  # rows inside a token (depth-wise) or speculating emit nothing
             self.ring[i, :rows, 0] = tokens
             self.sampling.counter[:rows] += ready

@@ -35,6 +35,12 @@ def counter_uniform(seed: Tensor, counter: Tensor, vocab: int) -> Tensor:
     return (bits.double() + 0.5) / 2.0**32
 
 
+def substream(seed: Tensor, stream: int) -> Tensor:
+    """A seed for the ``stream``-th extra random stream of requests seeded ``seed`` (speculative drafting and
+    acceptance), unrelated to every request's own stream and to each other."""
+    return _hash32(seed + 0x5BD1E995 * stream)
+
+
 def gumbel(seed: Tensor, counter: Tensor, vocab: int) -> Tensor:
     """``(N, vocab)`` Gumbel noise of each row's ``(seed, counter)`` stream: argmax of scores plus it samples
     softmax(scores) (the Gumbel-max trick)."""
@@ -92,6 +98,8 @@ class SlotSampling:
 
     The engine's own; a runner that chooses tokens itself (speculative decoding) reads it through
     ``Runner.sampling``. ``speculate`` is the request's draft length (-1: the runner's default).
+    ``filtered`` / ``greedy`` say whether any running request uses top-k/top-p and whether all are greedy
+    (set by the engine each window, so that no step reads them back from the device).
     """
 
     temperature: Tensor
@@ -100,6 +108,8 @@ class SlotSampling:
     seed: Tensor
     counter: Tensor
     speculate: Tensor
+    filtered: bool = True
+    greedy: bool = False
 
     @classmethod
     def empty(cls, n_slots: int, device: torch.device) -> SlotSampling:
@@ -112,21 +122,25 @@ class SlotSampling:
         self.top_k[slot], self.top_p[slot] = s.top_k or 0, s.top_p if s.top_p is not None else 1.0
         self.speculate[slot] = -1 if s.speculate is None else s.speculate
 
-    def sample(self, logits: Tensor, *, filtered: bool) -> Tensor:
+    def sample(self, logits: Tensor) -> Tensor:
         """One token for each of the first ``len(logits)`` slots, from its own stream at its own count."""
+        if self.greedy:
+            return logits.argmax(dim=-1)
         rows = len(logits)
         return sample_rows(logits, self.temperature[:rows], self.top_k[:rows], self.top_p[:rows], self.seed[:rows],
-                           self.counter[:rows], filtered=filtered)
+                           self.counter[:rows], filtered=self.filtered)
 
-    def probs(self, logits: Tensor, *, filtered: bool) -> Tensor:
+    def probs(self, logits: Tensor) -> Tensor:
         """The distributions the first ``N`` slots sample from, for ``logits (N, T, V)``: softmax of the
         filtered logits, one-hot on the argmax for greedy rows (so the acceptance rule below is greedy
         verification for them)."""
+        one_hot = torch.zeros_like(logits, dtype=torch.float).scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
+        if self.greedy:
+            return one_hot
         rows, length, vocab = logits.shape
-        repeat = lambda t: t[:rows].repeat_interleave(length)  # noqa: E731
+        repeat = lambda t: t[:rows, None].expand(rows, length).reshape(-1)  # noqa: E731
         scaled = filter_logits(logits.flatten(0, 1), repeat(self.temperature), repeat(self.top_k), repeat(self.top_p),
-                               filtered=filtered).view(rows, length, vocab)
-        one_hot = torch.zeros_like(scaled).scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
+                               filtered=self.filtered).view(rows, length, vocab)
         return torch.where((self.temperature[:rows] > 0)[:, None, None], scaled.softmax(-1), one_hot)
 
 
@@ -148,10 +162,10 @@ def speculative_accept(
     index = torch.arange(k, device=drafted.device)
     p_drafted = target[:, :k].gather(-1, drafted[..., None])[..., 0]
     q_drafted = draft.gather(-1, drafted[..., None])[..., 0]
-    keep = (counter_uniform(seed * 4 + 2, counter, k).float() * q_drafted < p_drafted) & (index < limit[:, None])
+    keep = (counter_uniform(substream(seed, 2), counter, k).float() * q_drafted < p_drafted) & (index < limit[:, None])
     accepted = keep.long().cumprod(1).sum(1)
     p_next = target[torch.arange(rows, device=drafted.device), accepted]
     if k:
         q_next = draft[torch.arange(rows, device=drafted.device), accepted.clamp_max(k - 1)]
         p_next = torch.where((accepted < limit)[:, None], (p_next - q_next).clamp_min(0), p_next)
-    return accepted, sample_probs(p_next, seed * 4 + 3, counter)
+    return accepted, sample_probs(p_next, substream(seed, 3), counter)

@@ -17,6 +17,7 @@ from blockloop.serve.runners.decoder import DecoderRunner
 from blockloop.serve.runners.double_decoder import DoubleDecoderRunner
 from blockloop.serve.runners.encoder_decoder import EncoderDecoderRunner
 from blockloop.serve.runners.recursive import ExitRule, RecursiveRunner
+from blockloop.serve.runners.speculative import Speculation
 from blockloop.serve.runners.staircase import StaircaseRunner
 
 RUNNERS: dict[str, type[Runner]] = {
@@ -32,11 +33,11 @@ RUNNERS: dict[str, type[Runner]] = {
 
 def runner_for(model: nn.Module, **options: Any) -> Runner:
     """The runner serving ``model``'s family; ``options`` go to its constructor (a recursive model's
-    ``exit_rule``, a double decoder's cached ``prefix``)."""
+    ``exit_rule`` or ``speculation``, a double decoder's cached ``prefix``)."""
     family = model.config.family
     if family not in RUNNERS:
         raise BlockloopError(f"no serving runner for the {family!r} family; register one in blockloop.serve.runners.RUNNERS")
     return RUNNERS[family](model, **options)
 
 
-__all__ = ["RUNNERS", "ExitRule", "Runner", "runner_for"]
+__all__ = ["RUNNERS", "ExitRule", "Runner", "Speculation", "runner_for"]
