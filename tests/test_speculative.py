@@ -5,11 +5,13 @@ rejections equal to a fresh prefill, and requests that speculate sharing a batch
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 
 import pytest
 import torch
 
+from blockloop.cli import main
 from blockloop.errors import BlockloopError
 from blockloop.families import build_model, from_name
 from blockloop.serve.engine import Engine
@@ -163,7 +165,7 @@ def test_sampled_speculation_keeps_the_full_models_distribution(temperature, top
     model = looped(2, 4.0, vocab=4)
     with torch.no_grad():
         model.norm.weight.mul_(8.0)  # sharper exit logits: the loops' distributions differ (~70% of drafts kept)
-    prompt, n_tokens, n = [1, 2, 3], 3, 1500
+    prompt, n_tokens, n = [1, 2, 3], 3, 1200
     probs, sequences = target_distribution(model, prompt, n_tokens, temperature, top_p)
     runner = runner_for(model, speculation=Speculation(1, 1))
     jobs = [(prompt, n_tokens, SamplingParams(temperature, top_p=top_p, seed=seed), None) for seed in range(n)]
@@ -199,3 +201,33 @@ def test_speculation_refuses_what_it_cannot_do():
         Engine(runner_for(model), 1).submit([1, 2], 4, sampling=SamplingParams(speculate=2))
     with pytest.raises(BlockloopError, match="speculate must be >= 0"):
         SamplingParams(speculate=-1)
+
+
+def test_bench_stream_reports_acceptance_and_the_same_models_ratio(tmp_path, capsys):
+    record = tmp_path / "stream.jsonl"
+    assert main(["bench", "--stream", "--presets", "tiny-recursive", "--requests", "4", "--slots", "2",
+                 "--prompt-range", "4,8", "--tokens-range", "3,6", "--speculate", "2", "--adaptive-k", "--device", "cpu",
+                 "--record", str(record)]) == 0
+    plain, speculative = map(json.loads, record.read_text().splitlines())
+    assert speculative["name"] == "tiny-recursive speculative adaptive k<=2 draft 1 loop"
+    assert speculative["agreement_vs_no_exit"] == 1.0  # greedy speculation is exact
+    assert speculative["ratio_vs_same_model"] > 0 and 0.0 <= speculative["acceptance_rate"] <= 1.0
+    decoded = speculative["output_tokens"] - 4  # the first token of each request comes from its prefill
+    assert decoded / speculative["verification_passes"] == pytest.approx(speculative["tokens_per_pass"])
+    assert 1.0 <= speculative["tokens_per_pass"] <= 3.0 and "acceptance_rate" not in plain
+    assert "tok/pass" in capsys.readouterr().out
+
+
+def test_generate_speculates_on_a_looped_run_and_refuses_other_families(tmp_path, capsys):
+    run = tmp_path / "rec"
+    assert main(["train", "--preset", "tiny-recursive", "--steps", "2", "--batch-size", "2", "--seq-len", "32",
+                 "--warmup-steps", "1", "--eval-interval", "2", "--eval-batches", "1", "--device", "cpu", "--no-progress",
+                 "--out", str(run)]) == 0
+    argv = ["generate", "--checkpoint", str(run), "--prompt", "To be", "--max-new-tokens", "12", "--temperature", "0"]
+    capsys.readouterr()
+    assert main(argv) == 0
+    plain = capsys.readouterr().out
+    assert main([*argv, "--speculate", "3"]) == 0
+    assert capsys.readouterr().out == plain
+    with pytest.raises(BlockloopError, match="runner has no option speculation"):
+        generate(build_model(from_name("tiny")).eval(), [[1, 2]], 3, speculation=Speculation(2))

@@ -87,8 +87,11 @@ def sample_rows(
     return torch.where(temperature > 0, sampled, greedy)
 
 
-def sample_probs(probs: Tensor, seed: Tensor, counter: Tensor) -> Tensor:
-    """One token per row of ``probs (N, V)`` (unnormalised weights are fine; a one-hot row is a greedy pick)."""
+def sample_probs(probs: Tensor, seed: Tensor, counter: Tensor, *, greedy: bool = False) -> Tensor:
+    """One token per row of ``probs (N, V)`` (unnormalised weights are fine; a one-hot row is a greedy pick).
+    ``greedy``: every row is one-hot, so skip the noise."""
+    if greedy:
+        return probs.argmax(dim=-1)
     return (probs.log() + gumbel(seed, counter, probs.shape[-1])).argmax(dim=-1)
 
 
@@ -145,7 +148,7 @@ class SlotSampling:
 
 
 def speculative_accept(
-    target: Tensor, draft: Tensor, drafted: Tensor, limit: Tensor, seed: Tensor, counter: Tensor
+    target: Tensor, draft: Tensor, drafted: Tensor, limit: Tensor, seed: Tensor, counter: Tensor, *, greedy: bool = False
 ) -> tuple[Tensor, Tensor]:
     """The standard speculative acceptance rule (Leviathan et al. 2023; Chen et al. 2023), batched.
 
@@ -155,17 +158,19 @@ def speculative_accept(
     comes from ``max(0, p - q)`` (renormalised) where a draft was rejected, else from ``p`` (all kept, or
     cut by the limit). The emitted tokens are then distributed exactly as sampling the target one token at
     a time. Greedy rows (one-hot ``p`` and ``q``) keep the drafts equal to the target's argmax and then take
-    its argmax. Returns how many drafts each row keeps and its next token. Randomness comes from the
-    rows' ``(seed, counter)`` streams (two of them, distinct from the engine's).
+    its argmax (``greedy``: all rows are, so no noise is drawn). Returns how many drafts each row keeps and
+    its next token. Randomness comes from the rows' ``(seed, counter)`` streams (two of them, distinct from
+    the engine's).
     """
     rows, k = drafted.shape
     index = torch.arange(k, device=drafted.device)
     p_drafted = target[:, :k].gather(-1, drafted[..., None])[..., 0]
     q_drafted = draft.gather(-1, drafted[..., None])[..., 0]
-    keep = (counter_uniform(substream(seed, 2), counter, k).float() * q_drafted < p_drafted) & (index < limit[:, None])
+    uniform = 0.5 if greedy else counter_uniform(substream(seed, 2), counter, k).float()
+    keep = (uniform * q_drafted < p_drafted) & (index < limit[:, None])
     accepted = keep.long().cumprod(1).sum(1)
     p_next = target[torch.arange(rows, device=drafted.device), accepted]
     if k:
         q_next = draft[torch.arange(rows, device=drafted.device), accepted.clamp_max(k - 1)]
         p_next = torch.where((accepted < limit)[:, None], (p_next - q_next).clamp_min(0), p_next)
-    return accepted, sample_probs(p_next, substream(seed, 3), counter)
+    return accepted, sample_probs(p_next, substream(seed, 3), counter, greedy=greedy)

@@ -123,7 +123,7 @@ class Speculator:
             hiddens.append(x)
             if j < k:
                 q = sampling.probs(m.exit_logits(x)[..., :vocab])
-                token = sample_probs(q[:, 0], substream(seed, 1), state.rounds * (spec.k + 1) + j)
+                token = sample_probs(q[:, 0], substream(seed, 1), state.rounds * (spec.k + 1) + j, greedy=sampling.greedy)
                 drafts.append(token)
                 draft_probs.append(q)
 
@@ -136,7 +136,7 @@ class Speculator:
         drafted = torch.stack(drafts, 1)
         limit = torch.where(speculating, k_now, 0).clamp_max(k)
         accepted, token = speculative_accept(sampling.probs(logits[..., :vocab]), torch.cat(draft_probs, 1), drafted,
-                                             limit, seed, state.rounds)
+                                             limit, seed, state.rounds, greedy=sampling.greedy)
 
         emitted = torch.where(offsets < accepted[:, None], F.pad(drafted, (0, 1)), -1)
         emitted = emitted.scatter(1, accepted[:, None], token[:, None])
