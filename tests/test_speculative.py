@@ -83,6 +83,36 @@ def test_greedy_speculation_equals_plain_greedy_for_every_row_of_a_continuous_ba
         assert sum(emitted[:-1]) < len(r.output) - 1 <= sum(emitted) or len(r.output) == 1 and not emitted
 
 
+@pytest.mark.parametrize("fields", [{"lora_rank": 2}, {"prefix_len": 2}, {"tying": "sequence"}, {"tying": "cycle_rev"}])
+def test_relaxed_models_and_every_tying_speculate_exactly(fields):
+    """Per-loop LoRA and prefixes are picked by loop index, and tyings order the shared layers: the draft and
+    verification loops must run each loop's own (rows all at one loop, so any tying works)."""
+    torch.manual_seed(0)
+    model = build_model(dataclasses.replace(from_name("tiny-recursive"), loops=3, **fields)).double().eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.ndim >= 2 and p is not model.embed.weight:
+                p.add_(torch.randn_like(p) * 0.3)  # nonzero LoRA / prefixes, loops that disagree
+    prompts = prompts_of((3, 9, 6, 4))
+    reference = [generate(model, [p], 8, temperature=0)[0] for p in prompts]
+    requests, _ = serve(runner_for(model, speculation=Speculation(3, 2)), 2, [(p, 8, GREEDY, None) for p in prompts])
+    assert [r.output for r in requests] == reference
+
+
+def test_verification_reuses_the_draft_loops_instead_of_recomputing_them(monkeypatch):
+    model = looped(4)
+    runner = runner_for(model, speculation=Speculation(3, 2))
+    engine = Engine(runner, 2, sync_every=1)
+    engine.submit([5, 6, 7], 20, sampling=GREEDY)
+    engine.step()  # prefill and a first round
+    calls = []
+    run_loop = model.run_loop
+    monkeypatch.setattr(model, "run_loop", lambda x, loop, *a, **kw: calls.append((loop, x.shape[1])) or run_loop(x, loop, *a, **kw))
+    engine.step()  # exactly one round
+    drafts = [(loop, 1) for _ in range(4) for loop in (0, 1)]  # k + 1 tokens one at a time through loops 0, 1
+    assert calls == drafts + [(2, 4), (3, 4)]  # then loops 2, 3 once over all k + 1 positions
+
+
 def test_eos_inside_an_accepted_run_ends_the_request_there():
     model = looped(3, 2.5)
     prompts = prompts_of((5, 7, 4, 6, 8, 3), seed=0)
