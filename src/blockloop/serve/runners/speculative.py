@@ -107,36 +107,21 @@ class Speculator:
         k_now = torch.where(state.k_now < 0, requested, state.k_now)
         speculating = requested > 0
         k = max(int(k_now.max()), 1) if spec.adaptive else spec.k
-        seed = sampling.seed[:rows]
 
         offsets = torch.arange(k + 1, device=tokens.device)
         slots = (decode.next_slot[:, None] + offsets).clamp_max(decode.cache.max_len - 1)
         positions = (decode.next_position[:, None] + offsets).clamp_max(config.context_length - 1)
-        token = torch.where(tokens >= 0, tokens, state.pending)
-        hiddens, drafts, draft_probs = [], [], []
-        for j in range(k + 1):
-            step = StepContext(decode.cache, slots[:, j : j + 1], positions[:, j : j + 1])
-            x = m.embed_input(token[:, None], positions[:, j : j + 1])
-            inputs = m.loop_inputs(x, step)
-            for loop in range(spec.draft_loops):
-                x = m.run_loop(x, loop, inputs, step=step)
-            hiddens.append(x)
-            if j < k:
-                q = sampling.probs(m.exit_logits(x)[..., :vocab])
-                token = sample_probs(q[:, 0], substream(seed, 1), state.rounds * (spec.k + 1) + j, greedy=sampling.greedy)
-                drafts.append(token)
-                draft_probs.append(q)
+        first = torch.where(tokens >= 0, tokens, state.pending)
+        x, drafted, draft_probs = self._draft(decode, first, slots, positions, sampling)
 
-        step = StepContext(decode.cache, slots, positions)
-        x = torch.cat(hiddens, 1)
+        step = StepContext(decode.cache, slots, positions)  # verification: the other loops over all k + 1
         inputs = m.loop_inputs(x, step)
         for loop in range(spec.draft_loops, config.loops):
             x = m.run_loop(x, loop, inputs, step=step)
         logits = m.exit_logits(x)
-        drafted = torch.stack(drafts, 1)
         limit = torch.where(speculating, k_now, 0).clamp_max(k)
-        accepted, token = speculative_accept(sampling.probs(logits[..., :vocab]), torch.cat(draft_probs, 1), drafted,
-                                             limit, seed, state.rounds, greedy=sampling.greedy)
+        accepted, token = speculative_accept(sampling.probs(logits[..., :vocab]), draft_probs, drafted, limit,
+                                             sampling.seed[:rows], state.rounds, greedy=sampling.greedy)
 
         emitted = torch.where(offsets < accepted[:, None], F.pad(drafted, (0, 1)), -1)
         emitted = emitted.scatter(1, accepted[:, None], token[:, None])
@@ -152,6 +137,29 @@ class Speculator:
             k_now = torch.where(accepted == limit, k_now + 1, k_now - 1).clamp_min(1)
         state.k_now = torch.minimum(k_now, requested)
         return StepOutput(logits[:, 0], ~speculating, emitted)
+
+    def _draft(
+        self, decode: DecodeState, token: Tensor, slots: Tensor, positions: Tensor, sampling: SlotSampling
+    ) -> tuple[Tensor, Tensor, Tensor]:
+        """Run ``token`` and then each drafted token through the draft loops, one position at a time, at
+        ``slots`` / ``positions (rows, k + 1)``: the hidden states ``(rows, k + 1, d)`` the verification goes
+        on from, and the ``k`` drafts with the distributions they were drawn from ``(rows, k, V)``."""
+        m, spec, rounds = self.model, self.speculation, self.state.rounds
+        seed = substream(sampling.seed[: len(token)], 1)
+        hiddens, drafts, draft_probs = [], [], []
+        for j in range(slots.shape[1]):
+            step = StepContext(decode.cache, slots[:, j : j + 1], positions[:, j : j + 1])
+            x = m.embed_input(token[:, None], positions[:, j : j + 1])
+            inputs = m.loop_inputs(x, step)
+            for loop in range(spec.draft_loops):
+                x = m.run_loop(x, loop, inputs, step=step)
+            hiddens.append(x)
+            if j < slots.shape[1] - 1:  # the last position is only verified
+                q = sampling.probs(m.exit_logits(x)[..., : m.config.vocab_size])
+                token = sample_probs(q[:, 0], seed, rounds * (spec.k + 1) + j, greedy=sampling.greedy)
+                drafts.append(token)
+                draft_probs.append(q)
+        return torch.cat(hiddens, 1), torch.stack(drafts, 1), torch.cat(draft_probs, 1)
 
     def rounds_of(self, row: int, start: int, n_tokens: int) -> list[tuple[int, int]]:
         """``(tokens emitted, drafts offered)`` of each round that produced the ``n_tokens`` tokens decoded in
