@@ -53,9 +53,10 @@ def test_environment_describes_this_machine():
     assert env["cpus"] == os.cpu_count() and env["threads"] == torch.get_num_threads()
     assert env["torch"] == torch.__version__ and env["python"] == platform.python_version()
     assert env["dtype"] == "bfloat16" and env["date"].endswith("+00:00")
-    assert env["device"] and env["device"] != "cpu"  # a model name, not the device kind
+    model = env["device"].removeprefix("cpu (").removesuffix(")")
+    assert model and env["device"] == f"cpu ({model})"  # the CPU's model, not just the device kind
     if Path("/proc/cpuinfo").exists() and "model name" in Path("/proc/cpuinfo").read_text():
-        assert env["device"] in Path("/proc/cpuinfo").read_text()
+        assert model in Path("/proc/cpuinfo").read_text()
     assert env["command"].split()[0].endswith(Path(sys.orig_argv[0]).name)  # the interpreter, as typed
     line = environment_line(env)
     assert f"{os.cpu_count()} logical CPUs" in line and torch.__version__ in line and env["command"] in line

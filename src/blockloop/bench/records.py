@@ -54,11 +54,11 @@ def output_dir(args: argparse.Namespace) -> Path:
 
 
 def environment(device: str = "cpu", dtype: torch.dtype | None = None) -> dict[str, Any]:
-    """What every result carries, read from the running machine: device (GPU name, else CPU model), logical
+    """What every result carries, read from the running machine: device (GPU name, else ``cpu (MODEL)``), logical
     CPUs, torch threads, torch and Python versions, UTC date, the command line, and ``dtype`` when given."""
     import torch
 
-    env = {"device": torch.cuda.get_device_name(device) if device.startswith("cuda") else cpu_name(),
+    env = {"device": torch.cuda.get_device_name(device) if device.startswith("cuda") else f"cpu ({cpu_name()})",
            "cpus": os.cpu_count(), "threads": torch.get_num_threads(), "torch": torch.__version__,
            "python": platform.python_version(),
            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
