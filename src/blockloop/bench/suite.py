@@ -8,8 +8,6 @@ self-speculatively with each speculation given.
 
 from __future__ import annotations
 
-import datetime
-import platform
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
@@ -43,14 +41,6 @@ def bench_dtype(name: str, device: str) -> torch.dtype:
     """``float32`` / ``bfloat16``, or ``auto``: bfloat16 on CUDA, float32 on CPU."""
     return {"float32": torch.float32, "bfloat16": torch.bfloat16}.get(
         name, torch.bfloat16 if device.startswith("cuda") else torch.float32)
-
-
-def environment(device: str, dtype: torch.dtype) -> dict[str, Any]:
-    """What every recorded row carries: device, torch version, date, dtype and CPU threads."""
-    cpu = f"cpu ({platform.processor() or platform.machine()})"
-    return {"device": torch.cuda.get_device_name() if device.startswith("cuda") else cpu,
-            "torch": torch.__version__, "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "dtype": str(dtype).removeprefix("torch."), "threads": torch.get_num_threads()}
 
 
 def load_models(

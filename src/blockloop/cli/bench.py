@@ -73,7 +73,7 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     from blockloop.bench import records
-    from blockloop.bench.suite import bench_dtype, environment, load_models
+    from blockloop.bench.suite import bench_dtype, load_models
     from blockloop.device import resolve_device
 
     device = resolve_device(args.device)
@@ -88,7 +88,7 @@ def run(args: argparse.Namespace) -> int:
             raise BlockloopError(f"--threads must be >= 1, got {args.threads}")
         torch.set_num_threads(args.threads)
     dtype = bench_dtype(args.dtype, device)
-    meta = environment(device, dtype)
+    meta = records.environment(device, dtype)
     models = load_models(args.presets, args.checkpoint, device, dtype, args.seed)
     results = _stream(args, models) if args.stream else _throughput(args, models, torch.device(device))
     for r in results:
