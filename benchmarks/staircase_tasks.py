@@ -166,6 +166,8 @@ def markdown(record: dict[str, dict[str, object]]) -> str:
         "",
     ]
     for key, part in record.items():
+        if "rows" not in part:  # an entry written by hand (notes on a longer run): kept in the JSON, not tabled
+            continue
         lines += [f"## {key}", ""]
         # One line per command: its rows were measured one after another (dates: first to last finished).
         runs: dict[str, list[dict[str, object]]] = {}
