@@ -102,9 +102,16 @@ def run(args: argparse.Namespace) -> int:
 def _throughput(args: argparse.Namespace, models: list, device: Any) -> list[dict[str, Any]]:
     from blockloop.bench.hf_baseline import hf_available
     from blockloop.bench.suite import ThroughputSettings, measure_bandwidth, throughput_rows
-    from blockloop.bench.throughput import SCENARIOS
+    from blockloop.bench.throughput import SCENARIOS, scenario_lengths
 
-    prompt_len, gen_len = SCENARIOS[args.scenario]
+    if args.prompt_len and args.gen_len:
+        prompt_len, gen_len = args.prompt_len, args.gen_len
+    else:
+        prompt_len, gen_len = scenario_lengths(args.scenario, [m.model for m in models])
+        if (prompt_len, gen_len) != SCENARIOS[args.scenario]:
+            paper = "/".join(map(str, SCENARIOS[args.scenario]))
+            print(f"{args.scenario}: the paper's {paper} tokens shortened to {prompt_len}/{gen_len} to fit the model "
+                  "context")
     hf_missing = hf_available() if args.hf else None  # why the HF baseline cannot run, if asked for
     settings = ThroughputSettings(
         args.prompt_len or prompt_len, args.gen_len or gen_len, parse_ints(args.batch_sizes, "--batch-sizes"),
