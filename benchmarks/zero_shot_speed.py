@@ -1,8 +1,11 @@
 """What prefix reuse buys: multiple-choice scoring through the KV cache (the context once per question) against
 scoring every choice from scratch (one causal forward over context + choice), same questions, same batches,
-same process, alternating, so the ratio holds on a shared machine. Also checks that both agree.
+same process, alternating, so the ratio holds however loaded the machine is. Also checks that both agree.
 
-    PYTHONPATH=src python benchmarks/zero_shot_speed.py --checkpoint runs/eval-smollm2 --tasks hellaswag,piqa,arc_easy --limit 40
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/zero_shot_speed.py --checkpoint runs/smollm2 --tasks hellaswag,piqa,arc_easy --limit 24 --repeats 1 --record
+
+Appends one JSON line per task, with the environment, to ``zero_shot_speed_cpu.jsonl`` in runs/bench/ (``--out-dir
+DIR`` elsewhere, ``--record`` into benchmarks/results/).
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ import time
 
 import torch
 
+from blockloop.bench.records import add_output_arguments, append_records, environment, output_dir
 from blockloop.evals.benchmarks_data import load_rows
 from blockloop.evals.scoring import LAYOUTS, encode_request, score
 from blockloop.evals.tasks import TASKS, build_questions
@@ -28,8 +32,9 @@ def main() -> None:
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--threads", type=int, default=1)
-    p.add_argument("--out", help="append the rows as JSON lines here")
+    add_output_arguments(p)
     args = p.parse_args()
+    out = output_dir(args) / "zero_shot_speed_cpu.jsonl"
     torch.set_num_threads(args.threads)
     trained = load_trained(args.checkpoint, "cpu")
     model, tok = trained.model, trained.tokenizer
@@ -55,12 +60,9 @@ def main() -> None:
         row = {"task": name, "questions": len(groups), "requests": sum(map(len, groups)), "tokens": tokens,
                "reuse_s": round(best["reuse"], 2), "scratch_s": round(best["scratch"], 2),
                "speedup": round(best["scratch"] / best["reuse"], 2),
-               "max_abs_diff": float((reused - scratch).abs().max()), "threads": args.threads,
-               "torch": torch.__version__}
+               "max_abs_diff": float((reused - scratch).abs().max()), **environment("cpu")}
         print(json.dumps(row), flush=True)
-        if args.out:
-            with open(args.out, "a", encoding="utf-8") as f:
-                f.write(json.dumps(row) + "\n")
+        append_records(out, [row])
 
 
 if __name__ == "__main__":

@@ -403,3 +403,16 @@ def test_poisson_stream_serves_every_request_and_counts_queueing_in_ttft():
     assert metrics["ttft_s"]["median"] > 0 and metrics["e2e_s"]["p99"] >= metrics["ttft_s"]["p99"]
     with pytest.raises(BlockloopError, match="--rate"):
         run_stream(tiny(), [[1, 2]], n_slots=1, min_tokens=1, max_tokens=1, rate=0.0)
+
+
+def test_the_paper_scenarios_are_shortened_to_fit_the_model_context():
+    """2048 + 128 overruns the 2048-token context of the paper's own models by one block of 128."""
+    from blockloop.bench.throughput import scenario_lengths
+
+    vanilla = build_model(from_name("pythia-5m"))
+    block = build_model(from_name("block-5m"))
+    assert scenario_lengths("decode-heavy", [vanilla]) == (128, 1920)
+    assert scenario_lengths("prefill-heavy", [vanilla, block]) == (1920, 128)
+    tiny = build_model(from_name("tiny"))
+    with pytest.raises(BlockloopError, match="does not fit a model context of 128 tokens; give --prompt-len"):
+        scenario_lengths("decode-heavy", [tiny])

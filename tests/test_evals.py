@@ -208,7 +208,7 @@ def test_cli_runs_the_shipped_benchmarks_writes_json_and_compares(tiny_run, tmp_
     out = capsys.readouterr().out
     assert "arc_easy" in out and "acc_norm" in out
     record = json.loads(a.read_text())
-    assert record["tokenizer"] == "byte" and record["versions"]["torch"] == torch.__version__
+    assert record["tokenizer"] == "byte" and record["torch"] == torch.__version__ and record["command"]
     assert [(r["task"], r["metric"], r["n"]) for r in record["results"]] == [
         ("arc_easy", "acc", 3), ("arc_easy", "acc_norm", 3), ("copa", "acc", 3)]
     assert main(["eval", "--compare", str(a), str(b)]) == 0

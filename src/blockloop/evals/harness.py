@@ -8,17 +8,16 @@ questions and its standard error the sample standard deviation over sqrt(n) (lm-
 
 from __future__ import annotations
 
-import datetime
 import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-import torch
 from torch import nn
 
 import blockloop
+from blockloop.bench.records import environment
 from blockloop.data.tokenizers import Tokenizer
 from blockloop.device import resolve_device
 from blockloop.errors import BlockloopError
@@ -115,14 +114,12 @@ def evaluate_benchmarks(checkpoint: str | Path, request: BenchmarkRequest, devic
                         *, progress: Callable[[str, int], Callable[[int], None]] | None = None) -> dict[str, Any]:
     """:func:`run_benchmarks` on a checkpoint, with what produced the numbers (model, checkpoint, tokenizer,
     versions, date) for the JSON record."""
-    trained = load_trained(checkpoint, resolve_device(device))
+    device = resolve_device(device)
+    trained = load_trained(checkpoint, device)
     record = run_benchmarks(trained.model, trained.tokenizer, request, progress=progress)
     return {
         "model": {"family": trained.config.family, "parameters": sum(p.numel() for p in trained.model.parameters()),
                   "loops": getattr(trained.config, "loops", None)},
-        "checkpoint": str(trained.directory), "tokenizer": trained.tokenizer.name,
-        "versions": {"blockloop": blockloop.__version__, "torch": torch.__version__},
-        "device": str(next(trained.model.parameters()).device), "threads": torch.get_num_threads(),
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        **record,
+        "checkpoint": str(trained.directory), "tokenizer": trained.tokenizer.name, "blockloop": blockloop.__version__,
+        **environment(device), **record,
     }

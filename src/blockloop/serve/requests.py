@@ -18,12 +18,17 @@ class RequestStatus(enum.Enum):
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """Per-request sampling: ``temperature`` 0 is greedy; ``seed`` fixes the request's random stream."""
+    """Per-request sampling: ``temperature`` 0 is greedy; ``seed`` fixes the request's random stream.
+
+    ``speculate`` is the request's draft length on a speculative runner (``None``: the runner's; 0: this
+    request does not speculate); the tokens keep the distribution of plain sampling either way.
+    """
 
     temperature: float = 1.0
     top_k: int | None = None
     top_p: float | None = None
     seed: int = 0
+    speculate: int | None = None
 
     def __post_init__(self) -> None:
         if self.temperature < 0:
@@ -32,6 +37,8 @@ class SamplingParams:
             raise BlockloopError(f"top_k must be >= 1, got {self.top_k}; leave it unset to sample from all tokens")
         if self.top_p is not None and not 0.0 < self.top_p <= 1.0:
             raise BlockloopError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.speculate is not None and self.speculate < 0:
+            raise BlockloopError(f"speculate must be >= 0 draft tokens, got {self.speculate}; use 0 not to speculate")
 
     @property
     def filters(self) -> bool:
