@@ -1,4 +1,5 @@
-"""Chat prompts: messages -> prompt text through a chat template, and a history kept within the context.
+"""Chat prompts: messages -> prompt text through a chat template, a history kept within the context, and the
+terminal chat's conversation on an engine thread (:class:`ChatSession`).
 
 Where the template comes from, first found wins:
 
@@ -29,6 +30,7 @@ generation like the end-of-text token.
 from __future__ import annotations
 
 import json
+import queue
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -37,6 +39,9 @@ from blockloop.data.packages import cache_dir
 from blockloop.data.tokenizers import Tokenizer
 from blockloop.errors import BlockloopError
 from blockloop.files import atomic_write_text
+from blockloop.serve.http.text import TextStream
+from blockloop.serve.http.worker import EngineWorker, Event, Job
+from blockloop.serve.requests import SamplingParams
 
 ROLES = ("system", "developer", "user", "assistant")  # "developer" is OpenAI's newer name for system
 END_OF_TURN = ("<|im_end|>", "<|eot_id|>", "<end_of_turn>", "</s>")
@@ -121,3 +126,62 @@ def trim_history(messages: list[Message], fits: Callable[[list[Message]], bool])
         if fits(kept):
             return kept
     raise BlockloopError("the last message alone does not fit the model context; write a shorter one or /reset")
+
+
+class ChatSession:
+    """A conversation with the model behind ``worker``: each answer is streamed, the history is trimmed to leave
+    room for an answer of ``max_new_tokens`` (or half the context, if less), and answer ``i`` samples with seed
+    ``seed + i`` so a seeded conversation replays exactly."""
+
+    def __init__(self, worker: EngineWorker, tokenizer: Tokenizer, template: ChatTemplate, *, max_new_tokens: int = 256,
+                 sampling: SamplingParams = SamplingParams(), system: str | None = None) -> None:
+        if max_new_tokens < 1:
+            raise BlockloopError(f"--max-new-tokens must be at least 1, got {max_new_tokens}")
+        self.worker, self.tokenizer, self.template = worker, tokenizer, template
+        self.max_new_tokens, self.sampling, self.system = max_new_tokens, sampling, system
+        self.reset()
+
+    def reset(self) -> None:
+        self.history: list[Message] = [{"role": "system", "content": self.system}] if self.system else []
+        self.turns = 0
+
+    def prompt(self, messages: list[Message]) -> list[int]:
+        return self.tokenizer.encode(self.template.render(messages))
+
+    def ask(self, text: str, on_text: Callable[[str], None]) -> tuple[str, str]:
+        """Answer ``text``, passing each new piece of text to ``on_text``; returns the answer and why it ended
+        (``stop``, ``length``, or ``interrupted`` when Ctrl-C stopped it: the partial answer is kept)."""
+        engine = self.worker.engine
+        wanted = min(self.max_new_tokens, engine.max_len // 2)
+        messages = [*self.history, {"role": "user", "content": text}]
+        try:
+            messages = trim_history(messages, lambda m: engine.room(len(self.prompt(m))) >= wanted)
+        except BlockloopError:  # a long message: answer in whatever room is left
+            messages = trim_history(messages, lambda m: engine.room(len(self.prompt(m))) >= 1)
+        prompt = self.prompt(messages)
+        s = self.sampling
+        events: queue.Queue[Event] = queue.Queue()
+        job = Job(prompt, min(self.max_new_tokens, engine.room(len(prompt))),
+                  SamplingParams(s.temperature, s.top_k, s.top_p, seed=s.seed + self.turns),
+                  TextStream(self.tokenizer, self.template.stop, self.template.stop_ids), events.put,
+                  eos_id=self.tokenizer.eos_id)
+        self.worker.submit(job)
+        pieces: list[str] = []
+        reason = None
+        try:
+            while reason is None:
+                event = events.get()
+                reason = event.finish_reason
+                if reason == "error":
+                    raise BlockloopError(f"generation failed: {event.tail}")
+                new = "".join(event.pieces) + event.tail
+                pieces.append(new)
+                if new:
+                    on_text(new)
+        except KeyboardInterrupt:
+            self.worker.cancel(job)
+            reason = "interrupted"
+        answer = "".join(pieces)
+        self.history = [*messages, {"role": "assistant", "content": answer.strip()}]
+        self.turns += 1
+        return answer, reason
