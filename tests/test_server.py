@@ -1,9 +1,15 @@
 """The OpenAI-compatible server, driven by the official ``openai`` client over real HTTP: every family answers
 completions and chats, streamed and not, exactly like ``blockloop generate``; 64 concurrent requests from 16
-threads; stop strings; metrics that move."""
+threads; stop strings; metrics that move; ``bench --url``; the ``serve`` verb itself."""
 
 from __future__ import annotations
 
+import json
+import signal
+import socket
+import subprocess
+import sys
+import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -170,3 +176,52 @@ def test_metrics_count_tokens_requests_and_latencies(vanilla):
     for histogram in ("time_to_first_token_seconds", "e2e_request_latency_seconds", "time_per_output_token_seconds"):
         assert moved(f"blockloop_{histogram}_count") == 3
     assert metric(after, "blockloop_slots") == 16 and metric(after, "blockloop_requests_running") == 0
+
+
+def test_bench_over_http_streams_the_seeded_requests_and_reports_percentiles(vanilla, tmp_path, capsys):
+    from blockloop.bench.stream import schedule
+
+    record = tmp_path / "http.jsonl"
+    argv = ["bench", "--url", vanilla.url, "--requests", "8", "--rate", "40", "--prompt-range", "4,8",
+            "--tokens-range", "3,6", "--seed", "2", "--record", str(record)]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "req/s" in out and "| ITL |" in out
+    (row,) = [json.loads(line) for line in record.read_text().splitlines()]
+    assert row["kind"] == "http_stream" and row["requests"] == 8
+    assert row["output_tokens"] == int(schedule(8, 40.0, 3, 6, seed=2)[1].sum())  # EOS ignored: every budget in full
+    for key in ("ttft_s", "tpot_s", "itl_s", "e2e_s"):
+        assert set(row[key]) == {"mean", "median", "p90", "p99"} and row[key]["p99"] >= row[key]["median"] >= 0
+    assert row["requests_per_s"] == pytest.approx(8 / row["duration_s"])
+
+
+def test_bench_over_http_says_when_no_server_answers(capsys):
+    assert main(["bench", "--url", "http://127.0.0.1:9", "--requests", "2"]) == 2
+    assert "no OpenAI-compatible server answers" in capsys.readouterr().err
+
+
+def test_the_serve_verb_answers_over_http_and_stops_on_ctrl_c(tmp_path_factory):
+    run = tiny_run(tmp_path_factory.getbasetemp() / "serve-runs", "tiny")
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    proc = subprocess.Popen([sys.executable, "-m", "blockloop.cli", "serve", "--checkpoint", str(run), "--port",
+                             str(port), "--slots", "2", "--log-level", "warning", "--device", "cpu"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        url, deadline = f"http://127.0.0.1:{port}", time.monotonic() + 120
+        while True:
+            assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read() if proc.poll() else "no start"
+            try:
+                if httpx.get(url + "/health").status_code == 200:
+                    break
+            except httpx.TransportError:
+                time.sleep(0.2)
+        client = openai.OpenAI(base_url=url + "/v1", api_key="-", max_retries=0)
+        reply = client.completions.create(model=run.name, prompt="ROMEO:", max_tokens=5, temperature=0)
+        assert reply.usage.prompt_tokens == 6
+    finally:
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 0, err
+    assert f"serving {run.name}" in out and f"http://127.0.0.1:{port}/v1" in out
