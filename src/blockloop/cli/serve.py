@@ -34,6 +34,7 @@ def add_engine_arguments(p: argparse.ArgumentParser, slots: int = 8) -> None:
                    help="looped models only: batch depth-wise and leave the loops early by this rule, e.g. "
                    "max_prob:0.9 or entropy:2.0 (none:0 batches depth-wise without early exits)")
     p.add_argument("--compile", action="store_true", help="torch.compile the decode step (CUDA graphs on CUDA)")
+    p.add_argument("--threads", type=int, help="CPU threads for torch (default: torch's own; 1 is steadier on a shared box)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -52,10 +53,17 @@ def run(args: argparse.Namespace) -> int:
 
 def load(args: argparse.Namespace, n_slots: int) -> tuple[object, dict[str, object]]:
     """The checkpoint and the engine options the flags ask for (shared with ``blockloop chat``)."""
+    import torch
+
     from blockloop.bench.suite import parse_exit_rule
     from blockloop.device import resolve_device
+    from blockloop.errors import BlockloopError
     from blockloop.train.run import load_trained
 
+    if args.threads is not None:
+        if args.threads < 1:
+            raise BlockloopError(f"--threads must be >= 1, got {args.threads}")
+        torch.set_num_threads(args.threads)  # before the engine thread starts: it inherits the setting
     exit_rule = parse_exit_rule(args.exit) if args.exit else None
     trained = load_trained(args.checkpoint, resolve_device(args.device))
     return trained, dict(n_slots=n_slots, max_len=args.max_len, sync_every=args.sync_every, exit_rule=exit_rule,
