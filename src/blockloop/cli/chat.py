@@ -5,9 +5,13 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from blockloop.cli.common import add_device
 from blockloop.cli.serve import add_engine_arguments, load
+
+if TYPE_CHECKING:
+    from blockloop.serve.http.chat import ChatSession
 
 HELP = "chat with a checkpoint in the terminal"
 DESCRIPTION = ("An interactive chat on the serving engine: answers stream as they are generated, the history is "
@@ -46,7 +50,7 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def converse(session, read: Callable[[str], str], write: Callable[[str], object], *, interactive: bool = True) -> None:
+def converse(session: ChatSession, read: Callable[[str], str], write: Callable[[str], object], *, interactive: bool = True) -> None:
     """The chat loop: ``read(prompt)`` gives the user's lines (EOFError ends), ``write`` shows the answers."""
     if interactive:
         write(f"({COMMANDS_HELP})\n")

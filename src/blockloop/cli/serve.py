@@ -4,8 +4,12 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from blockloop.cli.common import add_device
+
+if TYPE_CHECKING:
+    from blockloop.train.run import TrainedModel
 
 HELP = "serve a checkpoint over an OpenAI-compatible HTTP API"
 DESCRIPTION = ("Serve a checkpoint with continuous batching behind /v1/completions, /v1/chat/completions, /v1/models, "
@@ -51,7 +55,7 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def load(args: argparse.Namespace, n_slots: int) -> tuple[object, dict[str, object]]:
+def load(args: argparse.Namespace, n_slots: int) -> tuple[TrainedModel, dict[str, Any]]:
     """The checkpoint and the engine options the flags ask for (shared with ``blockloop chat``)."""
     import torch
 

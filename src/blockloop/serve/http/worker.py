@@ -18,6 +18,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from torch import nn
 
@@ -86,14 +87,21 @@ class Job:
             request.finish("stop", time.perf_counter())
 
 
+class Observer(Protocol):
+    """Told of every window's new tokens and every finished request, on the engine thread (the metrics)."""
+
+    def on_window(self, new_tokens: int) -> None: ...
+
+    def on_finish(self, request: Request) -> None: ...
+
+
 class EngineWorker:
     """Runs ``engine`` on its own thread (``start``/``close``); ``submit`` and ``cancel`` from any thread.
 
-    ``observer``, if given, is told of every window (``on_window(new tokens)``) and finished request
-    (``on_finish(request)``), on the engine thread (the Prometheus metrics).
+    ``observer``, if given, is told of every window and finished request (:class:`Observer`).
     """
 
-    def __init__(self, engine: Engine, *, max_waiting: int = 256, observer: object | None = None) -> None:
+    def __init__(self, engine: Engine, *, max_waiting: int = 256, observer: Observer | None = None) -> None:
         if max_waiting < 0:
             raise BlockloopError(f"max_waiting must be >= 0, got {max_waiting}")
         self.engine, self.max_waiting, self.observer = engine, max_waiting, observer
