@@ -102,8 +102,8 @@ class EngineWorker:
     """
 
     def __init__(self, engine: Engine, *, max_waiting: int = 256, observer: Observer | None = None) -> None:
-        if max_waiting < 0:
-            raise BlockloopError(f"max_waiting must be >= 0, got {max_waiting}")
+        if max_waiting < 1:  # every request waits, however briefly, until the engine thread admits it
+            raise BlockloopError(f"--max-waiting must be at least 1, got {max_waiting}")
         self.engine, self.max_waiting, self.observer = engine, max_waiting, observer
         self.inbox: queue.Queue[tuple[str, Job | None]] = queue.Queue()
         self.lock = threading.Lock()
