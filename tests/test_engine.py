@@ -294,6 +294,8 @@ def test_bench_cli_runs_throughput_and_stream_end_to_end(tmp_path, capsys):
 
 def test_bench_cli_errors_are_one_line(tmp_path, capsys):
     assert main(["bench", "--presets", "tiny", "--device", "cpu"]) == 2  # decode-heavy 128 + 2048 > 128
+    assert "does not fit a model context of 128 tokens" in capsys.readouterr().err
+    assert main(["bench", "--presets", "tiny", "--device", "cpu", "--prompt-len", "100", "--gen-len", "100"]) == 2
     assert "exceed the model context of 128" in capsys.readouterr().err
     assert main(["bench", "--presets", "tiny", "--batch-sizes", "0", "--prompt-len", "4", "--gen-len", "4"]) == 2
     assert "--batch-sizes needs positive integers" in capsys.readouterr().err

@@ -33,6 +33,19 @@ def corpus_prompts(vocab_size: int, n: int, min_len: int, max_len: int, *, corpu
     return prompts
 
 
+def schedule(n: int, rate: float, min_tokens: int, max_tokens: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """When each of ``n`` requests arrives (seconds after the first; Poisson at ``rate``/s, or all at 0 for inf) and
+    how many tokens it asks for (uniform in ``[min_tokens, max_tokens]``): the same for the same seed, in process
+    or over HTTP."""
+    if rate <= 0:
+        raise BlockloopError(f"--rate must be > 0 requests/s (inf for a fixed queue), got {rate}")
+    if not 1 <= min_tokens <= max_tokens:
+        raise BlockloopError(f"need 1 <= min tokens <= max tokens, got {min_tokens} and {max_tokens}")
+    rng = np.random.default_rng(seed)
+    gaps = rng.exponential(1.0 / rate, size=n) if np.isfinite(rate) else np.zeros(n)
+    return np.cumsum(gaps) - gaps[0], rng.integers(min_tokens, max_tokens + 1, size=n)
+
+
 def run_stream(
     served: nn.Module | Runner, prompts: list[list[int]], *, n_slots: int, min_tokens: int, max_tokens: int,
     rate: float = float("inf"), sync_every: int = 8, seed: int = 0, compile: bool = False,
@@ -40,14 +53,7 @@ def run_stream(
     """Serve ``prompts`` arriving at ``rate`` requests/s (inf: all at t=0); metrics of the whole stream,
     and each request's ``outputs`` (in submission order). ``served`` is a model or its runner (a recursive
     model's depth-wise runner also reports its exits, a speculative one its acceptance)."""
-    if rate <= 0:
-        raise BlockloopError(f"--rate must be > 0 requests/s (inf for a fixed queue), got {rate}")
-    if not 1 <= min_tokens <= max_tokens:
-        raise BlockloopError(f"need 1 <= min tokens <= max tokens, got {min_tokens} and {max_tokens}")
-    rng = np.random.default_rng(seed)
-    gaps = rng.exponential(1.0 / rate, size=len(prompts)) if np.isfinite(rate) else np.zeros(len(prompts))
-    offsets = np.cumsum(gaps) - gaps[0]
-    budgets = rng.integers(min_tokens, max_tokens + 1, size=len(prompts))
+    offsets, budgets = schedule(len(prompts), rate, min_tokens, max_tokens, seed)
     engine = Engine(served, n_slots, sync_every=sync_every, compile=compile)
     runner = engine.runner
     depthwise = isinstance(runner, RecursiveRunner) and runner.exit_rule is not None

@@ -16,17 +16,18 @@ import sys
 from collections.abc import Collection, Sequence
 from types import ModuleType
 
-from blockloop.cli import bench, convert, demo, flops, generate, info, presets, tasks, train
+from blockloop.cli import bench, chat, convert, demo, flops, generate, info, presets, serve, tasks, train
 from blockloop.cli import eval as eval_
 from blockloop.errors import BlockloopError
 
 EXIT_USER_ERROR = 2
 # Optional packages and the extra that installs each: a verb that needs one says so in one line.
-EXTRAS = {"transformers": "hf", "gguf": "hf", "matplotlib": "plot", "pyarrow": "eval", "lm_eval": "lm-eval"}
+EXTRAS = {"transformers": "hf", "gguf": "hf", "matplotlib": "plot", "pyarrow": "eval", "lm_eval": "lm-eval",
+          "fastapi": "serve", "uvicorn": "serve", "prometheus_client": "serve", "httpx": "serve"}
 
 COMMANDS: dict[str, ModuleType] = {
     "train": train, "eval": eval_, "generate": generate, "convert": convert, "tasks": tasks, "presets": presets,
-    "flops": flops, "bench": bench, "info": info, "demo": demo,
+    "flops": flops, "bench": bench, "info": info, "demo": demo, "serve": serve, "chat": chat,
 }
 
 

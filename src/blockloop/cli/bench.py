@@ -44,6 +44,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     t.add_argument("--hf", action="store_true", help="also time HF generate() on the first (vanilla) model")
     s = p.add_argument_group("request stream (continuous batching)")
     s.add_argument("--stream", action="store_true", help="run the request-stream benchmark instead")
+    s.add_argument("--url", help="send the stream to a running `blockloop serve` at this address over HTTP instead "
+                   "(e.g. http://127.0.0.1:8000; the server's model and slots are used)")
     s.add_argument("--requests", type=int, default=64, help="requests in the stream (default: 64)")
     s.add_argument("--rate", type=float, default=math.inf, help="Poisson arrivals per second (default: inf, a fixed queue)")
     s.add_argument("--slots", type=int, default=16, help="engine slots (concurrent requests, default: 16)")
@@ -76,6 +78,8 @@ def run(args: argparse.Namespace) -> int:
     from blockloop.bench.suite import bench_dtype, load_models
     from blockloop.device import resolve_device
 
+    if args.url is not None:
+        return _http(args)
     device = resolve_device(args.device)
     if args.plot is not None:
         if args.record is None:
@@ -173,6 +177,27 @@ def _stream(args: argparse.Namespace, models: list) -> list[dict[str, Any]]:
                   f"{sim['sequencewise_steps']} | {sim['static_steps']} | {sim['speedup_vs_sequencewise']:.2f}x | "
                   f"{sim['speedup_vs_static']:.2f}x |")
     return rows
+
+
+def _http(args: argparse.Namespace) -> int:
+    """The request stream over HTTP: one row of TTFT / TPOT / ITL / E2E mean, median, p90 and p99."""
+    import datetime
+
+    from blockloop.bench import records
+    from blockloop.bench.http_stream import run_http_stream
+
+    m = run_http_stream(args.url, requests=args.requests, rate=args.rate, corpus=args.corpus, seed=args.seed,
+                        prompt_range=tuple(parse_ints(args.prompt_range, "--prompt-range")[:2]),
+                        tokens_range=tuple(parse_ints(args.tokens_range, "--tokens-range")[:2]))
+    print(f"{m['model']} at {args.url}: {m['requests']} requests at {args.rate}/s, {m['output_tokens']} tokens in "
+          f"{m['duration_s']:.2f} s: {m['requests_per_s']:.2f} req/s, {m['throughput_tok_s']:.1f} tok/s")
+    print("| metric | mean ms | median ms | p90 ms | p99 ms |\n|---|---|---|---|---|")
+    for key in ("ttft_s", "tpot_s", "itl_s", "e2e_s"):
+        print(f"| {key[:-2].upper()} | {_ms(m[key], 'mean', 'median', 'p90', 'p99').replace('/', ' | ')} |")
+    if args.record is not None:
+        date = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+        records.append_records(args.record, [{"kind": "http_stream", "name": m["model"], "date": date, **m}])
+    return 0
 
 
 def _ms(summary: dict[str, float], *keys: str) -> str:

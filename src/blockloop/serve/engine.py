@@ -30,7 +30,7 @@ from torch import nn
 
 from blockloop.errors import BlockloopError
 from blockloop.serve.batching import left_pad
-from blockloop.serve.requests import Request, SamplingParams, TokenCallback
+from blockloop.serve.requests import Request, RequestStatus, SamplingParams, TokenCallback
 from blockloop.serve.runners import Runner, runner_for
 from blockloop.serve.runners.base import StepOutput
 from blockloop.serve.sampling import SlotSampling
@@ -111,7 +111,7 @@ class Engine:
             raise BlockloopError(f"max_tokens must be at least 1, got {max_tokens}")
         if max(prompt) >= self.vocab_size or min(prompt) < 0:
             raise BlockloopError(f"prompt token ids must lie in [0, {self.vocab_size}); re-encode it with the model's tokenizer")
-        if self._padded(len(prompt)) + max_tokens + self.reserved > self.max_len:
+        if max_tokens > self.room(len(prompt)):
             raise BlockloopError(
                 f"prompt of {self._padded(len(prompt))} tokens plus {max_tokens} new tokens exceeds the engine's "
                 f"{self.max_len - self.reserved}-token slots (the model context); shorten the prompt or lower max_tokens"
@@ -121,6 +121,22 @@ class Engine:
         request = Request(prompt, max_tokens, sampling, eos_id, on_token, arrival_time=time.perf_counter())
         self.scheduler.add(request)
         return request
+
+    def room(self, prompt_len: int) -> int:
+        """The most new tokens a prompt of ``prompt_len`` tokens may ask for (< 1: the prompt alone does not fit)."""
+        return self.max_len - self.reserved - self._padded(prompt_len)
+
+    def cancel(self, request: Request) -> None:
+        """Finish ``request`` now with reason ``"abort"`` (its client went away): a waiting request leaves the
+        queue, a running one frees its slot for the next window's admissions. Call it between steps, from the
+        thread that steps; a finished request is left as it is."""
+        if request.finished:
+            return
+        if request.status is RequestStatus.WAITING:
+            self.scheduler.waiting.remove(request)
+        else:
+            self.scheduler.release(request.slot)
+        request.finish("abort", time.perf_counter())
 
     def _padded(self, length: int) -> int:
         return -(-length // self.prompt_multiple) * self.prompt_multiple

@@ -62,7 +62,7 @@ class Request:
     id: int = field(default_factory=lambda: next(_ids))
     status: RequestStatus = RequestStatus.WAITING
     output: list[int] = field(default_factory=list)
-    finish_reason: str | None = None
+    finish_reason: str | None = None  # "eos", "length", or a callback's ("stop") or Engine.cancel's ("abort")
     slot: int | None = None
     arrival_time: float | None = None
     token_times: list[float] = field(default_factory=list)
@@ -81,6 +81,8 @@ class Request:
         self.token_times.append(now)
         if self.on_token is not None:
             self.on_token(self, token)
+            if self.finished:  # the callback ended it (a stop string): the slot frees like at EOS
+                return True
         if len(self.output) >= self.max_tokens:
             self.finish("length", now)
             return True
