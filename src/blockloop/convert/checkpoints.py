@@ -114,8 +114,9 @@ def to_recursive_checkpoint(
 
 def to_hf_folder(checkpoint: str | Path, out: Path, *, save_dtype: str = "float32") -> Converted:
     """A trained vanilla decoder as a Hugging Face folder (config, weights, its tokenizer): :func:`export_hf`."""
+    dtype = ckpt.save_dtype(save_dtype)
     source = load_trained(checkpoint)
-    out = export_hf(source.model, source.tokenizer, Path(out), dtype=ckpt.save_dtype(save_dtype))
+    out = export_hf(source.model, source.tokenizer, Path(out), dtype=dtype)
     return Converted(out, f"a Hugging Face model ({save_dtype})",
                      "load it with transformers.AutoModelForCausalLM / AutoTokenizer.from_pretrained")
 
@@ -126,11 +127,12 @@ def to_weights(checkpoint: str | Path, out: Path, *, save_dtype: str = "float32"
     The small form of a run to keep or share: ``eval``, ``generate`` and ``train --init-from`` read it; a
     training checkpoint (float32, with the optimizer) stays the only thing ``--resume`` continues.
     """
+    dtype = ckpt.save_dtype(save_dtype)
     out = Path(out)
     _refuse_existing(out)
     source = load_trained(checkpoint)
     out.mkdir(parents=True, exist_ok=True)
-    ckpt.save_model_files(out, source.model, source.config, dtype=save_dtype)
+    ckpt.save_model_files(out, source.model, source.config, dtype=dtype)
     source.tokenizer.save(out)
     ckpt.write_json_atomic(out / "train_state.json", {
         "step": source.state.get("step", 0), "run": source.state.get("run", {}),

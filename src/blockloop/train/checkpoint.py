@@ -80,19 +80,18 @@ def resolve_checkpoint(path: Path) -> Path:
 
 def save_model_files(
     directory: Path, model: nn.Module, config: ModelConfig, state_dict: dict[str, torch.Tensor] | None = None,
-    *, dtype: str | None = None,
+    *, dtype: torch.dtype | None = None,
 ) -> None:
     """config.json + model.safetensors; a tied tensor is stored once, under its first name.
 
     Aliases are found from the model's parameters, not from tensor storage: a gathered FSDP state dict
-    holds separate copies of tied weights. ``dtype`` (one of :data:`SAVE_DTYPES`) casts floating-point
-    tensors, for exports; loading casts them back into the model's own dtype.
+    holds separate copies of tied weights. ``dtype`` (see :func:`save_dtype`) casts floating-point tensors,
+    for exports; loading casts them back into the model's own dtype.
     """
     state_dict = state_dict if state_dict is not None else model.state_dict()
     tied = _tied_names(model)
-    cast = save_dtype(dtype) if dtype is not None else None
     tensors = {
-        name: (t.to(cast) if cast is not None and t.is_floating_point() else t).detach().cpu().contiguous()
+        name: (t.to(dtype) if dtype is not None and t.is_floating_point() else t).detach().cpu().contiguous()
         for name, t in state_dict.items() if name not in tied
     }
     save_config(config, directory / "config.json")
