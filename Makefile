@@ -16,7 +16,7 @@ $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet torch==2.13.0
-	$(PY) -m pip install --quiet -e '.[dev,hf,plot]'
+	$(PY) -m pip install --quiet -e '.[dev,hf,plot,serve]'
 	touch $(STAMP)
 
 demo: $(STAMP)

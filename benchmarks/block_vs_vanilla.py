@@ -14,25 +14,24 @@ Four measurements, each with the vanilla baseline in the same run:
 4. ``sweep``: Figure 3's sweeps at tiny scale: the block preset's layers split block:token as
    1:3, 2:2, 3:1 (allocation ratio), and block lengths 2, 4, 8 at 2:2, each trained on the same tokens.
 
-    PYTHONPATH=src python benchmarks/block_vs_vanilla.py --parts quality,kv,speed,sweep --steps 300
+    .venv/bin/python benchmarks/block_vs_vanilla.py --parts quality,kv,speed,sweep --steps 300 --record
 
-``--parts`` picks what to run; results go to --out-dir (default benchmarks/results) as
-``block_vs_vanilla_cpu.{json,md}``, where a later call replaces only the parts it ran.
+``--parts`` picks what to run; results go to runs/bench/ (``--out-dir DIR`` elsewhere, ``--record`` into
+benchmarks/results/) as ``block_vs_vanilla_cpu.{json,md}``, where a later call replaces only the parts it ran.
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import torch
 
+from blockloop.bench.records import add_output_arguments, environment, environment_line, output_dir
 from blockloop.families import build_model, from_name
 from blockloop.serve.generate import generate
 from blockloop.train.run import RunSpec, prepare_run, sequences
@@ -108,18 +107,17 @@ def main() -> None:
     parser.add_argument("--eval-batches", type=int, default=20)
     parser.add_argument("--batches", default="1,8,32")
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--out-dir", type=Path, default=Path("benchmarks/results"))
+    add_output_arguments(parser)
     args = parser.parse_args()
     parts = set(args.parts.split(","))
     unknown = parts - {"quality", "kv", "speed", "sweep"}
     if unknown:
         parser.error(f"unknown part(s) {sorted(unknown)}")
 
-    path = args.out_dir / "block_vs_vanilla_cpu.json"
+    out = output_dir(args)
+    path = out / "block_vs_vanilla_cpu.json"
     record = json.loads(path.read_text()) if path.is_file() else {"benchmark": "block_vs_vanilla", "parts": {}}
-    stamp = {"date": datetime.date.today().isoformat(), "device": "cpu", "torch": torch.__version__,
-             "threads": torch.get_num_threads(), "command": "PYTHONPATH=src python " + " ".join(sys.argv),
-             "settings": {k: str(v) for k, v in vars(args).items()}}
+    stamp = {**environment("cpu"), "settings": {k: str(v) for k, v in vars(args).items()}}
 
     models: dict[str, torch.nn.Module] = {}
     if "quality" in parts:
@@ -164,21 +162,18 @@ def main() -> None:
             print(json.dumps(result), flush=True)
         record["parts"]["sweep"] = {**stamp, "rows": rows}
 
-    args.out_dir.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(record, indent=2) + "\n")
-    (args.out_dir / "block_vs_vanilla_cpu.md").write_text(render(record))
+    (out / "block_vs_vanilla_cpu.md").write_text(render(record))
     print(render(record))
 
 
 def render(record: dict) -> str:
     parts = record["parts"]
     lines = ["# Vanilla vs Block Transformer (CPU, scaled down)", "",
-             "Absolute speeds are CPU numbers; the GPU measurements of the paper's settings are owed (no GPU was lent "
-             "to this task). Each part names its own command, date and threads.", ""]
+             "Each part names the machine, command and date it was measured with; compare speeds within a part.", ""]
 
     def header(title: str, part: dict) -> None:
-        lines.extend([f"## {title}", "", f"- `{part['command']}`", f"- {part['device']} ({part['threads']} threads), "
-                      f"torch {part['torch']}, {part['date']}", ""])
+        lines.extend([f"## {title}", "", f"- {environment_line(part)}", ""])
 
     if "quality" in parts:
         p = parts["quality"]

@@ -8,25 +8,24 @@ scored). The comparison is the PrefixLM validation loss, where all three score e
 KV-cache bytes held by each model's decoding state, time to first token (a 1-token generate) and
 per-token latency ((t_N - t_1) / (N - 1)), each as a ratio to decoder-only timed in the same run.
 
-    OMP_NUM_THREADS=1 PYTHONPATH=src python benchmarks/double_decoder_compare.py
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/double_decoder_compare.py --record
 
-Writes double_decoder_compare_<device>.{json,md} to --out-dir (default benchmarks/results).
+Writes double_decoder_compare_<cpu|gpu>.{json,md} to runs/bench/ (``--out-dir DIR`` elsewhere, ``--record`` into
+benchmarks/results/).
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
-import platform
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import torch
 
+from blockloop.bench.records import add_output_arguments, environment, environment_line, output_dir
 from blockloop.serve.generate import generate
 from blockloop.serve.runners import runner_for
 from blockloop.train.evaluate import evaluate
@@ -98,8 +97,7 @@ def markdown(record: dict[str, object]) -> str:
     lines = [
         "# Decoder-only vs double decoder vs encoder-decoder (PrefixLM loss, KV cache, latency)",
         "",
-        f"Device: {record['device']}; torch {record['torch']}; {record['date']}.",
-        f"Command: `{record['command']}`",
+        f"- {environment_line(record)}",
         "",
         f"Byte-level Shakespeare, {record['settings']['steps']} pretraining steps of {record['settings']['batch_size']} x "
         f"{record['settings']['seq_len']} tokens with each family's own objective (LR {record['settings']['lr']}, linear "
@@ -139,27 +137,25 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--out-dir", type=Path, default=Path("benchmarks/results"))
+    add_output_arguments(parser)
     args = parser.parse_args()
+    out = output_dir(args)
     with tempfile.TemporaryDirectory() as tmp:
         results = [run_family(label, preset, args, Path(tmp)) for label, preset in FAMILIES]
     for r in results:
         print(json.dumps(r), flush=True)
-    device = torch.cuda.get_device_name() if args.device.startswith("cuda") else f"CPU ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads)"
     record = {
-        "device": device, "torch": torch.__version__, "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "command": "OMP_NUM_THREADS=1 PYTHONPATH=src python " + " ".join(sys.argv), "settings": vars(args) | {"out_dir": str(args.out_dir)},
+        **environment(args.device), "settings": vars(args) | {"out_dir": str(out)},
         "results": results,
         "notes": (
-            "CPU timings show relative costs only; absolute latency, TTFT and KV-cache speedups on the GPU are owed "
-            "(no GPU was lent to this session). KV cache = the K/V tensors of each model's decoding state (fp32 here): all "
-            "layers for decoder-only, the generation / decoder layers only (self + cross K/V) for the two-stack models."
+            "Timings are compared as ratios to decoder-only timed in the same run. KV cache = the K/V tensors of each "
+            "model's decoding state (fp32 here): all layers for decoder-only, the generation / decoder layers only "
+            "(self + cross K/V) for the two-stack models."
         ),
     }
     stem = "double_decoder_compare_" + ("gpu" if args.device.startswith("cuda") else "cpu")
-    args.out_dir.mkdir(parents=True, exist_ok=True)
-    (args.out_dir / f"{stem}.json").write_text(json.dumps(record, indent=2) + "\n")
-    (args.out_dir / f"{stem}.md").write_text(markdown(record))
+    (out / f"{stem}.json").write_text(json.dumps(record, indent=2) + "\n")
+    (out / f"{stem}.md").write_text(markdown(record))
     print(markdown(record))
 
 

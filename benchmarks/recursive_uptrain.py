@@ -5,27 +5,26 @@ records, on the same validation batches: the original model; the recursive model
 looped-layer init of section 2.2) converted and after ``--steps`` of uptraining; a reduced-size model
 (L / loops layers, same width) trained from scratch for the same steps; and relaxed models (average init
 + SVD-initialised LoRA, section 2.3) at several ranks and prefix-relaxed ones (appendix K), before and after
-the same uptraining. Parameter
-counts are beside each. Budgets are tiny when run on a shared CPU; the markdown says what was used.
+the same uptraining. Parameter counts are beside each; the markdown says what budget was used.
 
-    PYTHONPATH=src python benchmarks/recursive_uptrain.py --source runs/source-demo6 --out benchmarks/results/recursive_uptrain_cpu
+    .venv/bin/python benchmarks/recursive_uptrain.py --source runs/source-demo6 --name recursive_uptrain_demo6_cpu --record
+
+Writes NAME.{json,md} to runs/bench/ (``--out-dir DIR`` elsewhere, ``--record`` into benchmarks/results/); NAME
+tells apart the recorded configurations (source model, steps, LoRA init).
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
-import datetime
 import json
-import platform
-import shlex
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import torch
 
+from blockloop.bench.records import add_output_arguments, environment, environment_line, output_dir
 from blockloop.convert import vanilla_to_recursive
 from blockloop.data.dataset import prepare_tokens
 from blockloop.data.tokenizers import build_tokenizer
@@ -39,7 +38,8 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--source", required=True, help="checkpoint of the full-size model, or smollm2 (SmolLM2-135M imported "
                    "from its GGUF with the smollm2 tokenizer)")
-    p.add_argument("--out", required=True, help="results path without extension (.json and .md are written)")
+    p.add_argument("--name", default="recursive_uptrain_cpu", help="file name without extension (.json and .md are "
+                   "written; default: recursive_uptrain_cpu)")
     p.add_argument("--data", default=None, help="corpus (default: the source run's, else shakespeare)")
     p.add_argument("--loops", type=int, default=2)
     p.add_argument("--inits", default="stepwise,average,lower,upper,random", help="looped-layer inits ('' for none)")
@@ -54,7 +54,9 @@ def main() -> None:
     p.add_argument("--scratch-lr", type=float, default=3e-3, help="LR of the reduced-size model trained from scratch")
     p.add_argument("--eval-batches", type=int, default=8)
     p.add_argument("--threads", type=int, default=1)
+    add_output_arguments(p)
     args = p.parse_args()
+    out = output_dir(args)
     torch.set_num_threads(args.threads)
 
     source = load_source(args.source)
@@ -118,19 +120,14 @@ def main() -> None:
         record(f"relaxed, average + prefix N={length}", model, before, after, seconds)
 
     meta = {
-        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-        "device": f"CPU ({platform.processor() or platform.machine()}), {args.threads} thread(s), shared machine",
-        "torch": torch.__version__,
-        "command": "PYTHONPATH=src python " + " ".join(shlex.quote(a) for a in sys.argv),
+        **environment("cpu"),
         "source": str(source.directory), "source_config": source.config.summary(), "data": data,
         "settings": {k: getattr(args, k) for k in ("loops", "steps", "batch_size", "seq_len", "lr", "scratch_lr", "eval_batches")},
         "val_tokens": args.eval_batches * args.batch_size * args.seq_len,
     }
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".json").write_text(json.dumps({**meta, "rows": rows}, indent=2) + "\n")
-    out.with_suffix(".md").write_text(markdown(meta, rows))
-    print(f"wrote {out.with_suffix('.md')}")
+    (out / f"{args.name}.json").write_text(json.dumps({**meta, "rows": rows}, indent=2) + "\n")
+    (out / f"{args.name}.md").write_text(markdown(meta, rows))
+    print(f"wrote {out / args.name}.{{json,md}}")
 
 
 def load_source(name: str) -> TrainedModel:
@@ -146,15 +143,15 @@ def load_source(name: str) -> TrainedModel:
 def markdown(meta: dict[str, object], rows: list[dict[str, object]]) -> str:
     s = meta["settings"]
     lines = [
-        "# Recursive / Relaxed Recursive Transformer uptraining (CPU, tiny budget)", "",
+        "# Recursive / Relaxed Recursive Transformer uptraining (CPU)", "",
         f"- source: `{meta['source']}` ({meta['source_config']}), data: {meta['data']}",
-        f"- device: {meta['device']}; torch {meta['torch']}; {meta['date']}",
-        f"- command: `{meta['command']}`",
+        f"- {environment_line(meta)}",
         (f"- {s['loops']} loops; uptraining and from-scratch runs: {s['steps']} steps of {s['batch_size']} x {s['seq_len']} "
          f"tokens (LR {s['lr']}, from scratch {s['scratch_lr']}; warm-up 10%, cosine); validation perplexity over the "
          f"same {meta['val_tokens']} tokens ({s['eval_batches']} batches) for every model."),
-        ("- CPU budgets are far below the paper's (15-60B tokens): read the columns as where each initialisation "
-         "starts and how fast it recovers, not as converged quality. GPU runs at real budgets are owed."),
+        (f"- {s['steps'] * s['batch_size'] * s['seq_len']:,} training tokens per model, far below the "
+         "paper's 15-60B: read the columns as where each initialisation starts and how fast it recovers, not as "
+         "converged quality."),
         "",
         "| model | params | non-emb params | ppl converted | ppl uptrained | train s |",
         "|---|---:|---:|---:|---:|---:|",

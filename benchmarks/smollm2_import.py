@@ -6,24 +6,23 @@ corpus's validation split, tokenized with the ``smollm2`` tokenizer. Reported: t
 difference over all positions, both models' perplexity on those windows, top-1 agreement, and the forward
 time of each (transformers is the baseline timed in the same run; CPU numbers are not a speed claim).
 
-    PYTHONPATH=src python benchmarks/smollm2_import.py --windows 8 --seq-len 512
+    .venv/bin/python benchmarks/smollm2_import.py --windows 8 --seq-len 512 --record
 
-Writes a JSON and a markdown summary to --out-dir (default benchmarks/results).
+Writes ``smollm2_import_cpu.json`` to runs/bench/ (``--out-dir DIR`` elsewhere, ``--record`` into
+benchmarks/results/, beside the hand-written reading of it, ``smollm2_import_cpu.md``) and prints it.
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import math
-import sys
 import time
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
+from blockloop.bench.records import add_output_arguments, environment, environment_line, output_dir
 from blockloop.convert.hf import from_hf_model, load_hf_model
 from blockloop.data.dataset import prepare_tokens
 from blockloop.data.loader import PackedSequences
@@ -36,8 +35,9 @@ def main() -> None:
     parser.add_argument("--data", default="shakespeare", help="built-in corpus whose val split is scored")
     parser.add_argument("--windows", type=int, default=8, help="validation windows to score")
     parser.add_argument("--seq-len", type=int, default=512, help="tokens per window")
-    parser.add_argument("--out-dir", default="benchmarks/results")
+    add_output_arguments(parser)
     args = parser.parse_args()
+    out = output_dir(args)
 
     hf = load_hf_model(smollm2_files(), gguf_file=SMOLLM2_GGUF)
     ours = from_hf_model(hf, name="SmolLM2-135M-Instruct.Q4_1")
@@ -67,13 +67,11 @@ def main() -> None:
         "tokens": positions, "max_abs_logit_diff": max_diff, "top1_agreement": agree / positions,
         "perplexity": {k: math.exp(v / positions) for k, v in nll.items()},
         "forward_s_per_window": {k: v / count for k, v in seconds.items()},
-        "device": "cpu", "threads": torch.get_num_threads(), "torch": torch.__version__,
-        "date": datetime.date.today().isoformat(), "command": "PYTHONPATH=src python " + " ".join(sys.argv),
+        **environment("cpu"),
     }
-    out = Path(args.out_dir)
-    out.mkdir(parents=True, exist_ok=True)
     (out / "smollm2_import_cpu.json").write_text(json.dumps(result, indent=2) + "\n")
     print(json.dumps(result, indent=2))
+    print(environment_line(result))
 
 
 if __name__ == "__main__":

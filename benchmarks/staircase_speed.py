@@ -6,21 +6,22 @@ One timed step = forward + backward + AdamW step on a batch of random byte token
 timed in the same run and every ratio is against it. CPU numbers (one thread by default): the paper's
 absolute times (V100, 117M models) are not comparable, only the ordering and the ratios.
 
-    PYTHONPATH=src python benchmarks/staircase_speed.py --out benchmarks/results/staircase_speed_cpu.md
+    .venv/bin/python benchmarks/staircase_speed.py --record
+
+Writes ``staircase_speed_cpu.{json,md}`` to runs/bench/ (``--out-dir DIR`` elsewhere, ``--record`` into
+benchmarks/results/).
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime
-import platform
+import json
 import statistics
-import sys
 import time
-from pathlib import Path
 
 import torch
 
+from blockloop.bench.records import add_output_arguments, environment, environment_line, output_dir
 from blockloop.families import build_model, from_name
 
 CORE = {"n_layer": 4, "d_model": 128, "n_head": 4, "n_kv_head": 4, "context_length": 256}
@@ -71,8 +72,9 @@ def main() -> None:
     parser.add_argument("--seq-len", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=5, help="timed steps per model (median reported)")
     parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--out", type=Path, help="write the markdown table here")
+    add_output_arguments(parser)
     args = parser.parse_args()
+    out = output_dir(args)
     torch.set_num_threads(args.threads)
     rows = []
     for label, preset, overrides in models(args.seq_len):
@@ -80,18 +82,16 @@ def main() -> None:
         rows.append((label, params, seconds))
         print(f"{label}: {params:,} parameters, {seconds * 1e3:.0f} ms per batch", flush=True)
     base = rows[0][2]
+    env = environment("cpu")
     lines = [
         "# Staircase family: train time per batch vs the plain transformer (CPU)",
         "",
-        (f"- device: CPU ({platform.processor() or platform.machine()}), {args.threads} thread(s); "
-         f"torch {torch.__version__}; date {datetime.date.today().isoformat()}"),
-        f"- command: `PYTHONPATH=src python {' '.join(sys.argv)}`",
+        f"- {environment_line(env)}",
         (f"- one step = forward + backward + AdamW on {args.batch_size} x {args.seq_len} random byte tokens; median of "
          f"{args.repeats} after a warm-up; core: {CORE['n_layer']} layers, d={CORE['d_model']} (Llama style); recurrent "
          "models get the previous step's state (truncated BPTT), so caches and memories are full"),
-        "- the machine (2 cores) was shared with other jobs while this ran: expect noise of tens of percent",
-        ("- CPU numbers only (no GPU was lent to this task): absolute GPU times are owed; the ratios show the cost of "
-         "recurrence, not GPU parallelism (the Feedback Transformer's token-by-token loop costs far more on a GPU)"),
+        ("- CPU numbers: the ratios show the cost of recurrence, not GPU parallelism (the Feedback Transformer's "
+         "token-by-token loop costs far more on a GPU)"),
         "",
         "| model | parameters | train ms / batch | vs plain |",
         "|---|---|---|---|",
@@ -99,8 +99,12 @@ def main() -> None:
     lines += [f"| {label} | {params:,} | {s * 1e3:.0f} | {s / base:.2f}x |" for label, params, s in rows]
     text = "\n".join(lines) + "\n"
     print(text)
-    if args.out:
-        args.out.write_text(text)
+    settings = {k: v for k, v in vars(args).items() if k not in ("out_dir", "record")}
+    record = {**env, "settings": settings, "core": CORE,
+              "rows": [{"model": label, "parameters": params, "train_s_per_batch": s, "vs_plain": s / base}
+                       for label, params, s in rows]}
+    (out / "staircase_speed_cpu.json").write_text(json.dumps(record, indent=2) + "\n")
+    (out / "staircase_speed_cpu.md").write_text(text)
 
 
 if __name__ == "__main__":

@@ -12,25 +12,23 @@ Two parts, every model trained by the shared trainer through the same path as ``
    fixed parameters, for Staircase (step size S fixed, forward size C = S / steps) and Ladder (the core
    repeated), as Figure 3.
 
-    PYTHONPATH=src python benchmarks/staircase_tasks.py tasks --task random-walk:16 --seq-len 68 --steps 300
-    PYTHONPATH=src python benchmarks/staircase_tasks.py tasks --task algorithm-3:8 --seq-len 96 --steps 300
-    PYTHONPATH=src python benchmarks/staircase_tasks.py lm --steps 300
+    .venv/bin/python benchmarks/staircase_tasks.py tasks --task random-walk:16 --seq-len 68 --steps 300 --record
+    .venv/bin/python benchmarks/staircase_tasks.py tasks --task algorithm-3:8 --seq-len 96 --steps 300 --record
+    .venv/bin/python benchmarks/staircase_tasks.py lm --steps 300 --record
 
-Model entries are ``LABEL=PRESET[,FIELD=VALUE...]`` (values read as JSON). Results go to --out-dir as
-``staircase_tasks_cpu.{json,md}``, one table per task (and ``lm``); a later call replaces only the rows
-(by label) it ran, and each row keeps the command, date and settings it was measured with.
+Model entries are ``LABEL=PRESET[,FIELD=VALUE...]`` (values read as JSON). Results go to runs/bench/
+(``--out-dir DIR`` elsewhere, ``--record`` into benchmarks/results/) as ``staircase_tasks_cpu.{json,md}``,
+one table per task (and ``lm``); a later call replaces only the rows (by label) it ran, and each row keeps
+the machine, command, date and settings it was measured with.
 Tasks are generated with seed 0 and their default sizes into the blockloop cache (as ``--task`` does).
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime
 import itertools
 import json
-import platform
 import statistics
-import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -38,6 +36,7 @@ from pathlib import Path
 
 import torch
 
+from blockloop.bench.records import add_output_arguments, environment, environment_line, output_dir
 from blockloop.families import from_name
 from blockloop.train.evaluate import evaluate
 from blockloop.train.run import RunSpec, prepare_run, sequences, task_sequences
@@ -152,10 +151,7 @@ def run_lm(args: argparse.Namespace, save: Callable[[dict[str, object]], None]) 
 
 def provenance(args: argparse.Namespace) -> dict[str, object]:
     return {
-        "command": "PYTHONPATH=src python " + " ".join(sys.argv),
-        "device": f"CPU ({platform.processor() or platform.machine()}), {torch.get_num_threads()} threads",
-        "torch": torch.__version__,
-        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        **environment("cpu"),
         "settings": {k: getattr(args, k) for k in ("steps", "batch_size", "seq_len", "lr", "seed", "eval_batches")},
     }
 
@@ -164,13 +160,14 @@ def markdown(record: dict[str, dict[str, object]]) -> str:
     lines = [
         "# Staircase family on state-tracking tasks and character-level LM (CPU, scaled down)",
         "",
-        ("CPU only (no GPU was lent to this task; 2 cores shared with other jobs), so everything is shrunk: "
-        "2-layer d=64 cores (~0.11M parameters), shortened tasks (`NAME:LENGTH`), a few hundred steps, one seed "
-        "(the paper picks the best of several). Train times are medians per batch while other jobs shared the "
-        "cores: compare them within one table only. Absolute GPU numbers and the paper's sizes are owed."),
+        ("Everything is shrunk to CPU scale: 2-layer d=64 cores (~0.11M parameters), shortened tasks "
+         "(`NAME:LENGTH`), a few hundred steps, one seed (the paper picks the best of several). Train times are "
+         "medians per batch: compare them within one command's rows only (each line names its machine)."),
         "",
     ]
     for key, part in record.items():
+        if "rows" not in part:  # an entry written by hand (notes on a longer run): kept in the JSON, not tabled
+            continue
         lines += [f"## {key}", ""]
         # One line per command: its rows were measured one after another (dates: first to last finished).
         runs: dict[str, list[dict[str, object]]] = {}
@@ -180,9 +177,9 @@ def markdown(record: dict[str, dict[str, object]]) -> str:
             run, s = rows[0]["run"], rows[0]["run"]["settings"]
             dates = sorted({r["run"]["date"] for r in rows})
             when = dates[0] if len(dates) == 1 else f"{dates[0]} to {dates[-1]}"
-            lines += [(f"- {', '.join(r['label'] for r in rows)}: `{command}`; {run['device']}, torch {run['torch']}, "
-                       f"{when}; {s['steps']} steps of batch {s['batch_size']} x {s['seq_len']} tokens, LR {s['lr']} "
-                       f"(cosine), seed {s['seed']}")]
+            lines += [(f"- {', '.join(r['label'] for r in rows)}: {s['steps']} steps of batch {s['batch_size']} x "
+                       f"{s['seq_len']} tokens, LR {s['lr']} (cosine), seed {s['seed']}; "
+                       f"{environment_line(run | {'date': when})}")]
         lines.append("")
         if part["kind"] == "task":
             lines += ["| model | preset (overrides) | core | params | valid error | test error | train ms/batch |",
@@ -217,16 +214,15 @@ def main() -> None:
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--eval-batches", type=int, default=20, help="evaluation batches per split")
-    parser.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1: the cores are shared)")
-    parser.add_argument("--out-dir", default="benchmarks/results")
+    parser.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1)")
+    add_output_arguments(parser)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     key = args.task if args.part == "tasks" else "lm"
-    out = Path(args.out_dir)
+    out = output_dir(args)
 
     def save(part: dict[str, object]) -> None:
         """Merge ``part`` into the results after every model, so an interrupted run keeps what it measured."""
-        out.mkdir(parents=True, exist_ok=True)
         path = out / f"{RESULTS}.json"
         record = json.loads(path.read_text()) if path.is_file() else {}
         if key in record:  # keep the rows of models this call did not run

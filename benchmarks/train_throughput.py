@@ -4,24 +4,25 @@ Runs the real :class:`~blockloop.train.trainer.Trainer` (bf16 autocast on CUDA, 
 dozen steps per variant on a built-in corpus and reads tokens/s from its own metrics log, skipping the
 first logging window (warm-up and compilation). Eager is the baseline timed in the same run.
 
-    PYTHONPATH=src python benchmarks/train_throughput.py --preset pythia-85m --seq-len 2048 --batch-size 16
+    .venv/bin/python benchmarks/train_throughput.py --preset pythia-85m --seq-len 2048 --batch-size 16 --record
 
-Writes a JSON and a markdown table to --out-dir (default benchmarks/results).
+Writes ``train_throughput_<preset>_<cpu|gpu>.{json,md}`` to runs/bench/ (``--out-dir DIR`` elsewhere, ``--record``
+into benchmarks/results/).
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import torch
 
+from blockloop.bench.records import add_output_arguments, environment, environment_line, output_dir
+from blockloop.device import resolve_device
 from blockloop.families import spec_of
 from blockloop.train.flops import peak_flops
 from blockloop.train.run import RunSpec, prepare_run, sequences
@@ -75,33 +76,29 @@ def main() -> None:
     parser.add_argument("--log-interval", type=int, default=10)
     parser.add_argument("--device", default="auto")
     parser.add_argument("--variants", default="eager,compiled")
-    parser.add_argument("--out-dir", type=Path, default=Path("benchmarks/results"))
+    add_output_arguments(parser)
     args = parser.parse_args()
+    out = output_dir(args)
 
     results = []
     for variant in args.variants.split(","):
         with tempfile.TemporaryDirectory() as tmp:
             results.append(run_variant(args, variant == "compiled", Path(tmp)))
         print(json.dumps(results[-1]), flush=True)
-    device = torch.cuda.get_device_name() if torch.cuda.is_available() and args.device != "cpu" else "cpu"
+    device = resolve_device(args.device)
     record = {
         "benchmark": "train_throughput",
-        "date": datetime.date.today().isoformat(),
-        "device": device,
-        "torch": torch.__version__,
-        "command": "PYTHONPATH=src python " + " ".join(sys.argv),
+        **environment(device),
         "settings": {k: str(v) for k, v in vars(args).items()},
         "results": results,
     }
-    args.out_dir.mkdir(parents=True, exist_ok=True)
-    stem = f"train_throughput_{args.preset}_{'gpu' if device != 'cpu' else 'cpu'}"
-    (args.out_dir / f"{stem}.json").write_text(json.dumps(record, indent=2) + "\n")
+    stem = f"train_throughput_{args.preset}_{'gpu' if device.startswith('cuda') else 'cpu'}"
+    (out / f"{stem}.json").write_text(json.dumps(record, indent=2) + "\n")
     base = results[0]["tokens_per_s"]
     lines = [
         f"# Training throughput: {args.preset}, seq {args.seq_len}, batch {args.batch_size}",
         "",
-        f"- device: {device}; torch {torch.__version__}; date {record['date']}",
-        f"- command: `{record['command']}`",
+        f"- {environment_line(record)}",
         f"- data: {args.data} with the {args.tokenizer} tokenizer; bf16 autocast on CUDA; {args.steps} steps, "
         f"median of {args.log_interval}-step windows after the first",
         "",
@@ -115,7 +112,7 @@ def main() -> None:
             f"| {r['variant']} | {r['tokens_per_s']:,.0f} | {r['step_ms']:.1f} | {r['tokens_per_s'] / base:.2f}x | {mfu} "
             f"| {mem} | {r['first_loss']:.3f} -> {r['last_loss']:.3f} |"
         )
-    (args.out_dir / f"{stem}.md").write_text("\n".join(lines) + "\n")
+    (out / f"{stem}.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 
 

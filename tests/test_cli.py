@@ -116,11 +116,26 @@ def test_corrupt_checkpoint_is_reported(trained_run, tmp_path, capsys):
 
 
 def test_every_command_has_help(capsys):
-    for command in ["train", "eval", "generate", "presets", "info", "demo"]:
+    from blockloop.cli import COMMANDS
+
+    for command in COMMANDS:
         with pytest.raises(SystemExit) as exc:
             main([command, "--help"])
         assert exc.value.code == 0
-        assert "usage: blockloop" in capsys.readouterr().out
+        assert f"usage: blockloop {command}" in capsys.readouterr().out
+
+
+def test_top_level_help_imports_no_torch_and_lists_every_verb():
+    """`blockloop --help` must answer at once: building its parser may not import torch (2-5 s)."""
+    import subprocess
+    import sys
+
+    code = ("import sys, time; t = time.perf_counter(); from blockloop.cli import COMMANDS, build_parser; "
+            "text = build_parser(set()).format_help(); elapsed = time.perf_counter() - t; "
+            "heavy = sorted(m for m in ('torch', 'numpy', 'tokenizers', 'transformers') if m in sys.modules); "
+            "print(heavy, all(v in text for v in COMMANDS), elapsed < 0.5)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.split() == ["[]", "True", "True"], out
 
 
 def test_demo_trains_compares_and_samples(tmp_path, capsys):
@@ -232,3 +247,27 @@ def test_a_closed_pipe_ends_the_command_quietly():
     stderr = proc.stderr.read().decode()
     assert proc.wait(timeout=120) in (0, 1)  # 0 only if the whole table fit the pipe before the reader left
     assert "Traceback" not in stderr and "BrokenPipeError" not in stderr, stderr
+
+
+def test_no_progress_turns_every_bar_off_and_every_long_verb_takes_it(trained_run, monkeypatch, capsys):
+    from blockloop import progress
+    from blockloop.cli import build_parser
+
+    long_running = ["train", "eval", "demo", "bench", "convert"]
+    parser = build_parser(set(long_running))
+    for verb in long_running:
+        assert "--no-progress" in parser._subparsers._group_actions[0].choices[verb].format_help(), verb
+    monkeypatch.setattr(progress, "_enabled", True)
+    monkeypatch.setattr("sys.stderr.isatty", lambda: True, raising=False)
+    assert progress.shown()  # a terminal, no flag: bars are drawn
+    assert main(["eval", "--checkpoint", str(trained_run), "--device", "cpu", "--max-batches", "1", "--no-progress"]) == 0
+    assert not progress.shown()
+
+
+def test_piped_training_logs_are_plain_lines_and_say_when_validation_starts(tmp_path, capsys):
+    argv = [a for a in TINY_TRAIN if a != "--no-progress"]  # no flag: the pipe alone must keep bars away
+    assert main([*argv, "--out", str(tmp_path / "run")]) == 0
+    captured = capsys.readouterr()
+    assert "\r" not in captured.err and "\r" not in captured.out
+    assert "step 4: validating on up to 1 batches" in captured.out
+    assert "val_loss" in captured.out

@@ -294,6 +294,8 @@ def test_bench_cli_runs_throughput_and_stream_end_to_end(tmp_path, capsys):
 
 def test_bench_cli_errors_are_one_line(tmp_path, capsys):
     assert main(["bench", "--presets", "tiny", "--device", "cpu"]) == 2  # decode-heavy 128 + 2048 > 128
+    assert "does not fit a model context of 128 tokens" in capsys.readouterr().err
+    assert main(["bench", "--presets", "tiny", "--device", "cpu", "--prompt-len", "100", "--gen-len", "100"]) == 2
     assert "exceed the model context of 128" in capsys.readouterr().err
     assert main(["bench", "--presets", "tiny", "--batch-sizes", "0", "--prompt-len", "4", "--gen-len", "4"]) == 2
     assert "--batch-sizes needs positive integers" in capsys.readouterr().err
@@ -403,3 +405,16 @@ def test_poisson_stream_serves_every_request_and_counts_queueing_in_ttft():
     assert metrics["ttft_s"]["median"] > 0 and metrics["e2e_s"]["p99"] >= metrics["ttft_s"]["p99"]
     with pytest.raises(BlockloopError, match="--rate"):
         run_stream(tiny(), [[1, 2]], n_slots=1, min_tokens=1, max_tokens=1, rate=0.0)
+
+
+def test_the_paper_scenarios_are_shortened_to_fit_the_model_context():
+    """2048 + 128 overruns the 2048-token context of the paper's own models by one block of 128."""
+    from blockloop.bench.throughput import scenario_lengths
+
+    vanilla = build_model(from_name("pythia-5m"))
+    block = build_model(from_name("block-5m"))
+    assert scenario_lengths("decode-heavy", [vanilla]) == (128, 1920)
+    assert scenario_lengths("prefill-heavy", [vanilla, block]) == (1920, 128)
+    tiny = build_model(from_name("tiny"))
+    with pytest.raises(BlockloopError, match="does not fit a model context of 128 tokens; give --prompt-len"):
+        scenario_lengths("decode-heavy", [tiny])

@@ -343,3 +343,16 @@ def test_cuda_bf16_forward_backward_and_streaming_match_cpu(name):
     assert all(torch.isfinite(p.grad).all() for p in gpu.parameters() if p.grad is not None)
     prompts = [idx[0, :20].tolist(), idx[1, :9].tolist()]
     assert generate(gpu.eval(), prompts, 8, temperature=0) == generate(cpu.float().eval(), prompts, 8, temperature=0)
+
+
+def test_evaluating_a_window_that_splits_a_chunk_names_a_length_that_fits():
+    from blockloop.data.loader import PackedSequences
+    from blockloop.errors import BlockloopError
+    from blockloop.families import build_model, from_name
+    from blockloop.train.evaluate import evaluate
+
+    model = build_model(from_name("tiny-staircase"))
+    chunk = model.config.chunk_size
+    tokens = np.arange(10 * chunk * 8, dtype=np.int64) % model.config.vocab_size
+    with pytest.raises(BlockloopError, match=rf"--seq-len {4 * chunk + 2} is not a multiple .* e\.g\. --seq-len {5 * chunk}$"):
+        evaluate(model, PackedSequences(tokens, 4 * chunk + 2), batch_size=2)

@@ -1,12 +1,111 @@
-"""Recorded benchmark runs (JSON lines) and the throughput-vs-loss Pareto plot (Block Transformer Figure 2)."""
+"""Recorded benchmark runs: where a benchmark writes, the environment it records, JSON lines, and the
+throughput-vs-loss Pareto plot (Block Transformer Figure 2).
+
+A result file is only worth keeping if it says what produced it, so every benchmark stamps its output
+with :func:`environment` (read from the machine, never typed in) and writes under ``runs/bench/`` unless
+asked to ``--record`` into ``benchmarks/results/``, the results kept in git.
+"""
 
 from __future__ import annotations
 
+import argparse
+import datetime
 import json
+import os
+import platform
+import shlex
+import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from blockloop.errors import BlockloopError
+
+if TYPE_CHECKING:
+    import torch
+
+RECORDED = Path("benchmarks/results")
+SCRATCH = Path("runs/bench")
+# Variables that change what a benchmark measures, carried in front of the recorded command line.
+_COMMAND_ENV = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "CUDA_VISIBLE_DEVICES")
+
+
+def add_output_arguments(parser: argparse.ArgumentParser) -> None:
+    """The one way a benchmark script chooses where its results go (see :func:`output_dir`)."""
+    group = parser.add_argument_group("output")
+    where = group.add_mutually_exclusive_group()
+    where.add_argument("--out-dir", type=Path, metavar="DIR", help=f"write the results into DIR (default: {SCRATCH}/)")
+    where.add_argument("--record", action="store_true",
+                       help=f"write into {RECORDED}/, the recorded results kept in git (run from the repository root)")
+
+
+def output_dir(args: argparse.Namespace) -> Path:
+    """``--out-dir`` if given, ``benchmarks/results`` with ``--record``, else ``runs/bench`` (created)."""
+    if args.out_dir is not None:
+        out = args.out_dir
+    elif args.record:
+        if not RECORDED.is_dir():
+            raise BlockloopError(f"--record writes into {RECORDED}/ of the repository, which is not under "
+                                 f"{Path.cwd()}: run from the repository root or give --out-dir")
+        out = RECORDED
+    else:
+        out = SCRATCH
+    out.mkdir(parents=True, exist_ok=True)
+    return out
+
+
+def environment(device: str = "cpu", dtype: torch.dtype | None = None) -> dict[str, Any]:
+    """What every result carries, read from the running machine: device (GPU name, else ``cpu (MODEL)``), logical
+    CPUs, torch threads, torch and Python versions, UTC date, the command line, and ``dtype`` when given."""
+    import torch
+
+    env = {"device": torch.cuda.get_device_name(device) if device.startswith("cuda") else f"cpu ({cpu_name()})",
+           "cpus": os.cpu_count(), "threads": torch.get_num_threads(), "torch": torch.__version__,
+           "python": platform.python_version(),
+           "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+           "command": command_line()}
+    if dtype is not None:
+        env["dtype"] = str(dtype).removeprefix("torch.")
+    return env
+
+
+def cpu_name() -> str:
+    """The CPU model from /proc/cpuinfo where there is one (Linux), else what :mod:`platform` knows."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            if key.strip() == "model name" and value.strip():
+                return value.strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def command_line() -> str:
+    """The command as typed (interpreter included), paths under the working directory made relative."""
+    cwd = Path.cwd()
+
+    def shorten(arg: str) -> str:
+        path = Path(arg)
+        return str(path.relative_to(cwd)) if path.is_absolute() and path.is_relative_to(cwd) else arg
+
+    env = [f"{name}={os.environ[name]}" for name in _COMMAND_ENV if name in os.environ]
+    return " ".join(env + [shlex.join(shorten(a) for a in sys.orig_argv)])
+
+
+def environment_line(env: dict[str, Any]) -> str:
+    """One markdown line from an :func:`environment` dict (older records with fewer keys render what they have)."""
+    device = env.get("device", "?")
+    if env.get("cpus"):
+        device += f", {env['cpus']} logical CPUs"
+    if env.get("threads"):
+        device += f", {env['threads']} torch threads"
+    parts = [f"device: {device}", f"torch {env.get('torch', '?')}"]
+    if "python" in env:
+        parts.append(f"Python {env['python']}")
+    if "dtype" in env:
+        parts.append(env["dtype"])
+    parts.append(str(env.get("date", "?")))
+    return "; ".join(parts) + (f"; command: `{env['command']}`" if env.get("command") else "")
 
 
 def append_records(path: Path, records: list[dict[str, Any]]) -> None:

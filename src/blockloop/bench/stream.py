@@ -33,27 +33,35 @@ def corpus_prompts(vocab_size: int, n: int, min_len: int, max_len: int, *, corpu
     return prompts
 
 
+def schedule(n: int, rate: float, min_tokens: int, max_tokens: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """When each of ``n`` requests arrives (seconds after the first; Poisson at ``rate``/s, or all at 0 for inf) and
+    how many tokens it asks for (uniform in ``[min_tokens, max_tokens]``): the same for the same seed, in process
+    or over HTTP."""
+    if rate <= 0:
+        raise BlockloopError(f"--rate must be > 0 requests/s (inf for a fixed queue), got {rate}")
+    if not 1 <= min_tokens <= max_tokens:
+        raise BlockloopError(f"need 1 <= min tokens <= max tokens, got {min_tokens} and {max_tokens}")
+    rng = np.random.default_rng(seed)
+    gaps = rng.exponential(1.0 / rate, size=n) if np.isfinite(rate) else np.zeros(n)
+    return np.cumsum(gaps) - gaps[0], rng.integers(min_tokens, max_tokens + 1, size=n)
+
+
 def run_stream(
     served: nn.Module | Runner, prompts: list[list[int]], *, n_slots: int, min_tokens: int, max_tokens: int,
     rate: float = float("inf"), sync_every: int = 8, seed: int = 0, compile: bool = False,
 ) -> dict[str, Any]:
     """Serve ``prompts`` arriving at ``rate`` requests/s (inf: all at t=0); metrics of the whole stream,
     and each request's ``outputs`` (in submission order). ``served`` is a model or its runner (a recursive
-    model's depth-wise runner also reports its exits)."""
-    if rate <= 0:
-        raise BlockloopError(f"--rate must be > 0 requests/s (inf for a fixed queue), got {rate}")
-    if not 1 <= min_tokens <= max_tokens:
-        raise BlockloopError(f"need 1 <= min tokens <= max tokens, got {min_tokens} and {max_tokens}")
-    rng = np.random.default_rng(seed)
-    gaps = rng.exponential(1.0 / rate, size=len(prompts)) if np.isfinite(rate) else np.zeros(len(prompts))
-    offsets = np.cumsum(gaps) - gaps[0]
-    budgets = rng.integers(min_tokens, max_tokens + 1, size=len(prompts))
+    model's depth-wise runner also reports its exits, a speculative one its acceptance)."""
+    offsets, budgets = schedule(len(prompts), rate, min_tokens, max_tokens, seed)
     engine = Engine(served, n_slots, sync_every=sync_every, compile=compile)
     runner = engine.runner
     depthwise = isinstance(runner, RecursiveRunner) and runner.exit_rule is not None
+    speculator = runner.speculator if isinstance(runner, RecursiveRunner) else None
     greedy = SamplingParams(temperature=0.0)
     requests, pending = [], list(zip(offsets, prompts, budgets))
     trajectories: dict[int, list[int]] = {}  # exit loops per request (depth-wise serving), read as each finishes
+    rounds: dict[int, list[tuple[int, int]]] = {}  # (emitted, drafted) per verification round (speculation)
     start = time.perf_counter()
     with torch.no_grad():
         while pending or not engine.idle:
@@ -67,16 +75,32 @@ def run_stream(
                 time.sleep(max(0.0, pending[0][0] - (time.perf_counter() - start)))
                 continue
             for request in engine.step():
+                decoded = len(request.output) - 1 + (request.finish_reason == "eos")
                 if depthwise:
-                    trajectories[request.id] = runner.exit_trajectory(
-                        request.slot, len(request.prompt), len(request.output) - 1 + (request.finish_reason == "eos"))
+                    trajectories[request.id] = runner.exit_trajectory(request.slot, len(request.prompt), decoded)
+                if speculator is not None:
+                    rounds[request.id] = speculator.rounds_of(request.slot, len(request.prompt), decoded)
     metrics = serving_metrics([Timing(r.arrival_time, r.token_times) for r in requests])
     metrics.update(n_slots=n_slots, rate=rate, steps=engine.steps)
     if depthwise:
         metrics["mean_exit_loop"] = runner.mean_exit_loop()
         metrics["exit_trajectories"] = [trajectories[r.id] for r in requests]
+    if speculator is not None:
+        metrics.update(speculation_metrics([rounds[r.id] for r in requests],
+                                           [len(r.output) - 1 + (r.finish_reason == "eos") for r in requests]))
     metrics["outputs"] = [r.output for r in requests]
     return metrics
+
+
+def speculation_metrics(rounds: list[list[tuple[int, int]]], decoded: list[int]) -> dict[str, float]:
+    """Per stream, from each request's ``(emitted, drafted)`` rounds and its ``decoded`` tokens (those after the
+    prefill's): the share of drafts kept, delivered tokens per verification pass (a pass emits 1 .. k + 1;
+    the last round of a request may run past its limit, its extra tokens are not counted) and the passes."""
+    passes = sum(map(len, rounds))
+    drafted = sum(d for request in rounds for _, d in request)
+    kept = sum(e - 1 for request in rounds for e, _ in request)
+    return {"acceptance_rate": kept / max(drafted, 1), "tokens_per_pass": sum(decoded) / max(passes, 1),
+            "verification_passes": passes}
 
 
 def agreement(outputs: list[list[int]], reference: list[list[int]]) -> float:

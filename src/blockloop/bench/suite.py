@@ -2,13 +2,12 @@
 
 What ``blockloop bench`` runs, as rows (one dict per model and batch size, or per model in the stream)
 that a caller prints or appends to a JSON-lines record. The first model is the baseline the ratios
-divide by. In the stream, looped models are also served depth-wise under each early-exit rule given.
+divide by. In the stream, looped models are also served depth-wise under each early-exit rule given, and
+self-speculatively with each speculation given.
 """
 
 from __future__ import annotations
 
-import datetime
-import platform
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
@@ -24,7 +23,7 @@ from blockloop.bench.timing import copy_bandwidth
 from blockloop.errors import BlockloopError
 from blockloop.families import build_model, from_name
 from blockloop.serve.exit_schedule import simulate
-from blockloop.serve.runners import ExitRule, runner_for
+from blockloop.serve.runners import ExitRule, Speculation, runner_for
 from blockloop.serve.runners.recursive import RecursiveRunner
 from blockloop.train.run import load_trained
 
@@ -42,14 +41,6 @@ def bench_dtype(name: str, device: str) -> torch.dtype:
     """``float32`` / ``bfloat16``, or ``auto``: bfloat16 on CUDA, float32 on CPU."""
     return {"float32": torch.float32, "bfloat16": torch.bfloat16}.get(
         name, torch.bfloat16 if device.startswith("cuda") else torch.float32)
-
-
-def environment(device: str, dtype: torch.dtype) -> dict[str, Any]:
-    """What every recorded row carries: device, torch version, date, dtype and CPU threads."""
-    cpu = f"cpu ({platform.processor() or platform.machine()})"
-    return {"device": torch.cuda.get_device_name() if device.startswith("cuda") else cpu,
-            "torch": torch.__version__, "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "dtype": str(dtype).removeprefix("torch."), "threads": torch.get_num_threads()}
 
 
 def load_models(
@@ -129,6 +120,11 @@ def rule_name(rule: ExitRule) -> str:
     return "oracle" if rule.kind == "oracle" else f"{rule.kind}:{rule.threshold:g}"
 
 
+def speculation_name(speculation: Speculation) -> str:
+    k = f"adaptive k<={speculation.k}" if speculation.adaptive else f"k={speculation.k}"
+    return f"speculative {k} draft {speculation.draft_loops} loop{'s' * (speculation.draft_loops > 1)}"
+
+
 @dataclass
 class StreamSettings:
     """A stream of corpus prompts served with continuous batching."""
@@ -143,6 +139,7 @@ class StreamSettings:
     compile: bool = False
     seed: int = 0
     exits: list[ExitRule] = field(default_factory=list)  # depth-wise early-exit rules for looped models
+    speculations: list[Speculation] = field(default_factory=list)  # self-speculative decoding of looped models
 
     def __post_init__(self) -> None:
         if self.requests < 1:
@@ -159,18 +156,23 @@ def stream_rows(models: list[BenchModel], settings: StreamSettings) -> Iterator[
         if isinstance(runner_for(m.model), RecursiveRunner):
             served += [(f"{m.name} depth-wise exit {rule_name(r)}", runner_for(m.model, exit_rule=r), m.val_loss, m.name)
                        for r in s.exits]
+            served += [(f"{m.name} {speculation_name(sp)}", runner_for(m.model, speculation=sp), m.val_loss, m.name)
+                       for sp in s.speculations]
     first: float | None = None
     outputs: dict[str, list[list[int]]] = {}
+    throughput: dict[str, float] = {}
     for name, model, val_loss, reference in served:
         prompts = corpus_prompts(model.config.vocab_size, s.requests, *s.prompt_range, corpus=s.corpus, seed=s.seed)
         m = run_stream(model, prompts, n_slots=s.slots, min_tokens=s.tokens_range[0], max_tokens=s.tokens_range[1],
                        rate=s.rate, sync_every=s.sync_every, seed=s.seed, compile=s.compile)
         outputs[name] = m.pop("outputs")
+        throughput[name] = m["throughput_tok_s"]
         if "exit_trajectories" in m:
             m["simulated"] = simulate(m.pop("exit_trajectories"), s.slots, model.config.loops)
             m["mean_exit_loop"] = m["simulated"]["mean_exit_loop"]  # of the delivered tokens only
-        if reference is not None:
+        if reference is not None:  # the same model served sequence-wise, in this run
             m["agreement_vs_no_exit"] = agreement(outputs[name], outputs[reference])
+            m["ratio_vs_same_model"] = m["throughput_tok_s"] / throughput[reference]
         m["ratio_vs_baseline"] = m["throughput_tok_s"] / first if first is not None else 1.0
         first = m["throughput_tok_s"] if first is None else first
         yield {"kind": "stream", "name": name, "val_loss": val_loss, **m}

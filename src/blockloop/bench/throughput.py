@@ -28,6 +28,26 @@ from blockloop.serve.runners import runner_for
 SCENARIOS = {"prefill-heavy": (2048, 128), "decode-heavy": (128, 2048)}
 
 
+def scenario_lengths(scenario: str, models: list[nn.Module]) -> tuple[int, int]:
+    """The paper's (prompt, generated) lengths of ``scenario``, the longer part shortened to fit every model.
+
+    Both of the paper's scenarios add up to 2176 tokens, one block of 128 past the 2048-token context of its
+    own models; the engine keeps every token of a request in its cache, so the long part gives way.
+    """
+    prompt_len, gen_len = SCENARIOS[scenario]
+    multiple = max(runner_for(model).prompt_multiple for model in models)
+    room = min(model.config.context_length for model in models)
+    over = -(-prompt_len // multiple) * multiple + gen_len - room
+    if over > 0 and prompt_len >= gen_len:
+        prompt_len = (prompt_len - over) // multiple * multiple
+    elif over > 0:
+        gen_len -= over
+    if prompt_len < 1 or gen_len < 1:
+        raise BlockloopError(f"the {scenario} scenario does not fit a model context of {room} tokens; "
+                             "give --prompt-len and --gen-len")
+    return prompt_len, gen_len
+
+
 @dataclass
 class ThroughputResult:
     name: str

@@ -2,7 +2,9 @@
 
 :data:`COMMANDS` maps each verb to a small module that declares its arguments (``HELP``, ``DESCRIPTION``,
 ``add_arguments``), calls the library and prints (``run``); the decisions live in the library, where the
-Python API gets the same answers. User mistakes surface as :class:`BlockloopError` and are printed as one
+Python API gets the same answers. Only the named verb's arguments are built (some read their choices and
+defaults from the library, which imports torch), so ``blockloop --help`` and the light verbs start at once.
+User mistakes surface as :class:`BlockloopError` and are printed as one
 line on stderr with exit code 2; anything else is a bug and keeps its traceback.
 """
 
@@ -11,26 +13,33 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from collections.abc import Collection, Sequence
 from types import ModuleType
-from typing import Sequence
 
-from blockloop.cli import bench, convert, demo, flops, generate, info, presets, tasks, train
+from blockloop.cli import bench, chat, convert, demo, flops, generate, info, presets, serve, tasks, train
 from blockloop.cli import eval as eval_
 from blockloop.errors import BlockloopError
 
 EXIT_USER_ERROR = 2
 # Optional packages and the extra that installs each: a verb that needs one says so in one line.
-EXTRAS = {"transformers": "hf", "gguf": "hf", "accelerate": "hf", "matplotlib": "plot", "pyarrow": "eval"}
+EXTRAS = {"transformers": "hf", "gguf": "hf", "matplotlib": "plot", "pyarrow": "eval",
+          "fastapi": "serve", "uvicorn": "serve", "prometheus_client": "serve", "httpx": "serve"}
 
 COMMANDS: dict[str, ModuleType] = {
     "train": train, "eval": eval_, "generate": generate, "convert": convert, "tasks": tasks, "presets": presets,
-    "flops": flops, "bench": bench, "info": info, "demo": demo,
+    "flops": flops, "bench": bench, "info": info, "demo": demo, "serve": serve, "chat": chat,
 }
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    # The top-level parser has no options of its own besides --help: the first word is the verb.
+    verb = next((word for word in argv if not word.startswith("-")), None)
+    args = build_parser(verbs={verb} if verb else set()).parse_args(argv)
+    if getattr(args, "no_progress", False):
+        from blockloop import progress
+
+        progress.set_enabled(False)
     try:
         code = args.handler(args) or 0
         sys.stdout.flush()  # inside the try: a reader that left early is noticed here, not at interpreter exit
@@ -55,7 +64,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 130
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(verbs: Collection[str] | None = None) -> argparse.ArgumentParser:
+    """The whole command line, with the arguments of ``verbs`` only (None: of every verb)."""
     parser = argparse.ArgumentParser(
         prog="blockloop",
         description="Train, evaluate and sample language models that reuse computation across depth and time.",
@@ -63,6 +73,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for verb, module in COMMANDS.items():
         p = sub.add_parser(verb, help=module.HELP, description=getattr(module, "DESCRIPTION", None))
-        module.add_arguments(p)
+        if verbs is None or verb in verbs:
+            module.add_arguments(p)
         p.set_defaults(handler=module.run)
     return parser

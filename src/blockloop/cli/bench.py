@@ -10,7 +10,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-from blockloop.cli.common import add_device, parse_ints
+from blockloop.cli.common import add_device, add_no_progress, parse_ints
 from blockloop.errors import BlockloopError
 
 HELP = "benchmark inference: throughput protocol, request stream, Pareto plot"
@@ -25,6 +25,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     m.add_argument("--checkpoint", action="append", default=[],
                    help="a trained run to bench, after the --presets (repeatable; its validation loss is recorded for --plot)")
     add_device(m)
+    add_no_progress(m)
     m.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
                    help="weights/cache dtype (default: bfloat16 on CUDA, float32 on CPU)")
     m.add_argument("--compile", action="store_true", help="torch.compile the decode step (CUDA graphs on CUDA)")
@@ -43,6 +44,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     t.add_argument("--hf", action="store_true", help="also time HF generate() on the first (vanilla) model")
     s = p.add_argument_group("request stream (continuous batching)")
     s.add_argument("--stream", action="store_true", help="run the request-stream benchmark instead")
+    s.add_argument("--url", help="send the stream to a running `blockloop serve` at this address over HTTP instead "
+                   "(e.g. http://127.0.0.1:8000; the server's model and slots are used)")
     s.add_argument("--requests", type=int, default=64, help="requests in the stream (default: 64)")
     s.add_argument("--rate", type=float, default=math.inf, help="Poisson arrivals per second (default: inf, a fixed queue)")
     s.add_argument("--slots", type=int, default=16, help="engine slots (concurrent requests, default: 16)")
@@ -54,6 +57,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "entropy:2.0, none:0 or oracle (repeatable); reports mean loops per token, greedy agreement with "
                    "the sequence-wise (no-exit) run, and the simulated depth-wise speedup (RRT appendix N) of the "
                    "recorded exits; oracle runs every loop and exits at the first loop agreeing with the last")
+    s.add_argument("--speculate", metavar="K", type=int, action="append", default=[],
+                   help="also serve looped models self-speculatively: draft K tokens with the first loops, verify with "
+                   "all loops in one pass (repeatable); reports the share of drafts kept, tokens per verification pass, "
+                   "tok/s against the same model without speculation, and greedy agreement with it (100%%: exact)")
+    s.add_argument("--draft-loops", type=int, default=1, help="loops that draft under --speculate (default: 1)")
+    s.add_argument("--adaptive-k", action="store_true",
+                   help="--speculate K is each request's most: lower it after rejections, raise it after full acceptance")
     o = p.add_argument_group("output")
     o.add_argument("--record", type=Path, help="append every result to this JSON-lines file")
     o.add_argument("--plot", type=Path, metavar="PNG",
@@ -65,9 +75,11 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     from blockloop.bench import records
-    from blockloop.bench.suite import bench_dtype, environment, load_models
+    from blockloop.bench.suite import bench_dtype, load_models
     from blockloop.device import resolve_device
 
+    if args.url is not None:
+        return _http(args)
     device = resolve_device(args.device)
     if args.plot is not None:
         if args.record is None:
@@ -80,7 +92,7 @@ def run(args: argparse.Namespace) -> int:
             raise BlockloopError(f"--threads must be >= 1, got {args.threads}")
         torch.set_num_threads(args.threads)
     dtype = bench_dtype(args.dtype, device)
-    meta = environment(device, dtype)
+    meta = records.environment(device, dtype)
     models = load_models(args.presets, args.checkpoint, device, dtype, args.seed)
     results = _stream(args, models) if args.stream else _throughput(args, models, torch.device(device))
     for r in results:
@@ -94,9 +106,16 @@ def run(args: argparse.Namespace) -> int:
 def _throughput(args: argparse.Namespace, models: list, device: Any) -> list[dict[str, Any]]:
     from blockloop.bench.hf_baseline import hf_available
     from blockloop.bench.suite import ThroughputSettings, measure_bandwidth, throughput_rows
-    from blockloop.bench.throughput import SCENARIOS
+    from blockloop.bench.throughput import SCENARIOS, scenario_lengths
 
-    prompt_len, gen_len = SCENARIOS[args.scenario]
+    if args.prompt_len and args.gen_len:
+        prompt_len, gen_len = args.prompt_len, args.gen_len
+    else:
+        prompt_len, gen_len = scenario_lengths(args.scenario, [m.model for m in models])
+        if (prompt_len, gen_len) != SCENARIOS[args.scenario]:
+            paper = "/".join(map(str, SCENARIOS[args.scenario]))
+            print(f"{args.scenario}: the paper's {paper} tokens shortened to {prompt_len}/{gen_len} to fit the model "
+                  "context")
     hf_missing = hf_available() if args.hf else None  # why the HF baseline cannot run, if asked for
     settings = ThroughputSettings(
         args.prompt_len or prompt_len, args.gen_len or gen_len, parse_ints(args.batch_sizes, "--batch-sizes"),
@@ -120,6 +139,7 @@ def _throughput(args: argparse.Namespace, models: list, device: Any) -> list[dic
 
 def _stream(args: argparse.Namespace, models: list) -> list[dict[str, Any]]:
     from blockloop.bench.suite import StreamSettings, parse_exit_rule, stream_rows
+    from blockloop.serve.runners import Speculation
 
     prompt_range = tuple(parse_ints(args.prompt_range, "--prompt-range")[:2])
     tokens_range = tuple(parse_ints(args.tokens_range, "--tokens-range")[:2])
@@ -127,18 +147,23 @@ def _stream(args: argparse.Namespace, models: list) -> list[dict[str, Any]]:
         requests=args.requests, slots=args.slots, prompt_range=prompt_range, tokens_range=tokens_range, rate=args.rate,
         corpus=args.corpus, sync_every=args.sync_every, compile=args.compile, seed=args.seed,
         exits=[parse_exit_rule(text) for text in args.exit],
+        speculations=[Speculation(k, args.draft_loops, args.adaptive_k) for k in args.speculate],
     )
-    print("| model | slots | req/s in | tok/s | vs first | TTFT p50/p90/p99 ms | TPOT p50/p90/p99 ms | ITL p50/p99 ms "
-          "| E2E p50/p99 ms | loops/token | agreement |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    print("| model | slots | req/s in | tok/s | vs first | vs same | TTFT p50/p90/p99 ms | TPOT p50/p90/p99 ms "
+          "| ITL p50/p99 ms | E2E p50/p99 ms | loops/token | agreement | drafts kept | tok/pass |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     rows = []
     for m in stream_rows(models, settings):
         rows.append(m)
         loops = f"{m['mean_exit_loop']:.2f}" if "mean_exit_loop" in m else "-"
         agree = f"{100 * m['agreement_vs_no_exit']:.1f}%" if "agreement_vs_no_exit" in m else "-"
+        same = f"{m['ratio_vs_same_model']:.2f}x" if "ratio_vs_same_model" in m else "-"
+        kept = f"{100 * m['acceptance_rate']:.1f}%" if "acceptance_rate" in m else "-"
+        per_pass = f"{m['tokens_per_pass']:.2f}" if "tokens_per_pass" in m else "-"
         print(f"| {m['name']} | {args.slots} | {args.rate} | {m['throughput_tok_s']:.0f} | {m['ratio_vs_baseline']:.2f}x | "
-              f"{_ms(m['ttft_s'], 'median', 'p90', 'p99')} | {_ms(m['tpot_s'], 'median', 'p90', 'p99')} | "
-              f"{_ms(m['itl_s'], 'median', 'p99')} | {_ms(m['e2e_s'], 'median', 'p99')} | {loops} | {agree} |")
+              f"{same} | {_ms(m['ttft_s'], 'median', 'p90', 'p99')} | {_ms(m['tpot_s'], 'median', 'p90', 'p99')} | "
+              f"{_ms(m['itl_s'], 'median', 'p99')} | {_ms(m['e2e_s'], 'median', 'p99')} | {loops} | {agree} | {kept} | "
+              f"{per_pass} |")
     simulated = [r for r in rows if "simulated" in r]
     if simulated:
         print(f"\nsimulated schedules of the recorded exits ({args.slots} slots, steps = block passes over the batch; "
@@ -152,6 +177,27 @@ def _stream(args: argparse.Namespace, models: list) -> list[dict[str, Any]]:
                   f"{sim['sequencewise_steps']} | {sim['static_steps']} | {sim['speedup_vs_sequencewise']:.2f}x | "
                   f"{sim['speedup_vs_static']:.2f}x |")
     return rows
+
+
+def _http(args: argparse.Namespace) -> int:
+    """The request stream over HTTP: one row of TTFT / TPOT / ITL / E2E mean, median, p90 and p99."""
+    import datetime
+
+    from blockloop.bench import records
+    from blockloop.bench.http_stream import run_http_stream
+
+    m = run_http_stream(args.url, requests=args.requests, rate=args.rate, corpus=args.corpus, seed=args.seed,
+                        prompt_range=tuple(parse_ints(args.prompt_range, "--prompt-range")[:2]),
+                        tokens_range=tuple(parse_ints(args.tokens_range, "--tokens-range")[:2]))
+    print(f"{m['model']} at {args.url}: {m['requests']} requests at {args.rate}/s, {m['output_tokens']} tokens in "
+          f"{m['duration_s']:.2f} s: {m['requests_per_s']:.2f} req/s, {m['throughput_tok_s']:.1f} tok/s")
+    print("| metric | mean ms | median ms | p90 ms | p99 ms |\n|---|---|---|---|---|")
+    for key in ("ttft_s", "tpot_s", "itl_s", "e2e_s"):
+        print(f"| {key[:-2].upper()} | {_ms(m[key], 'mean', 'median', 'p90', 'p99').replace('/', ' | ')} |")
+    if args.record is not None:
+        date = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+        records.append_records(args.record, [{"kind": "http_stream", "name": m["model"], "date": date, **m}])
+    return 0
 
 
 def _ms(summary: dict[str, float], *keys: str) -> str:

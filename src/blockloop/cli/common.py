@@ -45,6 +45,12 @@ def parse_ints(text: str, flag: str) -> list[int]:
     return values
 
 
+def add_no_progress(p: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
+    """``--no-progress``, read once by :func:`blockloop.cli.main` for every bar of the process."""
+    p.add_argument("--no-progress", action="store_true",
+                   help="no progress bars, plain log lines only (bars are also off when stderr is not a terminal)")
+
+
 def add_device(p: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
     """``--device``, read with :func:`blockloop.device.resolve_device`."""
     p.add_argument("--device", default="auto", help="auto, cpu or cuda (default: auto)")

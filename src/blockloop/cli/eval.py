@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from blockloop.cli.common import add_device, print_table
+from blockloop.cli.common import add_device, add_no_progress, print_table
 
 HELP = "loss, perplexity and bits per byte of a checkpoint on a dataset split"
 
@@ -32,6 +32,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="what to score: lm or prefix_lm (the suffix after a breakpoint; default: the run's training objective)",
     )
     add_device(p)
+    add_no_progress(p)
     p.add_argument("--json", action="store_true", help="print the metrics as one JSON object")
     p.add_argument(
         "--per-loop", action="store_true",

@@ -23,12 +23,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-samples", type=int, default=1, help="independent continuations, generated as one batch")
     p.add_argument("--seed", type=int, help="seed for sampling (same seed, same text)")
     p.add_argument("--no-stop", action="store_true", help="do not stop at the end-of-text token")
+    s = p.add_argument_group("self-speculative decoding (looped models)")
+    s.add_argument("--speculate", type=int, metavar="K",
+                   help="draft K tokens with the first loops, verify them with all loops in one pass: the same greedy "
+                   "output (the same distribution when sampling), fewer full-depth passes")
+    s.add_argument("--draft-loops", type=int, default=1, help="loops that draft (default: 1)")
+    s.add_argument("--adaptive-k", action="store_true", help="lower K after rejections, raise it after full acceptance")
     add_device(p)
 
 
 def run(args: argparse.Namespace) -> int:
     from blockloop.device import resolve_device
     from blockloop.serve.generate import generate
+    from blockloop.serve.runners import Speculation
     from blockloop.train.run import load_trained
 
     if args.num_samples < 1:
@@ -46,6 +53,7 @@ def run(args: argparse.Namespace) -> int:
     kwargs = dict(
         temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
         eos_id=None if args.no_stop else tok.eos_id, seed=args.seed,
+        speculation=None if args.speculate is None else Speculation(args.speculate, args.draft_loops, args.adaptive_k),
     )
     try:
         if args.num_samples == 1:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from blockloop.cli.common import print_table
+from blockloop.cli.common import add_no_progress, print_table
 from blockloop.errors import BlockloopError
 
 HELP = "list or write the synthetic state-tracking tasks (algorithm-3, algorithm-5, random-walk)"
@@ -20,7 +20,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     m.add_argument("--out", required=True, help="directory to create (must not exist, or be empty)")
     m.add_argument("--seed", type=int, default=0, help="seed of the three splits (default: 0)")
     m.add_argument("--sizes", help="TRAIN,VALID,TEST counts of programs or sequences (default: the task's own)")
-    m.add_argument("--no-progress", action="store_true", help="no progress bar")
+    add_no_progress(m)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -48,7 +48,7 @@ def make_task(args: argparse.Namespace) -> int:
             sizes = [int(part) for part in args.sizes.split(",")]
         except ValueError:
             raise BlockloopError(f"--sizes expects three counts TRAIN,VALID,TEST, got {args.sizes!r}") from None
-    out = write_task(args.name, Path(args.out), seed=args.seed, sizes=sizes, show_progress=not args.no_progress)
+    out = write_task(args.name, Path(args.out), seed=args.seed, sizes=sizes, show_progress=True)
     meta = load_task(out).meta
     counts = ", ".join(f"{split} {meta['sizes'][split]} ({meta['tokens'][split]} tokens)" for split in meta["sizes"])
     print(f"wrote {args.name} (seed {args.seed}) to {out}: {counts}")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from blockloop.cli.common import parse_overrides
+from blockloop.cli.common import add_no_progress, parse_overrides
 
 HELP = "train a model (single process, or under torchrun for DDP/FSDP)"
 DESCRIPTION = ("Train a model from a preset on a built-in corpus or your own text. Flags left out take the defaults "
@@ -101,7 +101,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--ckpt-interval", type=int, help=f"checkpoint every N steps and at the end (default: {d.ckpt_interval})")
     g.add_argument("--out", default="runs/latest", help="run directory for checkpoints and metrics.jsonl (default: runs/latest)")
     g.add_argument("--resume", action="store_true", help="continue the run in --out from its latest checkpoint")
-    g.add_argument("--no-progress", action="store_true", help="no progress bar (log lines only)")
+    add_no_progress(g)
     g = p.add_argument_group("hardware")
     g.add_argument("--device", help="auto, cpu, cuda or cuda:N (default: auto)")
     g.add_argument("--precision", choices=["auto", "fp32", "bf16"], help="auto = bf16 autocast on CUDA, fp32 on CPU")
@@ -117,7 +117,7 @@ def run(args: argparse.Namespace) -> int:
     plan = plan_run(TrainRequest(
         out=Path(args.out), resume=args.resume, init_from=args.init_from, preset=args.preset, data=args.data,
         tokenizer=args.tokenizer, task=args.task, task_dir=args.task_dir, model_overrides=parse_overrides(args.set),
-        dropout=args.dropout, mup_base_width=args.mup_base_width, train_overrides={**given, "progress": not args.no_progress},
+        dropout=args.dropout, mup_base_width=args.mup_base_width, train_overrides=given,
         tokens=args.tokens, early_exit=EarlyExit(args.early_exit, args.exit_coefficient, args.exit_kd_weight),
         distill_from=args.distill_from, distill_weight=args.distill_weight,
     ))

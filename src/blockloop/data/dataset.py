@@ -17,8 +17,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-from tqdm import tqdm
 
+from blockloop import progress
 from blockloop.data.corpora import hash_documents, load_documents
 from blockloop.data.packages import cache_dir
 from blockloop.data.tokenizers import Tokenizer
@@ -110,17 +110,17 @@ def _encode(
     """
     eos = np.array([tokenizer.eos_id], dtype=dtype)
     encoded: list[np.ndarray] = []
-    with tqdm(
+    with progress.bar(
         total=sum(len(doc) for doc in documents),
         unit="char",
         unit_scale=True,
         desc=description,
         disable=not show_progress,
-    ) as progress:
+    ) as bar:
         for batch in _batches(documents):
             for ids in tokenizer.encode_batch(batch):
                 encoded.append(np.concatenate([ids.astype(dtype), eos]))
-            progress.update(sum(len(doc) for doc in batch))
+            bar.update(sum(len(doc) for doc in batch))
     return encoded
 
 

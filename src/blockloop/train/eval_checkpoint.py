@@ -66,7 +66,7 @@ def evaluate_checkpoint(checkpoint: str | Path, request: EvalRequest, device: st
         return {"data": data, "split": split, **metrics}
     metrics = evaluate(
         trained.model, seqs, batch_size=request.batch_size, max_batches=request.max_batches,
-        byte_lengths=trained.tokenizer.token_byte_lengths(), device=device, objective=objective,
+        byte_lengths=trained.tokenizer.token_byte_lengths(), device=device, objective=objective, show_progress=True,
     )
     return {"data": data, "split": split, "objective": objective, **metrics}
 
@@ -87,7 +87,7 @@ def evaluate_task(trained: TrainedModel, request: EvalRequest, device: str) -> d
     split = {None: "valid", "val": "valid"}.get(request.split, request.split)
     metrics = evaluate(
         trained.model, task_sequences(data, split, _seq_len(trained, request)), batch_size=request.batch_size,
-        max_batches=request.max_batches, device=device,
+        max_batches=request.max_batches, device=device, show_progress=True,
     )
     return {"task": data.name, "split": split, **metrics}
 

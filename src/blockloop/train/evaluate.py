@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from blockloop import progress
 from blockloop.data.collate import step_generator
 from blockloop.data.loader import PackedSequences, eval_batches, stream_eval_batches
 from blockloop.data.tasks.metrics import labelled_errors
@@ -36,13 +37,15 @@ def evaluate(
     device: torch.device | str = "cpu",
     autocast_dtype: torch.dtype | None = None,
     objective: str = "lm",
+    show_progress: bool = False,
 ) -> dict[str, float]:
     """Loss/perplexity (and bits per byte when ``byte_lengths`` per token id is given).
 
     The model's own collator shapes each batch (with fixed seeds, so every evaluation sees the same
     batches) for ``objective``; the loss is summed over the targets it keeps (ignore index -100 dropped).
     Ids beyond the tokenizer's (span-corruption sentinels) count no bytes. Sources with labelled
-    positions also get ``error``, the fraction of scored positions whose argmax is wrong.
+    positions also get ``error``, the fraction of scored positions whose argmax is wrong. ``show_progress``
+    draws a bar over the batches (a standalone evaluation can take minutes; inside training it stays off).
     """
     was_training = model.training
     model.eval()
@@ -65,11 +68,16 @@ def evaluate(
     # Independent windows (task windows overlap, each holds whole sequences) are each read from an empty state.
     recurrent = recurrent and not getattr(sequences, "independent_windows", False)
     if sequences.seq_len % chunk:
+        fit = -(-sequences.seq_len // chunk) * chunk
         raise BlockloopError(
-            f"sequence length {sequences.seq_len} is not a multiple of the model's chunk size {chunk}; "
-            "evaluate with a --seq-len that is"
+            f"--seq-len {sequences.seq_len} is not a multiple of the model's chunk size {chunk}; "
+            f"use a multiple of {chunk}, e.g. --seq-len {fit}"
         )
     batches = (stream_eval_batches if recurrent else eval_batches)(sequences, batch_size, max_batches)
+    count = (len(sequences) // min(batch_size, len(sequences)) if recurrent
+             else -(-len(sequences) // batch_size))
+    batches = progress.bar(iterable=batches, total=count if max_batches is None else min(count, max_batches),
+                           desc="evaluating", unit="batch", disable=not show_progress)
     state = None
     for i, (inputs, targets) in enumerate(batches):
         batch = {k: v.to(device) for k, v in collate(inputs, targets, step_generator(0, i)).items()}

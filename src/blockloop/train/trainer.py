@@ -24,6 +24,7 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 from tqdm import tqdm
 
+from blockloop import progress
 from blockloop.config import ModelConfig
 from blockloop.data.collate import OBJECTIVES, step_generator
 from blockloop.data.loader import PackedSequences, StreamBatches, TrainBatches
@@ -201,9 +202,8 @@ class Trainer:
         cfg = self.config
         self.out_dir.mkdir(parents=True, exist_ok=True)
         self.train_model.train()
-        bar = tqdm(
-            total=cfg.steps, initial=self.step, disable=not (cfg.progress and self.dist.is_main), unit="step", dynamic_ncols=True
-        )
+        bar = progress.bar(total=cfg.steps, initial=self.step, unit="step",
+                           disable=not (cfg.progress and self.dist.is_main))
         last: dict[str, float] = {}
         window_start, window_tokens = time.perf_counter(), 0
         while self.step < cfg.steps:
@@ -236,6 +236,8 @@ class Trainer:
                 self._log(metrics)
                 window_start, window_tokens = time.perf_counter(), 0
             if self.val_data is not None and (self.step % cfg.eval_interval == 0 or self.step == cfg.steps):
+                if self.dist.is_main:  # the bar stands still meanwhile: say why
+                    tqdm.write(f"step {self.step}: validating on up to {cfg.eval_batches} batches")
                 validation = self.validate()
                 metrics.update(validation)
                 self._log({"step": self.step, **validation})

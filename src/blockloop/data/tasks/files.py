@@ -23,8 +23,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-from tqdm import tqdm
 
+from blockloop import progress
 from blockloop.data.packages import cache_dir
 from blockloop.data.tasks.base import IGNORE_INDEX, NO_LABEL, SPLITS, Task, TaskStream, TaskVocab, split_seed
 from blockloop.data.tasks.registry import get_task
@@ -73,7 +73,7 @@ def write_task(
     out_dir = Path(out_dir)
     if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
         raise BlockloopError(f"{out_dir} already exists and is not empty; choose another directory or delete it")
-    bar = tqdm(total=sum(sizes), desc=f"generating {task.name}", unit="seq", delay=1.0, disable=not show_progress)
+    bar = progress.bar(total=sum(sizes), desc=f"generating {task.name}", unit="seq", delay=1.0, disable=not show_progress)
     with bar:
         streams = generate_splits(task, seed=seed, sizes=sizes, progress=bar.update)
     meta = {

@@ -6,6 +6,7 @@ registers its runner class here.
 
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 from torch import nn
@@ -17,6 +18,7 @@ from blockloop.serve.runners.decoder import DecoderRunner
 from blockloop.serve.runners.double_decoder import DoubleDecoderRunner
 from blockloop.serve.runners.encoder_decoder import EncoderDecoderRunner
 from blockloop.serve.runners.recursive import ExitRule, RecursiveRunner
+from blockloop.serve.runners.speculative import Speculation
 from blockloop.serve.runners.staircase import StaircaseRunner
 
 RUNNERS: dict[str, type[Runner]] = {
@@ -32,11 +34,17 @@ RUNNERS: dict[str, type[Runner]] = {
 
 def runner_for(model: nn.Module, **options: Any) -> Runner:
     """The runner serving ``model``'s family; ``options`` go to its constructor (a recursive model's
-    ``exit_rule``, a double decoder's cached ``prefix``)."""
+    ``exit_rule`` or ``speculation``, a double decoder's cached ``prefix``); an option left ``None`` is
+    dropped, so callers (the CLI, a server) may pass every option they know to any family."""
     family = model.config.family
     if family not in RUNNERS:
         raise BlockloopError(f"no serving runner for the {family!r} family; register one in blockloop.serve.runners.RUNNERS")
-    return RUNNERS[family](model, **options)
+    known = inspect.signature(RUNNERS[family]).parameters
+    unknown = sorted(name for name, value in options.items() if value is not None and name not in known)
+    if unknown:
+        raise BlockloopError(f"the {family} family's runner has no option {', '.join(unknown)} (a looped model's has "
+                             "exit_rule and speculation); drop it or serve a model that supports it")
+    return RUNNERS[family](model, **{name: value for name, value in options.items() if name in known})
 
 
-__all__ = ["RUNNERS", "ExitRule", "Runner", "runner_for"]
+__all__ = ["RUNNERS", "ExitRule", "Runner", "Speculation", "runner_for"]

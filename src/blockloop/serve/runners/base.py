@@ -10,8 +10,28 @@ one slot at a time (``per_slot = False``) is given a static batch through :meth:
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from typing import NamedTuple
 
 from torch import Tensor, nn
+
+from blockloop.errors import BlockloopError
+from blockloop.serve.requests import SamplingParams
+from blockloop.serve.sampling import SlotSampling
+
+
+class StepOutput(NamedTuple):
+    """What :meth:`Runner.decode_step` returns when not every row takes one token from the engine per step.
+
+    ``logits (n_slots, V)``: each row's next-token logits; the engine samples the ``ready`` rows from them
+    and feeds the others -1 next step (a depth-wise row inside a token, a speculative row whose next token
+    the runner holds). ``emitted (n_slots, emits)``: tokens the runner chose itself this step, in order,
+    -1 padded (a speculative row's accepted drafts and corrected token); they follow the token the engine
+    fed the row this step.
+    """
+
+    logits: Tensor
+    ready: Tensor
+    emitted: Tensor | None = None
 
 
 class Runner(ABC):
@@ -23,8 +43,10 @@ class Runner(ABC):
       Transformer's block length);
     * ``admit_every``: requests join only every this many decode steps (a Block Transformer's rows
       share the within-block phase);
-    * ``token_per_step``: False when :meth:`decode_step` returns ``(logits, ready)``: only ``ready`` rows
-      emit a token next step, the others are fed -1 (depth-wise batching);
+    * ``token_per_step``: False when :meth:`decode_step` returns a :class:`StepOutput`: only its ``ready``
+      rows are sampled by the engine next step, the others are fed -1 (depth-wise batching, speculation);
+    * ``emits``: how many tokens per row :meth:`decode_step` may choose itself (``StepOutput.emitted``;
+      speculative decoding: its draft length plus one), 0 when the engine samples every token;
     * ``per_slot``: False when requests can only be served in static batches (:meth:`prefill_batch`);
     * ``reserved``: context every request gives up to something the runner holds (a shared cached prefix).
     """
@@ -35,9 +57,18 @@ class Runner(ABC):
     per_slot: bool = True
     reserved: int = 0
     pad_id: int = 0
+    emits: int = 0
+    sampling: SlotSampling  # the engine's per-slot sampling state, set by the engine (read by runners that emit)
 
     def __init__(self, model: nn.Module) -> None:
         self.model = model
+
+    def check_request(self, sampling: SamplingParams) -> None:
+        """Refuse a request this runner cannot serve as asked (the engine calls it on submit)."""
+        if sampling.speculate:
+            raise BlockloopError(
+                "this runner does not speculate; serve a looped model with runner_for(model, speculation=Speculation(k))"
+            )
 
     @abstractmethod
     def allocate(self, n_slots: int, max_len: int) -> None:
@@ -53,6 +84,6 @@ class Runner(ABC):
         real tokens); next-token logits ``(B, V)``. The lock-step form of :meth:`prefill_slot`."""
 
     @abstractmethod
-    def decode_step(self, tokens: Tensor) -> Tensor | tuple[Tensor, Tensor]:
-        """Feed one token per row ``tokens (n_slots,)``; next-token logits ``(n_slots, V)`` (or, without
-        ``token_per_step``, those and the ``(n_slots,)`` rows ready to emit)."""
+    def decode_step(self, tokens: Tensor) -> Tensor | StepOutput:
+        """Feed one token per row ``tokens (n_slots,)`` (-1: none); next-token logits ``(n_slots, V)`` (or,
+        without ``token_per_step``, a :class:`StepOutput`)."""

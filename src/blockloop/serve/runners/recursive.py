@@ -25,6 +25,10 @@ sequence-wise one, the paper's simulated speedup.
 
 The engine drives this runner like any other: depth-wise, ``decode_step`` returns ``(logits, ready)``,
 and the engine samples only rows that are ``ready`` (token -1 for the others).
+
+With ``speculation`` (:mod:`blockloop.serve.runners.speculative`) the runner is sequence-wise but each step
+is a self-speculative round: draft with the first loops, verify with the others in one pass, emit 1 .. k + 1
+tokens per row, exactly the full model's output.
 """
 
 from __future__ import annotations
@@ -37,7 +41,10 @@ from torch import Tensor, nn
 from blockloop.errors import BlockloopError, check_context
 from blockloop.models.recursive import RecursiveDecoder
 from blockloop.nn.kv_cache import DecoderCache, KVCache, StepContext
+from blockloop.serve.requests import SamplingParams
+from blockloop.serve.runners.base import StepOutput
 from blockloop.serve.runners.decoder import DecoderRunner, DecodeState
+from blockloop.serve.runners.speculative import Speculation, Speculator
 
 EXIT_RULES = ("none", "max_prob", "entropy", "oracle")
 
@@ -129,14 +136,22 @@ class DepthwiseState:
 class RecursiveRunner(DecoderRunner):
     """Serves a :class:`~blockloop.models.recursive.RecursiveDecoder`: sequence-wise without ``exit_rule``
     (every token runs every loop before the next), depth-wise with one (CYCLE tying: one loop per decode
-    step, rows at their own loops, leaving by the rule)."""
+    step, rows at their own loops, leaving by the rule), or self-speculatively with ``speculation``."""
 
     model: RecursiveDecoder
 
-    def __init__(self, model: RecursiveDecoder, exit_rule: ExitRule | None = None) -> None:
+    def __init__(
+        self, model: RecursiveDecoder, exit_rule: ExitRule | None = None, speculation: Speculation | None = None
+    ) -> None:
         super().__init__(model)
         self.config = model.config
         self.exit_rule = exit_rule
+        self.speculator = None if speculation is None else Speculator(model, speculation)
+        if speculation is not None:
+            if exit_rule is not None:
+                raise BlockloopError("choose early exit (exit_rule) or speculation, not both: they are two decode modes")
+            self.token_per_step = False  # speculating rows emit their own tokens (see the engine)
+            self.emits = speculation.k + 1
         if exit_rule is not None:
             if model.config.tying != "cycle":
                 raise BlockloopError(
@@ -145,6 +160,8 @@ class RecursiveRunner(DecoderRunner):
             self.token_per_step = False  # rows emit a token only when they leave a loop (see the engine)
 
     def allocate(self, n_slots: int, max_len: int) -> None:
+        if self.speculator is not None:
+            self.speculator.allocate(n_slots, max_len)
         if self.exit_rule is None:
             return super().allocate(n_slots, max_len)
         c, weight = self.config, self.model.embed.weight
@@ -157,13 +174,30 @@ class RecursiveRunner(DecoderRunner):
                                     torch.zeros(c.loops, dtype=torch.long, device=weight.device),
                                     zeros.new_zeros(n_slots, c.loops), zeros.new_zeros(n_slots, max_len))
 
-    def decode_step(self, tokens: Tensor) -> Tensor | tuple[Tensor, Tensor]:
+    def prefill_slot(self, slot: int, prompt: Tensor) -> Tensor:
+        if self.speculator is not None:
+            self.speculator.start(slot)
+        return super().prefill_slot(slot, prompt)
+
+    def prefill_batch(self, idx: Tensor, token_valid: Tensor) -> Tensor:
+        if self.speculator is not None:
+            self.speculator.start(slice(0, len(idx)))
+        return super().prefill_batch(idx, token_valid)
+
+    def check_request(self, sampling: SamplingParams) -> None:
+        if self.speculator is None:
+            return super().check_request(sampling)
+        self.speculator.check(sampling)
+
+    def decode_step(self, tokens: Tensor) -> Tensor | StepOutput:
+        if self.speculator is not None:
+            return self.speculator.step(self.state, tokens, self.sampling)
         if self.exit_rule is None:
             return super().decode_step(tokens)
         return self._depthwise_step(tokens)
 
     @torch.no_grad()
-    def _depthwise_step(self, tokens: Tensor) -> tuple[Tensor, Tensor]:
+    def _depthwise_step(self, tokens: Tensor) -> StepOutput:
         """One loop for every row. ``tokens`` holds a new token for rows that emitted one (they start loop
         0 at their next slot) and -1 for rows still inside a token. Returns every row's exit logits and
         which rows are ready to emit."""
@@ -191,7 +225,7 @@ class RecursiveRunner(DecoderRunner):
         rows = torch.arange(len(slot), device=slot.device)
         state.exit_log[rows, slot] = torch.where(ready, exit_loop + 1, state.exit_log[rows, slot])
         state.hidden, state.loop, state.slot, state.position = x, loop + 1, slot, position
-        return logits, ready
+        return StepOutput(logits, ready)
 
     def _oracle_exit(self, state: DepthwiseState, logits: Tensor, loop: Tensor) -> Tensor:
         """Record each row's greedy prediction after ``loop``; for rows that just ran the last loop, the

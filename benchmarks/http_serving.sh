@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# The same seeded request stream served in process (`bench --stream`) and over HTTP (`serve` + `bench --url`) on
+# one checkpoint, in two alternating rounds: what HTTP adds (benchmarks/results/http_serving_cpu.md). One torch
+# thread on both sides: on a shared 2-core box two OpenMP threads stall each other when the cores are taken.
+set -euo pipefail
+RUN=${RUN:-runs/http-bench}
+REC=${REC:-benchmarks/results/http_serving_cpu.jsonl}
+PORT=${PORT:-8012}
+ENGINE=(--slots 8 --sync-every 8 --threads 1)
+STREAM=(--requests 64 --rate 4 --prompt-range 16,64 --tokens-range 16,64 --seed 0)
+[ -f "$RUN/checkpoints/latest" ] || .venv/bin/blockloop train --preset demo --steps 20 --out "$RUN" --no-progress
+.venv/bin/blockloop serve --checkpoint "$RUN" --port "$PORT" "${ENGINE[@]}" --log-level warning &
+SERVER=$!
+trap 'kill $SERVER' EXIT
+for _ in $(seq 120); do curl -sf "http://127.0.0.1:$PORT/health" >/dev/null && break; sleep 1; done
+for round in 1 2; do
+  echo "round $round: in process"
+  .venv/bin/blockloop bench --stream --checkpoint "$RUN" "${ENGINE[@]}" "${STREAM[@]}" --record "$REC"
+  echo "round $round: over HTTP"
+  .venv/bin/blockloop bench --url "http://127.0.0.1:$PORT" "${STREAM[@]}" --record "$REC"
+done

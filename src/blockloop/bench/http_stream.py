@@ -1,0 +1,77 @@
+"""The request-stream benchmark over HTTP (``blockloop bench --url``), like ``vllm bench serve``: the requests of
+:func:`~blockloop.bench.stream.run_stream` (the same corpus prompts as token ids, the same Poisson arrivals and
+token budgets for the same seed, greedy, EOS ignored) sent to a running ``blockloop serve`` as streamed
+``/v1/completions``, each token's arrival taken from its server-sent event on the client. The statistics are
+:func:`~blockloop.bench.metrics.serving_metrics`', so the in-process and HTTP figures differ only by what HTTP adds.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from typing import Any
+
+import httpx
+
+from blockloop.bench.metrics import Timing, serving_metrics
+from blockloop.bench.stream import corpus_prompts, schedule
+from blockloop.errors import BlockloopError
+
+
+def model_card(url: str) -> dict[str, Any]:
+    """The served model's entry of ``GET /v1/models`` (its id, and the vocabulary the prompts are cut for)."""
+    try:
+        cards = httpx.get(url.rstrip("/") + "/v1/models", timeout=30).raise_for_status().json()["data"]
+    except (httpx.HTTPError, KeyError, ValueError) as exc:
+        raise BlockloopError(f"no OpenAI-compatible server answers at {url} ({exc}); start `blockloop serve` first") from None
+    if not cards or "vocab_size" not in cards[0]:
+        raise BlockloopError(f"the server at {url} does not report its vocab_size; bench --url drives `blockloop serve`")
+    return cards[0]
+
+
+def run_http_stream(
+    url: str, *, requests: int, rate: float, prompt_range: tuple[int, int], tokens_range: tuple[int, int],
+    corpus: str = "shakespeare", seed: int = 0,
+) -> dict[str, Any]:
+    """Send the stream to ``url`` and measure it: TTFT, TPOT, ITL and E2E percentiles, tokens/s and requests/s."""
+    if requests < 1:
+        raise BlockloopError(f"--requests must be >= 1, got {requests}")
+    card = model_card(url)
+    prompts = corpus_prompts(card["vocab_size"], requests, *prompt_range, corpus=corpus, seed=seed)
+    offsets, budgets = schedule(requests, rate, *tokens_range, seed=seed)
+    timings = asyncio.run(_send_all(url.rstrip("/"), card["id"], prompts, offsets.tolist(), budgets.tolist()))
+    metrics = serving_metrics(timings)
+    metrics.update(url=url, model=card["id"], rate=rate, requests_per_s=requests / metrics["duration_s"])
+    return metrics
+
+
+async def _send_all(url: str, model: str, prompts: list[list[int]], offsets: list[float], budgets: list[int]) -> list[Timing]:
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    async with httpx.AsyncClient(base_url=url, timeout=None, limits=limits) as client:
+        start = time.perf_counter()
+        return await asyncio.gather(*(_one(client, model, p, n, start + t) for p, n, t in zip(prompts, budgets, offsets)))
+
+
+async def _one(client: httpx.AsyncClient, model: str, prompt: list[int], max_tokens: int, arrival: float) -> Timing:
+    """One streamed request sent at ``arrival``; the time each token's event reached the client."""
+    await asyncio.sleep(max(0.0, arrival - time.perf_counter()))
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
+            "stream": True, "stream_options": {"include_usage": True}}
+    times: list[float] = []
+    usage: dict[str, int] = {}
+    async with client.stream("POST", "/v1/completions", json=body) as reply:
+        if reply.status_code != 200:
+            raise BlockloopError(f"the server answered {reply.status_code}: {(await reply.aread()).decode()[:300]}")
+        async for line in reply.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            if "error" in chunk:
+                raise BlockloopError(f"the server failed a request: {chunk['error']['message']}")
+            if chunk["choices"] and chunk["choices"][0]["finish_reason"] is None:
+                times.append(time.perf_counter())
+            usage = chunk.get("usage") or usage
+    if usage.get("completion_tokens") != len(times):
+        raise BlockloopError(f"counted {len(times)} token events but the server reports {usage}; is this blockloop serve?")
+    return Timing(arrival, times)

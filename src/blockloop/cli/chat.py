@@ -1,0 +1,75 @@
+"""``blockloop chat``: talk to a checkpoint in the terminal, answers streamed as they are generated."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+from blockloop.cli.common import add_device
+from blockloop.cli.serve import add_engine_arguments, load
+
+if TYPE_CHECKING:
+    from blockloop.serve.http.chat import ChatSession
+
+HELP = "chat with a checkpoint in the terminal"
+DESCRIPTION = ("An interactive chat on the serving engine: answers stream as they are generated, the history is "
+               "trimmed to the model context, /reset starts over, /quit (or Ctrl-D) leaves, and Ctrl-C stops the "
+               "current answer. Chats use the checkpoint's chat template, or a plain User:/Assistant: one.")
+COMMANDS_HELP = "/reset forgets the conversation, /quit leaves; Ctrl-C stops an answer"
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--checkpoint", required=True, help="run directory or checkpoint directory")
+    p.add_argument("--system", help="a system message that starts every conversation")
+    p.add_argument("--max-new-tokens", type=int, default=256, help="tokens per answer at most (default: 256)")
+    p.add_argument("--temperature", type=float, default=0.8, help="0 = greedy (default: 0.8)")
+    p.add_argument("--top-k", type=int, help="sample only among the k most likely tokens")
+    p.add_argument("--top-p", type=float, help="sample only from the smallest set with this total probability")
+    p.add_argument("--seed", type=int, default=0, help="seed of the first answer; answer i uses seed + i (default: 0)")
+    add_engine_arguments(p, slots=1)
+    add_device(p)
+
+
+def run(args: argparse.Namespace) -> int:
+    from blockloop.serve.http.chat import ChatSession, chat_template_for
+    from blockloop.serve.http.worker import EngineWorker, serving_engine
+    from blockloop.serve.requests import SamplingParams
+
+    trained, options = load(args, n_slots=args.slots)
+    worker = EngineWorker(serving_engine(trained.model, **options))
+    session = ChatSession(worker, trained.tokenizer, chat_template_for(trained.tokenizer, trained.directory),
+                          max_new_tokens=args.max_new_tokens, system=args.system,
+                          sampling=SamplingParams(args.temperature, args.top_k, args.top_p, seed=args.seed))
+    worker.start()
+    try:
+        converse(session, input, sys.stdout.write, interactive=sys.stdin.isatty())
+    finally:
+        worker.close()
+    return 0
+
+
+def converse(session: ChatSession, read: Callable[[str], str], write: Callable[[str], object], *, interactive: bool = True) -> None:
+    """The chat loop: ``read(prompt)`` gives the user's lines (EOFError ends), ``write`` shows the answers."""
+    if interactive:
+        write(f"({COMMANDS_HELP})\n")
+    while True:
+        try:
+            line = read("> " if interactive else "").strip()
+        except EOFError:
+            write("\n" if interactive else "")
+            return
+        except KeyboardInterrupt:  # at the prompt: a new line, not the end
+            write(f"\n({COMMANDS_HELP})\n")
+            continue
+        if line in ("/quit", "/exit"):
+            return
+        if line == "/reset":
+            session.reset()
+            write("(conversation reset)\n")
+            continue
+        if not line:
+            continue
+        answer, reason = session.ask(line, lambda text: (write(text), sys.stdout.flush()))
+        write(" [stopped]\n" if reason == "interrupted" else "\n")

@@ -1,0 +1,74 @@
+"""``blockloop serve``: an OpenAI-compatible HTTP server for a checkpoint (the ``serve`` extra)."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from blockloop.cli.common import add_device
+
+if TYPE_CHECKING:
+    from blockloop.train.run import TrainedModel
+
+HELP = "serve a checkpoint over an OpenAI-compatible HTTP API"
+DESCRIPTION = ("Serve a checkpoint with continuous batching behind /v1/completions, /v1/chat/completions, /v1/models, "
+               "/health and /metrics (Prometheus), for the openai client, curl or `blockloop bench --url`.")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--checkpoint", required=True, help="run directory or checkpoint directory")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
+    p.add_argument("--port", type=int, default=8000, help="port to listen on (default: 8000)")
+    p.add_argument("--name", help="the model name clients send (default: the checkpoint folder's name)")
+    add_engine_arguments(p)
+    p.add_argument("--max-waiting", type=int, default=256,
+                   help="requests that may wait for a slot; past it the server answers 503 (default: 256)")
+    p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
+                   help="uvicorn's log level (default: info, one line per request)")
+    add_device(p)
+
+
+def add_engine_arguments(p: argparse.ArgumentParser, slots: int = 8) -> None:
+    """The engine options ``serve`` and ``chat`` share."""
+    p.add_argument("--slots", type=int, default=slots, help=f"requests decoded together (default: {slots})")
+    p.add_argument("--max-len", type=int, help="tokens per slot, prompt and answer (default: the model context)")
+    p.add_argument("--sync-every", type=int, default=8, help="decode steps between host syncs (default: 8)")
+    p.add_argument("--exit", metavar="RULE:THRESHOLD",
+                   help="looped models only: batch depth-wise and leave the loops early by this rule, e.g. "
+                   "max_prob:0.9 or entropy:2.0 (none:0 batches depth-wise without early exits)")
+    p.add_argument("--compile", action="store_true", help="torch.compile the decode step (CUDA graphs on CUDA)")
+    p.add_argument("--threads", type=int, help="CPU threads for torch (default: torch's own; 1 is steadier on a shared box)")
+
+
+def run(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from blockloop.serve.http.app import app_for
+
+    trained, options = load(args, n_slots=args.slots)
+    name = args.name or Path(args.checkpoint).resolve().name
+    app = app_for(trained.model, trained.tokenizer, name=name, directory=trained.directory,
+                  max_waiting=args.max_waiting, **options)
+    print(f"serving {name} ({trained.config.family}, {args.slots} slots) at http://{args.host}:{args.port}/v1")
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+    return 0
+
+
+def load(args: argparse.Namespace, n_slots: int) -> tuple[TrainedModel, dict[str, Any]]:
+    """The checkpoint and the engine options the flags ask for (shared with ``blockloop chat``)."""
+    import torch
+
+    from blockloop.bench.suite import parse_exit_rule
+    from blockloop.device import resolve_device
+    from blockloop.errors import BlockloopError
+    from blockloop.train.run import load_trained
+
+    if args.threads is not None:
+        if args.threads < 1:
+            raise BlockloopError(f"--threads must be >= 1, got {args.threads}")
+        torch.set_num_threads(args.threads)  # before the engine thread starts: it inherits the setting
+    exit_rule = parse_exit_rule(args.exit) if args.exit else None
+    trained = load_trained(args.checkpoint, resolve_device(args.device))
+    return trained, dict(n_slots=n_slots, max_len=args.max_len, sync_every=args.sync_every, exit_rule=exit_rule,
+                         compile=args.compile)

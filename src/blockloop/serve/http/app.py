@@ -1,0 +1,218 @@
+"""The OpenAI-compatible HTTP API over one engine: ``/v1/models``, ``/v1/completions``, ``/v1/chat/completions``,
+``/health`` and ``/metrics`` (FastAPI; run it with uvicorn, as ``blockloop serve`` does).
+
+Handlers only check, enqueue and stream: each request becomes a :class:`~blockloop.serve.http.worker.Job`
+whose events come back from the engine thread into an asyncio queue (``loop.call_soon_threadsafe``). A
+streamed answer is server-sent events, one chunk per token and ``data: [DONE]`` at the end; a client that
+goes away mid-stream cancels its job, and the engine frees the slot at the next window. Every error is an
+OpenAI-style JSON object (``{"error": {"message", "type", "param", "code"}}``) with a 4xx status, or 503
+with ``Retry-After`` when the waiting queue is full.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import secrets
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException
+from torch import nn
+
+from blockloop.data.tokenizers import Tokenizer
+from blockloop.errors import BlockloopError
+from blockloop.serve.http.chat import ChatTemplate, chat_template_for
+from blockloop.serve.http.metrics import CONTENT_TYPE, ServerMetrics
+from blockloop.serve.http.protocol import ApiError, ChatRequest, CompletionRequest, Reply, Sampling, parse
+from blockloop.serve.http.text import TextStream
+from blockloop.serve.http.worker import EngineWorker, Event, Job, QueueFull, serving_engine
+from blockloop.serve.requests import SamplingParams
+from blockloop.serve.runners import ExitRule
+
+DEFAULT_COMPLETION_TOKENS = 16  # the OpenAI default for /v1/completions; chat answers may fill the context
+RETRY_AFTER_S = 1
+
+
+@dataclass
+class ServedModel:
+    """What the API serves: the model's public name, its tokenizer and chat template, and the engine's worker."""
+
+    name: str
+    tokenizer: Tokenizer
+    template: ChatTemplate
+    worker: EngineWorker
+
+
+def create_app(served: ServedModel) -> FastAPI:
+    """The API for ``served``; the app starts the worker's thread on startup and stops it on shutdown."""
+    metrics = ServerMetrics(served.worker)
+    engine, tokenizer = served.worker.engine, served.tokenizer
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        served.worker.start()
+        yield
+        served.worker.close()
+
+    app = FastAPI(title="blockloop", lifespan=lifespan)
+    app.state.served, app.state.metrics = served, metrics
+
+    @app.exception_handler(ApiError)
+    async def api_error(request: Request, exc: ApiError) -> JSONResponse:
+        return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
+
+    @app.exception_handler(HTTPException)
+    async def http_error(request: Request, exc: HTTPException) -> JSONResponse:
+        code = "not_found" if exc.status_code == 404 else "method_not_allowed" if exc.status_code == 405 else None
+        return JSONResponse(ApiError(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}",
+                                     code=code).body(), status_code=exc.status_code, headers=exc.headers)
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        ok = served.worker.healthy
+        return JSONResponse({"status": "ok" if ok else "engine stopped"}, status_code=200 if ok else 503)
+
+    @app.get("/metrics")
+    async def prometheus() -> Response:
+        return Response(metrics.exposition(), media_type=CONTENT_TYPE)
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        card = {"id": served.name, "object": "model", "created": int(time.time()), "owned_by": "blockloop",
+                "max_model_len": engine.max_len, "vocab_size": engine.vocab_size}
+        return {"object": "list", "data": [card]}
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        params = parse(CompletionRequest, await _body(request))
+        _check_model(params)
+        if isinstance(params.prompt, str):
+            prompt = tokenizer.encode(params.prompt)
+        else:
+            prompt = params.prompt
+            if not all(0 <= t < engine.vocab_size for t in prompt):
+                raise ApiError(400, f"prompt token ids must lie in [0, {engine.vocab_size})", param="prompt")
+        return await _serve(params, prompt, "prompt", params.max_tokens, TextStream(tokenizer, params.stops()),
+                            Reply(False, served.name))
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        params = parse(ChatRequest, await _body(request))
+        _check_model(params)
+        try:
+            text = served.template.render([{"role": m.role, "content": m.content} for m in params.messages])
+        except BlockloopError as exc:
+            raise ApiError(400, str(exc), param="messages") from None
+        stream = TextStream(tokenizer, params.stops() + served.template.stop, served.template.stop_ids)
+        return await _serve(params, tokenizer.encode(text), "messages", params.token_limit(), stream,
+                            Reply(True, served.name))
+
+    def _check_model(params: Sampling) -> None:
+        if params.model != served.name:
+            raise ApiError(404, f"model {params.model!r} does not exist; this server serves {served.name!r}",
+                           param="model", code="model_not_found")
+
+    async def _serve(params: Sampling, prompt: list[int], field: str, max_tokens: int | None, text: TextStream,
+                     reply: Reply) -> Response:
+        room = engine.room(len(prompt))
+        if room < 1:
+            raise ApiError(400, f"{field} of {len(prompt)} tokens leaves no room for an answer in the model context "
+                           f"of {engine.max_len} tokens; shorten it", param=field, code="context_length_exceeded")
+        name = "max_completion_tokens" if getattr(params, "max_completion_tokens", None) is not None else "max_tokens"
+        if max_tokens is not None and max_tokens > room:
+            raise ApiError(400, f"{name} of {max_tokens} is more than the {room} tokens the model context leaves "
+                           f"after this {len(prompt)}-token {field}; lower it", param=name,
+                           code="context_length_exceeded")
+        if max_tokens is None:
+            max_tokens = room if reply.chat else min(DEFAULT_COMPLETION_TOKENS, room)
+        loop, events = asyncio.get_running_loop(), asyncio.Queue()
+
+        def deliver(event: Event) -> None:  # on the engine thread
+            try:
+                loop.call_soon_threadsafe(events.put_nowait, event)
+            except RuntimeError:  # the event loop has closed (server shutting down)
+                pass
+
+        sampling = SamplingParams(params.temperature, params.top_k if params.top_k and params.top_k > 0 else None,
+                                  params.top_p, seed=params.seed if params.seed is not None else secrets.randbits(31))
+        job = Job(prompt, max_tokens, sampling, text, deliver,
+                  eos_id=None if params.ignore_eos else tokenizer.eos_id)
+        try:
+            served.worker.submit(job)
+        except QueueFull as exc:
+            metrics.rejected.inc()
+            raise ApiError(503, str(exc), kind="server_error", code="queue_full",
+                           headers={"Retry-After": str(RETRY_AFTER_S)}) from None
+        except BlockloopError as exc:
+            raise ApiError(503, str(exc), kind="server_error") from None
+        if params.stream:
+            usage = params.stream_options is not None and params.stream_options.include_usage
+            return StreamingResponse(_stream(job, events, reply, usage), media_type="text/event-stream")
+        pieces: list[str] = []
+        event = Event([])
+        try:
+            while event.finish_reason is None:
+                event = await events.get()
+                pieces += event.pieces
+        finally:
+            if event.finish_reason is None:  # the handler was cancelled
+                served.worker.cancel(job)
+        if event.finish_reason == "error":
+            raise ApiError(500, f"generation failed: {event.tail}", kind="server_error")
+        return JSONResponse(reply.completion("".join(pieces) + event.tail, event.finish_reason,
+                                             event.prompt_tokens, event.completion_tokens))
+
+    async def _stream(job: Job, events: asyncio.Queue, reply: Reply, usage: bool) -> AsyncIterator[str]:
+        """Server-sent events of one job; leaving early (the client went away) cancels it."""
+        done = False
+        try:
+            if reply.chat:
+                yield _sse(reply.chunk("", first=True))
+            while not done:
+                event = await events.get()
+                out = [_sse(reply.chunk(piece)) for piece in event.pieces]
+                if event.finish_reason == "error":
+                    out.append(_sse(ApiError(500, f"generation failed: {event.tail}", kind="server_error").body()))
+                elif event.finish_reason is not None:
+                    out.append(_sse(reply.chunk(event.tail, event.finish_reason)))
+                    if usage:
+                        out.append(_sse(reply.usage_chunk(event.prompt_tokens, event.completion_tokens)))
+                done = event.finish_reason is not None
+                if done:
+                    out.append("data: [DONE]\n\n")
+                yield "".join(out)
+        finally:
+            if not done:
+                served.worker.cancel(job)
+
+    return app
+
+
+async def _body(request: Request) -> Any:
+    try:
+        return json.loads(await request.body())
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ApiError(400, f"the request body is not valid JSON ({exc})") from None
+
+
+def _sse(data: dict[str, Any]) -> str:
+    return f"data: {json.dumps(data, ensure_ascii=False)}\n\n"
+
+
+def app_for(
+    model: nn.Module, tokenizer: Tokenizer, *, name: str, directory: Path | None = None, n_slots: int = 8,
+    max_len: int | None = None, sync_every: int = 8, exit_rule: ExitRule | None = None, max_waiting: int = 256,
+    compile: bool = False,
+) -> FastAPI:
+    """The API serving ``model`` (a checkpoint's model, tokenizer and folder, as ``blockloop serve`` loads them)."""
+    engine = serving_engine(model, n_slots, max_len=max_len, sync_every=sync_every, exit_rule=exit_rule,
+                            compile=compile)
+    worker = EngineWorker(engine, max_waiting=max_waiting)
+    return create_app(ServedModel(name, tokenizer, chat_template_for(tokenizer, directory), worker))

@@ -1,0 +1,187 @@
+"""Chat prompts: messages -> prompt text through a chat template, a history kept within the context, and the
+terminal chat's conversation on an engine thread (:class:`ChatSession`).
+
+Where the template comes from, first found wins:
+
+1. the checkpoint folder's ``chat_template.jinja``, or the ``chat_template`` of its ``tokenizer_config.json``
+   (the Hugging Face layout, for a run converted from a model that has one);
+2. a checkpoint whose tokenizer is SmolLM2's (``smollm2``): SmolLM2-Instruct's own template, read by
+   ``transformers`` from the GGUF it came from (the ``hf`` extra) and cached;
+3. the plain template, for models trained here on raw text::
+
+       System: {system message}
+
+       User: {user message}
+
+       Assistant: {assistant message}
+
+       User: ...
+
+       Assistant:
+
+   with ``"\\nUser:"`` as a stop string, so a model that goes on to write the user's next turn stops there.
+
+A Jinja template is rendered like ``transformers``' ``apply_chat_template`` (sandboxed, ``trim_blocks``,
+``lstrip_blocks``, ``add_generation_prompt=True``). Its end-of-turn token (``<|im_end|>``, ``<|eot_id|>``,
+``<end_of_turn>`` or ``</s>``, whichever the template writes and the tokenizer has as one special id) stops
+generation like the end-of-text token.
+"""
+
+from __future__ import annotations
+
+import json
+import queue
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from blockloop.data.packages import cache_dir
+from blockloop.data.tokenizers import Tokenizer
+from blockloop.errors import BlockloopError
+from blockloop.files import atomic_write_text
+from blockloop.serve.http.text import TextStream
+from blockloop.serve.http.worker import EngineWorker, Event, Job
+from blockloop.serve.requests import SamplingParams
+
+ROLES = ("system", "developer", "user", "assistant")  # "developer" is OpenAI's newer name for system
+END_OF_TURN = ("<|im_end|>", "<|eot_id|>", "<end_of_turn>", "</s>")
+PLAIN_NAMES = {"system": "System", "developer": "System", "user": "User", "assistant": "Assistant"}
+Message = dict[str, str]
+
+
+@dataclass
+class ChatTemplate:
+    """Renders a conversation into the prompt text the model continues with the assistant's answer."""
+
+    source: str | None = None  # Jinja text; None = the plain template
+    stop: list[str] = field(default_factory=list)  # stop strings every chat request gets
+    stop_ids: list[int] = field(default_factory=list)  # end-of-turn token ids
+
+    def render(self, messages: list[Message]) -> str:
+        if self.source is None:
+            turns = "".join(f"{PLAIN_NAMES[m['role']]}: {m['content']}\n\n" for m in messages)
+            return turns + "Assistant:"
+        from jinja2.ext import loopcontrols  # a dependency of torch
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+        def raise_exception(message: str) -> None:
+            raise BlockloopError(f"the chat template refused the messages: {message}")
+
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
+        env.globals["raise_exception"] = raise_exception
+        return env.from_string(self.source).render(messages=messages, add_generation_prompt=True)
+
+
+def plain_template() -> ChatTemplate:
+    return ChatTemplate(None, stop=["\nUser:"])
+
+
+def jinja_template(source: str, tokenizer: Tokenizer) -> ChatTemplate:
+    """A Jinja chat template; its end-of-turn tokens that ``tokenizer`` has as single special ids stop generation."""
+    ids = []
+    for marker in END_OF_TURN:
+        encoded = tokenizer.encode(marker) if marker in source else []
+        if len(encoded) == 1 and tokenizer.decode(encoded) == "":  # one special id, not plain text
+            ids.append(encoded[0])
+    return ChatTemplate(source, stop_ids=ids)
+
+
+def chat_template_for(tokenizer: Tokenizer, directory: Path | None = None) -> ChatTemplate:
+    """The template a checkpoint's chats use (see the module docstring for the order)."""
+    if directory is not None:
+        if (directory / "chat_template.jinja").is_file():
+            return jinja_template((directory / "chat_template.jinja").read_text(encoding="utf-8"), tokenizer)
+        config = directory / "tokenizer_config.json"
+        if config.is_file():
+            source = json.loads(config.read_text(encoding="utf-8")).get("chat_template")
+            if isinstance(source, str):
+                return jinja_template(source, tokenizer)
+    if tokenizer.name == "smollm2":
+        return jinja_template(smollm2_chat_template(), tokenizer)
+    return plain_template()
+
+
+def smollm2_chat_template() -> str:
+    """SmolLM2-Instruct's chat template, read once by ``transformers`` from the GGUF and cached as text."""
+    target = cache_dir() / "tokenizers" / "smollm2" / "chat_template.jinja"
+    if not target.is_file():
+        from transformers import AutoTokenizer  # optional dependency (the hf extra): imported when used
+
+        from blockloop.data.pretrained import SMOLLM2_GGUF, quiet_transformers, smollm2_files
+
+        with quiet_transformers():
+            tokenizer = AutoTokenizer.from_pretrained(smollm2_files(), gguf_file=SMOLLM2_GGUF, local_files_only=True)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write_text(target, tokenizer.chat_template)
+    return target.read_text(encoding="utf-8")
+
+
+def trim_history(messages: list[Message], fits: Callable[[list[Message]], bool]) -> list[Message]:
+    """The longest recent part of a conversation that ``fits``: system messages stay, the oldest other turns go
+    first. Raises when even the last message alone does not fit."""
+    system = [m for m in messages if m["role"] in ("system", "developer")]
+    turns = [m for m in messages if m["role"] not in ("system", "developer")]
+    for start in range(len(turns)):
+        kept = system + turns[start:]
+        if fits(kept):
+            return kept
+    raise BlockloopError("the last message alone does not fit the model context; write a shorter one or /reset")
+
+
+class ChatSession:
+    """A conversation with the model behind ``worker``: each answer is streamed, the history is trimmed to leave
+    room for an answer of ``max_new_tokens`` (or half the context, if less), and answer ``i`` samples with seed
+    ``seed + i`` so a seeded conversation replays exactly."""
+
+    def __init__(self, worker: EngineWorker, tokenizer: Tokenizer, template: ChatTemplate, *, max_new_tokens: int = 256,
+                 sampling: SamplingParams = SamplingParams(), system: str | None = None) -> None:
+        if max_new_tokens < 1:
+            raise BlockloopError(f"--max-new-tokens must be at least 1, got {max_new_tokens}")
+        self.worker, self.tokenizer, self.template = worker, tokenizer, template
+        self.max_new_tokens, self.sampling, self.system = max_new_tokens, sampling, system
+        self.reset()
+
+    def reset(self) -> None:
+        self.history: list[Message] = [{"role": "system", "content": self.system}] if self.system else []
+        self.turns = 0
+
+    def prompt(self, messages: list[Message]) -> list[int]:
+        return self.tokenizer.encode(self.template.render(messages))
+
+    def ask(self, text: str, on_text: Callable[[str], None]) -> tuple[str, str]:
+        """Answer ``text``, passing each new piece of text to ``on_text``; returns the answer and why it ended
+        (``stop``, ``length``, or ``interrupted`` when Ctrl-C stopped it: the partial answer is kept)."""
+        engine = self.worker.engine
+        wanted = min(self.max_new_tokens, engine.max_len // 2)
+        messages = [*self.history, {"role": "user", "content": text}]
+        try:
+            messages = trim_history(messages, lambda m: engine.room(len(self.prompt(m))) >= wanted)
+        except BlockloopError:  # a long message: answer in whatever room is left
+            messages = trim_history(messages, lambda m: engine.room(len(self.prompt(m))) >= 1)
+        prompt = self.prompt(messages)
+        s = self.sampling
+        events: queue.Queue[Event] = queue.Queue()
+        job = Job(prompt, min(self.max_new_tokens, engine.room(len(prompt))),
+                  SamplingParams(s.temperature, s.top_k, s.top_p, seed=s.seed + self.turns),
+                  TextStream(self.tokenizer, self.template.stop, self.template.stop_ids), events.put,
+                  eos_id=self.tokenizer.eos_id)
+        self.worker.submit(job)
+        pieces: list[str] = []
+        reason = None
+        try:
+            while reason is None:
+                event = events.get()
+                reason = event.finish_reason
+                if reason == "error":
+                    raise BlockloopError(f"generation failed: {event.tail}")
+                new = "".join(event.pieces) + event.tail
+                pieces.append(new)
+                if new:
+                    on_text(new)
+        except KeyboardInterrupt:
+            self.worker.cancel(job)
+            reason = "interrupted"
+        answer = "".join(pieces)
+        self.history = [*messages, {"role": "assistant", "content": answer.strip()}]
+        self.turns += 1
+        return answer, reason

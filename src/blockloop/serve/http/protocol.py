@@ -1,0 +1,194 @@
+"""The OpenAI request and response shapes the server speaks, and the checks that turn bad input into errors.
+
+Requests are validated strictly (a ``"10"`` is not an integer, ``1.5`` not a token count) so every mistake
+comes back as an OpenAI-style error object naming the field (``param``), with a 4xx status, instead of a
+guess. Fields of the API that blockloop does not implement (log-probabilities, penalties, echo, tools, more
+than one choice) are refused by name rather than silently ignored. ``ignore_eos`` (as in vLLM) keeps
+generating past the end-of-text token, for benchmarks.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+# Fields of the OpenAI API this server does not implement, and the values that mean "not used".
+UNSUPPORTED: dict[str, tuple[Any, ...]] = {
+    "echo": (False,), "logprobs": (None, False, 0), "top_logprobs": (None, 0), "suffix": (None, ""),
+    "best_of": (None, 1), "presence_penalty": (None, 0), "frequency_penalty": (None, 0), "logit_bias": (None, {}),
+    "tools": (None, []), "tool_choice": (None, "none"), "functions": (None, []), "response_format": (None, {"type": "text"}),
+}
+MAX_STOP = 4
+
+
+class ApiError(Exception):
+    """An error response: HTTP ``status`` and the OpenAI error object's fields."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, kind: str = "invalid_request_error",
+                 code: str | None = None, headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.param, self.kind, self.code = status, message, param, kind, code
+        self.headers = headers or {}
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(strict=True, extra="forbid")
+    include_usage: bool = False
+
+
+class Sampling(BaseModel):
+    """What completions and chat share."""
+
+    model_config = ConfigDict(strict=True, extra="allow")  # unknown fields are checked against UNSUPPORTED
+
+    model: str
+    max_tokens: int | None = Field(None, ge=1)
+    temperature: float = Field(1.0, ge=0.0, le=2.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: int | None = Field(None, ge=-1)  # -1 or 0: off (as vLLM)
+    seed: int | None = Field(None, ge=-(2**63), le=2**63 - 1)
+    n: int = 1
+    stop: str | list[str] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    ignore_eos: bool = False
+    user: str | None = None
+
+    @field_validator("n")
+    @classmethod
+    def _one_choice(cls, n: int) -> int:
+        if n != 1:
+            raise ValueError(f"only n=1 is supported, got {n}; send separate requests for more choices")
+        return n
+
+    @field_validator("stop")
+    @classmethod
+    def _stops(cls, stop: str | list[str] | None) -> list[str]:
+        stops = [] if stop is None else [stop] if isinstance(stop, str) else stop
+        if len(stops) > MAX_STOP or any(s == "" for s in stops):
+            raise ValueError(f"give at most {MAX_STOP} non-empty stop strings")
+        return stops
+
+    def stops(self) -> list[str]:
+        return list(self.stop or [])
+
+
+class CompletionRequest(Sampling):
+    prompt: Any = Field(...)
+
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _one_prompt(cls, prompt: Any) -> str | list[int]:
+        """A string or a list of token ids; a list holding one of those is the same prompt."""
+        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+            prompt = prompt[0]
+        if isinstance(prompt, str) or (isinstance(prompt, list) and all(type(t) is int for t in prompt)):
+            if len(prompt) == 0:
+                raise ValueError("the prompt is empty; give at least one character or token")
+            return prompt
+        if isinstance(prompt, list) and all(isinstance(p, (str, list)) for p in prompt):
+            raise ValueError("batched prompts are not supported; send one prompt per request")
+        raise ValueError("the prompt must be a string or a list of token ids")
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+    role: Literal["system", "developer", "user", "assistant"]
+    content: Any = Field(...)
+    name: str | None = None
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _text(cls, content: Any) -> str:
+        """A string, or a list of ``{"type": "text", "text": ...}`` parts joined."""
+        if isinstance(content, str):
+            return content
+        if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text"
+                                             and isinstance(p.get("text"), str) for p in content):
+            return "".join(p["text"] for p in content)
+        raise ValueError("content must be a string or a list of text parts ({'type': 'text', 'text': ...})")
+
+
+class ChatRequest(Sampling):
+    messages: list[ChatMessage] = Field(..., min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1)  # the newer name of max_tokens
+
+    def token_limit(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+
+FIELDS = {name for m in (CompletionRequest, ChatRequest, ChatMessage, StreamOptions) for name in m.model_fields}
+
+
+def parse(model: type[Sampling], body: Any) -> Sampling:
+    """Validate a request body, or raise the :class:`ApiError` naming the first bad field."""
+    if not isinstance(body, dict):
+        raise ApiError(400, "the request body must be a JSON object")
+    for name, defaults in UNSUPPORTED.items():
+        if name in body and body[name] not in defaults:
+            raise ApiError(400, f"{name} is not supported by this server; leave it out", param=name)
+    try:
+        return model.model_validate(body)
+    except ValidationError as exc:
+        error = exc.errors()[0]
+        param = _param(error["loc"])
+        raise ApiError(400, f"{param}: {error['msg']}", param=param) from None
+
+
+def _param(loc: tuple[Any, ...]) -> str:
+    """``('messages', 0, 'role')`` -> ``messages[0].role``; stops at pydantic's union-member tags."""
+    text = ""
+    for part in loc:
+        if isinstance(part, int):
+            text += f"[{part}]"
+        elif part in FIELDS:
+            text += f".{part}" if text else part
+        else:
+            break
+    return text or "body"
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+class Reply:
+    """The response objects of one request: whole (``completion``) or streamed (``chunk``)."""
+
+    def __init__(self, chat: bool, model: str) -> None:
+        self.chat, self.model, self.created = chat, model, int(time.time())
+        self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+
+    def _envelope(self, obj: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.model, "choices": choices}
+
+    def completion(self, text: str, finish_reason: str, prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
+        choice: dict[str, Any] = {"index": 0, "logprobs": None, "finish_reason": finish_reason}
+        if self.chat:
+            choice["message"] = {"role": "assistant", "content": text}
+        else:
+            choice["text"] = text
+        body = self._envelope("chat.completion" if self.chat else "text_completion", [choice])
+        body["usage"] = usage(prompt_tokens, completion_tokens)
+        return body
+
+    def chunk(self, text: str, finish_reason: str | None = None, *, first: bool = False) -> dict[str, Any]:
+        choice: dict[str, Any] = {"index": 0, "logprobs": None, "finish_reason": finish_reason}
+        if self.chat:
+            choice["delta"] = ({"role": "assistant"} if first else {}) | ({"content": text} if text or first else {})
+        else:
+            choice["text"] = text
+        return self._envelope("chat.completion.chunk" if self.chat else "text_completion", [choice])
+
+    def usage_chunk(self, prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
+        body = self._envelope("chat.completion.chunk" if self.chat else "text_completion", [])
+        body["usage"] = usage(prompt_tokens, completion_tokens)
+        return body

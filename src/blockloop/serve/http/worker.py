@@ -1,0 +1,229 @@
+"""The engine's own thread, and the bridge between it and the threads (or event loop) that take requests.
+
+The engine is single-threaded: only its thread submits, steps and cancels. Other threads hand it
+:class:`Job` s and cancellations through a queue, which it drains between windows (requests join at window
+boundaries anyway), and get back one :class:`Event` per job and window through the job's ``deliver``
+callback, called on the engine thread: an HTTP handler passes ``loop.call_soon_threadsafe`` into an asyncio
+queue, the terminal chat a plain ``queue.Queue.put``. A token callback turns tokens into text
+(:class:`~blockloop.serve.http.text.TextStream`) and ends its request at a stop string, so the slot frees at
+the same window as on EOS. Requests not yet running are bounded: past ``max_waiting``, :meth:`EngineWorker.submit`
+raises :class:`QueueFull` at once instead of queueing without limit.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from torch import nn
+
+from blockloop.errors import BlockloopError
+from blockloop.serve.engine import Engine
+from blockloop.serve.http.text import TextStream
+from blockloop.serve.requests import Request, RequestStatus, SamplingParams
+from blockloop.serve.runners import RUNNERS, ExitRule, Runner, runner_for
+from blockloop.serve.runners.recursive import RecursiveRunner
+
+log = logging.getLogger(__name__)
+# The engine's finish reasons as the OpenAI API names them: EOS and stop strings are both "stop".
+FINISH_REASONS = {"eos": "stop", "stop": "stop", "length": "length", "abort": "abort"}
+
+
+def serving_engine(
+    model: nn.Module, n_slots: int, *, max_len: int | None = None, sync_every: int = 8,
+    exit_rule: ExitRule | None = None, compile: bool = False,
+) -> Engine:
+    """The engine a server or chat runs: ``model``'s runner over ``n_slots`` slots; with ``exit_rule``, a looped
+    model is batched depth-wise and leaves its loops early by that rule."""
+    options = {}
+    if exit_rule is not None:
+        if not issubclass(RUNNERS.get(model.config.family, Runner), RecursiveRunner):
+            raise BlockloopError(f"--exit applies to looped (recursive) models, not a {model.config.family} model; "
+                                 "leave it out")
+        options["exit_rule"] = exit_rule
+    return Engine(runner_for(model, **options), n_slots, max_len=max_len, sync_every=sync_every, compile=compile)
+
+
+class QueueFull(BlockloopError):
+    """More requests are waiting for a slot than the server holds; the client should retry later."""
+
+
+@dataclass
+class Event:
+    """What one window produced for a job: one text delta per new token, and at the end the finish reason
+    (``stop``, ``length``, ``abort`` or ``error``), the held-back text (for ``error``, the message) and the
+    token counts."""
+
+    pieces: list[str]
+    finish_reason: str | None = None
+    tail: str = ""
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+
+
+@dataclass
+class Job:
+    """One request as the caller gives it; ``deliver`` receives its events on the engine thread."""
+
+    prompt: list[int]
+    max_tokens: int
+    sampling: SamplingParams
+    text: TextStream
+    deliver: Callable[[Event], None]
+    eos_id: int | None = None
+    arrival: float = field(default_factory=time.perf_counter)
+    request: Request | None = None
+    pieces: list[str] = field(default_factory=list)
+    cancelled: bool = False
+
+    def on_token(self, request: Request, token: int) -> None:
+        self.pieces.append(self.text.push(token))
+        if self.text.stopped:
+            request.finish("stop", time.perf_counter())
+
+
+class Observer(Protocol):
+    """Told of every window's new tokens and every finished request, on the engine thread (the metrics)."""
+
+    def on_window(self, new_tokens: int) -> None: ...
+
+    def on_finish(self, request: Request) -> None: ...
+
+
+class EngineWorker:
+    """Runs ``engine`` on its own thread (``start``/``close``); ``submit`` and ``cancel`` from any thread.
+
+    ``observer``, if given, is told of every window and finished request (:class:`Observer`).
+    """
+
+    def __init__(self, engine: Engine, *, max_waiting: int = 256, observer: Observer | None = None) -> None:
+        if max_waiting < 1:  # every request waits, however briefly, until the engine thread admits it
+            raise BlockloopError(f"--max-waiting must be at least 1, got {max_waiting}")
+        self.engine, self.max_waiting, self.observer = engine, max_waiting, observer
+        self.inbox: queue.Queue[tuple[str, Job | None]] = queue.Queue()
+        self.lock = threading.Lock()
+        self.waiting = 0  # submitted jobs whose request is not running yet (guarded by ``lock``)
+        self.unadmitted: list[Job] = []  # those jobs (engine thread only)
+        self.active: list[Job] = []  # jobs the engine holds (engine thread only)
+        self.error: BaseException | None = None
+        self.thread = threading.Thread(target=self._run, name="blockloop-engine", daemon=True)
+
+    # ------------------------------------------------------------- any thread
+    def start(self) -> None:
+        self.thread.start()
+
+    def close(self) -> None:
+        self.inbox.put(("close", None))
+        self.thread.join()
+
+    @property
+    def healthy(self) -> bool:
+        return self.thread.is_alive() and self.error is None
+
+    @property
+    def running(self) -> int:
+        return len(self.engine.scheduler.running)
+
+    def submit(self, job: Job) -> None:
+        """Queue ``job``; :class:`QueueFull` when ``max_waiting`` requests already wait for a slot."""
+        if not self.healthy:
+            raise BlockloopError(f"the engine is not running ({self.error!r}); restart the server")
+        with self.lock:
+            if self.waiting >= self.max_waiting:
+                raise QueueFull(f"{self.waiting} requests are already waiting for a slot; retry shortly")
+            self.waiting += 1
+        self.inbox.put(("submit", job))
+
+    def cancel(self, job: Job) -> None:
+        """Stop ``job`` (its client went away): its slot frees at the next window."""
+        self.inbox.put(("cancel", job))
+
+    # ------------------------------------------------------------- engine thread
+    def _run(self) -> None:
+        while True:
+            if not self._drain(block=self.engine.idle):
+                return
+            if self.engine.idle:
+                continue
+            try:
+                self.engine.step()
+            except Exception as exc:  # noqa: BLE001 - a bug or out of memory: fail the requests, stay up to say so
+                log.exception("the engine failed; failing its requests")
+                self.error = exc
+                self._fail_all()
+                return
+            if self.observer is not None:
+                self.observer.on_window(sum(len(tokens) for _, tokens in self.engine.last_window))
+            self._deliver()
+
+    def _drain(self, block: bool) -> bool:
+        """Take every queued command (waiting for one when ``block``); False once asked to close."""
+        try:
+            command, job = self.inbox.get(block=block)
+        except queue.Empty:
+            return True
+        while True:
+            if command == "close":
+                return False
+            if command == "submit":
+                self._submit(job)
+            elif job.request is not None:
+                self.engine.cancel(job.request)
+            else:
+                job.cancelled = True
+            try:
+                command, job = self.inbox.get_nowait()
+            except queue.Empty:
+                break
+        self._deliver()  # cancellations finish at once
+        return True
+
+    def _submit(self, job: Job) -> None:
+        self.unadmitted.append(job)
+        if job.cancelled:
+            return
+        try:
+            job.request = self.engine.submit(job.prompt, job.max_tokens, sampling=job.sampling, eos_id=job.eos_id,
+                                             on_token=job.on_token)
+        except BlockloopError as exc:  # callers check first (Engine.room); this is the engine's own word
+            job.cancelled = True
+            job.deliver(Event([], finish_reason="error", tail=str(exc)))
+            return
+        job.request.arrival_time = job.arrival  # time in this queue counts in the time to first token
+        self.active.append(job)
+
+    def _deliver(self) -> None:
+        keep = []
+        for job in self.active:
+            request = job.request
+            done = request.finished
+            if job.pieces or done:
+                event = Event(job.pieces, prompt_tokens=len(job.prompt), completion_tokens=len(request.output))
+                job.pieces = []
+                if done:
+                    event.finish_reason = FINISH_REASONS[request.finish_reason]
+                    event.tail = job.text.flush() if request.finish_reason != "abort" else ""
+                    if self.observer is not None:
+                        self.observer.on_finish(request)
+                job.deliver(event)
+            if not done:
+                keep.append(job)
+        self.active = keep
+        self._count_admitted()
+
+    def _count_admitted(self) -> None:
+        still = [j for j in self.unadmitted if not j.cancelled and j.request is not None
+                 and j.request.status is RequestStatus.WAITING]
+        with self.lock:
+            self.waiting -= len(self.unadmitted) - len(still)
+        self.unadmitted = still
+
+    def _fail_all(self) -> None:
+        for job in self.active:
+            job.deliver(Event([], finish_reason="error"))
+        self.active = []

@@ -1,0 +1,87 @@
+"""Where benchmark scripts write and what environment they record: runs/bench/ unless --record, and machine
+text read from the machine, never typed into a script."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from blockloop.bench.records import add_output_arguments, environment, environment_line, output_dir
+from blockloop.errors import BlockloopError
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPTS = sorted((ROOT / "benchmarks").glob("*.py"))
+
+
+def parse(*argv: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    add_output_arguments(parser)
+    return parser.parse_args(argv)
+
+
+def test_output_dir_defaults_to_runs_bench_and_records_only_when_asked(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "benchmarks" / "results").mkdir(parents=True)
+    assert output_dir(parse()) == Path("runs/bench")
+    assert (tmp_path / "runs" / "bench").is_dir()
+    assert output_dir(parse("--record")) == Path("benchmarks/results")
+    assert output_dir(parse("--out-dir", "elsewhere/x")) == Path("elsewhere/x")
+    assert (tmp_path / "elsewhere" / "x").is_dir()
+
+
+def test_out_dir_and_record_exclude_each_other_and_record_needs_the_repository(tmp_path, monkeypatch, capsys):
+    with pytest.raises(SystemExit):
+        parse("--record", "--out-dir", "x")
+    assert "not allowed with" in capsys.readouterr().err
+    monkeypatch.chdir(tmp_path)  # no benchmarks/results/ here: --record must not invent one
+    with pytest.raises(BlockloopError, match="repository root"):
+        output_dir(parse("--record"))
+    assert not (tmp_path / "benchmarks").exists()
+
+
+def test_environment_describes_this_machine():
+    env = environment("cpu", torch.bfloat16)
+    assert set(env) == {"device", "cpus", "threads", "torch", "python", "date", "command", "dtype"}
+    assert env["cpus"] == os.cpu_count() and env["threads"] == torch.get_num_threads()
+    assert env["torch"] == torch.__version__ and env["python"] == platform.python_version()
+    assert env["dtype"] == "bfloat16" and env["date"].endswith("+00:00")
+    model = env["device"].removeprefix("cpu (").removesuffix(")")
+    assert model and env["device"] == f"cpu ({model})"  # the CPU's model, not just the device kind
+    if Path("/proc/cpuinfo").exists() and "model name" in Path("/proc/cpuinfo").read_text():
+        assert model in Path("/proc/cpuinfo").read_text()
+    assert env["command"].split()[0].endswith(Path(sys.orig_argv[0]).name)  # the interpreter, as typed
+    line = environment_line(env)
+    assert f"{os.cpu_count()} logical CPUs" in line and torch.__version__ in line and env["command"] in line
+    assert "dtype" not in environment("cpu")
+
+
+def test_environment_line_renders_older_records():
+    old = {"device": "cpu", "threads": 2, "torch": "2.13.0+cpu", "date": "2026-11-23", "command": "python x.py"}
+    assert environment_line(old) == "device: cpu, 2 torch threads; torch 2.13.0+cpu; 2026-11-23; command: `python x.py`"
+
+
+def test_a_script_offers_the_output_flags():
+    result = subprocess.run([sys.executable, "benchmarks/staircase_speed.py", "--help"], cwd=ROOT,
+                            capture_output=True, text=True, check=True)
+    assert "--record" in result.stdout and "--out-dir" in result.stdout and "runs/bench" in result.stdout
+
+
+@pytest.mark.parametrize("script", SCRIPTS, ids=lambda p: p.name)
+def test_scripts_choose_output_one_way_and_describe_no_machine_by_hand(script):
+    text = script.read_text()
+    assert "add_output_arguments(" in text and "output_dir(" in text
+    assert not re.search(r"default\s*=\s*[^,)]*benchmarks/results", text)
+    for phrase in ("shared machine", "was shared", "shared with other jobs", "cores are shared", "no GPU was lent",
+                   "PYTHONPATH=src python"):
+        assert phrase not in text, f"{script.name}: {phrase!r}"
+    # The usage lines in the docstring are the recording commands: they say --record.
+    usage = [line for line in text.splitlines() if ".venv/bin/python benchmarks/" in line]
+    assert usage and all("--record" in line for line in usage)

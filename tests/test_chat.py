@@ -1,0 +1,139 @@
+"""``blockloop chat`` and chat prompts: the conversation loop with fake input (streamed answers, /reset, Ctrl-C
+stops an answer and not the program, history trimmed to the context), the real verb over stdin, and chat
+templates (plain, and SmolLM2's own through transformers)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from blockloop.cli.chat import converse
+from blockloop.data.tokenizers import ByteTokenizer
+from blockloop.errors import BlockloopError
+from blockloop.serve.generate import generate
+from blockloop.serve.http.chat import ChatSession, chat_template_for, plain_template, trim_history
+from blockloop.serve.http.worker import EngineWorker, serving_engine
+from blockloop.serve.requests import SamplingParams
+from blockloop.train.run import load_trained
+from server_helpers import tiny_run
+
+GREEDY = SamplingParams(temperature=0.0)
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    return tiny_run(tmp_path_factory.getbasetemp() / "serve-runs", "tiny")
+
+
+@pytest.fixture
+def session(run):
+    trained = load_trained(run)
+    worker = EngineWorker(serving_engine(trained.model, 1, max_len=96))
+    worker.start()
+    yield ChatSession(worker, trained.tokenizer, chat_template_for(trained.tokenizer, trained.directory),
+                      max_new_tokens=12, sampling=GREEDY, system="Be brief.")
+    worker.close()
+
+
+def lines(*texts):
+    """A fake ``input``: the given lines, then end of input."""
+    queue = list(texts)
+
+    def read(prompt: str) -> str:
+        if not queue:
+            raise EOFError
+        return queue.pop(0)
+
+    return read
+
+
+def test_a_greedy_answer_is_generate_over_the_plain_template(run, session):
+    reference = load_trained(run)
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Who is there?"}]
+    prompt = reference.tokenizer.encode(plain_template().render(messages))
+    expected = generate(reference.model, [prompt], 12, temperature=0, eos_id=reference.tokenizer.eos_id)[0]
+    shown: list[str] = []
+    answer, reason = session.ask("Who is there?", shown.append)
+    assert answer == "".join(shown) == reference.tokenizer.decode(expected).split("\nUser:")[0]
+    assert session.history[-1] == {"role": "assistant", "content": answer.strip()}
+
+
+def test_the_loop_streams_answers_and_reset_forgets_the_conversation(session):
+    out: list[str] = []
+    converse(session, lines("Who is there?", "", "/reset", "Nay, answer me."), out.append, interactive=False)
+    text = "".join(out)
+    assert "(conversation reset)" in text
+    assert [m["role"] for m in session.history] == ["system", "user", "assistant"]
+    assert session.history[1]["content"] == "Nay, answer me."
+
+
+def test_ctrl_c_stops_the_answer_not_the_program(session):
+    out: list[str] = []
+
+    def write(text: str) -> None:
+        out.append(text)
+        if len(out) == 1:  # the first piece of the first answer: the user presses Ctrl-C
+            raise KeyboardInterrupt
+
+    converse(session, lines("Speak.", "Speak again."), write, interactive=False)
+    assert " [stopped]\n" in out
+    assert [m["role"] for m in session.history] == ["system", "user", "assistant", "user", "assistant"]
+    engine = session.worker.engine
+    assert engine.scheduler.free == [0]  # the cancelled answer gave its slot back
+
+
+def test_history_is_trimmed_to_leave_room_for_an_answer(session):
+    engine = session.worker.engine
+    for i in range(6):
+        session.ask(f"Tell me of the {i}th sorrow of the house.", lambda text: None)
+        assert engine.room(len(session.prompt(session.history[:-1]))) >= 1
+    assert session.history[0] == {"role": "system", "content": "Be brief."}  # the system message stays
+    assert session.history[1]["content"] != "Tell me of the 0th sorrow of the house."  # the oldest turns went
+    assert session.history[-2]["content"] == "Tell me of the 5th sorrow of the house."
+
+
+def test_trim_history_keeps_the_system_message_and_refuses_a_message_that_cannot_fit():
+    messages = [{"role": "system", "content": "s"}] + [{"role": r, "content": str(i)}
+                                                      for i, r in enumerate(["user", "assistant", "user"])]
+    assert trim_history(messages, lambda m: len(m) <= 2) == [messages[0], messages[3]]
+    with pytest.raises(BlockloopError, match="does not fit"):
+        trim_history(messages, lambda m: False)
+
+
+def test_the_chat_verb_reads_stdin(run):
+    proc = subprocess.run(
+        [sys.executable, "-m", "blockloop.cli", "chat", "--checkpoint", str(run), "--temperature", "0",
+         "--max-new-tokens", "6", "--device", "cpu"],
+        input="Who is there?\n/reset\nAgain?\n/quit\n", capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "(conversation reset)" in proc.stdout and proc.stdout.count("\n") >= 3
+
+
+def test_plain_template_and_a_jinja_template_with_its_end_of_turn_token(tmp_path):
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"},
+                {"role": "user", "content": "and?"}]
+    assert plain_template().render(messages) == "User: hi\n\nAssistant: hello\n\nUser: and?\n\nAssistant:"
+    (tmp_path / "chat_template.jinja").write_text(
+        "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}</s>{% endfor %}<assistant>")
+    template = chat_template_for(ByteTokenizer(), tmp_path)
+    assert template.render(messages[:1]) == "<user>hi</s><assistant>"
+    assert template.stop_ids == []  # "</s>" is five bytes for the byte tokenizer, not one special id
+
+
+@pytest.mark.slow
+def test_smollm2_chats_through_its_own_template_like_transformers():
+    pytest.importorskip("transformers")
+    from transformers import AutoTokenizer
+
+    from blockloop.data.pretrained import SMOLLM2_GGUF, smollm2_files
+    from blockloop.data.tokenizers import build_tokenizer
+
+    tok = build_tokenizer("smollm2")
+    template = chat_template_for(tok)
+    messages = [{"role": "user", "content": "What is 2+2?"}]
+    hf = AutoTokenizer.from_pretrained(smollm2_files(), gguf_file=SMOLLM2_GGUF, local_files_only=True)
+    assert template.render(messages) == hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert template.stop_ids == [tok.encode("<|im_end|>")[0]] and tok.encode(template.render(messages))[0] == 1

@@ -1,0 +1,71 @@
+"""The engine hooks the HTTP server needs: cancelling a request frees its slot at the next window, a token
+callback that finishes its request (a stop string) ends it like EOS, and ``room`` says what still fits."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from blockloop.errors import BlockloopError
+from blockloop.families import build_model, from_name
+from blockloop.serve.engine import Engine
+from blockloop.serve.generate import generate
+from blockloop.serve.requests import RequestStatus, SamplingParams
+
+GREEDY = SamplingParams(temperature=0.0)
+
+
+def tiny(name: str = "tiny"):
+    torch.manual_seed(0)
+    return build_model(from_name(name)).double().eval()
+
+
+def test_cancelling_a_running_request_frees_its_slot_for_the_next_window():
+    model = tiny()
+    engine = Engine(model, 1, sync_every=2)
+    first = engine.submit([5, 6, 7], 40, sampling=GREEDY)
+    second = engine.submit([9, 10], 6, sampling=GREEDY)
+    engine.step()
+    assert first.status is RequestStatus.RUNNING and second.status is RequestStatus.WAITING
+    done = len(first.output)
+    engine.cancel(first)
+    engine.step()
+    assert first.finish_reason == "abort" and len(first.output) == done  # nothing more reaches a cancelled request
+    assert second.status is RequestStatus.RUNNING and second.slot == 0
+    engine.run()
+    assert second.output == generate(model, [[9, 10]], 6, temperature=0)[0]  # the freed slot serves cleanly
+
+
+def test_cancelling_a_waiting_request_takes_it_off_the_queue():
+    engine = Engine(tiny(), 1, sync_every=2)
+    running = engine.submit([1, 2], 3, sampling=GREEDY)
+    waiting = engine.submit([3, 4], 3, sampling=GREEDY)
+    engine.cancel(waiting)
+    engine.cancel(waiting)  # a second cancel is a no-op
+    engine.run()
+    assert waiting.finish_reason == "abort" and waiting.output == [] and running.finish_reason == "length"
+    assert engine.idle
+
+
+def test_a_callback_that_finishes_its_request_ends_it_and_frees_the_slot():
+    model = tiny("tiny-block")  # whole blocks per window: the stop lands inside a window
+    reference = generate(model, [[5, 6, 7]], 20, temperature=0)[0]
+
+    def stop_after_five(request, token):
+        if len(request.output) == 5:
+            request.finish("stop", 0.0)
+
+    engine = Engine(model, 1, sync_every=8)
+    first = engine.submit([5, 6, 7], 20, sampling=GREEDY, on_token=stop_after_five)
+    second = engine.submit([9, 10], 4, sampling=GREEDY)
+    engine.run()
+    assert first.finish_reason == "stop" and first.output == reference[:5]
+    assert second.slot == 0 and second.output == generate(model, [[9, 10]], 4, temperature=0)[0]
+
+
+def test_room_is_what_the_submit_check_allows():
+    engine = Engine(tiny("tiny-block"), 1, max_len=64)
+    assert engine.room(5) == 64 - 8  # prompts are padded to whole blocks of 4
+    engine.submit(list(range(1, 6)), engine.room(5))
+    with pytest.raises(BlockloopError, match="exceeds"):
+        engine.submit(list(range(1, 6)), engine.room(5) + 1)

@@ -1,0 +1,154 @@
+"""The server under misuse: malformed requests each get an OpenAI-style 4xx naming the field and the server
+keeps serving; a client that disconnects mid-stream frees its slot; a full waiting queue answers 503."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+import pytest
+
+pytest.importorskip("fastapi")
+pytest.importorskip("uvicorn")
+httpx = pytest.importorskip("httpx")
+
+from blockloop.cli import main
+from blockloop.serve.http.app import app_for
+from blockloop.train.run import load_trained
+from server_helpers import metric, running, tiny_run
+
+GOOD = {"model": "tiny", "prompt": "ROMEO:", "max_tokens": 4, "temperature": 0}
+CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+LONG = "x" * 200  # more than the 128-token context of the tiny model
+# (path, body: a dict to merge into GOOD / CHAT, or raw bytes, expected status, expected param)
+MALFORMED = [
+    ("/v1/completions", b"{not json", 400, None),
+    ("/v1/completions", b"[1, 2]", 400, None),
+    ("/v1/completions", {"model": "gpt-4"}, 404, "model"),
+    ("/v1/completions", {"model": None}, 400, "model"),
+    ("/v1/completions", {"prompt": ""}, 400, "prompt"),
+    ("/v1/completions", {"prompt": []}, 400, "prompt"),
+    ("/v1/completions", {"prompt": 5}, 400, "prompt"),
+    ("/v1/completions", {"prompt": ["a", "b"]}, 400, "prompt"),
+    ("/v1/completions", {"prompt": [1, 99999]}, 400, "prompt"),
+    ("/v1/completions", {"prompt": LONG}, 400, "prompt"),
+    ("/v1/completions", {"max_tokens": 0}, 400, "max_tokens"),
+    ("/v1/completions", {"max_tokens": -3}, 400, "max_tokens"),
+    ("/v1/completions", {"max_tokens": 500}, 400, "max_tokens"),
+    ("/v1/completions", {"max_tokens": "ten"}, 400, "max_tokens"),
+    ("/v1/completions", {"max_tokens": 2.5}, 400, "max_tokens"),
+    ("/v1/completions", {"temperature": -0.5}, 400, "temperature"),
+    ("/v1/completions", {"temperature": 3}, 400, "temperature"),
+    ("/v1/completions", {"temperature": "hot"}, 400, "temperature"),
+    ("/v1/completions", {"top_p": 0}, 400, "top_p"),
+    ("/v1/completions", {"top_p": 1.5}, 400, "top_p"),
+    ("/v1/completions", {"top_k": -2}, 400, "top_k"),
+    ("/v1/completions", {"n": 2}, 400, "n"),
+    ("/v1/completions", {"stop": 7}, 400, "stop"),
+    ("/v1/completions", {"stop": ["a", "b", "c", "d", "e"]}, 400, "stop"),
+    ("/v1/completions", {"stop": [""]}, 400, "stop"),
+    ("/v1/completions", {"seed": "x"}, 400, "seed"),
+    ("/v1/completions", {"stream": "yes"}, 400, "stream"),
+    ("/v1/completions", {"logprobs": 3}, 400, "logprobs"),
+    ("/v1/completions", {"echo": True}, 400, "echo"),
+    ("/v1/completions", {"presence_penalty": 0.5}, 400, "presence_penalty"),
+    ("/v1/chat/completions", {"messages": []}, 400, "messages"),
+    ("/v1/chat/completions", {"messages": "hi"}, 400, "messages"),
+    ("/v1/chat/completions", {"messages": [{"role": "robot", "content": "hi"}]}, 400, "messages[0].role"),
+    ("/v1/chat/completions", {"messages": [{"role": "user"}]}, 400, "messages[0].content"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": 3}]}, 400, "messages[0].content"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": LONG}]}, 400, "messages"),
+    ("/v1/chat/completions", {"max_completion_tokens": 0}, 400, "max_completion_tokens"),
+    ("/v1/chat/completions", {"tools": [{"type": "function"}]}, 400, "tools"),
+]
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    return tiny_run(tmp_path_factory.getbasetemp() / "serve-runs", "tiny")
+
+
+def app(run, **options):
+    trained = load_trained(run)
+    return app_for(trained.model, trained.tokenizer, name="tiny", directory=trained.directory, **options)
+
+
+def test_malformed_requests_each_get_a_4xx_naming_the_field_and_the_server_keeps_serving(run):
+    assert len(MALFORMED) >= 20
+    with running(app(run, n_slots=2)) as url:
+        for path, change, status, param in MALFORMED:
+            if isinstance(change, bytes):
+                reply = httpx.post(url + path, content=change, headers={"content-type": "application/json"})
+            else:
+                reply = httpx.post(url + path, json={**(CHAT if "chat" in path else GOOD), **change})
+            error = reply.json()["error"]
+            assert (reply.status_code, error["param"]) == (status, param), (change, error)
+            assert error["type"] == "invalid_request_error" and error["message"]
+            if param is not None:
+                assert param.split("[")[0] in error["message"], error
+        assert httpx.get(url + "/v1/nowhere").status_code == 404
+        wrong_method = httpx.get(url + "/v1/completions")
+        assert wrong_method.status_code == 405 and "error" in wrong_method.json()
+        assert httpx.get(url + "/health").json() == {"status": "ok"}
+        good = httpx.post(url + "/v1/completions", json=GOOD).json()
+        assert good["usage"]["completion_tokens"] >= 1 and good["choices"][0]["finish_reason"] in ("stop", "length")
+
+
+def slowed(application, seconds: float) -> None:
+    """Make every engine window take at least ``seconds`` (a tiny model on CPU is otherwise done too soon)."""
+    engine = application.state.served.worker.engine
+    step = engine.step
+
+    def slow_step(*args, **kwargs):
+        time.sleep(seconds)
+        return step(*args, **kwargs)
+
+    engine.step = slow_step
+
+
+def test_a_client_that_disconnects_mid_stream_frees_its_slot(run):
+    application = app(run, n_slots=1, sync_every=1)
+    slowed(application, 0.02)
+    with running(application) as url:
+        body = {**GOOD, "max_tokens": 100, "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", url + "/v1/completions", json=body) as reply:
+            lines = reply.iter_lines()
+            first = next(line for line in lines if line.startswith("data: "))
+            assert json.loads(first[6:])["choices"][0]["finish_reason"] is None
+        # The connection is closed: the engine cancels the request at its next window.
+        deadline = time.monotonic() + 60
+        while True:
+            text = httpx.get(url + "/metrics").text
+            if 'blockloop_requests_finished_total{finish_reason="abort"}' in text or time.monotonic() > deadline:
+                break
+            time.sleep(0.05)
+        assert metric(text, 'blockloop_requests_finished_total{finish_reason="abort"}') == 1
+        assert metric(text, "blockloop_requests_running") == 0
+        assert metric(text, "blockloop_generation_tokens_total") < 100
+        after = httpx.post(url + "/v1/completions", json={**GOOD, "ignore_eos": True}).json()
+        assert after["choices"][0]["finish_reason"] == "length"  # the one slot serves the next request
+
+
+def test_a_full_waiting_queue_answers_503_with_retry_after(run):
+    application = app(run, n_slots=1, max_waiting=1)
+    engine = application.state.served.worker.engine
+    gate, step = threading.Event(), engine.step
+    engine.step = lambda *args, **kwargs: (gate.wait(60), step(*args, **kwargs))[1]
+    with running(application) as url:
+        with httpx.stream("POST", url + "/v1/completions", json={**GOOD, "stream": True}) as first:
+            # The first request waits (its engine window is held back); one more would pass the bound of one.
+            refused = httpx.post(url + "/v1/completions", json=GOOD)
+            assert refused.status_code == 503 and refused.headers["retry-after"] == "1"
+            assert refused.json()["error"]["code"] == "queue_full"
+            assert metric(httpx.get(url + "/metrics").text, "blockloop_requests_waiting") == 1
+            gate.set()
+            assert first.read().decode().rstrip().endswith("data: [DONE]")
+        assert httpx.post(url + "/v1/completions", json=GOOD).status_code == 200
+        assert metric(httpx.get(url + "/metrics").text, "blockloop_requests_rejected_total") == 1
+
+
+def test_serve_rejects_an_exit_rule_for_a_model_without_loops(run, capsys):
+    assert main(["serve", "--checkpoint", str(run), "--exit", "max_prob:0.9", "--device", "cpu"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "--exit applies to looped" in err
