@@ -12,6 +12,7 @@ transformers = pytest.importorskip("transformers")
 from blockloop.cli import EXIT_USER_ERROR, main
 from blockloop.config import DecoderConfig
 from blockloop.convert.hf import export_hf, from_hf_model, import_hf, to_hf_model
+from blockloop.data.tokenizers import HFTokenizer
 from blockloop.errors import BlockloopError
 from blockloop.models.decoder import Decoder
 from blockloop.serve.generate import generate
@@ -68,6 +69,15 @@ def random_hf_model(kind: str, seed: int = 0):
     return model.eval()
 
 
+def char_tokenizer(vocab: int) -> HFTokenizer:
+    """A character tokenizer with ``vocab`` ids (the last is end-of-text): exports need one that fits the model."""
+    from tokenizers import Tokenizer, models
+
+    tokenizer = Tokenizer(models.BPE(vocab={chr(ord("0") + i): i for i in range(vocab - 1)}, merges=[]))
+    tokenizer.add_special_tokens(["<|endoftext|>"])
+    return HFTokenizer(tokenizer, "chars", vocab - 1)
+
+
 def tokens(vocab: int = 97, batch: int = 2, length: int = SEQ, seed: int = 1) -> torch.Tensor:
     return torch.randint(0, vocab, (batch, length), generator=torch.Generator().manual_seed(seed))
 
@@ -121,7 +131,7 @@ def test_folder_import_and_export_round_trip(tmp_path):
     hf.save_pretrained(tmp_path / "hf")
     ours = import_hf(tmp_path / "hf")
     assert ours.config.name == "hf" and not ours.training
-    out = export_hf(ours, tmp_path / "export")
+    out = export_hf(ours, char_tokenizer(97), tmp_path / "export")
     reloaded = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
     idx = tokens()
     with torch.no_grad():
@@ -145,7 +155,7 @@ def test_export_native_decoders(config, tmp_path):
     with torch.no_grad():
         for p in model.parameters():
             p.add_(0.05 * torch.randn_like(p))
-    hf = transformers.AutoModelForCausalLM.from_pretrained(export_hf(model, tmp_path / "x"), dtype=torch.float32)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(export_hf(model, char_tokenizer(90), tmp_path / "x"), dtype=torch.float32)
     idx = tokens(vocab=90)
     with torch.no_grad():
         assert max_diff(hf.eval()(idx).logits, model(idx)[0]) <= TOL
@@ -182,7 +192,7 @@ def test_bad_paths_and_inexpressible_models(tmp_path):
             "rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0})))
     mup = DecoderConfig(vocab_size=90, context_length=32, n_layer=1, n_head=4, d_model=32, mup_base_width=16)
     with pytest.raises(BlockloopError, match="matches no Hugging Face architecture"):
-        export_hf(Decoder(mup), tmp_path / "mup")
+        export_hf(Decoder(mup), char_tokenizer(90), tmp_path / "mup")
 
 
 def test_cli_import_generate_and_export(tmp_path, capsys):

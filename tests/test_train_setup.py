@@ -88,7 +88,10 @@ def test_early_exit_options_need_a_looped_model():
 
 
 def test_conversion_targets_check_their_options_before_loading(tmp_path):
-    assert set(TARGETS) == {"block", "recursive", "hf"}
+    assert set(TARGETS) == {"block", "recursive", "hf", "weights"}
+    for target in ("hf", "weights"):
+        with pytest.raises(BlockloopError, match="--save-dtype 'float16' is not one of float32, bfloat16"):
+            convert_checkpoint(target, "/no/such/run", tmp_path / "x", save_dtype="float16")
     with pytest.raises(BlockloopError, match="--relax prefix needs --prefix-len"):
         to_recursive_checkpoint("/no/such/run", tmp_path / "x", relax="prefix")
     with pytest.raises(BlockloopError, match="--lora-rank is for --relax lora"):

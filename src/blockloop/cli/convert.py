@@ -50,8 +50,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _merged_help(helps: dict[str, str]) -> str:
-    """One target's help as it is; a shared option's as ``TARGET: help; TARGET: help``."""
-    return next(iter(helps.values())) if len(helps) == 1 else "; ".join(f"{t}: {h}" for t, h in helps.items())
+    """One target's help (or one help that means the same to each) as it is; else ``TARGET: help; TARGET: help``."""
+    return next(iter(helps.values())) if len(set(helps.values())) == 1 else "; ".join(f"{t}: {h}" for t, h in helps.items())
 
 
 def run(args: argparse.Namespace) -> int:

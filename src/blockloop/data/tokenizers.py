@@ -17,7 +17,10 @@ Saved form (``save``/``load_tokenizer``): ``tokenizer.json`` is either blockloop
 "blockloop-byte"}``, or another ``type`` a module registered with :func:`register_saved_type`, such as the
 task vocabularies of :mod:`blockloop.data.tasks.tokenizer`) or a complete Hugging Face tokenizer file; for
 the latter a sidecar ``tokenizer_meta.json`` records the spec name and the EOS id, so a run directory
-alone rebuilds the exact tokenizer.
+alone rebuilds the exact tokenizer (and the chat template, where the source had one).
+
+Every text tokenizer also has a Hugging Face form (:meth:`Tokenizer.hf_tokenizer`, the same ids), which
+is what a Hugging Face export writes.
 """
 
 from __future__ import annotations
@@ -35,7 +38,7 @@ from tokenizers import decoders, models, pre_tokenizers, trainers
 
 from blockloop.data.corpora import hash_documents
 from blockloop.data.packages import cache_dir, fetch_package_files
-from blockloop.data.pretrained import smollm2_tokenizer_file
+from blockloop.data.pretrained import CHAT_TEMPLATE_FILE, smollm2_tokenizer_dir
 from blockloop.errors import BlockloopError
 from blockloop.files import atomic_write_text
 
@@ -48,11 +51,15 @@ _RAW_BYTES = "raw bytes (bytes:PATH) need --tokenizer byte"
 
 
 class Tokenizer(ABC):
-    """Text <-> ids. Subclasses set ``name`` (the spec that rebuilds them), ``vocab_size`` and ``eos_id``."""
+    """Text <-> ids. Subclasses set ``name`` (the spec that rebuilds them), ``vocab_size`` and ``eos_id``;
+    ``pad_id`` where the vocabulary has a padding token of its own, ``chat_template`` (Jinja, as Hugging Face
+    writes it) where the source tokenizer came with one."""
 
     name: str
     vocab_size: int
     eos_id: int
+    pad_id: int | None = None
+    chat_template: str | None = None
 
     @abstractmethod
     def encode(self, text: str | bytes) -> list[int]:
@@ -77,6 +84,10 @@ class Tokenizer(ABC):
     @abstractmethod
     def fingerprint(self) -> str:
         """Hash of everything that decides the ids, to key caches of tokenized data."""
+
+    def hf_tokenizer(self) -> tokenizers.Tokenizer:
+        """This tokenizer as a Hugging Face ``tokenizers.Tokenizer`` giving the same ids (what an export writes)."""
+        raise BlockloopError(f"tokenizer {self.name!r} has no Hugging Face form; only text tokenizers export")
 
 
 class ByteTokenizer(Tokenizer):
@@ -107,14 +118,28 @@ class ByteTokenizer(Tokenizer):
     def fingerprint(self) -> str:
         return "blockloop-byte-v1"
 
+    def hf_tokenizer(self) -> tokenizers.Tokenizer:
+        """A byte-level BPE without merges: byte b is the one-character token GPT-2's byte map gives it, at id b,
+        and the specials follow at 256 and 257. Its ByteLevel decoder turns broken UTF-8 into U+FFFD exactly as
+        :meth:`decode` does."""
+        chars = _gpt2_byte_chars()
+        tokenizer = tokenizers.Tokenizer(models.BPE(vocab={chars[b]: b for b in range(256)}, merges=[]))
+        tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+        tokenizer.decoder = decoders.ByteLevel()
+        tokenizer.add_special_tokens([EOS_TOKEN, PAD_TOKEN])
+        return tokenizer
+
 
 class HFTokenizer(Tokenizer):
     """A Hugging Face ``tokenizers.Tokenizer`` (GPT-2, NeoX, locally trained BPE, or a user file)."""
 
-    def __init__(self, tokenizer: tokenizers.Tokenizer, name: str, eos_id: int) -> None:
+    def __init__(
+        self, tokenizer: tokenizers.Tokenizer, name: str, eos_id: int, chat_template: str | None = None
+    ) -> None:
         self._tokenizer = tokenizer
         self.name = name
         self.eos_id = eos_id
+        self.chat_template = chat_template
         self.vocab_size = max(tokenizer.get_vocab(with_added_tokens=True).values()) + 1
 
     def encode(self, text: str | bytes) -> list[int]:
@@ -144,12 +169,16 @@ class HFTokenizer(Tokenizer):
 
     def save(self, directory: Path) -> None:
         atomic_write_text(directory / "tokenizer.json", self._tokenizer.to_str())
-        atomic_write_text(
-            directory / "tokenizer_meta.json", json.dumps({"name": self.name, "eos_id": self.eos_id})
-        )
+        meta: dict[str, object] = {"name": self.name, "eos_id": self.eos_id}
+        if self.chat_template is not None:
+            meta["chat_template"] = self.chat_template
+        atomic_write_text(directory / "tokenizer_meta.json", json.dumps(meta))
 
     def fingerprint(self) -> str:
         return hashlib.sha256(self._tokenizer.to_str().encode("utf-8")).hexdigest()
+
+    def hf_tokenizer(self) -> tokenizers.Tokenizer:
+        return tokenizers.Tokenizer.from_str(self._tokenizer.to_str())  # a copy: the caller may change it
 
 
 SavedLoader = Callable[[dict[str, object]], Tokenizer]
@@ -176,7 +205,7 @@ def build_tokenizer(spec: str, documents: Sequence[str | bytes] | None = None) -
     if spec == "neox":
         return _neox()
     if spec == "smollm2":
-        return _from_file(smollm2_tokenizer_file(), name="smollm2", eos_id=None)
+        return hf_folder_tokenizer(smollm2_tokenizer_dir(), name="smollm2")
     match = re.fullmatch(r"bpe(?::(\d+))?", spec)
     if match:
         return _trained_bpe(int(match.group(1) or DEFAULT_BPE_VOCAB), documents)
@@ -204,13 +233,34 @@ def load_tokenizer(directory: Path) -> Tokenizer:
         return _from_file(path, name=str(path.resolve()), eos_id=None)
     try:
         meta = json.loads(meta_path.read_text(encoding="utf-8"))
-        name, eos_id = str(meta["name"]), int(meta["eos_id"])
-    except (UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError, ValueError) as err:
+        name, eos_id, chat_template = str(meta["name"]), int(meta["eos_id"]), meta.get("chat_template")
+    except (UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError, ValueError, AttributeError) as err:
         raise BlockloopError(f"{meta_path} is corrupt ({err!r}); restore it or re-create the run") from None
-    return _from_file(path, name=name, eos_id=eos_id)
+    return _from_file(path, name=name, eos_id=eos_id, chat_template=chat_template)
 
 
-def _from_file(path: Path, name: str, eos_id: int | None) -> HFTokenizer:
+def hf_folder_tokenizer(folder: Path, name: str) -> HFTokenizer:
+    """The tokenizer of a Hugging Face folder: its tokenizer.json, and its chat template where it has one
+    (``chat_template.jinja``, or the ``chat_template`` of ``tokenizer_config.json``)."""
+    folder = Path(folder)
+    if not (folder / "tokenizer.json").is_file():
+        raise BlockloopError(
+            f"no tokenizer.json in {folder}; pass --tokenizer (e.g. gpt2, neox or a tokenizer.json path)"
+        )
+    chat_template = None
+    if (folder / CHAT_TEMPLATE_FILE).is_file():
+        chat_template = (folder / CHAT_TEMPLATE_FILE).read_text(encoding="utf-8")
+    elif (folder / "tokenizer_config.json").is_file():
+        config_path = folder / "tokenizer_config.json"
+        try:
+            template = json.loads(config_path.read_text(encoding="utf-8")).get("chat_template")
+        except (UnicodeDecodeError, json.JSONDecodeError, AttributeError) as err:
+            raise BlockloopError(f"{config_path} is not valid JSON ({err}); repair or remove it") from None
+        chat_template = template if isinstance(template, str) else None
+    return _from_file(folder / "tokenizer.json", name=name, eos_id=None, chat_template=chat_template)
+
+
+def _from_file(path: Path, name: str, eos_id: int | None, chat_template: str | None = None) -> HFTokenizer:
     """A Hugging Face tokenizer file; without a known EOS id, the first usual end-of-text token in it."""
     try:
         tokenizer = tokenizers.Tokenizer.from_file(str(path))
@@ -223,7 +273,15 @@ def _from_file(path: Path, name: str, eos_id: int | None) -> HFTokenizer:
             raise BlockloopError(
                 f"{path} has no end-of-text token ({', '.join(_EOS_CANDIDATES)}); add one as a special token"
             )
-    return HFTokenizer(tokenizer, name, eos_id)
+    return HFTokenizer(tokenizer, name, eos_id, chat_template)
+
+
+def _gpt2_byte_chars() -> list[str]:
+    """GPT-2's printable character for each byte (the map behind every ByteLevel pre-tokenizer): printable
+    Latin-1 bytes stand for themselves, the other bytes for U+0100 onwards, in byte order."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    others = iter(range(256, 512))
+    return [chr(b) if b in printable else chr(next(others)) for b in range(256)]
 
 
 def _byte_level(model: models.Model) -> tokenizers.Tokenizer:

@@ -33,6 +33,8 @@ from blockloop.files import atomic_write_text
 
 LATEST = "latest"
 KEEP_LAST = 2
+# Weight dtypes a checkpoint that is not resumed (an export) may be written in; training checkpoints stay float32.
+SAVE_DTYPES = ("float32", "bfloat16")
 
 
 def checkpoint_root(run_dir: Path) -> Path:
@@ -76,17 +78,48 @@ def resolve_checkpoint(path: Path) -> Path:
     raise BlockloopError(f"no checkpoint in {path}; expected a run directory written by `blockloop train`")
 
 
-def save_model_files(directory: Path, model: nn.Module, config: ModelConfig, state_dict: dict[str, torch.Tensor] | None = None) -> None:
+def save_model_files(
+    directory: Path, model: nn.Module, config: ModelConfig, state_dict: dict[str, torch.Tensor] | None = None,
+    *, dtype: torch.dtype | None = None,
+) -> None:
     """config.json + model.safetensors; a tied tensor is stored once, under its first name.
 
     Aliases are found from the model's parameters, not from tensor storage: a gathered FSDP state dict
-    holds separate copies of tied weights.
+    holds separate copies of tied weights. ``dtype`` (see :func:`save_dtype`) casts floating-point tensors,
+    for exports; loading casts them back into the model's own dtype.
     """
     state_dict = state_dict if state_dict is not None else model.state_dict()
     tied = _tied_names(model)
-    tensors = {name: t.detach().cpu().contiguous() for name, t in state_dict.items() if name not in tied}
+    tensors = {
+        name: (t.to(dtype) if dtype is not None and t.is_floating_point() else t).detach().cpu().contiguous()
+        for name, t in state_dict.items() if name not in tied
+    }
     save_config(config, directory / "config.json")
     save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})
+
+
+def save_dtype(name: str) -> torch.dtype:
+    """The torch dtype of a :data:`SAVE_DTYPES` name."""
+    if name not in SAVE_DTYPES:
+        raise BlockloopError(f"--save-dtype {name!r} is not one of {', '.join(SAVE_DTYPES)}")
+    return getattr(torch, name)
+
+
+def size_report(directory: Path, run_dir: Path) -> str:
+    """One line: what checkpoint ``directory`` of ``run_dir`` weighs on disk, split into float32 weights and
+    optimizer state (AdamW's two moments: twice the weights), and the command that writes the weights alone."""
+    sizes = {p.name: p.stat().st_size for p in Path(directory).iterdir() if p.is_file()}
+    weights, optimizer = sizes.get("model.safetensors", 0), sizes.get("optimizer.safetensors", 0)
+    run_dir = Path(run_dir)
+    return (
+        f"each checkpoint is {_size(sum(sizes.values()))} (weights {_size(weights)} + optimizer state "
+        f"{_size(optimizer)}, float32; the last {KEEP_LAST} are kept); the weights alone in bfloat16 ({_size(weights // 2)}): blockloop "
+        f"convert --to weights --save-dtype bfloat16 --checkpoint {run_dir} --out {run_dir}-weights"
+    )
+
+
+def _size(size: int) -> str:
+    return f"{size / 1e9:.2f} GB" if size >= 1e8 else f"{size / 1e6:.1f} MB"
 
 
 def read_model_tensors(directory: Path, model: nn.Module) -> dict[str, torch.Tensor]:

@@ -85,6 +85,9 @@ def plan_run(request: TrainRequest) -> RunPlan:
     if r.resume:
         directory = ckpt.resolve_checkpoint(r.out)
         state = ckpt.read_json(directory / "train_state.json")
+        if "train_config" not in state:
+            raise BlockloopError(f"{r.out} holds a model without training state (a converted or exported one); "
+                                 "start a new run from it with --init-from")
         spec = RunSpec(**state["run"])
         named = (("preset", r.preset), ("data", r.data), ("tokenizer", r.tokenizer), ("task", r.task),
                  ("task_dir", r.task_dir), ("dropout", r.dropout), ("mup_base_width", r.mup_base_width))

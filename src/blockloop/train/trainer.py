@@ -167,6 +167,7 @@ class Trainer:
             )
         self.stream_states: list[Any] = [None] * config.grad_accum
         self.step = 0
+        self.size_reported = False  # the first checkpoint written says how big checkpoints are
         self.tokens_per_step = config.batch_size * config.grad_accum * config.seq_len * dist_info.world_size
         self.flops_per_token = spec.training_flops_per_token(model_config, config.seq_len)
 
@@ -319,6 +320,9 @@ class Trainer:
         barrier(self.dist)
         if self.dist.is_main:
             final = ckpt.commit_checkpoint(self.out_dir, tmp, self.step)
+            if not self.size_reported:
+                tqdm.write(ckpt.size_report(final, self.out_dir))
+                self.size_reported = True
         barrier(self.dist)
         return final
 

@@ -1,0 +1,51 @@
+"""The tokenizer half of a Hugging Face export: files ``transformers.AutoTokenizer`` loads with blockloop's ids.
+
+``tokenizer.json`` is the run tokenizer's Hugging Face form (:meth:`~blockloop.data.tokenizers.Tokenizer.hf_tokenizer`:
+the byte tokenizer as a merge-free byte-level BPE, every other text tokenizer as its own tokenizer.json).
+``tokenizer_config.json`` names the special tokens and keeps ``transformers`` from changing what the tokenizer
+does: the generic fast class (no model-specific rewriting of the pipeline), no clean-up of spaces on decode,
+and special-token text split like any text where blockloop reads it as text (the byte tokenizer encodes
+``<|endoftext|>`` as its 13 bytes). The chat template goes along where the source tokenizer had one.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+from blockloop.data.tokenizers import Tokenizer
+
+
+@dataclass(frozen=True)
+class SpecialIds:
+    """The ids ``config.json`` and ``generation_config.json`` name."""
+
+    bos: int
+    eos: int
+    pad: int
+
+
+def special_ids(tokenizer: Tokenizer) -> SpecialIds:
+    """blockloop adds no BOS: a document starts after an end-of-text, so BOS is the end-of-text id (GPT-2's
+    convention); padding is the tokenizer's own padding token, else end-of-text."""
+    eos = tokenizer.eos_id
+    return SpecialIds(bos=eos, eos=eos, pad=eos if tokenizer.pad_id is None else tokenizer.pad_id)
+
+
+def hf_tokenizer_files(tokenizer: Tokenizer, *, model_max_length: int) -> dict[str, str]:
+    """File name -> text of the tokenizer files of an export (raises for a tokenizer with no Hugging Face form)."""
+    hf = tokenizer.hf_tokenizer()
+    ids = special_ids(tokenizer)
+    eos_text = hf.id_to_token(ids.eos)
+    config: dict[str, object] = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": hf.id_to_token(ids.bos),
+        "eos_token": eos_text,
+        "pad_token": hf.id_to_token(ids.pad),
+        "model_max_length": model_max_length,
+        "clean_up_tokenization_spaces": False,
+        "split_special_tokens": tokenizer.encode(eos_text) != [ids.eos],
+    }
+    if tokenizer.chat_template is not None:
+        config["chat_template"] = tokenizer.chat_template
+    return {"tokenizer.json": hf.to_str(), "tokenizer_config.json": json.dumps(config, indent=2) + "\n"}
