@@ -3,11 +3,11 @@ terminal chat's conversation on an engine thread (:class:`ChatSession`).
 
 Where the template comes from, first found wins:
 
-1. the checkpoint folder's ``chat_template.jinja``, or the ``chat_template`` of its ``tokenizer_config.json``
-   (the Hugging Face layout, for a run converted from a model that has one);
-2. a checkpoint whose tokenizer is SmolLM2's (``smollm2``): SmolLM2-Instruct's own template, read by
-   ``transformers`` from the GGUF it came from (the ``hf`` extra) and cached;
-3. the plain template, for models trained here on raw text::
+1. the template the tokenizer carries (``Tokenizer.chat_template``: SmolLM2's, or a Hugging Face import's);
+2. the checkpoint folder's ``chat_template.jinja``, or the ``chat_template`` of its ``tokenizer_config.json``
+   (the Hugging Face layout);
+3. for a run saved before tokenizers carried their template, SmolLM2's when its tokenizer is ``smollm2``;
+4. the plain template, for models trained here on raw text::
 
        System: {system message}
 
@@ -35,10 +35,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from blockloop.data.packages import cache_dir
-from blockloop.data.tokenizers import Tokenizer
+from blockloop.data.tokenizers import Tokenizer, build_tokenizer
 from blockloop.errors import BlockloopError
-from blockloop.files import atomic_write_text
 from blockloop.serve.http.text import TextStream
 from blockloop.serve.http.worker import EngineWorker, Event, Job
 from blockloop.serve.requests import SamplingParams
@@ -88,6 +86,8 @@ def jinja_template(source: str, tokenizer: Tokenizer) -> ChatTemplate:
 
 def chat_template_for(tokenizer: Tokenizer, directory: Path | None = None) -> ChatTemplate:
     """The template a checkpoint's chats use (see the module docstring for the order)."""
+    if tokenizer.chat_template is not None:
+        return jinja_template(tokenizer.chat_template, tokenizer)
     if directory is not None:
         if (directory / "chat_template.jinja").is_file():
             return jinja_template((directory / "chat_template.jinja").read_text(encoding="utf-8"), tokenizer)
@@ -97,23 +97,10 @@ def chat_template_for(tokenizer: Tokenizer, directory: Path | None = None) -> Ch
             if isinstance(source, str):
                 return jinja_template(source, tokenizer)
     if tokenizer.name == "smollm2":
-        return jinja_template(smollm2_chat_template(), tokenizer)
+        source = build_tokenizer("smollm2").chat_template
+        if source is not None:
+            return jinja_template(source, tokenizer)
     return plain_template()
-
-
-def smollm2_chat_template() -> str:
-    """SmolLM2-Instruct's chat template, read once by ``transformers`` from the GGUF and cached as text."""
-    target = cache_dir() / "tokenizers" / "smollm2" / "chat_template.jinja"
-    if not target.is_file():
-        from transformers import AutoTokenizer  # optional dependency (the hf extra): imported when used
-
-        from blockloop.data.pretrained import SMOLLM2_GGUF, quiet_transformers, smollm2_files
-
-        with quiet_transformers():
-            tokenizer = AutoTokenizer.from_pretrained(smollm2_files(), gguf_file=SMOLLM2_GGUF, local_files_only=True)
-        target.parent.mkdir(parents=True, exist_ok=True)
-        atomic_write_text(target, tokenizer.chat_template)
-    return target.read_text(encoding="utf-8")
 
 
 def trim_history(messages: list[Message], fits: Callable[[list[Message]], bool]) -> list[Message]:
