@@ -78,6 +78,9 @@ def main() -> None:
     parser.add_argument("--variants", default="eager,compiled")
     add_output_arguments(parser)
     args = parser.parse_args()
+    if args.steps < 2 * args.log_interval:  # the first logged window holds warm-up and compilation: not timed
+        parser.error(f"--steps {args.steps} must be at least twice --log-interval {args.log_interval}, so that "
+                     "one timed window follows the warm-up window")
     out = output_dir(args)
 
     results = []
