@@ -99,8 +99,7 @@ def run(args: argparse.Namespace) -> int:
 def benchmarks(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from tqdm import tqdm
-
+    from blockloop import progress as progress_bars
     from blockloop.evals.harness import BenchmarkRequest, evaluate_benchmarks
     from blockloop.evals.results import RESULTS_FILE, table_rows, write_record
     from blockloop.evals.tasks import parse_tasks
@@ -110,7 +109,7 @@ def benchmarks(args: argparse.Namespace) -> int:
     bars = []
 
     def progress(task: str, total: int):
-        bar = tqdm(total=total, desc=task, unit="q", leave=False, dynamic_ncols=True)
+        bar = progress_bars.bar(total=total, desc=task, unit="q", leave=False)
         bars.append(bar)
 
         def done(n: int) -> None:
