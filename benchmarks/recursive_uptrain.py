@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 from blockloop.bench.records import add_output_arguments, environment, environment_line, output_dir
-from blockloop.convert import vanilla_to_recursive
+from blockloop.convert.to_recursive import vanilla_to_recursive
 from blockloop.data.dataset import prepare_tokens
 from blockloop.data.tokenizers import build_tokenizer
 from blockloop.families import build_model

@@ -7,7 +7,7 @@ import itertools
 import pytest
 import torch
 
-from blockloop.convert import vanilla_to_block
+from blockloop.convert.to_block import vanilla_to_block
 from blockloop.data.block_padding import random_length_padding
 from blockloop.errors import BlockloopError, ConfigError
 from blockloop.families import build_model, collate_for, from_name

@@ -10,8 +10,7 @@ import pytest
 import torch
 
 from blockloop.cli import EXIT_USER_ERROR, main
-from blockloop.convert import vanilla_to_recursive
-from blockloop.convert.to_recursive import shared_layer_sources
+from blockloop.convert.to_recursive import shared_layer_sources, vanilla_to_recursive
 from blockloop.errors import BlockloopError, ConfigError
 from blockloop.families import build_model, from_name
 from blockloop.models.recursive import layer_order

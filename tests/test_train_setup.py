@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 from blockloop.bench.reports import flops_report, preset_sizes
-from blockloop.convert.checkpoints import TARGETS, convert_checkpoint, to_recursive_checkpoint
+from blockloop.convert.checkpoints import convert_checkpoint, to_recursive_checkpoint
+from blockloop.convert.targets import TARGETS
 from blockloop.errors import BlockloopError
 from blockloop.families import from_name
 from blockloop.train.eval_checkpoint import EvalRequest, evaluate_checkpoint

@@ -14,8 +14,9 @@ from pathlib import Path
 
 from blockloop.serve.batching import padded_prompt_length
 from blockloop.serve.generate import generate
+from blockloop.train.config import TrainConfig
 from blockloop.train.run import RunSpec, prepare_run, sequences
-from blockloop.train.trainer import TrainConfig, Trainer
+from blockloop.train.trainer import Trainer
 
 SAMPLE_PROMPT = "ROMEO:\n"
 

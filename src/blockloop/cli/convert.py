@@ -1,5 +1,5 @@
 """``blockloop convert``: a trained model into another family (for uptraining) or a Hugging Face folder, and
-Hugging Face models in. The targets and their options come from :data:`blockloop.convert.checkpoints.TARGETS`."""
+Hugging Face models in. The targets and their options come from :data:`blockloop.convert.targets.TARGETS`."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ DESCRIPTION = ("Initialise a structured model from a trained vanilla one and wri
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from blockloop.convert.checkpoints import TARGETS
+    from blockloop.convert.targets import TARGETS
 
     p.add_argument("--to", choices=list(TARGETS),
                    help="target: " + "; ".join(f"{name}, {t.title}" for name, t in TARGETS.items()))
@@ -55,7 +55,8 @@ def _merged_help(helps: dict[str, str]) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    from blockloop.convert.checkpoints import TARGETS, convert_checkpoint
+    from blockloop.convert.checkpoints import convert_checkpoint
+    from blockloop.convert.targets import TARGETS
 
     if (args.from_hf is None) == (args.to is None):
         raise BlockloopError(

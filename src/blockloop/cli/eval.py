@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import json
 
+from blockloop.choices import OBJECTIVES
 from blockloop.cli.common import add_device, add_no_progress, print_table
 
 HELP = "loss, perplexity and bits per byte of a checkpoint on a dataset split; zero/few-shot benchmarks (--tasks)"
@@ -32,7 +33,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="sequences per forward pass; with --tasks, questions per forward pass (default: 8)")
     p.add_argument("--max-batches", type=int, help="stop after this many batches (default: the whole split)")
     p.add_argument(
-        "--objective", choices=["lm", "prefix_lm"],
+        "--objective", choices=OBJECTIVES,
         help="what to score: lm or prefix_lm (the suffix after a breakpoint; default: the run's training objective)",
     )
     add_device(p)

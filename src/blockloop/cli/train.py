@@ -20,9 +20,9 @@ TRAIN_FLAGS = (
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    from blockloop.choices import DISTRIBUTED, EXIT_LOSSES, OBJECTIVES, PRECISIONS, SCHEDULES
     from blockloop.data.corpora import BUILTIN_CORPORA
-    from blockloop.families.recursive import EXIT_LOSSES
-    from blockloop.train.trainer import TrainConfig
+    from blockloop.train.config import TrainConfig
 
     d = TrainConfig()
     g = p.add_argument_group("model and data")
@@ -53,7 +53,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "see the config dataclass of the preset's family in blockloop/families/)",
     )
     g.add_argument(
-        "--objective", choices=["lm", "prefix_lm"],
+        "--objective", choices=OBJECTIVES,
         help="lm: each family's own pretraining objective (next token; block partitions; span corruption); "
         "prefix_lm: score only the suffix after a breakpoint drawn per batch (default: lm)",
     )
@@ -89,7 +89,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--lr", type=float, help=f"peak learning rate (default: {d.lr})")
     g.add_argument("--min-lr-ratio", type=float, help=f"final LR as a fraction of the peak (default: {d.min_lr_ratio})")
     g.add_argument("--warmup-steps", type=int, help=f"linear warm-up steps (default: {d.warmup_steps})")
-    g.add_argument("--schedule", choices=["cosine", "linear", "constant"], help=f"decay after warm-up (default: {d.schedule})")
+    g.add_argument("--schedule", choices=SCHEDULES, help=f"decay after warm-up (default: {d.schedule})")
     g.add_argument("--weight-decay", type=float, help=f"AdamW decay on matrices (default: {d.weight_decay})")
     g.add_argument("--decay-embeddings", action="store_const", const=True, help="also decay embedding tables")
     g.add_argument("--grad-clip", type=float, help=f"clip the gradient norm to this; 0 disables (default: {d.grad_clip})")
@@ -104,9 +104,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_no_progress(g)
     g = p.add_argument_group("hardware")
     g.add_argument("--device", help="auto, cpu, cuda or cuda:N (default: auto)")
-    g.add_argument("--precision", choices=["auto", "fp32", "bf16"], help="auto = bf16 autocast on CUDA, fp32 on CPU")
+    g.add_argument("--precision", choices=PRECISIONS, help="auto = bf16 autocast on CUDA, fp32 on CPU")
     g.add_argument("--compile", action="store_const", const=True, help="torch.compile the model")
-    g.add_argument("--distributed", choices=["ddp", "fsdp"], help="strategy under torchrun (default: ddp)")
+    g.add_argument("--distributed", choices=DISTRIBUTED, help="strategy under torchrun (default: ddp)")
 
 
 def run(args: argparse.Namespace) -> int:

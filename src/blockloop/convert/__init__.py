@@ -1,7 +1,5 @@
-"""Turning models into other families (uptraining initialisations), and Hugging Face models in and out."""
+"""Turning models into other families (uptraining initialisations), and Hugging Face models in and out.
 
-from blockloop.convert.hf import export_hf, import_hf
-from blockloop.convert.to_block import vanilla_to_block
-from blockloop.convert.to_recursive import vanilla_to_recursive
-
-__all__ = ["export_hf", "import_hf", "vanilla_to_block", "vanilla_to_recursive"]
+Import the module you need (``blockloop.convert.to_recursive``, ``blockloop.convert.hf``...): the package
+itself imports nothing, so the table of ``convert --to`` targets loads without torch.
+"""

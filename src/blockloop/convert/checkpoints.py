@@ -3,8 +3,8 @@
 An uptraining target (``block``, ``recursive``) turns a trained vanilla decoder into another family and
 writes an ordinary checkpoint directory (weights, config, the source's tokenizer, train_state.json at step 0
 keeping the source run's names), ready for ``blockloop train --init-from``. ``hf`` writes a Hugging Face
-folder instead; ``weights`` the model alone (no optimizer state), optionally in bfloat16. :data:`TARGETS`
-is the table the CLI builds its ``--to`` choices and option flags from.
+folder instead; ``weights`` the model alone (no optimizer state), optionally in bfloat16. Which targets
+exist and the options each takes are :data:`blockloop.convert.targets.TARGETS`; :data:`CONVERTERS` performs them.
 """
 
 from __future__ import annotations
@@ -16,23 +16,12 @@ from typing import Any, Callable
 from torch import nn
 
 from blockloop.convert.hf import export_hf
+from blockloop.convert.targets import TARGETS
 from blockloop.convert.to_block import vanilla_to_block
-from blockloop.convert.to_recursive import LOOP_INITS, LORA_INITS, vanilla_to_recursive
+from blockloop.convert.to_recursive import vanilla_to_recursive
 from blockloop.errors import BlockloopError
-from blockloop.families.recursive import TYING_STRATEGIES
 from blockloop.train import checkpoint as ckpt
 from blockloop.train.run import TrainedModel, load_trained
-
-
-@dataclass(frozen=True)
-class Option:
-    """A keyword option of a target (flag ``--name-with-dashes``); ``default`` None = the target decides."""
-
-    name: str
-    type: Callable[[str], Any]
-    default: Any
-    help: str
-    choices: tuple[str, ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -42,13 +31,6 @@ class Converted:
     out: Path
     what: str
     hint: str
-
-
-@dataclass(frozen=True)
-class Target:
-    title: str  # what the target makes, with its reference
-    options: tuple[Option, ...]
-    convert: Callable[..., Converted]  # (checkpoint, out, **options)
 
 
 def _refuse_existing(out: Path) -> None:
@@ -143,33 +125,14 @@ def to_weights(checkpoint: str | Path, out: Path, *, save_dtype: str = "float32"
                      f"use it like a run: blockloop generate --checkpoint {out} --prompt TEXT")
 
 
-SAVE_DTYPE = Option("save_dtype", str, "float32", "dtype of the weights --to hf and --to weights write (default: "
-                    "float32; bfloat16 halves the size)", choices=ckpt.SAVE_DTYPES)
-TARGETS: dict[str, Target] = {
-    "block": Target("Block Transformer (uptraining, Ho et al. 2024)", (
-        Option("block_len", int, 4, "tokens per block L_B (default: 4)"),
-        Option("prefix_len", int, None, "prefix tokens of the token decoder (default: 2)"),
-    ), to_block_checkpoint),
-    "recursive": Target("Relaxed Recursive Transformer (Bae et al. 2024, sections 2.2-2.3)", (
-        Option("loops", int, 2, "loops B over L/B shared layers; must divide the depth (default: 2)"),
-        Option("init", str, "stepwise", f"shared-layer init: {', '.join(LOOP_INITS)} (default: stepwise)"),
-        Option("strategy", str, "cycle", f"layer tying: {', '.join(TYING_STRATEGIES)} (default: cycle)"),
-        Option("relax", str, None, "relaxation: per-loop LoRA (--lora-rank) or per-position prefix (--prefix-len); "
-               "default: lora when --lora-rank is given, else none", choices=("none", "lora", "prefix")),
-        Option("lora_rank", int, 0, "LoRA rank r per shared linear and loop (default: 0, none)"),
-        Option("lora_alpha", float, None, "LoRA alpha; scaling alpha/r (default: r, scaling 1)"),
-        Option("lora_init", str, "svd", f"LoRA init: {', '.join(LORA_INITS)} (default: svd, equation 4; "
-               "svd_effective also absorbs differing tied norm gains at full rank)"),
-        Option("prefix_len", int, None, "learned prefix key/values per depth position with --relax prefix (default: 0)"),
-        Option("seed", int, 0, "seed of random and zero inits (default: 0)"),
-    ), to_recursive_checkpoint),
-    "hf": Target("Hugging Face folder (export)", (SAVE_DTYPE,), to_hf_folder),
-    "weights": Target("the model alone, without optimizer state (export)", (SAVE_DTYPE,), to_weights),
+CONVERTERS: dict[str, Callable[..., Converted]] = {
+    "block": to_block_checkpoint, "recursive": to_recursive_checkpoint, "hf": to_hf_folder, "weights": to_weights,
 }
+"""What performs each target of :data:`blockloop.convert.targets.TARGETS`: (checkpoint, out, **options)."""
 
 
 def convert_checkpoint(target: str, checkpoint: str | Path, out: Path, **options: Any) -> Converted:
     """Convert ``checkpoint`` to ``target`` (a key of :data:`TARGETS`) with that target's ``options``."""
     if target not in TARGETS:
         raise BlockloopError(f"unknown conversion target {target!r}; choose one of {', '.join(TARGETS)}")
-    return TARGETS[target].convert(checkpoint, Path(out), **options)
+    return CONVERTERS[target](checkpoint, Path(out), **options)

@@ -34,6 +34,7 @@ import dataclasses
 import torch
 from torch import nn
 
+from blockloop.choices import LOOP_INITS, LORA_INITS
 from blockloop.config import DecoderConfig
 from blockloop.errors import BlockloopError
 from blockloop.families.recursive import RecursiveConfig
@@ -41,10 +42,8 @@ from blockloop.models.decoder import Decoder
 from blockloop.models.recursive import RecursiveDecoder
 from blockloop.nn.lora import LoopLoRALinear
 
-LOOP_INITS = ("stepwise", "average", "lower", "upper", "random")
 # The pre-norm whose gain scales each linear's input (see the module docstring).
 INPUT_NORMS = {"attn.qkv": "norm1", "mlp.fc": "norm2", "mlp.gate": "norm2", "mlp.up": "norm2"}
-LORA_INITS = ("svd", "svd_effective", "zero")
 
 
 def recursive_config_from_vanilla(

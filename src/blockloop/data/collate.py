@@ -20,7 +20,6 @@ from typing import Callable
 import torch
 from torch import Tensor
 
-OBJECTIVES = ("lm", "prefix_lm")
 Collate = Callable[[Tensor, Tensor, torch.Generator], dict[str, Tensor]]
 
 

@@ -7,15 +7,13 @@ from typing import ClassVar
 
 from torch import nn
 
+from blockloop.choices import EXIT_LOSSES, TYING_STRATEGIES
 from blockloop.config import InputEmbedding, LocalAttention, ModelConfig, PretrainedFeatures, TransformerShape
 from blockloop.families.costs import kv_cache_bytes, param_bytes
 from blockloop.families.decoder import llama_tiny
 from blockloop.families.decoder import training_flops as decoder_training_flops
 from blockloop.families.spec import FamilySpec, Preset
 from blockloop.models.recursive import RecursiveDecoder
-
-TYING_STRATEGIES = ("cycle", "sequence", "cycle_rev")
-EXIT_LOSSES = ("none", "weighted", "aggressive")
 
 
 @dataclass

@@ -15,8 +15,9 @@ from typing import Any, Callable, Mapping
 import torch
 from torch import Tensor, nn
 
+from blockloop.choices import OBJECTIVES
 from blockloop.config import ModelConfig
-from blockloop.data.collate import OBJECTIVES, Collate, lm_batch
+from blockloop.data.collate import Collate, lm_batch
 from blockloop.errors import ConfigError
 
 Batch = dict[str, Tensor]

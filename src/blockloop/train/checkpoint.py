@@ -26,6 +26,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch import nn
 
+from blockloop.choices import SAVE_DTYPES
 from blockloop.config import ModelConfig, save_config
 from blockloop.errors import BlockloopError
 from blockloop.families import load_config
@@ -33,8 +34,6 @@ from blockloop.files import atomic_write_text
 
 LATEST = "latest"
 KEEP_LAST = 2
-# Weight dtypes a checkpoint that is not resumed (an export) may be written in; training checkpoints stay float32.
-SAVE_DTYPES = ("float32", "bfloat16")
 
 
 def checkpoint_root(run_dir: Path) -> Path:

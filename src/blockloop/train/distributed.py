@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-STRATEGIES = ("ddp", "fsdp")
+from blockloop.choices import DISTRIBUTED
 
 
 @dataclass(frozen=True)
@@ -59,7 +59,7 @@ def parallelize(model: nn.Module, strategy: str, info: DistInfo, device: torch.d
             fully_shard(block)
         fully_shard(model)
         return model
-    raise ValueError(f"unknown distributed strategy {strategy!r}; choose one of {STRATEGIES}")
+    raise ValueError(f"unknown distributed strategy {strategy!r}; choose one of {DISTRIBUTED}")
 
 
 def mean_across_ranks(value: torch.Tensor, info: DistInfo) -> torch.Tensor:

@@ -17,7 +17,7 @@ import math
 import torch
 from torch import nn
 
-SCHEDULES = ("cosine", "linear", "constant")
+from blockloop.choices import SCHEDULES
 
 
 def build_optimizer(

@@ -18,10 +18,11 @@ from blockloop.config import ModelConfig
 from blockloop.errors import BlockloopError
 from blockloop.families import spec_of
 from blockloop.train import checkpoint as ckpt
+from blockloop.train.config import TrainConfig
 from blockloop.train.distill import build_distillation
 from blockloop.train.distributed import DistInfo
 from blockloop.train.run import PreparedRun, RunSpec, prepare_run, sequences
-from blockloop.train.trainer import TrainConfig, Trainer
+from blockloop.train.trainer import Trainer
 
 
 @dataclass(frozen=True)

@@ -15,7 +15,6 @@ import json
 import math
 import time
 from contextlib import nullcontext
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
@@ -26,71 +25,23 @@ from tqdm import tqdm
 
 from blockloop import progress
 from blockloop.config import ModelConfig
-from blockloop.data.collate import OBJECTIVES, step_generator
+from blockloop.data.collate import step_generator
 from blockloop.data.loader import PackedSequences, StreamBatches, TrainBatches
 from blockloop.data.tasks.windows import TaskSequences
 from blockloop.data.tokenizers import Tokenizer
-from blockloop.device import resolve_device
 from blockloop.errors import BlockloopError, ConfigError
 from blockloop.families import spec_of
 from blockloop.files import atomic_write_text
 from blockloop.train import checkpoint as ckpt
+from blockloop.train.config import TrainConfig
 from blockloop.train.distributed import DistInfo, barrier, mean_across_ranks, parallelize
 from blockloop.train.evaluate import evaluate
 from blockloop.train.flops import mfu
-from blockloop.train.optim import SCHEDULES, build_optimizer, lr_at
+from blockloop.train.optim import build_optimizer, lr_at
 
 
 class TrainingDiverged(BlockloopError):
     """The loss stopped being a finite number."""
-
-
-@dataclass
-class TrainConfig:
-    """How to train; saved in every checkpoint so ``--resume`` continues the same run."""
-
-    steps: int = 1000
-    batch_size: int = 16
-    grad_accum: int = 1
-    seq_len: int = 256
-    lr: float = 1e-3
-    min_lr_ratio: float = 0.1
-    warmup_steps: int = 100
-    schedule: str = "cosine"
-    weight_decay: float = 0.1
-    decay_embeddings: bool = False
-    beta1: float = 0.9
-    beta2: float = 0.95
-    grad_clip: float = 1.0
-    eval_interval: int = 200
-    eval_batches: int = 20
-    log_interval: int = 10
-    ckpt_interval: int = 500
-    seed: int = 1337
-    device: str = "auto"
-    precision: str = "auto"
-    compile: bool = False
-    distributed: str = "ddp"
-    objective: str = "lm"
-    progress: bool = True
-    extra: dict[str, Any] = field(default_factory=dict)
-
-    def __post_init__(self) -> None:
-        positive = ("steps", "batch_size", "grad_accum", "seq_len", "eval_interval", "log_interval", "ckpt_interval")
-        for name in positive:
-            if getattr(self, name) < 1:
-                raise ConfigError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(self, name)}")
-        if self.lr <= 0 or not math.isfinite(self.lr):
-            raise ConfigError(f"--lr must be a positive number, got {self.lr}")
-        if self.schedule not in SCHEDULES:
-            raise ConfigError(f"--schedule {self.schedule!r} is not one of {SCHEDULES}")
-        if self.objective not in OBJECTIVES:
-            raise ConfigError(f"--objective {self.objective!r} is not one of {OBJECTIVES}")
-        if self.precision not in ("auto", "fp32", "bf16"):
-            raise ConfigError(f"--precision {self.precision!r} is not one of auto, fp32, bf16")
-
-    def resolved_device(self) -> str:
-        return resolve_device(self.device)
 
 
 StepCallback = Callable[[int, dict[str, float]], None]

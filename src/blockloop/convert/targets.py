@@ -1,0 +1,54 @@
+"""The targets of ``blockloop convert --to``: what each makes and the options it takes.
+
+A table of names and help, without torch, so that ``blockloop convert --help`` lists every target and flag
+at once; :data:`blockloop.convert.checkpoints.CONVERTERS` performs them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from blockloop.choices import LOOP_INITS, LORA_INITS, SAVE_DTYPES, TYING_STRATEGIES
+
+
+@dataclass(frozen=True)
+class Option:
+    """A keyword option of a target (flag ``--name-with-dashes``); ``default`` None = the target decides."""
+
+    name: str
+    type: Callable[[str], Any]
+    default: Any
+    help: str
+    choices: tuple[str, ...] | None = None
+
+
+@dataclass(frozen=True)
+class Target:
+    title: str  # what the target makes, with its reference
+    options: tuple[Option, ...]
+
+
+SAVE_DTYPE = Option("save_dtype", str, "float32", "dtype of the weights --to hf and --to weights write (default: "
+                    "float32; bfloat16 halves the size)", choices=SAVE_DTYPES)
+TARGETS: dict[str, Target] = {
+    "block": Target("Block Transformer (uptraining, Ho et al. 2024)", (
+        Option("block_len", int, 4, "tokens per block L_B (default: 4)"),
+        Option("prefix_len", int, None, "prefix tokens of the token decoder (default: 2)"),
+    )),
+    "recursive": Target("Relaxed Recursive Transformer (Bae et al. 2024, sections 2.2-2.3)", (
+        Option("loops", int, 2, "loops B over L/B shared layers; must divide the depth (default: 2)"),
+        Option("init", str, "stepwise", f"shared-layer init: {', '.join(LOOP_INITS)} (default: stepwise)"),
+        Option("strategy", str, "cycle", f"layer tying: {', '.join(TYING_STRATEGIES)} (default: cycle)"),
+        Option("relax", str, None, "relaxation: per-loop LoRA (--lora-rank) or per-position prefix (--prefix-len); "
+               "default: lora when --lora-rank is given, else none", choices=("none", "lora", "prefix")),
+        Option("lora_rank", int, 0, "LoRA rank r per shared linear and loop (default: 0, none)"),
+        Option("lora_alpha", float, None, "LoRA alpha; scaling alpha/r (default: r, scaling 1)"),
+        Option("lora_init", str, "svd", f"LoRA init: {', '.join(LORA_INITS)} (default: svd, equation 4; "
+               "svd_effective also absorbs differing tied norm gains at full rank)"),
+        Option("prefix_len", int, None, "learned prefix key/values per depth position with --relax prefix (default: 0)"),
+        Option("seed", int, 0, "seed of random and zero inits (default: 0)"),
+    )),
+    "hf": Target("Hugging Face folder (export)", (SAVE_DTYPE,)),
+    "weights": Target("the model alone, without optimizer state (export)", (SAVE_DTYPE,)),
+}
