@@ -245,7 +245,9 @@ def seeds_markdown(key: str, part: dict[str, object]) -> list[str]:
             f"| {m['train_ms_per_batch']:.0f} | {verdict} |")
     first = part["rows"][0]
     lines += ["", (f"Errors over {first['valid_labelled']:,} (valid) and {first['test_labelled']:,} (test) labelled "
-                   f"positions; std is the sample standard deviation over seeds. Curves: {figure_name(key)}."), ""]
+                   f"positions; std is the sample standard deviation over seeds. Curves: {figure_name(key)} (mean "
+                   "over seeds, band from the best to the worst seed), each point the error on the first "
+                   f"{first['run']['settings']['curve_batches']} test batches, a noisier estimate than the table's."), ""]
     return lines
 
 
@@ -271,7 +273,7 @@ def plot_seeds(key: str, part: dict[str, object], out: Path) -> Path:
         errors = [[point["test_error"] for point in curve] for curve in curves]
         per_step = list(zip(*errors))
         mean = [statistics.fmean(values) for values in per_step]
-        (line,) = ax.plot(steps, mean, label=f"{label} ({len(curves)} seeds)")
+        (line,) = ax.plot(steps, mean, label=f"{label} ({len(curves)} seed{'s' if len(curves) > 1 else ''})")
         ax.fill_between(steps, [min(v) for v in per_step], [max(v) for v in per_step], color=line.get_color(), alpha=0.2)
     ax.set_xlabel("training step")
     ax.set_ylabel("test error (labelled positions)")
