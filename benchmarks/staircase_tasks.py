@@ -26,7 +26,7 @@ Tasks are generated with seed 0 and their default sizes into the blockloop cache
 from __future__ import annotations
 
 import argparse
-import itertools
+import fcntl
 import json
 import statistics
 import tempfile
@@ -60,7 +60,17 @@ LM_MODELS = (
     "ladder-2=tiny-ladder,n_steps=2",
     "ladder-4=tiny-ladder,n_steps=4",
 )
+# `seeds`: the four models of the issue's table; the Staircase and Cached Staircase with two passes' worth of
+# chunks (S/C = 2, Table 7's best-supported Algorithm rows), the Ladder with two steps (the same compute).
+SEED_MODELS = (
+    "transformer=tiny,n_kv_head=4",
+    "staircase=tiny-staircase-algorithm",
+    "cached-staircase=tiny-cached-staircase-algorithm",
+    "ladder=tiny-ladder",
+)
+SMOKE_MODELS = ("transformer=tiny,n_kv_head=4", "staircase=tiny-staircase-algorithm")
 RESULTS = "staircase_tasks_cpu"
+SEEDS_RESULTS = "staircase_seeds_cpu"
 OBSERVATIONS = "## Observations"
 
 
@@ -77,28 +87,48 @@ def parse_model(entry: str) -> tuple[str, str, dict[str, object]]:
     return label, preset, overrides
 
 
-def train_one(entry: str, spec_fields: dict[str, object], args: argparse.Namespace) -> dict[str, object]:
-    """Train one model entry with the shared trainer; time each step; return its record (model kept for eval)."""
+def train_one(
+    entry: str, spec_fields: dict[str, object], args: argparse.Namespace, *, seed: int | None = None,
+    curve_split: str | None = None,
+) -> dict[str, object]:
+    """Train one model entry with the shared trainer; time each step; return its record (model kept for eval).
+
+    With ``curve_split`` (a task split) the record gets ``curve``: the task error on the first
+    ``--curve-batches`` batches of that split every ``--curve-every`` steps (and at the last), with the
+    training loss at that step; those evaluations are left out of the time per batch and the train time.
+    """
+    seed = args.seed if seed is None else seed
     label, preset, overrides = parse_model(entry)
     context = from_name(preset, **overrides).context_length
     if context < args.seq_len:
         overrides["context_length"] = args.seq_len
     spec = RunSpec(preset=preset, model_overrides=overrides, **spec_fields)
-    run = prepare_run(spec, seed=args.seed, show_progress=False)
+    run = prepare_run(spec, seed=seed, show_progress=False)
     train, val = sequences(run.splits, args.seq_len)
     config = TrainConfig(
         steps=args.steps, batch_size=args.batch_size, seq_len=args.seq_len, lr=args.lr,
         warmup_steps=max(1, args.steps // 10), eval_interval=args.steps, eval_batches=1,
         log_interval=max(1, args.steps // 5), ckpt_interval=10 * args.steps, device="cpu", progress=False,
-        seed=args.seed,
+        seed=seed,
     )
-    stamps: list[float] = []
+    probe = task_sequences(run.splits, curve_split, args.seq_len) if curve_split else None
+    ends: list[float] = []  # when each step finished
+    starts: list[float] = []  # when the next step could start (after the curve's evaluation, if any)
+    curve: list[dict[str, float]] = []
     with tempfile.TemporaryDirectory() as tmp:
         trainer = Trainer(run.model, run.model_config, run.tokenizer, train, None, config, Path(tmp), run_info=spec.to_dict())
+
+        def on_step(step: int, metrics: dict[str, float]) -> None:
+            ends.append(time.perf_counter())
+            if probe is not None and (step % args.curve_every == 0 or step == args.steps):
+                result = evaluate(trainer.model, probe, batch_size=args.batch_size, max_batches=args.curve_batches)
+                curve.append({"step": step, "train_loss": metrics["loss"], f"{curve_split}_error": result["error"]})
+            starts.append(time.perf_counter())
+
         start = time.perf_counter()
-        metrics = trainer.fit(on_step=lambda step, m: stamps.append(time.perf_counter()))
-        seconds = time.perf_counter() - start
-    durations = [b - a for a, b in itertools.pairwise(stamps)]
+        metrics = trainer.fit(on_step=on_step)
+        seconds = time.perf_counter() - start - sum(s - e for e, s in zip(ends, starts))
+    durations = [end - begin for begin, end in zip(starts, ends[1:])]
     record = {
         "label": label,
         "preset": preset,
@@ -108,7 +138,7 @@ def train_one(entry: str, spec_fields: dict[str, object], args: argparse.Namespa
         "final_train_loss": metrics["loss"],
         "train_ms_per_batch": 1000 * statistics.median(durations),
         "train_seconds": seconds,
-    }
+    } | ({"seed": seed, "curve": curve} if probe is not None else {})
     return record | {"_model": trainer.model.eval(), "_run": run, "_val": val}
 
 
@@ -149,20 +179,131 @@ def run_lm(args: argparse.Namespace, save: Callable[[dict[str, object]], None]) 
     return {"kind": "lm", "rows": rows}
 
 
+def run_seeds(args: argparse.Namespace, save: Callable[[dict[str, object]], None]) -> dict[str, object]:
+    """Every ``--models`` entry trained from ``--seeds`` seeds on ``--task``: final valid/test error per seed and
+    the test-error curve of each run (the training data is the same for all seeds; the seed draws the
+    initial weights and the batch order, as the paper's training seeds)."""
+    rows = []
+    for entry in args.models or SEED_MODELS:
+        for seed in range(args.seed, args.seed + args.seeds):
+            record = train_one(entry, {"task": args.task}, args, seed=seed, curve_split="test")
+            model, run = record.pop("_model"), record.pop("_run")
+            record.pop("_val")
+            for split in ("valid", "test"):
+                result = evaluate(model, task_sequences(run.splits, split, args.seq_len), batch_size=args.batch_size,
+                                  max_batches=args.eval_batches)
+                record[f"{split}_error"] = result["error"]
+                record[f"{split}_labelled"] = int(result["tokens"])
+            record["run"] = provenance(args)
+            print(json.dumps({k: v for k, v in record.items() if k != "curve"}), flush=True)
+            rows.append(record)
+            save({"kind": "seeds", "rows": rows})
+    return {"kind": "seeds", "rows": rows}
+
+
+def seed_summary(rows: list[dict[str, object]]) -> dict[str, dict[str, object]]:
+    """Per model label: seeds, mean and sample std of the test (and valid) error, and the test range."""
+    by_label: dict[str, list[dict[str, object]]] = {}
+    for r in rows:
+        by_label.setdefault(r["label"], []).append(r)
+    summary = {}
+    for label, runs in by_label.items():
+        test = [r["test_error"] for r in runs]
+        valid = [r["valid_error"] for r in runs]
+        summary[label] = {
+            "seeds": sorted(r["seed"] for r in runs), "preset": runs[0]["preset"], "overrides": runs[0]["overrides"],
+            "summary": runs[0]["summary"], "parameters": runs[0]["parameters"],
+            "test_mean": statistics.fmean(test), "test_std": statistics.stdev(test) if len(test) > 1 else 0.0,
+            "test_min": min(test), "test_max": max(test),
+            "valid_mean": statistics.fmean(valid), "valid_std": statistics.stdev(valid) if len(valid) > 1 else 0.0,
+            "train_ms_per_batch": statistics.median(r["train_ms_per_batch"] for r in runs),
+            "final_train_loss_mean": statistics.fmean(r["final_train_loss"] for r in runs),
+        }
+    return summary
+
+
+def seeds_markdown(key: str, part: dict[str, object]) -> list[str]:
+    """The mean ± std table of one task, with each model's seed range and how it compares with the transformer."""
+    summary = seed_summary(part["rows"])
+    baseline = summary.get("transformer")
+    lines = ["| model | preset (overrides) | core | params | seeds | test error mean ± std | test range (min-max) "
+             "| valid error mean ± std | final train loss (mean) | train ms/batch | vs transformer |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for label, m in summary.items():
+        if baseline is None or label == "transformer":
+            verdict = ""
+        elif m["test_max"] < baseline["test_min"]:
+            verdict = "lower, ranges apart"
+        elif m["test_mean"] < baseline["test_mean"]:
+            verdict = "lower mean, ranges overlap"
+        else:
+            verdict = "not lower"
+        lines.append(
+            f"| {label} | {m['preset']} {json.dumps(m['overrides'])} | {m['summary']} | {m['parameters']:,} "
+            f"| {len(m['seeds'])} | {m['test_mean']:.1%} ± {m['test_std']:.1%} | {m['test_min']:.1%}-{m['test_max']:.1%} "
+            f"| {m['valid_mean']:.1%} ± {m['valid_std']:.1%} | {m['final_train_loss_mean']:.3f} "
+            f"| {m['train_ms_per_batch']:.0f} | {verdict} |")
+    first = part["rows"][0]
+    lines += ["", (f"Errors over {first['valid_labelled']:,} (valid) and {first['test_labelled']:,} (test) labelled "
+                   f"positions; std is the sample standard deviation over seeds. Curves: {figure_name(key)} (mean "
+                   "over seeds, band from the best to the worst seed), each point the error on the first "
+                   f"{first['run']['settings']['curve_batches']} test batches, a noisier estimate than the table's."), ""]
+    return lines
+
+
+def figure_name(key: str) -> str:
+    return f"{SEEDS_RESULTS}_{key.replace(':', '-')}.png"
+
+
+def plot_seeds(key: str, part: dict[str, object], out: Path) -> Path:
+    """Test error vs training step, one line per model (mean over seeds) in a band from the best to the worst seed."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as exc:
+        raise SystemExit("the figure needs matplotlib: pip install 'blockloop[plot]'") from exc
+    fig, ax = plt.subplots(figsize=(6, 4))
+    by_label: dict[str, list[list[dict[str, float]]]] = {}
+    for r in part["rows"]:
+        by_label.setdefault(r["label"], []).append(r["curve"])
+    for label, curves in by_label.items():
+        steps = [point["step"] for point in curves[0]]
+        errors = [[point["test_error"] for point in curve] for curve in curves]
+        per_step = list(zip(*errors))
+        mean = [statistics.fmean(values) for values in per_step]
+        (line,) = ax.plot(steps, mean, label=f"{label} ({len(curves)} seed{'s' if len(curves) > 1 else ''})")
+        ax.fill_between(steps, [min(v) for v in per_step], [max(v) for v in per_step], color=line.get_color(), alpha=0.2)
+    ax.set_xlabel("training step")
+    ax.set_ylabel("test error (labelled positions)")
+    ax.set_ylim(0, 1)
+    ax.set_title(key)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    path = out / figure_name(key)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
 def provenance(args: argparse.Namespace) -> dict[str, object]:
     return {
         **environment("cpu"),
-        "settings": {k: getattr(args, k) for k in ("steps", "batch_size", "seq_len", "lr", "seed", "eval_batches")},
+        "settings": {k: getattr(args, k) for k in ("steps", "batch_size", "seq_len", "lr", "seed", "eval_batches")}
+        | ({"seeds": args.seeds, "curve_every": args.curve_every, "curve_batches": args.curve_batches}
+           if args.part == "seeds" else {}),
     }
 
 
-def markdown(record: dict[str, dict[str, object]]) -> str:
+def markdown(record: dict[str, dict[str, object]], seeds: bool = False) -> str:
     lines = [
-        "# Staircase family on state-tracking tasks and character-level LM (CPU, scaled down)",
+        f"# Staircase family on state-tracking tasks{'' if seeds else ' and character-level LM'} (CPU, scaled down)",
         "",
         ("Everything is shrunk to CPU scale: 2-layer d=64 cores (~0.11M parameters), shortened tasks "
-         "(`NAME:LENGTH`), a few hundred steps, one seed (the paper picks the best of several). Train times are "
-         "medians per batch: compare them within one command's rows only (each line names its machine)."),
+         f"(`NAME:LENGTH`), a few hundred steps, {'several seeds per model' if seeds else 'one seed'} (the paper "
+         "picks the best of several). Train times are medians per batch: compare them within one command's rows "
+         "only (each line names its machine)."),
         "",
     ]
     for key, part in record.items():
@@ -181,7 +322,9 @@ def markdown(record: dict[str, dict[str, object]]) -> str:
                        f"{s['seq_len']} tokens, LR {s['lr']} (cosine), seed {s['seed']}; "
                        f"{environment_line(run | {'date': when})}")]
         lines.append("")
-        if part["kind"] == "task":
+        if part["kind"] == "seeds":
+            lines += seeds_markdown(key, part)
+        elif part["kind"] == "task":
             lines += ["| model | preset (overrides) | core | params | valid error | test error | train ms/batch |",
                       "|---|---|---|---|---|---|---|"]
             for r in part["rows"]:
@@ -204,39 +347,63 @@ def markdown(record: dict[str, dict[str, object]]) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("part", choices=["tasks", "lm"])
-    parser.add_argument("--task", default="random-walk:16", help="task for `tasks` (NAME or NAME:LENGTH)")
+    parser.add_argument("part", choices=["tasks", "seeds", "lm"])
+    parser.add_argument("--task", default="random-walk:16", help="task for `tasks` and `seeds` (NAME or NAME:LENGTH)")
     parser.add_argument("--data", default="shakespeare", help="corpus for `lm` (byte tokenizer)")
     parser.add_argument("--models", nargs="+", help="LABEL=PRESET[,FIELD=VALUE...] entries (default: the part's list)")
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--batch-size", type=int, default=16)
     parser.add_argument("--seq-len", type=int, default=128)
     parser.add_argument("--lr", type=float, default=3e-3)
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0, help="the (first) training seed")
+    parser.add_argument("--seeds", type=int, default=3, help="`seeds`: seeds per model, --seed, --seed + 1, ...")
+    parser.add_argument("--curve-every", type=int, default=100, help="`seeds`: steps between points of the test curve")
+    parser.add_argument("--curve-batches", type=int, default=8, help="`seeds`: test batches per curve point")
     parser.add_argument("--eval-batches", type=int, default=20, help="evaluation batches per split")
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1)")
+    parser.add_argument("--smoke", action="store_true",
+                        help="a seconds-long check of the whole protocol: 4 steps, 2 seeds, 1-batch evaluations")
     add_output_arguments(parser)
     args = parser.parse_args()
+    if args.smoke:
+        args.steps, args.seeds, args.curve_every, args.curve_batches, args.eval_batches = 4, 2, 2, 1, 1
+        args.models = args.models or list(SMOKE_MODELS)
     torch.set_num_threads(args.threads)
-    key = args.task if args.part == "tasks" else "lm"
+    key = "lm" if args.part == "lm" else args.task
+    results = SEEDS_RESULTS if args.part == "seeds" else RESULTS
     out = output_dir(args)
 
-    def save(part: dict[str, object]) -> None:
-        """Merge ``part`` into the results after every model, so an interrupted run keeps what it measured."""
-        path = out / f"{RESULTS}.json"
-        record = json.loads(path.read_text()) if path.is_file() else {}
-        if key in record:  # keep the rows of models this call did not run
-            ran = {row["label"] for row in part["rows"]}
-            part = part | {"rows": [row for row in record[key]["rows"] if row["label"] not in ran] + part["rows"]}
-        record[key] = part
-        path.write_text(json.dumps(record, indent=2) + "\n")
-        md = out / f"{RESULTS}.md"
-        # The hand-written reading of the numbers (a section starting at OBSERVATIONS) survives re-runs.
-        kept = md.read_text().partition(OBSERVATIONS)[2] if md.is_file() else ""
-        md.write_text(markdown(record) + ("\n" + OBSERVATIONS + kept if kept else ""))
+    def row_key(row: dict[str, object]) -> tuple[object, ...]:
+        return row["label"], row.get("seed")
 
-    part = run_tasks(args, save) if args.part == "tasks" else run_lm(args, save)
-    print(markdown({key: part}))
+    def save(part: dict[str, object]) -> None:
+        """Merge ``part`` into the results after every model, so an interrupted run keeps what it measured.
+
+        The JSON file is locked while it is read and rewritten: two runs (one per task) may share it."""
+        with open(out / f"{results}.json", "a+") as handle:
+            fcntl.flock(handle, fcntl.LOCK_EX)
+            handle.seek(0)
+            text = handle.read()
+            record = json.loads(text) if text.strip() else {}
+            if key in record:  # keep the rows of models (and seeds) this call did not run
+                ran = {row_key(row) for row in part["rows"]}
+                kept = [row for row in record[key]["rows"] if row_key(row) not in ran]
+                part = part | {"rows": kept + part["rows"]}
+            record[key] = part
+            handle.seek(0)
+            handle.truncate()
+            handle.write(json.dumps(record, indent=2) + "\n")
+            handle.flush()
+            md = out / f"{results}.md"
+            # The hand-written reading of the numbers (a section starting at OBSERVATIONS) survives re-runs.
+            kept_notes = md.read_text().partition(OBSERVATIONS)[2] if md.is_file() else ""
+            md.write_text(markdown(record, seeds=args.part == "seeds") + ("\n" + OBSERVATIONS + kept_notes if kept_notes else ""))
+            if args.part == "seeds":
+                plot_seeds(key, record[key], out)
+
+    run = {"tasks": run_tasks, "seeds": run_seeds, "lm": run_lm}[args.part]
+    part = run(args, save)
+    print(markdown({key: part}, seeds=args.part == "seeds"))
 
 
 if __name__ == "__main__":

@@ -54,6 +54,8 @@ SMOKE: list[tuple[str, str]] = [
     (r"--max-batches \d+", "--max-batches 1"),
     (r"--limit \d+", "--limit 2"),
     (r"--eval-batches \d+", "--eval-batches 1"),
+    (r"--seeds \d+", "--seeds 1"),
+    (r"--curve-batches \d+", "--curve-batches 1"),
     (r"--windows \d+", "--windows 1"),
     (r"--ranks \S+", "--ranks 2"),
     (r"--sizes \S+", "--sizes 200,40,40"),

@@ -1,4 +1,5 @@
-"""``blockloop tasks list|make``: the synthetic state-tracking tasks, listed or written to a directory."""
+"""``blockloop tasks list|make|import``: the synthetic state-tracking tasks listed or written to a directory, or
+your own labelled sequences (JSON lines) written as a task directory."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from pathlib import Path
 from blockloop.cli.common import add_no_progress, print_table
 from blockloop.errors import BlockloopError
 
-HELP = "list or write the synthetic state-tracking tasks (algorithm-3, algorithm-5, random-walk)"
+HELP = "list or write the state-tracking tasks (algorithm-3, algorithm-5, random-walk), or import your own"
 DESCRIPTION = "Seeded train/valid/test splits of labelled-position tasks, written as memory-mappable arrays."
 
 
@@ -21,10 +22,23 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     m.add_argument("--seed", type=int, default=0, help="seed of the three splits (default: 0)")
     m.add_argument("--sizes", help="TRAIN,VALID,TEST counts of programs or sequences (default: the task's own)")
     add_no_progress(m)
+    i = verbs.add_parser("import", help="write labelled sequences from a .jsonl file as a task directory",
+                         description='One sequence per line: {"tokens": [...], "labels": [...]}, one label per token '
+                         "(null where nothing is asked). The vocabulary is built from the data.")
+    i.add_argument("data", help="JSON-lines file of sequences (the train split when --valid and --test are given)")
+    i.add_argument("--out", required=True, help="directory to create (must not exist, or be empty)")
+    i.add_argument("--name", help="the task's name, recorded by runs (default: the --out directory's name)")
+    i.add_argument("--valid", help="a file of validation sequences (with --test; default: drawn from DATA)")
+    i.add_argument("--test", help="a file of test sequences (with --valid)")
+    i.add_argument("--seed", type=int, default=0, help="seed of the split drawn from DATA (default: 0)")
+    i.add_argument("--valid-fraction", type=float, default=0.1, help="share of DATA's sequences for valid (default: 0.1)")
+    i.add_argument("--test-fraction", type=float, default=0.1, help="share of DATA's sequences for test (default: 0.1)")
+    i.add_argument("--vocab-from", metavar="TASK_DIR",
+                   help="reuse an imported task's vocabulary (new evaluation data for a trained model)")
 
 
 def run(args: argparse.Namespace) -> int:
-    return {"list": list_tasks, "make": make_task}[args.tasks_command](args)
+    return {"list": list_tasks, "make": make_task, "import": import_task}[args.tasks_command](args)
 
 
 def list_tasks(args: argparse.Namespace) -> int:
@@ -52,4 +66,19 @@ def make_task(args: argparse.Namespace) -> int:
     meta = load_task(out).meta
     counts = ", ".join(f"{split} {meta['sizes'][split]} ({meta['tokens'][split]} tokens)" for split in meta["sizes"])
     print(f"wrote {args.name} (seed {args.seed}) to {out}: {counts}")
+    return 0
+
+
+def import_task(args: argparse.Namespace) -> int:
+    from blockloop.data.tasks import import_task, load_task
+
+    out = import_task(
+        args.data, Path(args.out), name=args.name, valid=args.valid, test=args.test, seed=args.seed,
+        valid_fraction=args.valid_fraction, test_fraction=args.test_fraction, vocab_from=args.vocab_from,
+    )
+    meta = load_task(out).meta
+    counts = ", ".join(f"{split} {meta['sizes'][split]} ({meta['tokens'][split]} tokens)" for split in meta["sizes"])
+    longest = meta["details"]["longest_sequence"]
+    print(f"imported task {meta['task']} ({len(meta['vocab'])} words) to {out}: {counts}; longest sequence "
+          f"{longest} tokens with its END: train with --seq-len {longest} or more")
     return 0

@@ -80,7 +80,9 @@ def evaluate_task(trained: TrainedModel, request: EvalRequest, device: str) -> d
         name, directory = request.task, request.task_dir
     else:
         name, directory = run.get("task"), run.get("task_dir")
-    if name is not None:  # a wrong model fails before the task is generated
+        if directory is not None and not Path(directory).is_dir():
+            raise BlockloopError(f"the run trained on task {name} from {directory}, which is gone; pass --task-dir")
+    if directory is None:  # a built-in task: a wrong model fails before the task is generated
         check_task_vocabulary(trained.tokenizer, name, get_task(name).vocab)
     data = open_task(name, directory)
     check_task_vocabulary(trained.tokenizer, data.name, data.vocab)

@@ -91,19 +91,30 @@ def prepare_data(spec: RunSpec, tokenizer: Tokenizer, *, show_progress: bool = T
     """The data ``spec`` names, for a model that already has ``tokenizer`` (a checkpoint's)."""
     if spec.task is None:
         return prepare_tokens(spec.data, tokenizer, show_progress=show_progress)
-    check_task_vocabulary(tokenizer, spec.task, get_task(spec.task).vocab)  # before generating anything
+    if spec.task_dir is None:  # a built-in task, checked before it is generated
+        check_task_vocabulary(tokenizer, spec.task, get_task(spec.task).vocab)
     data = open_task(spec.task, spec.task_dir, show_progress=show_progress)
     check_task_vocabulary(tokenizer, data.name, data.vocab)
     return data
 
 
 def check_task_vocabulary(tokenizer: Tokenizer, task: str, vocab: TaskVocab) -> None:
-    """Refuse a model whose ids do not mean the task's words: its predictions would be scored as nonsense."""
-    if not isinstance(tokenizer, TaskTokenizer) or not tokenizer.same_vocabulary(vocab):
-        raise BlockloopError(
-            f"the model's vocabulary ({tokenizer.name}, {tokenizer.vocab_size} ids) is not the vocabulary of task "
-            f"{task} ({vocab.vocab_size} ids); use a model trained on {task} (or a variant of it)"
-        )
+    """Refuse a model whose ids do not mean the task's words: its predictions would be scored as nonsense.
+
+    Between two task vocabularies the message names the task's words the model does not know, or, when it knows
+    them all under other ids, says how to import data with the model's ids."""
+    if isinstance(tokenizer, TaskTokenizer) and tokenizer.same_vocabulary(vocab):
+        return
+    problem = (f"the model's vocabulary ({tokenizer.name}, {tokenizer.vocab_size} ids) is not the vocabulary of task "
+               f"{task} ({vocab.vocab_size} ids)")
+    if isinstance(tokenizer, TaskTokenizer):
+        unknown = [word for word in vocab.words if word not in tokenizer.vocab.words]
+        if unknown:
+            shown = " ".join(unknown[:5]) + (f" (+{len(unknown) - 5} more)" if len(unknown) > 5 else "")
+            problem += f": the model does not know the words {shown}"
+        else:
+            problem += ": the same words under other ids; `blockloop tasks import ... --vocab-from` the training data"
+    raise BlockloopError(f"{problem}; use a model trained on {task} (or a variant of it)")
 
 
 def sequences(

@@ -145,11 +145,17 @@ def init_from_spec(
 
 
 def task_fields(task: str | None, task_dir: str | None) -> dict[str, str | None]:
-    """RunSpec fields of a task run: the task's name (read from ``task_dir`` if only that is given)."""
+    """RunSpec fields of a task run: the task's name, read from ``task_dir`` when one is given (a built-in task
+    or an imported one), else a built-in task's name."""
     from blockloop.data.tasks import get_task, load_task
 
-    name = task if task is not None else load_task(Path(task_dir)).name
-    get_task(name)  # an unknown task fails here, with the list of known ones
+    if task_dir is not None:
+        name = load_task(Path(task_dir)).name
+        if task is not None and task != name:
+            raise BlockloopError(f"{task_dir} holds task {name}, not {task}; drop --task or point --task-dir elsewhere")
+    else:
+        name = task
+        get_task(name)  # an unknown task fails here, with the list of known ones
     resolved = str(Path(task_dir).resolve()) if task_dir else None
     return {"task": name, "task_dir": resolved, "data": f"task:{name}", "tokenizer": f"task:{name}"}
 

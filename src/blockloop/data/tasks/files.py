@@ -70,24 +70,28 @@ def write_task(
         raise BlockloopError(f"sizes must be three positive counts (train, valid, test), got {list(sizes)}")
     if seed < 0:
         raise BlockloopError(f"seed must be zero or positive, got {seed}")
-    out_dir = Path(out_dir)
-    if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
-        raise BlockloopError(f"{out_dir} already exists and is not empty; choose another directory or delete it")
+    out_dir = check_out_dir(out_dir)
     bar = progress.bar(total=sum(sizes), desc=f"generating {task.name}", unit="seq", delay=1.0, disable=not show_progress)
     with bar:
         streams = generate_splits(task, seed=seed, sizes=sizes, progress=bar.update)
-    meta = {
-        "format": FORMAT,
-        "task": task.name,
-        "description": task.description,
-        "seed": seed,
-        "sizes": dict(zip(SPLITS, sizes)),
-        "tokens": {split: len(stream.inputs) for split, stream in streams.items()},
-        "vocab": list(task.vocab.words),
-        "ignore_index": IGNORE_INDEX,
-        "dtypes": _DTYPES,
-        "details": task.details,
-    }
+    meta = {"task": task.name, "description": task.description, "seed": seed, "sizes": dict(zip(SPLITS, sizes)),
+            "details": task.details}
+    return write_splits(out_dir, streams, task.vocab, meta)
+
+
+def check_out_dir(out_dir: Path | str) -> Path:
+    """``out_dir`` as a Path, refused if it exists and is not an empty directory (a dataset is never overwritten)."""
+    out_dir = Path(out_dir)
+    if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
+        raise BlockloopError(f"{out_dir} already exists and is not empty; choose another directory or delete it")
+    return out_dir
+
+
+def write_splits(out_dir: Path, streams: dict[str, TaskStream], vocab: TaskVocab, meta: dict[str, object]) -> Path:
+    """Write ``streams`` and ``meta.json`` (``meta`` plus the format, vocabulary, token counts and dtypes) into
+    ``out_dir`` all at once: built under a temporary name beside it and renamed into place last."""
+    meta = {"format": FORMAT, **meta, "tokens": {split: len(stream.inputs) for split, stream in streams.items()},
+            "vocab": list(vocab.words), "ignore_index": IGNORE_INDEX, "dtypes": _DTYPES}
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=f".{out_dir.name}.tmp-"))
     try:

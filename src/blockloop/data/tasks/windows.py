@@ -54,7 +54,7 @@ class TaskSequences:
         if longest > seq_len:
             raise BlockloopError(
                 f"{description} has a sequence of {longest} tokens, longer than --seq-len {seq_len}; raise --seq-len "
-                "to at least that or use a shorter variant of the task (NAME:LENGTH)"
+                "to at least that (within the model's context_length) or use shorter sequences (NAME:LENGTH)"
             )
         self.starts, self.first_scored = _windows(starts, total, seq_len)
 
