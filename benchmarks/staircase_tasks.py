@@ -69,8 +69,8 @@ SEED_MODELS = (
     "ladder=tiny-ladder",
 )
 SMOKE_MODELS = ("transformer=tiny,n_kv_head=4", "staircase=tiny-staircase-algorithm")
-RESULTS = "staircase_tasks_cpu"
-SEEDS_RESULTS = "staircase_seeds_cpu"
+RESULTS = "staircase_tasks"
+SEEDS_RESULTS = "staircase_seeds"
 OBSERVATIONS = "## Observations"
 
 
@@ -108,7 +108,7 @@ def train_one(
     config = TrainConfig(
         steps=args.steps, batch_size=args.batch_size, seq_len=args.seq_len, lr=args.lr,
         warmup_steps=max(1, args.steps // 10), eval_interval=args.steps, eval_batches=1,
-        log_interval=max(1, args.steps // 5), ckpt_interval=10 * args.steps, device="cpu", progress=False,
+        log_interval=max(1, args.steps // 5), ckpt_interval=10 * args.steps, device=args.device, progress=False,
         seed=seed,
     )
     probe = task_sequences(run.splits, curve_split, args.seq_len) if curve_split else None
@@ -121,7 +121,8 @@ def train_one(
         def on_step(step: int, metrics: dict[str, float]) -> None:
             ends.append(time.perf_counter())
             if probe is not None and (step % args.curve_every == 0 or step == args.steps):
-                result = evaluate(trainer.model, probe, batch_size=args.batch_size, max_batches=args.curve_batches)
+                result = evaluate(trainer.model, probe, batch_size=args.batch_size, max_batches=args.curve_batches,
+                                  device=args.device)
                 curve.append({"step": step, "train_loss": metrics["loss"], f"{curve_split}_error": result["error"]})
             starts.append(time.perf_counter())
 
@@ -222,7 +223,7 @@ def seed_summary(rows: list[dict[str, object]]) -> dict[str, dict[str, object]]:
     return summary
 
 
-def seeds_markdown(key: str, part: dict[str, object]) -> list[str]:
+def seeds_markdown(key: str, part: dict[str, object], results: str) -> list[str]:
     """The mean ± std table of one task, with each model's seed range and how it compares with the transformer."""
     summary = seed_summary(part["rows"])
     baseline = summary.get("transformer")
@@ -245,17 +246,17 @@ def seeds_markdown(key: str, part: dict[str, object]) -> list[str]:
             f"| {m['train_ms_per_batch']:.0f} | {verdict} |")
     first = part["rows"][0]
     lines += ["", (f"Errors over {first['valid_labelled']:,} (valid) and {first['test_labelled']:,} (test) labelled "
-                   f"positions; std is the sample standard deviation over seeds. Curves: {figure_name(key)} (mean "
+                   f"positions; std is the sample standard deviation over seeds. Curves: {figure_name(results, key)} (mean "
                    "over seeds, band from the best to the worst seed), each point the error on the first "
                    f"{first['run']['settings']['curve_batches']} test batches, a noisier estimate than the table's."), ""]
     return lines
 
 
-def figure_name(key: str) -> str:
-    return f"{SEEDS_RESULTS}_{key.replace(':', '-')}.png"
+def figure_name(results: str, key: str) -> str:
+    return f"{results}_{key.replace(':', '-')}.png"
 
 
-def plot_seeds(key: str, part: dict[str, object], out: Path) -> Path:
+def plot_seeds(results: str, key: str, part: dict[str, object], out: Path) -> Path:
     """Test error vs training step, one line per model (mean over seeds) in a band from the best to the worst seed."""
     try:
         import matplotlib
@@ -281,7 +282,7 @@ def plot_seeds(key: str, part: dict[str, object], out: Path) -> Path:
     ax.set_title(key)
     ax.legend(fontsize=7)
     fig.tight_layout()
-    path = out / figure_name(key)
+    path = out / figure_name(results, key)
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return path
@@ -289,23 +290,28 @@ def plot_seeds(key: str, part: dict[str, object], out: Path) -> Path:
 
 def provenance(args: argparse.Namespace) -> dict[str, object]:
     return {
-        **environment("cpu"),
+        **environment(args.device),
         "settings": {k: getattr(args, k) for k in ("steps", "batch_size", "seq_len", "lr", "seed", "eval_batches")}
         | ({"seeds": args.seeds, "curve_every": args.curve_every, "curve_batches": args.curve_batches}
            if args.part == "seeds" else {}),
     }
 
 
-def markdown(record: dict[str, dict[str, object]], seeds: bool = False) -> str:
+def markdown(record: dict[str, dict[str, object]], results: str, seeds: bool = False) -> str:
+    cpu = results.endswith("_cpu")
     lines = [
-        f"# Staircase family on state-tracking tasks{'' if seeds else ' and character-level LM'} (CPU, scaled down)",
-        "",
-        ("Everything is shrunk to CPU scale: 2-layer d=64 cores (~0.11M parameters), shortened tasks "
-         f"(`NAME:LENGTH`), a few hundred steps, {'several seeds per model' if seeds else 'one seed'} (the paper "
-         "picks the best of several). Train times are medians per batch: compare them within one command's rows "
-         "only (each line names its machine)."),
+        f"# Staircase family on state-tracking tasks{'' if seeds else ' and character-level LM'} "
+        f"({'CPU, scaled down' if cpu else 'GPU'})",
         "",
     ]
+    if cpu:
+        lines += [
+            ("Everything is shrunk to CPU scale: 2-layer d=64 cores (~0.11M parameters), shortened tasks "
+             f"(`NAME:LENGTH`), a few hundred steps, {'several seeds per model' if seeds else 'one seed'} (the paper "
+             "picks the best of several). Train times are medians per batch: compare them within one command's rows "
+             "only (each line names its machine)."),
+            "",
+        ]
     for key, part in record.items():
         if "rows" not in part:  # an entry written by hand (notes on a longer run): kept in the JSON, not tabled
             continue
@@ -323,7 +329,7 @@ def markdown(record: dict[str, dict[str, object]], seeds: bool = False) -> str:
                        f"{environment_line(run | {'date': when})}")]
         lines.append("")
         if part["kind"] == "seeds":
-            lines += seeds_markdown(key, part)
+            lines += seeds_markdown(key, part, results)
         elif part["kind"] == "task":
             lines += ["| model | preset (overrides) | core | params | valid error | test error | train ms/batch |",
                       "|---|---|---|---|---|---|---|"]
@@ -361,6 +367,7 @@ def main() -> None:
     parser.add_argument("--curve-batches", type=int, default=8, help="`seeds`: test batches per curve point")
     parser.add_argument("--eval-batches", type=int, default=20, help="evaluation batches per split")
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1)")
+    parser.add_argument("--device", default="cpu", help="cpu or cuda[:N]; results are written as *_cpu or *_gpu")
     parser.add_argument("--smoke", action="store_true",
                         help="a seconds-long check of the whole protocol: 4 steps, 2 seeds, 1-batch evaluations")
     add_output_arguments(parser)
@@ -370,7 +377,8 @@ def main() -> None:
         args.models = args.models or list(SMOKE_MODELS)
     torch.set_num_threads(args.threads)
     key = "lm" if args.part == "lm" else args.task
-    results = SEEDS_RESULTS if args.part == "seeds" else RESULTS
+    # Results of CPU and GPU runs are kept apart: runs/... are not comparable across devices.
+    results = (SEEDS_RESULTS if args.part == "seeds" else RESULTS) + ("_cpu" if args.device == "cpu" else "_gpu")
     out = output_dir(args)
 
     def row_key(row: dict[str, object]) -> tuple[object, ...]:
@@ -397,13 +405,13 @@ def main() -> None:
             md = out / f"{results}.md"
             # The hand-written reading of the numbers (a section starting at OBSERVATIONS) survives re-runs.
             kept_notes = md.read_text().partition(OBSERVATIONS)[2] if md.is_file() else ""
-            md.write_text(markdown(record, seeds=args.part == "seeds") + ("\n" + OBSERVATIONS + kept_notes if kept_notes else ""))
+            md.write_text(markdown(record, results, seeds=args.part == "seeds") + ("\n" + OBSERVATIONS + kept_notes if kept_notes else ""))
             if args.part == "seeds":
-                plot_seeds(key, record[key], out)
+                plot_seeds(results, key, record[key], out)
 
     run = {"tasks": run_tasks, "seeds": run_seeds, "lm": run_lm}[args.part]
     part = run(args, save)
-    print(markdown({key: part}, seeds=args.part == "seeds"))
+    print(markdown({key: part}, results, seeds=args.part == "seeds"))
 
 
 if __name__ == "__main__":
