@@ -81,7 +81,7 @@ def test_info_and_presets(trained_run, capsys):
         (["train", "--preset", "gpt-17"], "unknown preset 'gpt-17'"),
         (["train", "--preset", "tiny", "--data", "/no/such/file.txt"], "/no/such/file.txt"),
         (["train", "--preset", "tiny", "--seq-len", "4096"], "exceeds the model context of 128"),
-        (["train", "--preset", "tiny", "--batch-size", "0"], "--batch-size must be at least 1"),
+        (["train", "--preset", "tiny", "--batch-size", "0"], "--batch-size: must be an integer >= 1"),
         (["train", "--preset", "tiny", "--tokenizer", "sentencepiece-9"], "sentencepiece-9"),
         (["eval", "--checkpoint", "/no/such/run"], "checkpoint not found"),
         (["generate", "--checkpoint", "/no/such/run", "--prompt", "hi"], "checkpoint not found"),
@@ -100,7 +100,7 @@ def test_errors_on_an_existing_run(trained_run, tmp_path, capsys):
     )
     one_line_error(
         capsys, ["generate", "--checkpoint", str(trained_run), "--prompt", "x", "--top-p", "2", "--device", "cpu"],
-        "top_p",
+        "--top-p: must be a finite number in (0, 1]",
     )
 
 

@@ -18,8 +18,11 @@ reading one back needs the family registry (:func:`blockloop.families.load_confi
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
+import types
+import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
@@ -68,6 +71,11 @@ class ModelConfig:
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        # Types and signs first: the groups' validate() computes with the fields (head_dim = d_model // n_head).
+        check_types(self, f"{self.name}: ", "field ")
+        negative = [f"{f.name}={getattr(self, f.name)}" for f in dataclasses.fields(self)
+                    if isinstance(getattr(self, f.name), int) and getattr(self, f.name) < 0]
+        self._check((not negative, f"{', '.join(negative)}: sizes, counts and ids cannot be negative"))
         self.validate()
 
     def validate(self) -> None:
@@ -130,6 +138,66 @@ class ModelConfig:
         return {"family": self.family, **dataclasses.asdict(self)}
 
 
+@functools.cache
+def _field_types(cls: type) -> dict[str, Any]:
+    hints = typing.get_type_hints(cls)
+    return {f.name: hints[f.name] for f in dataclasses.fields(cls)}
+
+
+def _describe(kind: Any) -> str:
+    if typing.get_origin(kind) in (typing.Union, types.UnionType):
+        return " or ".join(_describe(k) for k in typing.get_args(kind))
+    origin = typing.get_origin(kind) or kind
+    if origin in (list, tuple) and typing.get_args(kind):
+        return f"a list of {_describe(typing.get_args(kind)[0]).split(' ', 1)[1]}s"
+    names = {int: "an integer", float: "a finite number", bool: "true or false", str: "a string", list: "a list",
+             dict: "an object", tuple: "a list", type(None): "null"}
+    return names.get(origin, getattr(origin, "__name__", str(origin)))
+
+
+def _matches(value: Any, kind: Any) -> bool:
+    if kind is Any:
+        return True
+    if typing.get_origin(kind) in (typing.Union, types.UnionType):
+        return any(_matches(value, k) for k in typing.get_args(kind))
+    if kind is type(None):
+        return value is None
+    if kind is bool:
+        return isinstance(value, bool)
+    if kind is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if kind is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    origin = typing.get_origin(kind)
+    if origin in (list, tuple):
+        args = [a for a in typing.get_args(kind) if a is not Ellipsis]
+        return isinstance(value, (list, tuple)) and all(_matches(v, args[0]) for v in value) if args else True
+    if origin is dict:
+        return isinstance(value, dict)
+    return not isinstance(kind, type) or isinstance(value, kind)
+
+
+def check_types(instance: Any, prefix: str = "", label: str = "") -> None:
+    """Refuse a dataclass field whose value does not have its annotated type (``--set n_layer=abc``, a
+    config.json holding a string where a number belongs, a non-finite float), naming the field, the value
+    and the type it needs: checked before any arithmetic turns it into a traceback."""
+    for name, kind in _field_types(type(instance)).items():
+        value = getattr(instance, name)
+        if not _matches(value, kind):
+            raise ConfigError(f"{prefix}{label}{name} must be {_describe(kind)}, got {value!r}")
+
+
+def from_fields(cls: type, data: Any, what: str) -> Any:
+    """``cls(**data)`` for fields read from a file (``what`` names it): anything but an object of ``cls``'s
+    fields is refused by name instead of surfacing as a ``TypeError``."""
+    if not isinstance(data, dict):
+        raise ConfigError(f"{what} must be a JSON object of fields, got {type(data).__name__}")
+    unknown = sorted(set(data) - {f.name for f in dataclasses.fields(cls)})
+    if unknown:
+        raise ConfigError(f"{what} has unknown fields {', '.join(unknown)}; it was written by another version or edited")
+    return cls(**data)
+
+
 def check_fields(cls: type, names: Any) -> None:
     """Refuse field ``names`` that the config class ``cls`` does not have, naming them and the family."""
     unknown = sorted(set(names) - {f.name for f in dataclasses.fields(cls)})
@@ -167,6 +235,9 @@ class TransformerShape:
             self.d_ff = 4 * self.d_model if self.mlp in ("gelu", "gelu_tanh") else round_up(8 * self.d_model // 3, 64)
         super().validate()
         self._check(
+            (self.d_model > 0, f"d_model must be positive, got {self.d_model}"),
+            (self.d_ff > 0, f"d_ff must be positive, got {self.d_ff}"),
+            (self.head_dim > 0, f"head_dim must be positive, got {self.head_dim}"),
             (self.n_layer > 0, f"n_layer must be positive, got {self.n_layer}"),
             (self.n_head > 0 and self.n_kv_head > 0, "n_head and n_kv_head must be positive"),
             (
@@ -307,6 +378,10 @@ def read_config_dict(path: Path) -> dict[str, Any]:
     if not path.is_file():
         raise BlockloopError(f"model config not found: {path}; point at a checkpoint directory written by train")
     try:
-        return json.loads(path.read_text())
-    except json.JSONDecodeError as exc:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise BlockloopError(f"model config {path} is not valid JSON ({exc}); the checkpoint is corrupt") from exc
+    if not isinstance(data, dict):
+        raise BlockloopError(f"model config {path} holds a JSON {type(data).__name__}, not an object of config fields; "
+                             "the checkpoint is corrupt")
+    return data

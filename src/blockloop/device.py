@@ -11,6 +11,10 @@ def resolve_device(name: str) -> str:
     """``auto`` -> ``cuda`` or ``cpu``; any other name is returned after checking that it can be used."""
     if name == "auto":
         return "cuda" if torch.cuda.is_available() else "cpu"
+    try:
+        torch.device(name)
+    except (RuntimeError, TypeError):
+        raise BlockloopError(f"--device {name!r} is not a device; use auto, cpu, cuda or cuda:N") from None
     if name.startswith("cuda") and not torch.cuda.is_available():
         raise BlockloopError(f"--device {name} requested but CUDA is not available; use --device cpu")
     return name

@@ -117,7 +117,19 @@ def append_records(path: Path, records: list[dict[str, Any]]) -> None:
 def read_records(path: Path) -> list[dict[str, Any]]:
     if not path.exists():
         raise BlockloopError(f"no benchmark records at {path}; run `blockloop bench --record {path}` first")
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    if path.is_dir():
+        raise BlockloopError(f"{path} is a directory; --record names a JSON-lines file")
+    records = []
+    for number, line in enumerate(path.read_text(encoding="utf-8", errors="replace").splitlines(), 1):
+        try:
+            record = json.loads(line) if line.strip() else None
+        except json.JSONDecodeError as exc:
+            raise BlockloopError(f"{path} line {number} is not a JSON record ({exc.msg}); fix or delete that line") from None
+        if record is not None and not isinstance(record, dict):
+            raise BlockloopError(f"{path} line {number} is not a JSON object; fix or delete that line")
+        if record is not None:
+            records.append(record)
+    return records
 
 
 def last_val_loss(run_dir: Path) -> float | None:
@@ -154,6 +166,9 @@ def plot_pareto(records: list[dict[str, Any]], out: Path) -> int:
     best: dict[str, dict[str, Any]] = {}
     for r in records:
         if r.get("val_loss") is not None and r.get("kind") == "throughput":
+            missing = sorted({"name", "prompt_len", "gen_len", "tok_s"} - set(r))
+            if missing:
+                raise BlockloopError(f"a recorded throughput run lacks {', '.join(missing)}; the --record file was edited")
             key = f"{r['name']} {r['prompt_len']}/{r['gen_len']}"
             if key not in best or r["tok_s"] > best[key]["tok_s"]:
                 best[key] = r

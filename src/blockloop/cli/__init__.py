@@ -5,16 +5,20 @@
 Python API gets the same answers. Only the named verb's arguments are built (some read their choices and
 defaults from the library, which imports torch), so ``blockloop --help`` and the light verbs start at once.
 User mistakes surface as :class:`BlockloopError` and are printed as one
-line on stderr with exit code 2; anything else is a bug and keeps its traceback.
+line on stderr with exit code 2, as are the environment's expected refusals (:data:`OS_ERRORS`: a full disk, a
+read-only folder, a file where a folder belongs); anything else is a bug and keeps its traceback. ``--debug``
+(or ``BLOCKLOOP_DEBUG=1``) shows the traceback of every error.
 """
 
 from __future__ import annotations
 
 import argparse
+import errno
 import os
 import sys
 from collections.abc import Collection, Sequence
 from types import ModuleType
+from typing import NoReturn
 
 from blockloop.cli import bench, chat, convert, demo, flops, generate, info, presets, serve, tasks, train
 from blockloop.cli import eval as eval_
@@ -24,6 +28,15 @@ EXIT_USER_ERROR = 2
 # Optional packages and the extra that installs each: a verb that needs one says so in one line.
 EXTRAS = {"transformers": "hf", "gguf": "hf", "matplotlib": "plot", "pyarrow": "eval", "lm_eval": "lm-eval",
           "fastapi": "serve", "uvicorn": "serve", "prometheus_client": "serve", "httpx": "serve"}
+
+# What the environment refuses, with the fix; the message names the path.
+OS_ERRORS = {
+    errno.ENOSPC: "free some space or write elsewhere", errno.EDQUOT: "free some space or write elsewhere",
+    errno.EROFS: "write to a writable location", errno.EACCES: "check the permissions or write elsewhere",
+    errno.EPERM: "check the permissions or write elsewhere", errno.ENOTDIR: "a file stands where a folder belongs",
+    errno.EISDIR: "a folder stands where a file belongs", errno.EEXIST: "a file stands where a folder belongs",
+    errno.ENAMETOOLONG: "use a shorter path", errno.ELOOP: "fix the symbolic links",
+}
 
 COMMANDS: dict[str, ModuleType] = {
     "train": train, "eval": eval_, "generate": generate, "convert": convert, "tasks": tasks, "presets": presets,
@@ -35,11 +48,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     # The top-level parser has no options of its own besides --help: the first word is the verb.
     verb = next((word for word in argv if not word.startswith("-")), None)
-    args = build_parser(verbs={verb} if verb else set()).parse_args(argv)
+    try:
+        args = build_parser(verbs={verb} if verb else set()).parse_args(argv)
+    except SystemExit as exc:  # an argument error (already printed) is an exit code; --help still exits
+        if exc.code in (0, None):
+            raise
+        return int(exc.code)
     if getattr(args, "no_progress", False):
         from blockloop import progress
 
         progress.set_enabled(False)
+    if args.debug or os.environ.get("BLOCKLOOP_DEBUG", "") not in ("", "0"):
+        return args.handler(args) or 0  # every error keeps its traceback
     try:
         code = args.handler(args) or 0
         sys.stdout.flush()  # inside the try: a reader that left early is noticed here, not at interpreter exit
@@ -59,14 +79,28 @@ def main(argv: Sequence[str] | None = None) -> int:
         # stdout from raising again.
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 1
+    except OSError as exc:
+        if exc.errno not in OS_ERRORS:
+            raise
+        path = exc.filename if exc.filename is not None else "a file"
+        print(f"blockloop {args.command}: error: {exc.strerror}: {path}; {OS_ERRORS[exc.errno]} "
+              "(BLOCKLOOP_DEBUG=1 shows the traceback)", file=sys.stderr)
+        return EXIT_USER_ERROR
     except KeyboardInterrupt:
         print(f"blockloop {args.command}: interrupted; the last checkpoint written is kept", file=sys.stderr)
         return 130
 
 
+class Parser(argparse.ArgumentParser):
+    """Argument errors in one line (a verb's usage runs to a screenful): what is wrong, and where the help is."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(EXIT_USER_ERROR, f"{self.prog}: error: {message}; see {self.prog} --help\n")
+
+
 def build_parser(verbs: Collection[str] | None = None) -> argparse.ArgumentParser:
     """The whole command line, with the arguments of ``verbs`` only (None: of every verb)."""
-    parser = argparse.ArgumentParser(
+    parser = Parser(
         prog="blockloop",
         description="Train, evaluate and sample language models that reuse computation across depth and time.",
     )
@@ -75,5 +109,6 @@ def build_parser(verbs: Collection[str] | None = None) -> argparse.ArgumentParse
         p = sub.add_parser(verb, help=module.HELP, description=getattr(module, "DESCRIPTION", None))
         if verbs is None or verb in verbs:
             module.add_arguments(p)
+        p.add_argument("--debug", action="store_true", help="show the full traceback of any error (or BLOCKLOOP_DEBUG=1)")
         p.set_defaults(handler=module.run)
     return parser

@@ -10,7 +10,15 @@ import math
 from pathlib import Path
 from typing import Any
 
-from blockloop.cli.common import add_device, add_no_progress, parse_ints
+from blockloop.cli.common import (
+    add_device,
+    add_no_progress,
+    int_range,
+    nonnegative_int,
+    number,
+    positive_int,
+    positive_ints,
+)
 from blockloop.errors import BlockloopError
 
 HELP = "benchmark inference: throughput protocol, request stream, Pareto plot"
@@ -29,46 +37,46 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     m.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
                    help="weights/cache dtype (default: bfloat16 on CUDA, float32 on CPU)")
     m.add_argument("--compile", action="store_true", help="torch.compile the decode step (CUDA graphs on CUDA)")
-    m.add_argument("--threads", type=int, help="CPU threads for torch (default: torch's own; 1 is steadier on a shared box)")
+    m.add_argument("--threads", type=positive_int, help="CPU threads for torch (default: torch's own; 1 is steadier on a shared box)")
     t = p.add_argument_group("throughput protocol (Block Transformer section 3.2)")
     t.add_argument("--scenario", choices=["prefill-heavy", "decode-heavy"], default="decode-heavy",
                    help="prompt/gen lengths 2048/128 or 128/2048 (default: decode-heavy)")
-    t.add_argument("--prompt-len", type=int, help="override the scenario's prompt length (e.g. 32 on CPU)")
-    t.add_argument("--gen-len", type=int, help="override the scenario's generated tokens (e.g. 64 on CPU)")
-    t.add_argument("--batch-sizes", default="1,16,64", help="comma-separated batch sizes (default: 1,16,64)")
+    t.add_argument("--prompt-len", type=positive_int, help="override the scenario's prompt length (e.g. 32 on CPU)")
+    t.add_argument("--gen-len", type=positive_int, help="override the scenario's generated tokens (e.g. 64 on CPU)")
+    t.add_argument("--batch-sizes", type=positive_ints, default="1,16,64", help="comma-separated batch sizes (default: 1,16,64)")
     t.add_argument("--search", action="store_true", help="keep doubling the batch past the list until out of memory")
-    t.add_argument("--max-batch", type=int, default=4096, help="upper bound for --search (default: 4096)")
-    t.add_argument("--repeats", type=int, default=3, help="timed runs per batch size (default: 3)")
-    t.add_argument("--warmup", type=int, default=1, help="untimed runs first (default: 1)")
-    t.add_argument("--sync-every", type=int, default=16, help="decode steps between host syncs (default: 16)")
+    t.add_argument("--max-batch", type=positive_int, default=4096, help="upper bound for --search (default: 4096)")
+    t.add_argument("--repeats", type=positive_int, default=3, help="timed runs per batch size (default: 3)")
+    t.add_argument("--warmup", type=nonnegative_int, default=1, help="untimed runs first (default: 1)")
+    t.add_argument("--sync-every", type=positive_int, default=16, help="decode steps between host syncs (default: 16)")
     t.add_argument("--hf", action="store_true", help="also time HF generate() on the first (vanilla) model")
     s = p.add_argument_group("request stream (continuous batching)")
     s.add_argument("--stream", action="store_true", help="run the request-stream benchmark instead")
     s.add_argument("--url", help="send the stream to a running `blockloop serve` at this address over HTTP instead "
                    "(e.g. http://127.0.0.1:8000; the server's model and slots are used)")
-    s.add_argument("--requests", type=int, default=64, help="requests in the stream (default: 64)")
-    s.add_argument("--rate", type=float, default=math.inf, help="Poisson arrivals per second (default: inf, a fixed queue)")
-    s.add_argument("--slots", type=int, default=16, help="engine slots (concurrent requests, default: 16)")
-    s.add_argument("--prompt-range", default="16,64", help="min,max prompt tokens cut from the corpus (default: 16,64)")
-    s.add_argument("--tokens-range", default="16,64", help="min,max tokens each request asks for (default: 16,64)")
+    s.add_argument("--requests", type=positive_int, default=64, help="requests in the stream (default: 64)")
+    s.add_argument("--rate", type=number(0, low_open=True, infinite=True), default=math.inf, help="Poisson arrivals per second (default: inf, a fixed queue)")
+    s.add_argument("--slots", type=positive_int, default=16, help="engine slots (concurrent requests, default: 16)")
+    s.add_argument("--prompt-range", type=int_range, default="16,64", help="min,max prompt tokens cut from the corpus (default: 16,64)")
+    s.add_argument("--tokens-range", type=int_range, default="16,64", help="min,max tokens each request asks for (default: 16,64)")
     s.add_argument("--corpus", default="shakespeare", help="built-in corpus the prompts come from (default: shakespeare)")
     s.add_argument("--exit", metavar="RULE:THRESHOLD", action="append", default=[],
                    help="also serve looped models depth-wise with this early-exit rule, e.g. max_prob:0.9, "
                    "entropy:2.0, none:0 or oracle (repeatable); reports mean loops per token, greedy agreement with "
                    "the sequence-wise (no-exit) run, and the simulated depth-wise speedup (RRT appendix N) of the "
                    "recorded exits; oracle runs every loop and exits at the first loop agreeing with the last")
-    s.add_argument("--speculate", metavar="K", type=int, action="append", default=[],
+    s.add_argument("--speculate", metavar="K", type=positive_int, action="append", default=[],
                    help="also serve looped models self-speculatively: draft K tokens with the first loops, verify with "
                    "all loops in one pass (repeatable); reports the share of drafts kept, tokens per verification pass, "
                    "tok/s against the same model without speculation, and greedy agreement with it (100%%: exact)")
-    s.add_argument("--draft-loops", type=int, default=1, help="loops that draft under --speculate (default: 1)")
+    s.add_argument("--draft-loops", type=positive_int, default=1, help="loops that draft under --speculate (default: 1)")
     s.add_argument("--adaptive-k", action="store_true",
                    help="--speculate K is each request's most: lower it after rejections, raise it after full acceptance")
     o = p.add_argument_group("output")
     o.add_argument("--record", type=Path, help="append every result to this JSON-lines file")
     o.add_argument("--plot", type=Path, metavar="PNG",
                    help="draw throughput vs validation loss (Figure 2) from --record's runs and exit")
-    o.add_argument("--seed", type=int, default=0, help="seed for prompts and arrivals (default: 0)")
+    o.add_argument("--seed", type=nonnegative_int, default=0, help="seed for prompts and arrivals (default: 0)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -78,6 +86,8 @@ def run(args: argparse.Namespace) -> int:
     from blockloop.bench.suite import bench_dtype, load_models
     from blockloop.device import resolve_device
 
+    if args.record is not None and args.record.is_dir():
+        raise BlockloopError(f"--record {args.record} is a directory; name a JSON-lines file")
     if args.url is not None:
         return _http(args)
     device = resolve_device(args.device)
@@ -118,7 +128,7 @@ def _throughput(args: argparse.Namespace, models: list, device: Any) -> list[dic
                   "context")
     hf_missing = hf_available() if args.hf else None  # why the HF baseline cannot run, if asked for
     settings = ThroughputSettings(
-        args.prompt_len or prompt_len, args.gen_len or gen_len, parse_ints(args.batch_sizes, "--batch-sizes"),
+        args.prompt_len or prompt_len, args.gen_len or gen_len, args.batch_sizes,
         repeats=args.repeats, warmup=args.warmup, sync_every=args.sync_every, compile=args.compile,
         search=args.search, max_batch=args.max_batch, seed=args.seed, hf=args.hf and hf_missing is None,
     )
@@ -141,10 +151,9 @@ def _stream(args: argparse.Namespace, models: list) -> list[dict[str, Any]]:
     from blockloop.bench.suite import StreamSettings, parse_exit_rule, stream_rows
     from blockloop.serve.runners import Speculation
 
-    prompt_range = tuple(parse_ints(args.prompt_range, "--prompt-range")[:2])
-    tokens_range = tuple(parse_ints(args.tokens_range, "--tokens-range")[:2])
     settings = StreamSettings(
-        requests=args.requests, slots=args.slots, prompt_range=prompt_range, tokens_range=tokens_range, rate=args.rate,
+        requests=args.requests, slots=args.slots, prompt_range=args.prompt_range, tokens_range=args.tokens_range,
+        rate=args.rate,
         corpus=args.corpus, sync_every=args.sync_every, compile=args.compile, seed=args.seed,
         exits=[parse_exit_rule(text) for text in args.exit],
         speculations=[Speculation(k, args.draft_loops, args.adaptive_k) for k in args.speculate],
@@ -187,8 +196,7 @@ def _http(args: argparse.Namespace) -> int:
     from blockloop.bench.http_stream import run_http_stream
 
     m = run_http_stream(args.url, requests=args.requests, rate=args.rate, corpus=args.corpus, seed=args.seed,
-                        prompt_range=tuple(parse_ints(args.prompt_range, "--prompt-range")[:2]),
-                        tokens_range=tuple(parse_ints(args.tokens_range, "--tokens-range")[:2]))
+                        prompt_range=args.prompt_range, tokens_range=args.tokens_range)
     print(f"{m['model']} at {args.url}: {m['requests']} requests at {args.rate}/s, {m['output_tokens']} tokens in "
           f"{m['duration_s']:.2f} s: {m['requests_per_s']:.2f} req/s, {m['throughput_tok_s']:.1f} tok/s")
     print("| metric | mean ms | median ms | p90 ms | p99 ms |\n|---|---|---|---|---|")

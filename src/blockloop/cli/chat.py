@@ -7,7 +7,14 @@ import sys
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from blockloop.cli.common import add_device
+from blockloop.cli.common import (
+    add_device,
+    nonnegative_float,
+    nonnegative_int,
+    number,
+    positive_int,
+    utf8_text,
+)
 from blockloop.cli.serve import add_engine_arguments, load
 
 if TYPE_CHECKING:
@@ -22,12 +29,12 @@ COMMANDS_HELP = "/reset forgets the conversation, /quit leaves; Ctrl-C stops an 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--checkpoint", required=True, help="run directory or checkpoint directory")
-    p.add_argument("--system", help="a system message that starts every conversation")
-    p.add_argument("--max-new-tokens", type=int, default=256, help="tokens per answer at most (default: 256)")
-    p.add_argument("--temperature", type=float, default=0.8, help="0 = greedy (default: 0.8)")
-    p.add_argument("--top-k", type=int, help="sample only among the k most likely tokens")
-    p.add_argument("--top-p", type=float, help="sample only from the smallest set with this total probability")
-    p.add_argument("--seed", type=int, default=0, help="seed of the first answer; answer i uses seed + i (default: 0)")
+    p.add_argument("--system", type=utf8_text, help="a system message that starts every conversation")
+    p.add_argument("--max-new-tokens", type=positive_int, default=256, help="tokens per answer at most (default: 256)")
+    p.add_argument("--temperature", type=nonnegative_float, default=0.8, help="0 = greedy (default: 0.8)")
+    p.add_argument("--top-k", type=positive_int, help="sample only among the k most likely tokens")
+    p.add_argument("--top-p", type=number(0, 1, low_open=True), help="sample only from the smallest set with this total probability")
+    p.add_argument("--seed", type=nonnegative_int, default=0, help="seed of the first answer; answer i uses seed + i (default: 0)")
     add_engine_arguments(p, slots=1)
     add_device(p)
 

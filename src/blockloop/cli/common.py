@@ -1,9 +1,17 @@
-"""What every verb shares: printing tables and sizes, ``--set`` overrides, integer lists, ``--device``."""
+"""What every verb shares: printing tables and sizes, ``--set`` overrides, ``--device``, and the
+argument types that check every number at the boundary.
+
+A flag's value is refused by argparse (exit code 2, one line naming the flag, the value and what is allowed)
+before any work starts: an ``int`` flag declared with :func:`positive_int` never reaches the library as 0, a
+``float`` flag declared with :func:`number` is never NaN or infinite.
+"""
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
+from collections.abc import Callable
 
 from blockloop.errors import BlockloopError
 
@@ -34,15 +42,89 @@ def parse_overrides(items: list[str]) -> dict[str, object]:
     return overrides
 
 
-def parse_ints(text: str, flag: str) -> list[int]:
-    """Comma-separated positive integers given to ``flag``."""
+def integer(low: int | None = None, high: int | None = None) -> Callable[[str], int]:
+    """An argparse type: a whole number in [low, high] (either bound may be left out)."""
+    allowed = _range("an integer", low, high, False, False)
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be {allowed}, got {text!r}") from None
+        if (low is not None and value < low) or (high is not None and value > high):
+            raise argparse.ArgumentTypeError(f"must be {allowed}, got {text!r}")
+        return value
+
+    parse.__name__ = "integer"
+    return parse
+
+
+def number(
+    low: float | None = None, high: float | None = None, *, low_open: bool = False, high_open: bool = False,
+    infinite: bool = False,
+) -> Callable[[str], float]:
+    """An argparse type: a finite number (``infinite`` also allows inf) between ``low`` and ``high``, each bound
+    inclusive unless ``*_open``."""
+    allowed = _range("a finite number" if not infinite else "a number", low, high, low_open, high_open)
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be {allowed}, got {text!r}") from None
+        below = low is not None and (value <= low if low_open else value < low)
+        above = high is not None and (value >= high if high_open else value > high)
+        if math.isnan(value) or (math.isinf(value) and not infinite) or below or above:
+            raise argparse.ArgumentTypeError(f"must be {allowed}, got {text!r}")
+        return value
+
+    parse.__name__ = "number"
+    return parse
+
+
+def _range(kind: str, low: float | None, high: float | None, low_open: bool, high_open: bool) -> str:
+    if low is not None and high is not None:
+        return f"{kind} in {'(' if low_open else '['}{low:g}, {high:g}{')' if high_open else ']'}"
+    if low is not None:
+        return f"{kind} {'>' if low_open else '>='} {low:g}"
+    if high is not None:
+        return f"{kind} {'<' if high_open else '<='} {high:g}"
+    return kind
+
+
+positive_int = integer(1)
+nonnegative_int = integer(0)
+positive_float = number(0, low_open=True)
+nonnegative_float = number(0)
+fraction = number(0, 1)  # a share in [0, 1]
+
+
+def utf8_text(value: str) -> str:
+    """An argparse type: text that is valid UTF-8 (the shell hands undecodable bytes over as lone surrogates)."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise argparse.ArgumentTypeError(f"is not valid UTF-8 text (byte {exc.start}); pass UTF-8") from None
+    return value
+
+
+def positive_ints(text: str) -> list[int]:
+    """An argparse type: comma-separated positive integers."""
     try:
         values = [int(x) for x in text.split(",") if x.strip()]
-    except ValueError as exc:
-        raise BlockloopError(f"{flag} takes comma-separated integers, got {text!r}") from exc
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"takes comma-separated integers, got {text!r}") from None
     if not values or min(values) < 1:
-        raise BlockloopError(f"{flag} needs positive integers, got {text!r}")
+        raise argparse.ArgumentTypeError(f"needs positive integers, got {text!r}")
     return values
+
+
+def int_range(text: str) -> tuple[int, int]:
+    """An argparse type: ``MIN,MAX`` of positive integers with MIN <= MAX."""
+    values = positive_ints(text)
+    if len(values) != 2 or values[0] > values[1]:
+        raise argparse.ArgumentTypeError(f"takes MIN,MAX with MIN <= MAX, got {text!r}")
+    return values[0], values[1]
 
 
 def add_no_progress(p: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
@@ -53,4 +135,16 @@ def add_no_progress(p: argparse.ArgumentParser | argparse._ArgumentGroup) -> Non
 
 def add_device(p: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
     """``--device``, read with :func:`blockloop.device.resolve_device`."""
-    p.add_argument("--device", default="auto", help="auto, cpu or cuda (default: auto)")
+    p.add_argument("--device", default="auto", type=device, help="auto, cpu or cuda (default: auto)")
+
+
+DEVICE_TYPES = ("auto", "cpu", "cuda", "mps")
+
+
+def device(name: str) -> str:
+    """An argparse type: a device name torch knows (``auto``, ``cpu``, ``cuda``, ``cuda:N``, ``mps``); whether it is
+    present is checked later, by :func:`blockloop.device.resolve_device`."""
+    kind, sep, index = name.partition(":")
+    if kind not in DEVICE_TYPES or (sep and (kind not in ("cuda", "mps") or not index.isdigit())):
+        raise argparse.ArgumentTypeError(f"must be one of auto, cpu, cuda, cuda:N, mps, got {name!r}")
+    return name

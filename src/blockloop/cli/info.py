@@ -34,6 +34,6 @@ def run(args: argparse.Namespace) -> int:
           f"({m.num_parameters(non_embedding=True) / 1e6:.3f}M non-embedding)")
     print(f"tokenizer: {trained.tokenizer.name} (vocab {trained.tokenizer.vocab_size})")
     if trained.state:
-        print(f"trained: step {trained.state['step']} on {trained.state['run'].get('data')}")
+        print(f"trained: step {trained.state.get('step', '?')} on {trained.state.get('run', {}).get('data')}")
     print("config: " + json.dumps(trained.config.to_dict()))
     return 0

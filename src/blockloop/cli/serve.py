@@ -6,7 +6,7 @@ import argparse
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from blockloop.cli.common import add_device
+from blockloop.cli.common import add_device, integer, nonnegative_int, positive_int
 
 if TYPE_CHECKING:
     from blockloop.train.run import TrainedModel
@@ -19,10 +19,10 @@ DESCRIPTION = ("Serve a checkpoint with continuous batching behind /v1/completio
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--checkpoint", required=True, help="run directory or checkpoint directory")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
-    p.add_argument("--port", type=int, default=8000, help="port to listen on (default: 8000)")
+    p.add_argument("--port", type=integer(0, 65535), default=8000, help="port to listen on (default: 8000)")
     p.add_argument("--name", help="the model name clients send (default: the checkpoint folder's name)")
     add_engine_arguments(p)
-    p.add_argument("--max-waiting", type=int, default=256,
+    p.add_argument("--max-waiting", type=nonnegative_int, default=256,
                    help="requests that may wait for a slot; past it the server answers 503 (default: 256)")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
                    help="uvicorn's log level (default: info, one line per request)")
@@ -31,14 +31,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def add_engine_arguments(p: argparse.ArgumentParser, slots: int = 8) -> None:
     """The engine options ``serve`` and ``chat`` share."""
-    p.add_argument("--slots", type=int, default=slots, help=f"requests decoded together (default: {slots})")
-    p.add_argument("--max-len", type=int, help="tokens per slot, prompt and answer (default: the model context)")
-    p.add_argument("--sync-every", type=int, default=8, help="decode steps between host syncs (default: 8)")
+    p.add_argument("--slots", type=positive_int, default=slots, help=f"requests decoded together (default: {slots})")
+    p.add_argument("--max-len", type=positive_int, help="tokens per slot, prompt and answer (default: the model context)")
+    p.add_argument("--sync-every", type=positive_int, default=8, help="decode steps between host syncs (default: 8)")
     p.add_argument("--exit", metavar="RULE:THRESHOLD",
                    help="looped models only: batch depth-wise and leave the loops early by this rule, e.g. "
                    "max_prob:0.9 or entropy:2.0 (none:0 batches depth-wise without early exits)")
     p.add_argument("--compile", action="store_true", help="torch.compile the decode step (CUDA graphs on CUDA)")
-    p.add_argument("--threads", type=int, help="CPU threads for torch (default: torch's own; 1 is steadier on a shared box)")
+    p.add_argument("--threads", type=positive_int, help="CPU threads for torch (default: torch's own; 1 is steadier on a shared box)")
 
 
 def run(args: argparse.Namespace) -> int:

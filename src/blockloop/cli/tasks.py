@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from blockloop.cli.common import add_no_progress, print_table
+from blockloop.cli.common import add_no_progress, nonnegative_int, print_table
 from blockloop.errors import BlockloopError
 
 HELP = "list or write the state-tracking tasks (algorithm-3, algorithm-5, random-walk), or import your own"
@@ -19,7 +19,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     m = verbs.add_parser("make", help="generate a task and write its splits to --out")
     m.add_argument("name", help="task name (see `blockloop tasks list`)")
     m.add_argument("--out", required=True, help="directory to create (must not exist, or be empty)")
-    m.add_argument("--seed", type=int, default=0, help="seed of the three splits (default: 0)")
+    m.add_argument("--seed", type=nonnegative_int, default=0, help="seed of the three splits (default: 0)")
     m.add_argument("--sizes", help="TRAIN,VALID,TEST counts of programs or sequences (default: the task's own)")
     add_no_progress(m)
     i = verbs.add_parser("import", help="write labelled sequences from a .jsonl file as a task directory",

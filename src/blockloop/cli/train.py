@@ -3,9 +3,20 @@
 from __future__ import annotations
 
 import argparse
+import os
 from pathlib import Path
 
-from blockloop.cli.common import add_no_progress, parse_overrides
+from blockloop.cli.common import (
+    add_no_progress,
+    device,
+    fraction,
+    nonnegative_float,
+    nonnegative_int,
+    number,
+    parse_overrides,
+    positive_float,
+    positive_int,
+)
 
 HELP = "train a model (single process, or under torchrun for DDP/FSDP)"
 DESCRIPTION = ("Train a model from a preset on a built-in corpus or your own text. Flags left out take the defaults "
@@ -46,7 +57,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--task-dir", metavar="DIR",
         help="the task dataset to use, written by `blockloop tasks make` (default: generated with seed 0 into the cache)",
     )
-    g.add_argument("--dropout", type=float, help="dropout on embeddings, attention and residuals (default: preset's)")
+    g.add_argument("--dropout", type=number(0, 1, high_open=True), help="dropout on embeddings, attention and residuals (default: preset's)")
     g.add_argument(
         "--set", action="append", default=[], metavar="FIELD=VALUE",
         help="override a field of the preset's model config, e.g. --set embedder=cls --set prefix_len=1 (repeatable; "
@@ -67,49 +78,59 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     e.add_argument("--distill-from", metavar="RUN",
                    help="add forward-KL distillation from this frozen teacher (e.g. the model a looped one was "
                    "converted from); the teacher is never saved with the student")
-    e.add_argument("--distill-weight", type=float, default=1.0, help="weight of the KL term (default: 1.0)")
+    e.add_argument("--distill-weight", type=nonnegative_float, default=1.0, help="weight of the KL term (default: 1.0)")
     e.add_argument("--early-exit", choices=EXIT_LOSSES,
                    help="train every loop's exit: weighted (alpha_i = i / sum i) or aggressive (intermediate loops "
                    "x --exit-coefficient, final x 1); looped models only")
-    e.add_argument("--exit-coefficient", type=float, help="aggressive strategy: intermediate-loop weight (default: 0.1)")
-    e.add_argument("--exit-kd-weight", type=float,
+    e.add_argument("--exit-coefficient", type=nonnegative_float, help="aggressive strategy: intermediate-loop weight (default: 0.1)")
+    e.add_argument("--exit-kd-weight", type=nonnegative_float,
                    help="add KD from the detached final loop to each intermediate loop, with this weight (default: 0)")
     g.add_argument(
-        "--mup-base-width", type=int,
+        "--mup-base-width", type=positive_int,
         help="muP width scaling with base width d0: hidden-matrix LR x d0/d, logits x sqrt(d0/d) (paper: 64)",
     )
     g = p.add_argument_group("length of training")
-    g.add_argument("--steps", type=int, help=f"optimizer steps (default: {d.steps})")
-    g.add_argument("--tokens", type=float, help="train for this many tokens instead of --steps (e.g. 2e6)")
+    g.add_argument("--steps", type=positive_int, help=f"optimizer steps (default: {d.steps})")
+    g.add_argument("--tokens", type=number(1), help="train for this many tokens instead of --steps (e.g. 2e6)")
     g = p.add_argument_group("batch and optimizer")
-    g.add_argument("--batch-size", type=int, help=f"sequences per step per process (default: {d.batch_size})")
-    g.add_argument("--grad-accum", type=int, help=f"micro-batches accumulated per step (default: {d.grad_accum})")
-    g.add_argument("--seq-len", type=int, help=f"tokens per training sequence, at most the model context (default: {d.seq_len}, or the "
+    g.add_argument("--batch-size", type=positive_int, help=f"sequences per step per process (default: {d.batch_size})")
+    g.add_argument("--grad-accum", type=positive_int, help=f"micro-batches accumulated per step (default: {d.grad_accum})")
+    g.add_argument("--seq-len", type=positive_int, help=f"tokens per training sequence, at most the model context (default: {d.seq_len}, or the "
                    "model context when that is shorter)")
-    g.add_argument("--lr", type=float, help=f"peak learning rate (default: {d.lr})")
-    g.add_argument("--min-lr-ratio", type=float, help=f"final LR as a fraction of the peak (default: {d.min_lr_ratio})")
-    g.add_argument("--warmup-steps", type=int, help=f"linear warm-up steps (default: {d.warmup_steps})")
+    g.add_argument("--lr", type=positive_float, help=f"peak learning rate (default: {d.lr})")
+    g.add_argument("--min-lr-ratio", type=fraction, help=f"final LR as a fraction of the peak (default: {d.min_lr_ratio})")
+    g.add_argument("--warmup-steps", type=nonnegative_int, help=f"linear warm-up steps (default: {d.warmup_steps})")
     g.add_argument("--schedule", choices=SCHEDULES, help=f"decay after warm-up (default: {d.schedule})")
-    g.add_argument("--weight-decay", type=float, help=f"AdamW decay on matrices (default: {d.weight_decay})")
+    g.add_argument("--weight-decay", type=nonnegative_float, help=f"AdamW decay on matrices (default: {d.weight_decay})")
     g.add_argument("--decay-embeddings", action="store_const", const=True, help="also decay embedding tables")
-    g.add_argument("--grad-clip", type=float, help=f"clip the gradient norm to this; 0 disables (default: {d.grad_clip})")
-    g.add_argument("--seed", type=int, help=f"seed for initialisation, data order and dropout (default: {d.seed})")
+    g.add_argument("--grad-clip", type=nonnegative_float, help=f"clip the gradient norm to this; 0 disables (default: {d.grad_clip})")
+    g.add_argument("--seed", type=nonnegative_int, help=f"seed for initialisation, data order and dropout (default: {d.seed})")
     g = p.add_argument_group("evaluation, logging and checkpoints")
-    g.add_argument("--eval-interval", type=int, help=f"validate every N steps (default: {d.eval_interval})")
-    g.add_argument("--eval-batches", type=int, help=f"validation batches per evaluation (default: {d.eval_batches})")
-    g.add_argument("--log-interval", type=int, help=f"log every N steps (default: {d.log_interval})")
-    g.add_argument("--ckpt-interval", type=int, help=f"checkpoint every N steps and at the end (default: {d.ckpt_interval})")
+    g.add_argument("--eval-interval", type=positive_int, help=f"validate every N steps (default: {d.eval_interval})")
+    g.add_argument("--eval-batches", type=positive_int, help=f"validation batches per evaluation (default: {d.eval_batches})")
+    g.add_argument("--log-interval", type=positive_int, help=f"log every N steps (default: {d.log_interval})")
+    g.add_argument("--ckpt-interval", type=positive_int, help=f"checkpoint every N steps and at the end (default: {d.ckpt_interval})")
     g.add_argument("--out", default="runs/latest", help="run directory for checkpoints and metrics.jsonl (default: runs/latest)")
     g.add_argument("--resume", action="store_true", help="continue the run in --out from its latest checkpoint")
     add_no_progress(g)
     g = p.add_argument_group("hardware")
-    g.add_argument("--device", help="auto, cpu, cuda or cuda:N (default: auto)")
+    g.add_argument("--device", type=device, help="auto, cpu, cuda or cuda:N (default: auto)")
     g.add_argument("--precision", choices=PRECISIONS, help="auto = bf16 autocast on CUDA, fp32 on CPU")
     g.add_argument("--compile", action="store_const", const=True, help="torch.compile the model")
     g.add_argument("--distributed", choices=DISTRIBUTED, help="strategy under torchrun (default: ddp)")
 
 
 def run(args: argparse.Namespace) -> int:
+    from blockloop.files import run_lock
+
+    # One process writes a run at a time; under torchrun, rank 0 holds the lock for all ranks. (--resume of a run
+    # that is not there fails in plan_run, without creating it.)
+    out = Path(args.out)
+    with run_lock(out, enabled=os.environ.get("RANK", "0") == "0" and (out.exists() or not args.resume)):
+        return train(args)
+
+
+def train(args: argparse.Namespace) -> int:
     from blockloop.train.distributed import init_distributed, shutdown
     from blockloop.train.setup import EarlyExit, TrainRequest, plan_run, start_training
 

@@ -61,6 +61,12 @@ def load_hf_model(path: Path | str, *, gguf_file: str | None = None) -> nn.Modul
     path = Path(path)
     hf_config = _load_hf_config(path, gguf_file)
     architecture_for(hf_config)  # refuse an unsupported architecture before reading any weights
+    if gguf_file is None and not any(path.glob("*.safetensors")):
+        pickles = sorted(p.name for p in (*path.glob("*.bin"), *path.glob("*.pt"), *path.glob("*.pth")))
+        found = f"only pickle weights ({', '.join(pickles)}), which are never loaded (unpickling can run code)" \
+            if pickles else "no weights"
+        raise BlockloopError(f"{path} holds {found}; give a folder with .safetensors weights (transformers' "
+                             "save_pretrained writes them)")
     extra = {"gguf_file": gguf_file} if gguf_file is not None else {}
     with quiet_transformers():
         model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, local_files_only=True, **extra)

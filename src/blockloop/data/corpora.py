@@ -155,8 +155,12 @@ def hash_documents(documents: Sequence[str | bytes]) -> str:
 def _builtin_documents(name: str) -> list[str]:
     builtin = _BUILTINS[name]
     cached = cache_dir() / "corpora" / f"{name}-{builtin.package}-{builtin.version}-v{_CORPUS_FORMAT}.json"
-    if cached.is_file():
-        return json.loads(cached.read_text(encoding="utf-8"))
+    try:
+        documents = json.loads(cached.read_text(encoding="utf-8"))
+        if isinstance(documents, list) and documents and all(isinstance(d, str) for d in documents):
+            return documents
+    except (OSError, ValueError):
+        pass  # not cached yet, or damaged (a truncated write): parsed afresh from the package
     documents = builtin.parse(fetch_package_files(builtin.package, builtin.version, builtin.pattern))
     atomic_write_text(cached, json.dumps(documents))
     return documents

@@ -15,6 +15,7 @@ import tempfile
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -67,7 +68,8 @@ def prepare_tokens(
         + hash_documents(documents).encode()
     ).hexdigest()[:32]
     folder = cache_dir() / "tokens" / key
-    if not (folder / "meta.json").is_file():
+    if _read_cache(folder) is None:
+        shutil.rmtree(folder, ignore_errors=True)  # absent, or damaged (a truncated file): tokenized afresh
         dtype = np.uint16 if tokenizer.vocab_size <= 1 << 16 else np.uint32
         description = f"tokenizing {source} ({tokenizer.name})"
         encoded = _encode(documents, tokenizer, dtype, description, show_progress)
@@ -151,6 +153,19 @@ def _split(encoded: list[np.ndarray], val_fraction: float) -> tuple[np.ndarray, 
     stream = np.concatenate(encoded)
     n_val = round(val_fraction * len(stream))
     return stream[: len(stream) - n_val], stream[len(stream) - n_val :], "tail"
+
+
+def _read_cache(folder: Path) -> dict[str, Any] | None:
+    """The meta of a complete cache entry, or None when it is missing or does not match its .bin files."""
+    try:
+        meta = json.loads((folder / "meta.json").read_text(encoding="utf-8"))
+        itemsize = np.dtype(meta["dtype"]).itemsize
+        sizes = {"train.bin": meta["train_tokens"] * itemsize, "val.bin": meta["val_tokens"] * itemsize}
+        if meta.get("format") == _FORMAT and all((folder / n).stat().st_size == size for n, size in sizes.items()):
+            return meta
+    except (OSError, ValueError, KeyError, TypeError):
+        pass
+    return None
 
 
 def _write_atomically(folder: Path, arrays: dict[str, np.ndarray], meta: dict[str, object]) -> None:

@@ -15,6 +15,7 @@ is unpickled when loading: safetensors and JSON only, which is what ``weights_on
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import shutil
@@ -41,7 +42,12 @@ def checkpoint_root(run_dir: Path) -> Path:
 
 
 def begin_checkpoint(run_dir: Path, step: int) -> Path:
-    """The temporary directory a checkpoint for ``step`` is written into (fresh and empty)."""
+    """The temporary directory a checkpoint for ``step`` is written into (fresh and empty).
+
+    Checkpoints older than the newest complete one go first, so a disk that held two checkpoints has room
+    for the next one (``--resume`` on a full disk makes progress instead of failing at every write).
+    """
+    prune_checkpoints(run_dir, keep=1)
     tmp = checkpoint_root(run_dir) / f".tmp_step_{step:07d}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
@@ -52,28 +58,99 @@ def commit_checkpoint(run_dir: Path, tmp: Path, step: int) -> Path:
     """Move a fully written checkpoint into place, point ``latest`` at it, drop old ones."""
     root = checkpoint_root(run_dir)
     final = root / f"step_{step:07d}"
-    shutil.rmtree(final, ignore_errors=True)
+    if final.exists():  # moved aside whole, so a reader never sees a half-deleted step directory
+        old = root / f".tmp_old_{final.name}"
+        shutil.rmtree(old, ignore_errors=True)
+        os.replace(final, old)
+        shutil.rmtree(old, ignore_errors=True)
     os.replace(tmp, final)
     atomic_write_text(root / LATEST, final.name + "\n")
-    for old in sorted(p for p in root.glob("step_*") if p.is_dir())[:-KEEP_LAST]:
-        shutil.rmtree(old, ignore_errors=True)
+    prune_checkpoints(run_dir, keep=KEEP_LAST)
     return final
 
 
+def prune_checkpoints(run_dir: Path, keep: int) -> None:
+    """Delete all but the newest ``keep`` step directories, never the one ``latest`` names."""
+    root = checkpoint_root(run_dir)
+    latest = _latest_name(root)
+    steps = sorted(p for p in root.glob("step_*") if p.is_dir())
+    for old in steps[:-keep]:
+        if old.name != latest:
+            shutil.rmtree(old, ignore_errors=True)
+
+
+def discard_temporary(run_dir: Path) -> None:
+    """Remove what interrupted writes left behind: partial checkpoints and ``.tmp-*`` files of atomic writes."""
+    root = checkpoint_root(run_dir)
+    for leftover in [*root.glob(".tmp*"), *Path(run_dir).glob(".tmp-*")]:
+        if leftover.is_dir():
+            shutil.rmtree(leftover, ignore_errors=True)
+        else:
+            leftover.unlink(missing_ok=True)
+
+
+def has_checkpoint(run_dir: Path) -> bool:
+    """Whether ``run_dir`` holds a complete checkpoint (not only the leftovers of an interrupted first write)."""
+    root = checkpoint_root(run_dir)
+    return (root / LATEST).is_file() or any((p / "train_state.json").is_file() for p in root.glob("step_*"))
+
+
+def _latest_name(root: Path) -> str | None:
+    try:
+        return (root / LATEST).read_text(encoding="utf-8").strip()
+    except (OSError, UnicodeDecodeError):
+        return None
+
+
+def write_failed(tmp: Path, exc: OSError, *states: dict[str, torch.Tensor] | dict[str, Any]) -> Exception:
+    """Remove the partial checkpoint ``tmp`` after a failed write; a full disk becomes one line saying how much
+    space a checkpoint needs and how much is free (any other error is returned as it is, for the CLI to report)."""
+    shutil.rmtree(tmp, ignore_errors=True)
+    if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
+        return exc
+    needed = sum(t.numel() * t.element_size() for t in _tensors(states))
+    free = shutil.disk_usage(tmp.parent if tmp.parent.exists() else Path(".")).free
+    return BlockloopError(
+        f"no space left on the device of {tmp.parent} for the checkpoint: it needs about {_size(needed)}, "
+        f"{_size(free)} is free; the previous checkpoint is kept; free some space and continue with --resume"
+    )
+
+
+def _tensors(value: Any) -> list[torch.Tensor]:
+    if torch.is_tensor(value):
+        return [value]
+    if isinstance(value, dict):
+        return [t for v in value.values() for t in _tensors(v)]
+    if isinstance(value, (list, tuple)):
+        return [t for v in value for t in _tensors(v)]
+    return []
+
+
 def resolve_checkpoint(path: Path) -> Path:
-    """Accept a run directory, its ``checkpoints`` folder, or one checkpoint directory."""
+    """Accept a run directory, its ``checkpoints`` folder, or one checkpoint directory.
+
+    ``latest`` must name a directory directly inside its own folder: a name that leads elsewhere
+    (``../other-run``, an absolute path) is refused rather than followed.
+    """
     path = Path(path)
     if not path.exists():
         raise BlockloopError(f"checkpoint not found: {path}; pass the --out directory of a training run")
     for root in (checkpoint_root(path), path):
         latest = root / LATEST
         if latest.is_file():
-            target = root / latest.read_text().strip()
+            name = _latest_name(root) or ""
+            target = root / name
+            if not name or Path(name).name != name or name in (".", ".."):
+                raise BlockloopError(f"{latest} names {name!r}, not a checkpoint directory inside {root}; the run is "
+                                     "corrupt: write the name of one of its step_* directories into it")
             if not (target / "model.safetensors").is_file():
-                raise BlockloopError(f"{latest} points at {target.name}, which is missing or incomplete; the run is corrupt")
+                raise BlockloopError(f"{latest} points at {target}, which is missing or incomplete; the run is corrupt")
             return target
     if (path / "model.safetensors").is_file():
         return path
+    if checkpoint_root(path).is_dir():
+        raise BlockloopError(f"{path} holds no complete checkpoint (the run stopped before its first one was written); "
+                             "start it again without --resume")
     raise BlockloopError(f"no checkpoint in {path}; expected a run directory written by `blockloop train`")
 
 
@@ -122,15 +199,21 @@ def _size(size: int) -> str:
 
 
 def read_model_tensors(directory: Path, model: nn.Module) -> dict[str, torch.Tensor]:
-    """model.safetensors, checked to hold exactly ``model``'s parameters (tied aliases stored once)."""
+    """model.safetensors, checked to hold exactly ``model``'s parameters (tied aliases stored once), each of the
+    shape ``model`` (built from the checkpoint's config.json) expects."""
     tensors = _read_safetensors(directory / "model.safetensors")
-    expected = set(model.state_dict()) - _tied_names(model)
-    missing, unexpected = sorted(expected - set(tensors)), sorted(set(tensors) - expected)
+    expected = {name: t.shape for name, t in model.state_dict().items() if name not in _tied_names(model)}
+    missing, unexpected = sorted(set(expected) - set(tensors)), sorted(set(tensors) - set(expected))
     if missing or unexpected:
         raise BlockloopError(
             f"checkpoint {directory} does not match its config (missing {missing[:3]}, unexpected {unexpected[:3]}); "
             "it was written by a different model"
         )
+    wrong = [f"{name} {tuple(tensors[name].shape)} (config: {tuple(shape)})"
+             for name, shape in expected.items() if tensors[name].shape != shape]
+    if wrong:
+        raise BlockloopError(f"checkpoint {directory}: tensor shapes do not match its config.json: {', '.join(wrong[:3])}; "
+                             "the config was edited or belongs to another model")
     return tensors
 
 
@@ -185,11 +268,32 @@ def load_checkpoint_config(directory: Path) -> ModelConfig:
 
 def read_json(path: Path) -> Any:
     try:
-        return json.loads(Path(path).read_text())
+        return json.loads(Path(path).read_text(encoding="utf-8"))
     except FileNotFoundError as exc:
         raise BlockloopError(f"{path} is missing; the checkpoint is incomplete") from exc
-    except json.JSONDecodeError as exc:
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise BlockloopError(f"{path} is not valid JSON ({exc}); the checkpoint is corrupt") from exc
+
+
+TRAIN_STATE_KEYS = ("step", "data", "train_config", "run")
+
+
+def read_train_state(directory: Path) -> dict[str, Any]:
+    """A checkpoint's train_state.json, checked to hold what ``--resume`` reads."""
+    path = Path(directory) / "train_state.json"
+    state = read_json(path)
+    if not isinstance(state, dict):
+        raise BlockloopError(f"{path} holds a JSON {type(state).__name__}, not an object; the checkpoint is corrupt")
+    missing = [key for key in TRAIN_STATE_KEYS if key not in state]
+    if missing:
+        raise BlockloopError(f"{path} lacks {', '.join(missing)}; the checkpoint is incomplete or was not written by "
+                             "`blockloop train`: resume from an earlier one, or start a new run from it with --init-from")
+    if not isinstance(state["step"], int) or isinstance(state["step"], bool) or state["step"] < 0:
+        raise BlockloopError(f"{path}: step must be a non-negative integer, got {state['step']!r}; the checkpoint is corrupt")
+    for key in ("data", "train_config", "run"):
+        if not isinstance(state[key], dict):
+            raise BlockloopError(f"{path}: {key} must be a JSON object, got {state[key]!r}; the checkpoint is corrupt")
+    return state
 
 
 def _write_json(path: Path, data: Any) -> None:

@@ -6,11 +6,11 @@ runs it.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from blockloop.choices import OBJECTIVES, PRECISIONS, SCHEDULES
+from blockloop.choices import DISTRIBUTED, OBJECTIVES, PRECISIONS, SCHEDULES
+from blockloop.config import check_types
 from blockloop.errors import ConfigError
 
 
@@ -45,18 +45,25 @@ class TrainConfig:
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        positive = ("steps", "batch_size", "grad_accum", "seq_len", "eval_interval", "log_interval", "ckpt_interval")
+        check_types(self, "training setting ")
+        positive = ("steps", "batch_size", "grad_accum", "seq_len", "eval_interval", "eval_batches", "log_interval",
+                    "ckpt_interval")
         for name in positive:
             if getattr(self, name) < 1:
                 raise ConfigError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(self, name)}")
-        if self.lr <= 0 or not math.isfinite(self.lr):
-            raise ConfigError(f"--lr must be a positive number, got {self.lr}")
-        if self.schedule not in SCHEDULES:
-            raise ConfigError(f"--schedule {self.schedule!r} is not one of {SCHEDULES}")
-        if self.objective not in OBJECTIVES:
-            raise ConfigError(f"--objective {self.objective!r} is not one of {OBJECTIVES}")
-        if self.precision not in PRECISIONS:
-            raise ConfigError(f"--precision {self.precision!r} is not one of {', '.join(PRECISIONS)}")
+        ranges = (("lr", self.lr > 0, "> 0"), ("min_lr_ratio", 0 <= self.min_lr_ratio <= 1, "in [0, 1]"),
+                  ("warmup_steps", self.warmup_steps >= 0, ">= 0"), ("weight_decay", self.weight_decay >= 0, ">= 0"),
+                  ("grad_clip", self.grad_clip >= 0, ">= 0 (0 disables clipping)"),
+                  ("beta1", 0 <= self.beta1 < 1, "in [0, 1)"), ("beta2", 0 <= self.beta2 < 1, "in [0, 1)"),
+                  ("seed", self.seed >= 0, ">= 0"))
+        for name, ok, allowed in ranges:
+            if not ok:
+                raise ConfigError(f"--{name.replace('_', '-')} must be {allowed}, got {getattr(self, name)}")
+        choices = (("schedule", SCHEDULES), ("objective", OBJECTIVES), ("precision", PRECISIONS),
+                   ("distributed", DISTRIBUTED))
+        for name, allowed in choices:
+            if getattr(self, name) not in allowed:
+                raise ConfigError(f"--{name} {getattr(self, name)!r} is not one of {', '.join(allowed)}")
 
     def resolved_device(self) -> str:
         from blockloop.device import resolve_device  # imports torch

@@ -149,4 +149,7 @@ def load_trained(path: Path | str, device: str = "cpu") -> TrainedModel:
     ckpt.load_model_state(directory, model)
     tokenizer = load_tokenizer(directory)
     state = ckpt.read_json(directory / "train_state.json") if (directory / "train_state.json").is_file() else {}
+    if not isinstance(state, dict) or not all(isinstance(state.get(k, {}), dict) for k in ("run", "train_config")):
+        raise BlockloopError(f"{directory / 'train_state.json'} is not an object with run and train_config objects; "
+                             "the checkpoint is corrupt")
     return TrainedModel(model.to(torch.device(device)).eval(), config, tokenizer, directory, state)

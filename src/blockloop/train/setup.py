@@ -9,12 +9,14 @@ combinations that cannot mean one thing. :func:`start_training` then builds the 
 from __future__ import annotations
 
 import dataclasses
+import shutil
+import sys
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from blockloop.config import ModelConfig
+from blockloop.config import ModelConfig, from_fields
 from blockloop.errors import BlockloopError
 from blockloop.families import spec_of
 from blockloop.train import checkpoint as ckpt
@@ -86,10 +88,11 @@ def plan_run(request: TrainRequest) -> RunPlan:
     if r.resume:
         directory = ckpt.resolve_checkpoint(r.out)
         state = ckpt.read_json(directory / "train_state.json")
-        if "train_config" not in state:
+        if isinstance(state, dict) and "train_config" not in state:
             raise BlockloopError(f"{r.out} holds a model without training state (a converted or exported one); "
                                  "start a new run from it with --init-from")
-        spec = RunSpec(**state["run"])
+        state = ckpt.read_train_state(directory)
+        spec = from_fields(RunSpec, state["run"], f"{directory / 'train_state.json'}: run")
         named = (("preset", r.preset), ("data", r.data), ("tokenizer", r.tokenizer), ("task", r.task),
                  ("task_dir", r.task_dir), ("dropout", r.dropout), ("mup_base_width", r.mup_base_width))
         clashes = [name for name, value in named if value is not None] + (["set"] if r.model_overrides else [])
@@ -100,9 +103,12 @@ def plan_run(request: TrainRequest) -> RunPlan:
             raise BlockloopError(f"--resume continues the saved run; drop --{', --'.join(f.replace('_', '-') for f in clashes)}")
         # The model, config and tokenizer come from the run's own checkpoint, whatever it started from.
         source = dataclasses.replace(spec, init_from=str(directory))
-        config = TrainConfig(**{**state["train_config"], **r.train_overrides})
+        config = from_fields(TrainConfig, {**state["train_config"], **r.train_overrides},
+                             f"{directory / 'train_state.json'}: train_config")
         return RunPlan(spec, source, config, r.out, True, r.early_exit, r.tokens)
-    if ckpt.checkpoint_root(r.out).exists():
+    if r.out.exists() and not r.out.is_dir():
+        raise BlockloopError(f"--out {r.out} is a file; name a directory for the run")
+    if ckpt.has_checkpoint(r.out):
         raise BlockloopError(f"{r.out} already holds a run; pass --resume to continue it or choose another --out")
     if r.init_from is not None:
         if r.preset or r.tokenizer or overrides:
@@ -160,6 +166,21 @@ def task_fields(task: str | None, task_dir: str | None) -> dict[str, str | None]
     return {"task": name, "task_dir": resolved, "data": f"task:{name}", "tokenizer": f"task:{name}"}
 
 
+def clear_leftovers(plan: RunPlan) -> None:
+    """Remove what interrupted runs left in ``plan.out``: temporary files always; on a fresh start (no complete
+    checkpoint there, or :func:`plan_run` would have refused) also a partial first checkpoint and the old
+    metrics, so the new run neither gets stuck on them nor appends to a log of steps it never took."""
+    ckpt.discard_temporary(plan.out)
+    if plan.resume:
+        return
+    leftovers = [p for p in (ckpt.checkpoint_root(plan.out), plan.out / "metrics.jsonl") if p.exists()]
+    if leftovers:
+        print(f"{plan.out} holds an interrupted run without a complete checkpoint; starting afresh "
+              f"(removed {', '.join(p.name for p in leftovers)})", file=sys.stderr)
+        shutil.rmtree(ckpt.checkpoint_root(plan.out), ignore_errors=True)
+        (plan.out / "metrics.jsonl").unlink(missing_ok=True)
+
+
 def apply_early_exit(config: ModelConfig, options: EarlyExit) -> ModelConfig:
     """``config`` with the early-exit loss fields set; only a looped (recursive) model has exits to train."""
     changes = options.changes()
@@ -173,6 +194,8 @@ def apply_early_exit(config: ModelConfig, options: EarlyExit) -> ModelConfig:
 def start_training(plan: RunPlan, info: DistInfo = DistInfo()) -> tuple[PreparedRun, Trainer]:
     """Model, data and a trainer for ``plan`` (resumed from its last checkpoint on ``--resume``)."""
     config = plan.config
+    if info.is_main:
+        clear_leftovers(plan)
     run = prepare_run(plan.source, seed=config.seed, show_progress=info.is_main)
     # The early-exit fields are part of the model's config, saved with every checkpoint (also after --init-from).
     model_config = apply_early_exit(run.model_config, plan.early_exit)

@@ -126,7 +126,7 @@ class Trainer:
     def resume(self, checkpoint_dir: Path) -> None:
         """Restore model, optimizer, data position, step and RNG from a checkpoint directory."""
         directory = ckpt.resolve_checkpoint(checkpoint_dir)
-        state = ckpt.read_json(directory / "train_state.json")
+        state = ckpt.read_train_state(directory)
         set_state_dict(
             self.train_model,
             self.optimizer,
@@ -141,10 +141,12 @@ class Trainer:
             self._truncate_metrics(self.step)
 
     def _truncate_metrics(self, step: int) -> None:
-        """Drop metrics logged after the checkpoint, so the resumed log reads like an uninterrupted one."""
+        """Drop metrics logged after the checkpoint, so the resumed log reads like an uninterrupted one, and a
+        last line cut short (a kill or a full disk mid-append) that would otherwise break every later read."""
         path = self.out_dir / "metrics.jsonl"
         if path.is_file():
-            kept = [line for line in path.read_text().splitlines() if line and json.loads(line)["step"] <= step]
+            kept = [line for line in path.read_text(encoding="utf-8", errors="replace").split("\n")
+                    if _logged_step(line) is not None and _logged_step(line) <= step]
             atomic_write_text(path, "".join(line + "\n" for line in kept))
 
     # ------------------------------------------------------------------ train
@@ -252,22 +254,25 @@ class Trainer:
         if self.dist.is_main:
             tmp = ckpt.begin_checkpoint(self.out_dir, self.step)
         barrier(self.dist)
-        ckpt.save_rng(tmp, self.dist.rank)
         final = None
-        if self.dist.is_main:
-            ckpt.save_model_files(tmp, self.model, self.model_config, model_state)
-            self.tokenizer.save(tmp)
-            ckpt.save_optimizer(tmp, optim_state)
-            ckpt.write_json_atomic(
-                tmp / "train_state.json",
-                {
-                    "step": self.step,
-                    "data": self.batches.state_dict(),
-                    "world_size": self.dist.world_size,
-                    "train_config": dataclasses.asdict(self.config),
-                    "run": self.run_info,
-                },
-            )
+        try:  # a failed write (a full disk) leaves no partial directory behind
+            ckpt.save_rng(tmp, self.dist.rank)
+            if self.dist.is_main:
+                ckpt.save_model_files(tmp, self.model, self.model_config, model_state)
+                self.tokenizer.save(tmp)
+                ckpt.save_optimizer(tmp, optim_state)
+                ckpt.write_json_atomic(
+                    tmp / "train_state.json",
+                    {
+                        "step": self.step,
+                        "data": self.batches.state_dict(),
+                        "world_size": self.dist.world_size,
+                        "train_config": dataclasses.asdict(self.config),
+                        "run": self.run_info,
+                    },
+                )
+        except OSError as exc:
+            raise ckpt.write_failed(tmp, exc, model_state, optim_state) from exc
         barrier(self.dist)
         if self.dist.is_main:
             final = ckpt.commit_checkpoint(self.out_dir, tmp, self.step)
@@ -284,6 +289,16 @@ class Trainer:
             f.write(json.dumps(metrics) + "\n")
         shown = " | ".join(f"{k} {_fmt(v)}" for k, v in metrics.items())
         tqdm.write(shown)
+
+
+def _logged_step(line: str) -> int | None:
+    """The step of one metrics.jsonl line, or None for a line that is not a complete record."""
+    try:
+        record = json.loads(line)
+    except json.JSONDecodeError:
+        return None
+    step = record.get("step") if isinstance(record, dict) else None
+    return step if isinstance(step, int) else None
 
 
 def _fmt(value: float) -> str:

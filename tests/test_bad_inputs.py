@@ -1,0 +1,348 @@
+"""Bad input across every command: one line on stderr, exit code 2, the problem named, nothing written changed.
+
+The table runs the CLI in-process (``main(argv)``) against one small trained run and damaged copies of it, and
+checks after each row that no file under the shared folder appeared, vanished or changed. Below the table: the
+run lock, a full disk, a run killed during its first checkpoint, a cut metrics line, ``latest`` leaving the run,
+and the top-level handler of the environment's errors.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from blockloop.cli import EXIT_USER_ERROR, main
+
+TINY = ["--preset", "tiny", "--batch-size", "2", "--seq-len", "32", "--warmup-steps", "1", "--log-interval", "1",
+        "--eval-interval", "100", "--eval-batches", "1", "--device", "cpu", "--no-progress"]
+TRAIN = ["train", *TINY, "--steps", "4", "--ckpt-interval", "2"]
+
+
+def _edit_json(path: Path, change) -> None:
+    path.write_text(json.dumps(change(json.loads(path.read_text()))))
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory):
+    """A trained run, damaged copies of it, and other bad files, under one folder that no row may change."""
+    base = tmp_path_factory.mktemp("bad-inputs")
+    run = base / "run"
+    assert main([*TRAIN, "--out", str(run)]) == 0
+    step = run / "checkpoints" / "step_0000004"
+
+    def variant(name: str, damage) -> None:
+        shutil.copytree(run, base / name)
+        damage(base / name / "checkpoints" / "step_0000004")
+
+    variant("list_config", lambda d: (d / "config.json").write_text("[1, 2]"))
+    variant("string_field", lambda d: _edit_json(d / "config.json", lambda c: {**c, "n_layer": "abc"}))
+    variant("shape_mismatch", lambda d: _edit_json(d / "config.json", lambda c: {**c, "d_ff": c["d_ff"] * 2}))
+    variant("state_missing", lambda d: _edit_json(d / "train_state.json", lambda s: {k: v for k, v in s.items()
+                                                                                     if k != "data"}))
+    variant("state_list", lambda d: (d / "train_state.json").write_text("[]"))
+    variant("latest_escape", lambda d: (d.parent / "latest").write_text("../../run/checkpoints/step_0000004\n"))
+    variant("latest_absolute", lambda d: (d.parent / "latest").write_text(f"{step}\n"))
+    partial = base / "partial_first" / "checkpoints" / ".tmp_step_0000002"
+    partial.mkdir(parents=True)
+    (partial / "rng_rank0.safetensors").write_bytes(b"cut")
+    (base / "a_file").write_text("not a directory\n")
+    (base / "records.jsonl").write_text('{"kind": "throughput"}\nnot json\n')
+    (base / "records_dir").mkdir()
+    hf = base / "hf_pickle"
+    hf.mkdir()
+    (hf / "config.json").write_text(json.dumps({
+        "model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": 64, "intermediate_size": 128,
+        "num_attention_heads": 4, "num_hidden_layers": 2, "vocab_size": 256}))
+    (hf / "pytorch_model.bin").write_bytes(b"\x80\x04 a pickle")
+    return base
+
+
+def snapshot(folder: Path) -> dict[str, tuple[int, int]]:
+    return {str(p.relative_to(folder)): (p.stat().st_size, p.stat().st_mtime_ns)
+            for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+R = "{base}/run"
+NEW = "{new}"  # a run folder that does not exist yet, and must not exist afterwards
+CASES = [
+    # train: model config overrides, typed from the config dataclasses
+    (["train", *TINY, "--set", "d_model=-64", "--out", NEW], "d_model=-64"),
+    (["train", *TINY, "--set", "d_model=0", "--out", NEW], "d_model must be positive"),
+    (["train", *TINY, "--set", "n_layer=abc", "--out", NEW], "n_layer must be an integer, got 'abc'"),
+    (["train", *TINY, "--set", "n_head=-4", "--out", NEW], "n_head=-4"),
+    (["train", *TINY, "--set", "rope_base=NaN", "--out", NEW], "rope_base must be a finite number"),
+    (["train", *TINY, "--set", "bias=1", "--out", NEW], "bias must be true or false"),
+    (["train", *TINY, "--set", 'local_layers=["a"]', "--out", NEW], "local_layers must be a list of integers"),
+    (["train", *TINY, "--set", "no_such_field=1", "--out", NEW], "no config field no_such_field"),
+    (["train", *TINY, "--set", "d_model", "--out", NEW], "--set expects FIELD=VALUE"),
+    # train: every number at the boundary
+    (["train", *TINY, "--tokens", "nan", "--out", NEW], "--tokens: must be a finite number >= 1, got 'nan'"),
+    (["train", *TINY, "--tokens", "inf", "--out", NEW], "--tokens: must be a finite number"),
+    (["train", *TINY, "--tokens", "0", "--out", NEW], "--tokens: must be a finite number >= 1"),
+    (["train", *TINY, "--tokens", "lots", "--out", NEW], "--tokens: must be a finite number"),
+    (["train", *TINY, "--steps", "0", "--out", NEW], "--steps: must be an integer >= 1"),
+    (["train", *TINY, "--steps", "-5", "--out", NEW], "--steps: must be an integer >= 1"),
+    (["train", *TINY, "--steps", "1.5", "--out", NEW], "--steps: must be an integer >= 1, got '1.5'"),
+    (["train", *TINY, "--batch-size", "0", "--out", NEW], "--batch-size: must be an integer >= 1"),
+    (["train", *TINY, "--grad-accum", "0", "--out", NEW], "--grad-accum: must be an integer >= 1"),
+    (["train", *TINY, "--seq-len", "0", "--out", NEW], "--seq-len: must be an integer >= 1"),
+    (["train", *TINY, "--lr", "0", "--out", NEW], "--lr: must be a finite number > 0"),
+    (["train", *TINY, "--lr", "nan", "--out", NEW], "--lr: must be a finite number > 0"),
+    (["train", *TINY, "--min-lr-ratio", "5", "--out", NEW], "--min-lr-ratio: must be a finite number in [0, 1]"),
+    (["train", *TINY, "--min-lr-ratio", "-0.1", "--out", NEW], "--min-lr-ratio: must be a finite number in [0, 1]"),
+    (["train", *TINY, "--warmup-steps", "-10", "--out", NEW], "--warmup-steps: must be an integer >= 0"),
+    (["train", *TINY, "--weight-decay", "-1", "--out", NEW], "--weight-decay: must be a finite number >= 0"),
+    (["train", *TINY, "--grad-clip", "nan", "--out", NEW], "--grad-clip: must be a finite number >= 0"),
+    (["train", *TINY, "--grad-clip", "-1", "--out", NEW], "--grad-clip: must be a finite number >= 0"),
+    (["train", *TINY, "--seed", "-1", "--out", NEW], "--seed: must be an integer >= 0"),
+    (["train", *TINY, "--eval-interval", "0", "--out", NEW], "--eval-interval: must be an integer >= 1"),
+    (["train", *TINY, "--eval-batches", "0", "--out", NEW], "--eval-batches: must be an integer >= 1"),
+    (["train", *TINY, "--log-interval", "0", "--out", NEW], "--log-interval: must be an integer >= 1"),
+    (["train", *TINY, "--ckpt-interval", "0", "--out", NEW], "--ckpt-interval: must be an integer >= 1"),
+    (["train", *TINY, "--device", "tpu9", "--out", NEW], "--device: must be one of auto, cpu, cuda, cuda:N"),
+    (["train", *TINY, "--device", "cuda:x", "--out", NEW], "--device: must be one of"),
+    (["train", *TINY, "--dropout", "1", "--out", NEW], "--dropout: must be a finite number in [0, 1)"),
+    (["train", *TINY, "--dropout", "nan", "--out", NEW], "--dropout: must be a finite number"),
+    (["train", *TINY, "--distill-weight", "-1", "--out", NEW], "--distill-weight: must be a finite number >= 0"),
+    (["train", *TINY, "--exit-coefficient", "inf", "--out", NEW], "--exit-coefficient: must be a finite number"),
+    (["train", *TINY, "--mup-base-width", "0", "--out", NEW], "--mup-base-width: must be an integer >= 1"),
+    (["train", *TINY, "--schedule", "sawtooth", "--out", NEW], "invalid choice: 'sawtooth'"),
+    # train: where the run goes and what it continues
+    (["train", *TINY, "--out", "{base}/a_file"], "a_file is a file"),
+    (["train", *TINY, "--out", "{base}/a_file/run"], "Not a directory: {base}/a_file"),
+    (["train", *TINY, "--out", R], "already holds a run"),
+    (["train", "--resume", "--preset", "tiny", "--out", R], "drop --preset"),
+    (["train", "--resume", "--out", "{base}/partial_first"], "holds no complete checkpoint"),
+    (["train", "--resume", "--out", "{base}/state_missing"], "lacks data"),
+    (["train", "--resume", "--out", "{base}/state_list"], "train_state.json holds a JSON list"),
+    (["train", "--resume", "--out", "{base}/latest_escape"], "not a checkpoint directory inside {base}/latest_escape"),
+    (["train", "--resume", "--steps", "0", "--out", R], "--steps: must be an integer >= 1"),
+    # eval
+    (["eval", "--checkpoint", R, "--max-batches", "0"], "--max-batches: must be an integer >= 1"),
+    (["eval", "--checkpoint", R, "--seq-len", "0"], "--seq-len: must be an integer >= 1"),
+    (["eval", "--checkpoint", R, "--batch-size", "0"], "--batch-size: must be an integer >= 1"),
+    (["eval", "--checkpoint", R, "--tasks", "piqa", "--shots", "-1"], "--shots: must be an integer >= 0"),
+    (["eval", "--checkpoint", R, "--tasks", "piqa", "--limit", "0"], "--limit: must be an integer >= 1"),
+    (["eval", "--checkpoint", R, "--device", "tpu9"], "--device: must be one of"),
+    (["eval", "--checkpoint", "{base}/list_config", "--device", "cpu"], "config.json holds a JSON list"),
+    (["eval", "--checkpoint", "{base}/string_field", "--device", "cpu"], "n_layer must be an integer, got 'abc'"),
+    (["eval", "--checkpoint", "{base}/shape_mismatch", "--device", "cpu"], "tensor shapes do not match its config"),
+    (["eval", "--checkpoint", "{base}/latest_absolute", "--device", "cpu"], "not a checkpoint directory inside"),
+    (["eval", "--checkpoint", "{base}/state_list", "--device", "cpu"], "train_state.json is not an object"),
+    # generate and chat
+    (["generate", "--checkpoint", R, "--prompt", "a", "--temperature", "nan"], "--temperature: must be a finite"),
+    (["generate", "--checkpoint", R, "--prompt", "a", "--temperature", "inf"], "--temperature: must be a finite"),
+    (["generate", "--checkpoint", R, "--prompt", "a", "--temperature", "-1"], "--temperature: must be a finite"),
+    (["generate", "--checkpoint", R, "--prompt", "a", "--top-k", "0"], "--top-k: must be an integer >= 1"),
+    (["generate", "--checkpoint", R, "--prompt", "a", "--top-p", "0"], "--top-p: must be a finite number in (0, 1]"),
+    (["generate", "--checkpoint", R, "--prompt", "a", "--num-samples", "0"], "--num-samples: must be an integer"),
+    (["generate", "--checkpoint", R, "--prompt", "a", "--max-new-tokens", "0"], "--max-new-tokens: must be an"),
+    (["generate", "--checkpoint", R, "--prompt", "a", "--speculate", "0"], "--speculate: must be an integer >= 1"),
+    (["generate", "--checkpoint", R, "--prompt", "a\udcff"], "--prompt: is not valid UTF-8"),
+    (["generate", "--checkpoint", "{base}/shape_mismatch", "--prompt", "a", "--device", "cpu"], "tensor shapes"),
+    (["chat", "--checkpoint", R, "--max-new-tokens", "0"], "--max-new-tokens: must be an integer >= 1"),
+    (["chat", "--checkpoint", R, "--slots", "0"], "--slots: must be an integer >= 1"),
+    (["chat", "--checkpoint", R, "--system", "\udcff"], "--system: is not valid UTF-8"),
+    # serve
+    (["serve", "--checkpoint", R, "--port", "70000"], "--port: must be an integer in [0, 65535]"),
+    (["serve", "--checkpoint", R, "--max-waiting", "-1"], "--max-waiting: must be an integer >= 0"),
+    (["serve", "--checkpoint", R, "--sync-every", "0"], "--sync-every: must be an integer >= 1"),
+    # bench
+    (["bench", "--stream", "--prompt-range", "64,16"], "--prompt-range: takes MIN,MAX with MIN <= MAX"),
+    (["bench", "--stream", "--tokens-range", "8"], "--tokens-range: takes MIN,MAX"),
+    (["bench", "--batch-sizes", "0,4"], "--batch-sizes: needs positive integers"),
+    (["bench", "--stream", "--rate", "0"], "--rate: must be a number > 0"),
+    (["bench", "--stream", "--rate", "nan"], "--rate: must be a number > 0"),
+    (["bench", "--requests", "0"], "--requests: must be an integer >= 1"),
+    (["bench", "--repeats", "0"], "--repeats: must be an integer >= 1"),
+    (["bench", "--warmup", "-1"], "--warmup: must be an integer >= 0"),
+    (["bench", "--threads", "0"], "--threads: must be an integer >= 1"),
+    (["bench", "--record", "{base}/records_dir", "--presets", "tiny"], "records_dir is a directory"),
+    (["bench", "--plot", "{base}/plot.png", "--record", "{base}/records.jsonl"], "records.jsonl line 2 is not a JSON"),
+    # convert, tasks, flops, demo, info
+    (["convert", "--to", "block", "--checkpoint", R, "--out", NEW, "--block-len", "-1"], "--block-len: must be an"),
+    (["convert", "--to", "recursive", "--checkpoint", R, "--out", NEW, "--lora-alpha", "nan"], "--lora-alpha: must"),
+    (["convert", "--to", "recursive", "--checkpoint", R, "--out", NEW, "--loops", "two"], "--loops: must be an"),
+    (["convert", "--from-hf", "{base}/hf_pickle", "--tokenizer", "byte", "--out", NEW], "only pickle weights (pytorch_model.bin)"),
+    (["convert", "--to", "block", "--checkpoint", "{base}/latest_escape", "--out", NEW], "not a checkpoint directory"),
+    (["tasks", "make", "algorithm-3", "--out", NEW, "--seed", "-1"], "--seed: must be an integer >= 0"),
+    (["flops", "--preset", "tiny", "--seq-len", "0"], "--seq-len: must be an integer >= 1"),
+    (["flops", "--preset", "tiny", "--bytes", "0"], "--bytes: must be an integer >= 1"),
+    (["demo", "--out", NEW, "--steps", "0"], "--steps: must be an integer >= 1"),
+    (["demo", "--out", NEW, "--device", "tpu9"], "--device: must be one of"),
+    (["info", "{base}/list_config"], "config.json holds a JSON list"),
+    (["info", "{base}/latest_escape"], "not a checkpoint directory inside"),
+]
+
+
+def test_the_table_covers_every_command():
+    from blockloop.cli import COMMANDS
+
+    assert len(CASES) >= 60
+    assert set(COMMANDS) - {argv[0] for argv, _ in CASES} <= {"presets"}  # presets takes no values
+
+
+@pytest.mark.parametrize("argv, match", CASES, ids=[" ".join(a[:1] + a[-2:]) for a, _ in CASES])
+def test_bad_input_is_one_clean_line(base, tmp_path, capsys, argv, match):
+    if "hf_pickle" in " ".join(argv):
+        pytest.importorskip("transformers")
+    new = tmp_path / "new"
+    fill = {"base": str(base), "new": str(new)}
+    before = snapshot(base)
+    code = main([a.format(**fill) if "{" in a else a for a in argv])
+    err = capsys.readouterr().err.strip()
+    assert code == EXIT_USER_ERROR, err
+    assert len(err.splitlines()) == 1 and "Traceback" not in err, err
+    assert match.format(**fill) in err, err
+    assert snapshot(base) == before  # nothing already written changed
+    assert not new.exists()  # and nothing new was left behind
+
+
+# ----------------------------------------------------------------------------------------------- the run lock
+def test_a_second_process_on_a_run_is_refused_and_a_stale_lock_is_replaced(base, tmp_path, capsys):
+    import socket
+
+    run = tmp_path / "run"
+    shutil.copytree(base / "run", run)
+    (run / "lock").write_text(json.dumps({"pid": os.getpid(), "host": socket.gethostname()}))  # alive: this process
+    before = snapshot(run)
+    assert main(["train", "--resume", "--steps", "5", "--out", str(run), "--no-progress"]) == EXIT_USER_ERROR
+    assert f"{run} is in use by process {os.getpid()}" in capsys.readouterr().err
+    assert snapshot(run) == before
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    (run / "lock").write_text(json.dumps({"pid": dead.pid, "host": socket.gethostname()}))
+    assert main(["train", "--resume", "--steps", "5", "--out", str(run), "--no-progress"]) == 0
+    assert not (run / "lock").exists()  # released on exit
+    assert (run / "checkpoints" / "latest").read_text().strip() == "step_0000005"
+
+
+def test_the_lock_is_released_when_training_fails(tmp_path):
+    from blockloop.files import run_lock
+
+    run = tmp_path / "run"
+    with pytest.raises(RuntimeError), run_lock(run):
+        assert (run / "lock").is_file()
+        raise RuntimeError("boom")
+    assert not run.exists()  # created for the lock alone, so removed with it
+    (run / "kept").parent.mkdir()
+    (run / "kept").write_text("x")
+    with run_lock(run):
+        pass
+    assert sorted(p.name for p in run.iterdir()) == ["kept"]
+
+
+# -------------------------------------------------------------------------------------------- disk full, resume
+def test_a_full_disk_ends_in_one_line_keeps_the_last_checkpoint_and_resume_continues(base, tmp_path, capsys,
+                                                                                      monkeypatch):
+    from blockloop.train import checkpoint as ckpt
+
+    run = tmp_path / "run"
+    shutil.copytree(base / "run", run)
+    real = ckpt.save_optimizer
+
+    def full(directory, state):
+        (directory / "optimizer.safetensors").write_bytes(b"partial")
+        raise OSError(errno.ENOSPC, "No space left on device", str(directory / "optimizer.safetensors"))
+
+    monkeypatch.setattr(ckpt, "save_optimizer", full)
+    assert main(["train", "--resume", "--steps", "6", "--out", str(run), "--no-progress"]) == EXIT_USER_ERROR
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "no space left" in err[0] and "needs about" in err[0] and "is free" in err[0], err
+    root = run / "checkpoints"
+    assert not list(root.glob(".tmp*"))  # the partial directory is gone
+    assert (root / "latest").read_text().strip() == "step_0000004"
+    assert [p.name for p in root.glob("step_*")] == ["step_0000004"]  # older ones pruned before the write
+    monkeypatch.setattr(ckpt, "save_optimizer", real)
+    assert main(["train", "--resume", "--steps", "6", "--out", str(run), "--no-progress"]) == 0
+    assert (root / "latest").read_text().strip() == "step_0000006"
+
+
+def test_a_run_killed_in_its_first_checkpoint_starts_afresh_without_its_old_log(tmp_path, capsys):
+    run = tmp_path / "run"
+    partial = run / "checkpoints" / ".tmp_step_0000002"
+    partial.mkdir(parents=True)
+    (partial / "model.safetensors").write_bytes(b"cut short")
+    (run / "metrics.jsonl").write_text('{"step": 1, "loss": 5.0}\n{"step": 2, "lo')
+    assert main(["train", "--resume", "--out", str(run), "--no-progress"]) == EXIT_USER_ERROR
+    assert "start it again without --resume" in capsys.readouterr().err
+    assert main([*TRAIN, "--steps", "2", "--out", str(run)]) == 0
+    assert "starting afresh" in capsys.readouterr().err
+    steps = [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [s for s in steps] == [1, 2, 2]  # the new run's two loss lines and its final validation, nothing older
+    assert not partial.exists() and (run / "checkpoints" / "latest").read_text().strip() == "step_0000002"
+
+
+def test_resume_cuts_a_partial_metrics_line_and_later_steps_and_cleans_temporary_files(base, tmp_path):
+    run = tmp_path / "run"
+    shutil.copytree(base / "run", run)
+    (run / "checkpoints" / "latest").write_text("step_0000002\n")  # as if killed between steps 2 and 4
+    strays = [run / "checkpoints" / ".tmp-latest123", run / ".tmp-abc"]
+    for stray in strays:
+        stray.write_text("left by a kill")
+    with open(run / "metrics.jsonl", "a") as f:
+        f.write('{"step": 5, "loss": 1.')  # a full disk cut this append
+    assert main(["train", "--resume", "--steps", "4", "--out", str(run), "--no-progress"]) == 0
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    losses = [r["step"] for r in records if "loss" in r]
+    assert losses == [1, 2, 3, 4]  # every step once, in order
+    assert not any(stray.exists() for stray in strays)
+
+
+def test_latest_may_not_leave_its_run(base, tmp_path):
+    from blockloop.errors import BlockloopError
+    from blockloop.train.checkpoint import resolve_checkpoint
+
+    run = tmp_path / "run"
+    shutil.copytree(base / "run", run)
+    for name in ("../../run/checkpoints/step_0000004", str(run / "checkpoints" / "step_0000004"), "..", ""):
+        (run / "checkpoints" / "latest").write_text(name + "\n")
+        with pytest.raises(BlockloopError, match="not a checkpoint directory inside"):
+            resolve_checkpoint(run)
+    (run / "checkpoints" / "latest").write_text("step_0000002\n")
+    assert resolve_checkpoint(run) == run / "checkpoints" / "step_0000002"
+
+
+# -------------------------------------------------------------------------------- the environment's errors
+@pytest.mark.parametrize("code, fix", [(errno.ENOSPC, "free some space"), (errno.EROFS, "writable location"),
+                                       (errno.EACCES, "permissions"), (errno.EISDIR, "a folder stands")])
+def test_os_errors_are_one_line_naming_the_path_and_debug_shows_the_traceback(monkeypatch, capsys, code, fix):
+    from blockloop.cli import presets
+
+    def refuse(args):
+        raise OSError(code, os.strerror(code), "/some/where/file")
+
+    monkeypatch.setattr(presets, "run", refuse)
+    assert main(["presets"]) == EXIT_USER_ERROR
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "/some/where/file" in err and fix in err, err
+    with pytest.raises(OSError):
+        main(["presets", "--debug"])
+    monkeypatch.setenv("BLOCKLOOP_DEBUG", "1")
+    with pytest.raises(OSError):
+        main(["presets"])
+
+
+def test_config_files_are_typed_by_their_dataclasses():
+    from blockloop.config import from_fields
+    from blockloop.errors import ConfigError
+    from blockloop.train.config import TrainConfig
+
+    assert from_fields(TrainConfig, {"steps": 3}, "x").steps == 3
+    with pytest.raises(ConfigError, match="x has unknown fields bogus"):
+        from_fields(TrainConfig, {"bogus": 1}, "x")
+    with pytest.raises(ConfigError, match="must be a JSON object"):
+        from_fields(TrainConfig, [1], "x")
+    with pytest.raises(ConfigError, match="steps must be an integer, got '3'"):
+        TrainConfig(steps="3")
+    with pytest.raises(ConfigError, match="--grad-clip must be >= 0"):
+        TrainConfig(grad_clip=-1.0)
+    with pytest.raises(ConfigError, match="lr must be a finite number, got nan"):
+        TrainConfig(lr=float("nan"))
