@@ -346,3 +346,32 @@ def test_config_files_are_typed_by_their_dataclasses():
         TrainConfig(grad_clip=-1.0)
     with pytest.raises(ConfigError, match="lr must be a finite number, got nan"):
         TrainConfig(lr=float("nan"))
+
+
+def test_damaged_cache_entries_are_rebuilt_not_trusted(tmp_path, monkeypatch):
+    import dataclasses
+
+    from blockloop.data import corpora
+    from blockloop.data.dataset import prepare_tokens
+    from blockloop.data.tokenizers import build_tokenizer
+
+    monkeypatch.setenv("BLOCKLOOP_CACHE", str(tmp_path / "cache"))
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("to be or not to be, that is the question\n" * 50)
+    tokenizer = build_tokenizer("byte")
+    first = prepare_tokens(str(corpus), tokenizer, show_progress=False)
+    expected = list(first.train), list(first.val)
+    del first  # unmapped before its file is cut
+    (cached,) = (tmp_path / "cache" / "tokens").glob("*/train.bin")
+    cached.write_bytes(cached.read_bytes()[:10])  # truncated, as by a full disk
+    again = prepare_tokens(str(corpus), tokenizer, show_progress=False)
+    assert (list(again.train), list(again.val)) == expected
+
+    builtin = dataclasses.replace(corpora._BUILTINS["shakespeare"], parse=lambda paths: ["a play", "a poem"])
+    monkeypatch.setitem(corpora._BUILTINS, "shakespeare", builtin)
+    monkeypatch.setattr(corpora, "fetch_package_files", lambda *args: [])
+    cached_json = tmp_path / "cache" / "corpora" / f"shakespeare-{builtin.package}-{builtin.version}-v{corpora._CORPUS_FORMAT}.json"
+    cached_json.parent.mkdir(parents=True)
+    cached_json.write_text('["a play", "a po')  # cut short
+    assert corpora.load_documents("shakespeare") == ["a play", "a poem"]
+    assert json.loads(cached_json.read_text()) == ["a play", "a poem"]  # and written whole again
