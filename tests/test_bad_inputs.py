@@ -74,6 +74,9 @@ NEW = "{new}"  # a run folder that does not exist yet, and must not exist afterw
 CASES = [
     # train: model config overrides, typed from the config dataclasses
     (["train", *TINY, "--set", "d_model=-64", "--out", NEW], "d_model=-64"),
+    (["train", *TINY, "--set", "init_std=-1", "--out", NEW], "init_std=-1: no size, count, id, rate or scale is negative"),
+    (["train", *TINY, "--set", "rope_base=0", "--out", NEW], "rope_base must be positive"),
+    (["train", *TINY, "--set", "name=5", "--out", NEW], "name must be a string, got 5"),
     (["train", *TINY, "--set", "d_model=0", "--out", NEW], "d_model must be positive"),
     (["train", *TINY, "--set", "n_layer=abc", "--out", NEW], "n_layer must be an integer, got 'abc'"),
     (["train", *TINY, "--set", "n_head=-4", "--out", NEW], "n_head=-4"),

@@ -74,8 +74,8 @@ class ModelConfig:
         # Types and signs first: the groups' validate() computes with the fields (head_dim = d_model // n_head).
         check_types(self, f"{self.name}: ", "field ")
         negative = [f"{f.name}={getattr(self, f.name)}" for f in dataclasses.fields(self)
-                    if isinstance(getattr(self, f.name), int) and getattr(self, f.name) < 0]
-        self._check((not negative, f"{', '.join(negative)}: sizes, counts and ids cannot be negative"))
+                    if isinstance(getattr(self, f.name), (int, float)) and getattr(self, f.name) < 0]
+        self._check((not negative, f"{', '.join(negative)}: no size, count, id, rate or scale is negative"))
         self.validate()
 
     def validate(self) -> None:
@@ -90,6 +90,7 @@ class ModelConfig:
             ),
             (self.context_length > 0, f"context_length must be positive, got {self.context_length}"),
             (0.0 <= self.rotary_pct <= 1.0, f"rotary_pct must be in [0, 1], got {self.rotary_pct}"),
+            (self.rope_base > 0, f"rope_base must be positive, got {self.rope_base}"),
             (self.norm in NORMS, f"norm={self.norm!r} is not one of {NORMS}"),
             (self.mlp in MLPS, f"mlp={self.mlp!r} is not one of {MLPS}"),
             (0.0 <= self.dropout < 1.0, f"dropout must be in [0, 1), got {self.dropout}"),
@@ -241,7 +242,7 @@ class TransformerShape:
             (self.n_layer > 0, f"n_layer must be positive, got {self.n_layer}"),
             (self.n_head > 0 and self.n_kv_head > 0, "n_head and n_kv_head must be positive"),
             (
-                self.n_head % self.n_kv_head == 0,
+                self.n_kv_head > 0 and self.n_head % self.n_kv_head == 0,
                 f"n_kv_head={self.n_kv_head} must divide n_head={self.n_head} (grouped-query attention)",
             ),
             (self.head_dim % 2 == 0, f"head_dim={self.head_dim} must be even for rotary embeddings"),

@@ -65,7 +65,7 @@ def collate_for(config: ModelConfig, objective: str = "lm") -> Collate:
     return spec_of(config).collate(config, objective)
 
 
-def from_name(name: str, **overrides: Any) -> ModelConfig:
+def from_name(name: str, /, **overrides: Any) -> ModelConfig:
     """The preset's config with ``overrides`` applied (e.g. ``vocab_size`` from the tokenizer)."""
     preset = PRESETS.get(name)
     if preset is None:

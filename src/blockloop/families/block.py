@@ -62,10 +62,10 @@ class BlockTransformerConfig(ModelConfig):
 
     def validate(self) -> None:
         super().validate()
+        self._check((self.block_len >= 1, f"block_len must be at least 1, got {self.block_len}"))  # before dividing
         if self.embed_dim is None:
             self.embed_dim = self.block_d_model // self.block_len if self.embedder == "lookup" else 256
         self._check(
-            (self.block_len >= 1, f"block_len must be at least 1, got {self.block_len}"),
             (
                 self.context_length % self.block_len == 0,
                 f"context_length={self.context_length} is not a multiple of block_len={self.block_len}",
