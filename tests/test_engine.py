@@ -298,7 +298,7 @@ def test_bench_cli_errors_are_one_line(tmp_path, capsys):
     assert main(["bench", "--presets", "tiny", "--device", "cpu", "--prompt-len", "100", "--gen-len", "100"]) == 2
     assert "exceed the model context of 128" in capsys.readouterr().err
     assert main(["bench", "--presets", "tiny", "--batch-sizes", "0", "--prompt-len", "4", "--gen-len", "4"]) == 2
-    assert "--batch-sizes needs positive integers" in capsys.readouterr().err
+    assert "--batch-sizes: needs positive integers" in capsys.readouterr().err
     assert main(["bench", "--plot", str(tmp_path / "a.png"), "--record", str(tmp_path / "none.jsonl")]) == 2
     assert "no benchmark records" in capsys.readouterr().err
 

@@ -146,7 +146,7 @@ class Trainer:
         path = self.out_dir / "metrics.jsonl"
         if path.is_file():
             kept = [line for line in path.read_text(encoding="utf-8", errors="replace").split("\n")
-                    if _logged_step(line) is not None and _logged_step(line) <= step]
+                    if (logged := _logged_step(line)) is not None and logged <= step]
             atomic_write_text(path, "".join(line + "\n" for line in kept))
 
     # ------------------------------------------------------------------ train
