@@ -257,7 +257,7 @@ def test_cli_tasks_list_and_make(tmp_path, capsys):
         (["tasks", "make", "maze", "--out", "{tmp}/x"], "unknown task 'maze'; choose one of: algorithm-3"),
         (["tasks", "make", "random-walk", "--out", "{tmp}/x", "--sizes", "10,1"], "three positive counts"),
         (["tasks", "make", "random-walk", "--out", "{tmp}/x", "--sizes", "10,a,1"], "--sizes expects"),
-        (["tasks", "make", "random-walk", "--out", "{tmp}/x", "--seed", "-1", "--sizes", "1,1,1"], "seed must be"),
+        (["tasks", "make", "random-walk", "--out", "{tmp}/x", "--seed", "-1", "--sizes", "1,1,1"], "--seed: must be an integer >= 0"),
         (["tasks", "make", "random-walk", "--out", "{tmp}"], "not empty"),
     ],
 )
