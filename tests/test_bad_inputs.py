@@ -176,6 +176,7 @@ CASES = [
     (["convert", "--from-hf", "{base}/hf_pickle", "--tokenizer", "byte", "--out", NEW], "only pickle weights (pytorch_model.bin)"),
     (["convert", "--to", "block", "--checkpoint", "{base}/latest_escape", "--out", NEW], "not a checkpoint directory"),
     (["tasks", "make", "algorithm-3", "--out", NEW, "--seed", "-1"], "--seed: must be an integer >= 0"),
+    (["tasks", "import", "{base}/a_file", "--out", NEW, "--valid-fraction", "nan"], "--valid-fraction: must be a finite"),
     (["flops", "--preset", "tiny", "--seq-len", "0"], "--seq-len: must be an integer >= 1"),
     (["flops", "--preset", "tiny", "--bytes", "0"], "--bytes: must be an integer >= 1"),
     (["demo", "--out", NEW, "--steps", "0"], "--steps: must be an integer >= 1"),

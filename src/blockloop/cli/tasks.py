@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from blockloop.cli.common import add_no_progress, nonnegative_int, print_table
+from blockloop.cli.common import add_no_progress, fraction, nonnegative_int, print_table
 from blockloop.errors import BlockloopError
 
 HELP = "list or write the state-tracking tasks (algorithm-3, algorithm-5, random-walk), or import your own"
@@ -30,9 +30,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     i.add_argument("--name", help="the task's name, recorded by runs (default: the --out directory's name)")
     i.add_argument("--valid", help="a file of validation sequences (with --test; default: drawn from DATA)")
     i.add_argument("--test", help="a file of test sequences (with --valid)")
-    i.add_argument("--seed", type=int, default=0, help="seed of the split drawn from DATA (default: 0)")
-    i.add_argument("--valid-fraction", type=float, default=0.1, help="share of DATA's sequences for valid (default: 0.1)")
-    i.add_argument("--test-fraction", type=float, default=0.1, help="share of DATA's sequences for test (default: 0.1)")
+    i.add_argument("--seed", type=nonnegative_int, default=0, help="seed of the split drawn from DATA (default: 0)")
+    i.add_argument("--valid-fraction", type=fraction, default=0.1, help="share of DATA's sequences for valid (default: 0.1)")
+    i.add_argument("--test-fraction", type=fraction, default=0.1, help="share of DATA's sequences for test (default: 0.1)")
     i.add_argument("--vocab-from", metavar="TASK_DIR",
                    help="reuse an imported task's vocabulary (new evaluation data for a trained model)")
 
