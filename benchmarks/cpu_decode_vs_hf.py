@@ -4,7 +4,7 @@ The imported SmolLM2-135M-Instruct (grouped-query attention: 9 query heads over 
 decoded greedily for exactly ``--gen-len`` tokens after random ``--prompt-len``-token prompts (EOS off), at
 each batch size, by :func:`blockloop.serve.generate.generate` (what ``blockloop generate`` calls) and by
 ``transformers``' ``generate()`` on the same model exported with :func:`blockloop.convert.hf.to_hf_model`
-(:func:`blockloop.bench.hf_baseline.hf_throughput`). Both run in this process, alternating per repeat,
+(:mod:`blockloop.bench.hf_baseline`), on the same prompts. Both run in this process, alternating run by run,
 so the ratio is what the CPU numbers mean (the machine is shared). ``--profile`` adds the top operators of
 one blockloop run (torch profiler, self CPU time), which is where the time goes.
 
@@ -22,25 +22,34 @@ import time
 
 import torch
 
-from blockloop.bench.hf_baseline import hf_throughput
+from blockloop.bench.hf_baseline import hf_generate, to_hf_generator
 from blockloop.bench.records import add_output_arguments, environment, environment_line, output_dir
 from blockloop.convert.hf import import_hf
 from blockloop.data.pretrained import SMOLLM2_GGUF, quiet_transformers, smollm2_files
 from blockloop.serve.generate import generate
 
 
-def blockloop_tok_s(model: torch.nn.Module, batch: int, prompt_len: int, gen_len: int, repeats: int, seed: int) -> float:
-    """Generated tokens/s of ``generate()`` (greedy, exactly ``gen_len`` tokens), after one warm-up run."""
+def compare(model: torch.nn.Module, hf: torch.nn.Module, batch: int, prompt_len: int, gen_len: int, repeats: int,
+            seed: int) -> dict[str, float]:
+    """Generated tokens/s of ``generate()`` and of HF ``generate()`` on the same prompts, alternating run by run
+    after one warm-up run each (so load from other processes falls on both alike)."""
     generator = torch.Generator().manual_seed(seed)
-    seconds = []
+    seconds: dict[str, list[float]] = {"blockloop": [], "hf": []}
     for run in range(repeats + 1):
-        prompts = torch.randint(0, model.config.vocab_size, (batch, prompt_len), generator=generator).tolist()
+        ids = torch.randint(0, model.config.vocab_size, (batch, prompt_len), generator=generator)
         start = time.perf_counter()
-        out = generate(model, prompts, gen_len, temperature=0.0)
+        out = generate(model, ids.tolist(), gen_len, temperature=0.0)
+        mid = time.perf_counter()
+        theirs = hf_generate(hf, ids, gen_len)
+        end = time.perf_counter()
+        assert all(len(row) == gen_len for row in out) and theirs.shape[1] == prompt_len + gen_len
         if run:
-            seconds.append(time.perf_counter() - start)
-        assert all(len(row) == gen_len for row in out)
-    return batch * gen_len / (sum(seconds) / len(seconds))
+            seconds["blockloop"].append(mid - start)
+            seconds["hf"].append(end - mid)
+    tok_s = {k: batch * gen_len * len(v) / sum(v) for k, v in seconds.items()}
+    ratios = sorted(h / b for b, h in zip(seconds["blockloop"], seconds["hf"]))
+    return {"blockloop_tok_s": tok_s["blockloop"], "hf_generate_tok_s": tok_s["hf"],
+            "ratio_vs_hf": tok_s["blockloop"] / tok_s["hf"], "ratio_vs_hf_per_run": ratios}
 
 
 def profile_top(model: torch.nn.Module, batch: int, prompt_len: int, gen_len: int, rows: int = 12) -> list[dict[str, object]]:
@@ -70,15 +79,15 @@ def main() -> None:
 
     with quiet_transformers():
         model = import_hf(smollm2_files(), gguf_file=SMOLLM2_GGUF)
+    hf = to_hf_generator(model)
     rows = []
     for batch in [int(b) for b in args.batch_sizes.split(",")]:
-        ours = blockloop_tok_s(model, batch, args.prompt_len, args.gen_len, args.repeats, seed=batch)
-        hf = hf_throughput(model, batch, args.prompt_len, args.gen_len, repeats=args.repeats, warmup=1, seed=batch).tok_s
-        row = {"batch": batch, "blockloop_tok_s": ours, "hf_generate_tok_s": hf, "ratio_vs_hf": ours / hf}
+        row = {"batch": batch, **compare(model, hf, batch, args.prompt_len, args.gen_len, args.repeats, seed=batch)}
         if args.profile:
             row["blockloop_profile"] = profile_top(model, batch, args.prompt_len, args.gen_len)
         rows.append(row)
-        print(f"batch {batch}: blockloop {ours:.1f} tok/s, HF generate() {hf:.1f} tok/s, ratio {ours / hf:.2f}x")
+        print(f"batch {batch}: blockloop {row['blockloop_tok_s']:.1f} tok/s, HF generate() {row['hf_generate_tok_s']:.1f} "
+              f"tok/s, ratio {row['ratio_vs_hf']:.2f}x", flush=True)
     result = {"model": SMOLLM2_GGUF, "prompt_len": args.prompt_len, "gen_len": args.gen_len, "repeats": args.repeats,
               "rows": rows, **environment("cpu")}
     (out / "cpu_decode_vs_hf.json").write_text(json.dumps(result, indent=2) + "\n")

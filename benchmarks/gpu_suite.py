@@ -71,11 +71,12 @@ class Plan:
     lengths: dict[str, tuple[int, int]] | None  # (prompt, gen) per scenario; None: the paper's, fitted to the models
     double_lengths: tuple[int, int]
     double_batch: int
-    tokenizer: str  # of the recursive row's trained models
+    max_batch: int  # bound of the batch search
+    tokenizer: str  # of the trained models (recursive and training rows)
     pretrain_steps: int  # the vanilla model the looped one is converted from
     uptrain_steps: int  # early-exit uptraining of the 2-loop model
-    train_seq_len: int
-    train_batch: int
+    uptrain_seq_len: int
+    uptrain_batch: int
     stream_requests: int
     stream_slots: int
     stream_rate: float  # Poisson arrivals per second
@@ -84,6 +85,7 @@ class Plan:
     exit_threshold: float  # max_prob confidence exit
     train_preset: str
     train_seq: int
+    train_batch: int
     train_steps: int
     train_log_interval: int
     train_variants: tuple[str, ...]
@@ -91,20 +93,20 @@ class Plan:
 
 GPU = Plan(
     vanilla="pythia-85m", block="block-85m", decoder="paper-decoder-100m", double="paper-double-100m",
-    decode_batches=[16, 64, 256], prefill_batches=[64], search=True, repeats=2, warmup=1, lengths=None,
-    double_lengths=(1024, 256), double_batch=32, tokenizer="neox", pretrain_steps=400, uptrain_steps=400,
-    train_seq_len=512, train_batch=32, stream_requests=512, stream_slots=128, stream_rate=200.0,
+    decode_batches=[64, 256], prefill_batches=[64], search=True, repeats=2, warmup=1, lengths=None,
+    double_lengths=(1024, 256), double_batch=32, max_batch=1024, tokenizer="neox", pretrain_steps=400,
+    uptrain_steps=400, uptrain_seq_len=512, uptrain_batch=32, stream_requests=512, stream_slots=128, stream_rate=200.0,
     stream_prompts=(64, 512), stream_tokens=(64, 512), exit_threshold=0.9,
-    train_preset="pythia-302m", train_seq=2048, train_steps=30, train_log_interval=10, train_variants=("eager", "compiled"),
+    train_preset="pythia-302m", train_seq=2048, train_batch=8, train_steps=30, train_log_interval=10, train_variants=("eager", "compiled"),
 )
 
 SMOKE = Plan(
     vanilla="tiny", block="tiny-block", decoder="demo", double="demo-double",
     decode_batches=[1, 2], prefill_batches=[2], search=False, repeats=1, warmup=0,
     lengths={"decode-heavy": (8, 16), "prefill-heavy": (32, 4)}, double_lengths=(16, 8), double_batch=2,
-    tokenizer="byte", pretrain_steps=4, uptrain_steps=4, train_seq_len=32, train_batch=4,
+    max_batch=2, tokenizer="byte", pretrain_steps=4, uptrain_steps=4, uptrain_seq_len=32, uptrain_batch=4,
     stream_requests=8, stream_slots=4, stream_rate=200.0, stream_prompts=(4, 12), stream_tokens=(4, 8),
-    exit_threshold=0.5, train_preset="tiny", train_seq=32, train_steps=4, train_log_interval=2,
+    exit_threshold=0.5, train_preset="tiny", train_seq=32, train_batch=4, train_steps=4, train_log_interval=2,
     train_variants=("eager",),
 )
 
@@ -122,7 +124,7 @@ class Suite:
         models = load_models(presets, [], str(self.device), self.dtype)
         p = self.plan
         settings = ThroughputSettings(*lengths, batches, repeats=p.repeats, warmup=p.warmup, search=search, hf=hf,
-                                      compile=self.device.type == "cuda")
+                                      max_batch=p.max_batch, compile=self.device.type == "cuda")
         return throughput_rows(models, settings, self.bandwidth)
 
     def run_cli(self, *argv: str) -> None:
@@ -174,7 +176,7 @@ def scenario_rows(suite: Suite, scenario: str) -> list[dict[str, Any]]:
 def recursive_rows(suite: Suite) -> list[dict[str, Any]]:
     """Train a vanilla model, convert it to 2 loops, uptrain with the early-exit loss, then serve a stream."""
     p, w = suite.plan, suite.work
-    common = ["--tokenizer", p.tokenizer, "--seq-len", str(p.train_seq_len), "--batch-size", str(p.train_batch),
+    common = ["--tokenizer", p.tokenizer, "--seq-len", str(p.uptrain_seq_len), "--batch-size", str(p.uptrain_batch),
               "--device", str(suite.device), "--no-progress", "--eval-batches", "4"]
     suite.run_cli("train", "--preset", p.vanilla, "--steps", str(p.pretrain_steps), "--eval-interval", str(p.pretrain_steps),
                   "--out", str(w / "vanilla"), *common)
