@@ -1,6 +1,6 @@
 """Issue 12's GPU benchmark suite: every row of its table in one command, each baseline timed in the same run.
 
-    .venv/bin/python benchmarks/gpu_suite.py --record     # on one H100/H200: about 20 minutes
+    .venv/bin/python benchmarks/gpu_suite.py --record     # on one H100/H200: meant for about 20 minutes (not yet run)
     .venv/bin/python benchmarks/gpu_suite.py --smoke      # tiny presets on CPU in about a minute: checks the suite
 
 Rows (the Block Transformer paper's protocol through :mod:`blockloop.bench`: random prompts, EOS off, warm-up,
