@@ -1,7 +1,8 @@
 """Issue 12's GPU benchmark suite: every row of its table in one command, each baseline timed in the same run.
 
     .venv/bin/python benchmarks/gpu_suite.py --record     # on one H100/H200: meant for about 20 minutes (not yet run)
-    .venv/bin/python benchmarks/gpu_suite.py --smoke      # tiny presets on CPU in about a minute: checks the suite
+
+``--smoke`` runs the same rows with tiny presets on CPU in about a minute, which checks the suite, not the engine.
 
 Rows (the Block Transformer paper's protocol through :mod:`blockloop.bench`: random prompts, EOS off, warm-up,
 CUDA events, batch search; tok/s, TTFT, TPOT, peak memory and static cache per sample, fraction of the
