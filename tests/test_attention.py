@@ -135,3 +135,42 @@ def test_cuda_bf16_backends_match_float64_reference():
         torch.testing.assert_close(got.double(), want, atol=2e-2, rtol=2e-2)
     _, lse = attention(q, k, v, causal=True, backend="flex", return_lse=True)
     torch.testing.assert_close(lse.double(), want_lse, atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("hkv", [2, 1], ids=["gqa", "mqa"])
+def test_grouped_decode_over_a_cache_matches_reference(backend, hkv):
+    """A decode step: one query per row over a cache, each row seeing its own live slots (some none)."""
+    q, k, v = inputs(b=3, hq=4, hkv=hkv, tq=1, tk=11, dtype=torch.float64, seed=7)
+    live = torch.rand(3, 1, 1, 11, generator=torch.Generator().manual_seed(1)) > 0.4
+    live[2] = False
+    check(backend, q, k, v, live, mask=live)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_grouped_query_with_a_per_head_mask_matches_reference(backend):
+    q, k, v = inputs(b=2, hq=6, hkv=2, tq=4, tk=9, dtype=torch.float64, seed=2)
+    mask = torch.rand(2, 6, 4, 9, generator=torch.Generator().manual_seed(4)) > 0.5
+    check(backend, q, k, v, mask, mask=mask)
+
+
+@pytest.mark.parametrize("backend", ["sdpa", "eager"])
+@pytest.mark.parametrize("masking", ["cache", "causal"])
+def test_grouped_query_attention_never_expands_keys_and_values(backend, masking):
+    """No tensor the size of K/V repeated per query head is ever made (the per-step copy issue 12 removes)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    b, hq, hkv, tk, d = 2, 8, 1, 64, 32
+    q, k, v = inputs(b=b, hq=hq, hkv=hkv, tq=1 if masking == "cache" else 4, tk=tk, d=d)
+    largest = []
+
+    class Largest(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            largest.extend(t.numel() for t in (out if isinstance(out, (tuple, list)) else [out]) if isinstance(t, torch.Tensor))
+            return out
+
+    kwargs = {"mask": torch.ones(b, 1, 1, tk, dtype=torch.bool)} if masking == "cache" else {"causal": True}
+    with Largest():
+        attention(q, k, v, backend=backend, **kwargs)
+    assert max(largest) <= k.numel() < b * hq * tk * d

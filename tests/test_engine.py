@@ -65,6 +65,25 @@ def test_greedy_engine_equals_reference_with_mid_batch_joins_and_staggered_finis
     assert sorted(engine.scheduler.free) == [0, 1]
 
 
+def test_requests_admitted_together_with_one_prompt_length_are_prefilled_together(model):
+    prompts = random_prompts((6, 6, 6, 9, 6), seed=4)
+    reference = [generate(model, [p], 5, temperature=0)[0] for p in prompts]
+    engine = Engine(model, 5, sync_every=2)
+    groups, shapes = [], []
+    prefill_rows = engine.runner.prefill_rows
+    engine.runner.prefill_rows = lambda start, p: groups.append((start, len(p))) or prefill_rows(start, p)
+    hook = model.register_forward_hook(lambda module, args, out: shapes.append(tuple(args[0].shape)) if args else None)
+    try:
+        requests = [engine.submit(p, 5, sampling=GREEDY) for p in prompts]
+        engine.run()
+    finally:
+        hook.remove()
+    assert [r.output for r in requests] == reference
+    assert groups == [(0, 3), (3, 1), (4, 1)]  # consecutive slots, one padded prompt length
+    if model.config.family == "decoder":
+        assert (3, 6) in shapes  # the three prompts in one forward
+
+
 def test_decoder_engine_equals_uncached_full_forward():
     model = tiny()
     prompts = random_prompts((4, 13, 1))

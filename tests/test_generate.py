@@ -63,3 +63,20 @@ def test_prompt_longer_than_context_is_a_clear_error(model):
         generate(model, [[1] * 120], 10)
     with pytest.raises(BlockloopError, match="non-empty"):
         generate(model, [[]], 10)
+
+
+def test_generate_sizes_the_cache_to_its_requests_not_the_context(model, monkeypatch):
+    """Every decode step reads the whole cache: slots of the full context would make each step read all of it."""
+    import blockloop.serve.generate as generate_module
+
+    sizes = []
+
+    class Recorded(generate_module.Engine):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            sizes.append(self.runner.state.cache.max_len)
+
+    monkeypatch.setattr(generate_module, "Engine", Recorded)
+    out = generate(model, [[1, 2, 3], [4, 5]], 5, temperature=0)
+    assert sizes == [3 + 5] and sizes[0] < model.config.context_length
+    assert out == [naive_greedy(model, [1, 2, 3], 5), naive_greedy(model, [4, 5], 5)]

@@ -25,11 +25,9 @@ def hf_available() -> str | None:
     return None
 
 
-def hf_throughput(
-    model: nn.Module, batch: int, prompt_len: int, gen_len: int, *, repeats: int = 3, warmup: int = 1, seed: int = 0
-) -> ThroughputResult:
-    """Time ``transformers`` ``generate()`` on ``model`` converted with :func:`blockloop.convert.hf.to_hf_model`
-    (in the model's dtype, on its device). Raises for a model that does not export (not vanilla)."""
+def to_hf_generator(model: nn.Module) -> nn.Module:
+    """``model`` converted with :func:`blockloop.convert.hf.to_hf_model`, in its dtype, on its device. Raises for a
+    model that does not export (not vanilla)."""
     reason = hf_available()
     if reason is not None:
         raise BlockloopError(f"the HF generate() baseline needs {reason}")
@@ -37,16 +35,29 @@ def hf_throughput(
     from blockloop.data.pretrained import quiet_transformers
 
     weight = next(model.parameters())
-    device = weight.device
     with quiet_transformers():
-        hf = to_hf_model(model).to(device=device, dtype=weight.dtype).eval()
+        return to_hf_model(model).to(device=weight.device, dtype=weight.dtype).eval()
+
+
+@torch.no_grad()
+def hf_generate(hf: nn.Module, ids: torch.Tensor, gen_len: int) -> torch.Tensor:
+    """The paper's protocol in ``generate()``: greedy, exactly ``gen_len`` new tokens, EOS off."""
+    return hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=gen_len, min_new_tokens=gen_len,
+                       do_sample=False, eos_token_id=None, pad_token_id=0)
+
+
+def hf_throughput(
+    model: nn.Module, batch: int, prompt_len: int, gen_len: int, *, repeats: int = 3, warmup: int = 1, seed: int = 0
+) -> ThroughputResult:
+    """Time ``transformers`` ``generate()`` on ``model`` converted by :func:`to_hf_generator`."""
+    hf = to_hf_generator(model)
+    device = next(model.parameters()).device
     generator = torch.Generator().manual_seed(seed)
     seconds = []
     for run in range(warmup + repeats):
         ids = torch.randint(0, model.config.vocab_size, (batch, prompt_len), generator=generator).to(device)
-        with timed(device) as timer, torch.no_grad():
-            hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=gen_len, min_new_tokens=gen_len,
-                        do_sample=False, eos_token_id=None, pad_token_id=0)
+        with timed(device) as timer:
+            hf_generate(hf, ids, gen_len)
         if run >= warmup:
             seconds.append(timer.seconds)
     mean = sum(seconds) / len(seconds)

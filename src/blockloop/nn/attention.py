@@ -14,6 +14,10 @@ accepts every form (the builders live in :mod:`blockloop.nn.masks`). With ``Tq <
 what chunked prefill over a cache needs. ``return_lse=True`` also returns the natural-log log-sum-exp of
 the scaled scores per query, ``(B, H, Tq)``, which lets two attentions over disjoint key sets be merged
 exactly (double decoders). A query row with no visible key returns zeros and lse = -inf.
+
+Grouped-query K/V are never copied per query head (a decode step would otherwise copy the whole cache):
+SDPA and FlexAttention take ``enable_gqa``, and the eager path reshapes each key/value head's queries into
+one ``(B, Hkv, G * Tq, D)`` block against the un-expanded keys.
 """
 
 from __future__ import annotations
@@ -100,18 +104,28 @@ def _dense_mask(
 
 
 def _eager(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scale: float) -> tuple[Tensor, Tensor]:
-    groups = q.shape[1] // k.shape[1]
-    k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+    b, hq, tq, _ = q.shape
+    hkv, tk = k.shape[1], k.shape[2]
+    groups = hq // hkv
+    # Grouped-query attention without copying K/V: the G query heads of each key/value head become G * Tq
+    # query rows against that head's keys (query head h uses key/value head h // G).
+    qg = q.reshape(b, hkv, groups * tq, q.shape[-1])
     # Softmax in at least float32: bf16 scores lose the small weights.
-    scores = at_least_fp32(q @ k.transpose(-2, -1)) * scale
+    scores = (at_least_fp32(qg @ k.transpose(-2, -1)) * scale).view(b, hkv, groups, tq, tk)
     if mask is not None:
-        scores = scores.masked_fill(~mask, float("-inf"))
+        scores = scores.masked_fill(~_grouped_mask(mask, hkv, groups), float("-inf"))
     lse = torch.logsumexp(scores, dim=-1)
     # Rows with no visible key have lse = -inf; give them zero weights instead of NaNs.
     weights = torch.exp(scores - lse.unsqueeze(-1).clamp_min(torch.finfo(scores.dtype).min))
-    weights = weights.nan_to_num(0.0)
-    out = (weights.to(v.dtype) @ v).to(q.dtype)
-    return out, lse
+    weights = weights.nan_to_num(0.0).view(b, hkv, groups * tq, tk)
+    out = (weights.to(v.dtype) @ v).view(b, hq, tq, v.shape[-1]).to(q.dtype)
+    return out, lse.view(b, hq, tq)
+
+
+def _grouped_mask(mask: Tensor, hkv: int, groups: int) -> Tensor:
+    """A mask broadcastable to ``(B, Hq, Tq, Tk)`` as one broadcastable to ``(B, Hkv, G, Tq, Tk)``."""
+    mask = mask.view((1,) * (4 - mask.dim()) + tuple(mask.shape))
+    return mask.unsqueeze(2) if mask.shape[1] == 1 else mask.unflatten(1, (hkv, groups))
 
 
 def _sdpa(
@@ -131,10 +145,6 @@ def _sdpa(
         causal, mask = False, _dense_mask(q, k, True, None, None)
     elif mask_mod is not None:
         mask = _dense_mask(q, k, False, None, mask_mod)
-    if groups > 1 and not q.is_cuda:
-        # The CPU kernels ignore enable_gqa in some builds; expanding is exact and cheap at CPU sizes.
-        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
-        groups = 1
     out = F.scaled_dot_product_attention(
         q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=causal, scale=scale, enable_gqa=groups > 1
     )

@@ -57,9 +57,12 @@ class KVCache(nn.Module):
         view.register_buffer("v", v, persistent=False)
         return view
 
+    def rows(self, start: int, stop: int) -> KVCache:
+        """Rows ``start .. stop - 1`` as a batch whose buffers are views: writing it writes this cache."""
+        return KVCache.of(self.k[start:stop], self.v[start:stop])
+
     def row(self, index: int) -> KVCache:
-        """Row ``index`` as a batch of one whose buffers are views: writing it writes this cache."""
-        return KVCache.of(self.k[index : index + 1], self.v[index : index + 1])
+        return self.rows(index, index + 1)
 
 
 class DecoderCache(nn.Module):
@@ -101,14 +104,18 @@ class DecoderCache(nn.Module):
     def reset(self) -> None:
         self.key_valid.zero_()
 
-    def row(self, index: int) -> DecoderCache:
-        """Row ``index`` as a cache of one row whose buffers are views of this one (prefill into a slot)."""
+    def rows(self, start: int, stop: int) -> DecoderCache:
+        """Rows ``start .. stop - 1`` as a cache whose buffers are views of this one (prefill into slots while
+        the other rows keep their state)."""
         view = DecoderCache.__new__(DecoderCache)
         nn.Module.__init__(view)
-        view.batch_size, view.max_len = 1, self.max_len
-        view.layers = nn.ModuleList(layer.row(index) for layer in self.layers)
-        view.register_buffer("key_valid", self.key_valid[index : index + 1], persistent=False)
+        view.batch_size, view.max_len = stop - start, self.max_len
+        view.layers = nn.ModuleList(layer.rows(start, stop) for layer in self.layers)
+        view.register_buffer("key_valid", self.key_valid[start:stop], persistent=False)
         return view
+
+    def row(self, index: int) -> DecoderCache:
+        return self.rows(index, index + 1)
 
 
 class KVWriter(Protocol):

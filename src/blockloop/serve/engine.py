@@ -11,7 +11,8 @@ The decode loop runs a window of ``sync_every`` steps with no host synchronisati
 the tokens a runner emits itself, ``StepOutput.emitted``: a speculative step's accepted drafts) go to
 a device ring buffer and are copied to the host once per window, where requests that hit EOS or their
 token limit finish and free their slot, and waiting requests are prefilled into the free slots while the
-others keep their caches. Rows that finished inside a window keep stepping until its end (their extra
+others keep their caches (requests admitted together into consecutive slots with prompts of one padded
+length in one forward, :meth:`Runner.prefill_rows`, where the runner batches it). Rows that finished inside a window keep stepping until its end (their extra
 tokens are discarded): the price of not syncing every token. Every row steps every time, busy or not,
 so the decode step has static shapes (``torch.compile``, CUDA graphs).
 
@@ -154,8 +155,8 @@ class Engine:
         to time the first token alone). Returns the requests that finished in this window.
         """
         if self.continuous:
-            for slot, request in self.scheduler.admit():
-                self._prefill_slot(slot, request)
+            for start, group in self._prefill_groups(self.scheduler.admit()):
+                self._prefill_rows(start, group)
         elif not self.scheduler.running:
             self._prefill_batch(self.scheduler.admit(fits=self._fits_together))
         running = dict(self.scheduler.running)
@@ -192,12 +193,27 @@ class Engine:
         self.steps += steps
         return self._collect(running, steps)
 
-    def _prefill_slot(self, slot: int, request: Request) -> None:
-        pad = self._padded(len(request.prompt)) - len(request.prompt)
-        prompt = torch.tensor([self.runner.pad_id] * pad + request.prompt, device=self.device)
-        self.logits[slot] = self.runner.prefill_slot(slot, prompt)
-        self.ready[slot] = True
-        self.sampling.set(slot, request.sampling)
+    def _prefill_groups(self, admitted: list[tuple[int, Request]]) -> list[tuple[int, list[Request]]]:
+        """Requests admitted together in consecutive slots with prompts of one padded length, as
+        ``(first slot, requests)``: each group is prefilled in one forward where the runner can."""
+        groups: list[tuple[int, list[Request]]] = []
+        for slot, request in admitted:
+            if groups and groups[-1][0] + len(groups[-1][1]) == slot and (
+                    self._padded(len(groups[-1][1][0].prompt)) == self._padded(len(request.prompt))):
+                groups[-1][1].append(request)
+            else:
+                groups.append((slot, [request]))
+        return groups
+
+    def _prefill_rows(self, start: int, requests: list[Request]) -> None:
+        length = self._padded(len(requests[0].prompt))
+        prompts = torch.tensor([[self.runner.pad_id] * (length - len(r.prompt)) + r.prompt for r in requests],
+                               device=self.device)
+        stop = start + len(requests)
+        self.logits[start:stop] = self.runner.prefill_rows(start, prompts)
+        self.ready[start:stop] = True
+        for slot, request in enumerate(requests, start):
+            self.sampling.set(slot, request.sampling)
 
     def _fits_together(self, group: list[Request], candidate: Request) -> bool:
         """Whether a static batch still fits the context with ``candidate``: all rows share one length."""

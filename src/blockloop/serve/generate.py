@@ -49,12 +49,16 @@ def generate(
     if max_new_tokens < 1:
         raise BlockloopError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
     longest = padded_prompt_length(model, prompts)
-    check_context((len(prefix) if prefix is not None else 0) + longest + max_new_tokens, model.config.context_length,
-                  f"prompt of {longest} plus {max_new_tokens} new tokens, in all", "shorten the prompt or lower --max-new-tokens")
+    need = (len(prefix) if prefix is not None else 0) + longest + max_new_tokens
+    check_context(need, model.config.context_length, f"prompt of {longest} plus {max_new_tokens} new tokens, in all",
+                  "shorten the prompt or lower --max-new-tokens")
     base = seed if seed is not None else int(torch.randint(2**31, ()).item())
     was_training = model.training
     try:
-        engine = Engine(runner_for(model, prefix=prefix, speculation=speculation), len(prompts))
+        runner = runner_for(model, prefix=prefix, speculation=speculation)
+        # Slots as long as these requests need (plus a speculative round's drafts past the last token), not
+        # the whole context: every decode step reads the whole cache.
+        engine = Engine(runner, len(prompts), max_len=min(need + runner.emits, model.config.context_length))
         rows: dict[int, int] = {}
 
         def stream(request: Request, token: int) -> None:

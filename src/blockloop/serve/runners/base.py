@@ -12,6 +12,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from typing import NamedTuple
 
+import torch
 from torch import Tensor, nn
 
 from blockloop.errors import BlockloopError
@@ -77,6 +78,11 @@ class Runner(ABC):
     @abstractmethod
     def prefill_slot(self, slot: int, prompt: Tensor) -> Tensor:
         """Take over row ``slot`` for ``prompt (P,)`` (the other rows keep their state); next-token logits ``(V,)``."""
+
+    def prefill_rows(self, start: int, prompts: Tensor) -> Tensor:
+        """Take over rows ``start .. start + n - 1`` for ``n`` prompts of one length ``(n, P)`` admitted
+        together; next-token logits ``(n, V)``. One :meth:`prefill_slot` each unless a runner batches them."""
+        return torch.stack([self.prefill_slot(start + i, prompt) for i, prompt in enumerate(prompts)])
 
     @abstractmethod
     def prefill_batch(self, idx: Tensor, token_valid: Tensor) -> Tensor:

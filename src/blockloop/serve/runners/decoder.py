@@ -46,15 +46,20 @@ class DecoderRunner(Runner):
         zeros = torch.zeros(n_slots, dtype=torch.long, device=cache.key_valid.device)
         self.state = DecodeState(cache, zeros, zeros.clone())
 
-    @torch.no_grad()
     def prefill_slot(self, slot: int, prompt: Tensor) -> Tensor:
         """Cache ``prompt (P,)`` at slots 0..P-1 of row ``slot``."""
-        cache = self.state.cache.row(slot)
+        return self.prefill_rows(slot, prompt[None])[0]
+
+    @torch.no_grad()
+    def prefill_rows(self, start: int, prompts: Tensor) -> Tensor:
+        """Cache ``prompts (n, P)`` at slots 0..P-1 of rows ``start..start+n-1`` in one forward."""
+        n, length = prompts.shape
+        cache = self.state.cache.rows(start, start + n)
         cache.reset()
-        slots = torch.arange(prompt.numel(), device=prompt.device)
-        logits, _ = self.model(prompt[None], step=StepContext(cache, slots), last_only=True)
-        self.state.next_slot[slot] = self.state.next_position[slot] = prompt.numel()
-        return logits[0, -1]
+        slots = torch.arange(length, device=prompts.device)
+        logits, _ = self.model(prompts, step=StepContext(cache, slots), last_only=True)
+        self.state.next_slot[start : start + n] = self.state.next_position[start : start + n] = length
+        return logits[:, -1]
 
     @torch.no_grad()
     def prefill_batch(self, idx: Tensor, token_valid: Tensor) -> Tensor:

@@ -174,10 +174,10 @@ class RecursiveRunner(DecoderRunner):
                                     torch.zeros(c.loops, dtype=torch.long, device=weight.device),
                                     zeros.new_zeros(n_slots, c.loops), zeros.new_zeros(n_slots, max_len))
 
-    def prefill_slot(self, slot: int, prompt: Tensor) -> Tensor:
+    def prefill_rows(self, start: int, prompts: Tensor) -> Tensor:
         if self.speculator is not None:
-            self.speculator.start(slot)
-        return super().prefill_slot(slot, prompt)
+            self.speculator.start(slice(start, start + len(prompts)))
+        return super().prefill_rows(start, prompts)
 
     def prefill_batch(self, idx: Tensor, token_valid: Tensor) -> Tensor:
         if self.speculator is not None:

@@ -1,0 +1,84 @@
+"""Every family's decode step under ``torch.compile(fullgraph=True)`` on CPU (issue 12, item 2).
+
+Dynamo traces the step (``backend="eager"``: the graph capture is what is checked, not the code generator), so a
+graph break (data-dependent Python, a host sync) fails the test. Each step's output must equal the same runner
+run eagerly. The second test asks for ONE graph: a step that specialises on a host-side counter compiles again
+at every phase (the static-shape, CUDA-graph form issue 12 wants has the counter on device)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from blockloop.families import build_model, from_name
+from blockloop.serve.runners import ExitRule, Speculation, runner_for
+from blockloop.serve.runners.base import StepOutput
+from blockloop.serve.sampling import SlotSampling
+
+CASES = {
+    "tiny": {}, "tiny-neox": {}, "tiny-recursive": {},
+    "tiny-recursive depth-wise": {"exit_rule": ExitRule("max_prob", 0.5)},
+    "tiny-recursive speculative": {"speculation": Speculation(k=2, draft_loops=1)},
+    "tiny-block": {}, "tiny-double": {}, "tiny-encdec": {},
+    "tiny-staircase": {}, "tiny-cached-staircase": {}, "tiny-global-staircase": {}, "tiny-feedback": {},
+}
+GRAPH_BREAK = {name: "at a chunk boundary the staircase step groups rows by host-side phase and state layout in Python "
+                     "and builds per-row cache views (nn.Module) inside the step: a graph break"
+               for name in ("tiny-staircase", "tiny-cached-staircase", "tiny-global-staircase", "tiny-feedback")}
+HOST_COUNTER = {
+    "tiny-block": "the within-block phase BlockDecodeState.filled is a host int: one graph per phase (L_B graphs)",
+    **GRAPH_BREAK,
+}
+STEPS = 9  # past two Block Transformer blocks and two staircase chunks
+
+
+def xfails(reasons: dict[str, str]) -> list:
+    return [pytest.param(name, marks=pytest.mark.xfail(reason=reasons[name], strict=True)) if name in reasons else name
+            for name in CASES]
+
+
+def twin_runners(name: str):
+    """Two runners of one float64 model with the same two prefilled rows."""
+    torch.manual_seed(0)
+    model = build_model(from_name(name.split()[0])).double().eval()
+    runners = [runner_for(model, **CASES[name]) for _ in range(2)]
+    for runner in runners:
+        runner.sampling = SlotSampling.empty(2, torch.device("cpu"))
+        runner.allocate(2, 40)
+        with torch.no_grad():
+            runner.prefill_slot(0, torch.arange(1, 9))
+            runner.prefill_slot(1, torch.arange(3, 11))
+    return runners
+
+
+def logits_of(out: torch.Tensor | StepOutput) -> torch.Tensor:
+    return out.logits if isinstance(out, StepOutput) else out
+
+
+def tokens(i: int) -> torch.Tensor:
+    return torch.tensor([5 + i, 17 + 2 * i])
+
+
+@pytest.mark.parametrize("name", xfails(GRAPH_BREAK))
+def test_decode_step_compiles_as_a_full_graph_and_equals_eager(name):
+    eager, compiled = twin_runners(name)
+    step = torch.compile(compiled.decode_step, fullgraph=True, backend="eager")
+    with torch.no_grad():
+        for i in range(STEPS):
+            torch.testing.assert_close(logits_of(step(tokens(i))), logits_of(eager.decode_step(tokens(i))),
+                                       rtol=1e-12, atol=1e-12)
+    torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("name", xfails(HOST_COUNTER))
+def test_decode_step_is_one_graph_for_every_step(name):
+    _, runner = twin_runners(name)
+    step = torch.compile(runner.decode_step, fullgraph=True, backend="eager")
+    try:
+        with torch.no_grad():
+            step(tokens(0))
+            with torch._dynamo.config.patch(error_on_recompile=True):
+                for i in range(1, STEPS):
+                    step(tokens(i))
+    finally:
+        torch._dynamo.reset()
