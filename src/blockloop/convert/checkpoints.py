@@ -65,14 +65,17 @@ def to_block_checkpoint(checkpoint: str | Path, out: Path, *, block_len: int = 4
 def to_recursive_checkpoint(
     checkpoint: str | Path, out: Path, *, loops: int = 2, init: str = "stepwise", strategy: str = "cycle",
     relax: str | None = None, lora_rank: int = 0, lora_alpha: float | None = None, lora_init: str = "svd",
-    prefix_len: int | None = None, seed: int = 0,
+    prefix_len: int | None = None, norms: str = "per-loop", seed: int = 0,
 ) -> Converted:
     """A (Relaxed) Recursive Transformer from a trained vanilla decoder (Bae et al. 2024, sections 2.2-2.3).
 
     The relaxation is per-loop LoRA (``lora_rank``) or per-position prefixes (``prefix_len``), never both:
-    ``relax`` defaults to ``lora`` when a rank is given, else ``none``.
+    ``relax`` defaults to ``lora`` when a rank is given, else ``none``. ``norms``: ``per-loop`` gives every
+    norm of a shared layer one gain per loop (exact at full LoRA rank), ``tied`` shares them as the paper does.
     """
     relax = relax or ("lora" if lora_rank else "none")
+    if norms not in ("per-loop", "tied"):
+        raise BlockloopError(f"--norms {norms} is unknown; choose per-loop or tied")
     prefix_len = prefix_len or 0
     if relax == "lora" and lora_rank < 1:
         raise BlockloopError("--relax lora needs --lora-rank R (R >= 1)")
@@ -87,7 +90,7 @@ def to_recursive_checkpoint(
     source = load_trained(checkpoint)
     model = vanilla_to_recursive(
         source.model, loops=loops, init=init, tying=strategy, lora_rank=lora_rank, lora_alpha=lora_alpha,
-        lora_init=lora_init, prefix_len=prefix_len, seed=seed,
+        lora_init=lora_init, prefix_len=prefix_len, loop_norms=norms == "per-loop", seed=seed,
     )
     what = (f"{model.config.name} ({model.num_parameters() / 1e6:.2f}M parameters vs "
             f"{source.model.num_parameters() / 1e6:.2f}M; {model.config.summary()}, {init} init)")

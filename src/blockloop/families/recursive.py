@@ -25,7 +25,8 @@ class RecursiveConfig(LocalAttention, InputEmbedding, PretrainedFeatures, Transf
     (0,1,2,0,1,2), ``sequence`` repeats each layer in place (0,0,1,1,2,2), ``cycle_rev`` runs the last loop
     in reverse (0,1,2,2,1,0). Relaxations (section 2.3, appendix K): ``lora_rank`` > 0 gives every shared
     linear weight one LoRA per loop (scaling ``lora_alpha / lora_rank``, alpha defaulting to the rank);
-    ``prefix_len`` > 0 gives every (loop, layer) position its own learned prefix keys/values.
+    ``prefix_len`` > 0 gives every (loop, layer) position its own learned prefix keys/values; ``loop_norms``
+    gives every norm of the shared layers one gain (and LayerNorm bias) per loop.
     Early-exit training (section 3.7, appendix M): ``exit_loss`` ``weighted`` weighs loop i's loss by
     i / sum(i); ``aggressive`` weighs intermediate loops by ``exit_coefficient`` and the last by 1;
     ``exit_kd_weight`` > 0 adds, for each intermediate loop, that weight times the KL divergence from the
@@ -39,6 +40,7 @@ class RecursiveConfig(LocalAttention, InputEmbedding, PretrainedFeatures, Transf
     lora_rank: int = 0
     lora_alpha: float | None = None
     prefix_len: int = 0
+    loop_norms: bool = False
     exit_loss: str = "none"
     exit_coefficient: float = 0.1
     exit_kd_weight: float = 0.0
@@ -73,6 +75,7 @@ class RecursiveConfig(LocalAttention, InputEmbedding, PretrainedFeatures, Transf
     def summary(self) -> str:
         relax = f", LoRA r={self.lora_rank}" if self.lora_rank else ""
         relax += f", prefix {self.prefix_len}" if self.prefix_len else ""
+        relax += ", per-loop norms" if self.loop_norms else ""
         return f"{self.n_layer} shared layers x {self.loops} loops ({self.tying}), d={self.d_model}{relax}"
 
 

@@ -7,7 +7,9 @@ depth is L = n_layer * B (section 2.2, equation 2): position ℓ of the depth ru
 
 The Relaxed Recursive Transformer (section 2.3, equation 3) adds one LoRA module per loop to every shared
 linear weight (:mod:`blockloop.nn.lora`), or, as the alternative of appendix K, learned per-position
-prefix keys/values for self-attention. Early-exit training (section 3.7, appendix M) reads every loop's
+prefix keys/values for self-attention. With ``loop_norms`` every norm of a shared layer (pre, sandwich, q/k)
+has its own gain per loop too (:class:`~blockloop.nn.norm.LoopNorm`), what a converted model needs for its
+full-rank relaxation to be exact (see :mod:`blockloop.convert.to_recursive`). Early-exit training (section 3.7, appendix M) reads every loop's
 output through the shared final norm and LM head.
 
 Interface for continuous depth-wise batching (section 2.4; :mod:`blockloop.serve.runners.recursive`):
@@ -34,6 +36,7 @@ from blockloop.nn.distill import forward_kl
 from blockloop.nn.kv_cache import DecoderCache, StepContext
 from blockloop.nn.lora import LoopIndex, LoopLoRALinear, add_loop_lora
 from blockloop.nn.masks import with_visible_prefix
+from blockloop.nn.norm import add_loop_norms
 
 if TYPE_CHECKING:
     from blockloop.families.recursive import RecursiveConfig
@@ -83,7 +86,9 @@ class RecursiveDecoder(Decoder):
                 self.body.blocks, loops=config.loops, rank=config.lora_rank, scaling=config.lora_scaling,
                 loop=self.loop_index,
             )
-        if config.prefix_len or config.lora_rank:
+        if config.loop_norms:
+            add_loop_norms(self.body.blocks, loops=config.loops, loop=self.loop_index)
+        if config.prefix_len or config.lora_rank or config.loop_norms:
             self.reset_parameters()
 
     def reset_parameters(self) -> None:
