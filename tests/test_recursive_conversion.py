@@ -112,3 +112,17 @@ def test_per_loop_norms_decode_like_the_full_forward_sequence_and_depth_wise(arc
     requests = [engine.submit(p, new, sampling=SamplingParams(temperature=0.0)) for p in prompts]
     engine.run()
     assert [r.output for r in requests] == reference  # depth-wise
+
+
+def test_generate_sizes_its_cache_to_the_request(monkeypatch):
+    model = build_model(DecoderConfig(**{**BASE, **ARCHS["llama"], "context_length": 4096}))
+    sizes = []
+    build = Engine.__init__
+
+    def spy(self, *args, **kwargs):
+        build(self, *args, **kwargs)
+        sizes.append(self.max_len)
+
+    monkeypatch.setattr(Engine, "__init__", spy)
+    out = generate(model, [[1, 2, 3], [4, 5]], 4, temperature=0.0)
+    assert sizes == [3 + 4] and [len(o) for o in out] == [4, 4]  # the longest prompt plus the new tokens
