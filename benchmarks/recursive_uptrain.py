@@ -64,7 +64,7 @@ def main() -> None:
     source = load_source(args.source)
     data = args.data or source.state.get("run", {}).get("data", "shakespeare")
     splits = prepare_tokens(data, source.tokenizer, show_progress=False)
-    train_seqs, val_seqs = sequences(splits, args.seq_len)
+    train_seqs, val_seqs = sequences(splits, args.seq_len, source.tokenizer.start_id)
 
     def score(model: torch.nn.Module) -> float:
         return evaluate(model, val_seqs, batch_size=args.batch_size, max_batches=args.eval_batches)["perplexity"]

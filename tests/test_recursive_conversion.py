@@ -101,12 +101,7 @@ def test_per_loop_norms_decode_like_the_full_forward_sequence_and_depth_wise(arc
         alone = model.run_loop(x[row : row + 1], loop, model.loop_inputs(x[row : row + 1]))
         torch.testing.assert_close(batched[row : row + 1], alone, atol=1e-12, rtol=1e-12)
     prompts, new = [tokens(1, 5, seed=3)[0].tolist(), tokens(1, 9, seed=4)[0].tolist()], 6
-    reference = []
-    for prompt in prompts:  # uncached greedy forward
-        seq = list(prompt)
-        for _ in range(new):
-            seq.append(int(model(torch.tensor([seq]))[0][0, -1, :97].argmax()))
-        reference.append(seq[len(prompt):])
+    reference = greedy_reference(model, prompts, new)
     assert generate(model, prompts, new, temperature=0.0) == reference  # the engine, sequence-wise
     engine = Engine(runner_for(model, exit_rule=ExitRule("none")), 2)
     requests = [engine.submit(p, new, sampling=SamplingParams(temperature=0.0)) for p in prompts]
@@ -126,3 +121,37 @@ def test_generate_sizes_its_cache_to_the_request(monkeypatch):
     monkeypatch.setattr(Engine, "__init__", spy)
     out = generate(model, [[1, 2, 3], [4, 5]], 4, temperature=0.0)
     assert sizes == [3 + 4] and [len(o) for o in out] == [4, 4]  # the longest prompt plus the new tokens
+
+
+def greedy_reference(model, prompts, new):
+    """Greedy continuations from the uncached forward, one token at a time."""
+    out = []
+    for prompt in prompts:
+        seq = list(prompt)
+        for _ in range(new):
+            seq.append(int(model(torch.tensor([seq]))[0][0, -1, :97].argmax()))
+        out.append(seq[len(prompt):])
+    return out
+
+
+MIXES = {  # 6 layers with a sliding window of 4, local except where global
+    "agree": (3, [0, 2, 4], [0], []),  # 3 loops over 2 shared layers: layer 1 is global at depths 1, 3, 5
+    "disagree": (2, [0, 1, 2, 3, 4], [], [0, 1, 2, 3, 4]),  # 2 loops: layer 2 is local at depth 2, global at 5
+}
+
+
+@pytest.mark.parametrize("mix", list(MIXES))
+def test_local_global_mixes_convert_exactly_and_decode_alike(mix):
+    loops, local, shared_local, local_depths = MIXES[mix]
+    full = source("gemma3", torch.float32, n_layer=6, sliding_window=4, local_layers=local, local_rope_base=1000.0)
+    model = vanilla_to_recursive(full, loops=loops, init="average", lora_rank=FULL_RANK)
+    assert (model.config.local_layers, model.config.local_depths) == (shared_local, local_depths)
+    idx = tokens(length=20)
+    assert (model(idx)[0] - full(idx)[0]).abs().max() <= 1e-4  # each depth position attends as it did
+    prompts, new = [tokens(1, n, seed=n)[0].tolist() for n in (7, 3, 5)], 8
+    reference = greedy_reference(model, prompts, new)
+    assert generate(model, prompts, new, temperature=0.0) == reference  # cached = uncached
+    engine = Engine(runner_for(model, exit_rule=ExitRule("none")), 2)  # the third joins rows at other loops
+    requests = [engine.submit(p, new, sampling=SamplingParams(temperature=0.0)) for p in prompts]
+    engine.run()
+    assert [r.output for r in requests] == reference  # depth-wise = sequence-wise

@@ -35,9 +35,9 @@ from torch import nn
 from blockloop.choices import LOOP_INITS, LORA_INITS
 from blockloop.config import DecoderConfig
 from blockloop.errors import BlockloopError
-from blockloop.families.recursive import RecursiveConfig
+from blockloop.families.recursive import TYING_STRATEGIES, RecursiveConfig
 from blockloop.models.decoder import Decoder
-from blockloop.models.recursive import RecursiveDecoder
+from blockloop.models.recursive import RecursiveDecoder, layer_order
 from blockloop.nn.lora import LoopLoRALinear
 from blockloop.nn.norm import LoopNorm
 
@@ -65,16 +65,26 @@ def recursive_config_from_vanilla(
             f"--lora-rank {lora_rank} exceeds the rank of the shared weights: {smallest[0]} is {smallest[1][0]}x"
             f"{smallest[1][1]}, so at most min(in, out) = {max_rank}"
         )
-    if config.local_layers:
-        raise BlockloopError(
-            f"{config.name} mixes sliding-window local layers {config.local_layers} with global ones; tied layers "
-            "must attend alike, so recursive conversion supports models without local layers"
-        )
-    fields = {f.name: getattr(config, f.name) for f in dataclasses.fields(DecoderConfig) if f.name not in ("name", "n_layer")}
+    if tying not in TYING_STRATEGIES:
+        raise BlockloopError(f"tying strategy {tying!r} is unknown; choose one of {TYING_STRATEGIES}")
+    own = ("name", "n_layer", "local_layers")
+    fields = {f.name: getattr(config, f.name) for f in dataclasses.fields(DecoderConfig) if f.name not in own}
     return RecursiveConfig(
         **fields, name=f"{config.name}-recursive{loops}", n_layer=config.n_layer // loops, loops=loops, tying=tying,
         lora_rank=lora_rank, lora_alpha=lora_alpha, prefix_len=prefix_len, loop_norms=loop_norms,
+        **local_attention(config, loops, tying),
     )
+
+
+def local_attention(config: DecoderConfig, loops: int, tying: str) -> dict[str, list[int]]:
+    """Which attention each depth position keeps: depth position p is the full model's layer p. Where every
+    position of a shared layer agrees, the shared layer takes the type (``local_layers``); where they do not
+    (e.g. 2 loops over a model that is global every 6th layer), the positions keep theirs (``local_depths``)."""
+    order = layer_order(config.n_layer // loops, loops, tying)
+    kinds = [{p in config.local_layers for p, layer in enumerate(order) if layer == j} for j in range(max(order) + 1)]
+    if all(len(kind) == 1 for kind in kinds):
+        return {"local_layers": [j for j, kind in enumerate(kinds) if True in kind], "local_depths": []}
+    return {"local_layers": [], "local_depths": sorted(config.local_layers)}
 
 
 def linear_shapes(config: DecoderConfig) -> dict[str, tuple[int, int]]:

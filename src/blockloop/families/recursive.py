@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import ClassVar
 
 from torch import nn
@@ -27,6 +27,9 @@ class RecursiveConfig(LocalAttention, InputEmbedding, PretrainedFeatures, Transf
     linear weight one LoRA per loop (scaling ``lora_alpha / lora_rank``, alpha defaulting to the rank);
     ``prefix_len`` > 0 gives every (loop, layer) position its own learned prefix keys/values; ``loop_norms``
     gives every norm of the shared layers one gain (and LayerNorm bias) per loop.
+    Sliding-window attention: ``local_layers`` are shared layers that are local at every depth position;
+    ``local_depths`` are depth positions (0 .. L-1) that attend locally whatever their shared layer, for a
+    converted model whose tied layers mix local and global positions (the mask is chosen per position).
     Early-exit training (section 3.7, appendix M): ``exit_loss`` ``weighted`` weighs loop i's loss by
     i / sum(i); ``aggressive`` weighs intermediate loops by ``exit_coefficient`` and the last by 1;
     ``exit_kd_weight`` > 0 adds, for each intermediate loop, that weight times the KL divergence from the
@@ -41,6 +44,7 @@ class RecursiveConfig(LocalAttention, InputEmbedding, PretrainedFeatures, Transf
     lora_alpha: float | None = None
     prefix_len: int = 0
     loop_norms: bool = False
+    local_depths: list[int] = field(default_factory=list)
     exit_loss: str = "none"
     exit_coefficient: float = 0.1
     exit_kd_weight: float = 0.0
@@ -57,8 +61,16 @@ class RecursiveConfig(LocalAttention, InputEmbedding, PretrainedFeatures, Transf
             (0.0 <= self.exit_coefficient <= 1.0, f"exit_coefficient must be in [0, 1], got {self.exit_coefficient}"),
             (self.exit_kd_weight >= 0.0, f"exit_kd_weight must be non-negative, got {self.exit_kd_weight}"),
             (
-                not (self.prefix_len and self.local_layers),
+                not (self.prefix_len and (self.local_layers or self.local_depths)),
                 "prefix relaxation is not defined for sliding-window local layers; use LoRA (lora_rank) instead",
+            ),
+            (
+                all(0 <= p < self.depth for p in self.local_depths),
+                f"local_depths={self.local_depths} must be depth positions below n_layer * loops = {self.depth}",
+            ),
+            (
+                not self.local_depths or (self.sliding_window or 0) > 0,
+                "local_depths need a positive sliding_window (how many recent positions they see)",
             ),
         )
 

@@ -75,6 +75,12 @@ class RecursiveDecoder(Decoder):
         # (the loop under cycle tying; the k-th repeat in place under sequence tying).
         self.occurrence = [self.order[:p].count(layer) for p, layer in enumerate(self.order)]
         self.loop_index = LoopIndex()
+        # Whether each depth position attends locally (sliding window): its shared layer's type, or its own.
+        self.local = [layer in config.local_layers or p in config.local_depths for p, layer in enumerate(self.order)]
+        n = config.n_layer
+        local = torch.tensor(self.local).view(config.loops, n)  # (loop, shared layer) under cycle tying
+        self.register_buffer("loop_local", local, persistent=False)
+        self.mixed = [bool(local[:, j].any() and not local[:, j].all()) for j in range(n)]
         if config.prefix_len:
             shared = config.stack(config.n_layer)
             for block in self.body.blocks:
@@ -113,7 +119,7 @@ class RecursiveDecoder(Decoder):
 
     def loop_inputs(self, x: Tensor, step: StepContext | None = None) -> LayerInputs:
         """Rotary tables and masks every loop of one pass shares (marks the step's slots written)."""
-        return self.body.layer_inputs(x, step)
+        return self.body.layer_inputs(x, step, local=any(self.local))
 
     def run_loop(self, x: Tensor, loop: int | Tensor, inputs: LayerInputs, *, step: StepContext | None = None) -> Tensor:
         """Loop ``loop`` over the shared block for ``x (B, T, d)``; ``loop`` is an int or a ``(B,)`` tensor.
@@ -130,7 +136,10 @@ class RecursiveDecoder(Decoder):
             for j in range(n):
                 layer = j if per_row else self.order[loop * n + j]
                 self.loop_index.value = loop if per_row else self.occurrence[loop * n + j]
-                cos, sin, kwargs = inputs.of(layer in self.config.local_layers)
+                if per_row and self.mixed[j]:  # shared layer j is local at some loops only: each row by its own
+                    cos, sin, kwargs = inputs.per_row(self.loop_local[loop, j])
+                else:
+                    cos, sin, kwargs = inputs.of(self.local[j if per_row else loop * n + j])
                 kwargs = dict(kwargs)
                 if step is not None:  # per-row loops: each row's loop of shared layer j (a looped cache)
                     kwargs["kv"] = step.layer(j, step.cache.loop_layer(j, loop)) if per_row else step.layer(loop * n + j)
