@@ -11,6 +11,7 @@ import torch
 
 from blockloop.config import DecoderConfig
 from blockloop.convert import vanilla_to_recursive
+from blockloop.convert.to_recursive import input_scales
 from blockloop.families import build_model
 from blockloop.nn.norm import LoopNorm
 from blockloop.serve.engine import Engine
@@ -66,18 +67,23 @@ def test_tied_norms_leave_a_gap_no_rank_closes(arch):
 
 
 @pytest.mark.parametrize("arch", list(ARCHS))
-def test_loss_does_not_increase_with_the_rank(arch):
+@pytest.mark.parametrize("calibrated", [False, True])
+def test_loss_does_not_increase_with_the_rank(arch, calibrated):
+    """The loss: KL from the full model's next-token distributions on fixed data (0 for the full model). Ranks
+    of a few channels (2-8 of 32) can start slightly worse than no LoRA on these random models; from a
+    third of full rank on, each rank is better than the last."""
     full = source(arch)
     idx = tokens(batch=4, length=24)
+    calibration = tokens(batch=4, length=24, seed=7) if calibrated else None
     with torch.no_grad():
-        logits = full(idx)[0]
-        targets = torch.multinomial(logits.softmax(-1).flatten(0, 1), 1, generator=torch.Generator().manual_seed(2))
-        targets = targets.view(idx.shape)  # data the full model generated: it fits them best
-        losses = [vanilla_to_recursive(full, loops=2, init="average", lora_rank=r)(idx, targets)[1].item()
-                  for r in (0, 4, 16, FULL_RANK)]
-        reference = full(idx, targets)[1].item()
+        target = full(idx)[0].log_softmax(-1)
+        losses = []
+        for rank in (0, 12, 24, FULL_RANK):
+            model = vanilla_to_recursive(full, loops=2, init="average", lora_rank=rank, calibration=calibration)
+            log_q = model(idx)[0].log_softmax(-1)
+            losses.append((target.exp() * (target - log_q)).sum(-1).mean().item())
     assert all(a >= b for a, b in itertools.pairwise(losses)), losses
-    assert losses[0] > losses[-1] and losses[-1] == pytest.approx(reference, abs=1e-9)
+    assert losses[0] > 1e-3 and losses[-1] < 1e-12
 
 
 def test_per_loop_norms_start_from_the_replaced_layers_and_cost_a_gain_per_loop():
@@ -155,3 +161,17 @@ def test_local_global_mixes_convert_exactly_and_decode_alike(mix):
     requests = [engine.submit(p, new, sampling=SamplingParams(temperature=0.0)) for p in prompts]
     engine.run()
     assert [r.output for r in requests] == reference  # depth-wise = sequence-wise
+
+
+def test_calibrated_svd_is_the_best_fit_on_inputs_of_the_measured_scale():
+    full = source("gemma3")
+    calibration = tokens(batch=4, length=24, seed=7)
+    scales = input_scales(full, calibration)
+    model = vanilla_to_recursive(full, loops=2, init="average", lora_rank=4, calibration=calibration)
+    up = model.body.blocks[1].mlp.up  # loop 1 of shared layer 1 relaxes it towards full layer 3
+    scale = scales[(3, "mlp.up")]
+    residual = (full.body.blocks[3].mlp.up.weight - up.weight) * scale
+    error = residual - up.scaling * up.lora_B[1] @ up.lora_A[1] * scale
+    best = torch.linalg.svdvals(residual)[4:].pow(2).sum().sqrt()  # Eckart-Young on E diag(s)
+    torch.testing.assert_close(error.norm(), best, atol=1e-10, rtol=1e-8)
+    assert scale.shape == (32,) and scale.min() > 0 and scale.std() > 0

@@ -48,6 +48,8 @@ TARGETS: dict[str, Target] = {
         Option("norms", str, "per-loop", "norm gains of the shared layers: per-loop (one per loop, from the layer "
                "each depth position replaces; full-rank LoRA is then exact) or tied (default: per-loop)",
                choices=("per-loop", "tied")),
+        Option("calibration", int, 8, "windows of 128 tokens of the source run's training data whose input "
+               "activations weight the SVD init (activation-aware; 0: SVD of the weights alone; default: 8)"),
         Option("prefix_len", int, None, "learned prefix key/values per depth position with --relax prefix (default: 0)"),
         Option("seed", int, 0, "seed of random and zero inits (default: 0)"),
     )),

@@ -9,25 +9,38 @@ layer is initialised from the full model's layers (section 2.2, Figure 2, append
 * ``lower`` / ``upper``: the first / last K layers;
 * ``random``: nothing from the full model (a reduced-size model with recursion, the paper's baseline).
 
-Embeddings (learned positions included), final norm and LM head are copied (except under ``random``). With ``lora_rank`` r, the LoRA
-module of each depth position ℓ gets the truncated SVD of the residual W_ℓ - W'_shared (equation 4):
+Embeddings (learned positions included), final norm and LM head are copied (except under ``random``).
+With ``lora_rank`` r, the LoRA module of each depth position ℓ gets the truncated SVD of the residual W_ℓ - W'_shared (equation 4):
 B = U_r Σ_r / s, A = V_r^T, where s = alpha / r is the LoRA scaling, so s B A is the best rank-r
 approximation of the residual and the relaxed model starts as close to the full one as r allows
 (equation 5; exactly equal at full rank). Where the shared weight equals W_ℓ (the layer stepwise/lower
 took it from), and for ``lora_init="zero"``, the module gets the standard zero init (appendix E).
+
+Given ``calibration`` tokens the SVD is activation-aware: what a truncated residual costs is its error on
+the layer's inputs, not on the weights, and a pretrained LLM's inputs have a few huge outlier channels. So
+the full model runs once on the calibration tokens, s is the RMS of each input channel of each linear at
+each depth position, and the SVD is of E diag(s): B = U_r Σ_r / scaling, A = V_r^T diag(1/s), the best
+rank-r fit of E on inputs of that scale (still exact at full rank). On SmolLM2-135M it is what makes the
+relaxation improve with the rank (benchmarks/results/recursive_smollm2_rank_sweep_cpu.md).
 
 With ``loop_norms`` (the default) every norm of a shared layer keeps one gain per loop
 (:class:`~blockloop.nn.norm.LoopNorm`), and each depth position's gain is copied from the layer it
 replaces; with LoRA, linear biases get a delta per loop too (b_ℓ - b'). Then nothing tied is left that
 LoRA cannot reach, and equation 4 as printed is exact at full rank for every architecture: pre-norms,
 Gemma's q/k and sandwich norms (which sit after the linears), LayerNorm and linear biases. Tied norms
-(``loop_norms=False``) keep the paper's parameter count but leave the norm gap at every rank; on
-SmolLM2-135M it made ranks 16-256 start worse than no LoRA (benchmarks/results/recursive_smollm2_rank_sweep_cpu.md).
+(``loop_norms=False``) keep the paper's parameter count but leave a gap no rank closes (SmolLM2-135M at
+full rank: perplexity 9,884 against the original's 150.2, which per-loop norms reproduce). Below full rank
+the weight-space SVD is not monotone in rank on SmolLM2 with either
+(benchmarks/results/recursive_smollm2_rank_sweep_cpu.md).
+
+Sliding-window layers: depth position p attends as the full model's layer p did. A shared layer whose
+positions agree takes their type (``local_layers``); otherwise the positions keep theirs (``local_depths``).
 """
 
 from __future__ import annotations
 
 import dataclasses
+from functools import partial
 
 import torch
 from torch import nn
@@ -125,10 +138,12 @@ def vanilla_to_recursive(
     lora_init: str = "svd",
     prefix_len: int = 0,
     loop_norms: bool = True,
+    calibration: torch.Tensor | None = None,
     seed: int = 0,
 ) -> RecursiveDecoder:
     """A Recursive (``lora_rank`` = 0) or Relaxed Recursive Transformer initialised from ``vanilla``; with
-    ``loop_norms`` each loop's norm gains are those of the layer its depth position replaces."""
+    ``loop_norms`` each loop's norm gains are those of the layer its depth position replaces; ``calibration``
+    token ids ``(B, T)`` make the SVD init activation-aware (see the module docstring)."""
     if type(vanilla) is not Decoder:
         raise BlockloopError(f"only vanilla decoders convert to recursive models, not {type(vanilla).__name__}")
     if init not in LOOP_INITS:
@@ -157,8 +172,30 @@ def vanilla_to_recursive(
             assert not unexpected, unexpected
         _init_loop_norms(model, full)
     if lora_rank:
-        _init_lora(model, full, lora_init)
+        scales = input_scales(vanilla, calibration) if calibration is not None and lora_init == "svd" else {}
+        _init_lora(model, full, lora_init, scales)
     return model
+
+
+@torch.no_grad()
+def input_scales(vanilla: Decoder, calibration: torch.Tensor) -> dict[tuple[int, str], torch.Tensor]:
+    """(depth position, linear name) -> the RMS of each input channel of that linear over ``calibration``."""
+    scales: dict[tuple[int, str], torch.Tensor] = {}
+
+    def record(key: tuple[int, str], module: nn.Module, inputs: tuple[torch.Tensor, ...], output: torch.Tensor) -> None:
+        scales[key] = inputs[0].double().flatten(0, -2).pow(2).mean(0).sqrt()
+
+    hooks = [linear.register_forward_hook(partial(record, (position, name)))
+             for position, block in enumerate(vanilla.body.blocks)
+             for name, linear in block.named_modules() if isinstance(linear, nn.Linear)]
+    was_training = vanilla.training
+    try:
+        vanilla.eval()(calibration.to(vanilla.embed.weight.device))
+    finally:
+        vanilla.train(was_training)
+        for hook in hooks:
+            hook.remove()
+    return scales
 
 
 def _init_loop_norms(model: RecursiveDecoder, full: nn.ModuleList) -> None:
@@ -172,9 +209,11 @@ def _init_loop_norms(model: RecursiveDecoder, full: nn.ModuleList) -> None:
                     norm.bias[occurrence] = source.bias
 
 
-def _init_lora(model: RecursiveDecoder, full: nn.ModuleList, lora_init: str) -> None:
-    """Equation 4 per depth position: the LoRA of its shared layer's occurrence approximates W_ℓ - W' (and its
-    bias delta is b_ℓ - b')."""
+def _init_lora(
+    model: RecursiveDecoder, full: nn.ModuleList, lora_init: str, scales: dict[tuple[int, str], torch.Tensor]
+) -> None:
+    """Equation 4 per depth position: the LoRA of its shared layer's occurrence approximates W_ℓ - W' (weighted
+    by the input channels' ``scales`` where given), and its bias delta is b_ℓ - b'."""
     for position, (layer, occurrence) in enumerate(zip(model.order, model.occurrence)):
         source, shared = full[position], model.body.blocks[layer]
         for name, lora in shared.named_modules():
@@ -189,7 +228,9 @@ def _init_lora(model: RecursiveDecoder, full: nn.ModuleList, lora_init: str) -> 
             residual = original.weight.double() - lora.weight.double()  # equation 4
             if not residual.any():
                 continue
-            u, s, vh = torch.linalg.svd(residual, full_matrices=False)
+            scale = scales.get((position, name), residual.new_ones(residual.shape[1]))
+            scale = scale.clamp_min(scale.max().item() * 1e-6 if scale.any() else 1.0)  # no channel divides by 0
+            u, s, vh = torch.linalg.svd(residual * scale, full_matrices=False)
             r = lora.rank
             lora.lora_B[occurrence] = (u[:, :r] * s[:r] / lora.scaling).to(lora.lora_B.dtype)
-            lora.lora_A[occurrence] = vh[:r].to(lora.lora_A.dtype)
+            lora.lora_A[occurrence] = (vh[:r] / scale).to(lora.lora_A.dtype)
