@@ -78,9 +78,9 @@ class RecursiveDecoder(Decoder):
         # Whether each depth position attends locally (sliding window): its shared layer's type, or its own.
         self.local = [layer in config.local_layers or p in config.local_depths for p, layer in enumerate(self.order)]
         n = config.n_layer
-        local = torch.tensor(self.local).view(config.loops, n)  # (loop, shared layer) under cycle tying
-        self.register_buffer("loop_local", local, persistent=False)
-        self.mixed = [bool(local[:, j].any() and not local[:, j].all()) for j in range(n)]
+        by_loop = [self.local[loop * n : (loop + 1) * n] for loop in range(config.loops)]  # under cycle tying
+        self.register_buffer("loop_local", torch.tensor(by_loop), persistent=False)
+        self.mixed = [len({kinds[j] for kinds in by_loop}) > 1 for j in range(n)]
         if config.prefix_len:
             shared = config.stack(config.n_layer)
             for block in self.body.blocks:
