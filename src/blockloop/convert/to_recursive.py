@@ -45,10 +45,10 @@ from functools import partial
 import torch
 from torch import nn
 
-from blockloop.choices import LOOP_INITS, LORA_INITS
+from blockloop.choices import LOOP_INITS, LORA_INITS, TYING_STRATEGIES
 from blockloop.config import DecoderConfig
 from blockloop.errors import BlockloopError
-from blockloop.families.recursive import TYING_STRATEGIES, RecursiveConfig
+from blockloop.families.recursive import RecursiveConfig
 from blockloop.models.decoder import Decoder
 from blockloop.models.recursive import RecursiveDecoder, layer_order
 from blockloop.nn.lora import LoopLoRALinear
