@@ -10,8 +10,7 @@ import pytest
 import torch
 
 from blockloop.config import DecoderConfig
-from blockloop.convert import vanilla_to_recursive
-from blockloop.convert.to_recursive import input_scales
+from blockloop.convert.to_recursive import input_scales, vanilla_to_recursive
 from blockloop.families import build_model
 from blockloop.nn.norm import LoopNorm
 from blockloop.serve.engine import Engine
