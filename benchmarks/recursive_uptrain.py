@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 
 from blockloop.bench.records import add_output_arguments, environment, environment_line, output_dir
+from blockloop.convert.checkpoints import calibration_windows
 from blockloop.convert.to_recursive import vanilla_to_recursive
 from blockloop.data.dataset import prepare_tokens
 from blockloop.data.tokenizers import build_tokenizer
@@ -46,7 +47,11 @@ def main() -> None:
     p.add_argument("--no-scratch", action="store_true", help="leave out the reduced-size model trained from scratch")
     p.add_argument("--ranks", default="4,16,64", help="LoRA ranks of the relaxed models (average init, SVD LoRA)")
     p.add_argument("--prefix-lens", default="8", help="prefix lengths of prefix-relaxed models (average init; '' for none)")
-    p.add_argument("--lora-init", default="svd", help="svd (equation 4) or svd_effective (see convert/to_recursive.py)")
+    p.add_argument("--lora-init", default="svd", help="svd (equation 4) or zero (see convert/to_recursive.py)")
+    p.add_argument("--calibration", type=int, default=8, help="training windows that make the SVD init "
+                   "activation-aware (0: SVD of the weights alone; default: 8)")
+    p.add_argument("--norms", default="per-loop", choices=("per-loop", "tied"),
+                   help="norm gains of the converted models' shared layers (default: per-loop)")
     p.add_argument("--steps", type=int, default=40, help="uptraining / from-scratch steps (0: converted models only)")
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--seq-len", type=int, default=128)
@@ -62,7 +67,7 @@ def main() -> None:
     source = load_source(args.source)
     data = args.data or source.state.get("run", {}).get("data", "shakespeare")
     splits = prepare_tokens(data, source.tokenizer, show_progress=False)
-    train_seqs, val_seqs = sequences(splits, args.seq_len)
+    train_seqs, val_seqs = sequences(splits, args.seq_len, source.tokenizer.start_id)
 
     def score(model: torch.nn.Module) -> float:
         return evaluate(model, val_seqs, batch_size=args.batch_size, max_batches=args.eval_batches)["perplexity"]
@@ -82,6 +87,8 @@ def main() -> None:
             return score(model), time.perf_counter() - start
 
     rows: list[dict[str, object]] = []
+    loop_norms = args.norms == "per-loop"
+    calibration = calibration_windows(source, args.calibration, args.seq_len) if args.calibration else None
 
     def record(name: str, model: torch.nn.Module, before: float | None, after: float | None, seconds: float = 0.0) -> None:
         row = {"model": name, "parameters": model.num_parameters(),
@@ -97,10 +104,10 @@ def main() -> None:
     else:
         record("original (full size)", source.model, original, None)
     for init in [i for i in args.inits.split(",") if i]:
-        model = vanilla_to_recursive(source.model, loops=args.loops, init=init)
+        model = vanilla_to_recursive(source.model, loops=args.loops, init=init, loop_norms=loop_norms)
         before = score(model)
         after, seconds = uptrain(model, args.lr)
-        record(f"recursive, {init}", model, before, after, seconds)
+        record(f"recursive, {init}, {args.norms} norms", model, before, after, seconds)
     if args.steps and not args.no_scratch:
         torch.manual_seed(0)
         reduced = build_model(source.config.stack(source.config.n_layer // args.loops))
@@ -108,21 +115,24 @@ def main() -> None:
                *uptrain(reduced, args.scratch_lr))
     for rank in [int(r) for r in args.ranks.split(",")]:
         model = vanilla_to_recursive(
-            source.model, loops=args.loops, init="average", lora_rank=rank, lora_init=args.lora_init
+            source.model, loops=args.loops, init="average", lora_rank=rank, lora_init=args.lora_init, loop_norms=loop_norms,
+            calibration=calibration,
         )
         before = score(model)
         after, seconds = uptrain(model, args.lr)
-        record(f"relaxed, average + {args.lora_init} LoRA r={rank}", model, before, after, seconds)
+        svd = f"{args.lora_init}, calibrated on {args.calibration} windows" if calibration is not None else args.lora_init
+        record(f"relaxed, average + {svd} LoRA r={rank}, {args.norms} norms", model, before, after, seconds)
     for length in [int(n) for n in args.prefix_lens.split(",") if n]:
-        model = vanilla_to_recursive(source.model, loops=args.loops, init="average", prefix_len=length)
+        model = vanilla_to_recursive(source.model, loops=args.loops, init="average", prefix_len=length,
+                                     loop_norms=loop_norms)
         before = score(model)
         after, seconds = uptrain(model, args.lr)
-        record(f"relaxed, average + prefix N={length}", model, before, after, seconds)
+        record(f"relaxed, average + prefix N={length}, {args.norms} norms", model, before, after, seconds)
 
     meta = {
         **environment("cpu"),
         "source": str(source.directory), "source_config": source.config.summary(), "data": data,
-        "settings": {k: getattr(args, k) for k in ("loops", "steps", "batch_size", "seq_len", "lr", "scratch_lr", "eval_batches")},
+        "settings": {k: getattr(args, k) for k in ("loops", "norms", "calibration", "steps", "batch_size", "seq_len", "lr", "scratch_lr", "eval_batches")},
         "val_tokens": args.eval_batches * args.batch_size * args.seq_len,
     }
     (out / f"{args.name}.json").write_text(json.dumps({**meta, "rows": rows}, indent=2) + "\n")

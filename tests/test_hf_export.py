@@ -93,10 +93,11 @@ def test_export_round_trips_tokenizer_ids_and_greedy_text(kind, tokenizers_by_ki
     assert hf_tok.decode(with_eos, skip_special_tokens=True) == tok.decode(with_eos)
 
     pad = tok.eos_id if tok.pad_id is None else tok.pad_id
+    bos = tok.eos_id if tok.bos_id is None else tok.bos_id  # the source's BOS where it names one (SmolLM2's)
     generation = json.loads((tmp_path / "hf" / "generation_config.json").read_text())
     for saved in (config, generation):
-        assert (saved["bos_token_id"], saved["eos_token_id"], saved["pad_token_id"]) == (tok.eos_id, tok.eos_id, pad)
-    assert (hf_tok.eos_token_id, hf_tok.bos_token_id, hf_tok.pad_token_id) == (tok.eos_id, tok.eos_id, pad)
+        assert (saved["bos_token_id"], saved["eos_token_id"], saved["pad_token_id"]) == (bos, tok.eos_id, pad)
+    assert (hf_tok.eos_token_id, hf_tok.bos_token_id, hf_tok.pad_token_id) == (tok.eos_id, bos, pad)
     assert generation.get("suppress_tokens") == (list(range(tok.vocab_size, model.config.padded_vocab_size)) or None)
 
     ours = generate(model, [ids], NEW_TOKENS, temperature=0.0, eos_id=tok.eos_id)[0]

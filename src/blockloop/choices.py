@@ -12,5 +12,5 @@ DISTRIBUTED = ("ddp", "fsdp")  # train/distributed.parallelize
 EXIT_LOSSES = ("none", "weighted", "aggressive")  # families/recursive: the early-exit loss over loops
 TYING_STRATEGIES = ("cycle", "sequence", "cycle_rev")  # families/recursive: which layer each depth reuses
 LOOP_INITS = ("stepwise", "average", "lower", "upper", "random")  # convert/to_recursive: shared-layer init
-LORA_INITS = ("svd", "svd_effective", "zero")  # convert/to_recursive: per-loop LoRA init
+LORA_INITS = ("svd", "zero")  # convert/to_recursive: per-loop LoRA init
 SAVE_DTYPES = ("float32", "bfloat16")  # train/checkpoint: the dtype exported weights are written in

@@ -49,7 +49,7 @@ def run(args: argparse.Namespace) -> int:
         raise BlockloopError(f"--num-samples must be at least 1, got {args.num_samples}")
     trained = load_trained(args.checkpoint, resolve_device(args.device))
     tok = trained.tokenizer
-    prompt = tok.encode(args.prompt)
+    prompt = tok.encode_prompt(args.prompt)
     max_new = args.max_new_tokens
     if max_new is None:
         max_new = min(200, trained.config.context_length - len(prompt))

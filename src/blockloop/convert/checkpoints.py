@@ -13,12 +13,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
+import torch
 from torch import nn
 
 from blockloop.convert.hf import export_hf
 from blockloop.convert.targets import TARGETS
 from blockloop.convert.to_block import vanilla_to_block
 from blockloop.convert.to_recursive import vanilla_to_recursive
+from blockloop.data.dataset import prepare_tokens
+from blockloop.data.loader import PackedSequences
 from blockloop.errors import BlockloopError
 from blockloop.train import checkpoint as ckpt
 from blockloop.train.run import TrainedModel, load_trained
@@ -65,14 +68,19 @@ def to_block_checkpoint(checkpoint: str | Path, out: Path, *, block_len: int = 4
 def to_recursive_checkpoint(
     checkpoint: str | Path, out: Path, *, loops: int = 2, init: str = "stepwise", strategy: str = "cycle",
     relax: str | None = None, lora_rank: int = 0, lora_alpha: float | None = None, lora_init: str = "svd",
-    prefix_len: int | None = None, seed: int = 0,
+    prefix_len: int | None = None, norms: str = "per-loop", calibration: int = 8, seed: int = 0,
 ) -> Converted:
     """A (Relaxed) Recursive Transformer from a trained vanilla decoder (Bae et al. 2024, sections 2.2-2.3).
 
     The relaxation is per-loop LoRA (``lora_rank``) or per-position prefixes (``prefix_len``), never both:
-    ``relax`` defaults to ``lora`` when a rank is given, else ``none``.
+    ``relax`` defaults to ``lora`` when a rank is given, else ``none``. ``norms``: ``per-loop`` gives every
+    norm of a shared layer one gain per loop (exact at full LoRA rank), ``tied`` shares them as the paper does.
+    ``calibration``: windows of the source run's training data that make the SVD init activation-aware
+    (0: the SVD of the weights alone).
     """
     relax = relax or ("lora" if lora_rank else "none")
+    if norms not in ("per-loop", "tied"):
+        raise BlockloopError(f"--norms {norms} is unknown; choose per-loop or tied")
     prefix_len = prefix_len or 0
     if relax == "lora" and lora_rank < 1:
         raise BlockloopError("--relax lora needs --lora-rank R (R >= 1)")
@@ -85,13 +93,26 @@ def to_recursive_checkpoint(
     out = Path(out)
     _refuse_existing(out)
     source = load_trained(checkpoint)
+    calibrate = relax == "lora" and lora_init == "svd" and calibration > 0
     model = vanilla_to_recursive(
         source.model, loops=loops, init=init, tying=strategy, lora_rank=lora_rank, lora_alpha=lora_alpha,
-        lora_init=lora_init, prefix_len=prefix_len, seed=seed,
+        lora_init=lora_init, prefix_len=prefix_len, loop_norms=norms == "per-loop",
+        calibration=calibration_windows(source, calibration) if calibrate else None, seed=seed,
     )
     what = (f"{model.config.name} ({model.num_parameters() / 1e6:.2f}M parameters vs "
             f"{source.model.num_parameters() / 1e6:.2f}M; {model.config.summary()}, {init} init)")
     return _write_uptraining(out, model, source, what)
+
+
+def calibration_windows(source: TrainedModel, count: int, seq_len: int = 128) -> torch.Tensor:
+    """``(count, seq_len)`` token ids spread over the source run's training data, to calibrate an SVD init."""
+    data = source.state.get("run", {}).get("data")
+    if data is None:
+        raise BlockloopError("the source checkpoint records no training data to calibrate on; pass --calibration 0")
+    windows = PackedSequences(prepare_tokens(data, source.tokenizer, show_progress=False).train,
+                              min(seq_len, source.config.context_length), source.tokenizer.start_id)
+    picks = torch.linspace(0, len(windows) - 1, min(count, len(windows))).long().tolist()
+    return torch.stack([torch.from_numpy(windows[i][:-1]) for i in picks])
 
 
 def to_hf_folder(checkpoint: str | Path, out: Path, *, save_dtype: str = "float32") -> Converted:

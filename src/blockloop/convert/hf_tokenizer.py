@@ -26,10 +26,11 @@ class SpecialIds:
 
 
 def special_ids(tokenizer: Tokenizer) -> SpecialIds:
-    """blockloop adds no BOS: a document starts after an end-of-text, so BOS is the end-of-text id (GPT-2's
-    convention); padding is the tokenizer's own padding token, else end-of-text."""
+    """The source's BOS where it declared one, else the end-of-text id (GPT-2's convention: a document starts
+    after an end-of-text); padding is the tokenizer's own padding token, else end-of-text."""
     eos = tokenizer.eos_id
-    return SpecialIds(bos=eos, eos=eos, pad=eos if tokenizer.pad_id is None else tokenizer.pad_id)
+    bos = eos if tokenizer.bos_id is None else tokenizer.bos_id
+    return SpecialIds(bos=bos, eos=eos, pad=eos if tokenizer.pad_id is None else tokenizer.pad_id)
 
 
 def hf_tokenizer_files(tokenizer: Tokenizer, *, model_max_length: int) -> dict[str, str]:

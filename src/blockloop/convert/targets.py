@@ -44,8 +44,12 @@ TARGETS: dict[str, Target] = {
                "default: lora when --lora-rank is given, else none", choices=("none", "lora", "prefix")),
         Option("lora_rank", int, 0, "LoRA rank r per shared linear and loop (default: 0, none)"),
         Option("lora_alpha", float, None, "LoRA alpha; scaling alpha/r (default: r, scaling 1)"),
-        Option("lora_init", str, "svd", f"LoRA init: {', '.join(LORA_INITS)} (default: svd, equation 4; "
-               "svd_effective also absorbs differing tied norm gains at full rank)"),
+        Option("lora_init", str, "svd", f"LoRA init: {', '.join(LORA_INITS)} (default: svd, equation 4)"),
+        Option("norms", str, "per-loop", "norm gains of the shared layers: per-loop (one per loop, from the layer "
+               "each depth position replaces; full-rank LoRA is then exact) or tied (default: per-loop)",
+               choices=("per-loop", "tied")),
+        Option("calibration", int, 8, "windows of 128 tokens of the source run's training data whose input "
+               "activations weight the SVD init (activation-aware; 0: SVD of the weights alone; default: 8)"),
         Option("prefix_len", int, None, "learned prefix key/values per depth position with --relax prefix (default: 0)"),
         Option("seed", int, 0, "seed of random and zero inits (default: 0)"),
     )),

@@ -9,41 +9,50 @@ layer is initialised from the full model's layers (section 2.2, Figure 2, append
 * ``lower`` / ``upper``: the first / last K layers;
 * ``random``: nothing from the full model (a reduced-size model with recursion, the paper's baseline).
 
-Embedding, final norm and LM head are copied (except under ``random``). With ``lora_rank`` r, the LoRA
-module of each depth position ℓ gets the truncated SVD of the residual W_ℓ - W'_shared (equation 4):
+Embeddings (learned positions included), final norm and LM head are copied (except under ``random``).
+With ``lora_rank`` r, the LoRA module of each depth position ℓ gets the truncated SVD of the residual W_ℓ - W'_shared (equation 4):
 B = U_r Σ_r / s, A = V_r^T, where s = alpha / r is the LoRA scaling, so s B A is the best rank-r
 approximation of the residual and the relaxed model starts as close to the full one as r allows
 (equation 5; exactly equal at full rank). Where the shared weight equals W_ℓ (the layer stepwise/lower
 took it from), and for ``lora_init="zero"``, the module gets the standard zero init (appendix E).
 
-LoRA relaxes linear weights, while the pre-norms in front of them are tied too, so ``svd`` (equation 4
-as printed) reproduces the full model at full rank only where the tied norm gains agree with the layer's.
-``svd_effective`` takes the SVD of the effective residual instead: a norm's gain g scales the input of
-the next linear, so for the linears fed by a tied pre-norm (q/k/v from ``norm1``, the MLP's input from
-``norm2``) E = W_ℓ diag(g_ℓ) - W' diag(g') and A = V_r^T diag(1/g'). Full rank then reproduces the full
-model even where averaged gains differ, but at low rank it weights channels by their gain, and in a
-pretrained LLM the outlier channels (huge activations, small gains) make that the worse fit: on
-SmolLM2-135M it starts worse than ``svd`` below full rank (benchmarks/results/recursive_smollm2_*). What
-LoRA cannot absorb stays shared either way: LayerNorm and linear biases, Gemma's q/k and post norms.
+Given ``calibration`` tokens the SVD is activation-aware: what a truncated residual costs is its error on
+the layer's inputs, not on the weights, and a pretrained LLM's inputs have a few huge outlier channels. So
+the full model runs once on the calibration tokens, s is the RMS of each input channel of each linear at
+each depth position, and the SVD is of E diag(s): B = U_r Σ_r / scaling, A = V_r^T diag(1/s), the best
+rank-r fit of E on inputs of that scale (still exact at full rank). On SmolLM2-135M it is what makes the
+relaxation improve with the rank (benchmarks/results/recursive_smollm2_rank_sweep_cpu.md).
+
+With ``loop_norms`` (the default) every norm of a shared layer keeps one gain per loop
+(:class:`~blockloop.nn.norm.LoopNorm`), and each depth position's gain is copied from the layer it
+replaces; with LoRA, linear biases get a delta per loop too (b_ℓ - b'). Then nothing tied is left that
+LoRA cannot reach, and equation 4 as printed is exact at full rank for every architecture: pre-norms,
+Gemma's q/k and sandwich norms (which sit after the linears), LayerNorm and linear biases. Tied norms
+(``loop_norms=False``) keep the paper's parameter count but leave a gap no rank closes (SmolLM2-135M at
+full rank: perplexity 9,884 against the original's 150.2, which per-loop norms reproduce). Below full rank
+the weight-space SVD is not monotone in rank on SmolLM2 with either
+(benchmarks/results/recursive_smollm2_rank_sweep_cpu.md).
+
+Sliding-window layers: depth position p attends as the full model's layer p did. A shared layer whose
+positions agree takes their type (``local_layers``); otherwise the positions keep theirs (``local_depths``).
 """
 
 from __future__ import annotations
 
 import dataclasses
+from functools import partial
 
 import torch
 from torch import nn
 
-from blockloop.choices import LOOP_INITS, LORA_INITS
+from blockloop.choices import LOOP_INITS, LORA_INITS, TYING_STRATEGIES
 from blockloop.config import DecoderConfig
 from blockloop.errors import BlockloopError
 from blockloop.families.recursive import RecursiveConfig
 from blockloop.models.decoder import Decoder
-from blockloop.models.recursive import RecursiveDecoder
+from blockloop.models.recursive import RecursiveDecoder, layer_order
 from blockloop.nn.lora import LoopLoRALinear
-
-# The pre-norm whose gain scales each linear's input (see the module docstring).
-INPUT_NORMS = {"attn.qkv": "norm1", "mlp.fc": "norm2", "mlp.gate": "norm2", "mlp.up": "norm2"}
+from blockloop.nn.norm import LoopNorm
 
 
 def recursive_config_from_vanilla(
@@ -54,6 +63,7 @@ def recursive_config_from_vanilla(
     lora_rank: int = 0,
     lora_alpha: float | None = None,
     prefix_len: int = 0,
+    loop_norms: bool = True,
 ) -> RecursiveConfig:
     """The recursive config of ``config``'s shape with L / ``loops`` shared layers; impossible requests fail here."""
     if loops < 1 or config.n_layer % loops:
@@ -68,16 +78,26 @@ def recursive_config_from_vanilla(
             f"--lora-rank {lora_rank} exceeds the rank of the shared weights: {smallest[0]} is {smallest[1][0]}x"
             f"{smallest[1][1]}, so at most min(in, out) = {max_rank}"
         )
-    if config.local_layers:
-        raise BlockloopError(
-            f"{config.name} mixes sliding-window local layers {config.local_layers} with global ones; tied layers "
-            "must attend alike, so recursive conversion supports models without local layers"
-        )
-    fields = {f.name: getattr(config, f.name) for f in dataclasses.fields(DecoderConfig) if f.name not in ("name", "n_layer")}
+    if tying not in TYING_STRATEGIES:
+        raise BlockloopError(f"tying strategy {tying!r} is unknown; choose one of {TYING_STRATEGIES}")
+    own = ("name", "n_layer", "local_layers")
+    fields = {f.name: getattr(config, f.name) for f in dataclasses.fields(DecoderConfig) if f.name not in own}
     return RecursiveConfig(
         **fields, name=f"{config.name}-recursive{loops}", n_layer=config.n_layer // loops, loops=loops, tying=tying,
-        lora_rank=lora_rank, lora_alpha=lora_alpha, prefix_len=prefix_len,
+        lora_rank=lora_rank, lora_alpha=lora_alpha, prefix_len=prefix_len, loop_norms=loop_norms,
+        **local_attention(config, loops, tying),
     )
+
+
+def local_attention(config: DecoderConfig, loops: int, tying: str) -> dict[str, list[int]]:
+    """Which attention each depth position keeps: depth position p is the full model's layer p. Where every
+    position of a shared layer agrees, the shared layer takes the type (``local_layers``); where they do not
+    (e.g. 2 loops over a model that is global every 6th layer), the positions keep theirs (``local_depths``)."""
+    order = layer_order(config.n_layer // loops, loops, tying)
+    kinds = [{p in config.local_layers for p, layer in enumerate(order) if layer == j} for j in range(max(order) + 1)]
+    if all(len(kind) == 1 for kind in kinds):
+        return {"local_layers": [j for j, kind in enumerate(kinds) if True in kind], "local_depths": []}
+    return {"local_layers": [], "local_depths": sorted(config.local_layers)}
 
 
 def linear_shapes(config: DecoderConfig) -> dict[str, tuple[int, int]]:
@@ -117,9 +137,13 @@ def vanilla_to_recursive(
     lora_alpha: float | None = None,
     lora_init: str = "svd",
     prefix_len: int = 0,
+    loop_norms: bool = True,
+    calibration: torch.Tensor | None = None,
     seed: int = 0,
 ) -> RecursiveDecoder:
-    """A Recursive (``lora_rank`` = 0) or Relaxed Recursive Transformer initialised from ``vanilla``."""
+    """A Recursive (``lora_rank`` = 0) or Relaxed Recursive Transformer initialised from ``vanilla``; with
+    ``loop_norms`` each loop's norm gains are those of the layer its depth position replaces; ``calibration``
+    token ids ``(B, T)`` make the SVD init activation-aware (see the module docstring)."""
     if type(vanilla) is not Decoder:
         raise BlockloopError(f"only vanilla decoders convert to recursive models, not {type(vanilla).__name__}")
     if init not in LOOP_INITS:
@@ -127,49 +151,86 @@ def vanilla_to_recursive(
     if lora_init not in LORA_INITS:
         raise BlockloopError(f"unknown LoRA init {lora_init!r}; choose one of {LORA_INITS}")
     config = recursive_config_from_vanilla(
-        vanilla.config, loops=loops, tying=tying, lora_rank=lora_rank, lora_alpha=lora_alpha, prefix_len=prefix_len
+        vanilla.config, loops=loops, tying=tying, lora_rank=lora_rank, lora_alpha=lora_alpha, prefix_len=prefix_len,
+        loop_norms=loop_norms,
     )
     torch.manual_seed(seed)
     weight = vanilla.embed.weight
     model = RecursiveDecoder(config).to(device=weight.device, dtype=weight.dtype)
     full = vanilla.body.blocks
     if init != "random":
-        model.embed.weight.copy_(vanilla.embed.weight)
-        model.norm.load_state_dict(vanilla.norm.state_dict())
-        if not config.tie_embeddings:
-            model.lm_head.weight.copy_(vanilla.lm_head.weight)
+        # Everything outside the layers: embeddings (GPT-2's learned positions too), final norm, head.
+        outside = {name: value for name, value in vanilla.state_dict().items() if not name.startswith("body.")}
+        unexpected = model.load_state_dict(outside, strict=False).unexpected_keys
+        assert not unexpected, unexpected
         for block, sources in zip(model.body.blocks, shared_layer_sources(vanilla.config.n_layer, loops, init, model.order)):
             states = [full[i].state_dict() for i in sources]
             mean = {name: torch.stack([s[name] for s in states]).mean(0) for name in states[0]}
+            own = block.state_dict()  # a per-loop norm starts at the mean in every loop, then _init_loop_norms
+            mean = {name: value.expand_as(own[name]) if name in own else value for name, value in mean.items()}
             unexpected = block.load_state_dict(mean, strict=False).unexpected_keys
             assert not unexpected, unexpected
+        _init_loop_norms(model, full)
     if lora_rank:
-        _init_lora(model, full, lora_init)
+        scales = input_scales(vanilla, calibration) if calibration is not None and lora_init == "svd" else {}
+        _init_lora(model, full, lora_init, scales)
     return model
 
 
-def _init_lora(model: RecursiveDecoder, full: nn.ModuleList, lora_init: str) -> None:
-    """Equation 4 per depth position: the LoRA of its shared layer's occurrence approximates W_ℓ - W'."""
+@torch.no_grad()
+def input_scales(vanilla: Decoder, calibration: torch.Tensor) -> dict[tuple[int, str], torch.Tensor]:
+    """(depth position, linear name) -> the RMS of each input channel of that linear over ``calibration``."""
+    scales: dict[tuple[int, str], torch.Tensor] = {}
+
+    def record(key: tuple[int, str], module: nn.Module, inputs: tuple[torch.Tensor, ...], output: torch.Tensor) -> None:
+        scales[key] = inputs[0].double().flatten(0, -2).pow(2).mean(0).sqrt()
+
+    hooks = [linear.register_forward_hook(partial(record, (position, name)))
+             for position, block in enumerate(vanilla.body.blocks)
+             for name, linear in block.named_modules() if isinstance(linear, nn.Linear)]
+    was_training = vanilla.training
+    try:
+        vanilla.eval()(calibration.to(vanilla.embed.weight.device))
+    finally:
+        vanilla.train(was_training)
+        for hook in hooks:
+            hook.remove()
+    return scales
+
+
+def _init_loop_norms(model: RecursiveDecoder, full: nn.ModuleList) -> None:
+    """Each depth position's loop of a per-loop norm takes the gain (and bias) of the layer it replaces."""
+    for position, (layer, occurrence) in enumerate(zip(model.order, model.occurrence)):
+        for name, norm in model.body.blocks[layer].named_modules():
+            if isinstance(norm, LoopNorm):
+                source = full[position].get_submodule(name)
+                norm.weight[occurrence] = source.weight
+                if norm.bias is not None:
+                    norm.bias[occurrence] = source.bias
+
+
+def _init_lora(
+    model: RecursiveDecoder, full: nn.ModuleList, lora_init: str, scales: dict[tuple[int, str], torch.Tensor]
+) -> None:
+    """Equation 4 per depth position: the LoRA of its shared layer's occurrence approximates W_ℓ - W' (weighted
+    by the input channels' ``scales`` where given), and its bias delta is b_ℓ - b'."""
     for position, (layer, occurrence) in enumerate(zip(model.order, model.occurrence)):
         source, shared = full[position], model.body.blocks[layer]
         for name, lora in shared.named_modules():
             if not isinstance(lora, LoopLoRALinear):
                 continue
-            weight, target = lora.weight.double(), source.get_submodule(name).weight.double()
-            gain = torch.ones(weight.shape[1], dtype=torch.float64, device=weight.device)
-            if name in INPUT_NORMS and lora_init == "svd_effective":
-                gain = _gain(shared.get_submodule(INPUT_NORMS[name]))
-                target = target * _gain(source.get_submodule(INPUT_NORMS[name]))
-            residual = target - weight * gain  # equation 4, or E = W_l diag(g_l) - W' diag(g')
-            if lora_init == "zero" or not residual.any():
-                lora.reset_lora(occurrence)
+            lora.reset_lora(occurrence)
+            if lora_init == "zero":
                 continue
-            u, s, vh = torch.linalg.svd(residual, full_matrices=False)
+            original = source.get_submodule(name)
+            if lora.lora_bias is not None:
+                lora.lora_bias[occurrence] = original.bias - lora.bias
+            residual = original.weight.double() - lora.weight.double()  # equation 4
+            if not residual.any():
+                continue
+            scale = scales.get((position, name), residual.new_ones(residual.shape[1]))
+            scale = scale.clamp_min(scale.max().item() * 1e-6 if scale.any() else 1.0)  # no channel divides by 0
+            u, s, vh = torch.linalg.svd(residual * scale, full_matrices=False)
             r = lora.rank
             lora.lora_B[occurrence] = (u[:, :r] * s[:r] / lora.scaling).to(lora.lora_B.dtype)
-            lora.lora_A[occurrence] = (vh[:r] / gain.where(gain != 0, 1.0)).to(lora.lora_A.dtype)
-
-
-def _gain(norm: nn.Module) -> torch.Tensor:
-    """The per-channel gain a norm multiplies the normalised input by (Gemma's 1 + w included)."""
-    return norm.weight.double() + getattr(norm, "offset", 0.0)
+            lora.lora_A[occurrence] = (vh[:r] / scale).to(lora.lora_A.dtype)

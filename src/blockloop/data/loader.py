@@ -19,14 +19,19 @@ from blockloop.errors import BlockloopError
 class PackedSequences:
     """Window ``i`` is ``tokens[i*seq_len : i*seq_len + seq_len + 1]``: inputs are its first ``seq_len``
     tokens, targets its last ``seq_len``. Consecutive windows share one boundary token (the last target
-    of one is the first input of the next), so the targets cover the stream exactly once."""
+    of one is the first input of the next), so the targets cover the stream exactly once.
 
-    def __init__(self, tokens: np.ndarray, seq_len: int) -> None:
+    With ``start_id`` (the BOS of a model whose tokenizer starts every text with one) window ``i`` is
+    ``[start_id] + tokens[i*seq_len : (i+1)*seq_len]`` instead: the model reads its BOS first, as it was
+    trained to, and the targets still cover the stream exactly once."""
+
+    def __init__(self, tokens: np.ndarray, seq_len: int, start_id: int | None = None) -> None:
         if seq_len < 1:
             raise BlockloopError(f"seq_len must be at least 1, got {seq_len}")
         self.tokens = tokens
         self.seq_len = seq_len
-        self._count = (len(tokens) - 1) // seq_len
+        self.start_id = start_id
+        self._count = (len(tokens) - (start_id is None)) // seq_len
         if self._count < 1:
             raise BlockloopError(
                 f"{len(tokens)} tokens are too few for one sequence of {seq_len}+1 tokens; "
@@ -40,6 +45,8 @@ class PackedSequences:
         if not 0 <= i < self._count:
             raise IndexError(f"sequence {i} out of range for {self._count} sequences")
         start = i * self.seq_len
+        if self.start_id is not None:
+            return np.concatenate([[self.start_id], self.tokens[start : start + self.seq_len]]).astype(np.int64)
         return np.asarray(self.tokens[start : start + self.seq_len + 1], dtype=np.int64)
 
     @staticmethod

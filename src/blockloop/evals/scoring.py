@@ -46,15 +46,18 @@ class Request:
 
 def encode_request(tokenizer: Tokenizer, context: str, continuation: str) -> Request:
     """lm-eval's pair encoding: trailing spaces of the context move to the continuation, the pair is encoded
-    whole and the context's ids split off (so the continuation's ids are those of the whole text); an empty
-    context is the end-of-text token."""
+    whole and the context's ids split off (so the continuation's ids are those of the whole text); the
+    context starts with the tokenizer's BOS where its model reads one (as lm-eval's ``add_bos_token``), and an
+    empty context is that BOS, else the end-of-text token."""
     spaces = len(context) - len(context.rstrip())
     if spaces:
         context, continuation = context[:-spaces], context[-spaces:] + continuation
     if not context:
-        return Request((tokenizer.eos_id,), tuple(tokenizer.encode(continuation)))
+        first = tokenizer.eos_id if tokenizer.start_id is None else tokenizer.start_id
+        return Request((first,), tuple(tokenizer.encode(continuation)))
     whole, ids = tokenizer.encode(context + continuation), tokenizer.encode(context)
-    return Request(tuple(ids), tuple(whole[len(ids):]))
+    start = [] if tokenizer.start_id is None else [tokenizer.start_id]  # a BOS model reads its BOS first
+    return Request(tuple(start + ids), tuple(whole[len(ids):]))
 
 
 @dataclass

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import ClassVar
 
 from torch import nn
@@ -25,7 +25,11 @@ class RecursiveConfig(LocalAttention, InputEmbedding, PretrainedFeatures, Transf
     (0,1,2,0,1,2), ``sequence`` repeats each layer in place (0,0,1,1,2,2), ``cycle_rev`` runs the last loop
     in reverse (0,1,2,2,1,0). Relaxations (section 2.3, appendix K): ``lora_rank`` > 0 gives every shared
     linear weight one LoRA per loop (scaling ``lora_alpha / lora_rank``, alpha defaulting to the rank);
-    ``prefix_len`` > 0 gives every (loop, layer) position its own learned prefix keys/values.
+    ``prefix_len`` > 0 gives every (loop, layer) position its own learned prefix keys/values; ``loop_norms``
+    gives every norm of the shared layers one gain (and LayerNorm bias) per loop.
+    Sliding-window attention: ``local_layers`` are shared layers that are local at every depth position;
+    ``local_depths`` are depth positions (0 .. L-1) that attend locally whatever their shared layer, for a
+    converted model whose tied layers mix local and global positions (the mask is chosen per position).
     Early-exit training (section 3.7, appendix M): ``exit_loss`` ``weighted`` weighs loop i's loss by
     i / sum(i); ``aggressive`` weighs intermediate loops by ``exit_coefficient`` and the last by 1;
     ``exit_kd_weight`` > 0 adds, for each intermediate loop, that weight times the KL divergence from the
@@ -39,6 +43,8 @@ class RecursiveConfig(LocalAttention, InputEmbedding, PretrainedFeatures, Transf
     lora_rank: int = 0
     lora_alpha: float | None = None
     prefix_len: int = 0
+    loop_norms: bool = False
+    local_depths: list[int] = field(default_factory=list)
     exit_loss: str = "none"
     exit_coefficient: float = 0.1
     exit_kd_weight: float = 0.0
@@ -55,8 +61,16 @@ class RecursiveConfig(LocalAttention, InputEmbedding, PretrainedFeatures, Transf
             (0.0 <= self.exit_coefficient <= 1.0, f"exit_coefficient must be in [0, 1], got {self.exit_coefficient}"),
             (self.exit_kd_weight >= 0.0, f"exit_kd_weight must be non-negative, got {self.exit_kd_weight}"),
             (
-                not (self.prefix_len and self.local_layers),
+                not (self.prefix_len and (self.local_layers or self.local_depths)),
                 "prefix relaxation is not defined for sliding-window local layers; use LoRA (lora_rank) instead",
+            ),
+            (
+                all(0 <= p < self.depth for p in self.local_depths),
+                f"local_depths={self.local_depths} must be depth positions below n_layer * loops = {self.depth}",
+            ),
+            (
+                not self.local_depths or (self.sliding_window or 0) > 0,
+                "local_depths need a positive sliding_window (how many recent positions they see)",
             ),
         )
 
@@ -73,6 +87,7 @@ class RecursiveConfig(LocalAttention, InputEmbedding, PretrainedFeatures, Transf
     def summary(self) -> str:
         relax = f", LoRA r={self.lora_rank}" if self.lora_rank else ""
         relax += f", prefix {self.prefix_len}" if self.prefix_len else ""
+        relax += ", per-loop norms" if self.loop_norms else ""
         return f"{self.n_layer} shared layers x {self.loops} loops ({self.tying}), d={self.d_model}{relax}"
 
 

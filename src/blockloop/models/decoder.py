@@ -178,6 +178,20 @@ class LayerInputs:
     def of(self, local: bool) -> tuple[Tensor, Tensor, dict[str, object]]:
         return (*self.local_rope, self.local_masks) if local else (*self.rope, self.masks)
 
+    def per_row(self, local: Tensor) -> tuple[Tensor, Tensor, dict[str, object]]:
+        """Row ``b``'s local or global inputs as ``local (B,)`` says: one batch whose rows attend differently
+        (a looped layer that is local at some depth positions and global at others, rows at different
+        loops). Needs a cached step's masks, which have a row dimension."""
+        (cos, sin, masks), (local_cos, local_sin, local_masks) = self.of(False), self.of(True)
+        if masks["mask"] is None:
+            raise ValueError("rows of one batch attend locally and globally only in a cached step")
+
+        def pick(a: Tensor, b: Tensor) -> Tensor:
+            a, b = (a, b) if a.dim() > 2 else (a.expand(len(local), *a.shape), b.expand(len(local), *b.shape))
+            return torch.where(local.view(-1, *(1,) * (a.dim() - 1)), a, b)
+
+        return pick(local_cos, cos), pick(local_sin, sin), {"mask": pick(local_masks["mask"], masks["mask"])}
+
 
 class TransformerStack(nn.Module):
     """``n_layer`` pre-norm blocks (and, unless ``final_norm=False``, the final norm) over embeddings.
@@ -221,16 +235,16 @@ class TransformerStack(nn.Module):
             x = block(x, cos, sin, memory, kv=step.layer(i) if step is not None else None, **masks)
         return self.norm(x)
 
-    def layer_inputs(self, x: Tensor, step: StepContext | None = None) -> LayerInputs:
+    def layer_inputs(self, x: Tensor, step: StepContext | None = None, *, local: bool | None = None) -> LayerInputs:
         """What the layers of one pass share: rotary tables and masks (the step's cache mask, after marking
-        its slots written, or causal without a cache), and the local layers' own. Models that run the blocks
-        in their own order start here."""
+        its slots written, or causal without a cache), and, when the config has local layers (or ``local``
+        says so), the local layers' own. Models that run the blocks in their own order start here."""
         positions = step.token_positions if step is not None else torch.arange(x.shape[1], device=x.device)
         c = self.config
         rope = rope_angles(positions, c.rotary_dim, c.rope_base)
         mask = step.begin() if step is not None else None
         inputs = LayerInputs(rope, {"mask": mask})
-        if c.local_layers:
+        if c.local_layers if local is None else local:
             inputs.local_rope = rope_angles(positions, c.rotary_dim, c.local_rope_base) if c.local_rope_base else rope
             if mask is None:
                 inputs.local_masks = {"mask_mod": sliding_window_mask_mod(c.sliding_window)}

@@ -7,7 +7,9 @@ depth is L = n_layer * B (section 2.2, equation 2): position ℓ of the depth ru
 
 The Relaxed Recursive Transformer (section 2.3, equation 3) adds one LoRA module per loop to every shared
 linear weight (:mod:`blockloop.nn.lora`), or, as the alternative of appendix K, learned per-position
-prefix keys/values for self-attention. Early-exit training (section 3.7, appendix M) reads every loop's
+prefix keys/values for self-attention. With ``loop_norms`` every norm of a shared layer (pre, sandwich, q/k)
+has its own gain per loop too (:class:`~blockloop.nn.norm.LoopNorm`), what a converted model needs for its
+full-rank relaxation to be exact (see :mod:`blockloop.convert.to_recursive`). Early-exit training (section 3.7, appendix M) reads every loop's
 output through the shared final norm and LM head.
 
 Interface for continuous depth-wise batching (section 2.4; :mod:`blockloop.serve.runners.recursive`):
@@ -34,6 +36,7 @@ from blockloop.nn.distill import forward_kl
 from blockloop.nn.kv_cache import DecoderCache, StepContext
 from blockloop.nn.lora import LoopIndex, LoopLoRALinear, add_loop_lora
 from blockloop.nn.masks import with_visible_prefix
+from blockloop.nn.norm import add_loop_norms
 
 if TYPE_CHECKING:
     from blockloop.families.recursive import RecursiveConfig
@@ -72,6 +75,12 @@ class RecursiveDecoder(Decoder):
         # (the loop under cycle tying; the k-th repeat in place under sequence tying).
         self.occurrence = [self.order[:p].count(layer) for p, layer in enumerate(self.order)]
         self.loop_index = LoopIndex()
+        # Whether each depth position attends locally (sliding window): its shared layer's type, or its own.
+        self.local = [layer in config.local_layers or p in config.local_depths for p, layer in enumerate(self.order)]
+        n = config.n_layer
+        by_loop = [self.local[loop * n : (loop + 1) * n] for loop in range(config.loops)]  # under cycle tying
+        self.register_buffer("loop_local", torch.tensor(by_loop), persistent=False)
+        self.mixed = [len({kinds[j] for kinds in by_loop}) > 1 for j in range(n)]
         if config.prefix_len:
             shared = config.stack(config.n_layer)
             for block in self.body.blocks:
@@ -83,7 +92,9 @@ class RecursiveDecoder(Decoder):
                 self.body.blocks, loops=config.loops, rank=config.lora_rank, scaling=config.lora_scaling,
                 loop=self.loop_index,
             )
-        if config.prefix_len or config.lora_rank:
+        if config.loop_norms:
+            add_loop_norms(self.body.blocks, loops=config.loops, loop=self.loop_index)
+        if config.prefix_len or config.lora_rank or config.loop_norms:
             self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -108,7 +119,7 @@ class RecursiveDecoder(Decoder):
 
     def loop_inputs(self, x: Tensor, step: StepContext | None = None) -> LayerInputs:
         """Rotary tables and masks every loop of one pass shares (marks the step's slots written)."""
-        return self.body.layer_inputs(x, step)
+        return self.body.layer_inputs(x, step, local=any(self.local))
 
     def run_loop(self, x: Tensor, loop: int | Tensor, inputs: LayerInputs, *, step: StepContext | None = None) -> Tensor:
         """Loop ``loop`` over the shared block for ``x (B, T, d)``; ``loop`` is an int or a ``(B,)`` tensor.
@@ -125,7 +136,10 @@ class RecursiveDecoder(Decoder):
             for j in range(n):
                 layer = j if per_row else self.order[loop * n + j]
                 self.loop_index.value = loop if per_row else self.occurrence[loop * n + j]
-                cos, sin, kwargs = inputs.of(layer in self.config.local_layers)
+                if per_row and self.mixed[j]:  # shared layer j is local at some loops only: each row by its own
+                    cos, sin, kwargs = inputs.per_row(self.loop_local[loop, j])
+                else:
+                    cos, sin, kwargs = inputs.of(self.local[j if per_row else loop * n + j])
                 kwargs = dict(kwargs)
                 if step is not None:  # per-row loops: each row's loop of shared layer j (a looped cache)
                     kwargs["kv"] = step.layer(j, step.cache.loop_layer(j, loop)) if per_row else step.layer(loop * n + j)

@@ -12,7 +12,7 @@ import math
 
 from torch import nn
 
-from blockloop.nn.norm import RMSNorm
+from blockloop.nn.norm import LoopNorm, RMSNorm
 
 
 def init_weights(model: nn.Module, *, std: float, n_layer: int, scheme: str = "normal") -> None:
@@ -25,7 +25,7 @@ def init_weights(model: nn.Module, *, std: float, n_layer: int, scheme: str = "n
                 nn.init.normal_(module.weight, mean=0.0, std=std * scale)
             if getattr(module, "bias", None) is not None:
                 nn.init.zeros_(module.bias)
-        elif isinstance(module, (nn.LayerNorm, RMSNorm)):
+        elif isinstance(module, (nn.LayerNorm, RMSNorm, LoopNorm)):
             nn.init.constant_(module.weight, 1.0 - getattr(module, "offset", 0.0))
             if getattr(module, "bias", None) is not None:
                 nn.init.zeros_(module.bias)

@@ -6,6 +6,8 @@ only, and ``s = alpha / r``. The per-loop matrices are stored stacked, ``A (loop
 ``B (loops, out, r)``, so that a batch whose rows sit at different loops (continuous depth-wise batching,
 section 2.4) computes every row's delta in one gathered, batched matmul instead of one small matmul per
 loop. Which loop the rows are at is read from a :class:`LoopIndex` the owning model sets before each pass.
+A linear with a bias also gets one bias delta per loop, ``lora_bias (loops, out)``: a tied bias is as far from
+each loop's original as the tied weight, and costs only a vector per loop to relax.
 """
 
 from __future__ import annotations
@@ -30,8 +32,9 @@ class LoopIndex:
 class LoopLoRALinear(nn.Linear):
     """``nn.Linear`` with one LoRA delta per loop; the base weight keeps its ``weight``/``bias`` names.
 
-    ``lora_A``: ``(loops, r, in)``, ``lora_B``: ``(loops, out, r)``. ``reset_lora`` gives the standard
-    zero init (A Gaussian, B zero), under which the layer equals its base.
+    ``lora_A``: ``(loops, r, in)``, ``lora_B``: ``(loops, out, r)``, and with a bias ``lora_bias``:
+    ``(loops, out)``. ``reset_lora`` gives the standard zero init (A Gaussian, B and the bias delta zero),
+    under which the layer equals its base.
     """
 
     def __init__(
@@ -41,6 +44,7 @@ class LoopLoRALinear(nn.Linear):
         self.rank, self.scaling, self.loop = rank, scaling, loop
         self.lora_A = nn.Parameter(torch.empty(loops, rank, in_features))
         self.lora_B = nn.Parameter(torch.empty(loops, out_features, rank))
+        self.lora_bias = nn.Parameter(torch.empty(loops, out_features)) if bias else None
         self.reset_lora()
 
     @torch.no_grad()
@@ -48,13 +52,18 @@ class LoopLoRALinear(nn.Linear):
         """Zero init of the given loops' modules: Gaussian A ~ N(0, 1/in) (each A x entry at the scale of x), B = 0."""
         nn.init.normal_(self.lora_A[loops], std=1 / math.sqrt(self.in_features))
         nn.init.zeros_(self.lora_B[loops])
+        if self.lora_bias is not None:
+            nn.init.zeros_(self.lora_bias[loops])
 
     def delta(self, x: Tensor, loop: int | Tensor) -> Tensor:
-        """``s B_k A_k x`` for ``x (B, T, in)``; with a ``(B,)`` tensor ``loop``, row b uses loop ``loop[b]``."""
+        """``s B_k A_k x`` (+ the bias delta) for ``x (B, T, in)``; with a ``(B,)`` tensor ``loop``, row b uses
+        loop ``loop[b]``."""
         if isinstance(loop, int):
-            return (x @ self.lora_A[loop].transpose(0, 1)) @ self.lora_B[loop].transpose(0, 1) * self.scaling
+            out = (x @ self.lora_A[loop].transpose(0, 1)) @ self.lora_B[loop].transpose(0, 1) * self.scaling
+            return out if self.lora_bias is None else out + self.lora_bias[loop]
         a, b = self.lora_A[loop], self.lora_B[loop]  # gathered per row: (B, r, in), (B, out, r)
-        return torch.bmm(torch.bmm(x, a.transpose(1, 2)), b.transpose(1, 2)) * self.scaling
+        out = torch.bmm(torch.bmm(x, a.transpose(1, 2)), b.transpose(1, 2)) * self.scaling
+        return out if self.lora_bias is None else out + self.lora_bias[loop][:, None]
 
     def forward(self, x: Tensor) -> Tensor:
         return super().forward(x) + self.delta(x, self.loop.value)

@@ -118,12 +118,13 @@ def check_task_vocabulary(tokenizer: Tokenizer, task: str, vocab: TaskVocab) -> 
 
 
 def sequences(
-    splits: TokenSplits | TaskData, seq_len: int
+    splits: TokenSplits | TaskData, seq_len: int, start_id: int | None = None
 ) -> tuple[PackedSequences | TaskSequences, PackedSequences | TaskSequences]:
-    """Training and validation sequences: packed windows of a corpus, or a task's train/valid windows."""
+    """Training and validation sequences: packed windows of a corpus (each starting with ``start_id``, the
+    tokenizer's BOS where its model reads one first), or a task's train/valid windows."""
     if isinstance(splits, TaskData):
         return task_sequences(splits, "train", seq_len), task_sequences(splits, "valid", seq_len)
-    return PackedSequences(splits.train, seq_len), PackedSequences(splits.val, seq_len)
+    return PackedSequences(splits.train, seq_len, start_id), PackedSequences(splits.val, seq_len, start_id)
 
 
 def task_sequences(data: TaskData, split: str, seq_len: int) -> TaskSequences:

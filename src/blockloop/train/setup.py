@@ -213,7 +213,7 @@ def start_training(plan: RunPlan, info: DistInfo = DistInfo()) -> tuple[Prepared
             f"{config.lr * config.steps / config.warmup_steps:.3g}, not --lr {config.lr:g}; lower --warmup-steps",
             stacklevel=2,
         )
-    train_seqs, val_seqs = sequences(run.splits, config.seq_len)
+    train_seqs, val_seqs = sequences(run.splits, config.seq_len, run.tokenizer.start_id)
     trainer = Trainer(
         run.model, run.model_config, run.tokenizer, train_seqs, val_seqs, config, plan.out,
         run_info=plan.spec.to_dict(), dist_info=info,

@@ -94,7 +94,7 @@ def create_app(served: ServedModel) -> FastAPI:
         params = parse(CompletionRequest, await _body(request))
         _check_model(params)
         if isinstance(params.prompt, str):
-            prompt = tokenizer.encode(params.prompt)
+            prompt = tokenizer.encode_prompt(params.prompt)
         else:
             prompt = params.prompt
             if not all(0 <= t < engine.vocab_size for t in prompt):
