@@ -143,18 +143,23 @@ def train_one(
     return record | {"_model": trainer.model.eval(), "_run": run, "_val": val}
 
 
+def add_task_errors(record: dict[str, object], args: argparse.Namespace) -> None:
+    """Replace ``train_one``'s kept model in ``record`` by its valid/test task errors and the run's provenance."""
+    model, run = record.pop("_model"), record.pop("_run")
+    record.pop("_val")
+    for split in ("valid", "test"):
+        result = evaluate(model, task_sequences(run.splits, split, args.seq_len), batch_size=args.batch_size,
+                          max_batches=args.eval_batches, device=args.device)
+        record[f"{split}_error"] = result["error"]
+        record[f"{split}_labelled"] = int(result["tokens"])
+    record["run"] = provenance(args)
+
+
 def run_tasks(args: argparse.Namespace, save: Callable[[dict[str, object]], None]) -> dict[str, object]:
     rows = []
     for entry in args.models or TASK_MODELS:
         record = train_one(entry, {"task": args.task}, args)
-        model, run = record.pop("_model"), record.pop("_run")
-        record.pop("_val")
-        for split in ("valid", "test"):
-            result = evaluate(model, task_sequences(run.splits, split, args.seq_len), batch_size=args.batch_size,
-                              max_batches=args.eval_batches)
-            record[f"{split}_error"] = result["error"]
-            record[f"{split}_labelled"] = int(result["tokens"])
-        record["run"] = provenance(args)
+        add_task_errors(record, args)
         print(json.dumps(record), flush=True)
         rows.append(record)
         save({"kind": "task", "rows": rows})
@@ -167,7 +172,7 @@ def run_lm(args: argparse.Namespace, save: Callable[[dict[str, object]], None]) 
         record = train_one(entry, {"data": args.data, "tokenizer": "byte"}, args)
         model, run, val = record.pop("_model"), record.pop("_run"), record.pop("_val")
         result = evaluate(model, val, batch_size=args.batch_size, max_batches=args.eval_batches,
-                          byte_lengths=run.tokenizer.token_byte_lengths())
+                          byte_lengths=run.tokenizer.token_byte_lengths(), device=args.device)
         _, _, _overrides = parse_model(entry)
         config = run.model_config
         steps = {"staircase": "passes", "ladder": "n_steps"}.get(config.family)
@@ -188,14 +193,7 @@ def run_seeds(args: argparse.Namespace, save: Callable[[dict[str, object]], None
     for entry in args.models or SEED_MODELS:
         for seed in range(args.seed, args.seed + args.seeds):
             record = train_one(entry, {"task": args.task}, args, seed=seed, curve_split="test")
-            model, run = record.pop("_model"), record.pop("_run")
-            record.pop("_val")
-            for split in ("valid", "test"):
-                result = evaluate(model, task_sequences(run.splits, split, args.seq_len), batch_size=args.batch_size,
-                                  max_batches=args.eval_batches)
-                record[f"{split}_error"] = result["error"]
-                record[f"{split}_labelled"] = int(result["tokens"])
-            record["run"] = provenance(args)
+            add_task_errors(record, args)
             print(json.dumps({k: v for k, v in record.items() if k != "curve"}), flush=True)
             rows.append(record)
             save({"kind": "seeds", "rows": rows})
