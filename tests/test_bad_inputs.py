@@ -175,6 +175,8 @@ CASES = [
     (["convert", "--to", "recursive", "--checkpoint", R, "--out", NEW, "--loops", "two"], "--loops: must be an"),
     (["convert", "--from-hf", "{base}/hf_pickle", "--tokenizer", "byte", "--out", NEW], "only pickle weights (pytorch_model.bin)"),
     (["convert", "--to", "block", "--checkpoint", "{base}/latest_escape", "--out", NEW], "not a checkpoint directory"),
+    (["convert", "--to", "hf", "--checkpoint", R, "--out", "{base}/list_config"], "holds a training run"),
+    (["convert", "--to", "weights", "--checkpoint", R, "--out", "{base}/state_list"], "holds a training run"),
     (["tasks", "make", "algorithm-3", "--out", NEW, "--seed", "-1"], "--seed: must be an integer >= 0"),
     (["tasks", "import", "{base}/a_file", "--out", NEW, "--valid-fraction", "nan"], "--valid-fraction: must be a finite"),
     (["flops", "--preset", "tiny", "--seq-len", "0"], "--seq-len: must be an integer >= 1"),

@@ -37,8 +37,11 @@ class Converted:
 
 
 def _refuse_existing(out: Path) -> None:
+    """A conversion never writes over a model or into a training run (whose checkpoints it would mix with)."""
     if (out / "model.safetensors").exists():
         raise BlockloopError(f"{out} already holds a model; choose another --out")
+    if (out / "checkpoints").exists():
+        raise BlockloopError(f"{out} holds a training run; choose another --out")
 
 
 def _write_uptraining(out: Path, model: nn.Module, source: TrainedModel, what: str) -> Converted:
@@ -118,6 +121,7 @@ def calibration_windows(source: TrainedModel, count: int, seq_len: int = 128) ->
 def to_hf_folder(checkpoint: str | Path, out: Path, *, save_dtype: str = "float32") -> Converted:
     """A trained vanilla decoder as a Hugging Face folder (config, weights, its tokenizer): :func:`export_hf`."""
     dtype = ckpt.save_dtype(save_dtype)
+    _refuse_existing(Path(out))
     source = load_trained(checkpoint)
     out = export_hf(source.model, source.tokenizer, Path(out), dtype=dtype)
     return Converted(out, f"a Hugging Face model ({save_dtype})",
