@@ -11,6 +11,12 @@ from blockloop.nn.lora import LoopIndex
 from blockloop.nn.precision import at_least_fp32
 
 
+def rms_norm(x: Tensor, scale: Tensor, eps: float) -> Tensor:
+    """``x / rms(x) * scale`` in at least float32, so bf16 activations do not lose the mean square."""
+    x32 = at_least_fp32(x)
+    return (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps) * scale).to(x.dtype)
+
+
 class RMSNorm(nn.Module):
     """x / rms(x) * (offset + weight), computed in float32 so bf16 activations do not lose the mean square.
 
@@ -25,10 +31,7 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.full((dim,), 1.0 - offset))
 
     def forward(self, x: Tensor) -> Tensor:
-        x32 = at_least_fp32(x)
-        normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        scale = self.weight + self.offset if self.offset else self.weight
-        return (normed * scale).to(x.dtype)
+        return rms_norm(x, self.weight + self.offset if self.offset else self.weight, self.eps)
 
 
 def build_norm(kind: str, dim: int, eps: float) -> nn.Module:
@@ -69,9 +72,7 @@ class LoopNorm(nn.Module):
             weight, bias = weight.view(view), bias.view(view) if bias is not None else None
         if self.layer_norm:
             return F.layer_norm(x, x.shape[-1:], eps=self.eps) * weight + bias
-        x32 = at_least_fp32(x)
-        normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (normed * (weight + self.offset)).to(x.dtype)
+        return rms_norm(x, weight + self.offset, self.eps)
 
     def extra_repr(self) -> str:
         return f"loops={self.weight.shape[0]}, dim={self.weight.shape[1]}, eps={self.eps}"
