@@ -12,8 +12,8 @@ the tokens a runner emits itself, ``StepOutput.emitted``: a speculative step's a
 a device ring buffer and are copied to the host once per window, where requests that hit EOS or their
 token limit finish and free their slot, and waiting requests are prefilled into the free slots while the
 others keep their caches (requests admitted together into consecutive slots with prompts of one padded
-length in one forward, :meth:`Runner.prefill_rows`, where the runner batches it). Rows that finished inside a window keep stepping until its end (their extra
-tokens are discarded): the price of not syncing every token. Every row steps every time, busy or not,
+length in one forward, :meth:`Runner.prefill_rows`, where the runner batches it). Rows that finished inside
+a window keep stepping until its end (their extra tokens are discarded): the price of not syncing every token. Every row steps every time, busy or not,
 so the decode step has static shapes (``torch.compile``, CUDA graphs).
 
 A runner that cannot prefill one slot at a time (``per_slot = False``: a double decoder given a shared
