@@ -27,6 +27,7 @@ from blockloop.nn.kv_cache import DecoderCache, LayerStep, StepContext
 from blockloop.nn.masks import MaskMod, sliding_window_mask_mod, within_window
 from blockloop.nn.mlp import build_mlp
 from blockloop.nn.norm import build_norm
+from blockloop.nn.paged_cache import KVPages
 from blockloop.nn.precision import at_least_fp32
 from blockloop.nn.rope import apply_rope, rope_angles
 
@@ -252,9 +253,11 @@ class TransformerStack(nn.Module):
                 inputs.local_masks = {"mask": mask & within_window(step.slots, mask.shape[-1], c.sliding_window)}
         return inputs
 
-    def allocate_cache(self, batch_size: int, max_len: int, *, dtype: torch.dtype, device: torch.device) -> DecoderCache:
+    def allocate_cache(
+        self, batch_size: int, max_len: int, *, dtype: torch.dtype, device: torch.device, pages: KVPages | None = None
+    ) -> DecoderCache:
         c = self.config
-        return DecoderCache(c.n_layer, batch_size, c.n_kv_head, max_len, c.head_dim, dtype=dtype, device=device)
+        return DecoderCache(c.n_layer, batch_size, c.n_kv_head, max_len, c.head_dim, dtype=dtype, device=device, pages=pages)
 
 
 def count_parameters(model: nn.Module, excluded: tuple[nn.Module, ...] = ()) -> int:
@@ -329,11 +332,14 @@ class Decoder(LanguageModel):
     def __init__(self, config: DecoderConfig) -> None:
         super().__init__(config, body=TransformerStack(config, final_norm=False))
 
-    def allocate_cache(self, batch_size: int, max_len: int, *, dtype: torch.dtype | None = None) -> DecoderCache:
-        """A static cache for ``batch_size`` rows of up to ``max_len`` tokens (prompt + generated)."""
+    def allocate_cache(
+        self, batch_size: int, max_len: int, *, dtype: torch.dtype | None = None, pages: KVPages | None = None
+    ) -> DecoderCache:
+        """A static cache for ``batch_size`` rows of up to ``max_len`` tokens (prompt + generated), or a paged
+        one over ``pages``."""
         check_context(max_len, self.config.context_length, "cache", "allocate fewer slots")
         weight = self.embed.weight
-        return self.body.allocate_cache(batch_size, max_len, dtype=dtype or weight.dtype, device=weight.device)
+        return self.body.allocate_cache(batch_size, max_len, dtype=dtype or weight.dtype, device=weight.device, pages=pages)
 
     def generation_caches(self, batch_size: int, prompt_len: int, max_new_tokens: int) -> list[DecoderCache]:
         """Every static cache generation needs: one KV cache over prompt and generated tokens."""

@@ -31,6 +31,7 @@ from blockloop.models.decoder import LanguageModel
 from blockloop.models.recurrent_core import build_core, prefix_kv, rotate_prefix
 from blockloop.nn.kv_cache import DecoderCache, StepContext
 from blockloop.nn.masks import window_mask, within_span
+from blockloop.nn.paged_cache import KVPages
 from blockloop.nn.rope import rope_angles
 
 if TYPE_CHECKING:
@@ -112,11 +113,11 @@ class Ladder(LanguageModel):
         loss = self.loss(logits, targets)
         return (logits, loss, new_state) if return_state else (logits, loss)
 
-    def allocate_cache(self, batch_size: int, max_len: int) -> DecoderCache:
-        """One static KV cache with a layer slot per application of a core layer."""
+    def allocate_cache(self, batch_size: int, max_len: int, *, pages: KVPages | None = None) -> DecoderCache:
+        """One KV cache (static, or paged over ``pages``) with a layer slot per application of a core layer."""
         c, weight = self.config, self.embed.weight
         return DecoderCache(len(self.order), batch_size, c.n_kv_head, max_len, c.head_dim,
-                            dtype=weight.dtype, device=weight.device)
+                            dtype=weight.dtype, device=weight.device, pages=pages)
 
     def generation_caches(self, batch_size: int, prompt_len: int, max_new_tokens: int) -> list[DecoderCache]:
         """Every static cache generation needs: :meth:`allocate_cache` over prompt and generated tokens."""

@@ -37,6 +37,7 @@ from blockloop.nn.kv_cache import DecoderCache, StepContext
 from blockloop.nn.lora import LoopIndex, LoopLoRALinear, add_loop_lora
 from blockloop.nn.masks import with_visible_prefix
 from blockloop.nn.norm import add_loop_norms
+from blockloop.nn.paged_cache import KVPages
 
 if TYPE_CHECKING:
     from blockloop.families.recursive import RecursiveConfig
@@ -207,11 +208,15 @@ class RecursiveDecoder(Decoder):
             total = total + weight * term
         return total
 
-    def allocate_cache(self, batch_size: int, max_len: int, *, dtype: torch.dtype | None = None) -> DecoderCache:
-        """One KV cache entry per depth position (n_layer * loops): the loops share weights, not keys/values."""
+    def allocate_cache(
+        self, batch_size: int, max_len: int, *, dtype: torch.dtype | None = None, pages: KVPages | None = None
+    ) -> DecoderCache:
+        """One KV cache entry per depth position (n_layer * loops): the loops share weights, not keys/values
+        (static, or paged over ``pages``)."""
         c = self.config
         check_context(max_len, c.context_length, "cache", "allocate fewer slots")
         weight = self.embed.weight
         return DecoderCache(
-            c.depth, batch_size, c.n_kv_head, max_len, c.head_dim, dtype=dtype or weight.dtype, device=weight.device
+            c.depth, batch_size, c.n_kv_head, max_len, c.head_dim, dtype=dtype or weight.dtype, device=weight.device,
+            pages=pages,
         )

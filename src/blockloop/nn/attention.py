@@ -10,7 +10,8 @@ to one of three backends:
 
 A mask is given either as ``causal=True``, as a dense boolean tensor (True = may attend) broadcastable
 to ``(B, H, Tq, Tk)``, or as a FlexAttention-style ``mask_mod(b, h, q_idx, kv_idx) -> bool``; every backend
-accepts every form (the builders live in :mod:`blockloop.nn.masks`). With ``Tq < Tk`` a causal query ``i`` sits at key position ``i + Tk - Tq``, which is
+accepts every form (the builders live in :mod:`blockloop.nn.masks`). A FlexAttention ``BlockMask`` given as
+``mask`` (a paged cache's decode mask, whose keys are a pool shared by every row) always goes to "flex". With ``Tq < Tk`` a causal query ``i`` sits at key position ``i + Tk - Tq``, which is
 what chunked prefill over a cache needs. ``return_lse=True`` also returns the natural-log log-sum-exp of
 the scaled scores per query, ``(B, H, Tq)``, which lets two attentions over disjoint key sets be merged
 exactly (double decoders). A query row with no visible key returns zeros and lse = -inf.
@@ -60,6 +61,8 @@ def attention(
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     if backend is None:
         backend = ("flex" if q.is_cuda else "eager") if return_lse else "sdpa"
+    if mask is not None and not isinstance(mask, Tensor):
+        backend = "flex"  # a BlockMask
     if backend == "sdpa":
         if return_lse:
             raise ValueError("the sdpa backend cannot return the log-sum-exp; use backend='flex' or 'eager'")
@@ -166,15 +169,15 @@ def _flex(
     from torch.nn.attention import flex_attention as fa
 
     tq, tk = q.shape[-2], k.shape[-2]
+    block_mask = mask if isinstance(mask, fa.BlockMask) else None
     if causal:
         mask_mod = causal_mask_mod(tk - tq)
-    elif mask is not None:
+    elif mask is not None and block_mask is None:
         dense = mask.expand(q.shape[0], q.shape[1], tq, tk)
 
         def mask_mod(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
             return dense[b, h, q_idx, kv_idx]
 
-    block_mask = None
     if mask_mod is not None:
         block_mask = fa.create_block_mask(mask_mod, q.shape[0], q.shape[1], tq, tk, device=q.device)
     flex = _compiled_flex() if q.is_cuda else fa.flex_attention

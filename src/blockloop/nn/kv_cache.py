@@ -23,6 +23,7 @@ import torch
 from torch import Tensor, nn
 
 from blockloop.nn.masks import cache_mask
+from blockloop.nn.paged_cache import KVPages, PagedKVCache
 
 
 class KVCache(nn.Module):
@@ -69,7 +70,9 @@ class DecoderCache(nn.Module):
     """Per-layer KV caches plus which slots of each row hold a real token.
 
     Rows are independent: a row's keys are only visible to that row, and only where ``key_valid`` is
-    set, so left-padded prompts of different lengths share one set of slot indices.
+    set, so left-padded prompts of different lengths share one set of slot indices. With ``pages`` the
+    layers keep their keys in pages of one shared pool instead (:mod:`blockloop.nn.paged_cache`): the
+    same slots and masks, memory per row only for the pages it reserved.
     """
 
     def __init__(
@@ -82,11 +85,17 @@ class DecoderCache(nn.Module):
         *,
         dtype: torch.dtype,
         device: torch.device | str,
+        pages: KVPages | None = None,
     ) -> None:
         super().__init__()
-        self.batch_size, self.max_len = batch_size, max_len
+        self.batch_size, self.max_len, self.pages = batch_size, max_len, pages
+        if pages is not None and (pages.table.shape[0], pages.max_len) != (batch_size, max_len):
+            raise ValueError(f"a page table of {tuple(pages.table.shape)} rows/pages for max_len {pages.max_len} "
+                             f"does not fit a cache of {batch_size} rows x {max_len} slots")
         self.layers = nn.ModuleList(
-            KVCache(batch_size, n_kv_head, max_len, head_dim, dtype=dtype, device=device) for _ in range(n_layer)
+            PagedKVCache(pages, n_kv_head, head_dim, dtype=dtype) if pages is not None
+            else KVCache(batch_size, n_kv_head, max_len, head_dim, dtype=dtype, device=device)
+            for _ in range(n_layer)
         )
         self.register_buffer("key_valid", torch.zeros(batch_size, max_len, dtype=torch.bool, device=device), persistent=False)
 
@@ -98,7 +107,10 @@ class DecoderCache(nn.Module):
         self.key_valid.scatter_(1, slots if slots.dim() == 2 else slots.expand(self.batch_size, length), valid)
 
     def mask(self, slots: Tensor) -> Tensor:
-        """The ``(B, 1, T, S)`` mask of queries at ``slots`` over what has been marked (see :func:`cache_mask`)."""
+        """The ``(B, 1, T, S)`` mask of queries at ``slots`` over what has been marked (see :func:`cache_mask`),
+        or, for a decode step reading pages, the same mask as a block mask over the pool."""
+        if self.pages is not None and self.pages.reads_pool(slots):
+            return self.pages.block_mask(self.key_valid, slots)
         return cache_mask(self.key_valid, slots)
 
     def reset(self) -> None:
@@ -110,6 +122,7 @@ class DecoderCache(nn.Module):
         view = DecoderCache.__new__(DecoderCache)
         nn.Module.__init__(view)
         view.batch_size, view.max_len = stop - start, self.max_len
+        view.pages = self.pages.rows(start, stop) if self.pages is not None else None
         view.layers = nn.ModuleList(layer.rows(start, stop) for layer in self.layers)
         view.register_buffer("key_valid", self.key_valid[start:stop], persistent=False)
         return view

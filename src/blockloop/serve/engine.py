@@ -117,6 +117,10 @@ class Engine:
                 f"prompt of {self._padded(len(prompt))} tokens plus {max_tokens} new tokens exceeds the engine's "
                 f"{self.max_len - self.reserved}-token slots (the model context); shorten the prompt or lower max_tokens"
             )
+        if self.continuous and not self.runner.can_hold([self._padded(len(prompt)) + max_tokens], alone=True):
+            raise BlockloopError(
+                f"prompt of {self._padded(len(prompt))} tokens plus {max_tokens} new tokens is more than the whole "
+                "paged KV cache holds; give the engine more kv tokens, shorten the prompt or lower max_tokens")
         sampling = sampling or SamplingParams()
         self.runner.check_request(sampling)
         request = Request(prompt, max_tokens, sampling, eos_id, on_token, arrival_time=time.perf_counter())
@@ -136,7 +140,7 @@ class Engine:
         if request.status is RequestStatus.WAITING:
             self.scheduler.waiting.remove(request)
         else:
-            self.scheduler.release(request.slot)
+            self._release(request.slot)
         request.finish("abort", time.perf_counter())
 
     def _padded(self, length: int) -> int:
@@ -155,7 +159,7 @@ class Engine:
         to time the first token alone). Returns the requests that finished in this window.
         """
         if self.continuous:
-            for start, group in self._prefill_groups(self.scheduler.admit()):
+            for start, group in self._prefill_groups(self.scheduler.admit(fits=self._cache_holds)):
                 self._prefill_rows(start, group)
         elif not self.scheduler.running:
             self._prefill_batch(self.scheduler.admit(fits=self._fits_together))
@@ -205,8 +209,19 @@ class Engine:
                 groups.append((slot, [request]))
         return groups
 
+    def _cache_holds(self, group: list[Request], candidate: Request) -> bool:
+        """Whether the runner's cache has room for ``candidate`` beside the requests admitted with it (a paged
+        cache: free pages for each one's prompt and new tokens)."""
+        return self.runner.can_hold([self._padded(len(r.prompt)) + r.max_tokens for r in (*group, candidate)])
+
+    def _release(self, slot: int) -> None:
+        self.scheduler.release(slot)
+        self.runner.release(slot)
+
     def _prefill_rows(self, start: int, requests: list[Request]) -> None:
         length = self._padded(len(requests[0].prompt))
+        for slot, request in enumerate(requests, start):
+            self.runner.reserve(slot, length + request.max_tokens)
         prompts = torch.tensor([[self.runner.pad_id] * (length - len(r.prompt)) + r.prompt for r in requests],
                                device=self.device)
         stop = start + len(requests)
@@ -240,7 +255,7 @@ class Engine:
             start = len(request.output)
             for token in tokens[slot]:
                 if token >= 0 and request.accept(token, now):
-                    self.scheduler.release(slot)
+                    self._release(slot)
                     finished.append(request)
                     break
             self.last_window.append((request, request.output[start:]))

@@ -14,7 +14,7 @@ from torch import nn
 from blockloop.errors import BlockloopError
 from blockloop.serve.runners.base import Runner
 from blockloop.serve.runners.block import BlockRunner
-from blockloop.serve.runners.decoder import DecoderRunner
+from blockloop.serve.runners.decoder import DecoderRunner, Paging
 from blockloop.serve.runners.double_decoder import DoubleDecoderRunner
 from blockloop.serve.runners.encoder_decoder import EncoderDecoderRunner
 from blockloop.serve.runners.recursive import ExitRule, RecursiveRunner
@@ -34,7 +34,7 @@ RUNNERS: dict[str, type[Runner]] = {
 
 def runner_for(model: nn.Module, **options: Any) -> Runner:
     """The runner serving ``model``'s family; ``options`` go to its constructor (a recursive model's
-    ``exit_rule`` or ``speculation``, a double decoder's cached ``prefix``); an option left ``None`` is
+    ``exit_rule`` or ``speculation``, a double decoder's cached ``prefix``, a single-stack model's ``paging``); an option left ``None`` is
     dropped, so callers (the CLI, a server) may pass every option they know to any family."""
     family = model.config.family
     if family not in RUNNERS:
@@ -47,4 +47,4 @@ def runner_for(model: nn.Module, **options: Any) -> Runner:
     return RUNNERS[family](model, **{name: value for name, value in options.items() if name in known})
 
 
-__all__ = ["RUNNERS", "ExitRule", "Runner", "Speculation", "runner_for"]
+__all__ = ["RUNNERS", "ExitRule", "Paging", "Runner", "Speculation", "runner_for"]

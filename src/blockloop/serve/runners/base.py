@@ -75,6 +75,18 @@ class Runner(ABC):
     def allocate(self, n_slots: int, max_len: int) -> None:
         """Static caches and decode state for ``n_slots`` requests of up to ``max_len`` tokens each."""
 
+    def can_hold(self, token_counts: list[int], *, alone: bool = False) -> bool:
+        """Whether the cache has room now (with ``alone``: with nothing else held) for new requests of these
+        lengths, prompt plus new tokens. A static cache always has: every slot holds ``max_len``."""
+        return True
+
+    def reserve(self, slot: int, n_tokens: int) -> None:
+        """Hold room in row ``slot`` for a request of ``n_tokens`` tokens before it is prefilled (a paged cache
+        takes its pages here; a static one holds them already)."""
+
+    def release(self, slot: int) -> None:
+        """Row ``slot``'s request has finished: give back what :meth:`reserve` took."""
+
     @abstractmethod
     def prefill_slot(self, slot: int, prompt: Tensor) -> Tensor:
         """Take over row ``slot`` for ``prompt (P,)`` (the other rows keep their state); next-token logits ``(V,)``."""

@@ -43,7 +43,7 @@ from blockloop.models.recursive import RecursiveDecoder
 from blockloop.nn.kv_cache import DecoderCache, KVCache, StepContext
 from blockloop.serve.requests import SamplingParams
 from blockloop.serve.runners.base import StepOutput
-from blockloop.serve.runners.decoder import DecoderRunner, DecodeState
+from blockloop.serve.runners.decoder import DecoderRunner, DecodeState, Paging
 from blockloop.serve.runners.speculative import Speculation, Speculator
 
 EXIT_RULES = ("none", "max_prob", "entropy", "oracle")
@@ -141,9 +141,12 @@ class RecursiveRunner(DecoderRunner):
     model: RecursiveDecoder
 
     def __init__(
-        self, model: RecursiveDecoder, exit_rule: ExitRule | None = None, speculation: Speculation | None = None
+        self, model: RecursiveDecoder, exit_rule: ExitRule | None = None, speculation: Speculation | None = None,
+        paging: Paging | None = None,
     ) -> None:
-        super().__init__(model)
+        super().__init__(model, paging)
+        if paging is not None and exit_rule is not None:
+            raise BlockloopError("depth-wise batching (exit_rule) keeps a static per-loop cache; serve it without paging")
         self.config = model.config
         self.exit_rule = exit_rule
         self.speculator = None if speculation is None else Speculator(model, speculation)

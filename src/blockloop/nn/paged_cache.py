@@ -1,0 +1,185 @@
+"""A paged KV cache: memory per request proportional to its own length, decode reading live keys only.
+
+A static cache (:class:`~blockloop.nn.kv_cache.KVCache`) gives every row ``max_len`` slots, so the batch
+that fits is set by the longest possible request, and a decode step over a dense ``(B, 1, 1, S)`` mask
+reads ``rows x max_len`` keys whatever the rows' real lengths. Here each layer holds one pool of
+``n_pages`` fixed-size pages ``(1, H_kv, n_pages * page_size, D)`` shared by every row, and
+:class:`KVPages` keeps a page table per row: logical slot ``s`` of row ``b`` lives at pool position
+``table[b, s // page_size] * page_size + s % page_size``. A request reserves the pages of its own
+length (prompt + new tokens) when admitted and gives them back when it finishes; they are reused by
+the next.
+
+Page 0 is a scratch page that belongs to nobody: every unreserved table entry points at it, so rows that
+step past their reservation (idle slots, rows that finished inside an engine window) write there
+harmlessly and no row ever reads it.
+
+Two ways to read, same numbers (tests check both against the static cache):
+
+* ``"pages"``: a decode step attends over the pool itself with a FlexAttention block mask built from the
+  page table (:meth:`KVPages.block_mask`): each row visits only its own live pages, so the bytes read
+  per step are proportional to the sum of live lengths. The mask is made of device tensors updated in
+  place, cheap enough to rebuild every step and capturable in a CUDA graph. The default on CUDA.
+* ``"gather"``: every write returns the rows' logical ``(B, H_kv, S, D)`` views gathered from the pool,
+  attended through the usual dense cache mask. The CPU reference, and what a prefill (many queries per
+  row) always uses.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+from blockloop.errors import BlockloopError
+
+READS = ("pages", "gather")
+SCRATCH = 0  # the page every unreserved table entry points at
+
+
+class KVPages:
+    """The page table of one paged cache: which pool pages each row owns, shared by all its layers.
+
+    The free list lives on the host (reserving and releasing happen between engine windows, never inside
+    a decode step); the table and each page's owner and logical index live on device for the step.
+    """
+
+    def __init__(
+        self, n_rows: int, max_len: int, n_pages: int, page_size: int, *, device: torch.device | str, read: str | None = None
+    ) -> None:
+        if page_size < 1:
+            raise BlockloopError(f"page_size must be at least 1, got {page_size}")
+        width = -(-max_len // page_size)
+        if n_pages < 2:
+            raise BlockloopError(f"a paged cache needs at least 2 pages (one is scratch), got {n_pages}; give it more")
+        read = read or ("pages" if torch.device(device).type == "cuda" else "gather")
+        if read not in READS:
+            raise BlockloopError(f"unknown paged read {read!r}; choose one of {', '.join(READS)}")
+        self.page_size, self.n_pages, self.max_len, self.read = page_size, n_pages, max_len, read
+        self.table = torch.full((n_rows, width), SCRATCH, dtype=torch.long, device=device)
+        self.reserved = torch.zeros(n_rows, dtype=torch.long, device=device)  # pages held per row
+        self.owner = torch.full((n_pages,), -1, dtype=torch.long, device=device)
+        self.logical = torch.zeros(n_pages, dtype=torch.long, device=device)
+        self.free: list[int] = list(range(n_pages - 1, SCRATCH, -1))
+        self.held: dict[int, list[int]] = {}
+        self.first_row = 0  # rows of a view are numbered from here in ``owner``
+
+    @classmethod
+    def for_tokens(
+        cls, n_rows: int, max_len: int, tokens: int, page_size: int, *, device: torch.device | str, read: str | None = None
+    ) -> KVPages:
+        """Pages enough for ``tokens`` tokens (rounded up to whole pages), plus the scratch page."""
+        return cls(n_rows, max_len, 1 + -(-tokens // page_size), page_size, device=device, read=read)
+
+    @property
+    def capacity(self) -> int:
+        """Tokens the pool can hold in all (scratch page excluded)."""
+        return (self.n_pages - 1) * self.page_size
+
+    def pages_for(self, n_tokens: int) -> int:
+        return -(-min(n_tokens, self.max_len) // self.page_size)
+
+    def can_hold(self, token_counts: list[int], *, alone: bool = False) -> bool:
+        """Whether requests of these lengths can all reserve their pages now (``alone``: in an empty pool)."""
+        return sum(map(self.pages_for, token_counts)) <= (self.n_pages - 1 if alone else len(self.free))
+
+    def reserve(self, row: int, n_tokens: int) -> None:
+        """Give row ``row`` (of the whole table) the pages of its first ``n_tokens`` slots, in place of any it held."""
+        self.release(row)
+        need = self.pages_for(n_tokens)
+        if need > len(self.free):
+            raise BlockloopError(
+                f"the paged KV cache has {len(self.free)} free pages of {self.page_size} tokens, {need} needed; "
+                "give the engine more kv_tokens or wait for running requests to finish")
+        pages = [self.free.pop() for _ in range(need)]
+        self.held[row] = pages
+        ids = torch.tensor(pages, dtype=torch.long, device=self.table.device)
+        self.table[row, :need] = ids
+        self.reserved[row] = need
+        self.owner[ids] = row
+        self.logical[ids] = torch.arange(need, device=ids.device)
+
+    def release(self, row: int) -> None:
+        """Return row ``row``'s pages to the free list and point its table back at the scratch page."""
+        pages = self.held.pop(row, [])
+        if not pages:
+            return
+        ids = torch.tensor(pages, dtype=torch.long, device=self.table.device)
+        self.owner[ids] = -1
+        self.table[row] = SCRATCH
+        self.reserved[row] = 0
+        self.free.extend(reversed(pages))
+
+    def rows(self, start: int, stop: int) -> KVPages:
+        """Rows ``start .. stop - 1`` as a view: same pool pages and free list, the table's rows sliced."""
+        view = KVPages.__new__(KVPages)
+        view.__dict__.update(self.__dict__)
+        view.table, view.reserved, view.first_row = self.table[start:stop], self.reserved[start:stop], self.first_row + start
+        return view
+
+    def positions(self, slots: Tensor) -> Tensor:
+        """Pool positions ``(B, T)`` of logical ``slots`` (``(T,)`` shared or ``(B, T)`` per row)."""
+        slots = slots.expand(self.table.shape[0], -1) if slots.dim() == 1 else slots
+        pages = self.table.gather(1, torch.div(slots, self.page_size, rounding_mode="floor"))
+        return pages * self.page_size + slots % self.page_size
+
+    def reads_pool(self, slots: Tensor) -> bool:
+        """Whether a step writing ``slots`` attends over the pool (a decode step under ``read="pages"``) rather
+        than over gathered logical views."""
+        return self.read == "pages" and slots.dim() == 2 and slots.shape[1] == 1
+
+    def block_mask(self, key_valid: Tensor, slots: Tensor):  # -> flex_attention.BlockMask
+        """The mask of one decode query per row (``slots (B, 1)``) over the pool: row ``b`` visits its own
+        reserved pages only, and within them sees what :func:`~blockloop.nn.masks.cache_mask` would
+        (valid keys up to its slot, and itself)."""
+        from torch.nn.attention.flex_attention import BlockMask
+
+        size = self.page_size
+        owner, logical, first = self.owner, self.logical, self.first_row
+        query, last = slots[:, 0], key_valid.shape[1] - 1
+
+        def mask_mod(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+            page = kv_idx // size
+            slot = (logical[page] * size + kv_idx % size).clamp_max(last)
+            seen = (slot <= query[b]) & key_valid[b, slot] | (slot == query[b])
+            return (owner[page] == b + first) & seen
+
+        rows = self.table.shape[0]
+        return BlockMask.from_kv_blocks(
+            self.reserved.view(rows, 1, 1).int(), self.table.view(rows, 1, 1, -1).int(), BLOCK_SIZE=(1, size),
+            mask_mod=mask_mod, seq_lengths=(1, self.n_pages * size), compute_q_blocks=False)
+
+
+class PagedKVCache(nn.Module):
+    """One attention layer's pool of pages; the rows' page table is the shared :class:`KVPages`."""
+
+    def __init__(self, pages: KVPages, n_kv_head: int, head_dim: int, *, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.pages = pages
+        shape = (1, n_kv_head, pages.n_pages * pages.page_size, head_dim)
+        device = pages.table.device
+        self.register_buffer("k", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
+        self.register_buffer("v", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
+
+    def write(self, slots: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        """Store ``k, v (B, H_kv, T, D)`` at logical ``slots`` of the view's rows; return the pool (a decode
+        step reading pages) or the rows' logical views to attend over."""
+        pages = self.pages
+        where = pages.positions(slots).flatten()
+        for pool, new in ((self.k, k), (self.v, v)):
+            pool[0].index_copy_(1, where, new.to(pool.dtype).transpose(0, 1).flatten(1, 2))
+        if pages.reads_pool(slots):
+            return self.k, self.v
+        logical = torch.arange(pages.table.shape[1] * pages.page_size, device=slots.device)[: pages.max_len]
+        every = pages.positions(logical)  # (B, S)
+        return self.k[0][:, every].transpose(0, 1), self.v[0][:, every].transpose(0, 1)
+
+    def rows(self, start: int, stop: int) -> PagedKVCache:
+        """Rows ``start .. stop - 1``: the same pool under a view of the page table."""
+        view = PagedKVCache.__new__(PagedKVCache)
+        nn.Module.__init__(view)
+        view.pages = self.pages.rows(start, stop)
+        view.register_buffer("k", self.k, persistent=False)
+        view.register_buffer("v", self.v, persistent=False)
+        return view
+
+    def row(self, index: int) -> PagedKVCache:
+        return self.rows(index, index + 1)

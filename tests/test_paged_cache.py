@@ -1,0 +1,160 @@
+"""The paged KV cache (issue 12, item 1): the same numbers as the static cache, memory per request, pages
+reused after frees, and a decode step that reads the pool through a block mask and compiles as one graph."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from blockloop.errors import BlockloopError
+from blockloop.families import build_model, from_name
+from blockloop.nn.paged_cache import KVPages
+from blockloop.serve.engine import Engine
+from blockloop.serve.runners import ExitRule, Paging, Speculation, runner_for
+from blockloop.serve.runners.base import StepOutput
+from blockloop.serve.sampling import SlotSampling
+
+PROMPTS = [list(range(1, 6)), list(range(3, 20)), [7, 8], list(range(2, 30)), [5] * 11, list(range(40, 49))]
+
+
+def model_of(name: str) -> torch.nn.Module:
+    torch.manual_seed(0)
+    return build_model(from_name(name)).double().eval()
+
+
+def logits_of(out: torch.Tensor | StepOutput) -> torch.Tensor:
+    return out.logits if isinstance(out, StepOutput) else out
+
+
+def test_pages_are_reserved_released_and_reused():
+    pages = KVPages(2, 40, n_pages=6, page_size=4, device="cpu")
+    assert pages.capacity == 20 and pages.can_hold([20], alone=True) and not pages.can_hold([21], alone=True)
+    pages.reserve(0, 9)  # 3 pages
+    first = list(pages.held[0])
+    assert len(first) == 3 and 0 not in first  # page 0 is scratch
+    assert pages.table[0, :3].tolist() == first and pages.table[0, 3:].eq(0).all()
+    assert pages.owner[first].eq(0).all() and pages.logical[first].tolist() == [0, 1, 2]
+    assert pages.can_hold([8]) and not pages.can_hold([9])
+    with pytest.raises(BlockloopError, match="free pages"):
+        pages.reserve(1, 9)
+    pages.release(0)
+    assert pages.owner.eq(-1).all() and pages.table.eq(0).all() and len(pages.free) == 5
+    pages.reserve(1, 20)
+    assert set(first) <= set(pages.held[1])  # freed pages go to the next request
+    # The positions of logical slots follow the table; unreserved slots land on the scratch page.
+    slots = torch.tensor([[0, 5, 19]])
+    assert pages.rows(1, 2).positions(slots).tolist() == [[pages.held[1][0] * 4, pages.held[1][1] * 4 + 1,
+                                                           pages.held[1][4] * 4 + 3]]
+    assert pages.rows(0, 1).positions(slots).tolist() == [[0, 1, 3]]
+
+
+@pytest.mark.parametrize("read", ["gather", "pages"])
+@pytest.mark.parametrize("name", ["tiny", "tiny-recursive", "tiny-ladder"])
+def test_paged_runner_equals_the_static_one_through_joins_and_frees(name, read):
+    """Rows joining mid-batch, a finished row's pages going to the next request: every step's logits of the
+    rows serving a request equal the static cache's (float64; idle rows compute garbage in both)."""
+    model = model_of(name)
+    static, paged = runner_for(model), runner_for(model, paging=Paging(96, 4, read))
+    for runner in (static, paged):
+        runner.sampling = SlotSampling.empty(3, torch.device("cpu"))
+        runner.allocate(3, 40)
+    held, active = [], set()
+    with torch.no_grad():
+        for event in [("join", 0, 0), ("steps", 3), ("join", 2, 1), ("steps", 4), ("leave", 0), ("join", 0, 3),
+                      ("steps", 5), ("join", 1, 4), ("steps", 3)]:
+            if event[0] == "join":
+                _, slot, prompt = event
+                prompt = torch.tensor(PROMPTS[prompt])
+                for runner in (static, paged):
+                    runner.reserve(slot, len(prompt) + 12)
+                held.append(list(paged.state.cache.pages.held[slot]))
+                active.add(slot)
+                torch.testing.assert_close(paged.prefill_slot(slot, prompt), static.prefill_slot(slot, prompt),
+                                           rtol=1e-12, atol=1e-12)
+            elif event[0] == "leave":
+                for runner in (static, paged):
+                    runner.release(event[1])
+                active.discard(event[1])
+            else:
+                for i in range(event[1]):
+                    tokens, rows = torch.tensor([3 + i, 9 + 2 * i, 30 - i]), sorted(active)
+                    torch.testing.assert_close(logits_of(paged.decode_step(tokens))[rows],
+                                               logits_of(static.decode_step(tokens))[rows], rtol=1e-12, atol=1e-12)
+    # The request that joined after the first left reuses its pages.
+    assert set(held[0]) & set(held[2])
+
+
+@pytest.mark.parametrize("read", ["gather", "pages"])
+def test_engine_on_a_small_paged_pool_queues_requests_and_matches_the_static_engine(read):
+    model = model_of("tiny")
+    outputs = {}
+    for label, paging in [("static", None), ("paged", Paging(56, 4, read))]:
+        engine = Engine(runner_for(model, paging=paging), n_slots=3, max_len=48, sync_every=4)
+        requests = [engine.submit(p, 9) for p in PROMPTS]
+        waited_for_pages = False
+        while not engine.idle:
+            free, waiting = len(engine.scheduler.free), len(engine.scheduler.waiting)
+            engine.step()
+            admitted = waiting - len(engine.scheduler.waiting)
+            waited_for_pages |= bool(engine.scheduler.waiting) and admitted < free
+        outputs[label] = [r.output for r in requests]
+        # 14 pages: a request waited beside a free slot until pages came back.
+        assert waited_for_pages == (paging is not None)
+        if paging is not None:
+            pages = engine.runner.state.cache.pages
+            assert len(pages.free) == pages.n_pages - 1 and not pages.held  # every page came back
+    assert outputs["paged"] == outputs["static"]
+
+
+def test_paged_speculation_equals_static_speculation():
+    model = model_of("tiny-recursive")
+    outputs = []
+    for paging in (None, Paging(64, 4)):
+        engine = Engine(runner_for(model, speculation=Speculation(k=2, draft_loops=1), paging=paging), n_slots=2,
+                        max_len=48, sync_every=4)
+        requests = [engine.submit(p, 8) for p in PROMPTS[:4]]
+        engine.run()
+        outputs.append([r.output for r in requests])
+    assert outputs[0] == outputs[1]
+
+
+def test_paged_decode_step_compiles_as_one_graph():
+    model = model_of("tiny")
+    eager, compiled = (runner_for(model, paging=Paging(64, 4, "pages")) for _ in range(2))
+    for runner in (eager, compiled):
+        runner.sampling = SlotSampling.empty(2, torch.device("cpu"))
+        runner.allocate(2, 40)
+        with torch.no_grad():
+            for slot, prompt in enumerate((torch.arange(1, 9), torch.arange(3, 11))):
+                runner.reserve(slot, 20)
+                runner.prefill_slot(slot, prompt)
+    step = torch.compile(compiled.decode_step, fullgraph=True, backend="eager")
+    try:
+        with torch.no_grad():
+            for i in range(6):
+                tokens = torch.tensor([5 + i, 17 + 2 * i])
+                with torch._dynamo.config.patch(error_on_recompile=i > 0):
+                    torch.testing.assert_close(step(tokens), eager.decode_step(tokens), rtol=1e-12, atol=1e-12)
+    finally:
+        torch._dynamo.reset()
+
+
+def test_paged_pool_memory_is_the_tokens_asked_for():
+    model = model_of("tiny")
+    runner = runner_for(model, paging=Paging(64, 8))
+    runner.allocate(16, 128)
+    c, layer = model.config, runner.state.cache.layers[0]
+    assert layer.k.numel() == c.n_kv_head * (64 + 8) * c.head_dim  # 8 pages + scratch, not 16 rows x 128 slots
+
+
+def test_paging_refuses_what_it_cannot_serve():
+    model = model_of("tiny")
+    engine = Engine(runner_for(model, paging=Paging(32, 4)), n_slots=2, max_len=48)
+    with pytest.raises(BlockloopError, match="whole paged KV cache"):
+        engine.submit(list(range(1, 30)), 10)
+    with pytest.raises(BlockloopError, match="depth-wise"):
+        runner_for(model_of("tiny-recursive"), exit_rule=ExitRule("max_prob", 0.5), paging=Paging(32))
+    with pytest.raises(BlockloopError, match="no option paging"):
+        runner_for(model_of("tiny-block"), paging=Paging(32))
+    with pytest.raises(BlockloopError, match="paged read"):
+        Paging(32, read="dense")
