@@ -31,6 +31,8 @@ def test_smoke_suite_writes_every_row_without_claiming_a_target(tmp_path):
         m = rows[name]["measured"]
         assert m["tok_s"] > 0 and m["ttft_s"] > 0 and m["cache_bytes_per_sample"] > 0
     assert rows["vanilla decode-heavy"]["measured"]["hf_generate_tok_s"] > 0  # HF timed in the same run
+    vanilla = rows["vanilla decode-heavy"]["measured"]
+    assert vanilla["paged_tok_s"] > 0 and vanilla["paged_cache_bytes_per_sample"] > 0  # the paged KV cache beside it
     rec = rows["recursive"]["measured"]
     assert 0.0 <= rec["greedy_agreement_vs_no_exit"] <= 1.0 and 1.0 <= rec["mean_exit_loop"] <= 2.0
     assert all(loss is not None and math.isfinite(loss) for loss in rec["val_loss"].values())

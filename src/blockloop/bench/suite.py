@@ -8,6 +8,7 @@ self-speculatively with each speculation given.
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
@@ -23,7 +24,7 @@ from blockloop.bench.timing import copy_bandwidth
 from blockloop.errors import BlockloopError
 from blockloop.families import build_model, from_name
 from blockloop.serve.exit_schedule import simulate
-from blockloop.serve.runners import ExitRule, Speculation, runner_for
+from blockloop.serve.runners import RUNNERS, ExitRule, Speculation, runner_for
 from blockloop.serve.runners.recursive import RecursiveRunner
 from blockloop.train.run import load_trained
 
@@ -81,6 +82,7 @@ class ThroughputSettings:
     max_batch: int = 4096
     seed: int = 0
     hf: bool = False  # also time HF generate() on the first model
+    paged: bool = False  # also time each single-stack model over a paged KV cache
 
     def __post_init__(self) -> None:
         if self.repeats < 1 or self.warmup < 0:
@@ -92,11 +94,13 @@ def throughput_rows(models: list[BenchModel], settings: ThroughputSettings, band
     s = settings
     rows: list[dict[str, Any]] = []
     for m in models:
-        def one(batch: int, model: nn.Module = m.model, name: str = m.name) -> Any:
-            return engine_throughput(model, name, batch, s.prompt_len, s.gen_len, repeats=s.repeats, warmup=s.warmup,
-                                     sync_every=s.sync_every, compile=s.compile, bandwidth=bandwidth, seed=s.seed)
-        for result in search_batches(one, s.batches, search=s.search, max_batch=s.max_batch):
-            rows.append({"kind": "throughput", "val_loss": m.val_loss, **result.to_dict()})
+        for paged in (False, True) if s.paged and pages_kv(m.model) else (False,):
+            def one(batch: int, model: nn.Module = m.model, name: str = m.name + " paged" * paged, paged: bool = paged) -> Any:
+                return engine_throughput(model, name, batch, s.prompt_len, s.gen_len, repeats=s.repeats, warmup=s.warmup,
+                                         sync_every=s.sync_every, compile=s.compile, bandwidth=bandwidth, seed=s.seed,
+                                         paged=paged)
+            for result in search_batches(one, s.batches, search=s.search, max_batch=s.max_batch):
+                rows.append({"kind": "throughput", "val_loss": m.val_loss, **result.to_dict()})
     if s.hf:
         for batch in s.batches:
             rows.append({"kind": "throughput", "val_loss": None, **hf_throughput(
@@ -105,6 +109,11 @@ def throughput_rows(models: list[BenchModel], settings: ThroughputSettings, band
     for r in rows:
         r["ratio_vs_baseline"] = r["tok_s"] / base[r["batch"]] if r["batch"] in base else None
     return rows
+
+
+def pages_kv(model: nn.Module) -> bool:
+    """Whether ``model``'s runner can serve it over a paged KV cache."""
+    return "paging" in inspect.signature(RUNNERS[model.config.family]).parameters
 
 
 def parse_exit_rule(text: str) -> ExitRule:

@@ -23,7 +23,7 @@ from blockloop.bench.timing import timed
 from blockloop.errors import BlockloopError
 from blockloop.serve.engine import Engine
 from blockloop.serve.requests import SamplingParams
-from blockloop.serve.runners import runner_for
+from blockloop.serve.runners import Paging, runner_for
 
 SCENARIOS = {"prefill-heavy": (2048, 128), "decode-heavy": (128, 2048)}
 
@@ -105,16 +105,19 @@ def check_lengths(model: nn.Module, prompt_len: int, gen_len: int) -> int:
 def engine_throughput(
     model: nn.Module, name: str, batch: int, prompt_len: int, gen_len: int, *,
     repeats: int = 3, warmup: int = 1, sync_every: int = 16, compile: bool = False, bandwidth: float | None = None,
-    seed: int = 0,
+    seed: int = 0, paged: bool = False,
 ) -> ThroughputResult:
-    """Time ``repeats`` runs of the protocol on one engine (after ``warmup`` untimed ones)."""
+    """Time ``repeats`` runs of the protocol on one engine (after ``warmup`` untimed ones); ``paged``: over a
+    paged KV cache of exactly the batch's tokens (:class:`~blockloop.serve.runners.Paging`)."""
     if batch < 1:
         raise BlockloopError(f"batch sizes must be >= 1, got {batch}")
     max_len = check_lengths(model, prompt_len, gen_len)
     device = next(model.parameters()).device
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-    engine = Engine(model, batch, max_len=max_len, sync_every=sync_every, compile=compile)
+    # Pages of up to 128 tokens (FlexAttention's block), no larger than one request.
+    paging = Paging(batch * max_len, page_size=min(128, -(-max_len // 16) * 16)) if paged else None
+    engine = Engine(runner_for(model, paging=paging), batch, max_len=max_len, sync_every=sync_every, compile=compile)
     generator = torch.Generator().manual_seed(seed)
     greedy = SamplingParams(temperature=0.0)
     seconds, ttft = [], []

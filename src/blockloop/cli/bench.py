@@ -50,6 +50,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     t.add_argument("--warmup", type=nonnegative_int, default=1, help="untimed runs first (default: 1)")
     t.add_argument("--sync-every", type=positive_int, default=16, help="decode steps between host syncs (default: 16)")
     t.add_argument("--hf", action="store_true", help="also time HF generate() on the first (vanilla) model")
+    t.add_argument("--paged", action="store_true",
+                   help="also time each single-stack model (vanilla, ladder, looped) over a paged KV cache")
     s = p.add_argument_group("request stream (continuous batching)")
     s.add_argument("--stream", action="store_true", help="run the request-stream benchmark instead")
     s.add_argument("--url", help="send the stream to a running `blockloop serve` at this address over HTTP instead "
@@ -131,6 +133,7 @@ def _throughput(args: argparse.Namespace, models: list, device: Any) -> list[dic
         args.prompt_len or prompt_len, args.gen_len or gen_len, args.batch_sizes,
         repeats=args.repeats, warmup=args.warmup, sync_every=args.sync_every, compile=args.compile,
         search=args.search, max_batch=args.max_batch, seed=args.seed, hf=args.hf and hf_missing is None,
+        paged=args.paged,
     )
     bandwidth = measure_bandwidth(device)
     print(f"measured copy bandwidth: {bandwidth / 1e9:.1f} GB/s; prompt {settings.prompt_len}, generate {settings.gen_len}")
