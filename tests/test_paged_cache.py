@@ -156,5 +156,7 @@ def test_paging_refuses_what_it_cannot_serve():
         runner_for(model_of("tiny-recursive"), exit_rule=ExitRule("max_prob", 0.5), paging=Paging(32))
     with pytest.raises(BlockloopError, match="no option paging"):
         runner_for(model_of("tiny-block"), paging=Paging(32))
+    with pytest.raises(BlockloopError, match="sliding-window"):
+        runner_for(build_model(from_name("tiny", local_layers=[0], sliding_window=4)), paging=Paging(32))
     with pytest.raises(BlockloopError, match="paged read"):
         Paging(32, read="dense")

@@ -66,6 +66,10 @@ class DecoderRunner(Runner):
 
     def __init__(self, model, paging: Paging | None = None) -> None:  # noqa: ANN001  (any single-stack model)
         super().__init__(model)
+        c = model.config
+        if paging is not None and (getattr(c, "local_layers", None) or getattr(c, "local_depths", None)):
+            raise BlockloopError("the paged KV cache does not cover sliding-window (local) layers yet; "
+                                 "serve this model without paging")
         self.paging = paging
 
     def allocate(self, n_slots: int, max_len: int) -> None:
