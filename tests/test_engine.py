@@ -65,13 +65,17 @@ def test_greedy_engine_equals_reference_with_mid_batch_joins_and_staggered_finis
     assert sorted(engine.scheduler.free) == [0, 1]
 
 
-def test_requests_admitted_together_with_one_prompt_length_are_prefilled_together(model):
+def test_requests_admitted_together_are_prefilled_together(model):
+    """A runner with chunked prefill caches every admitted prompt in one forward whatever their lengths; the
+    others group consecutive slots with one padded prompt length."""
     prompts = random_prompts((6, 6, 6, 9, 6), seed=4)
     reference = [generate(model, [p], 5, temperature=0)[0] for p in prompts]
     engine = Engine(model, 5, sync_every=2)
+    chunked = engine.runner.chunked_prefill
+    name = "prefill_chunk" if chunked else "prefill_rows"
     groups, shapes = [], []
-    prefill_rows = engine.runner.prefill_rows
-    engine.runner.prefill_rows = lambda start, p: groups.append((start, len(p))) or prefill_rows(start, p)
+    original = getattr(engine.runner, name)
+    setattr(engine.runner, name, lambda start, p, *rest: groups.append((start, len(p))) or original(start, p, *rest))
     hook = model.register_forward_hook(lambda module, args, out: shapes.append(tuple(args[0].shape)) if args else None)
     try:
         requests = [engine.submit(p, 5, sampling=GREEDY) for p in prompts]
@@ -79,9 +83,30 @@ def test_requests_admitted_together_with_one_prompt_length_are_prefilled_togethe
     finally:
         hook.remove()
     assert [r.output for r in requests] == reference
-    assert groups == [(0, 3), (3, 1), (4, 1)]  # consecutive slots, one padded prompt length
+    assert chunked == (model.config.family in ("decoder", "recursive"))
+    assert groups == ([(0, 5)] if chunked else [(0, 3), (3, 1), (4, 1)])
     if model.config.family == "decoder":
-        assert (3, 6) in shapes  # the three prompts in one forward
+        assert (5, 9) in shapes  # the five prompts in one forward, left-padded to the longest
+
+
+@pytest.mark.parametrize("name", ["tiny", "tiny-recursive", "tiny-ladder"])
+def test_chunked_prefill_interleaves_long_prompts_with_decoding_and_equals_generate(name):
+    """Prompts longer than the chunk are cached a chunk per window while the other rows decode; rows join
+    mid-stream; every output equals greedy decoding by the uncached forward."""
+    model = tiny(name)
+    prompts = random_prompts((23, 3, 17, 5, 30, 2), seed=7)
+    reference = [naive_greedy(model, p, 6) for p in prompts]
+    engine = Engine(model, 3, sync_every=2, prefill_chunk=4)
+    widths = []
+    original = engine.runner.prefill_chunk
+    engine.runner.prefill_chunk = lambda start, chunks, *rest: widths.append(chunks.shape[1]) or original(start, chunks, *rest)
+    requests = [engine.submit(p, 6, sampling=GREEDY) for p in prompts]
+    decoding_while_prefilling = False
+    while not engine.idle:
+        engine.step()
+        decoding_while_prefilling |= bool(engine.prefilling) and any(r.output for r in engine.scheduler.running.values())
+    assert [r.output for r in requests] == reference
+    assert max(widths) == 4 and decoding_while_prefilling
 
 
 def test_decoder_engine_equals_uncached_full_forward():

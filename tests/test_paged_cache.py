@@ -84,12 +84,12 @@ def test_paged_runner_equals_the_static_one_through_joins_and_frees(name, read):
     assert set(held[0]) & set(held[2])
 
 
-@pytest.mark.parametrize("read", ["gather", "pages"])
-def test_engine_on_a_small_paged_pool_queues_requests_and_matches_the_static_engine(read):
+@pytest.mark.parametrize("read, chunk", [("gather", 512), ("pages", 512), ("pages", 5)])
+def test_engine_on_a_small_paged_pool_queues_requests_and_matches_the_static_engine(read, chunk):
     model = model_of("tiny")
     outputs = {}
     for label, paging in [("static", None), ("paged", Paging(56, 4, read))]:
-        engine = Engine(runner_for(model, paging=paging), n_slots=3, max_len=48, sync_every=4)
+        engine = Engine(runner_for(model, paging=paging), n_slots=3, max_len=48, sync_every=4, prefill_chunk=chunk)
         requests = [engine.submit(p, 9) for p in PROMPTS]
         waited_for_pages = False
         while not engine.idle:
@@ -160,3 +160,17 @@ def test_paging_refuses_what_it_cannot_serve():
         runner_for(build_model(from_name("tiny", local_layers=[0], sliding_window=4)), paging=Paging(32))
     with pytest.raises(BlockloopError, match="paged read"):
         Paging(32, read="dense")
+
+
+def test_the_serving_engine_takes_paging_and_the_prefill_chunk():
+    from blockloop.serve.http.worker import serving_engine
+
+    model = model_of("tiny")
+    engine = serving_engine(model, 2, max_len=48, paging=Paging(64, 4), prefill_chunk=3)
+    assert engine.prefill_chunk == 3 and engine.runner.state.cache.pages.capacity == 64
+    request = engine.submit(PROMPTS[1], 5)
+    engine.run()
+    reference = Engine(model, 1, max_len=48)
+    alone = reference.submit(PROMPTS[1], 5)
+    reference.run()
+    assert request.output == alone.output

@@ -38,6 +38,13 @@ def add_engine_arguments(p: argparse.ArgumentParser, slots: int = 8) -> None:
                    help="looped models only: batch depth-wise and leave the loops early by this rule, e.g. "
                    "max_prob:0.9 or entropy:2.0 (none:0 batches depth-wise without early exits)")
     p.add_argument("--compile", action="store_true", help="torch.compile the decode step (CUDA graphs on CUDA)")
+    p.add_argument("--prefill-chunk", type=positive_int, default=512,
+                   help="most prompt tokens a request caches per decode window, so long prompts do not stall the "
+                   "running ones (default: 512)")
+    p.add_argument("--kv-tokens", type=positive_int,
+                   help="keep keys/values in a paged cache of this many tokens shared by the slots, each request "
+                   "holding only its own length (vanilla and looped models; default: every slot holds --max-len)")
+    p.add_argument("--page-size", type=positive_int, default=128, help="tokens per page of --kv-tokens (default: 128)")
     p.add_argument("--threads", type=positive_int, help="CPU threads for torch (default: torch's own; 1 is steadier on a shared box)")
 
 
@@ -62,6 +69,7 @@ def load(args: argparse.Namespace, n_slots: int) -> tuple[TrainedModel, dict[str
     from blockloop.bench.suite import parse_exit_rule
     from blockloop.device import resolve_device
     from blockloop.errors import BlockloopError
+    from blockloop.serve.runners import Paging
     from blockloop.train.run import load_trained
 
     if args.threads is not None:
@@ -70,5 +78,6 @@ def load(args: argparse.Namespace, n_slots: int) -> tuple[TrainedModel, dict[str
         torch.set_num_threads(args.threads)  # before the engine thread starts: it inherits the setting
     exit_rule = parse_exit_rule(args.exit) if args.exit else None
     trained = load_trained(args.checkpoint, resolve_device(args.device))
+    paging = Paging(args.kv_tokens, args.page_size) if args.kv_tokens else None
     return trained, dict(n_slots=n_slots, max_len=args.max_len, sync_every=args.sync_every, exit_rule=exit_rule,
-                         compile=args.compile)
+                         compile=args.compile, prefill_chunk=args.prefill_chunk, paging=paging)

@@ -11,8 +11,12 @@ The decode loop runs a window of ``sync_every`` steps with no host synchronisati
 the tokens a runner emits itself, ``StepOutput.emitted``: a speculative step's accepted drafts) go to
 a device ring buffer and are copied to the host once per window, where requests that hit EOS or their
 token limit finish and free their slot, and waiting requests are prefilled into the free slots while the
-others keep their caches (requests admitted together into consecutive slots with prompts of one padded
-length in one forward, :meth:`Runner.prefill_rows`, where the runner batches it). Rows that finished inside
+others keep their caches. Where the runner can (``chunked_prefill``), every request being prefilled takes
+its next chunk of at most ``prefill_chunk`` tokens at the start of each window, requests in consecutive
+slots together in one forward whatever their lengths (:meth:`Runner.prefill_chunk`), so a long prompt
+holds the running rows up for one chunk per window, not for its whole length; a request starts decoding
+in the window its last chunk is cached. Other runners prefill requests admitted together into consecutive
+slots with prompts of one padded length in one forward (:meth:`Runner.prefill_rows`). Rows that finished inside
 a window keep stepping until its end (their extra tokens are discarded): the price of not syncing every token. Every row steps every time, busy or not,
 so the decode step has static shapes (``torch.compile``, CUDA graphs).
 
@@ -43,7 +47,8 @@ class Engine:
 
     ``served`` is a runner, or a model served by its family's default runner (:func:`runner_for`).
     ``compile=True`` wraps the decode step in ``torch.compile`` (``mode="reduce-overhead"``, i.e. CUDA
-    graphs, on CUDA). The model is used as given: cast it (e.g. ``model.to(torch.bfloat16)``) first.
+    graphs, on CUDA). ``prefill_chunk``: the most prompt tokens a request caches per window (runners with
+    ``chunked_prefill``). The model is used as given: cast it (e.g. ``model.to(torch.bfloat16)``) first.
     """
 
     def __init__(
@@ -54,6 +59,7 @@ class Engine:
         max_len: int | None = None,
         sync_every: int = 8,
         compile: bool = False,
+        prefill_chunk: int = 512,
     ) -> None:
         runner = served if isinstance(served, Runner) else runner_for(served)
         model = runner.model
@@ -62,6 +68,10 @@ class Engine:
             raise BlockloopError(f"the engine needs at least one slot, got n_slots={n_slots}")
         if sync_every < 1:
             raise BlockloopError(f"sync_every must be at least 1, got {sync_every}")
+        if prefill_chunk < 1:
+            raise BlockloopError(f"prefill_chunk must be at least 1, got {prefill_chunk}")
+        self.prefill_chunk = prefill_chunk
+        self.prefilling: dict[int, int] = {}  # slot -> prompt tokens cached so far (chunked prefill)
         context = model.config.context_length
         self.max_len = context if max_len is None else max_len
         if not 1 <= self.max_len <= context:
@@ -140,6 +150,7 @@ class Engine:
         if request.status is RequestStatus.WAITING:
             self.scheduler.waiting.remove(request)
         else:
+            self.prefilling.pop(request.slot, None)
             self._release(request.slot)
         request.finish("abort", time.perf_counter())
 
@@ -159,11 +170,18 @@ class Engine:
         to time the first token alone). Returns the requests that finished in this window.
         """
         if self.continuous:
-            for start, group in self._prefill_groups(self.scheduler.admit(fits=self._cache_holds)):
-                self._prefill_rows(start, group)
+            admitted = self.scheduler.admit(fits=self._cache_holds)
+            for slot, request in admitted:
+                self.runner.reserve(slot, self._padded(len(request.prompt)) + request.max_tokens)
+            if self.runner.chunked_prefill:
+                self.prefilling.update((slot, 0) for slot, _ in admitted)
+                self._prefill_chunks()
+            else:
+                for start, group in self._prefill_groups(admitted):
+                    self._prefill_rows(start, group)
         elif not self.scheduler.running:
             self._prefill_batch(self.scheduler.admit(fits=self._fits_together))
-        running = dict(self.scheduler.running)
+        running = {slot: r for slot, r in self.scheduler.running.items() if slot not in self.prefilling}
         if not running:
             return []
         steps, last = self.sync_every, False
@@ -218,10 +236,33 @@ class Engine:
         self.scheduler.release(slot)
         self.runner.release(slot)
 
+    def _prefill_chunks(self) -> None:
+        """The next chunk of every request being prefilled, one forward per run of consecutive slots; the
+        requests whose prompts are now cached join the decode."""
+        runs: list[list[int]] = []
+        for slot in sorted(self.prefilling):
+            if runs and runs[-1][-1] + 1 == slot:
+                runs[-1].append(slot)
+            else:
+                runs.append([slot])
+        for slots in runs:
+            prompts = [self.scheduler.running[slot].prompt for slot in slots]
+            done = [self.prefilling[slot] for slot in slots]
+            pieces = [p[d : d + self.prefill_chunk] for p, d in zip(prompts, done)]
+            width = max(map(len, pieces))
+            chunks = torch.tensor([[self.runner.pad_id] * (width - len(p)) + p for p in pieces], device=self.device)
+            lengths = torch.tensor([len(p) for p in pieces], device=self.device)
+            logits = self.runner.prefill_chunk(slots[0], chunks, lengths, torch.tensor(done, device=self.device))
+            for i, (slot, prompt) in enumerate(zip(slots, prompts)):
+                self.prefilling[slot] += len(pieces[i])
+                if self.prefilling[slot] == len(prompt):
+                    del self.prefilling[slot]
+                    self.logits[slot] = logits[i]
+                    self.ready[slot] = True
+                    self.sampling.set(slot, self.scheduler.running[slot].sampling)
+
     def _prefill_rows(self, start: int, requests: list[Request]) -> None:
         length = self._padded(len(requests[0].prompt))
-        for slot, request in enumerate(requests, start):
-            self.runner.reserve(slot, length + request.max_tokens)
         prompts = torch.tensor([[self.runner.pad_id] * (length - len(r.prompt)) + r.prompt for r in requests],
                                device=self.device)
         stop = start + len(requests)

@@ -34,7 +34,6 @@ from blockloop.serve.http.protocol import ApiError, ChatRequest, CompletionReque
 from blockloop.serve.http.text import TextStream
 from blockloop.serve.http.worker import EngineWorker, Event, Job, QueueFull, serving_engine
 from blockloop.serve.requests import SamplingParams
-from blockloop.serve.runners import ExitRule
 
 DEFAULT_COMPLETION_TOKENS = 16  # the OpenAI default for /v1/completions; chat answers may fill the context
 RETRY_AFTER_S = 1
@@ -208,11 +207,10 @@ def _sse(data: dict[str, Any]) -> str:
 
 def app_for(
     model: nn.Module, tokenizer: Tokenizer, *, name: str, directory: Path | None = None, n_slots: int = 8,
-    max_len: int | None = None, sync_every: int = 8, exit_rule: ExitRule | None = None, max_waiting: int = 256,
-    compile: bool = False,
+    max_waiting: int = 256, **engine_options: Any,
 ) -> FastAPI:
-    """The API serving ``model`` (a checkpoint's model, tokenizer and folder, as ``blockloop serve`` loads them)."""
-    engine = serving_engine(model, n_slots, max_len=max_len, sync_every=sync_every, exit_rule=exit_rule,
-                            compile=compile)
+    """The API serving ``model`` (a checkpoint's model, tokenizer and folder, as ``blockloop serve`` loads them);
+    ``engine_options`` go to :func:`~blockloop.serve.http.worker.serving_engine`."""
+    engine = serving_engine(model, n_slots, **engine_options)
     worker = EngineWorker(engine, max_waiting=max_waiting)
     return create_app(ServedModel(name, tokenizer, chat_template_for(tokenizer, directory), worker))

@@ -26,7 +26,7 @@ from blockloop.errors import BlockloopError
 from blockloop.serve.engine import Engine
 from blockloop.serve.http.text import TextStream
 from blockloop.serve.requests import Request, RequestStatus, SamplingParams
-from blockloop.serve.runners import RUNNERS, ExitRule, Runner, runner_for
+from blockloop.serve.runners import RUNNERS, ExitRule, Paging, Runner, runner_for
 from blockloop.serve.runners.recursive import RecursiveRunner
 
 log = logging.getLogger(__name__)
@@ -36,17 +36,18 @@ FINISH_REASONS = {"eos": "stop", "stop": "stop", "length": "length", "abort": "a
 
 def serving_engine(
     model: nn.Module, n_slots: int, *, max_len: int | None = None, sync_every: int = 8,
-    exit_rule: ExitRule | None = None, compile: bool = False,
+    exit_rule: ExitRule | None = None, compile: bool = False, prefill_chunk: int = 512, paging: Paging | None = None,
 ) -> Engine:
     """The engine a server or chat runs: ``model``'s runner over ``n_slots`` slots; with ``exit_rule``, a looped
-    model is batched depth-wise and leaves its loops early by that rule."""
-    options = {}
+    model is batched depth-wise and leaves its loops early by that rule; with ``paging``, over a paged KV cache."""
+    options: dict[str, object] = {"paging": paging}
     if exit_rule is not None:
         if not issubclass(RUNNERS.get(model.config.family, Runner), RecursiveRunner):
             raise BlockloopError(f"--exit applies to looped (recursive) models, not a {model.config.family} model; "
                                  "leave it out")
         options["exit_rule"] = exit_rule
-    return Engine(runner_for(model, **options), n_slots, max_len=max_len, sync_every=sync_every, compile=compile)
+    return Engine(runner_for(model, **options), n_slots, max_len=max_len, sync_every=sync_every, compile=compile,
+                  prefill_chunk=prefill_chunk)
 
 
 class QueueFull(BlockloopError):

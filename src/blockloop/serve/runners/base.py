@@ -49,6 +49,9 @@ class Runner(ABC):
     * ``emits``: how many tokens per row :meth:`decode_step` may choose itself (``StepOutput.emitted``;
       speculative decoding: its draft length plus one), 0 when the engine samples every token;
     * ``per_slot``: False when requests can only be served in static batches (:meth:`prefill_batch`);
+    * ``chunked_prefill``: True when :meth:`prefill_chunk` can cache prompts of different lengths in one
+      forward and continue a prompt from where an earlier chunk stopped (the engine then prefills every
+      admitted request together, a bounded chunk per window);
     * ``reserved``: context every request gives up to something the runner holds (a shared cached prefix).
     """
 
@@ -56,6 +59,7 @@ class Runner(ABC):
     admit_every: int = 1
     token_per_step: bool = True
     per_slot: bool = True
+    chunked_prefill: bool = False
     reserved: int = 0
     pad_id: int = 0
     emits: int = 0
@@ -95,6 +99,14 @@ class Runner(ABC):
         """Take over rows ``start .. start + n - 1`` for ``n`` prompts of one length ``(n, P)`` admitted
         together; next-token logits ``(n, V)``. One :meth:`prefill_slot` each unless a runner batches them."""
         return torch.stack([self.prefill_slot(start + i, prompt) for i, prompt in enumerate(prompts)])
+
+    def prefill_chunk(self, start: int, chunks: Tensor, lengths: Tensor, offsets: Tensor) -> Tensor:
+        """Cache the next piece of ``n`` prompts in rows ``start .. start + n - 1``: row ``i`` holds its prompt's
+        first ``offsets[i]`` tokens already (0: a new request, whose row is cleared) and takes the
+        ``lengths[i]`` real tokens at the end of ``chunks[i]`` (left-padded, ``(n, T)``). Next-token logits
+        ``(n, V)`` after each row's last token (meaningful once its prompt is complete). Runners with
+        ``chunked_prefill`` only."""
+        raise NotImplementedError(f"{type(self).__name__} does not prefill in chunks")
 
     @abstractmethod
     def prefill_batch(self, idx: Tensor, token_valid: Tensor) -> Tensor:

@@ -63,6 +63,7 @@ class DecoderRunner(Runner):
     """One KV cache over prompt and generated tokens; every forward writes one step's slots."""
 
     state: DecodeState
+    chunked_prefill = True
 
     def __init__(self, model, paging: Paging | None = None) -> None:  # noqa: ANN001  (any single-stack model)
         super().__init__(model)
@@ -98,15 +99,27 @@ class DecoderRunner(Runner):
         """Cache ``prompt (P,)`` at slots 0..P-1 of row ``slot``."""
         return self.prefill_rows(slot, prompt[None])[0]
 
-    @torch.no_grad()
     def prefill_rows(self, start: int, prompts: Tensor) -> Tensor:
         """Cache ``prompts (n, P)`` at slots 0..P-1 of rows ``start..start+n-1`` in one forward."""
         n, length = prompts.shape
+        zeros = torch.zeros(n, dtype=torch.long, device=prompts.device)
+        return self.prefill_chunk(start, prompts, zeros + length, zeros)
+
+    @torch.no_grad()
+    def prefill_chunk(self, start: int, chunks: Tensor, lengths: Tensor, offsets: Tensor) -> Tensor:
+        """Row ``i``'s real tokens go to slots ``offsets[i] ..`` at the same rotary positions; its left padding
+        is written *after* them (slots its later tokens overwrite), marked invalid, so every row's last
+        real token is the chunk's last position and one forward serves prompts of any lengths."""
+        n, width = chunks.shape
         cache = self.state.cache.rows(start, start + n)
-        cache.reset()
-        slots = torch.arange(length, device=prompts.device)
-        logits, _ = self.model(prompts, step=StepContext(cache, slots), last_only=True)
-        self.state.next_slot[start : start + n] = self.state.next_position[start : start + n] = length
+        cache.key_valid[offsets == 0] = False  # a new request's row forgets the previous one
+        pad = (width - lengths)[:, None]
+        i = torch.arange(width, device=chunks.device)
+        real = i >= pad
+        slots = torch.where(real, offsets[:, None] + i - pad, offsets[:, None] + lengths[:, None] + i)
+        slots = slots.clamp_max(cache.max_len - 1)
+        logits, _ = self.model(chunks, step=StepContext(cache, slots, torch.where(real, slots, 0), real), last_only=True)
+        self.state.next_slot[start : start + n] = self.state.next_position[start : start + n] = offsets + lengths
         return logits[:, -1]
 
     @torch.no_grad()

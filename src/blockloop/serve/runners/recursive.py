@@ -145,6 +145,7 @@ class RecursiveRunner(DecoderRunner):
         paging: Paging | None = None,
     ) -> None:
         super().__init__(model, paging)
+        self.chunked_prefill = exit_rule is None and speculation is None
         if paging is not None and exit_rule is not None:
             raise BlockloopError("depth-wise batching (exit_rule) keeps a static per-loop cache; serve it without paging")
         self.config = model.config
