@@ -9,11 +9,13 @@ CUDA events, batch search; tok/s, TTFT, TPOT, peak memory and static cache per s
 memory roofline = bytes read per step / measured copy bandwidth):
 
 * vanilla and block, decode-heavy (128 / 2048) and prefill-heavy (2048 / 128) in one run each, with Hugging
-  Face ``generate()`` on the vanilla weights (:func:`blockloop.bench.suite.throughput_rows`);
+  Face ``generate()`` on the vanilla weights and the vanilla model over a paged KV cache beside its static one
+  (:func:`blockloop.bench.suite.throughput_rows`);
 * recursive: a vanilla model trained briefly, converted to 2 loops and uptrained with the early-exit loss
   (the ``blockloop`` commands are recorded), then a Poisson request stream served by the vanilla model
-  sequence-wise and by the looped one sequence-wise and depth-wise with confidence exit
-  (:func:`blockloop.bench.suite.stream_rows`): measured speed, greedy agreement and validation loss;
+  sequence-wise and by the looped one sequence-wise, depth-wise with confidence exit and self-speculatively
+  (:func:`blockloop.bench.suite.stream_rows`): measured speed, greedy agreement, validation loss, and the
+  speculative server's acceptance rate and tokens per verification pass (issue 19);
 * double decoder vs the decoder of the same size: KV bytes, TTFT and TPOT ratios;
 * training tokens/s and MFU, eager and compiled (``benchmarks/train_throughput.py``'s trainer run).
 
@@ -51,7 +53,7 @@ from blockloop.cli import main as blockloop
 from blockloop.device import resolve_device
 from blockloop.errors import BlockloopError
 from blockloop.families import build_model, from_name
-from blockloop.serve.runners import ExitRule
+from blockloop.serve.runners import ExitRule, Speculation
 
 ROWS = ("decode-heavy", "prefill-heavy", "recursive", "double-decoder", "training")
 
@@ -190,11 +192,12 @@ def recursive_rows(suite: Suite) -> list[dict[str, Any]]:
     models = load_models(None, [str(w / "vanilla"), str(w / "looped-exit")], str(suite.device), suite.dtype)
     models[0].name, models[1].name = f"{p.vanilla} (trained)", f"{p.vanilla} looped 2x (early exit)"
     rule = ExitRule("max_prob", p.exit_threshold)
+    speculation = Speculation(k=4, draft_loops=1)  # draft with the first of the two loops (issue 19)
     settings = StreamSettings(requests=p.stream_requests, slots=p.stream_slots, prompt_range=p.stream_prompts,
-                              tokens_range=p.stream_tokens, rate=p.stream_rate, exits=[rule],
+                              tokens_range=p.stream_tokens, rate=p.stream_rate, exits=[rule], speculations=[speculation],
                               compile=suite.device.type == "cuda")
     stream = list(stream_rows(models, settings))
-    depthwise = stream[-1]
+    depthwise, speculative = stream[-2], stream[-1]
     return [
         {"row": "recursive", "setting": f"`{p.vanilla}` looped 2x, Poisson stream {p.stream_rate:g} req/s, "
          f"{p.stream_requests} requests, {p.stream_slots} slots, exit max_prob {p.exit_threshold:g}",
@@ -204,6 +207,14 @@ def recursive_rows(suite: Suite) -> list[dict[str, Any]]:
                       "mean_exit_loop": depthwise["mean_exit_loop"],
                       "val_loss": {r["name"]: r["val_loss"] for r in stream}},
          "met": depthwise["ratio_vs_baseline"] >= 2.0},
+        {"row": "recursive speculative", "setting": f"the same looped model and stream, drafting k = {speculation.k} "
+         f"tokens with {speculation.draft_loops} loop, verified by the other",
+         "target": "output identical to sequence-wise greedy (issue 19); acceptance, tokens per pass and tok/s reported",
+         "measured": {"vs_vanilla": speculative["ratio_vs_baseline"],
+                      "vs_looped_sequence_wise": speculative["ratio_vs_same_model"],
+                      "greedy_agreement_vs_no_exit": speculative["agreement_vs_no_exit"],
+                      "acceptance_rate": speculative["acceptance_rate"], "tokens_per_pass": speculative["tokens_per_pass"]},
+         "met": speculative["agreement_vs_no_exit"] == 1.0},
         {"row": "recursive stream, every server", "rows": [{k: v for k, v in r.items() if k != "simulated"} for r in stream]},
     ]
 
@@ -258,6 +269,10 @@ def summary(row: dict[str, Any]) -> str:
     if "kv_bytes_ratio" in m:
         return (f"KV bytes {m['kv_bytes_ratio']:.3f}x, TTFT {m['ttft_ratio']:.2f}x, TPOT {m['tpot_ratio']:.2f}x, "
                 f"tok/s {m['tok_s_ratio']:.2f}x")
+    if "acceptance_rate" in m:
+        return (f"{m['vs_vanilla']:.2f}x vanilla, {m['vs_looped_sequence_wise']:.2f}x looped sequence-wise, greedy "
+                f"agreement {100 * m['greedy_agreement_vs_no_exit']:.1f}%, acceptance {100 * m['acceptance_rate']:.1f}%, "
+                f"{m['tokens_per_pass']:.2f} tokens per pass")
     if "vs_vanilla" in m:
         losses = ", ".join(f"{k} {v:.3f}" for k, v in m["val_loss"].items() if v is not None)
         return (f"{m['vs_vanilla']:.2f}x vanilla, {m['vs_looped_sequence_wise']:.2f}x looped sequence-wise, greedy "

@@ -11,7 +11,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 TABLE_ROWS = ["vanilla decode-heavy", "vanilla prefill-heavy", "block decode-heavy", "block prefill-heavy", "recursive",
-              "double decoder", "training"]
+              "recursive speculative", "double decoder", "training"]
 
 
 def test_smoke_suite_writes_every_row_without_claiming_a_target(tmp_path):
@@ -36,6 +36,9 @@ def test_smoke_suite_writes_every_row_without_claiming_a_target(tmp_path):
     rec = rows["recursive"]["measured"]
     assert 0.0 <= rec["greedy_agreement_vs_no_exit"] <= 1.0 and 1.0 <= rec["mean_exit_loop"] <= 2.0
     assert all(loss is not None and math.isfinite(loss) for loss in rec["val_loss"].values())
+    spec = rows["recursive speculative"]["measured"]
+    assert spec["greedy_agreement_vs_no_exit"] == 1.0  # speculation keeps the full model's greedy output
+    assert 0.0 <= spec["acceptance_rate"] <= 1.0 and spec["tokens_per_pass"] >= 1.0
     assert 0 < rows["double decoder"]["measured"]["kv_bytes_ratio"] < 1
     assert rows["training"]["measured"]["eager"]["tokens_per_s"] > 0
     # The early-exit-trained 2-loop model is made by recorded blockloop commands.
