@@ -50,9 +50,13 @@ class KVPages:
         width = -(-max_len // page_size)
         if n_pages < 2:
             raise BlockloopError(f"a paged cache needs at least 2 pages (one is scratch), got {n_pages}; give it more")
-        read = read or ("pages" if torch.device(device).type == "cuda" else "gather")
+        cuda = torch.device(device).type == "cuda"
+        read = read or ("pages" if cuda else "gather")
         if read not in READS:
             raise BlockloopError(f"unknown paged read {read!r}; choose one of {', '.join(READS)}")
+        if cuda and read == "pages" and page_size % 16:
+            # FlexAttention's CUDA kernels tile the keys of a block by at least 16.
+            raise BlockloopError(f"on CUDA the page size must be a multiple of 16, got {page_size}")
         self.page_size, self.n_pages, self.max_len, self.read = page_size, n_pages, max_len, read
         self.table = torch.full((n_rows, width), SCRATCH, dtype=torch.long, device=device)
         self.reserved = torch.zeros(n_rows, dtype=torch.long, device=device)  # pages held per row
@@ -143,8 +147,9 @@ class KVPages:
             return (owner[page] == b + first) & seen
 
         rows = self.table.shape[0]
+        # One query block per row (the query block size only has to be a multiple of the kernel's, not 1).
         return BlockMask.from_kv_blocks(
-            self.reserved.view(rows, 1, 1).int(), self.table.view(rows, 1, 1, -1).int(), BLOCK_SIZE=(1, size),
+            self.reserved.view(rows, 1, 1).int(), self.table.view(rows, 1, 1, -1).int(), BLOCK_SIZE=(128, size),
             mask_mod=mask_mod, seq_lengths=(1, self.n_pages * size), compute_q_blocks=False)
 
 
