@@ -10,6 +10,7 @@ from blockloop.errors import BlockloopError
 from blockloop.families import build_model, from_name
 from blockloop.nn.paged_cache import KVPages
 from blockloop.serve.engine import Engine
+from blockloop.serve.requests import SamplingParams
 from blockloop.serve.runners import ExitRule, Paging, Speculation, runner_for
 from blockloop.serve.runners.base import StepOutput
 from blockloop.serve.sampling import SlotSampling
@@ -26,20 +27,20 @@ def logits_of(out: torch.Tensor | StepOutput) -> torch.Tensor:
     return out.logits if isinstance(out, StepOutput) else out
 
 
-def test_pages_are_reserved_released_and_reused():
+def test_pages_are_reserved_grown_released_and_reused():
     pages = KVPages(2, 40, n_pages=6, page_size=4, device="cpu")
     assert pages.capacity == 20 and pages.can_hold([20], alone=True) and not pages.can_hold([21], alone=True)
-    pages.reserve(0, 9)  # 3 pages
+    assert pages.reserve(0, 5)  # 2 pages
+    assert pages.reserve(0, 9) and pages.reserve(0, 7)  # grown to 3 pages; reserving less keeps them
     first = list(pages.held[0])
     assert len(first) == 3 and 0 not in first  # page 0 is scratch
     assert pages.table[0, :3].tolist() == first and pages.table[0, 3:].eq(0).all()
     assert pages.owner[first].eq(0).all() and pages.logical[first].tolist() == [0, 1, 2]
     assert pages.can_hold([8]) and not pages.can_hold([9])
-    with pytest.raises(BlockloopError, match="free pages"):
-        pages.reserve(1, 9)
+    assert not pages.reserve(1, 9) and 1 not in pages.held and len(pages.free) == 2  # no room: nothing taken
     pages.release(0)
     assert pages.owner.eq(-1).all() and pages.table.eq(0).all() and len(pages.free) == 5
-    pages.reserve(1, 20)
+    assert pages.reserve(1, 20)
     assert set(first) <= set(pages.held[1])  # freed pages go to the next request
     # The positions of logical slots follow the table; unreserved slots land on the scratch page.
     slots = torch.tensor([[0, 5, 19]])
@@ -174,3 +175,26 @@ def test_the_serving_engine_takes_paging_and_the_prefill_chunk():
     alone = reference.submit(PROMPTS[1], 5)
     reference.run()
     assert request.output == alone.output
+
+
+@pytest.mark.parametrize("chunk", [512, 3])
+def test_rows_grow_a_window_at_a_time_and_the_newest_is_preempted_when_pages_run_out(chunk):
+    """Requests hold pages for what they have cached plus one window; when a row cannot grow, the newest
+    request gives its pages back and is prefilled again later with its output so far. Greedy and seeded
+    sampled outputs equal the static engine's, and every page comes back."""
+    model = model_of("tiny")
+    sampling = [SamplingParams(temperature=0.0), SamplingParams(temperature=0.9, top_k=20, seed=3),
+                SamplingParams(temperature=0.7, seed=11), SamplingParams(temperature=0.0)]
+    prompts = [PROMPTS[0], PROMPTS[2], PROMPTS[4], PROMPTS[5]]
+    outputs = {}
+    for label, paging in [("static", None), ("paged", Paging(48, 4))]:
+        engine = Engine(runner_for(model, paging=paging), n_slots=3, max_len=48, sync_every=3, prefill_chunk=chunk)
+        requests = [engine.submit(p, 24, sampling=s) for p, s in zip(prompts, sampling)]
+        engine.run()
+        outputs[label] = [r.output for r in requests]
+        preempted = sum(r.preemptions for r in requests)
+        assert (preempted > 0) == (paging is not None)
+        if paging is not None:
+            pages = engine.runner.state.cache.pages
+            assert len(pages.free) == pages.n_pages - 1 and not pages.held
+    assert outputs["paged"] == outputs["static"]

@@ -5,9 +5,9 @@ that fits is set by the longest possible request, and a decode step over a dense
 reads ``rows x max_len`` keys whatever the rows' real lengths. Here each layer holds one pool of
 ``n_pages`` fixed-size pages ``(1, H_kv, n_pages * page_size, D)`` shared by every row, and
 :class:`KVPages` keeps a page table per row: logical slot ``s`` of row ``b`` lives at pool position
-``table[b, s // page_size] * page_size + s % page_size``. A request reserves the pages of its own
-length (prompt + new tokens) when admitted and gives them back when it finishes; they are reused by
-the next.
+``table[b, s // page_size] * page_size + s % page_size``. A row reserves pages as its request grows
+(:meth:`KVPages.reserve` only ever adds pages) and gives them all back when the request finishes; they
+are reused by the next.
 
 Page 0 is a scratch page that belongs to nobody: every unreserved table entry points at it, so rows that
 step past their reservation (idle slots, rows that finished inside an engine window) write there
@@ -82,24 +82,26 @@ class KVPages:
         return -(-min(n_tokens, self.max_len) // self.page_size)
 
     def can_hold(self, token_counts: list[int], *, alone: bool = False) -> bool:
-        """Whether requests of these lengths can all reserve their pages now (``alone``: in an empty pool)."""
+        """Whether new rows of these lengths can all reserve their pages now (``alone``: in an empty pool)."""
         return sum(map(self.pages_for, token_counts)) <= (self.n_pages - 1 if alone else len(self.free))
 
-    def reserve(self, row: int, n_tokens: int) -> None:
-        """Give row ``row`` (of the whole table) the pages of its first ``n_tokens`` slots, in place of any it held."""
-        self.release(row)
-        need = self.pages_for(n_tokens)
+    def reserve(self, row: int, n_tokens: int) -> bool:
+        """Make row ``row`` (of the whole table) hold the pages of its first ``n_tokens`` slots, adding to what
+        it holds; False, changing nothing, when too few pages are free."""
+        held = self.held.get(row, [])
+        need = self.pages_for(n_tokens) - len(held)
+        if need <= 0:
+            return True
         if need > len(self.free):
-            raise BlockloopError(
-                f"the paged KV cache has {len(self.free)} free pages of {self.page_size} tokens, {need} needed; "
-                "give the engine more kv_tokens or wait for running requests to finish")
+            return False
         pages = [self.free.pop() for _ in range(need)]
-        self.held[row] = pages
         ids = torch.tensor(pages, dtype=torch.long, device=self.table.device)
-        self.table[row, :need] = ids
-        self.reserved[row] = need
+        self.table[row, len(held) : len(held) + need] = ids
         self.owner[ids] = row
-        self.logical[ids] = torch.arange(need, device=ids.device)
+        self.logical[ids] = torch.arange(len(held), len(held) + need, device=ids.device)
+        self.held[row] = held + pages
+        self.reserved[row] = len(held) + need
+        return True
 
     def release(self, row: int) -> None:
         """Return row ``row``'s pages to the free list and point its table back at the scratch page."""

@@ -16,7 +16,11 @@ its next chunk of at most ``prefill_chunk`` tokens at the start of each window, 
 slots together in one forward whatever their lengths (:meth:`Runner.prefill_chunk`), so a long prompt
 holds the running rows up for one chunk per window, not for its whole length; a request starts decoding
 in the window its last chunk is cached. Other runners prefill requests admitted together into consecutive
-slots with prompts of one padded length in one forward (:meth:`Runner.prefill_rows`). Rows that finished inside
+slots with prompts of one padded length in one forward (:meth:`Runner.prefill_rows`).
+
+Before each window every decoding row reserves room for it (:meth:`Runner.reserve`; a paged cache adds
+pages as a request grows). When the cache is full, the newest request is preempted: it gives its room back
+and waits at the head of the queue, to be prefilled again with its output so far. Rows that finished inside
 a window keep stepping until its end (their extra tokens are discarded): the price of not syncing every token. Every row steps every time, busy or not,
 so the decode step has static shapes (``torch.compile``, CUDA graphs).
 
@@ -72,6 +76,7 @@ class Engine:
             raise BlockloopError(f"prefill_chunk must be at least 1, got {prefill_chunk}")
         self.prefill_chunk = prefill_chunk
         self.prefilling: dict[int, int] = {}  # slot -> prompt tokens cached so far (chunked prefill)
+        self.admitted: list[int] = []  # running slots, oldest request first (the newest is preempted first)
         context = model.config.context_length
         self.max_len = context if max_len is None else max_len
         if not 1 <= self.max_len <= context:
@@ -150,7 +155,6 @@ class Engine:
         if request.status is RequestStatus.WAITING:
             self.scheduler.waiting.remove(request)
         else:
-            self.prefilling.pop(request.slot, None)
             self._release(request.slot)
         request.finish("abort", time.perf_counter())
 
@@ -170,9 +174,11 @@ class Engine:
         to time the first token alone). Returns the requests that finished in this window.
         """
         if self.continuous:
+            self._grow()
             admitted = self.scheduler.admit(fits=self._cache_holds)
             for slot, request in admitted:
-                self.runner.reserve(slot, self._padded(len(request.prompt)) + request.max_tokens)
+                self.runner.reserve(slot, self._horizon(request))
+                self.admitted.append(slot)
             if self.runner.chunked_prefill:
                 self.prefilling.update((slot, 0) for slot, _ in admitted)
                 self._prefill_chunks()
@@ -221,20 +227,57 @@ class Engine:
         groups: list[tuple[int, list[Request]]] = []
         for slot, request in admitted:
             if groups and groups[-1][0] + len(groups[-1][1]) == slot and (
-                    self._padded(len(groups[-1][1][0].prompt)) == self._padded(len(request.prompt))):
+                    self._padded(len(self._context(groups[-1][1][0]))) == self._padded(len(self._context(request)))):
                 groups[-1][1].append(request)
             else:
                 groups.append((slot, [request]))
         return groups
 
+    # ------------------------------------------------------------- cache room
+    def _horizon(self, request: Request) -> int:
+        """The tokens ``request``'s row must hold to get through the next window: what it has cached plus a
+        window of steps, at most its whole budget (a runner that emits several tokens a step holds the whole
+        budget from the start)."""
+        budget = self._padded(len(request.prompt)) + request.max_tokens
+        if self.runner.emits:
+            return budget
+        return min(budget, self._padded(len(request.prompt)) + len(request.output) + self.sync_every)
+
     def _cache_holds(self, group: list[Request], candidate: Request) -> bool:
-        """Whether the runner's cache has room for ``candidate`` beside the requests admitted with it (a paged
-        cache: free pages for each one's prompt and new tokens)."""
-        return self.runner.can_hold([self._padded(len(r.prompt)) + r.max_tokens for r in (*group, candidate)])
+        """Whether the runner's cache has room for ``candidate``'s first window beside the requests admitted
+        with it (a paged cache: free pages)."""
+        return self.runner.can_hold([self._horizon(r) for r in (*group, candidate)])
+
+    def _grow(self) -> None:
+        """Give every decoding row room for the coming window, oldest request first. When the cache is full the
+        newest running request is preempted: its cache is dropped and it waits at the head of the queue, to
+        be prefilled again with its output so far (the tokens it already streamed stay delivered)."""
+        for slot in list(self.admitted):
+            if slot not in self.admitted or slot in self.prefilling:
+                continue
+            while not self.runner.reserve(slot, self._horizon(self.scheduler.running[slot])):
+                victim = self.admitted[-1]
+                self._preempt(victim)
+                if victim == slot:
+                    break
+
+    def _preempt(self, slot: int) -> None:
+        request = self.scheduler.running[slot]
+        self._release(slot)
+        request.status, request.slot = RequestStatus.WAITING, None
+        request.preemptions += 1
+        self.scheduler.waiting.appendleft(request)
 
     def _release(self, slot: int) -> None:
+        self.prefilling.pop(slot, None)
+        self.admitted.remove(slot)
         self.scheduler.release(slot)
         self.runner.release(slot)
+
+    @staticmethod
+    def _context(request: Request) -> list[int]:
+        """What a request's row caches when prefilled: its prompt, and the output of a preempted request."""
+        return request.prompt + request.output
 
     def _prefill_chunks(self) -> None:
         """The next chunk of every request being prefilled, one forward per run of consecutive slots; the
@@ -246,7 +289,7 @@ class Engine:
             else:
                 runs.append([slot])
         for slots in runs:
-            prompts = [self.scheduler.running[slot].prompt for slot in slots]
+            prompts = [self._context(self.scheduler.running[slot]) for slot in slots]
             done = [self.prefilling[slot] for slot in slots]
             pieces = [p[d : d + self.prefill_chunk] for p, d in zip(prompts, done)]
             width = max(map(len, pieces))
@@ -259,17 +302,19 @@ class Engine:
                     del self.prefilling[slot]
                     self.logits[slot] = logits[i]
                     self.ready[slot] = True
-                    self.sampling.set(slot, self.scheduler.running[slot].sampling)
+                    request = self.scheduler.running[slot]
+                    self.sampling.set(slot, request.sampling, sampled=len(request.output))
 
     def _prefill_rows(self, start: int, requests: list[Request]) -> None:
-        length = self._padded(len(requests[0].prompt))
-        prompts = torch.tensor([[self.runner.pad_id] * (length - len(r.prompt)) + r.prompt for r in requests],
+        contexts = [self._context(r) for r in requests]
+        length = self._padded(len(contexts[0]))
+        prompts = torch.tensor([[self.runner.pad_id] * (length - len(c)) + c for c in contexts],
                                device=self.device)
         stop = start + len(requests)
         self.logits[start:stop] = self.runner.prefill_rows(start, prompts)
         self.ready[start:stop] = True
         for slot, request in enumerate(requests, start):
-            self.sampling.set(slot, request.sampling)
+            self.sampling.set(slot, request.sampling, sampled=len(request.output))
 
     def _fits_together(self, group: list[Request], candidate: Request) -> bool:
         """Whether a static batch still fits the context with ``candidate``: all rows share one length."""
@@ -283,6 +328,7 @@ class Engine:
         self.runner.allocate(len(admitted), idx.shape[1] + max(r.max_tokens for _, r in admitted))
         logits = self.runner.prefill_batch(idx, token_valid)
         self.rows = len(admitted)
+        self.admitted = [slot for slot, _ in admitted]
         for row, (slot, request) in enumerate(admitted):
             assert slot == row, "a static batch takes the slots from 0 up"
             self.logits[slot] = logits[row]

@@ -67,6 +67,7 @@ class Request:
     arrival_time: float | None = None
     token_times: list[float] = field(default_factory=list)
     finish_time: float | None = None
+    preemptions: int = 0  # times the engine dropped its cache to make room and prefilled it again
 
     @property
     def finished(self) -> bool:

@@ -119,9 +119,10 @@ class SlotSampling:
         longs = (torch.zeros(n_slots, dtype=torch.long, device=device) for _ in range(4))
         return cls(torch.zeros(n_slots, device=device), next(longs), torch.ones(n_slots, device=device), *longs)
 
-    def set(self, slot: int, s: SamplingParams) -> None:
-        """Give ``slot`` a new request's parameters and restart its count."""
-        self.temperature[slot], self.seed[slot], self.counter[slot] = s.temperature, s.seed, 0
+    def set(self, slot: int, s: SamplingParams, sampled: int = 0) -> None:
+        """Give ``slot`` a request's parameters and its count of tokens sampled so far (0, or where a preempted
+        request's stream stopped, so it samples the same tokens as if it had never been)."""
+        self.temperature[slot], self.seed[slot], self.counter[slot] = s.temperature, s.seed, sampled
         self.top_k[slot], self.top_p[slot] = s.top_k or 0, s.top_p if s.top_p is not None else 1.0
         self.speculate[slot] = -1 if s.speculate is None else s.speculate
 

@@ -84,9 +84,11 @@ class Runner(ABC):
         lengths, prompt plus new tokens. A static cache always has: every slot holds ``max_len``."""
         return True
 
-    def reserve(self, slot: int, n_tokens: int) -> None:
-        """Hold room in row ``slot`` for a request of ``n_tokens`` tokens before it is prefilled (a paged cache
-        takes its pages here; a static one holds them already)."""
+    def reserve(self, slot: int, n_tokens: int) -> bool:
+        """Hold room in row ``slot`` for the first ``n_tokens`` tokens of its request, adding to what it holds
+        (a paged cache takes pages here; a static one holds ``max_len`` already); False when the cache has no
+        room left, the engine then frees some by preempting a request."""
+        return True
 
     def release(self, slot: int) -> None:
         """Row ``slot``'s request has finished: give back what :meth:`reserve` took."""

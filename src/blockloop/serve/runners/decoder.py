@@ -6,10 +6,10 @@ application) and a ``forward(idx, step=StepContext, last_only=True)`` that write
 Rows advance independently, each at its own next cache slot and rotary position, so one state serves
 a lock-step batch of left-padded prompts and a continuous batch of requests of different lengths.
 
-With ``paging`` the cache is paged (:mod:`blockloop.nn.paged_cache`): each request reserves the pages of
-its own prompt and new tokens when admitted and frees them when it finishes, so the batch that fits is set
-by the tokens the running requests hold, not by ``n_slots x max_len``; on CUDA a decode step reads each
-row's live pages only.
+With ``paging`` the cache is paged (:mod:`blockloop.nn.paged_cache`): each row holds pages for what its
+request has cached plus the coming window (the engine grows it window by window, :meth:`reserve`) and frees
+them when it finishes, so the batch that fits is set by the tokens the running requests hold, not by
+``n_slots x max_len``; on CUDA a decode step reads each row's live pages only.
 """
 
 from __future__ import annotations
@@ -87,9 +87,9 @@ class DecoderRunner(Runner):
         pages = self.state.cache.pages
         return pages is None or pages.can_hold(token_counts, alone=alone)
 
-    def reserve(self, slot: int, n_tokens: int) -> None:
-        if self.state.cache.pages is not None:
-            self.state.cache.pages.reserve(slot, n_tokens)
+    def reserve(self, slot: int, n_tokens: int) -> bool:
+        pages = self.state.cache.pages
+        return pages is None or pages.reserve(slot, n_tokens)
 
     def release(self, slot: int) -> None:
         if self.state.cache.pages is not None:
@@ -128,8 +128,9 @@ class DecoderRunner(Runner):
         paged cache gives each row that holds no pages yet room for ``max_len`` tokens."""
         pages = self.state.cache.pages
         for row in range(len(idx) if pages is not None else 0):
-            if row not in pages.held:
-                pages.reserve(row, pages.max_len)
+            if not pages.reserve(row, pages.max_len):
+                raise BlockloopError(f"a paged KV cache of {pages.capacity} tokens cannot hold {len(idx)} rows of "
+                                     f"{pages.max_len}; give it more tokens or generate fewer rows at once")
         length = idx.shape[1]
         slots = torch.arange(length, device=idx.device)
         positions = (slots[None, :] - (~token_valid).sum(1, keepdim=True)).clamp_min(0)
