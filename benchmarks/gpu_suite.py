@@ -30,6 +30,7 @@ import json
 import re
 import tempfile
 import time
+import traceback
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -123,11 +124,12 @@ class Suite:
     work: Path  # scratch runs of the recursive row
     commands: list[str]
 
-    def throughput(self, presets: str, lengths: tuple[int, int], batches: list[int], *, search: bool, hf: bool) -> list[dict[str, Any]]:
+    def throughput(self, presets: str, lengths: tuple[int, int], batches: list[int], *, search: bool, hf: bool,
+                   caches: tuple[str, ...] = ("static",)) -> list[dict[str, Any]]:
         models = load_models(presets, [], str(self.device), self.dtype)
         p = self.plan
         settings = ThroughputSettings(*lengths, batches, repeats=p.repeats, warmup=p.warmup, search=search, hf=hf,
-                                      max_batch=p.max_batch, compile=self.device.type == "cuda", paged=True)
+                                      max_batch=p.max_batch, compile=self.device.type == "cuda", caches=caches)
         return throughput_rows(models, settings, self.bandwidth)
 
     def run_cli(self, *argv: str) -> None:
@@ -158,7 +160,14 @@ def scenario_rows(suite: Suite, scenario: str) -> list[dict[str, Any]]:
     batches = p.decode_batches if decode else p.prefill_batches
     hf_missing = hf_available()
     rows = suite.throughput(f"{p.vanilla},{p.block}", lengths, batches, search=decode and p.search, hf=hf_missing is None)
-    vanilla, paged, block = best(rows, p.vanilla), best(rows, f"{p.vanilla} paged"), best(rows, p.block)
+    vanilla, block = best(rows, p.vanilla), best(rows, p.block)
+    try:  # the paged cache's first GPU run: a failure is recorded, not allowed to cost the rest of the suite
+        rows += suite.throughput(p.vanilla, lengths, batches, search=decode and p.search, hf=False, caches=("paged",))
+        paged = best(rows, f"{p.vanilla} paged")
+    except Exception as exc:  # noqa: BLE001
+        traceback.print_exc()
+        paged = {"tok_s": float("nan"), "batch": None, "roofline_fraction": None, "cache_bytes_per_sample": 0,
+                 "error": f"{type(exc).__name__}: {exc}"}
     hf = best(rows, "hf-generate") if hf_missing is None else {"tok_s": float("nan"), "batch": None, "why_not": hf_missing}
     setting = f"prompt {lengths[0]} / generate {lengths[1]}"
     return [
@@ -167,7 +176,7 @@ def scenario_rows(suite: Suite, scenario: str) -> list[dict[str, Any]]:
          "measured": {**vanilla, "hf_generate_tok_s": hf["tok_s"], "hf_batch": hf["batch"],
                       "vs_hf": vanilla["tok_s"] / hf["tok_s"], "paged_tok_s": paged["tok_s"], "paged_batch": paged["batch"],
                       "paged_roofline_fraction": paged["roofline_fraction"],
-                      "paged_cache_bytes_per_sample": paged["cache_bytes_per_sample"]},
+                      "paged_cache_bytes_per_sample": paged["cache_bytes_per_sample"], "paged_error": paged.get("error")},
          "met": max(vanilla["roofline_fraction"] or 0, paged["roofline_fraction"] or 0) >= 0.85 if decode
          else max(vanilla["tok_s"], paged["tok_s"]) >= 18_000},
         {"row": f"block {scenario}", "setting": f"`{p.block}` vs `{p.vanilla}`, {setting}, batch {block['batch']}",
@@ -250,6 +259,8 @@ def training_rows(suite: Suite) -> list[dict[str, Any]]:
 def summary(row: dict[str, Any]) -> str:
     """The measured cell of the markdown table."""
     m = row["measured"]
+    if "error" in m:
+        return f"failed: {m['error']}"
     if "tok_s" in m:
         parts = [f"{m['tok_s']:,.0f} tok/s", f"TTFT {1e3 * m['ttft_s']:.2f} ms", f"TPOT {1e3 * m['tpot_s']:.3f} ms"]
         if m["roofline_fraction"] is not None:
@@ -260,7 +271,9 @@ def summary(row: dict[str, Any]) -> str:
         parts += [f"{m[k]:.2f}x {k[3:]}" for k in ("vs_hf", "vs_vanilla") if k in m]
         if "hf_generate_tok_s" in m:
             parts.append(f"HF generate() {m['hf_generate_tok_s']:,.0f} tok/s (batch {m['hf_batch']})")
-        if "paged_tok_s" in m:
+        if m.get("paged_error"):
+            parts.append(f"paged KV failed: {m['paged_error']}")
+        elif "paged_tok_s" in m:
             roof = m["paged_roofline_fraction"]
             parts.append(f"paged KV {m['paged_tok_s']:,.0f} tok/s (batch {m['paged_batch']}"
                          + (f", {100 * roof:.0f}% of roofline" if roof is not None else "")
@@ -328,7 +341,12 @@ def main() -> None:
             builder = {"decode-heavy": lambda s: scenario_rows(s, "decode-heavy"),
                        "prefill-heavy": lambda s: scenario_rows(s, "prefill-heavy"), "recursive": recursive_rows,
                        "double-decoder": double_decoder_rows, "training": training_rows}[name]
-            results += builder(suite)
+            try:
+                results += builder(suite)
+            except Exception as exc:  # noqa: BLE001  (one failing row must not cost the others their device time)
+                traceback.print_exc()
+                results.append({"row": name, "setting": "-", "target": "-", "measured": {"error": f"{type(exc).__name__}: {exc}"},
+                                "met": False})
             print(f"[gpu_suite] {name} done after {time.perf_counter() - start:.0f} s", flush=True)
     record = {**environment(str(device), dtype), "smoke": args.smoke, "plan": asdict(plan),
               "bandwidth_gb_s": suite.bandwidth / 1e9, "wall_s": time.perf_counter() - start,

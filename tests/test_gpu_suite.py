@@ -21,6 +21,7 @@ def test_smoke_suite_writes_every_row_without_claiming_a_target(tmp_path):
     (md,) = tmp_path.glob("gpu-*-cpu-smoke.md")
     record = json.loads(md.with_suffix(".json").read_text())
     assert record["smoke"] and record["torch"] and record["command"].endswith("--out-dir " + str(tmp_path))
+    assert not [r for r in record["rows"] if "error" in r.get("measured", {})]  # a failing row is recorded, not raised
     rows = {r["row"]: r for r in record["rows"] if "target" in r}
     assert sorted(rows) == sorted(TABLE_ROWS)
     text = md.read_text()
@@ -33,6 +34,7 @@ def test_smoke_suite_writes_every_row_without_claiming_a_target(tmp_path):
     assert rows["vanilla decode-heavy"]["measured"]["hf_generate_tok_s"] > 0  # HF timed in the same run
     vanilla = rows["vanilla decode-heavy"]["measured"]
     assert vanilla["paged_tok_s"] > 0 and vanilla["paged_cache_bytes_per_sample"] > 0  # the paged KV cache beside it
+    assert vanilla["paged_error"] is None
     rec = rows["recursive"]["measured"]
     assert 0.0 <= rec["greedy_agreement_vs_no_exit"] <= 1.0 and 1.0 <= rec["mean_exit_loop"] <= 2.0
     assert all(loss is not None and math.isfinite(loss) for loss in rec["val_loss"].values())

@@ -82,7 +82,7 @@ class ThroughputSettings:
     max_batch: int = 4096
     seed: int = 0
     hf: bool = False  # also time HF generate() on the first model
-    paged: bool = False  # also time each single-stack model over a paged KV cache
+    caches: tuple[str, ...] = ("static",)  # "static" and/or "paged": the KV caches to time a model that pages over
 
     def __post_init__(self) -> None:
         if self.repeats < 1 or self.warmup < 0:
@@ -94,7 +94,7 @@ def throughput_rows(models: list[BenchModel], settings: ThroughputSettings, band
     s = settings
     rows: list[dict[str, Any]] = []
     for m in models:
-        for paged in (False, True) if s.paged and pages_kv(m.model) else (False,):
+        for paged in [kind == "paged" for kind in (s.caches if pages_kv(m.model) else ("static",))]:
             def one(batch: int, model: nn.Module = m.model, name: str = m.name + " paged" * paged, paged: bool = paged) -> Any:
                 return engine_throughput(model, name, batch, s.prompt_len, s.gen_len, repeats=s.repeats, warmup=s.warmup,
                                          sync_every=s.sync_every, compile=s.compile, bandwidth=bandwidth, seed=s.seed,

@@ -133,7 +133,7 @@ def _throughput(args: argparse.Namespace, models: list, device: Any) -> list[dic
         args.prompt_len or prompt_len, args.gen_len or gen_len, args.batch_sizes,
         repeats=args.repeats, warmup=args.warmup, sync_every=args.sync_every, compile=args.compile,
         search=args.search, max_batch=args.max_batch, seed=args.seed, hf=args.hf and hf_missing is None,
-        paged=args.paged,
+        caches=("static", "paged") if args.paged else ("static",),
     )
     bandwidth = measure_bandwidth(device)
     print(f"measured copy bandwidth: {bandwidth / 1e9:.1f} GB/s; prompt {settings.prompt_len}, generate {settings.gen_len}")
