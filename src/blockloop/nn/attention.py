@@ -9,8 +9,10 @@ to one of three backends:
 * ``"eager"`` - a plain reference written from the formula, used to check the other two.
 
 A mask is given either as ``causal=True``, as a dense boolean tensor (True = may attend) broadcastable
-to ``(B, H, Tq, Tk)``, or as a FlexAttention-style ``mask_mod(b, h, q_idx, kv_idx) -> bool``; every backend
-accepts every form (the builders live in :mod:`blockloop.nn.masks`). With ``Tq < Tk`` a causal query ``i`` sits at key position ``i + Tk - Tq``, which is
+to ``(B, H, Tq, Tk)``, as a FlexAttention-style ``mask_mod(b, h, q_idx, kv_idx) -> bool``, or as a FlexAttention
+``BlockMask`` built once by the caller (block-sparse structure + its ``mask_mod``; FlexAttention uses it as it
+is, so it is not rebuilt by the eager ``create_block_mask`` at every call; the other backends evaluate its
+``mask_mod`` densely); every backend accepts every form (the builders live in :mod:`blockloop.nn.masks`). With ``Tq < Tk`` a causal query ``i`` sits at key position ``i + Tk - Tq``, which is
 what chunked prefill over a cache needs. ``return_lse=True`` also returns the natural-log log-sum-exp of
 the scaled scores per query, ``(B, H, Tq)``, which lets two attentions over disjoint key sets be merged
 exactly (double decoders). A query row with no visible key returns zeros and lse = -inf.
@@ -23,7 +25,7 @@ one ``(B, Hkv, G * Tq, D)`` block against the un-expanded keys.
 from __future__ import annotations
 
 import math
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import torch
 import torch.nn.functional as F
@@ -31,6 +33,9 @@ from torch import Tensor
 
 from blockloop.nn.masks import MaskMod, causal_mask_mod
 from blockloop.nn.precision import at_least_fp32
+
+if TYPE_CHECKING:
+    from torch.nn.attention.flex_attention import BlockMask
 
 BACKENDS = ("sdpa", "flex", "eager")
 
@@ -43,6 +48,7 @@ def attention(
     causal: bool = False,
     mask: Tensor | None = None,
     mask_mod: MaskMod | None = None,
+    block_mask: BlockMask | None = None,
     scale: float | None = None,
     dropout_p: float = 0.0,
     return_lse: bool = False,
@@ -51,15 +57,19 @@ def attention(
     """Attention of ``q (B, Hq, Tq, D)`` over ``k, v (B, Hkv, Tk, D)``, ``Hkv`` dividing ``Hq``.
 
     ``backend=None`` picks SDPA, or FlexAttention on CUDA / eager on CPU when the log-sum-exp is asked
-    for (SDPA does not expose it).
+    for (SDPA does not expose it); FlexAttention on CUDA for a ``block_mask`` too (its block sparsity is
+    why it was built).
     """
-    if sum(x is not None for x in (mask, mask_mod)) + int(causal) > 1:
-        raise ValueError("give at most one of causal=True, mask, mask_mod")
+    if sum(x is not None for x in (mask, mask_mod, block_mask)) + int(causal) > 1:
+        raise ValueError("give at most one of causal=True, mask, mask_mod, block_mask")
     if q.shape[1] % k.shape[1]:
         raise ValueError(f"{k.shape[1]} key/value heads do not divide {q.shape[1]} query heads")
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     if backend is None:
-        backend = ("flex" if q.is_cuda else "eager") if return_lse else "sdpa"
+        flex = q.is_cuda and (return_lse or block_mask is not None)
+        backend = "flex" if flex else ("eager" if return_lse else "sdpa")
+    if block_mask is not None and backend != "flex":
+        mask_mod = block_mask.mask_mod
     if backend == "sdpa":
         if return_lse:
             raise ValueError("the sdpa backend cannot return the log-sum-exp; use backend='flex' or 'eager'")
@@ -67,7 +77,7 @@ def attention(
     if dropout_p:
         raise ValueError(f"attention dropout is only supported by the sdpa backend, not {backend!r}")
     if backend == "flex":
-        out, lse = _flex(q, k, v, causal, mask, mask_mod, scale)
+        out, lse = _flex(q, k, v, causal, mask, mask_mod, block_mask, scale)
     elif backend == "eager":
         out, lse = _eager(q, k, v, _dense_mask(q, k, causal, mask, mask_mod), scale)
     else:
@@ -161,6 +171,7 @@ def _flex(
     causal: bool,
     mask: Tensor | None,
     mask_mod: MaskMod | None,
+    block_mask: BlockMask | None,
     scale: float,
 ) -> tuple[Tensor, Tensor]:
     from torch.nn.attention import flex_attention as fa
@@ -174,7 +185,6 @@ def _flex(
         def mask_mod(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
             return dense[b, h, q_idx, kv_idx]
 
-    block_mask = None
     if mask_mod is not None:
         block_mask = fa.create_block_mask(mask_mod, q.shape[0], q.shape[1], tq, tk, device=q.device)
     flex = _compiled_flex() if q.is_cuda else fa.flex_attention
