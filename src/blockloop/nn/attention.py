@@ -12,10 +12,12 @@ A mask is given either as ``causal=True``, as a dense boolean tensor (True = may
 to ``(B, H, Tq, Tk)``, as a FlexAttention-style ``mask_mod(b, h, q_idx, kv_idx) -> bool``, or as a FlexAttention
 ``BlockMask`` built once by the caller (block-sparse structure + its ``mask_mod``; FlexAttention uses it as it
 is, so it is not rebuilt by the eager ``create_block_mask`` at every call; the other backends evaluate its
-``mask_mod`` densely); every backend accepts every form (the builders live in :mod:`blockloop.nn.masks`). With ``Tq < Tk`` a causal query ``i`` sits at key position ``i + Tk - Tq``, which is
-what chunked prefill over a cache needs. ``return_lse=True`` also returns the natural-log log-sum-exp of
-the scaled scores per query, ``(B, H, Tq)``, which lets two attentions over disjoint key sets be merged
-exactly (double decoders). A query row with no visible key returns zeros and lse = -inf.
+``mask_mod`` densely); every backend accepts every form (the builders live in :mod:`blockloop.nn.masks`).
+With ``Tq < Tk`` a causal query ``i`` sits at key position ``i + Tk - Tq``, which is what chunked prefill
+over a cache needs. ``return_lse=True`` also returns the natural-log log-sum-exp of the scaled scores per
+query, ``(B, H, Tq)``, which lets two attentions over disjoint key sets be merged exactly (the double-decoder
+paper's form of its joint softmax; blockloop's double decoder makes it one call). A query row with no
+visible key returns zeros and lse = -inf.
 
 Grouped-query K/V are never copied per query head (a decode step would otherwise copy the whole cache):
 SDPA and FlexAttention take ``enable_gqa``, and the eager path reshapes each key/value head's queries into
