@@ -334,7 +334,8 @@ def test_bad_layer_split_and_unknown_partition_are_config_errors():
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_flex_dual_attention_forward_backward_and_generation_match_cpu():
-    """On CUDA the merged attentions run on FlexAttention (bf16 autocast); compare with the float64 CPU model."""
+    """On CUDA the one attention call runs on compiled FlexAttention under the tile-grid BlockMask (bf16 autocast);
+    compare with the float64 CPU model."""
     torch.manual_seed(0)
     cpu = build_model(from_name("tiny-double")).double()
     gpu = build_model(from_name("tiny-double")).cuda()
