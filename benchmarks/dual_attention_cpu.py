@@ -119,7 +119,7 @@ def main() -> None:
           f"{r['single_call_ms']:.1f} | {r['single_over_merge']:.2f} | {r['mask_direct_ms']:.2f} | "
           f"{r['mask_create_block_mask_ms']:.2f} | {r['direct_over_create']:.3f} |" for r in rows),
         "",
-        "CPU timings on a shared machine: the ratio is the result, not the milliseconds.",
+        "CPU timings: the ratio is the result, not the milliseconds.",
     ]
     (out / "dual_attention_cpu.md").write_text("\n".join(lines) + "\n")
 
