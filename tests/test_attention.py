@@ -106,6 +106,19 @@ def test_lse_merge_of_disjoint_key_sets_equals_joint_softmax(backend):
     torch.testing.assert_close(merged, want, atol=1e-10, rtol=1e-10)
 
 
+@pytest.mark.parametrize("backend", ["sdpa", "flex", "eager"])
+def test_a_block_mask_built_once_serves_every_backend(backend):
+    """A BlockMask built by the caller: FlexAttention takes it as it is, SDPA and eager evaluate its mask_mod."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    q, k, v = inputs(tq=9, tk=9, dtype=torch.float64, seed=2)
+    block_mask = create_block_mask(lambda b, h, qi, ki: ki <= qi, 1, 1, 9, 9, device="cpu", BLOCK_SIZE=4)
+    want, _ = reference(q, k, v, causal_dense(9, 9))
+    torch.testing.assert_close(attention(q, k, v, block_mask=block_mask, backend=backend), want, atol=1e-10, rtol=1e-10)
+    with pytest.raises(ValueError, match="at most one"):
+        attention(q, k, v, mask=causal_dense(9, 9), block_mask=block_mask, backend=backend)
+
+
 def test_float32_backends_agree():
     q, k, v = inputs(b=3, hq=8, hkv=2, tq=33, tk=33, d=32)
     out = {b: attention(q, k, v, causal=True, backend=b) for b in BACKENDS}

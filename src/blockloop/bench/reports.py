@@ -95,7 +95,8 @@ def flops_report(
             break
     footnote = ("paper formula: appendix A.2 (MHA, 4d MLP, no LM head, 2/3-1/3 split); config: this preset's exact "
                 "shapes incl. LM head; measured: 3 x one forward under torch FlopCounterMode (the double decoder's "
-                "dense dual attention counts two attentions where the paper's efficient implementation counts one).")
+                "one dense attention over both key sets, 2T keys, counts two attentions' worth where the paper's "
+                "efficient implementation counts one).")
     return Report(rows, footnote, note)
 
 

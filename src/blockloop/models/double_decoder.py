@@ -7,21 +7,27 @@ Two stacks share one (tied) token embedding:
 * the **generation decoder**, whose layers each attend, from the query at position t in block k, to
   (a) the within-block keys: its own K/V of block k's tokens at positions <= t, and
   (b) the cross-block keys: K/V projected (per layer) from the latents h_s of every earlier block m < k,
-  in ONE softmax over both key sets. As the paper does, the two attentions are computed separately and
-  merged with their log-sum-exps, which is exactly the joint softmax (:func:`merge_attention`); a query
-  of the first block has no cross keys and simply gets its within-block attention.
+  in ONE softmax over both key sets: one attention call over the two key sets side by side with one mask
+  (:func:`~blockloop.nn.masks.dual_block_mask`, built on the tile grid from the partition). The paper computes
+  the two attentions separately and merges their log-sum-exps (:func:`~blockloop.nn.attention.merge_attention`),
+  which is the same softmax; the single call trained 1.7-4.5x faster on CPU at T = 256-1024
+  (``benchmarks/results/dual_attention_cpu.md``) and is the fused form the paper leaves as future work. A
+  query of the first block has no cross keys and simply gets its within-block attention.
 
 Training draws a block partition per batch (:mod:`blockloop.data.partitions`, batched by the family spec);
 every token is scored once.
 Inference (section 3.3): the context decoder runs once over the prompt but its last token, whose
 latents become the cross K/V of every generation layer, computed once; the last prompt token opens the
-generation block, and only the generation layers keep a KV cache. Because both stacks are causal, the
+generation block, and only the generation layers keep a KV cache. That cache holds both key sets of a layer
+in one buffer: the cross K/V of context position s at slot s, the generation tokens' own K/V from slot
+``P - 1`` on (``P`` the prompt length), so a decode step is one attention over the cache with the cache's
+own mask (:meth:`DoubleDecoder.context_pass` writes the cross part). Because both stacks are causal, the
 context decoder's cache for a shared prompt prefix can be computed once and reused
 (:meth:`DoubleDecoder.cache_prefix`, section 3.3 item 3). The decode state is the serving runner's
 (:mod:`blockloop.serve.runners.double_decoder`); it calls :meth:`DoubleDecoder.context_pass` once per
 prompt and :meth:`DoubleDecoder.generation_step` once per token. Positions are absolute everywhere (RoPE on
-queries, within-block keys and cross keys alike), so the merged attention is one attention over the
-union of keys with consistent relative positions.
+queries, within-block keys and cross keys alike, each key rotated at its own position before it is stored),
+so the one attention over the union of keys has consistent relative positions.
 """
 
 from __future__ import annotations
@@ -42,19 +48,24 @@ from blockloop.models.decoder import (
     merge_heads,
     split_heads,
 )
-from blockloop.nn.attention import attention, merge_attention
+from blockloop.nn.attention import attention
 from blockloop.nn.kv_cache import DecoderCache, LayerStep, StepContext
-from blockloop.nn.masks import block_masks
+from blockloop.nn.masks import dual_block_mask
 from blockloop.nn.rope import apply_rope, rope_angles
 
 if TYPE_CHECKING:
+    from torch.nn.attention.flex_attention import BlockMask
+
     from blockloop.families.double_decoder import DoubleDecoderConfig
 
 
 class DualAttention(SelfAttention):
     """Within-block self-attention and cross-block attention to context latents, one joint softmax.
 
-    Six projections per layer (q, k, v, o and the cross k', v'), as counted in appendix A.2.
+    Six projections per layer (q, k, v, o and the cross k', v'), as counted in appendix A.2. One attention
+    call either way: in training the ``cross`` K/V are placed before the layer's own K/V and ``block_mask``
+    covers both; in a cached step the layer's cache already holds the cross K/V ahead of its own slots, so
+    the cache and its ``mask`` are the two key sets.
     """
 
     def __init__(self, config: DoubleDecoderConfig) -> None:
@@ -73,15 +84,15 @@ class DualAttention(SelfAttention):
         cos: Tensor,
         sin: Tensor,
         *,
-        cross: CrossKV,
-        cross_mask: Tensor,
-        mask: Tensor,
+        cross: CrossKV | None = None,
+        mask: Tensor | None = None,
+        block_mask: BlockMask | None = None,
         kv: LayerStep | None = None,
     ) -> Tensor:
         q, k, v = self.project(x, cos, sin, kv)
-        within = attention(q, k, v, mask=mask, return_lse=True)
-        across = attention(q, *cross, mask=cross_mask, return_lse=True)
-        out, _ = merge_attention(*within, *across)
+        if cross is not None:
+            k, v = torch.cat((cross[0], k), 2), torch.cat((cross[1], v), 2)
+        out = attention(q, k, v, mask=mask, block_mask=block_mask, scale=self.scale)
         return self.proj(merge_heads(out))
 
 
@@ -126,18 +137,11 @@ class DoubleDecoder(LanguageModel):
         cos, sin = rope_angles(torch.arange(length, device=idx.device), self.config.rotary_dim, self.config.rope_base)
         x = self.drop(self.embed(idx))
         latents = self.context(x)  # the context decoder: causal latents h_t (final norm applied, no head)
-        within, cross = block_masks(boundaries.to(idx.device), length)
-        cross_kv = [layer.attn.cross_keys(latents, cos, sin) for layer in self.generation]
-        logits = self._generate(x, cos, sin, cross_kv, cross, mask=within)
+        block_mask = dual_block_mask(boundaries.to(idx.device), length)  # once per batch, shared by every layer
+        for layer in self.generation:
+            x = layer(x, cos, sin, cross=layer.attn.cross_keys(latents, cos, sin), block_mask=block_mask)
+        logits = self.logits(self.norm(x))
         return logits, self.loss(logits, targets)
-
-    def _generate(self, x: Tensor, cos: Tensor, sin: Tensor, cross: list[CrossKV], cross_mask: Tensor, *,
-                  mask: Tensor, step: StepContext | None = None) -> Tensor:
-        """The generation decoder from token embeddings ``x`` to logits (muP readout multiplier applied)."""
-        for i, block in enumerate(self.generation):
-            kv = step.layer(i) if step is not None else None
-            x = block(x, cos, sin, cross=cross[i], cross_mask=cross_mask, mask=mask, kv=kv)
-        return self.logits(self.norm(x))
 
     # ------------------------------------------------------------ inference
     def allocate_cache(self, n_layer: int, batch_size: int, max_len: int) -> DecoderCache:
@@ -160,36 +164,45 @@ class DoubleDecoder(LanguageModel):
 
     @torch.no_grad()
     def context_pass(
-        self, idx: Tensor, token_valid: Tensor, prefix: ContextPrefix | None = None
-    ) -> tuple[list[CrossKV], Tensor, Tensor]:
-        """The context decoder over left-padded prompts ``idx (B, P)`` but their last token (after
-        ``prefix``, if cached): every generation layer's cross K/V, their key mask ``(B, 1, 1, S)``, and
-        the rotary positions ``(B, P)`` of the prompt tokens, which count real tokens only so that a row's
-        positions do not depend on its padding."""
+        self, idx: Tensor, token_valid: Tensor, cache: DecoderCache, prefix: ContextPrefix | None = None
+    ) -> Tensor:
+        """The context decoder over left-padded prompts ``idx (B, P)`` but their last token (after ``prefix``,
+        if cached); every generation layer's cross K/V of those ``C`` context positions written into slots
+        ``0 .. C-1`` of the generation ``cache`` (rows reset, real context tokens marked visible), where the
+        generation tokens' own K/V follow from slot ``C``. Returns the rotary positions ``(B, P)`` of the prompt
+        tokens, which count real tokens only so that a row's positions do not depend on its padding."""
         batch, length = idx.shape
         device = idx.device
         start = len(prefix) if prefix is not None else 0
         context_len = start + length - 1
         positions = start + (token_valid.long().cumsum(1) - 1).clamp_min(0)
-        cache = self.allocate_cache(self.config.n_context_layer, batch, context_len)
+        context = self.allocate_cache(self.config.n_context_layer, batch, context_len)
         if prefix is not None:
             prefix_slots = torch.arange(start, device=device)
-            for layer, k, v in zip(cache.layers, prefix.keys, prefix.values):
+            for layer, k, v in zip(context.layers, prefix.keys, prefix.values):
                 layer.write(prefix_slots, k.expand(batch, -1, -1, -1), v.expand(batch, -1, -1, -1))
-            cache.mark(prefix_slots)
+            context.mark(prefix_slots)
         latents = [prefix.latents.expand(batch, -1, -1)] if prefix is not None else []
         if length > 1:
-            step = StepContext(cache, torch.arange(start, context_len, device=device), positions[:, :-1], token_valid[:, :-1])
+            step = StepContext(context, torch.arange(start, context_len, device=device), positions[:, :-1], token_valid[:, :-1])
             latents.append(self.context(self.embed(idx[:, :-1]), step=step))
-        latents = torch.cat(latents, 1) if latents else self.embed.weight.new_zeros(batch, 0, self.config.d_model)
-        context_positions = torch.cat([torch.arange(start, device=device).expand(batch, -1), positions[:, :-1]], 1)
-        cos, sin = rope_angles(context_positions, self.config.rotary_dim, self.config.rope_base)
-        cross = [layer.attn.cross_keys(latents, cos, sin) for layer in self.generation]
-        return cross, cache.key_valid[:, None, None, :].clone(), positions
+        cache.reset()
+        if latents:
+            latents = torch.cat(latents, 1)
+            context_positions = torch.cat([torch.arange(start, device=device).expand(batch, -1), positions[:, :-1]], 1)
+            cos, sin = rope_angles(context_positions, self.config.rotary_dim, self.config.rope_base)
+            slots = torch.arange(context_len, device=device)
+            for layer, cache_layer in zip(self.generation, cache.layers):
+                cache_layer.write(slots, *layer.attn.cross_keys(latents, cos, sin))
+            cache.mark(slots, context.key_valid)
+        return positions
 
-    def generation_step(self, tokens: Tensor, step: StepContext, cross: list[CrossKV], cross_mask: Tensor) -> Tensor:
-        """One token per row ``tokens (B,)`` through the generation decoder only (its cache + the fixed cross
-        K/V); the next-token logits ``(B, V)``."""
+    def generation_step(self, tokens: Tensor, step: StepContext) -> Tensor:
+        """One token per row ``tokens (B,)`` through the generation decoder only, each layer one attention over
+        its cache (the row's cross K/V and its generation tokens' K/V); the next-token logits ``(B, V)``."""
         cos, sin = rope_angles(step.token_positions, self.config.rotary_dim, self.config.rope_base)
         mask = step.begin()
-        return self._generate(self.embed(tokens[:, None]), cos, sin, cross, cross_mask, mask=mask, step=step)[:, -1]
+        x = self.embed(tokens[:, None])
+        for i, block in enumerate(self.generation):
+            x = block(x, cos, sin, mask=mask, kv=step.layer(i))
+        return self.logits(self.norm(x))[:, -1]

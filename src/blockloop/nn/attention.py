@@ -9,12 +9,17 @@ to one of three backends:
 * ``"eager"`` - a plain reference written from the formula, used to check the other two.
 
 A mask is given either as ``causal=True``, as a dense boolean tensor (True = may attend) broadcastable
-to ``(B, H, Tq, Tk)``, or as a FlexAttention-style ``mask_mod(b, h, q_idx, kv_idx) -> bool``; every backend
-accepts every form (the builders live in :mod:`blockloop.nn.masks`). A FlexAttention ``BlockMask`` given as
-``mask`` (a paged cache's decode mask, whose keys are a pool shared by every row) always goes to "flex". With ``Tq < Tk`` a causal query ``i`` sits at key position ``i + Tk - Tq``, which is
-what chunked prefill over a cache needs. ``return_lse=True`` also returns the natural-log log-sum-exp of
-the scaled scores per query, ``(B, H, Tq)``, which lets two attentions over disjoint key sets be merged
-exactly (double decoders). A query row with no visible key returns zeros and lse = -inf.
+to ``(B, H, Tq, Tk)``, as a FlexAttention-style ``mask_mod(b, h, q_idx, kv_idx) -> bool``, or as a FlexAttention
+``BlockMask`` built once by the caller (block-sparse structure + its ``mask_mod``; FlexAttention uses it as it
+is, so it is not rebuilt by the eager ``create_block_mask`` at every call; the other backends evaluate its
+``mask_mod`` densely); every backend accepts every form (the builders live in :mod:`blockloop.nn.masks`).
+A cache's mask for a decode step over a paged pool arrives as ``mask`` but is a ``BlockMask`` (the pool's
+keys have batch 1, shared by every row): it is used as ``block_mask``, and only FlexAttention reads a pool.
+With ``Tq < Tk`` a causal query ``i`` sits at key position ``i + Tk - Tq``, which is what chunked prefill
+over a cache needs. ``return_lse=True`` also returns the natural-log log-sum-exp of the scaled scores per
+query, ``(B, H, Tq)``, which lets two attentions over disjoint key sets be merged exactly (the double-decoder
+paper's form of its joint softmax; blockloop's double decoder makes it one call). A query row with no
+visible key returns zeros and lse = -inf.
 
 Grouped-query K/V are never copied per query head (a decode step would otherwise copy the whole cache):
 SDPA and FlexAttention take ``enable_gqa``, and the eager path reshapes each key/value head's queries into
@@ -24,7 +29,7 @@ one ``(B, Hkv, G * Tq, D)`` block against the un-expanded keys.
 from __future__ import annotations
 
 import math
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import torch
 import torch.nn.functional as F
@@ -32,6 +37,9 @@ from torch import Tensor
 
 from blockloop.nn.masks import MaskMod, causal_mask_mod
 from blockloop.nn.precision import at_least_fp32
+
+if TYPE_CHECKING:
+    from torch.nn.attention.flex_attention import BlockMask
 
 BACKENDS = ("sdpa", "flex", "eager")
 
@@ -42,8 +50,9 @@ def attention(
     v: Tensor,
     *,
     causal: bool = False,
-    mask: Tensor | None = None,
+    mask: Tensor | BlockMask | None = None,
     mask_mod: MaskMod | None = None,
+    block_mask: BlockMask | None = None,
     scale: float | None = None,
     dropout_p: float = 0.0,
     return_lse: bool = False,
@@ -52,17 +61,22 @@ def attention(
     """Attention of ``q (B, Hq, Tq, D)`` over ``k, v (B, Hkv, Tk, D)``, ``Hkv`` dividing ``Hq``.
 
     ``backend=None`` picks SDPA, or FlexAttention on CUDA / eager on CPU when the log-sum-exp is asked
-    for (SDPA does not expose it).
+    for (SDPA does not expose it); FlexAttention on CUDA for a ``block_mask`` too (its block sparsity is
+    why it was built).
     """
-    if sum(x is not None for x in (mask, mask_mod)) + int(causal) > 1:
-        raise ValueError("give at most one of causal=True, mask, mask_mod")
+    pooled = mask is not None and not isinstance(mask, Tensor)  # a paged cache's BlockMask (see the module docstring)
+    if pooled:
+        mask, block_mask = None, mask
+    if sum(x is not None for x in (mask, mask_mod, block_mask)) + int(causal) > 1:
+        raise ValueError("give at most one of causal=True, mask, mask_mod, block_mask")
     if q.shape[1] % k.shape[1]:
         raise ValueError(f"{k.shape[1]} key/value heads do not divide {q.shape[1]} query heads")
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     if backend is None:
-        backend = ("flex" if q.is_cuda else "eager") if return_lse else "sdpa"
-    if mask is not None and not isinstance(mask, Tensor):
-        backend = "flex"  # a BlockMask
+        flex = pooled or (q.is_cuda and (return_lse or block_mask is not None))
+        backend = "flex" if flex else ("eager" if return_lse else "sdpa")
+    if block_mask is not None and backend != "flex":
+        mask_mod = block_mask.mask_mod
     if backend == "sdpa":
         if return_lse:
             raise ValueError("the sdpa backend cannot return the log-sum-exp; use backend='flex' or 'eager'")
@@ -70,7 +84,7 @@ def attention(
     if dropout_p:
         raise ValueError(f"attention dropout is only supported by the sdpa backend, not {backend!r}")
     if backend == "flex":
-        out, lse = _flex(q, k, v, causal, mask, mask_mod, scale)
+        out, lse = _flex(q, k, v, causal, mask, mask_mod, block_mask, scale)
     elif backend == "eager":
         out, lse = _eager(q, k, v, _dense_mask(q, k, causal, mask, mask_mod), scale)
     else:
@@ -164,15 +178,15 @@ def _flex(
     causal: bool,
     mask: Tensor | None,
     mask_mod: MaskMod | None,
+    block_mask: BlockMask | None,
     scale: float,
 ) -> tuple[Tensor, Tensor]:
     from torch.nn.attention import flex_attention as fa
 
     tq, tk = q.shape[-2], k.shape[-2]
-    block_mask = mask if isinstance(mask, fa.BlockMask) else None
     if causal:
         mask_mod = causal_mask_mod(tk - tq)
-    elif mask is not None and block_mask is None:
+    elif mask is not None:
         dense = mask.expand(q.shape[0], q.shape[1], tq, tk)
 
         def mask_mod(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:

@@ -2,9 +2,13 @@
 last token), its latents become every generation layer's cross K/V, computed once; the last prompt token
 opens the generation block, and only the generation layers keep a KV cache.
 
-Continuous batching keeps static cross K/V buffers of ``max_len`` entries per generation layer (masked
-past each row's prompt). Given a shared cached ``prefix`` (:meth:`DoubleDecoder.cache_prefix`), requests
-are served in static batches continuing it (``per_slot = False``).
+One buffer per generation layer holds both key sets a token attends to: a row whose prompt has ``C + 1``
+tokens has its cross K/V at slots ``0 .. C-1`` and its generated tokens' own K/V from slot ``C`` on, so a
+decode step is one attention over the cache with the cache's own mask (valid context positions, written
+generation slots), exactly a decoder's step, and the buffer of a slot of ``max_len`` tokens is ``max_len``
+entries, what the request can hold (prompt + new tokens). Continuous batching prefills requests into rows of
+that cache; given a shared cached ``prefix`` (:meth:`DoubleDecoder.cache_prefix`), requests are served in
+static batches continuing it (``per_slot = False``), whose cache puts the prefix's cross K/V first.
 """
 
 from __future__ import annotations
@@ -14,7 +18,6 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from blockloop.models.decoder import CrossKV
 from blockloop.models.double_decoder import ContextPrefix, DoubleDecoder
 from blockloop.nn.kv_cache import DecoderCache, StepContext
 from blockloop.serve.runners.base import Runner
@@ -22,12 +25,10 @@ from blockloop.serve.runners.base import Runner
 
 @dataclass
 class DoubleDecodeState:
-    """The generation decoder's own KV cache, the per-layer cross K/V (fixed), each row's next cache slot
+    """The generation decoder's KV cache (each row's cross K/V, then its own), each row's next cache slot
     and position."""
 
     cache: DecoderCache
-    cross: list[CrossKV]
-    cross_mask: Tensor
     next_slot: Tensor
     next_position: Tensor
 
@@ -44,49 +45,40 @@ class DoubleDecoderRunner(Runner):
         self.max_len = 0
 
     def allocate(self, n_slots: int, max_len: int) -> None:
-        """Static buffers for continuous batching; a static batch allocates its own in :meth:`prefill_batch`."""
+        """The static cache for continuous batching; a static batch allocates its own in :meth:`prefill_batch`."""
         self.max_len = max_len
-        if not self.per_slot:
-            return
-        model, c = self.model, self.model.config
-        weight = model.embed.weight
-        shape = (n_slots, c.n_kv_head, max_len, c.head_dim)
-        cross = [(weight.new_zeros(shape), weight.new_zeros(shape)) for _ in model.generation]
-        zeros = torch.zeros(n_slots, dtype=torch.long, device=weight.device)
-        mask = torch.zeros(n_slots, 1, 1, max_len, dtype=torch.bool, device=weight.device)
-        cache = model.allocate_cache(c.n_generation_layer, n_slots, max_len)
-        self.state = DoubleDecodeState(cache, cross, mask, zeros, zeros.clone())
+        if self.per_slot:
+            self.state = self._state(n_slots, max_len)
 
-    def _prefill(self, idx: Tensor, token_valid: Tensor, generation_len: int) -> tuple[Tensor, DoubleDecodeState]:
-        """Context pass over left-padded prompts, then the last prompt token's generation step."""
-        cross, cross_mask, positions = self.model.context_pass(idx, token_valid, self.prefix)
-        cache = self.model.allocate_cache(self.model.config.n_generation_layer, idx.shape[0], generation_len)
-        state = DoubleDecodeState(cache, cross, cross_mask, torch.zeros_like(positions[:, -1]), positions[:, -1])
-        return self._step(state, idx[:, -1]), state
+    def _state(self, rows: int, length: int) -> DoubleDecodeState:
+        zeros = torch.zeros(rows, dtype=torch.long, device=self.model.embed.weight.device)
+        return DoubleDecodeState(self.model.allocate_cache(self.model.config.n_generation_layer, rows, length), zeros, zeros.clone())
+
+    def _prefill(self, state: DoubleDecodeState, idx: Tensor, token_valid: Tensor) -> Tensor:
+        """Context pass over left-padded prompts into ``state``'s cache (all of its rows), then the last prompt
+        token's generation step at the slot after the context."""
+        positions = self.model.context_pass(idx, token_valid, state.cache, self.prefix)
+        state.next_slot.fill_(self.reserved + idx.shape[1] - 1)
+        state.next_position.copy_(positions[:, -1])
+        return self._step(state, idx[:, -1])
 
     @torch.no_grad()
     def prefill_batch(self, idx: Tensor, token_valid: Tensor) -> Tensor:
-        logits, self.state = self._prefill(idx, token_valid, 1 + self.max_len - idx.shape[1])
-        return logits
+        self.state = self._state(idx.shape[0], self.reserved + self.max_len)
+        return self._prefill(self.state, idx, token_valid)
+
+    @torch.no_grad()
+    def prefill_rows(self, start: int, prompts: Tensor) -> Tensor:
+        """Prompts of one length into rows ``start ..`` of the cache in one context pass (views: the other rows
+        keep their state)."""
+        stop = start + prompts.shape[0]
+        state = self.state
+        rows = DoubleDecodeState(state.cache.rows(start, stop), state.next_slot[start:stop], state.next_position[start:stop])
+        return self._prefill(rows, prompts, torch.ones_like(prompts, dtype=torch.bool))
 
     @torch.no_grad()
     def prefill_slot(self, slot: int, prompt: Tensor) -> Tensor:
-        """The prefill of one prompt, copied into row ``slot``: its cross K/V and the generation cache entry
-        of its last prompt token."""
-        logits, one = self._prefill(prompt[None], torch.ones_like(prompt[None], dtype=torch.bool), 1)
-        state = self.state
-        length = one.cross_mask.shape[-1]
-        for (k, v), (k1, v1) in zip(state.cross, one.cross):
-            k[slot, :, :length], v[slot, :, :length] = k1[0], v1[0]
-        state.cross_mask[slot] = False
-        state.cross_mask[slot, ..., :length] = one.cross_mask[0]
-        row, first = state.cache.row(slot), torch.zeros(1, dtype=torch.long, device=prompt.device)
-        for layer, layer1 in zip(row.layers, one.cache.layers):
-            layer.write(first, layer1.k, layer1.v)
-        row.reset()
-        row.mark(first)
-        state.next_slot[slot], state.next_position[slot] = 1, one.next_position[0]
-        return logits[0]
+        return self.prefill_rows(slot, prompt[None])[0]
 
     @torch.no_grad()
     def decode_step(self, tokens: Tensor) -> Tensor:
@@ -97,7 +89,7 @@ class DoubleDecoderRunner(Runner):
         their last one)."""
         slots = state.next_slot.clamp_max(state.cache.max_len - 1)[:, None]
         step = StepContext(state.cache, slots, state.next_position[:, None])
-        logits = self.model.generation_step(tokens, step, state.cross, state.cross_mask)
-        state.next_slot = state.next_slot + 1
-        state.next_position = state.next_position + 1
+        logits = self.model.generation_step(tokens, step)
+        state.next_slot += 1
+        state.next_position += 1
         return logits
