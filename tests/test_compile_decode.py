@@ -26,7 +26,6 @@ GRAPH_BREAK = {name: "at a chunk boundary the staircase step groups rows by host
                      "and builds per-row cache views (nn.Module) inside the step: a graph break"
                for name in ("tiny-staircase", "tiny-cached-staircase", "tiny-global-staircase", "tiny-feedback")}
 HOST_COUNTER = {
-    "tiny-block": "the within-block phase BlockDecodeState.filled is a host int: one graph per phase (L_B graphs)",
     **GRAPH_BREAK,
 }
 STEPS = 9  # past two Block Transformer blocks and two staircase chunks
