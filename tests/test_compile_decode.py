@@ -22,18 +22,7 @@ CASES = {
     "tiny-block": {}, "tiny-double": {}, "tiny-encdec": {},
     "tiny-staircase": {}, "tiny-cached-staircase": {}, "tiny-global-staircase": {}, "tiny-feedback": {},
 }
-GRAPH_BREAK = {name: "at a chunk boundary the staircase step groups rows by host-side phase and state layout in Python "
-                     "and builds per-row cache views (nn.Module) inside the step: a graph break"
-               for name in ("tiny-staircase", "tiny-cached-staircase", "tiny-global-staircase", "tiny-feedback")}
-HOST_COUNTER = {
-    **GRAPH_BREAK,
-}
 STEPS = 9  # past two Block Transformer blocks and two staircase chunks
-
-
-def xfails(reasons: dict[str, str]) -> list:
-    return [pytest.param(name, marks=pytest.mark.xfail(reason=reasons[name], strict=True)) if name in reasons else name
-            for name in CASES]
 
 
 def twin_runners(name: str):
@@ -58,7 +47,7 @@ def tokens(i: int) -> torch.Tensor:
     return torch.tensor([5 + i, 17 + 2 * i])
 
 
-@pytest.mark.parametrize("name", xfails(GRAPH_BREAK))
+@pytest.mark.parametrize("name", CASES)
 def test_decode_step_compiles_as_a_full_graph_and_equals_eager(name):
     eager, compiled = twin_runners(name)
     step = torch.compile(compiled.decode_step, fullgraph=True, backend="eager")
@@ -69,7 +58,7 @@ def test_decode_step_compiles_as_a_full_graph_and_equals_eager(name):
     torch._dynamo.reset()
 
 
-@pytest.mark.parametrize("name", xfails(HOST_COUNTER))
+@pytest.mark.parametrize("name", CASES)
 def test_decode_step_is_one_graph_for_every_step(name):
     _, runner = twin_runners(name)
     step = torch.compile(runner.decode_step, fullgraph=True, backend="eager")
