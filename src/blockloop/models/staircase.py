@@ -19,13 +19,15 @@ layers' states (embedding included); with C = 1 and m = 1 that is the Feedback T
 segment has an output. The state returned is the one before the flush (backward chunks and cache), so the
 next segment continues the recurrence exactly: a stream read in segments gives the logits of one long
 forward (truncated BPTT detaches it between training steps). Streaming generation uses the same property:
-it keeps the state at the last complete chunk; what the chunk being written attends to at each of its passes
-(the cache and the older chunks in flight) does not depend on it, so it is computed once per chunk, and
-each new token costs one query per pass. Those windows and the chunk's own keys/values live in static
-per-slot buffers bounded by S and the cache (the serving runner's, :mod:`blockloop.serve.runners.staircase`,
-which calls :meth:`Staircase.traced_step`, :meth:`Staircase.window_keys` and :meth:`Staircase.read_pass`),
-so the serving engine batches streams continuously: a request is prefilled into one slot while the others
-decode.
+what the chunk being written attends to at each of its passes (the cache and the older chunks in flight)
+does not depend on it, so each new token costs one query per pass. Those windows and the chunk's own
+keys/values live in static per-slot buffers bounded by S and the cache (the serving runner's,
+:mod:`blockloop.serve.runners.staircase`): a prompt's windows come from its state's flush steps
+(:meth:`Staircase.traced_step`, :meth:`Staircase.window_keys`), each new token is one
+:meth:`Staircase.read_pass` per pass, and once a chunk is complete the next chunk's windows are the
+keys/values its own passes wrote, shifted by one pass, and the cache gains its
+:meth:`Staircase.cache_entries`. So the serving engine batches streams continuously: a request is prefilled
+into one slot while the others decode.
 
 Positions are rotary and local to each step's window (cache first, then the chunks in stream order), so
 they stay bounded on an endless stream and only relative distances matter.
