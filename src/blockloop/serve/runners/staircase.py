@@ -13,12 +13,19 @@ rotary attention sees, are those of the model's forward.
 **The boundary is a shift.** Once a chunk is complete, the next chunk's window at pass k is what pass
 k + 1 holds: the same cache (the two passes run in the same staircase step), the same older chunks at the
 same passes, and the completed chunk's own keys/values at pass k + 1, at the same positions. The last
-pass's window is the cache alone: the cache drops its oldest C entries and gains the completed chunk's
-finished states, whose keys/values each token's read already computed (its last pass is read at once).
-So nothing is recomputed at a boundary: pass buffer k takes pass buffer k + 1, the last pass takes the
-rotated cache, the chunk slots empty. Rows of a continuous batch are at their own phases, so every step
-computes the boundary for every row and keeps it where the row's chunk is complete (``torch.where``):
-copies of the pass buffers, cheap beside recomputing the windows. Prefill stays host-driven: the model's
+pass's window is the cache alone: it drops its oldest C entries and gains the completed chunk's finished
+states, whose keys/values each token's read already computes (its last pass is read at once). So nothing
+is recomputed at a boundary: pass buffer k takes pass buffer k + 1, the chunk slots empty. Rows of a
+continuous batch are at their own phases, so every step computes the boundary for every row and keeps it
+where the row's chunk is complete (``torch.where``): copies of the pass buffers, cheap beside recomputing
+the windows.
+
+**The cache window is double-buffered.** Every cached key moves C positions down at each boundary, so
+the whole cache window is rotated again once per chunk: doing that every step (the static form) would
+cost a rotation of the cache per token. Instead the last pass's buffer holds two cache halves, masked by
+validity: the chunk reads the live one while each step rotates 1/C of the next window into the other, from
+a ring of un-rotated entries (no shifting); at the boundary the halves swap, which is a change of masks.
+Attention reads both halves (one more cache read per token). Prefill stays host-driven: the model's
 forward gives the stream state, whose flush steps give the windows (:meth:`StaircaseRunner._load`).
 """
 
@@ -40,15 +47,19 @@ from blockloop.serve.runners.base import Runner
 class StaircaseSlots:
     """Generation state of ``B`` slots, each a stream at its own phase (continuous batching).
 
-    ``passes[k]``: pass k's :class:`~blockloop.nn.kv_cache.DecoderCache` (one layer entry per core layer)
-    of ``n_k + C`` slots per row: the window at ``0 .. n_k - 1``, the chunk being written at ``n_k + phase``
-    (a per-pass KV cache). ``cache`` (Cached variants, else None): un-rotated keys/values of the last pass's
-    window (``cache_tokens`` slots), then the C entries the chunk being written adds to it. ``phase (B,)``:
-    how many tokens of its chunk each row has read.
+    ``passes[k]``: pass k's :class:`~blockloop.nn.kv_cache.DecoderCache` (one layer entry per core layer):
+    the window at slots ``0 .. n_k - 1``, the chunk being written in the last C slots (a per-pass KV cache).
+    With a cache, the last pass's window has two halves of ``cache_tokens`` slots: the ``live`` one the
+    chunk reads and the one being prepared for the next chunk (``next_valid``: its real entries).
+    ``cache``: a ring of ``cache_tokens + C`` un-rotated cache entries per row, the window's from ring slot
+    ``head`` on, then the chunk's. ``phase (B,)``: how many tokens of its chunk each row has read.
     """
 
     passes: list[DecoderCache]
     cache: DecoderCache | None
+    head: Tensor
+    live: Tensor
+    next_valid: Tensor
     phase: Tensor
 
 
@@ -64,10 +75,12 @@ class StaircaseRunner(Runner):
         def buffer(width: int) -> DecoderCache:
             return DecoderCache(c.n_layer, n_slots, c.n_kv_head, width, c.head_dim, dtype=weight.dtype, device=weight.device)
 
+        widths = [self._window(k) + c.chunk_size for k in range(c.passes)]
+        widths[-1] += c.cache_tokens  # the last pass's second cache half
+        zeros = torch.zeros(n_slots, dtype=torch.long, device=weight.device)
         self.state = StaircaseSlots(
-            [buffer(self._window(k) + c.chunk_size) for k in range(c.passes)],
-            buffer(c.cache_tokens + c.chunk_size) if c.cache_tokens else None,
-            torch.zeros(n_slots, dtype=torch.long, device=weight.device),
+            [buffer(width) for width in widths], buffer(c.cache_tokens + c.chunk_size) if c.cache_tokens else None,
+            zeros, zeros.clone(), zeros.new_zeros(n_slots, c.cache_tokens, dtype=torch.bool), zeros.clone(),
         )
 
     def _window(self, k: int) -> int:
@@ -114,44 +127,78 @@ class StaircaseRunner(Runner):
         chunk = slots.phase[rows][:, None] + torch.arange(T, device=ids.device)
         states = [m.embed(ids)]
         for k, cache in enumerate(slots.passes):
-            at = self._window(k) + chunk
-            cos, sin = rope_angles(at, c.rotary_dim, c.rope_base)
+            cos, sin = rope_angles(self._window(k) + chunk, c.rotary_dim, c.rope_base)
+            at = cache.max_len - c.chunk_size + chunk
             states = m.read_pass(states[-1], cos, sin, StepContext(_rows(cache, rows), at, token_valid=valid))
         if slots.cache is not None:
-            cache, at = _rows(slots.cache, rows), c.cache_tokens + chunk
+            cache, at = _rows(slots.cache, rows), self._ring(rows, c.cache_tokens + chunk)
             for layer, (k, v) in zip(cache.layers, m.cache_entries(states, T)):
                 layer.write(at, k, v)
             cache.mark(at, valid)
+            self._prepare(rows, chunk)
         slots.phase[rows] += T
         return states[-1]
 
+    def _ring(self, rows: slice, positions: Tensor) -> Tensor:
+        """Ring slots of window ``positions (B, N)`` of ``rows`` (past ``cache_tokens``: the chunk's entries)."""
+        return (self.state.head[rows][:, None] + positions) % self.state.cache.max_len  # type: ignore[union-attr]
+
+    def _prepare(self, rows: slice, chunk: Tensor) -> None:
+        """Rotate into the last pass's other cache half the next chunk's window entries whose turn comes at
+        phases ``chunk (B, T)``: at each phase ``ceil((cache_tokens - C) / C)`` of the entries it keeps (they
+        move C positions down) and the one this token adds, so the half is ready when the chunk completes."""
+        c, slots = self.model.config, self.state
+        kept = c.cache_tokens - c.chunk_size
+        per_phase = -(-kept // c.chunk_size)
+        older = (chunk[..., None] * per_phase + torch.arange(per_phase, device=chunk.device)).clamp_max(kept - 1)
+        window = torch.cat((older.flatten(1), kept + chunk), dim=1)  # positions in the next window
+        ring = self._ring(rows, c.chunk_size + window)
+        cache, last = _rows(slots.cache, rows), _rows(slots.passes[-1], rows)  # type: ignore[arg-type]
+        cos, sin = rope_angles(window, c.rotary_dim, c.rope_base)
+        at = (1 - slots.live[rows])[:, None] * c.cache_tokens + window
+        batch = torch.arange(len(ring), device=ring.device)[:, None]
+        for into, source in zip(last.layers, cache.layers):
+            k, v = source.k[batch, :, ring].transpose(1, 2), source.v[batch, :, ring].transpose(1, 2)
+            into.write(at, *rotate_prefix((k, v), cos, sin))
+        slots.next_valid[rows].scatter_(1, window, cache.key_valid.gather(1, ring))
+
     def _advance(self, done: Tensor) -> None:
         """Rows ``done (B,)`` (their chunk is complete) start the next chunk: pass k's buffer takes pass
-        k + 1's, the cache drops its oldest C entries for the chunk's, and the last pass's window becomes the
-        rotated cache; the chunk slots empty. Computed for every row, kept where ``done``."""
-        c, slots, C = self.model.config, self.state, self.model.config.chunk_size
+        k + 1's window and chunk, the last pass switches to its prepared cache half (the ring moves C on),
+        and the chunk slots empty. Computed for every row, kept where ``done``."""
+        c, slots = self.model.config, self.state
         row, kv_row = done[:, None], done[:, None, None, None]
         for into, source in zip(slots.passes, slots.passes[1:]):
-            window = torch.arange(source.max_len, device=done.device)  # pass k's window: pass k + 1's slots
-            for layer, new in zip(into.layers, source.layers):
-                layer.write(window, torch.where(kv_row, new.k, layer.k[:, :, : source.max_len]),
-                            torch.where(kv_row, new.v, layer.v[:, :, : source.max_len]))
-            into.mark(_all(into), torch.where(row, _then_empty(source.key_valid, C), into.key_valid))
-        last, window_valid = slots.passes[-1], row.new_zeros(len(done), 0)
+            contents, valid = self._contents(source)
+            window = torch.arange(valid.shape[1], device=done.device)  # pass k's window: pass k + 1's slots
+            for layer, (k, v) in zip(into.layers, contents):
+                layer.write(window, torch.where(kv_row, k, layer.k[:, :, : len(window)]),
+                            torch.where(kv_row, v, layer.v[:, :, : len(window)]))
+            into.mark(_all(into), torch.where(row, _then_empty(valid, c.chunk_size), into.key_valid))
+        last, halves = slots.passes[-1], slots.next_valid.new_zeros(len(done), 0)
         if slots.cache is not None:
-            cache, window = slots.cache, torch.arange(c.cache_tokens, device=done.device)
-            for layer in cache.layers:
-                layer.write(_all(cache), torch.where(kv_row, layer.k.roll(-C, 2), layer.k),
-                            torch.where(kv_row, layer.v.roll(-C, 2), layer.v))
-            cache.mark(_all(cache), torch.where(row, _then_empty(cache.key_valid[:, C:], C), cache.key_valid))
-            cos, sin = rope_angles(window, c.rotary_dim, c.rope_base)
-            for layer, new in zip(last.layers, cache.layers):
-                k, v = rotate_prefix((new.k[:, :, : c.cache_tokens], new.v[:, :, : c.cache_tokens]), cos, sin)
-                layer.write(window, torch.where(kv_row, k, layer.k[:, :, : c.cache_tokens]),
-                            torch.where(kv_row, v, layer.v[:, :, : c.cache_tokens]))
-            window_valid = cache.key_valid[:, : c.cache_tokens]
-        last.mark(_all(last), torch.where(row, _then_empty(window_valid, C), last.key_valid))
+            live, empty = slots.live.bool()[:, None], torch.zeros_like(slots.next_valid)
+            halves = torch.cat((torch.where(live, slots.next_valid, empty), torch.where(live, empty, slots.next_valid)), 1)
+            slots.head = torch.where(done, (slots.head + c.chunk_size) % slots.cache.max_len, slots.head)
+            slots.live = torch.where(done, 1 - slots.live, slots.live)
+            slots.next_valid.masked_fill_(row, False)
+        last.mark(_all(last), torch.where(row, _then_empty(halves, c.chunk_size), last.key_valid))
         slots.phase.masked_fill_(done, 0)
+
+    def _contents(self, cache: DecoderCache) -> tuple[list[tuple[Tensor, Tensor]], Tensor]:
+        """A pass buffer's keys/values per layer and validity, window then chunk (of the last pass's two
+        cache halves, each row's live one)."""
+        ct, slots = self.model.config.cache_tokens, self.state
+        if cache is not slots.passes[-1] or not ct:
+            return [(layer.k, layer.v) for layer in cache.layers], cache.key_valid
+        live = slots.live.bool()
+
+        def pick(x: Tensor) -> Tensor:  # (B, H, 2 ct + C, D)
+            return torch.cat((torch.where(live[:, None, None, None], x[:, :, ct : 2 * ct], x[:, :, :ct]), x[:, :, 2 * ct :]), 2)
+
+        valid = cache.key_valid
+        live_valid = torch.cat((torch.where(live[:, None], valid[:, ct : 2 * ct], valid[:, :ct]), valid[:, 2 * ct :]), 1)
+        return [(pick(layer.k), pick(layer.v)) for layer in cache.layers], live_valid
 
     def _load(self, rows: slice, state: StaircaseState) -> None:
         """Start ``rows`` at the stream state ``state`` (its last complete chunk; batch row i for the i-th of
@@ -186,7 +233,8 @@ class StaircaseRunner(Runner):
             view.mark(window, last.cache_valid)
             for layer, (k, v) in zip(view.layers, last.cache):
                 layer.write(window, k, v)
-        slots.phase[rows] = 0
+        slots.head[rows] = slots.live[rows] = slots.phase[rows] = 0
+        slots.next_valid[rows] = False
 
 
 def _rows(cache: DecoderCache, rows: slice) -> DecoderCache:
