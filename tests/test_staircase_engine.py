@@ -17,8 +17,10 @@ CONTINUOUS = ["tiny-ladder", "tiny-transformer-xl", *STAIRCASES]
 
 
 def tiny(name: str) -> torch.nn.Module:
+    """A float64 preset; "name:context" overrides the context length (a global cache's length)."""
     torch.manual_seed(0)
-    model = build_model(from_name(name)).double().eval()
+    preset, _, context = name.partition(":")
+    model = build_model(from_name(preset, **({"context_length": int(context)} if context else {}))).double().eval()
     if getattr(model.config, "memory_mix", False):
         with torch.no_grad():  # a non-uniform mix, so the test sees the weights used
             model.memory_weights.copy_(torch.tensor([0.5, -1.0, 1.5], dtype=torch.float64))
@@ -55,7 +57,8 @@ def test_engine_with_mid_batch_joins_equals_full_forward_greedy(name):
     assert [r.output for r in requests] == [full_forward_greedy(model, p, n) for p, n in zip(prompts, budgets)]
 
 
-@pytest.mark.parametrize("name", CONTINUOUS)
+# tiny-global-staircase:22: a global cache of 22 entries, not a multiple of the chunk, that fills and slides.
+@pytest.mark.parametrize("name", [*CONTINUOUS, "tiny-global-staircase:22"])
 def test_slot_logits_equal_the_full_forward_when_a_slot_is_refilled_mid_decode(name):
     """Row 1 is refilled with a new request while row 0 keeps decoding past Transformer-XL's span of 16:
     every logit row from prefill_slot/decode_step equals that sequence's full forward."""

@@ -107,11 +107,12 @@ class TokenDecoder(nn.Module):
         start = self.embed.weight[self.pad_id].expand(vectors.shape[0], 1, self.d)
         return start + vectors[:, :1] if self.kind == "sum" else start
 
-    def token_inputs(self, tokens: Tensor, vectors: Tensor, offset: int) -> Tensor:
-        """Embeddings of block tokens ``tokens (M, k)`` that sit at input positions ``offset + 1 ...``."""
+    def token_inputs(self, tokens: Tensor, vectors: Tensor, offset: int | Tensor) -> Tensor:
+        """Embeddings of block tokens ``tokens (M, k)`` that sit at input positions ``offset + 1 ...``
+        (``offset`` may be a device scalar: generation's within-block phase)."""
         x = self.embed(tokens)
         if self.kind == "sum":
-            x = x + vectors[:, offset + 1 : offset + 1 + tokens.shape[1]]
+            x = x + vectors[:, offset + 1 + torch.arange(tokens.shape[1], device=tokens.device)]
         return x
 
     def memory(self, vectors: Tensor) -> Tensor | None:
@@ -186,8 +187,10 @@ class BlockTransformer(nn.Module):
         """Context embeddings ``(B, d_block)`` after the blocks ``(B, n, L_B)`` (the last one's), cached."""
         return self.block_decoder(self.embedder(blocks), step=step)[:, -1]
 
-    def token_logits(self, x: Tensor, vectors: Tensor, step: StepContext) -> Tensor:
+    def token_logits(self, x: Tensor, vectors: Tensor, step: StepContext, at: Tensor | None = None) -> Tensor:
         """The token decoder over inputs ``x (B, T, d)`` of a block with context ``vectors``, cached: the
-        last position's logits ``(B, V)``."""
+        logits ``(B, V)`` of the last input position, or of position ``at`` (a ``(1,)`` index tensor, so
+        generation can choose it on device)."""
         tokdec = self.token_decoder
-        return tokdec.lm_head(tokdec.body(x, step=step, memory=tokdec.memory(vectors))[:, -1])
+        hidden = tokdec.body(x, step=step, memory=tokdec.memory(vectors))
+        return tokdec.lm_head(hidden[:, -1] if at is None else hidden.index_select(1, at)[:, 0])

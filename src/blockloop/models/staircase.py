@@ -19,13 +19,15 @@ layers' states (embedding included); with C = 1 and m = 1 that is the Feedback T
 segment has an output. The state returned is the one before the flush (backward chunks and cache), so the
 next segment continues the recurrence exactly: a stream read in segments gives the logits of one long
 forward (truncated BPTT detaches it between training steps). Streaming generation uses the same property:
-it keeps the state at the last complete chunk; what the chunk being written attends to at each of its passes
-(the cache and the older chunks in flight) does not depend on it, so it is computed once per chunk, and
-each new token costs one query per pass. Those windows and the chunk's own keys/values live in static
-per-slot buffers bounded by S and the cache (the serving runner's, :mod:`blockloop.serve.runners.staircase`,
-which calls :meth:`Staircase.traced_step`, :meth:`Staircase.window_keys` and :meth:`Staircase.read_pass`),
-so the serving engine batches streams continuously: a request is prefilled into one slot while the others
-decode.
+what the chunk being written attends to at each of its passes (the cache and the older chunks in flight)
+does not depend on it, so each new token costs one query per pass. Those windows and the chunk's own
+keys/values live in static per-slot buffers bounded by S and the cache (the serving runner's,
+:mod:`blockloop.serve.runners.staircase`): a prompt's windows come from its state's flush steps
+(:meth:`Staircase.traced_step`, :meth:`Staircase.window_keys`), each new token is one
+:meth:`Staircase.read_pass` per pass, and once a chunk is complete the next chunk's windows are the
+keys/values its own passes wrote, shifted by one pass, and the cache gains its
+:meth:`Staircase.cache_entries`. So the serving engine batches streams continuously: a request is prefilled
+into one slot while the others decode.
 
 Positions are rotary and local to each step's window (cache first, then the chunks in stream order), so
 they stay bounded on an endless stream and only relative distances matter.
@@ -68,29 +70,6 @@ class StaircaseState:
     @property
     def tokens_in_flight(self) -> int:
         return sum(c.shape[1] for c in self.chunks)
-
-    @property
-    def layout(self) -> tuple[object, ...]:
-        """What must agree for two streams' states to be stepped as one batch."""
-        return self.passes, tuple(c.shape[1] for c in self.chunks), self.cache_valid.shape[1]
-
-    def row(self, index: int) -> StaircaseState:
-        """Stream ``index`` as a batch of one."""
-        pick = slice(index, index + 1)
-        return StaircaseState(tuple(c[pick] for c in self.chunks), tuple(v[pick] for v in self.valid), self.passes,
-                              tuple((k[pick], v[pick]) for k, v in self.cache), self.cache_valid[pick])
-
-    @staticmethod
-    def batch(states: list[StaircaseState]) -> StaircaseState:
-        """Streams of one layout as one batch (the inverse of :meth:`row`)."""
-        first = states[0]
-        cat = lambda tensors: torch.cat(list(tensors), dim=0)  # noqa: E731
-        return StaircaseState(
-            tuple(cat(s.chunks[i] for s in states) for i in range(len(first.chunks))),
-            tuple(cat(s.valid[i] for s in states) for i in range(len(first.valid))), first.passes,
-            tuple((cat(s.cache[i][0] for s in states), cat(s.cache[i][1] for s in states)) for i in range(len(first.cache))),
-            cat(s.cache_valid for s in states),
-        )
 
     def detach(self) -> StaircaseState:
         """Cut the graph here (truncated BPTT between training segments)."""
@@ -150,14 +129,20 @@ class Staircase(LanguageModel):
         done, done_valid = pieces[0], valids[0]
         cache, cache_valid = state.cache, state.cache_valid
         if c.cache_after:
-            cached = self._memory(layer_states, done.shape[1]) if c.memory_mix else done
             cache = tuple(
-                tuple(torch.cat((old, new), dim=2)[:, :, -c.cache_tokens :] for old, new in zip(kv, prefix_kv(block, cached)))
-                for kv, block in zip(cache, self.core.blocks)
+                tuple(torch.cat((old, new), dim=2)[:, :, -c.cache_tokens :] for old, new in zip(kv, entry))
+                for kv, entry in zip(cache, self.cache_entries(layer_states, done.shape[1]))
             )
             cache_valid = torch.cat((cache_valid, done_valid), dim=1)[:, -c.cache_tokens :]
         rest = StaircaseState(tuple(pieces[1:]), valids[1:], passes[1:], cache, cache_valid)
         return rest, done, layer_states
+
+    def cache_entries(self, layer_states: list[Tensor], length: int) -> list[KV]:
+        """Per core layer, the un-rotated keys/values that the first ``length`` states of a window leave in the
+        cache after their last pass (``layer_states``: that pass's states entering each layer and leaving the
+        last): the finished states (3.2.2), or their Feedback memory (3.3)."""
+        cached = self._memory(layer_states, length) if self.config.memory_mix else layer_states[-1][:, :length]
+        return [prefix_kv(block, cached) for block in self.core.blocks]
 
     def _memory(self, layer_states: list[Tensor], length: int) -> Tensor:
         """Feedback memory of the finished chunk: softmax(w)-weighted sum of its states at every layer."""
@@ -214,10 +199,13 @@ class Staircase(LanguageModel):
         """Per core layer, the un-rotated keys/values it reads from the states entering it (a traced step's)."""
         return [prefix_kv(block, states) for block, states in zip(self.core.blocks, layer_states)]
 
-    def read_pass(self, h: Tensor, cos: Tensor, sin: Tensor, step: StepContext) -> Tensor:
+    def read_pass(self, h: Tensor, cos: Tensor, sin: Tensor, step: StepContext) -> list[Tensor]:
         """One pass of the core over new tokens ``h (B, T, d)`` written at the step's cache slots, attending to
-        what the cache holds (a pass's window and the chunk so far); marks the slots written."""
+        what the cache holds (a pass's window and the chunk so far); marks the slots written. Returns the
+        states entering each layer and leaving the last (as :meth:`traced_step` does)."""
         mask = step.begin()
+        layer_states = [h]
         for layer, block in enumerate(self.core.blocks):
             h = block(h, cos, sin, kv=step.layer(layer), mask=mask)
-        return h
+            layer_states.append(h)
+        return layer_states

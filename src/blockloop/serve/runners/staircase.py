@@ -1,6 +1,32 @@
 """Serving the staircase family (Staircase, Cached / Global Cached Staircase, Feedback Transformer) as
-streams: each slot keeps its stream state at the last complete chunk, and each new token costs one query
-per pass over static per-slot buffers (see :mod:`blockloop.models.staircase`, "Segments and state").
+streams over static per-slot buffers: each new token costs one query per pass, and a chunk boundary is a
+few masked copies, so :meth:`StaircaseRunner.decode_step` is one static-shape graph (issue 12).
+
+**Windows at fixed positions.** A chunk's pass k attends to its window (the cache, then the older chunks
+in flight, each at a later pass; see :mod:`blockloop.models.staircase`, "Segments and state") and to its
+own tokens causally. Every row lays pass k's window out the same way, slot = rotary position: the cache
+in ``cache_tokens`` slots, then one C-slot block per older chunk, oldest first, ending at ``n_k =
+cache_tokens + (P - 1 - k) C``; the chunk being written sits at ``n_k + phase``. A young stream's missing
+chunks and cache entries are invalid slots at the start, so the distances between real tokens, all that
+rotary attention sees, are those of the model's forward.
+
+**The boundary is a shift.** Once a chunk is complete, the next chunk's window at pass k is what pass
+k + 1 holds: the same cache (the two passes run in the same staircase step), the same older chunks at the
+same passes, and the completed chunk's own keys/values at pass k + 1, at the same positions. The last
+pass's window is the cache alone: it drops its oldest C entries and gains the completed chunk's finished
+states, whose keys/values each token's read already computes (its last pass is read at once). So nothing
+is recomputed at a boundary: pass buffer k takes pass buffer k + 1, the chunk slots empty. Rows of a
+continuous batch are at their own phases, so every step computes the boundary for every row and keeps it
+where the row's chunk is complete (``torch.where``): copies of the pass buffers, cheap beside recomputing
+the windows.
+
+**The cache window is double-buffered.** Every cached key moves C positions down at each boundary, so
+the whole cache window is rotated again once per chunk: doing that every step (the static form) would
+cost a rotation of the cache per token. Instead the last pass's buffer holds two cache halves, masked by
+validity: the chunk reads the live one while each step rotates 1/C of the next window into the other, from
+a ring of un-rotated entries (no shifting); at the boundary the halves swap, which is a change of masks.
+Attention reads both halves (one more cache read per token). Prefill stays host-driven: the model's
+forward gives the stream state, whose flush steps give the windows (:meth:`StaircaseRunner._load`).
 """
 
 from __future__ import annotations
@@ -19,29 +45,22 @@ from blockloop.serve.runners.base import Runner
 
 @dataclass
 class StaircaseSlots:
-    """Generation state of ``B`` slots, each a stream at its own point (continuous batching).
+    """Generation state of ``B`` slots, each a stream at its own phase (continuous batching).
 
-    ``states[b]``: slot b's stream state at its last complete chunk (a batch of one; it changes once per
-    chunk). What the chunk being written reads is static: ``passes[k]`` is a
-    :class:`~blockloop.nn.kv_cache.DecoderCache` (one layer entry per core layer) of ``W + C`` slots per
-    row, where ``W = cache_tokens + (passes - 1) C`` bounds the window of pass k (the cache and the older
-    chunks in flight, rotated keys at slots ``0..n-1``, computed once per chunk) and the chunk's own tokens
-    are written at slot ``W + phase`` as they are read: a per-pass KV cache. ``offset[k, b]`` is the window
-    length n, the rotary position of the chunk's first token; ``phase[b]`` how many chunk tokens slot b
-    has read (mirrored on the host, so finding the rows whose chunk is complete needs no device sync).
+    ``passes[k]``: pass k's :class:`~blockloop.nn.kv_cache.DecoderCache` (one layer entry per core layer):
+    the window at slots ``0 .. n_k - 1``, the chunk being written in the last C slots (a per-pass KV cache).
+    With a cache, the last pass's window has two halves of ``cache_tokens`` slots: the ``live`` one the
+    chunk reads and the one being prepared for the next chunk (``next_valid``: its real entries).
+    ``cache``: a ring of ``cache_tokens + C`` un-rotated cache entries per row, the window's from ring slot
+    ``head`` on, then the chunk's. ``phase (B,)``: how many tokens of its chunk each row has read.
     """
 
-    states: list[StaircaseState]
     passes: list[DecoderCache]
-    offset: Tensor
-    pending: Tensor
-    pending_valid: Tensor
+    cache: DecoderCache | None
+    head: Tensor
+    live: Tensor
+    next_valid: Tensor
     phase: Tensor
-    host_phase: list[int]
-
-    @property
-    def window(self) -> int:
-        return self.passes[0].max_len - self.pending.shape[1]
 
 
 class StaircaseRunner(Runner):
@@ -52,33 +71,40 @@ class StaircaseRunner(Runner):
         """Static decode buffers for ``n_slots`` streams; each starts empty. ``max_len`` is not needed: the
         buffers are bounded by the step size and cache, not the stream length."""
         c, weight = self.model.config, self.model.embed.weight
-        width = c.cache_tokens + (c.passes - 1) * c.chunk_size + c.chunk_size
-        passes = [DecoderCache(c.n_layer, n_slots, c.n_kv_head, width, c.head_dim, dtype=weight.dtype, device=weight.device)
-                  for _ in range(c.passes)]
-        ids = torch.zeros(n_slots, c.chunk_size, dtype=torch.long, device=weight.device)
+
+        def buffer(width: int) -> DecoderCache:
+            return DecoderCache(c.n_layer, n_slots, c.n_kv_head, width, c.head_dim, dtype=weight.dtype, device=weight.device)
+
+        widths = [self._window(k) + c.chunk_size for k in range(c.passes)]
+        widths[-1] += c.cache_tokens  # the last pass's second cache half
+        zeros = torch.zeros(n_slots, dtype=torch.long, device=weight.device)
         self.state = StaircaseSlots(
-            [None] * n_slots, passes,  # type: ignore[list-item]  # every row's state is set just below
-            torch.zeros(c.passes, n_slots, dtype=torch.long, device=weight.device), ids, ids.bool(),
-            torch.zeros(n_slots, dtype=torch.long, device=weight.device), [0] * n_slots,
+            [buffer(width) for width in widths], buffer(c.cache_tokens + c.chunk_size) if c.cache_tokens else None,
+            zeros, zeros.clone(), zeros.new_zeros(n_slots, c.cache_tokens, dtype=torch.bool), zeros.clone(),
         )
-        self._begin_chunks(list(range(n_slots)), self.model.initial_state(n_slots))
+
+    def _window(self, k: int) -> int:
+        """``n_k``: the slots of pass k's window (the cache and the ``P - 1 - k`` older chunks)."""
+        c = self.model.config
+        return c.cache_tokens + (c.passes - 1 - k) * c.chunk_size
 
     @torch.no_grad()
     def prefill_slot(self, slot: int, prompt: Tensor) -> Tensor:
         """Read ``prompt (P,)`` as a new stream in row ``slot`` (the other rows keep theirs)."""
         logits, _, state = self.model(prompt[None], return_state=True)
-        self._begin_chunks([slot], state)
+        rows = slice(slot, slot + 1)
+        self._load(rows, state)
         start = prompt.numel() - prompt.numel() % self.model.config.chunk_size
         if start < prompt.numel():
             rest = prompt[None, start:]
-            self._read(rest, torch.ones_like(rest, dtype=torch.bool), rows=slice(slot, slot + 1))
+            self._read(rest, torch.ones_like(rest, dtype=torch.bool), rows)
         return logits[0, -1]
 
     @torch.no_grad()
     def prefill_batch(self, idx: Tensor, token_valid: Tensor) -> Tensor:
         """Left-padded prompts, chunks counted from the padded start (as the forward does)."""
         logits, _, state = self.model(idx, token_valid=token_valid, return_state=True)
-        self._begin_chunks(list(range(idx.shape[0])), state)
+        self._load(slice(None), state)
         start = idx.shape[1] - idx.shape[1] % self.model.config.chunk_size
         if start < idx.shape[1]:
             self._read(idx[:, start:], token_valid[:, start:])
@@ -87,74 +113,138 @@ class StaircaseRunner(Runner):
     @torch.no_grad()
     def decode_step(self, tokens: Tensor) -> Tensor:
         """Read one token per row through its S / C (or m) passes, each a one-query attention over that
-        pass's static window and the chunk so far. Rows whose chunk is now complete advance the recurrence
-        one step (their state is replaced) and get the windows of their next chunk, batched over rows whose
-        states have one layout (all of them in lock-step generation)."""
-        m, slots = self.model, self.state
+        pass's window and the chunk so far; rows whose chunk is now complete start the next one."""
+        m = self.model
         h = self._read(tokens[:, None], torch.ones_like(tokens[:, None], dtype=torch.bool))
-        groups: dict[tuple[object, ...], list[int]] = {}
-        for row, phase in enumerate(slots.host_phase):
-            if phase == m.config.chunk_size:
-                groups.setdefault(slots.states[row].layout, []).append(row)
-        for rows in groups.values():
-            index = torch.tensor(rows, device=tokens.device)
-            state = StaircaseState.batch([slots.states[row] for row in rows])
-            state, _ = m.step(state, m.embed(slots.pending[index]), slots.pending_valid[index])
-            self._begin_chunks(rows, state)
+        self._advance(self.state.phase == m.config.chunk_size)
         return m.logits(m.norm(h))[:, -1]
 
-    def _begin_chunks(self, rows: list[int], state: StaircaseState) -> None:
-        """Give ``rows`` the stream state ``state`` (batch row i for ``rows[i]``) and load their windows for the
-        next chunk: what it attends to at each pass besides itself, found by running the flush steps of the
-        state. Empties the chunks being written."""
+    def _read(self, ids: Tensor, valid: Tensor, rows: slice = slice(None)) -> Tensor:
+        """Append ``ids (B, T)`` to the chunk each of ``rows`` is writing, through every pass, and (Cached
+        variants) write the cache entries of their finished states; their final states ``(B, T, d)``."""
         m, slots = self.model, self.state
-        c, current, batch = m.config, state, len(rows)
-        for i, row in enumerate(rows):
-            slots.states[row] = state.row(i)
+        c, T = m.config, ids.shape[1]
+        chunk = slots.phase[rows][:, None] + torch.arange(T, device=ids.device)
+        states = [m.embed(ids)]
         for k, cache in enumerate(slots.passes):
-            n_cache = current.cache_valid.shape[1]
+            cos, sin = rope_angles(self._window(k) + chunk, c.rotary_dim, c.rope_base)
+            at = cache.max_len - c.chunk_size + chunk
+            states = m.read_pass(states[-1], cos, sin, StepContext(_rows(cache, rows), at, token_valid=valid))
+        if slots.cache is not None:
+            cache, at = _rows(slots.cache, rows), self._ring(rows, c.cache_tokens + chunk)
+            for layer, (k, v) in zip(cache.layers, m.cache_entries(states, T)):
+                layer.write(at, k, v)
+            cache.mark(at, valid)
+            self._prepare(rows, chunk)
+        slots.phase[rows] += T
+        return states[-1]
+
+    def _ring(self, rows: slice, positions: Tensor) -> Tensor:
+        """Ring slots of window ``positions (B, N)`` of ``rows`` (past ``cache_tokens``: the chunk's entries)."""
+        return (self.state.head[rows][:, None] + positions) % self.state.cache.max_len  # type: ignore[union-attr]
+
+    def _prepare(self, rows: slice, chunk: Tensor) -> None:
+        """Rotate into the last pass's other cache half the next chunk's window entries whose turn comes at
+        phases ``chunk (B, T)``: at each phase ``ceil((cache_tokens - C) / C)`` of the entries it keeps (they
+        move C positions down) and the one this token adds, so the half is ready when the chunk completes."""
+        c, slots = self.model.config, self.state
+        kept = c.cache_tokens - c.chunk_size
+        per_phase = -(-kept // c.chunk_size)
+        older = (chunk[..., None] * per_phase + torch.arange(per_phase, device=chunk.device)).clamp_max(kept - 1)
+        window = torch.cat((older.flatten(1), kept + chunk), dim=1)  # positions in the next window
+        ring = self._ring(rows, c.chunk_size + window)
+        cache, last = _rows(slots.cache, rows), _rows(slots.passes[-1], rows)  # type: ignore[arg-type]
+        cos, sin = rope_angles(window, c.rotary_dim, c.rope_base)
+        at = (1 - slots.live[rows])[:, None] * c.cache_tokens + window
+        batch = torch.arange(len(ring), device=ring.device)[:, None]
+        for into, source in zip(last.layers, cache.layers):
+            k, v = source.k[batch, :, ring].transpose(1, 2), source.v[batch, :, ring].transpose(1, 2)
+            into.write(at, *rotate_prefix((k, v), cos, sin))
+        slots.next_valid[rows].scatter_(1, window, cache.key_valid.gather(1, ring))
+
+    def _advance(self, done: Tensor) -> None:
+        """Rows ``done (B,)`` (their chunk is complete) start the next chunk: pass k's buffer takes pass
+        k + 1's window and chunk, the last pass switches to its prepared cache half (the ring moves C on),
+        and the chunk slots empty. Computed for every row, kept where ``done``."""
+        c, slots = self.model.config, self.state
+        row, kv_row = done[:, None], done[:, None, None, None]
+        for into, source in zip(slots.passes, slots.passes[1:]):
+            contents, valid = self._contents(source)
+            window = torch.arange(valid.shape[1], device=done.device)  # pass k's window: pass k + 1's slots
+            for layer, (k, v) in zip(into.layers, contents):
+                layer.write(window, torch.where(kv_row, k, layer.k[:, :, : len(window)]),
+                            torch.where(kv_row, v, layer.v[:, :, : len(window)]))
+            into.mark(_all(into), torch.where(row, _then_empty(valid, c.chunk_size), into.key_valid))
+        last, halves = slots.passes[-1], slots.next_valid.new_zeros(len(done), 0)
+        if slots.cache is not None:
+            live, empty = slots.live.bool()[:, None], torch.zeros_like(slots.next_valid)
+            halves = torch.cat((torch.where(live, slots.next_valid, empty), torch.where(live, empty, slots.next_valid)), 1)
+            slots.head = torch.where(done, (slots.head + c.chunk_size) % slots.cache.max_len, slots.head)
+            slots.live = torch.where(done, 1 - slots.live, slots.live)
+            slots.next_valid.masked_fill_(row, False)
+        last.mark(_all(last), torch.where(row, _then_empty(halves, c.chunk_size), last.key_valid))
+        slots.phase.masked_fill_(done, 0)
+
+    def _contents(self, cache: DecoderCache) -> tuple[list[tuple[Tensor, Tensor]], Tensor]:
+        """A pass buffer's keys/values per layer and validity, window then chunk (of the last pass's two
+        cache halves, each row's live one)."""
+        ct, slots = self.model.config.cache_tokens, self.state
+        if cache is not slots.passes[-1] or not ct:
+            return [(layer.k, layer.v) for layer in cache.layers], cache.key_valid
+        live = slots.live.bool()
+
+        def pick(x: Tensor) -> Tensor:  # (B, H, 2 ct + C, D)
+            return torch.cat((torch.where(live[:, None, None, None], x[:, :, ct : 2 * ct], x[:, :, :ct]), x[:, :, 2 * ct :]), 2)
+
+        valid = cache.key_valid
+        live_valid = torch.cat((torch.where(live[:, None], valid[:, ct : 2 * ct], valid[:, :ct]), valid[:, 2 * ct :]), 1)
+        return [(pick(layer.k), pick(layer.v)) for layer in cache.layers], live_valid
+
+    def _load(self, rows: slice, state: StaircaseState) -> None:
+        """Start ``rows`` at the stream state ``state`` (its last complete chunk; batch row i for the i-th of
+        ``rows``): each pass's window for the next chunk, found by running the state's flush steps (the
+        cache and the older chunks of pass k are those of the state after k of them), at the window's last
+        slots, and the cache the last pass reads. Empties the chunks being written."""
+        m, slots = self.model, self.state
+        c, current = m.config, state
+        for k, cache in enumerate(slots.passes):
+            last = current  # after the loop: the state the last pass reads (its window is its cache)
             older, older_valid, following = [], current.cache_valid[:, :0], current
             if current.chunks:
-                empty = torch.zeros(batch, 0, c.d_model, dtype=m.embed.weight.dtype, device=older_valid.device)
+                empty = torch.zeros(older_valid.shape[0], 0, c.d_model, dtype=m.embed.weight.dtype, device=older_valid.device)
                 following, _, layer_states = m.traced_step(current, empty, older_valid)
                 older = m.window_keys(layer_states)
                 older_valid = torch.cat(current.valid, dim=1)
-            n = n_cache + older_valid.shape[1]
-            cos, sin = rope_angles(torch.arange(n, device=older_valid.device), c.rotary_dim, c.rope_base)
-            cached = [rotate_prefix(kv, cos[:n_cache], sin[:n_cache]) for kv in current.cache] if n_cache else []
-            chunks = [rotate_prefix(kv, cos[n_cache:], sin[n_cache:]) for kv in older]
-            cache_slots = torch.arange(n_cache, device=older_valid.device)
-            chunk_slots = torch.arange(n_cache, n, device=older_valid.device)
-            for i, row in enumerate(rows):
-                view = cache.row(row)
-                view.reset()
-                view.mark(cache_slots, current.cache_valid[i : i + 1])
-                view.mark(chunk_slots, older_valid[i : i + 1])
-                for layer, kv in enumerate(view.layers):
-                    if n_cache:
-                        kv.write(cache_slots, cached[layer][0][i : i + 1], cached[layer][1][i : i + 1])
-                    if older:
-                        kv.write(chunk_slots, chunks[layer][0][i : i + 1], chunks[layer][1][i : i + 1])
-                slots.offset[k, row] = n
+            valid = torch.cat((current.cache_valid, older_valid), dim=1)
+            window = torch.arange(self._window(k) - valid.shape[1], self._window(k), device=valid.device)
+            cos, sin = rope_angles(window, c.rotary_dim, c.rope_base)
+            view = _rows(cache, rows)
+            view.reset()
+            view.mark(window, valid)
+            for layer, kv in enumerate(view.layers):
+                parts = [*current.cache[layer : layer + 1], *older[layer : layer + 1]]
+                if parts and window.numel():
+                    kv.write(window, *rotate_prefix((torch.cat([p[0] for p in parts], 2), torch.cat([p[1] for p in parts], 2)), cos, sin))
             current = following
-        for row in rows:
-            slots.pending_valid[row] = False
-            slots.phase[row] = slots.host_phase[row] = 0
+        if slots.cache is not None:
+            view = _rows(slots.cache, rows)
+            view.reset()
+            window = torch.arange(c.cache_tokens - last.cache_valid.shape[1], c.cache_tokens, device=last.cache_valid.device)
+            view.mark(window, last.cache_valid)
+            for layer, (k, v) in zip(view.layers, last.cache):
+                layer.write(window, k, v)
+        slots.head[rows] = slots.live[rows] = slots.phase[rows] = 0
+        slots.next_valid[rows] = False
 
-    def _read(self, ids: Tensor, valid: Tensor, rows: slice = slice(None)) -> Tensor:
-        """Append ``ids (B, T)`` to the chunk each of ``rows`` is writing; their final states ``(B, T, d)``."""
-        m, slots = self.model, self.state
-        c, T = m.config, ids.shape[1]
-        phase = slots.phase[rows]
-        chunk_slots = phase[:, None] + torch.arange(T, device=ids.device)
-        h = m.embed(ids)
-        for k, cache in enumerate(slots.passes):
-            view = cache if rows == slice(None) else cache.row(rows.start)
-            cos, sin = rope_angles(slots.offset[k, rows][:, None] + chunk_slots, c.rotary_dim, c.rope_base)
-            h = m.read_pass(h, cos, sin, StepContext(view, slots.window + chunk_slots, token_valid=valid))
-        slots.pending[rows].scatter_(1, chunk_slots, ids)
-        slots.pending_valid[rows].scatter_(1, chunk_slots, valid)
-        slots.phase[rows] += T
-        for row in range(len(slots.host_phase))[rows]:
-            slots.host_phase[row] += T
-        return h
+
+def _rows(cache: DecoderCache, rows: slice) -> DecoderCache:
+    return cache if rows == slice(None) else cache.rows(rows.start, rows.stop)
+
+
+def _all(cache: DecoderCache) -> Tensor:
+    return torch.arange(cache.max_len, device=cache.key_valid.device)
+
+
+def _then_empty(valid: Tensor, n: int) -> Tensor:
+    """``valid (B, W)`` followed by ``n`` empty slots."""
+    return torch.cat((valid, valid.new_zeros(valid.shape[0], n)), dim=1)
