@@ -279,7 +279,7 @@ def test_block_transformer_admits_requests_only_at_block_boundaries():
     engine = Engine(model, 2, sync_every=3)
     assert engine.sync_every == 4  # rounded up to the block length
     with pytest.raises(RuntimeError, match="block boundaries"):
-        engine.runner.state.filled.fill_(1)
+        engine.runner.phase = 1
         engine.runner.prefill_slot(0, torch.ones(4, dtype=torch.long))
 
 

@@ -105,7 +105,8 @@ class Engine:
         self.sampling = runner.sampling = SlotSampling.empty(n_slots, self.device)
         self._decode = runner.decode_step
         if compile:
-            self._decode = torch.compile(runner.decode_step, mode="reduce-overhead" if self.device.type == "cuda" else None)
+            mode = "reduce-overhead" if self.device.type == "cuda" else None
+            self._decode = runner.compiled_step(lambda step: torch.compile(step, mode=mode))
         self.steps = 0
         self.last_window: list[tuple[Request, list[int]]] = []
 

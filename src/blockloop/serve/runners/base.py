@@ -10,6 +10,7 @@ one slot at a time (``per_slot = False``) is given a static batch through :meth:
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
@@ -114,6 +115,12 @@ class Runner(ABC):
     def prefill_batch(self, idx: Tensor, token_valid: Tensor) -> Tensor:
         """Prefill rows ``0..B-1`` at once from left-padded prompts ``idx (B, P)`` (``token_valid`` marks the
         real tokens); next-token logits ``(B, V)``. The lock-step form of :meth:`prefill_slot`."""
+
+    def compiled_step(self, compile: Callable[[Callable], Callable]) -> Callable[[Tensor], Tensor | StepOutput]:
+        """The decode step with ``compile`` (e.g. ``torch.compile``) applied to its static graphs: the whole step
+        here; a runner whose step follows a fixed host-side schedule between a few static steps (a Block
+        Transformer: inside a block, or closing it) compiles each and keeps the choice on the host."""
+        return compile(self.decode_step)
 
     @abstractmethod
     def decode_step(self, tokens: Tensor) -> Tensor | StepOutput:

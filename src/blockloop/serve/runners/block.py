@@ -6,20 +6,18 @@ reads them (the token decoder has no prefill). Rows of a continuous batch share 
 ``filled``, so one token-decoder step serves every row; requests are admitted only at block boundaries
 (``admit_every``), when every row's token cache holds just its lead.
 
-One graph for every step: ``filled`` is a device scalar and :meth:`BlockRunner.decode_step` has no
-host branch on it (issue 12: the static-shape form a CUDA graph replays, instead of one graph per phase).
-So every step runs the block decoder on the block read so far, at the row's next block slot (rewritten
-each step until the block is complete), and its context is kept only when the step's token completes the
-block; and every step's token-decoder call reads the block's lead positions and the new token together
-(at a boundary the cache restarts and the lead comes from the new context; otherwise rereading the lead
-rewrites the keys/values it already holds, since the lead attends only to itself). The price is the block
-decoder once per token instead of once per block: ``L_B - 1`` of every ``L_B`` block-decoder steps are
-discarded, roughly doubling a step's work when the two decoders are the same size (the paper's presets).
-The alternative, a branch on the phase, costs one graph per phase (``L_B`` graphs) or a host sync.
+Two static graphs, chosen on the host: every row shares the phase and requests join only at block
+boundaries, so which step comes next is a fixed schedule the runner counts on the host (no sync, nothing
+data-dependent). Reading a token inside the block is one graph for every phase (the phase ``filled`` is a
+device scalar, so the token's input position and cache slot are indices, not constants); closing a block
+(the block decoder's step, then the new block's lead through the token decoder) is the other.
+:meth:`BlockRunner.compiled_step` compiles the two separately (issue 12: static-shape steps a CUDA graph
+replays). The block decoder runs once per block, as in the paper; a single graph would run it every token.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -53,6 +51,8 @@ class BlockRunner(Runner):
         super().__init__(model)
         self.prompt_multiple = self.admit_every = model.config.block_len
         self.pad_id = model.config.pad_id
+        self.phase = 0  # tokens of the current block read so far: the host's copy of ``state.filled``
+        self._steps = (self._read_token, self._close_block)
 
     @torch.no_grad()
     def allocate(self, n_slots: int, max_len: int) -> None:
@@ -65,13 +65,14 @@ class BlockRunner(Runner):
         )
         blocks = torch.full((n_slots, c.block_len), c.pad_id, dtype=torch.long, device=device)
         filled = torch.zeros((), dtype=torch.long, device=device)
+        self.phase = 0
         self.state = BlockDecodeState(block_cache, zeros, zeros.clone(), token_cache, vectors, blocks, filled)
 
     @torch.no_grad()
     def prefill_slot(self, slot: int, prompt: Tensor) -> Tensor:
         """Cache ``prompt (P,)`` (whole blocks) in row ``slot``'s block cache and open its first block."""
         state = self.state
-        if state.filled:  # a host sync: prefill is driven from the host
+        if self.phase:
             raise RuntimeError("requests join a Block Transformer batch only at block boundaries")
         blocks = prompt.view(1, -1, self.model.config.block_len)
         n_blocks = blocks.shape[1]
@@ -102,30 +103,40 @@ class BlockRunner(Runner):
     @torch.no_grad()
     def decode_step(self, tokens: Tensor) -> Tensor:
         """Read one token per row; the logits of the next (the first of the next block's after its last)."""
-        c, state, tokdec = self.model.config, self.state, self.model.token_decoder
+        closing = self.phase == self.model.config.block_len - 1
+        self.phase = 0 if closing else self.phase + 1
+        return self._steps[closing](tokens)
+
+    def compiled_step(self, compile: Callable[[Callable], Callable]) -> Callable[[Tensor], Tensor]:
+        """Each of the two static steps compiled on its own; :meth:`decode_step` picks one by the host phase."""
+        self._steps = tuple(compile(step) for step in self._steps)
+        return self.decode_step
+
+    def _read_token(self, tokens: Tensor) -> Tensor:
+        """A token inside the block: the token decoder only, at the device phase's input position and slot."""
+        state, tokdec = self.state, self.model.token_decoder
         filled = state.filled
         state.block_tokens.index_copy_(1, filled[None], tokens[:, None])
-        done = filled == c.block_len - 1  # this token completes the block
-        # The block decoder on the block so far; each row writes its own next block slot (rows past the end
-        # of the cache, idle rows of a continuous batch, rewrite their last one).
+        x = tokdec.token_inputs(tokens[:, None], state.vectors, filled)
+        step = StepContext(state.token_cache, (tokdec.n_lead + filled)[None])
+        state.filled = filled + 1
+        return self.model.token_logits(x, state.vectors, step)
+
+    def _close_block(self, tokens: Tensor) -> Tensor:
+        """The block's last token: one block-decoder step gives the next context and the token cache restarts.
+
+        Each row writes its own next block slot (rows past the end of the cache, idle rows of a continuous
+        batch, rewrite their last one)."""
+        state = self.state
+        state.block_tokens[:, -1] = tokens
         slots = state.next_block_slot.clamp_max(state.block_cache.max_len - 1)[:, None]
         step = StepContext(state.block_cache, slots, state.next_block_position[:, None])
         context = self.model.block_context(state.block_tokens[:, None], step)
-        state.vectors = torch.where(done, tokdec.context_vectors(context), state.vectors)
-        state.next_block_slot = state.next_block_slot + done
-        state.next_block_position = state.next_block_position + done
-        state.filled = torch.where(done, 0, filled + 1)
-        # The token decoder: the lead, then this token (at a boundary a placeholder, never marked valid).
-        cache = state.token_cache
-        cache.mark(torch.arange(cache.max_len, device=tokens.device), cache.key_valid & ~done)  # restarts at a boundary
-        lead = torch.arange(tokdec.n_lead, device=tokens.device)
-        if c.block_len == 1:  # every step starts a block: no token to read
-            return self.model.token_logits(tokdec.lead(state.vectors), state.vectors, StepContext(cache, lead))
-        offset = torch.where(done, 0, filled)
-        x = torch.cat([tokdec.lead(state.vectors), tokdec.token_inputs(tokens[:, None], state.vectors, offset)], dim=1)
-        valid = torch.cat([torch.ones_like(lead, dtype=torch.bool), ~done[None]])[None].expand(len(tokens), -1)
-        step = StepContext(cache, torch.cat([lead, tokdec.n_lead + offset[None]]), token_valid=valid)
-        return self.model.token_logits(x, state.vectors, step, at=(tokdec.n_lead - done.long())[None])
+        state.next_block_slot = state.next_block_slot + 1
+        state.next_block_position = state.next_block_position + 1
+        state.vectors = self.model.token_decoder.context_vectors(context)
+        state.filled = torch.zeros_like(state.filled)
+        return self._start_block(state.vectors, state.token_cache)
 
     def _start_block(self, vectors: Tensor, token_cache: DecoderCache) -> Tensor:
         """Empty the token cache and read the block's lead positions; the first token's logits."""
