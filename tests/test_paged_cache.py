@@ -107,6 +107,22 @@ def test_engine_on_a_small_paged_pool_queues_requests_and_matches_the_static_eng
     assert outputs["paged"] == outputs["static"]
 
 
+@pytest.mark.parametrize("read", ["gather", "pages"])
+def test_paged_double_decoder_equals_its_static_cache(read):
+    """The double decoder's generation cache (each row's cross K/V, then its own) on pages: a request holds its
+    whole budget (re-prefilling its output would make it context, not generation: no preemption), requests
+    wait for pages, and the greedy outputs equal the static cache's."""
+    model = model_of("tiny-double")
+    outputs = []
+    for paging in (None, Paging(48, 4, read)):
+        engine = Engine(runner_for(model, paging=paging), n_slots=3, max_len=48, sync_every=3)
+        requests = [engine.submit(p, 16, sampling=SamplingParams(temperature=0.0)) for p in PROMPTS]
+        engine.run()
+        outputs.append([r.output for r in requests])
+        assert not any(r.preemptions for r in requests) and not engine.runner.resumable
+    assert outputs[0] == outputs[1]
+
+
 def test_paged_speculation_equals_static_speculation():
     model = model_of("tiny-recursive")
     outputs = []
@@ -157,6 +173,9 @@ def test_paging_refuses_what_it_cannot_serve():
         runner_for(model_of("tiny-recursive"), exit_rule=ExitRule("max_prob", 0.5), paging=Paging(32))
     with pytest.raises(BlockloopError, match="no option paging"):
         runner_for(model_of("tiny-block"), paging=Paging(32))
+    double = model_of("tiny-double")
+    with pytest.raises(BlockloopError, match="static batches"):
+        runner_for(double, prefix=double.cache_prefix([1, 2, 3]), paging=Paging(32))
     with pytest.raises(BlockloopError, match="sliding-window"):
         runner_for(build_model(from_name("tiny", local_layers=[0], sliding_window=4)), paging=Paging(32))
     with pytest.raises(BlockloopError, match="paged read"):

@@ -51,6 +51,7 @@ from blockloop.models.decoder import (
 from blockloop.nn.attention import attention
 from blockloop.nn.kv_cache import DecoderCache, LayerStep, StepContext
 from blockloop.nn.masks import dual_block_mask
+from blockloop.nn.paged_cache import KVPages
 from blockloop.nn.rope import apply_rope, rope_angles
 
 if TYPE_CHECKING:
@@ -144,10 +145,11 @@ class DoubleDecoder(LanguageModel):
         return logits, self.loss(logits, targets)
 
     # ------------------------------------------------------------ inference
-    def allocate_cache(self, n_layer: int, batch_size: int, max_len: int) -> DecoderCache:
-        """A static KV cache for ``n_layer`` layers of either stack."""
+    def allocate_cache(self, n_layer: int, batch_size: int, max_len: int, *, pages: KVPages | None = None) -> DecoderCache:
+        """A KV cache for ``n_layer`` layers of either stack (static, or paged over ``pages``)."""
         c, weight = self.config, self.embed.weight
-        return DecoderCache(n_layer, batch_size, c.n_kv_head, max_len, c.head_dim, dtype=weight.dtype, device=weight.device)
+        return DecoderCache(n_layer, batch_size, c.n_kv_head, max_len, c.head_dim, dtype=weight.dtype, device=weight.device,
+                            pages=pages)
 
     @torch.no_grad()
     def cache_prefix(self, tokens: Sequence[int]) -> ContextPrefix:

@@ -237,10 +237,10 @@ class Engine:
     # ------------------------------------------------------------- cache room
     def _horizon(self, request: Request) -> int:
         """The tokens ``request``'s row must hold to get through the next window: what it has cached plus a
-        window of steps, at most its whole budget (a runner that emits several tokens a step holds the whole
-        budget from the start)."""
+        window of steps, at most its whole budget (the whole budget from the start where the runner cannot
+        rebuild a preempted request's state, :attr:`Runner.resumable`)."""
         budget = self._padded(len(request.prompt)) + request.max_tokens
-        if self.runner.emits:
+        if not self.runner.resumable:
             return budget
         return min(budget, self._padded(len(request.prompt)) + len(request.output) + self.sync_every)
 

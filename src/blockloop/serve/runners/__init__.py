@@ -14,9 +14,10 @@ from torch import nn
 from blockloop.errors import BlockloopError
 from blockloop.serve.runners.base import Runner
 from blockloop.serve.runners.block import BlockRunner
-from blockloop.serve.runners.decoder import DecoderRunner, Paging
+from blockloop.serve.runners.decoder import DecoderRunner
 from blockloop.serve.runners.double_decoder import DoubleDecoderRunner
 from blockloop.serve.runners.encoder_decoder import EncoderDecoderRunner
+from blockloop.serve.runners.paging import Paging
 from blockloop.serve.runners.recursive import ExitRule, RecursiveRunner
 from blockloop.serve.runners.speculative import Speculation
 from blockloop.serve.runners.staircase import StaircaseRunner

@@ -50,6 +50,10 @@ class Runner(ABC):
     * ``emits``: how many tokens per row :meth:`decode_step` may choose itself (``StepOutput.emitted``;
       speculative decoding: its draft length plus one), 0 when the engine samples every token;
     * ``per_slot``: False when requests can only be served in static batches (:meth:`prefill_batch`);
+    * ``resumable``: True when prefilling a request's prompt followed by its output so far rebuilds the
+      state that decoding it built (a decoder's cache), so the engine may hold a row's cache room a window
+      at a time and preempt a request when room runs out; otherwise a request reserves its whole budget
+      (prompt + new tokens) when admitted;
     * ``chunked_prefill``: True when :meth:`prefill_chunk` can cache prompts of different lengths in one
       forward and continue a prompt from where an earlier chunk stopped (the engine then prefills every
       admitted request together, a bounded chunk per window);
@@ -60,6 +64,7 @@ class Runner(ABC):
     admit_every: int = 1
     token_per_step: bool = True
     per_slot: bool = True
+    resumable: bool = False
     chunked_prefill: bool = False
     reserved: int = 0
     pad_id: int = 0

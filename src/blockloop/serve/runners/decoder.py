@@ -5,11 +5,7 @@ The model needs two things: ``allocate_cache(batch_size, max_len)`` (one KV cach
 application) and a ``forward(idx, step=StepContext, last_only=True)`` that writes at the step's slots.
 Rows advance independently, each at its own next cache slot and rotary position, so one state serves
 a lock-step batch of left-padded prompts and a continuous batch of requests of different lengths.
-
-With ``paging`` the cache is paged (:mod:`blockloop.nn.paged_cache`): each row holds pages for what its
-request has cached plus the coming window (the engine grows it window by window, :meth:`reserve`) and frees
-them when it finishes, so the batch that fits is set by the tokens the running requests hold, not by
-``n_slots x max_len``; on CUDA a decode step reads each row's live pages only.
+With ``paging`` the cache is paged (:mod:`blockloop.serve.runners.paging`).
 """
 
 from __future__ import annotations
@@ -21,24 +17,8 @@ from torch import Tensor
 
 from blockloop.errors import BlockloopError
 from blockloop.nn.kv_cache import DecoderCache, StepContext
-from blockloop.nn.paged_cache import READS, KVPages
 from blockloop.serve.runners.base import Runner
-
-
-@dataclass(frozen=True)
-class Paging:
-    """A paged KV cache of ``tokens`` tokens in all (every layer), in pages of ``page_size``; ``read``:
-    "pages" (decode reads live pages through FlexAttention; the CUDA default) or "gather" (the CPU default)."""
-
-    tokens: int
-    page_size: int = 128
-    read: str | None = None
-
-    def __post_init__(self) -> None:
-        if self.tokens < 1 or self.page_size < 1:
-            raise BlockloopError(f"paging needs positive tokens and page_size, got {self.tokens} and {self.page_size}")
-        if self.read is not None and self.read not in READS:
-            raise BlockloopError(f"unknown paged read {self.read!r}; choose one of {', '.join(READS)}")
+from blockloop.serve.runners.paging import PagedRows, Paging
 
 
 @dataclass
@@ -59,11 +39,11 @@ class DecodeState:
         return slots, positions
 
 
-class DecoderRunner(Runner):
+class DecoderRunner(PagedRows, Runner):
     """One KV cache over prompt and generated tokens; every forward writes one step's slots."""
 
     state: DecodeState
-    chunked_prefill = True
+    chunked_prefill = resumable = True
 
     def __init__(self, model, paging: Paging | None = None) -> None:  # noqa: ANN001  (any single-stack model)
         super().__init__(model)
@@ -74,26 +54,11 @@ class DecoderRunner(Runner):
         self.paging = paging
 
     def allocate(self, n_slots: int, max_len: int) -> None:
-        pages = None
-        if self.paging is not None:
-            p = self.paging
-            pages = KVPages.for_tokens(n_slots, max_len, p.tokens, p.page_size, device=self.model.embed.weight.device,
-                                       read=p.read)
+        device = self.model.embed.weight.device
+        pages = None if self.paging is None else self.paging.pages(n_slots, max_len, device)
         cache = self.model.allocate_cache(n_slots, max_len, pages=pages)
         zeros = torch.zeros(n_slots, dtype=torch.long, device=cache.key_valid.device)
         self.state = DecodeState(cache, zeros, zeros.clone())
-
-    def can_hold(self, token_counts: list[int], *, alone: bool = False) -> bool:
-        pages = self.state.cache.pages
-        return pages is None or pages.can_hold(token_counts, alone=alone)
-
-    def reserve(self, slot: int, n_tokens: int) -> bool:
-        pages = self.state.cache.pages
-        return pages is None or pages.reserve(slot, n_tokens)
-
-    def release(self, slot: int) -> None:
-        if self.state.cache.pages is not None:
-            self.state.cache.pages.release(slot)
 
     def prefill_slot(self, slot: int, prompt: Tensor) -> Tensor:
         """Cache ``prompt (P,)`` at slots 0..P-1 of row ``slot``."""

@@ -8,7 +8,9 @@ decode step is one attention over the cache with the cache's own mask (valid con
 generation slots), exactly a decoder's step, and the buffer of a slot of ``max_len`` tokens is ``max_len``
 entries, what the request can hold (prompt + new tokens). Continuous batching prefills requests into rows of
 that cache; given a shared cached ``prefix`` (:meth:`DoubleDecoder.cache_prefix`), requests are served in
-static batches continuing it (``per_slot = False``), whose cache puts the prefix's cross K/V first.
+static batches continuing it (``per_slot = False``), whose cache puts the prefix's cross K/V first. Under
+continuous batching the cache may be paged (``paging``, :mod:`blockloop.serve.runners.paging`): a row's cross
+K/V and its generated tokens' then take pages as its request grows.
 """
 
 from __future__ import annotations
@@ -18,9 +20,11 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from blockloop.errors import BlockloopError
 from blockloop.models.double_decoder import ContextPrefix, DoubleDecoder
 from blockloop.nn.kv_cache import DecoderCache, StepContext
 from blockloop.serve.runners.base import Runner
+from blockloop.serve.runners.paging import PagedRows, Paging
 
 
 @dataclass
@@ -33,12 +37,15 @@ class DoubleDecodeState:
     next_position: Tensor
 
 
-class DoubleDecoderRunner(Runner):
+class DoubleDecoderRunner(PagedRows, Runner):
     model: DoubleDecoder
     state: DoubleDecodeState
 
-    def __init__(self, model: DoubleDecoder, prefix: ContextPrefix | None = None) -> None:
+    def __init__(self, model: DoubleDecoder, prefix: ContextPrefix | None = None, paging: Paging | None = None) -> None:
         super().__init__(model)
+        if prefix is not None and paging is not None:
+            raise BlockloopError("a cached prefix is served in static batches, which keep a static cache; drop paging")
+        self.paging = paging
         self.prefix = prefix
         self.per_slot = prefix is None
         self.reserved = len(prefix) if prefix is not None else 0
@@ -48,11 +55,14 @@ class DoubleDecoderRunner(Runner):
         """The static cache for continuous batching; a static batch allocates its own in :meth:`prefill_batch`."""
         self.max_len = max_len
         if self.per_slot:
-            self.state = self._state(n_slots, max_len)
+            self.state = self._state(n_slots, max_len, self.paging)
 
-    def _state(self, rows: int, length: int) -> DoubleDecodeState:
-        zeros = torch.zeros(rows, dtype=torch.long, device=self.model.embed.weight.device)
-        return DoubleDecodeState(self.model.allocate_cache(self.model.config.n_generation_layer, rows, length), zeros, zeros.clone())
+    def _state(self, rows: int, length: int, paging: Paging | None = None) -> DoubleDecodeState:
+        device = self.model.embed.weight.device
+        zeros = torch.zeros(rows, dtype=torch.long, device=device)
+        pages = None if paging is None else paging.pages(rows, length, device)
+        cache = self.model.allocate_cache(self.model.config.n_generation_layer, rows, length, pages=pages)
+        return DoubleDecodeState(cache, zeros, zeros.clone())
 
     def _prefill(self, state: DoubleDecodeState, idx: Tensor, token_valid: Tensor) -> Tensor:
         """Context pass over left-padded prompts into ``state``'s cache (all of its rows), then the last prompt

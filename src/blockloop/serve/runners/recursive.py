@@ -43,7 +43,8 @@ from blockloop.models.recursive import RecursiveDecoder
 from blockloop.nn.kv_cache import DecoderCache, KVCache, StepContext
 from blockloop.serve.requests import SamplingParams
 from blockloop.serve.runners.base import StepOutput
-from blockloop.serve.runners.decoder import DecoderRunner, DecodeState, Paging
+from blockloop.serve.runners.decoder import DecoderRunner, DecodeState
+from blockloop.serve.runners.paging import Paging
 from blockloop.serve.runners.speculative import Speculation, Speculator
 
 EXIT_RULES = ("none", "max_prob", "entropy", "oracle")
@@ -145,7 +146,7 @@ class RecursiveRunner(DecoderRunner):
         paging: Paging | None = None,
     ) -> None:
         super().__init__(model, paging)
-        self.chunked_prefill = exit_rule is None and speculation is None
+        self.chunked_prefill = self.resumable = exit_rule is None and speculation is None
         if paging is not None and exit_rule is not None:
             raise BlockloopError("depth-wise batching (exit_rule) keeps a static per-loop cache; serve it without paging")
         self.config = model.config
