@@ -49,6 +49,12 @@ class DecodeState:
     next_slot: Tensor
     next_position: Tensor
 
+    @classmethod
+    def of(cls, cache: DecoderCache) -> DecodeState:
+        """A fresh state over ``cache``: every row at slot and position 0."""
+        zeros = torch.zeros(cache.batch_size, dtype=torch.long, device=cache.key_valid.device)
+        return cls(cache, zeros, zeros.clone())
+
     def step_slots(self) -> tuple[Tensor, Tensor]:
         """``(B, 1)`` slots and positions of the next token, then advance. Rows past the end of the cache
         (idle or finished rows of a continuous batch that keep stepping) rewrite their last slot."""
@@ -79,9 +85,11 @@ class DecoderRunner(Runner):
             p = self.paging
             pages = KVPages.for_tokens(n_slots, max_len, p.tokens, p.page_size, device=self.model.embed.weight.device,
                                        read=p.read)
-        cache = self.model.allocate_cache(n_slots, max_len, pages=pages)
-        zeros = torch.zeros(n_slots, dtype=torch.long, device=cache.key_valid.device)
-        self.state = DecodeState(cache, zeros, zeros.clone())
+        self.state = DecodeState.of(self._allocate_cache(n_slots, max_len, pages))
+
+    def _allocate_cache(self, n_slots: int, max_len: int, pages: KVPages | None) -> DecoderCache:
+        """The model's cache for the rows (a runner whose steps take slots back sizes rolling caches for it)."""
+        return self.model.allocate_cache(n_slots, max_len, pages=pages)
 
     def can_hold(self, token_counts: list[int], *, alone: bool = False) -> bool:
         pages = self.state.cache.pages
