@@ -5,11 +5,13 @@ depth-wise = sequence-wise, speculative rollback, prefix reuse in scoring, and t
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
 from blockloop.config import DecoderConfig
-from blockloop.families import build_model
+from blockloop.families import build_model, spec_of
 from blockloop.families.recursive import RecursiveConfig
 from blockloop.nn.kv_cache import KVCache, RollingKVCache
 from blockloop.serve.engine import Engine
@@ -86,6 +88,17 @@ def test_local_layers_keep_rings_of_the_window_not_the_cache_length():
     assert decoder().allocate_cache(1, 3).layers[0].k.shape[2] == 3  # never more than the cache length
 
 
+@pytest.mark.parametrize("name", list(MODELS))
+def test_kv_bytes_formula_counts_what_the_cache_allocates(name):
+    model = MODELS[name]()
+    cache = model.allocate_cache(1, 60)
+    allocated = sum(layer.k.numel() + layer.v.numel() for layer in cache.layers) * 8
+    assert spec_of(model.config).kv_bytes(model.config, 50, 10, 8) == allocated
+    global_only = {"local_layers": [], **({"local_depths": []} if name != "decoder" else {})}
+    full = spec_of(model.config).kv_bytes(dataclasses.replace(model.config, **global_only), 50, 10, 8)
+    assert allocated < full
+
+
 def test_cached_forward_in_chunks_equals_the_uncached_forward(model):
     idx = torch.randint(1, 61, (2, 30), generator=torch.Generator().manual_seed(0))
     full = model(idx)[0]
@@ -107,7 +120,7 @@ def test_lock_step_left_padded_batch_equals_per_prompt_generation(model):
 
 
 def test_continuous_batching_with_mid_batch_joins_equals_per_request_generation(model):
-    prompts, budgets = prompts_of((9, 2, 13, 5, 6)), [15, 12, 5, 17, 9]
+    prompts, budgets = prompts_of((9, 2, 13, 5, 6)), [12, 9, 5, 13, 7]
     reference = [uncached_greedy(model, p, n) for p, n in zip(prompts, budgets)]
     engine = Engine(model, 2, sync_every=2)  # rows join as others finish, each at its own slot
     requests = [engine.submit(p, n, sampling=GREEDY) for p, n in zip(prompts, budgets)]
@@ -118,11 +131,10 @@ def test_continuous_batching_with_mid_batch_joins_equals_per_request_generation(
 @pytest.mark.parametrize("mix", list(MIXES))
 def test_depth_wise_with_early_exits_and_speculation_equal_sequence_wise(mix):
     model = recursive(mix)
-    prompts, budgets = prompts_of((9, 2, 13, 5), seed=5), [14, 11, 6, 16]
-    reference = [generate(model, [p], n, temperature=0.0)[0] for p, n in zip(prompts, budgets)]
-    assert reference == [uncached_greedy(model, p, n) for p, n in zip(prompts, budgets)]
-    for kwargs in ({"exit_rule": ExitRule("none")}, {"exit_rule": ExitRule("oracle")},
-                   {"speculation": Speculation(k=3)}, {"speculation": Speculation(k=2, draft_loops=1, adaptive=True)}):
+    prompts, budgets = prompts_of((9, 2, 13, 5), seed=5), [11, 9, 5, 12]
+    reference = [generate(model, [p], n, temperature=0.0)[0] for p, n in zip(prompts, budgets)]  # = uncached (above)
+    for kwargs in ({"exit_rule": ExitRule("none")}, {"speculation": Speculation(k=3)},
+                   {"speculation": Speculation(k=2, draft_loops=1, adaptive=True)}):
         engine = Engine(runner_for(model, **kwargs), 2, sync_every=3)
         requests = [engine.submit(p, n, sampling=GREEDY) for p, n in zip(prompts, budgets)]
         engine.run()
@@ -140,7 +152,7 @@ def test_early_exits_fill_the_rings_of_deeper_loops():
         if not window_cache:  # the same model with its rings as long as the cache: nothing ever wraps
             model.rolling, saved = [], model.rolling
         engine = Engine(runner, 2, sync_every=3)
-        requests = [engine.submit(p, 15, sampling=GREEDY) for p in prompts]
+        requests = [engine.submit(p, 12, sampling=GREEDY) for p in prompts]
         engine.run()
         if not window_cache:
             model.rolling = saved

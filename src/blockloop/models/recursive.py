@@ -59,6 +59,21 @@ def layer_order(n_layer: int, loops: int, tying: str) -> list[int]:
     raise ValueError(f"unknown tying strategy {tying!r}")
 
 
+def local_positions(config: RecursiveConfig) -> list[bool]:
+    """Whether each depth position attends locally (sliding window): its shared layer's type, or its own."""
+    order = layer_order(config.n_layer, config.loops, config.tying)
+    return [layer in config.local_layers or p in config.local_depths for p, layer in enumerate(order)]
+
+
+def rolling_positions(config: RecursiveConfig) -> list[int]:
+    """Depth positions whose cache entry is a ring of ``sliding_window`` slots: the local positions of shared
+    layers local at all their positions. A layer local at some positions only keeps full-length entries,
+    because the depth-wise runner batches rows at its local and its global loops over one K/V tensor."""
+    order, local = layer_order(config.n_layer, config.loops, config.tying), local_positions(config)
+    kinds = {layer: {kind for p, kind in zip(order, local) if p == layer} for layer in order}
+    return [p for p, layer in enumerate(order) if kinds[layer] == {True}]
+
+
 class RecursiveDecoder(Decoder):
     """A decoder whose ``n_layer`` blocks are looped ``loops`` times (equation 2), optionally relaxed (equation 3).
 
@@ -76,17 +91,12 @@ class RecursiveDecoder(Decoder):
         # (the loop under cycle tying; the k-th repeat in place under sequence tying).
         self.occurrence = [self.order[:p].count(layer) for p, layer in enumerate(self.order)]
         self.loop_index = LoopIndex()
-        # Whether each depth position attends locally (sliding window): its shared layer's type, or its own.
-        self.local = [layer in config.local_layers or p in config.local_depths for p, layer in enumerate(self.order)]
+        self.local = local_positions(config)
         n = config.n_layer
         by_loop = [self.local[loop * n : (loop + 1) * n] for loop in range(config.loops)]  # under cycle tying
         self.register_buffer("loop_local", torch.tensor(by_loop), persistent=False)
         self.mixed = [len({kinds[j] for kinds in by_loop}) > 1 for j in range(n)]
-        # Depth positions whose cache entry is a ring (sliding_window slots): local positions of a shared layer
-        # that is local at all its positions. A layer local at some positions only keeps full-length entries,
-        # because the depth-wise runner batches rows at its local and its global loops over one K/V tensor.
-        kinds = {layer: {local for p, local in zip(self.order, self.local) if p == layer} for layer in self.order}
-        self.rolling = [p for p, layer in enumerate(self.order) if kinds[layer] == {True}]
+        self.rolling = rolling_positions(config)
         if config.prefix_len:
             shared = config.stack(config.n_layer)
             for block in self.body.blocks:
