@@ -13,7 +13,7 @@ import torch
 from blockloop.config import DecoderConfig
 from blockloop.families import build_model, spec_of
 from blockloop.families.recursive import RecursiveConfig
-from blockloop.nn.kv_cache import KVCache, RollingKVCache
+from blockloop.nn.kv_cache import KVCache, RollingKVCache, StepContext
 from blockloop.serve.engine import Engine
 from blockloop.serve.generate import generate
 from blockloop.serve.requests import SamplingParams
@@ -103,8 +103,6 @@ def test_cached_forward_in_chunks_equals_the_uncached_forward(model):
     idx = torch.randint(1, 61, (2, 30), generator=torch.Generator().manual_seed(0))
     full = model(idx)[0]
     cache = model.allocate_cache(2, 40)
-    from blockloop.nn.kv_cache import StepContext
-
     outs, start = [], 0
     for size in (9, 1, 3, 1, 1, 7, 2, 6):  # a prefill longer than the ring, then steps shorter and longer
         slots = torch.arange(start, start + size)
@@ -141,24 +139,24 @@ def test_depth_wise_with_early_exits_and_speculation_equal_sequence_wise(mix):
         assert [r.output for r in requests] == reference, kwargs
 
 
-def test_early_exits_fill_the_rings_of_deeper_loops():
+def test_early_exits_fill_the_rings_of_deeper_loops(monkeypatch):
     """With a real exit rule, the copy-the-exit-state rule writes the owed loops' ring entries: equal to the same
     runner over full-length caches (the rings changed memory, not what the model computes)."""
     model = recursive("three loops")
     prompts = prompts_of((9, 2, 13, 5), seed=6)
-    outputs = []
-    for window_cache in (True, False):
+
+    def serve(ring: int) -> list[list[int]]:
         runner = runner_for(model, exit_rule=ExitRule("max_prob", 0.2))
-        if not window_cache:  # the same model with its rings as long as the cache: nothing ever wraps
-            model.rolling, saved = [], model.rolling
         engine = Engine(runner, 2, sync_every=3)
+        assert runner.state.cache.stacked[1][0].shape[3] == ring
         requests = [engine.submit(p, 12, sampling=GREEDY) for p in prompts]
         engine.run()
-        if not window_cache:
-            model.rolling = saved
-        outputs.append([r.output for r in requests])
         assert runner.mean_exit_loop() < 3  # some tokens did leave early
-    assert outputs[0] == outputs[1]
+        return [r.output for r in requests]
+
+    rolling = serve(WINDOW)
+    monkeypatch.setattr(model, "rolling", [])  # the same model over full-length caches: nothing rolls
+    assert serve(model.config.context_length) == rolling
 
 
 @pytest.mark.parametrize("name", ["decoder", "recursive per-depth"])
