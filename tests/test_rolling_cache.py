@@ -76,16 +76,17 @@ def test_local_layers_keep_rings_of_the_window_not_the_cache_length():
     m = decoder(local_layers=(0, 2))
     cache = m.allocate_cache(3, 90)
     assert [type(layer) for layer in cache.layers] == [RollingKVCache, KVCache, RollingKVCache]
-    assert [tuple(layer.k.shape) for layer in cache.layers] == [(3, 2, WINDOW, 8), (3, 2, 90, 8), (3, 2, WINDOW, 8)]
-    assert cache.ring_slot.shape == (3, WINDOW)
+    ring = WINDOW + 1  # the window and one scratch entry (padding goes there)
+    assert [tuple(layer.k.shape) for layer in cache.layers] == [(3, 2, ring, 8), (3, 2, 90, 8), (3, 2, ring, 8)]
+    assert cache.ring_slot.shape == (3, ring)
     spec = runner_for(recursive("per-depth"), speculation=Speculation(k=3))
     spec.allocate(2, 90)  # the rings keep room for the 3 drafts a round may take back
     sizes = [layer.k.shape[2] for layer in spec.state.cache.layers]
-    assert sizes == [WINDOW + 3, WINDOW + 3, 90, WINDOW + 3, WINDOW + 3, 90]  # layer 2 is global at depth 5
+    assert sizes == [ring + 3, ring + 3, 90, ring + 3, ring + 3, 90]  # layer 2 is global at depth 5
     depthwise = runner_for(recursive("three loops"), exit_rule=ExitRule("none"))
     depthwise.allocate(2, 90)
-    assert [k.shape[3] for k, _ in depthwise.state.cache.stacked] == [90, WINDOW, 90]  # layer 1 is local at every loop
-    assert decoder().allocate_cache(1, 3).layers[0].k.shape[2] == 3  # never more than the cache length
+    assert [k.shape[3] for k, _ in depthwise.state.cache.stacked] == [90, ring, 90]  # layer 1 is local at every loop
+    assert decoder().allocate_cache(1, 3).layers[0].k.shape[2] == 3 + 1  # never more than the cache length
 
 
 @pytest.mark.parametrize("name", list(MODELS))
@@ -93,7 +94,8 @@ def test_kv_bytes_formula_counts_what_the_cache_allocates(name):
     model = MODELS[name]()
     cache = model.allocate_cache(1, 60)
     allocated = sum(layer.k.numel() + layer.v.numel() for layer in cache.layers) * 8
-    assert spec_of(model.config).kv_bytes(model.config, 50, 10, 8) == allocated
+    scratch = sum(2 * layer.k[:, :, :1].numel() for layer in cache.layers if isinstance(layer, RollingKVCache)) * 8
+    assert spec_of(model.config).kv_bytes(model.config, 50, 10, 8) == allocated - scratch  # what the rings hold
     global_only = {"local_layers": [], **({"local_depths": []} if name != "decoder" else {})}
     full = spec_of(model.config).kv_bytes(dataclasses.replace(model.config, **global_only), 50, 10, 8)
     assert allocated < full
@@ -120,10 +122,35 @@ def test_lock_step_left_padded_batch_equals_per_prompt_generation(model):
 def test_continuous_batching_with_mid_batch_joins_equals_per_request_generation(model):
     prompts, budgets = prompts_of((9, 2, 13, 5, 6)), [12, 9, 5, 13, 7]
     reference = [uncached_greedy(model, p, n) for p, n in zip(prompts, budgets)]
-    engine = Engine(model, 2, sync_every=2)  # rows join as others finish, each at its own slot
+    engine = Engine(model, 3, sync_every=2, prefill_chunk=5)  # rows join as others finish, each at its own slot
+    assert not engine.runner.chunked_prefill  # local layers' rings: each prompt is prefilled whole
     requests = [engine.submit(p, n, sampling=GREEDY) for p, n in zip(prompts, budgets)]
     engine.run()
     assert [r.output for r in requests] == reference
+
+
+def test_a_chunk_of_mixed_lengths_keeps_padding_out_of_the_rings(model):
+    """The runner's chunk forward (rows of different lengths, padding written after each row's real tokens)
+    caches exactly, chunk after chunk and for the decode after: padding goes to the scratch entry, never over
+    a real key."""
+    prompts = prompts_of((12, 8, 9), seed=8)  # the last chunk: 5, 1 and 2 real tokens
+    runner = runner_for(model)
+    runner.sampling = SlotSampling.empty(3, torch.device("cpu"))
+    runner.allocate(3, 40)
+    done = [0, 0, 0]
+    for width in (5, 2, 6):
+        pieces = [p[d : d + width] for p, d in zip(prompts, done)]
+        chunks = torch.tensor([[0] * (width - len(piece)) + piece for piece in pieces])
+        last = runner.prefill_chunk(0, chunks, torch.tensor([len(piece) for piece in pieces]), torch.tensor(done))
+        done = [d + len(piece) for d, piece in zip(done, pieces)]
+    for row, prompt in enumerate(prompts):
+        torch.testing.assert_close(last[row], model(torch.tensor([prompt]))[0][0, -1], rtol=0, atol=1e-10)
+    for i in range(WINDOW + 2):  # decoding on reads what the padded chunk left in the rings
+        tokens = torch.tensor([5 + i, 17, 30 + i])
+        logits = runner.decode_step(tokens)
+        for row, prompt in enumerate(prompts):
+            prompt.append(int(tokens[row]))
+            torch.testing.assert_close(logits[row], model(torch.tensor([prompt]))[0][0, -1], rtol=0, atol=1e-10)
 
 
 @pytest.mark.parametrize("mix", list(MIXES))
@@ -154,7 +181,7 @@ def test_early_exits_fill_the_rings_of_deeper_loops(monkeypatch):
         assert runner.mean_exit_loop() < 3  # some tokens did leave early
         return [r.output for r in requests]
 
-    rolling = serve(WINDOW)
+    rolling = serve(WINDOW + 1)
     monkeypatch.setattr(model, "rolling", [])  # the same model over full-length caches: nothing rolls
     assert serve(model.config.context_length) == rolling
 

@@ -14,11 +14,13 @@ cached forward gets one :class:`StepContext` (the cache, the slots it writes, th
 validity) instead of those four things one by one.
 
 Sliding-window layers keep a rolling cache (:class:`RollingKVCache`): a ring of ``window + rollback`` entries
-per row (at most ``max_len``) instead of ``max_len`` slots, so their memory is O(window) whatever the context.
-A step's keys are attended as the ring *before* the step plus the step's own keys (so a prefill of any length
-attends exactly with every prompt key it computed), and only the step's last ring-size keys are stored, slot
-``s`` at entry ``s % ring``. :class:`DecoderCache` records which slot each ring entry holds (``ring_slot``),
-once for all its rolling layers; :meth:`DecoderCache.rolling_mask` turns it into the exact window mask.
+per row (at most ``max_len``, plus one scratch entry) instead of ``max_len`` slots, so their memory is
+O(window) whatever the context. A step's keys are attended as the ring *before* the step plus the step's own
+keys (so a prefill of any length attends exactly with every prompt key it computed), and only the row's newest
+real tokens are stored, slot ``s`` at entry ``s % ring`` (:meth:`DecoderCache.ring_entries`; padding and a long
+step's older tokens go to the scratch entry). :class:`DecoderCache` records which slot each ring entry holds
+(``ring_slot``), once for all its rolling layers; :meth:`DecoderCache.rolling_mask` turns it into the exact
+window mask.
 """
 
 from __future__ import annotations
@@ -75,31 +77,31 @@ class KVCache(nn.Module):
 
 
 class RollingKVCache(KVCache):
-    """A sliding-window layer's keys and values: a ring of ``(B, H_kv, ring, D)`` entries, slot ``s`` stored at
-    entry ``s % ring``.
+    """A sliding-window layer's keys and values: a ring of ``ring`` entries per row, slot ``s`` at entry
+    ``s % ring``, and one scratch entry after them that no mask ever shows.
 
-    :meth:`write` returns the ring as it was *before* this step, followed by the step's own keys/values
-    ``(B, H_kv, ring + T, D)``, then stores the step's last ``ring`` keys. So a prefill of ``T`` tokens (``T``
-    larger than the ring) attends with all ``T`` keys it computed and keeps only the ones later tokens can
-    still see, and the ring never needs room for a whole prompt. The mask that goes with it is
-    :meth:`DecoderCache.rolling_mask` (ring entries first, then the step's keys). Why ``window + rollback``
-    entries: the cache's bookkeeping marks a step's slots once for every rolling layer, and in a depth-wise
-    step (a row's token runs one loop per step) or a speculative round (draft loops run before the verifying
-    ones) a layer's ring may lag its marks by the step's slots; ``window`` entries keep every slot a query
-    still sees, and the ``rollback`` extra entries the slots before a ``rollback + 1``-token verification,
-    whose rejected drafts later steps overwrite.
+    :meth:`write` takes *ring entries* (:meth:`DecoderCache.ring_entries`, which :meth:`StepContext.layer` hands
+    rolling layers) and returns the ring as it was *before* this step, followed by the step's own keys/values
+    ``(B, H_kv, ring + 1 + T, D)``. So a prefill of ``T`` tokens (``T`` larger than the ring) attends with all
+    ``T`` keys it computed and keeps only the ones later tokens can still see; the ring never needs room for a
+    whole prompt, and padding (left, or written after a row's real tokens in a mixed-length chunk) never
+    displaces a real key. The mask that goes with it is :meth:`DecoderCache.rolling_mask` (ring entries first,
+    then the step's keys). Why ``window + rollback`` entries: the cache's bookkeeping marks a step's slots once
+    for every rolling layer, and in a depth-wise step (a row's token runs one loop per step) or a speculative
+    round (draft loops run before the verifying ones) a layer's ring may lag its marks by the step's slots;
+    ``window`` entries keep every slot a query still sees, and the ``rollback`` extra entries the slots before a
+    ``rollback + 1``-token verification, whose rejected drafts later steps overwrite.
     """
 
     @property
     def ring(self) -> int:
-        return self.k.shape[2]
+        return self.k.shape[2] - 1
 
-    def write(self, slots: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
-        """Store the last ``ring`` of ``k, v (B, H_kv, T, D)`` at ``slots % ring`` (``slots`` ``(T,)`` shared or
-        ``(B, T)`` per row, consecutive) and return the ring before the write followed by ``k, v``."""
+    def write(self, entries: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        """Store ``k, v (B, H_kv, T, D)`` at ring ``entries`` (``(T,)`` shared or ``(B, T)`` per row) and return the
+        ring before the write followed by ``k, v``."""
         keys, values = torch.cat((self.k, k.to(self.k.dtype)), 2), torch.cat((self.v, v.to(self.v.dtype)), 2)
-        ring = self.ring
-        super().write(slots[..., -ring:] % ring, k[:, :, -ring:], v[:, :, -ring:])
+        super().write(entries, k, v)
         return keys, values
 
 
@@ -112,9 +114,10 @@ class DecoderCache(nn.Module):
     same slots and masks, memory per row only for the pages it reserved.
 
     Layers in ``rolling`` (sliding-window layers seeing the last ``window`` slots) get a
-    :class:`RollingKVCache` of ``min(window + rollback, max_len)`` entries; ``rollback`` is how many slots a
-    step may write past what a row keeps (a speculative round's ``k`` drafts). ``ring_slot (B, ring)`` is the
-    slot each ring entry last recorded (-1: none), shared by every rolling layer.
+    :class:`RollingKVCache` of ``min(window + rollback, max_len)`` entries (and a scratch one); ``rollback`` is
+    how many slots a step may write past what a row keeps (a speculative round's ``k`` drafts).
+    ``ring_slot (B, ring + 1)`` is the slot each ring entry last recorded (-1: none, always for the scratch
+    entry), shared by every rolling layer.
     """
 
     def __init__(
@@ -142,7 +145,7 @@ class DecoderCache(nn.Module):
         if pages is not None and rolling:
             raise ValueError("a paged cache has no rolling (sliding-window) layers")
         self.rolling, self.window = frozenset(rolling), window
-        ring = min(window + rollback, max_len) if rolling else 0
+        ring = min(window + rollback, max_len) + 1 if rolling else 0  # with the scratch entry
         self.layers = nn.ModuleList(
             PagedKVCache(pages, n_kv_head, head_dim, dtype=dtype) if pages is not None
             else RollingKVCache(batch_size, n_kv_head, ring, head_dim, dtype=dtype, device=device) if i in self.rolling
@@ -159,9 +162,19 @@ class DecoderCache(nn.Module):
         valid = torch.ones(self.batch_size, length, dtype=torch.bool, device=slots.device) if token_valid is None else token_valid
         per_row = slots if slots.dim() == 2 else slots.expand(self.batch_size, length)
         self.key_valid.scatter_(1, per_row, valid)
-        ring = self.ring_slot.shape[1]
-        if ring:  # the rings keep a step's last ``ring`` slots (RollingKVCache.write)
-            self.ring_slot.scatter_(1, per_row[:, -ring:] % ring, per_row[:, -ring:])
+        if self.rolling:
+            self.ring_slot.scatter_(1, self.ring_entries(per_row, token_valid), per_row)
+            self.ring_slot[:, -1] = -1  # the scratch entry holds nothing a query may see
+
+    def ring_entries(self, slots: Tensor, token_valid: Tensor | None = None) -> Tensor:
+        """``(B, T)``: where the rolling layers store each position of a step at ``slots`` (``(T,)`` or ``(B, T)``):
+        entry ``slot % ring`` for a row's real tokens among its newest ``ring`` slots (consecutive, so no two
+        share an entry), the scratch entry ``ring`` for the others (padding; a long step's older tokens)."""
+        per_row = slots if slots.dim() == 2 else slots.expand(self.batch_size, slots.shape[-1])
+        ring = self.ring_slot.shape[1] - 1
+        real = torch.ones_like(per_row, dtype=torch.bool) if token_valid is None else token_valid
+        newest = torch.where(real, per_row, -1).amax(1, keepdim=True)
+        return torch.where(real & (per_row > newest - ring), per_row % ring, ring)
 
     def mask(self, slots: Tensor) -> Tensor:
         """The ``(B, 1, T, S)`` mask of queries at ``slots`` over what has been marked (see :func:`cache_mask`),
@@ -183,10 +196,13 @@ class DecoderCache(nn.Module):
         """Row ``i`` takes over row ``rows[i]`` of ``source``, a cache of the same layout written at shared slots
         ``0 .. source.max_len - 1`` (a prompt prefix cached once and shared by several continuations)."""
         slots = torch.arange(source.max_len, device=rows.device)
-        for mine, theirs in zip(self.layers, source.layers):
-            held = slots[-theirs.k.shape[2] :]  # all of them, or the ones a ring kept
-            index = held % theirs.k.shape[2]
-            mine.write(held, theirs.k[rows][:, :, index], theirs.v[rows][:, :, index])
+        for i, (mine, theirs) in enumerate(zip(self.layers, source.layers)):
+            if i in self.rolling:  # the slots the source's ring kept, into this one's entries
+                held = slots[-theirs.ring :]
+                index, where = held % theirs.ring, self.ring_entries(held)[0]
+            else:
+                held = index = where = slots
+            mine.write(where, theirs.k[rows][:, :, index], theirs.v[rows][:, :, index])
         # A larger ring here also records the prefix slots the source's ring dropped: they are more than
         # ``window`` slots before any query to come, so no mask shows them.
         self.mark(slots, source.key_valid[rows])
@@ -240,8 +256,10 @@ class StepContext:
 
     def layer(self, index: int, cache: KVWriter | None = None) -> LayerStep:
         """Layer ``index``'s write of this step (into ``cache`` instead, when a model lays its layers out
-        itself, e.g. one shared layer per loop)."""
-        return LayerStep(self.cache.layers[index] if cache is None else cache, self.slots)
+        itself, e.g. one shared layer per loop): at the step's slots, or a rolling layer's ring entries."""
+        rolling = index in self.cache.rolling
+        slots = self.cache.ring_entries(self.slots, self.token_valid) if rolling else self.slots
+        return LayerStep(self.cache.layers[index] if cache is None else cache, slots)
 
     @property
     def token_positions(self) -> Tensor:

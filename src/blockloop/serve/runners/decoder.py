@@ -74,10 +74,15 @@ class DecoderRunner(Runner):
     def __init__(self, model, paging: Paging | None = None) -> None:  # noqa: ANN001  (any single-stack model)
         super().__init__(model)
         c = model.config
-        if paging is not None and (getattr(c, "local_layers", None) or getattr(c, "local_depths", None)):
+        local = bool(getattr(c, "local_layers", None) or getattr(c, "local_depths", None))
+        if paging is not None and local:
             raise BlockloopError("the paged KV cache does not cover sliding-window (local) layers yet; "
                                  "serve this model without paging")
         self.paging = paging
+        # A row between two chunks of its prompt still takes the window's decode steps, which write past its
+        # prompt: a full-length cache overwrites those slots later, but a rolling cache (local layers) would
+        # lose the window's keys to them. Such models prefill each prompt whole.
+        self.chunked_prefill = not local
 
     def allocate(self, n_slots: int, max_len: int) -> None:
         pages = None
@@ -121,6 +126,7 @@ class DecoderRunner(Runner):
         n, width = chunks.shape
         cache = self.state.cache.rows(start, start + n)
         cache.key_valid[offsets == 0] = False  # a new request's row forgets the previous one
+        cache.ring_slot[offsets == 0] = -1
         pad = (width - lengths)[:, None]
         i = torch.arange(width, device=chunks.device)
         real = i >= pad

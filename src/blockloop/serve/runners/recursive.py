@@ -86,7 +86,7 @@ class RowLoopKV:
     ``k, v`` are ``(loops, B, H_kv, S, D)``; row ``b`` reads and writes loop ``loop[b]``. Writing gathers
     each row's loop into a ``(B, H_kv, S, D)`` copy to attend over, so it costs one cache read more than
     a plain layer (a kernel that indexes the loop in place would avoid it). A ``rolling`` layer's ``S`` is
-    its ring: slot ``s`` at entry ``s % S``, attended as the ring before the write then the new key, as
+    its ring (and scratch entry), attended as the ring before the write then the new key, as
     :class:`~blockloop.nn.kv_cache.RollingKVCache` does.
     """
 
@@ -94,12 +94,12 @@ class RowLoopKV:
         self.k, self.v, self.loop, self.rolling = k, v, loop, rolling
 
     def write(self, slots: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
-        """Store one token per row, ``k, v (B, H_kv, 1, D)`` at per-row ``slots (B, 1)``."""
+        """Store one token per row, ``k, v (B, H_kv, 1, D)`` at per-row ``slots (B, 1)`` (a rolling layer's ring
+        entries, :meth:`~blockloop.nn.kv_cache.DecoderCache.ring_entries`)."""
         rows = torch.arange(k.shape[0], device=k.device)
         before = (self.k[self.loop, rows], self.v[self.loop, rows]) if self.rolling else None
-        index = slots[:, 0] % self.k.shape[3]
-        self.k[self.loop, rows, :, index] = k[:, :, 0].to(self.k.dtype)
-        self.v[self.loop, rows, :, index] = v[:, :, 0].to(self.v.dtype)
+        self.k[self.loop, rows, :, slots[:, 0]] = k[:, :, 0].to(self.k.dtype)
+        self.v[self.loop, rows, :, slots[:, 0]] = v[:, :, 0].to(self.v.dtype)
         if before is not None:
             return torch.cat((before[0], k.to(self.k.dtype)), 2), torch.cat((before[1], v.to(self.v.dtype)), 2)
         return self.k[self.loop, rows], self.v[self.loop, rows]
@@ -118,7 +118,7 @@ class LoopedCache(DecoderCache):
         entries = [loop * n_layer + j for loop in range(loops) for j in rolling]
         super().__init__(0, batch_size, n_kv_head, max_len, head_dim, dtype=dtype, device=device,
                          rolling=entries, window=window)
-        ring, self.rolling_layers = self.ring_slot.shape[1], frozenset(rolling)
+        ring, self.rolling_layers = self.ring_slot.shape[1], frozenset(rolling)  # ring entries + the scratch one
 
         def zeros(j: int) -> Tensor:
             shape = (loops, batch_size, n_kv_head, ring if j in self.rolling_layers else max_len, head_dim)
@@ -161,7 +161,7 @@ class RecursiveRunner(DecoderRunner):
         paging: Paging | None = None,
     ) -> None:
         super().__init__(model, paging)
-        self.chunked_prefill = exit_rule is None and speculation is None
+        self.chunked_prefill = self.chunked_prefill and exit_rule is None and speculation is None
         if paging is not None and exit_rule is not None:
             raise BlockloopError("depth-wise batching (exit_rule) keeps a static per-loop cache; serve it without paging")
         self.config = model.config
@@ -269,8 +269,9 @@ class RecursiveRunner(DecoderRunner):
     def _fill_owed(self, cache: LoopedCache, exited: Tensor, loop: Tensor, slot: Tensor) -> None:
         """Copy the K/V an early-exited token wrote at its exit loop into every deeper loop's entry."""
         rows = torch.arange(loop.shape[0], device=loop.device)
-        for k_stack, v_stack in cache.stacked:
-            entry = slot % k_stack.shape[3]  # the slot itself, or its ring entry
+        ring_entry = cache.ring_entries(slot[:, None])[:, 0] if cache.rolling else slot
+        for j, (k_stack, v_stack) in enumerate(cache.stacked):
+            entry = ring_entry if j in cache.rolling_layers else slot
             for buffer in (k_stack, v_stack):
                 exit_kv = buffer[loop, rows, :, entry]
                 for deeper in range(1, self.config.loops):
