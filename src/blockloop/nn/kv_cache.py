@@ -184,7 +184,7 @@ class DecoderCache(nn.Module):
         return cache_mask(self.key_valid, slots)
 
     def rolling_mask(self, slots: Tensor, token_valid: Tensor | None = None) -> Tensor:
-        """The rolling layers' ``(B, 1, T, ring + T)`` mask of a step at ``slots`` (see :func:`ring_mask`):
+        """The rolling layers' ``(B, 1, T, ring + 1 + T)`` mask of a step at ``slots`` (see :func:`ring_mask`):
         build it before the step marks its slots, it describes the rings :meth:`RollingKVCache.write` returns."""
         return ring_mask(self.ring_slot, self.key_valid, slots, token_valid, self.window)
 
