@@ -5,8 +5,8 @@ A multiple-choice question is a group of requests (one per choice) that share a 
 
 * ``cached``: the shared prefix of a question (the context, up to the last token before anything differs)
   is run once into the model's static KV cache (:class:`~blockloop.nn.kv_cache.DecoderCache`, left-padded
-  rows of a batch of questions); its keys/values are written, through ``KVCache.write``, into one row per
-  choice of a second cache, and every choice continues from there in one batched forward. Equal to
+  rows of a batch of questions); its keys/values are written (``DecoderCache.take``, through ``KVCache.write``)
+  into one row per choice of a second cache, and every choice continues from there in one batched forward. Equal to
   scoring each choice from scratch (tested in float64).
 * ``causal``: one causal forward over context + continuation, rows right-padded (padding comes after
   every scored token, so it changes nothing).
@@ -177,9 +177,7 @@ def _cached(model: nn.Module, groups: list[list[Request]], exits: Sequence[int] 
             for s, g in zip(shared, windows) for inputs, targets, n in g]
     cache = model.allocate_cache(len(rest), P + M)
     if P:
-        for mine, theirs in zip(cache.layers, prefix.layers):
-            mine.write(slots, theirs.k[owner], theirs.v[owner])
-        cache.mark(slots, prefix.key_valid[owner])
+        cache.take(prefix, owner)
     steps = torch.arange(M, device=device)
     positions = torch.tensor([s for _, _, s in rest], device=device)[:, None] + steps
     valid = steps < torch.tensor([len(r[0]) for r in rest], device=device)[:, None]

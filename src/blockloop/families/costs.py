@@ -40,6 +40,14 @@ def kv_cache_bytes(config: DecoderConfig, layers: int, tokens: int, bytes_per_va
     return 2 * config.n_kv_head * config.head_dim * bytes_per_value * layers * tokens
 
 
+def windowed_kv_cache_bytes(config: DecoderConfig, layers: int, rolling: int, tokens: int, bytes_per_value: int = 2) -> int:
+    """As :func:`kv_cache_bytes`, ``rolling`` of the ``layers`` being sliding-window layers that keep only the last
+    ``sliding_window`` tokens (their rolling cache)."""
+    window = min(tokens, config.sliding_window or tokens)
+    return (kv_cache_bytes(config, layers - rolling, tokens, bytes_per_value)
+            + kv_cache_bytes(config, rolling, window, bytes_per_value))
+
+
 def paper_kv_cache_bytes(d_model: int, layers: int, in_len: int, out_len: int, bytes_per_value: int = 2) -> int:
     """Appendix A.1 of the double-decoder paper: 2 d b L (T_in + T_out), L the layers that keep a cache."""
     return 2 * d_model * bytes_per_value * layers * (in_len + out_len)

@@ -15,10 +15,10 @@ from torch import nn
 from blockloop.config import DecoderConfig
 from blockloop.families.costs import (
     attention_flops,
-    kv_cache_bytes,
     layer_weights,
     paper_kv_cache_bytes,
     param_bytes,
+    windowed_kv_cache_bytes,
 )
 from blockloop.families.spec import FamilySpec, Preset
 from blockloop.models.decoder import Decoder
@@ -84,17 +84,20 @@ def paper_kv_bytes(d_model: int, n_layer: int, n_dec_layer: int, in_len: int, ou
 
 
 def kv_bytes(config: DecoderConfig, prompt_len: int, new_tokens: int, bytes_per_value: int = 2) -> int:
-    """K/V of every layer for the prompt and the generated tokens."""
-    return kv_cache_bytes(config, config.n_layer, prompt_len + new_tokens, bytes_per_value)
+    """K/V of every layer for the prompt and the generated tokens (the last ``sliding_window`` of them in
+    local layers, whose caches roll)."""
+    tokens = prompt_len + new_tokens
+    return windowed_kv_cache_bytes(config, config.n_layer, len(config.local_layers), tokens, bytes_per_value)
 
 
 def decode_bytes_per_step(model: nn.Module, batch: int, prompt_len: int, gen_len: int) -> float:
     """All weights (an untied input embedding is only looked up), plus K and V of every layer for the
-    ``P + G/2`` tokens of the average row."""
+    ``P + G/2`` tokens of the average row (at most ``sliding_window`` of them in local layers)."""
     c = model.config
     element = next(model.parameters()).element_size()
     weights = param_bytes(model) - model.embed.weight.numel() * element * (not c.tie_embeddings)
-    return weights + batch * (prompt_len + gen_len / 2) * kv_cache_bytes(c, c.n_layer, 1, element)
+    average = prompt_len + gen_len / 2
+    return weights + batch * windowed_kv_cache_bytes(c, c.n_layer, len(c.local_layers), average, element)
 
 
 SPEC = FamilySpec(

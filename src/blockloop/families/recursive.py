@@ -9,11 +9,11 @@ from torch import nn
 
 from blockloop.choices import EXIT_LOSSES, TYING_STRATEGIES
 from blockloop.config import InputEmbedding, LocalAttention, ModelConfig, PretrainedFeatures, TransformerShape
-from blockloop.families.costs import kv_cache_bytes, param_bytes
+from blockloop.families.costs import param_bytes, windowed_kv_cache_bytes
 from blockloop.families.decoder import llama_tiny
 from blockloop.families.decoder import training_flops as decoder_training_flops
 from blockloop.families.spec import FamilySpec, Preset
-from blockloop.models.recursive import RecursiveDecoder
+from blockloop.models.recursive import RecursiveDecoder, rolling_positions
 
 
 @dataclass
@@ -105,17 +105,21 @@ def training_flops(config: RecursiveConfig, seq_len: int, *, lm_head: bool = Tru
 
 
 def kv_bytes(config: RecursiveConfig, prompt_len: int, new_tokens: int, bytes_per_value: int = 2) -> int:
-    """Every loop computes (and caches) its own keys and values: K/V of the looped depth."""
-    return kv_cache_bytes(config, config.depth, prompt_len + new_tokens, bytes_per_value)
+    """Every loop computes (and caches) its own keys and values: K/V of the looped depth (the last
+    ``sliding_window`` tokens at rolling positions, :func:`~blockloop.models.recursive.rolling_positions`)."""
+    rolling = len(rolling_positions(config))
+    return windowed_kv_cache_bytes(config, config.depth, rolling, prompt_len + new_tokens, bytes_per_value)
 
 
 def decode_bytes_per_step(model: nn.Module, batch: int, prompt_len: int, gen_len: int) -> float:
-    """RRT section 2.2: the shared layers' weights once per loop, KV of every depth position."""
+    """RRT section 2.2: the shared layers' weights once per loop, KV of every depth position (at most
+    ``sliding_window`` tokens at rolling positions)."""
     c = model.config
     element = next(model.parameters()).element_size()
     weights = param_bytes(model) + (c.loops - 1) * param_bytes(model.body.blocks)
     weights -= model.embed.weight.numel() * element * (not c.tie_embeddings)
-    return weights + batch * (prompt_len + gen_len / 2) * kv_cache_bytes(c, c.depth, 1, element)
+    rolling, average = len(rolling_positions(c)), prompt_len + gen_len / 2
+    return weights + batch * windowed_kv_cache_bytes(c, c.depth, rolling, average, element)
 
 
 SPEC = FamilySpec(

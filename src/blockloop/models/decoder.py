@@ -169,20 +169,27 @@ class Block(nn.Module):
 @dataclass
 class LayerInputs:
     """Rotary tables ``(cos, sin)`` and mask keyword arguments of one pass: the global layers', and the
-    sliding-window local layers' when the config has any."""
+    sliding-window local layers' when the config has any: ``local_masks`` over a full-length cache (or
+    without one), ``rolling_masks`` over a cache's rolling entries (ring then the step's own keys, see
+    :class:`~blockloop.nn.kv_cache.RollingKVCache`)."""
 
     rope: tuple[Tensor, Tensor]
     masks: dict[str, object]
     local_rope: tuple[Tensor, Tensor] | None = None
     local_masks: dict[str, object] | None = None
+    rolling_masks: dict[str, object] | None = None
 
-    def of(self, local: bool) -> tuple[Tensor, Tensor, dict[str, object]]:
-        return (*self.local_rope, self.local_masks) if local else (*self.rope, self.masks)
+    def of(self, local: bool, rolling: bool = False) -> tuple[Tensor, Tensor, dict[str, object]]:
+        """A global layer's inputs, or a local one's: ``rolling`` when its cache entry is a ring."""
+        if not local:
+            return (*self.rope, self.masks)
+        return (*self.local_rope, self.rolling_masks if rolling else self.local_masks)
 
     def per_row(self, local: Tensor) -> tuple[Tensor, Tensor, dict[str, object]]:
         """Row ``b``'s local or global inputs as ``local (B,)`` says: one batch whose rows attend differently
         (a looped layer that is local at some depth positions and global at others, rows at different
-        loops). Needs a cached step's masks, which have a row dimension."""
+        loops; such a layer keeps a full-length cache at every loop). Needs a cached step's masks, which
+        have a row dimension."""
         (cos, sin, masks), (local_cos, local_sin, local_masks) = self.of(False), self.of(True)
         if masks["mask"] is None:
             raise ValueError("rows of one batch attend locally and globally only in a cached step")
@@ -200,7 +207,8 @@ class TransformerStack(nn.Module):
     The body of the vanilla decoder, and of the Block Transformer's block decoder, token decoder and
     (bidirectional) embedder encoder. With a ``step``, the inputs are written at its cache slots and
     attend to everything valid before them; ``local_layers`` see only the last ``sliding_window`` of those and
-    are rotated with ``local_rope_base`` (Gemma-3's interleaved local/global attention).
+    are rotated with ``local_rope_base`` (Gemma-3's interleaved local/global attention). Their cache entries
+    are rolling: ``sliding_window`` (+ rollback) slots per row, not the cache length (:meth:`allocate_cache`).
     """
 
     def __init__(
@@ -231,20 +239,22 @@ class TransformerStack(nn.Module):
         """Hidden states for embeddings ``x (B, T, d)`` (at positions 0..T-1 without a ``step``);
         ``memory`` feeds the cross-attention layers."""
         inputs = self.layer_inputs(x, step)
+        rolling = step.cache.rolling if step is not None else ()
         for i, block in enumerate(self.blocks):
-            cos, sin, masks = inputs.of(i in self.config.local_layers)
+            cos, sin, masks = inputs.of(i in self.config.local_layers, i in rolling)
             x = block(x, cos, sin, memory, kv=step.layer(i) if step is not None else None, **masks)
         return self.norm(x)
 
     def layer_inputs(self, x: Tensor, step: StepContext | None = None, *, local: bool | None = None) -> LayerInputs:
         """What the layers of one pass share: rotary tables and masks (the step's cache mask, after marking
         its slots written, or causal without a cache), and, when the config has local layers (or ``local``
-        says so), the local layers' own. Models that run the blocks in their own order start here."""
+        says so), the local layers' own (a window band over the cache, and the rolling entries' ring mask when
+        the cache has rolling entries). Models that run the blocks in their own order start here."""
         positions = step.token_positions if step is not None else torch.arange(x.shape[1], device=x.device)
         c = self.config
         rope = rope_angles(positions, c.rotary_dim, c.rope_base)
-        mask = step.begin() if step is not None else None
-        inputs = LayerInputs(rope, {"mask": mask})
+        mask, rolling = step.begin_rolling() if step is not None else (None, None)
+        inputs = LayerInputs(rope, {"mask": mask}, rolling_masks={"mask": rolling})
         if c.local_layers if local is None else local:
             inputs.local_rope = rope_angles(positions, c.rotary_dim, c.local_rope_base) if c.local_rope_base else rope
             if mask is None:
@@ -254,10 +264,13 @@ class TransformerStack(nn.Module):
         return inputs
 
     def allocate_cache(
-        self, batch_size: int, max_len: int, *, dtype: torch.dtype, device: torch.device, pages: KVPages | None = None
+        self, batch_size: int, max_len: int, *, dtype: torch.dtype, device: torch.device, pages: KVPages | None = None,
+        rollback: int = 0,
     ) -> DecoderCache:
+        """One entry per layer: ``max_len`` slots (or pages), a ring of ``sliding_window + rollback`` for local layers."""
         c = self.config
-        return DecoderCache(c.n_layer, batch_size, c.n_kv_head, max_len, c.head_dim, dtype=dtype, device=device, pages=pages)
+        return DecoderCache(c.n_layer, batch_size, c.n_kv_head, max_len, c.head_dim, dtype=dtype, device=device, pages=pages,
+                            rolling=c.local_layers, window=c.sliding_window or 0, rollback=rollback)
 
 
 def count_parameters(model: nn.Module, excluded: tuple[nn.Module, ...] = ()) -> int:
@@ -333,13 +346,16 @@ class Decoder(LanguageModel):
         super().__init__(config, body=TransformerStack(config, final_norm=False))
 
     def allocate_cache(
-        self, batch_size: int, max_len: int, *, dtype: torch.dtype | None = None, pages: KVPages | None = None
+        self, batch_size: int, max_len: int, *, dtype: torch.dtype | None = None, pages: KVPages | None = None,
+        rollback: int = 0,
     ) -> DecoderCache:
         """A static cache for ``batch_size`` rows of up to ``max_len`` tokens (prompt + generated), or a paged
-        one over ``pages``."""
+        one over ``pages``; ``rollback``: how many written slots a step may later take back (see
+        :class:`~blockloop.nn.kv_cache.DecoderCache`)."""
         check_context(max_len, self.config.context_length, "cache", "allocate fewer slots")
         weight = self.embed.weight
-        return self.body.allocate_cache(batch_size, max_len, dtype=dtype or weight.dtype, device=weight.device, pages=pages)
+        return self.body.allocate_cache(batch_size, max_len, dtype=dtype or weight.dtype, device=weight.device, pages=pages,
+                                        rollback=rollback)
 
     def generation_caches(self, batch_size: int, prompt_len: int, max_new_tokens: int) -> list[DecoderCache]:
         """Every static cache generation needs: one KV cache over prompt and generated tokens."""

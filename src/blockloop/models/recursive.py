@@ -59,6 +59,21 @@ def layer_order(n_layer: int, loops: int, tying: str) -> list[int]:
     raise ValueError(f"unknown tying strategy {tying!r}")
 
 
+def local_positions(config: RecursiveConfig) -> list[bool]:
+    """Whether each depth position attends locally (sliding window): its shared layer's type, or its own."""
+    order = layer_order(config.n_layer, config.loops, config.tying)
+    return [layer in config.local_layers or p in config.local_depths for p, layer in enumerate(order)]
+
+
+def rolling_positions(config: RecursiveConfig) -> list[int]:
+    """Depth positions whose cache entry is a ring of ``sliding_window`` slots: the local positions of shared
+    layers local at all their positions. A layer local at some positions only keeps full-length entries,
+    because the depth-wise runner batches rows at its local and its global loops over one K/V tensor."""
+    order, local = layer_order(config.n_layer, config.loops, config.tying), local_positions(config)
+    kinds = {layer: {kind for p, kind in zip(order, local) if p == layer} for layer in order}
+    return [p for p, layer in enumerate(order) if kinds[layer] == {True}]
+
+
 class RecursiveDecoder(Decoder):
     """A decoder whose ``n_layer`` blocks are looped ``loops`` times (equation 2), optionally relaxed (equation 3).
 
@@ -76,12 +91,12 @@ class RecursiveDecoder(Decoder):
         # (the loop under cycle tying; the k-th repeat in place under sequence tying).
         self.occurrence = [self.order[:p].count(layer) for p, layer in enumerate(self.order)]
         self.loop_index = LoopIndex()
-        # Whether each depth position attends locally (sliding window): its shared layer's type, or its own.
-        self.local = [layer in config.local_layers or p in config.local_depths for p, layer in enumerate(self.order)]
+        self.local = local_positions(config)
         n = config.n_layer
         by_loop = [self.local[loop * n : (loop + 1) * n] for loop in range(config.loops)]  # under cycle tying
         self.register_buffer("loop_local", torch.tensor(by_loop), persistent=False)
         self.mixed = [len({kinds[j] for kinds in by_loop}) > 1 for j in range(n)]
+        self.rolling = rolling_positions(config)
         if config.prefix_len:
             shared = config.stack(config.n_layer)
             for block in self.body.blocks:
@@ -137,10 +152,11 @@ class RecursiveDecoder(Decoder):
             for j in range(n):
                 layer = j if per_row else self.order[loop * n + j]
                 self.loop_index.value = loop if per_row else self.occurrence[loop * n + j]
+                entry = j if per_row else loop * n + j  # a depth position (loop 0's, for rows at their own loops)
                 if per_row and self.mixed[j]:  # shared layer j is local at some loops only: each row by its own
                     cos, sin, kwargs = inputs.per_row(self.loop_local[loop, j])
                 else:
-                    cos, sin, kwargs = inputs.of(self.local[j if per_row else loop * n + j])
+                    cos, sin, kwargs = inputs.of(self.local[entry], step is not None and entry in step.cache.rolling)
                 kwargs = dict(kwargs)
                 if step is not None:  # per-row loops: each row's loop of shared layer j (a looped cache)
                     kwargs["kv"] = step.layer(j, step.cache.loop_layer(j, loop)) if per_row else step.layer(loop * n + j)
@@ -209,14 +225,16 @@ class RecursiveDecoder(Decoder):
         return total
 
     def allocate_cache(
-        self, batch_size: int, max_len: int, *, dtype: torch.dtype | None = None, pages: KVPages | None = None
+        self, batch_size: int, max_len: int, *, dtype: torch.dtype | None = None, pages: KVPages | None = None,
+        rollback: int = 0,
     ) -> DecoderCache:
         """One KV cache entry per depth position (n_layer * loops): the loops share weights, not keys/values
-        (static, or paged over ``pages``)."""
+        (static, or paged over ``pages``). The :attr:`rolling` positions' entries are rings of
+        ``sliding_window + rollback`` slots."""
         c = self.config
         check_context(max_len, c.context_length, "cache", "allocate fewer slots")
         weight = self.embed.weight
         return DecoderCache(
             c.depth, batch_size, c.n_kv_head, max_len, c.head_dim, dtype=dtype or weight.dtype, device=weight.device,
-            pages=pages,
+            pages=pages, rolling=self.rolling, window=c.sliding_window or 0, rollback=rollback,
         )

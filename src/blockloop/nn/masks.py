@@ -52,6 +52,31 @@ def within_window(query_slots: Tensor, n_keys: int, window: int) -> Tensor:
     return band if query_slots.dim() == 1 else band[:, None]
 
 
+def ring_mask(ring_slot: Tensor, key_valid: Tensor, slots: Tensor, token_valid: Tensor | None, window: int) -> Tensor:
+    """``(B, 1, T, R + T)`` mask of a step's ``T`` queries at cache ``slots`` (``(T,)`` shared or ``(B, T)`` per row)
+    over a rolling cache's ``R`` ring entries then the step's own ``T`` keys
+    (:class:`~blockloop.nn.kv_cache.RollingKVCache`): a sliding window of ``window`` slots, exact.
+
+    ``ring_slot (B, R)`` is the slot each entry held before the step (-1: none), ``key_valid (B, S)`` which slots
+    hold real tokens. A ring entry is seen when its slot is real, at or before the query and less than
+    ``window`` slots back, and not one of the step's own slots (those keys come with the step: the entry still
+    holds an older slot's, or a rejected draft's). Among the step's keys a query sees the real ones at or before
+    it in the window, and always itself, so a padding query stays finite.
+    """
+    batch = ring_slot.shape[0]
+    per_row = slots if slots.dim() == 2 else slots.expand(batch, slots.shape[-1])
+    query = per_row[:, :, None]
+    held = ring_slot[:, None, :]
+    real = (ring_slot >= 0) & key_valid.gather(1, ring_slot.clamp_min(0)) & ~(held == query).any(1)
+    ring = real[:, None, :] & (held <= query) & (held > query - window)
+    own = per_row[:, None, :]
+    step = (own <= query) & (own > query - window)
+    if token_valid is not None:
+        step = step & token_valid[:, None, :]
+    step = step | torch.eye(per_row.shape[1], dtype=torch.bool, device=slots.device)
+    return torch.cat((ring, step), -1).unsqueeze(1)
+
+
 def within_span(query_slots: Tensor, n_keys: int, span: int) -> Tensor:
     """``(B or 1, 1, Tq, n_keys)``: which cache slots lie at most ``span`` slots before each query's slot
     (Transformer-XL's fixed attention span over a cache); ``query_slots`` are ``(T,)`` shared or ``(B, T)``."""

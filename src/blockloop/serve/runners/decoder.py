@@ -17,6 +17,7 @@ from torch import Tensor
 
 from blockloop.errors import BlockloopError
 from blockloop.nn.kv_cache import DecoderCache, StepContext
+from blockloop.nn.paged_cache import KVPages
 from blockloop.serve.runners.base import Runner
 from blockloop.serve.runners.paging import PagedRows, Paging
 
@@ -28,6 +29,12 @@ class DecodeState:
     cache: DecoderCache
     next_slot: Tensor
     next_position: Tensor
+
+    @classmethod
+    def of(cls, cache: DecoderCache) -> DecodeState:
+        """A fresh state over ``cache``: every row at slot and position 0."""
+        zeros = torch.zeros(cache.batch_size, dtype=torch.long, device=cache.key_valid.device)
+        return cls(cache, zeros, zeros.clone())
 
     def step_slots(self) -> tuple[Tensor, Tensor]:
         """``(B, 1)`` slots and positions of the next token, then advance. Rows past the end of the cache
@@ -48,17 +55,24 @@ class DecoderRunner(PagedRows, Runner):
     def __init__(self, model, paging: Paging | None = None) -> None:  # noqa: ANN001  (any single-stack model)
         super().__init__(model)
         c = model.config
-        if paging is not None and (getattr(c, "local_layers", None) or getattr(c, "local_depths", None)):
+        local = bool(getattr(c, "local_layers", None) or getattr(c, "local_depths", None))
+        if paging is not None and local:
             raise BlockloopError("the paged KV cache does not cover sliding-window (local) layers yet; "
                                  "serve this model without paging")
         self.paging = paging
+        # A row between two chunks of its prompt still takes the window's decode steps, which write past its
+        # prompt: a full-length cache overwrites those slots later, but a rolling cache (local layers) would
+        # lose the window's keys to them. Such models prefill each prompt whole.
+        self.chunked_prefill = not local
 
     def allocate(self, n_slots: int, max_len: int) -> None:
         device = self.model.embed.weight.device
         pages = None if self.paging is None else self.paging.pages(n_slots, max_len, device)
-        cache = self.model.allocate_cache(n_slots, max_len, pages=pages)
-        zeros = torch.zeros(n_slots, dtype=torch.long, device=cache.key_valid.device)
-        self.state = DecodeState(cache, zeros, zeros.clone())
+        self.state = DecodeState.of(self._allocate_cache(n_slots, max_len, pages))
+
+    def _allocate_cache(self, n_slots: int, max_len: int, pages: KVPages | None) -> DecoderCache:
+        """The model's cache for the rows (a runner whose steps take slots back sizes rolling caches for it)."""
+        return self.model.allocate_cache(n_slots, max_len, pages=pages)
 
     def prefill_slot(self, slot: int, prompt: Tensor) -> Tensor:
         """Cache ``prompt (P,)`` at slots 0..P-1 of row ``slot``."""
@@ -78,6 +92,7 @@ class DecoderRunner(PagedRows, Runner):
         n, width = chunks.shape
         cache = self.state.cache.rows(start, start + n)
         cache.key_valid[offsets == 0] = False  # a new request's row forgets the previous one
+        cache.ring_slot[offsets == 0] = -1
         pad = (width - lengths)[:, None]
         i = torch.arange(width, device=chunks.device)
         real = i >= pad

@@ -33,6 +33,7 @@ tokens per row, exactly the full model's output.
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import dataclass
 
 import torch
@@ -40,7 +41,8 @@ from torch import Tensor, nn
 
 from blockloop.errors import BlockloopError, check_context
 from blockloop.models.recursive import RecursiveDecoder
-from blockloop.nn.kv_cache import DecoderCache, KVCache, StepContext
+from blockloop.nn.kv_cache import DecoderCache, KVCache, RollingKVCache, StepContext
+from blockloop.nn.paged_cache import KVPages
 from blockloop.serve.requests import SamplingParams
 from blockloop.serve.runners.base import StepOutput
 from blockloop.serve.runners.decoder import DecoderRunner, DecodeState
@@ -84,17 +86,23 @@ class RowLoopKV:
 
     ``k, v`` are ``(loops, B, H_kv, S, D)``; row ``b`` reads and writes loop ``loop[b]``. Writing gathers
     each row's loop into a ``(B, H_kv, S, D)`` copy to attend over, so it costs one cache read more than
-    a plain layer (a kernel that indexes the loop in place would avoid it).
+    a plain layer (a kernel that indexes the loop in place would avoid it). A ``rolling`` layer's ``S`` is
+    its ring (and scratch entry), attended as the ring before the write then the new key, as
+    :class:`~blockloop.nn.kv_cache.RollingKVCache` does.
     """
 
-    def __init__(self, k: Tensor, v: Tensor, loop: Tensor) -> None:
-        self.k, self.v, self.loop = k, v, loop
+    def __init__(self, k: Tensor, v: Tensor, loop: Tensor, rolling: bool = False) -> None:
+        self.k, self.v, self.loop, self.rolling = k, v, loop, rolling
 
     def write(self, slots: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
-        """Store one token per row, ``k, v (B, H_kv, 1, D)`` at per-row ``slots (B, 1)``."""
+        """Store one token per row, ``k, v (B, H_kv, 1, D)`` at per-row ``slots (B, 1)`` (a rolling layer's ring
+        entries, :meth:`~blockloop.nn.kv_cache.DecoderCache.ring_entries`)."""
         rows = torch.arange(k.shape[0], device=k.device)
+        before = (self.k[self.loop, rows], self.v[self.loop, rows]) if self.rolling else None
         self.k[self.loop, rows, :, slots[:, 0]] = k[:, :, 0].to(self.k.dtype)
         self.v[self.loop, rows, :, slots[:, 0]] = v[:, :, 0].to(self.v.dtype)
+        if before is not None:
+            return torch.cat((before[0], k.to(self.k.dtype)), 2), torch.cat((before[1], v.to(self.v.dtype)), 2)
         return self.k[self.loop, rows], self.v[self.loop, rows]
 
 
@@ -102,22 +110,30 @@ class LoopedCache(DecoderCache):
     """A cache for ``n_layer`` shared layers run ``loops`` times: depth entry ``loop * n_layer + j`` is a view
     of loop ``loop`` of shared layer ``j``'s stacked buffers ``(loops, B, H_kv, S, D)``, so one batch can
     run every row at the same loop (``layers``, the sequence-wise prefill) or each row at its own
-    (:meth:`loop_layer`)."""
+    (:meth:`loop_layer`). Shared layers in ``rolling`` (local at every loop) stack rings of ``window`` slots."""
 
     def __init__(
         self, n_layer: int, loops: int, batch_size: int, n_kv_head: int, max_len: int, head_dim: int, *,
-        dtype: torch.dtype, device: torch.device | str,
+        dtype: torch.dtype, device: torch.device | str, rolling: Collection[int] = (), window: int = 0,
     ) -> None:
-        super().__init__(0, batch_size, n_kv_head, max_len, head_dim, dtype=dtype, device=device)
-        shape = (loops, batch_size, n_kv_head, max_len, head_dim)
-        self.stacked = [(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
-                        for _ in range(n_layer)]
-        self.layers = nn.ModuleList(KVCache.of(self.stacked[j][0][loop], self.stacked[j][1][loop])
-                                    for loop in range(loops) for j in range(n_layer))
+        entries = [loop * n_layer + j for loop in range(loops) for j in rolling]
+        super().__init__(0, batch_size, n_kv_head, max_len, head_dim, dtype=dtype, device=device,
+                         rolling=entries, window=window)
+        ring, self.rolling_layers = self.ring_slot.shape[1], frozenset(rolling)  # ring entries + the scratch one
+
+        def zeros(j: int) -> Tensor:
+            shape = (loops, batch_size, n_kv_head, ring if j in self.rolling_layers else max_len, head_dim)
+            return torch.zeros(shape, dtype=dtype, device=device)
+
+        self.stacked = [(zeros(j), zeros(j)) for j in range(n_layer)]
+        self.layers = nn.ModuleList(
+            (RollingKVCache if j in self.rolling_layers else KVCache).of(self.stacked[j][0][loop], self.stacked[j][1][loop])
+            for loop in range(loops) for j in range(n_layer)
+        )
 
     def loop_layer(self, layer: int, loop: Tensor) -> RowLoopKV:
         """Shared layer ``layer`` with row ``b`` at loop ``loop[b]``."""
-        return RowLoopKV(*self.stacked[layer], loop)
+        return RowLoopKV(*self.stacked[layer], loop, layer in self.rolling_layers)
 
 
 @dataclass
@@ -146,7 +162,8 @@ class RecursiveRunner(DecoderRunner):
         paging: Paging | None = None,
     ) -> None:
         super().__init__(model, paging)
-        self.chunked_prefill = self.resumable = exit_rule is None and speculation is None
+        self.resumable = exit_rule is None and speculation is None
+        self.chunked_prefill = self.chunked_prefill and self.resumable
         if paging is not None and exit_rule is not None:
             raise BlockloopError("depth-wise batching (exit_rule) keeps a static per-loop cache; serve it without paging")
         self.config = model.config
@@ -169,15 +186,20 @@ class RecursiveRunner(DecoderRunner):
             self.speculator.allocate(n_slots, max_len)
         if self.exit_rule is None:
             return super().allocate(n_slots, max_len)
-        c, weight = self.config, self.model.embed.weight
+        c, m, weight = self.config, self.model, self.model.embed.weight
         check_context(max_len, c.context_length, "cache", "allocate fewer slots")
+        rolling = [j for j in range(c.n_layer) if j in m.rolling]  # loop 0's position of a layer local at every loop
         cache = LoopedCache(c.n_layer, c.loops, n_slots, c.n_kv_head, max_len, c.head_dim,
-                            dtype=weight.dtype, device=weight.device)
+                            dtype=weight.dtype, device=weight.device, rolling=rolling, window=c.sliding_window or 0)
         zeros = torch.zeros(n_slots, dtype=torch.long, device=weight.device)
-        self.state = DecodeState(cache, zeros, zeros.clone())
+        self.state = DecodeState.of(cache)
         self.depth = DepthwiseState(weight.new_zeros(n_slots, 1, c.d_model), zeros.clone(), zeros.clone(), zeros.clone(),
                                     torch.zeros(c.loops, dtype=torch.long, device=weight.device),
                                     zeros.new_zeros(n_slots, c.loops), zeros.new_zeros(n_slots, max_len))
+
+    def _allocate_cache(self, n_slots: int, max_len: int, pages: KVPages | None) -> DecoderCache:
+        # a speculative round writes k + 1 slots and may keep only one: rings keep room for the k it takes back
+        return self.model.allocate_cache(n_slots, max_len, pages=pages, rollback=max(self.emits - 1, 0))
 
     def prefill_rows(self, start: int, prompts: Tensor) -> Tensor:
         if self.speculator is not None:
@@ -249,12 +271,14 @@ class RecursiveRunner(DecoderRunner):
     def _fill_owed(self, cache: LoopedCache, exited: Tensor, loop: Tensor, slot: Tensor) -> None:
         """Copy the K/V an early-exited token wrote at its exit loop into every deeper loop's entry."""
         rows = torch.arange(loop.shape[0], device=loop.device)
-        for k_stack, v_stack in cache.stacked:
+        ring_entry = cache.ring_entries(slot[:, None])[:, 0] if cache.rolling else slot
+        for j, (k_stack, v_stack) in enumerate(cache.stacked):
+            entry = ring_entry if j in cache.rolling_layers else slot
             for buffer in (k_stack, v_stack):
-                exit_kv = buffer[loop, rows, :, slot]
+                exit_kv = buffer[loop, rows, :, entry]
                 for deeper in range(1, self.config.loops):
                     owed = (exited & (loop < deeper))[:, None, None]
-                    buffer[deeper, rows, :, slot] = torch.where(owed, exit_kv, buffer[deeper, rows, :, slot])
+                    buffer[deeper, rows, :, entry] = torch.where(owed, exit_kv, buffer[deeper, rows, :, entry])
 
     def mean_exit_loop(self) -> float:
         """Average loops per emitted token so far (a host sync: for reports, not inside the loop)."""

@@ -15,7 +15,9 @@ itself: its first ``draft_loops`` loops read through the shared final norm and h
    model's output (greedy) or distribution (sampling);
 4. roll back by not moving: the row's next cache slot advances by the emitted count; the entries of rejected
    drafts beyond it are overwritten by the next round before any query can see them (a query sees only
-   slots at or before its own), so nothing is copied or cleared.
+   slots at or before its own), so nothing is copied or cleared. Sliding-window layers' rolling caches are
+   allocated with ``k`` spare ring entries (``rollback``) so that rejected drafts, which take ring entries too,
+   never push out a slot a later query still sees.
 
 Rows are independent: each has its own slot, position, draft length and random streams (keyed by its
 request's seed and its round count), and a request that does not speculate (``SamplingParams(speculate=0)``)
