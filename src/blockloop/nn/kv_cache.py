@@ -26,7 +26,7 @@ window mask.
 from __future__ import annotations
 
 from collections.abc import Collection
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
@@ -188,9 +188,14 @@ class DecoderCache(nn.Module):
         build it before the step marks its slots, it describes the rings :meth:`RollingKVCache.write` returns."""
         return ring_mask(self.ring_slot, self.key_valid, slots, token_valid, self.window)
 
-    def reset(self) -> None:
-        self.key_valid.zero_()
-        self.ring_slot.fill_(-1)
+    def reset(self, rows: Tensor | None = None) -> None:
+        """Forget what every row (or the rows where ``rows (B,)`` is True) has cached."""
+        if rows is None:
+            self.key_valid.zero_()
+            self.ring_slot.fill_(-1)
+        else:
+            self.key_valid[rows] = False
+            self.ring_slot[rows] = -1
 
     def take(self, source: DecoderCache, rows: Tensor) -> None:
         """Row ``i`` takes over row ``rows[i]`` of ``source``, a cache of the same layout written at shared slots
@@ -253,12 +258,16 @@ class StepContext:
     slots: Tensor
     positions: Tensor | None = None
     token_valid: Tensor | None = None
+    ring_entries: Tensor | None = field(init=False, default=None)  # the rolling layers' entries, once per step
+
+    def __post_init__(self) -> None:
+        if self.cache.rolling:
+            self.ring_entries = self.cache.ring_entries(self.slots, self.token_valid)
 
     def layer(self, index: int, cache: KVWriter | None = None) -> LayerStep:
         """Layer ``index``'s write of this step (into ``cache`` instead, when a model lays its layers out
         itself, e.g. one shared layer per loop): at the step's slots, or a rolling layer's ring entries."""
-        rolling = index in self.cache.rolling
-        slots = self.cache.ring_entries(self.slots, self.token_valid) if rolling else self.slots
+        slots = self.ring_entries if index in self.cache.rolling else self.slots
         return LayerStep(self.cache.layers[index] if cache is None else cache, slots)
 
     @property

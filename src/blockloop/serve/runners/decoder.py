@@ -91,8 +91,7 @@ class DecoderRunner(PagedRows, Runner):
         real token is the chunk's last position and one forward serves prompts of any lengths."""
         n, width = chunks.shape
         cache = self.state.cache.rows(start, start + n)
-        cache.key_valid[offsets == 0] = False  # a new request's row forgets the previous one
-        cache.ring_slot[offsets == 0] = -1
+        cache.reset(offsets == 0)  # a new request's row forgets the previous one
         pad = (width - lengths)[:, None]
         i = torch.arange(width, device=chunks.device)
         real = i >= pad
