@@ -24,6 +24,7 @@ from blockloop.serve.sampling import SlotSampling
 CASES = {
     "tiny": {}, "tiny-neox": {}, "tiny-recursive": {},
     "tiny-recursive depth-wise": {"exit_rule": ExitRule("max_prob", 0.5)},
+    "tiny-recursive depth-wise blocks": {"exit_rule": ExitRule("max_prob", 0.5), "loop_read": "blocks"},
     "tiny-recursive speculative": {"speculation": Speculation(k=2, draft_loops=1)},
     "tiny-block": {}, "tiny-double": {}, "tiny-encdec": {},
     "tiny-staircase": {}, "tiny-cached-staircase": {}, "tiny-global-staircase": {}, "tiny-feedback": {},

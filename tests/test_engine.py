@@ -418,11 +418,15 @@ def test_early_exit_skips_loops_and_fills_the_owed_deeper_kv():
     request = engine.submit([5, 6, 7], 6, sampling=GREEDY)
     engine.run()
     assert len(request.output) == 6 and served.mean_exit_loop() == 1.0
-    (k, v), cache = served.state.cache.stacked[0], served.state.cache
+    cache = served.state.cache
+    loop0, loop1 = cache.layers[0], cache.layers[1]  # depth entries 0 and 1: loops 0 and 1 of shared layer 0
     generated = slice(3, 3 + 5)  # the fed-back generated tokens exited after loop 0: loop 1 holds a copy
-    assert torch.equal(k[1, 0, :, generated], k[0, 0, :, generated]) and torch.equal(v[1, 0, :, generated], v[0, 0, :, generated])
-    assert not torch.equal(k[1, 0, :, :3], k[0, 0, :, :3])  # the prompt ran both loops
-    assert cache.layers[1].k.data_ptr() == k[1].data_ptr()  # depth entry 1 is loop 1 of shared layer 0
+    for kv in ("k", "v"):
+        first, second = getattr(loop0, kv)[0], getattr(loop1, kv)[0]
+        assert torch.equal(second[:, generated], first[:, generated])
+        assert not torch.equal(second[:, :3], first[:, :3])  # the prompt ran both loops
+    k = cache.stacked[0][0]  # the loops lie one after the other along the key axis: the entries are views of it
+    assert loop0.k.data_ptr() == k.data_ptr() and loop1.k.data_ptr() == k[:, :, cache.span :].data_ptr()
 
 
 def test_exit_rules_on_known_distributions():

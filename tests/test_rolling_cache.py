@@ -85,7 +85,7 @@ def test_local_layers_keep_rings_of_the_window_not_the_cache_length():
     assert sizes == [ring + 3, ring + 3, 90, ring + 3, ring + 3, 90]  # layer 2 is global at depth 5
     depthwise = runner_for(recursive("three loops"), exit_rule=ExitRule("none"))
     depthwise.allocate(2, 90)
-    assert [k.shape[3] for k, _ in depthwise.state.cache.stacked] == [90, ring, 90]  # layer 1 is local at every loop
+    assert [k.shape[2] for k, _ in depthwise.state.cache.stacked] == [3 * 90, 3 * ring, 3 * 90]  # layer 1: local at every loop
     assert decoder().allocate_cache(1, 3).layers[0].k.shape[2] == 3 + 1  # never more than the cache length
 
 
@@ -175,7 +175,7 @@ def test_early_exits_fill_the_rings_of_deeper_loops(monkeypatch):
     def serve(ring: int) -> list[list[int]]:
         runner = runner_for(model, exit_rule=ExitRule("max_prob", 0.2))
         engine = Engine(runner, 2, sync_every=3)
-        assert runner.state.cache.stacked[1][0].shape[3] == ring
+        assert runner.state.cache.spans[1] == ring
         requests = [engine.submit(p, 12, sampling=GREEDY) for p in prompts]
         engine.run()
         assert runner.mean_exit_loop() < 3  # some tokens did leave early

@@ -34,12 +34,13 @@ tokens per row, exactly the full model's output.
 from __future__ import annotations
 
 from collections.abc import Collection
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch import Tensor, nn
 
 from blockloop.errors import BlockloopError, check_context
+from blockloop.models.decoder import LayerInputs
 from blockloop.models.recursive import RecursiveDecoder
 from blockloop.nn.kv_cache import DecoderCache, KVCache, RollingKVCache, StepContext
 from blockloop.nn.paged_cache import KVPages
@@ -81,59 +82,121 @@ class ExitRule:
         return confident & (loops_done >= self.min_loops)
 
 
+LOOP_READS = ("dense", "blocks")
+BLOCK = 128  # keys per block of the "blocks" read (FlexAttention's CUDA kernels tile by at least 16)
+
+
 class RowLoopKV:
     """One shared layer's keys/values when each row of the batch runs its own loop (depth-wise batching).
 
-    ``k, v`` are ``(loops, B, H_kv, S, D)``; row ``b`` reads and writes loop ``loop[b]``. Writing gathers
-    each row's loop into a ``(B, H_kv, S, D)`` copy to attend over, so it costs one cache read more than
-    a plain layer (a kernel that indexes the loop in place would avoid it). A ``rolling`` layer's ``S`` is
-    its ring (and scratch entry), attended as the ring before the write then the new key, as
-    :class:`~blockloop.nn.kv_cache.RollingKVCache` does.
+    ``k, v`` are ``(B, H_kv, loops * span, D)``: loop ``l`` of row ``b`` is ``[b, :, l * span : (l + 1) * span]``.
+    Row ``b`` writes its token into loop ``loop[b]``'s part, and the step attends over the stacked rows as they
+    are, with a mask that shows each row only its own loop's part (:meth:`LoopedCache.lift`): no row's loop is
+    copied out to attend over. A ``rolling`` layer's ``span`` is its ring (and scratch entry); it is attended
+    as the ring before the write then the new key, as :class:`~blockloop.nn.kv_cache.RollingKVCache` does, so
+    its rows' rings (window-sized) are gathered.
     """
 
-    def __init__(self, k: Tensor, v: Tensor, loop: Tensor, rolling: bool = False) -> None:
-        self.k, self.v, self.loop, self.rolling = k, v, loop, rolling
+    def __init__(self, k: Tensor, v: Tensor, loop: Tensor, span: int, rolling: bool = False) -> None:
+        self.k, self.v, self.loop, self.span, self.rolling = k, v, loop, span, rolling
 
     def write(self, slots: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
-        """Store one token per row, ``k, v (B, H_kv, 1, D)`` at per-row ``slots (B, 1)`` (a rolling layer's ring
-        entries, :meth:`~blockloop.nn.kv_cache.DecoderCache.ring_entries`)."""
+        """Store one token per row, ``k, v (B, H_kv, 1, D)`` at per-row ``slots (B, 1)`` of its loop (a rolling
+        layer's ring entries, :meth:`~blockloop.nn.kv_cache.DecoderCache.ring_entries`)."""
         rows = torch.arange(k.shape[0], device=k.device)
-        before = (self.k[self.loop, rows], self.v[self.loop, rows]) if self.rolling else None
-        self.k[self.loop, rows, :, slots[:, 0]] = k[:, :, 0].to(self.k.dtype)
-        self.v[self.loop, rows, :, slots[:, 0]] = v[:, :, 0].to(self.v.dtype)
+        before = tuple(self._rings(t, rows) for t in (self.k, self.v)) if self.rolling else None
+        at = self.loop * self.span + slots[:, 0]
+        self.k[rows, :, at] = k[:, :, 0].to(self.k.dtype)
+        self.v[rows, :, at] = v[:, :, 0].to(self.v.dtype)
         if before is not None:
             return torch.cat((before[0], k.to(self.k.dtype)), 2), torch.cat((before[1], v.to(self.v.dtype)), 2)
-        return self.k[self.loop, rows], self.v[self.loop, rows]
+        return self.k, self.v
+
+    def _rings(self, stacked: Tensor, rows: Tensor) -> Tensor:
+        """Each row's ring at its own loop, ``(B, H_kv, span, D)``."""
+        b, h, _, d = stacked.shape
+        return stacked.view(b, h, -1, self.span, d)[rows, :, self.loop]
 
 
 class LoopedCache(DecoderCache):
-    """A cache for ``n_layer`` shared layers run ``loops`` times: depth entry ``loop * n_layer + j`` is a view
-    of loop ``loop`` of shared layer ``j``'s stacked buffers ``(loops, B, H_kv, S, D)``, so one batch can
-    run every row at the same loop (``layers``, the sequence-wise prefill) or each row at its own
-    (:meth:`loop_layer`). Shared layers in ``rolling`` (local at every loop) stack rings of ``window`` slots."""
+    """A cache for ``n_layer`` shared layers run ``loops`` times. Shared layer ``j`` keeps ``(B, H_kv, loops *
+    span, D)`` buffers, loop after loop along the key axis, and depth entry ``loop * n_layer + j`` is a view of
+    one loop's part: one batch can run every row at the same loop (``layers``, the sequence-wise prefill) or
+    each row at its own (:meth:`loop_layer` with the masks of :meth:`lift`). Shared layers in ``rolling``
+    (local at every loop) stack rings of ``window`` slots.
+
+    ``read`` is how a depth-wise step shows each row its own loop: ``"dense"`` (a boolean mask over every
+    loop's keys, False outside the row's loop: no copy, but the kernel scans all loops; the CPU default) or
+    ``"blocks"`` (a FlexAttention block mask that visits only the row's live blocks of its loop, so a step
+    reads what a row has cached at that loop and nothing else; the CUDA default; each loop's span is then a
+    whole number of 128-key blocks).
+    """
 
     def __init__(
         self, n_layer: int, loops: int, batch_size: int, n_kv_head: int, max_len: int, head_dim: int, *,
         dtype: torch.dtype, device: torch.device | str, rolling: Collection[int] = (), window: int = 0,
+        read: str | None = None,
     ) -> None:
         entries = [loop * n_layer + j for loop in range(loops) for j in rolling]
         super().__init__(0, batch_size, n_kv_head, max_len, head_dim, dtype=dtype, device=device,
                          rolling=entries, window=window)
-        ring, self.rolling_layers = self.ring_slot.shape[1], frozenset(rolling)  # ring entries + the scratch one
-
-        def zeros(j: int) -> Tensor:
-            shape = (loops, batch_size, n_kv_head, ring if j in self.rolling_layers else max_len, head_dim)
-            return torch.zeros(shape, dtype=dtype, device=device)
-
-        self.stacked = [(zeros(j), zeros(j)) for j in range(n_layer)]
+        read = read or ("blocks" if torch.device(device).type == "cuda" else "dense")
+        if read not in LOOP_READS:
+            raise BlockloopError(f"unknown looped-cache read {read!r}; choose one of {', '.join(LOOP_READS)}")
+        if read == "blocks" and rolling:
+            raise BlockloopError("the 'blocks' read of a looped cache has no rolling (sliding-window) layers; use 'dense'")
+        self.loops, self.read, self.rolling_layers = loops, read, frozenset(rolling)
+        self.span = -(-max_len // BLOCK) * BLOCK if read == "blocks" else max_len
+        ring = self.ring_slot.shape[1]  # ring entries + the scratch one
+        self.spans = [ring if j in self.rolling_layers else self.span for j in range(n_layer)]
+        self.stacked = [
+            tuple(torch.zeros(batch_size, n_kv_head, loops * span, head_dim, dtype=dtype, device=device) for _ in "kv")
+            for span in self.spans
+        ]
         self.layers = nn.ModuleList(
-            (RollingKVCache if j in self.rolling_layers else KVCache).of(self.stacked[j][0][loop], self.stacked[j][1][loop])
+            (RollingKVCache if j in self.rolling_layers else KVCache).of(
+                *(t[:, :, loop * self.spans[j] :][:, :, : self.spans[j] if j in self.rolling_layers else max_len]
+                  for t in self.stacked[j]))
             for loop in range(loops) for j in range(n_layer)
         )
 
     def loop_layer(self, layer: int, loop: Tensor) -> RowLoopKV:
         """Shared layer ``layer`` with row ``b`` at loop ``loop[b]``."""
-        return RowLoopKV(*self.stacked[layer], loop, layer in self.rolling_layers)
+        return RowLoopKV(*self.stacked[layer], loop, self.spans[layer], layer in self.rolling_layers)
+
+    def lift(self, inputs: LayerInputs, loop: Tensor, slots: Tensor) -> LayerInputs:
+        """A depth-wise step's masks for the full-length layers, moved from one loop's slots onto the stacked
+        buffers: row ``b`` sees, at loop ``loop[b]``'s part, what the step's cache mask shows it (queries at
+        ``slots (B, 1)``), and nothing of its other loops. Rolling layers' ring masks stay as they are."""
+        if self.read == "blocks":
+            return replace(inputs, masks={"mask": self._block_mask(loop, slots)})
+        at_loop = (loop[:, None] == torch.arange(self.loops, device=loop.device))[:, None, None, :, None]
+
+        def lifted(masks: dict[str, object] | None) -> dict[str, object] | None:
+            return masks if masks is None else {"mask": (at_loop & masks["mask"].unsqueeze(-2)).flatten(-2)}
+
+        return replace(inputs, masks=lifted(inputs.masks), local_masks=lifted(inputs.local_masks))
+
+    def _block_mask(self, loop: Tensor, slots: Tensor):  # -> flex_attention.BlockMask
+        """Row ``b`` visits the blocks of loop ``loop[b]`` up to its query's slot, and sees in them what
+        :func:`~blockloop.nn.masks.cache_mask` would."""
+        from torch.nn.attention.flex_attention import BlockMask
+
+        span, key_valid, query = self.span, self.key_valid, slots[:, 0]
+        last = key_valid.shape[1] - 1
+
+        def mask_mod(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+            slot = kv_idx - loop[b] * span
+            at = slot.clamp(0, last)
+            seen = (at <= query[b]) & key_valid[b, at] | (at == query[b])
+            return (slot >= 0) & (slot <= last) & seen
+
+        rows, width = len(loop), span // BLOCK
+        counts = torch.div(query, BLOCK, rounding_mode="floor") + 1
+        indices = loop[:, None] * width + torch.arange(width, device=loop.device)
+        return BlockMask.from_kv_blocks(
+            counts.view(rows, 1, 1).int(), indices.view(rows, 1, 1, width).int(), BLOCK_SIZE=(BLOCK, BLOCK),
+            mask_mod=mask_mod, seq_lengths=(1, self.loops * span), compute_q_blocks=False)
 
 
 @dataclass
@@ -153,13 +216,17 @@ class DepthwiseState:
 class RecursiveRunner(DecoderRunner):
     """Serves a :class:`~blockloop.models.recursive.RecursiveDecoder`: sequence-wise without ``exit_rule``
     (every token runs every loop before the next), depth-wise with one (CYCLE tying: one loop per decode
-    step, rows at their own loops, leaving by the rule), or self-speculatively with ``speculation``."""
+    step, rows at their own loops, leaving by the rule), or self-speculatively with ``speculation``.
+
+    ``loop_read`` is how a depth-wise step reads each row's loop of the :class:`LoopedCache` in place:
+    ``"blocks"`` (FlexAttention over the row's live blocks only; the CUDA default for models without
+    sliding-window layers or a prefix) or ``"dense"`` (a mask over every loop; the default otherwise)."""
 
     model: RecursiveDecoder
 
     def __init__(
         self, model: RecursiveDecoder, exit_rule: ExitRule | None = None, speculation: Speculation | None = None,
-        paging: Paging | None = None,
+        paging: Paging | None = None, loop_read: str | None = None,
     ) -> None:
         super().__init__(model, paging)
         self.resumable = exit_rule is None and speculation is None
@@ -180,6 +247,11 @@ class RecursiveRunner(DecoderRunner):
                     f"depth-wise batching needs cycle tying (rows share layers per loop), not {model.config.tying!r}"
                 )
             self.token_per_step = False  # rows emit a token only when they leave a loop (see the engine)
+        plain = not any(model.local) and not model.config.prefix_len  # every layer reads a full-length, prefix-free cache
+        if loop_read == "blocks" and not plain:
+            raise BlockloopError("the 'blocks' loop read needs a model without sliding-window layers or a prefix; "
+                                 "use loop_read='dense'")
+        self.loop_read = loop_read if loop_read is not None or plain else "dense"
 
     def allocate(self, n_slots: int, max_len: int) -> None:
         if self.speculator is not None:
@@ -190,7 +262,8 @@ class RecursiveRunner(DecoderRunner):
         check_context(max_len, c.context_length, "cache", "allocate fewer slots")
         rolling = [j for j in range(c.n_layer) if j in m.rolling]  # loop 0's position of a layer local at every loop
         cache = LoopedCache(c.n_layer, c.loops, n_slots, c.n_kv_head, max_len, c.head_dim,
-                            dtype=weight.dtype, device=weight.device, rolling=rolling, window=c.sliding_window or 0)
+                            dtype=weight.dtype, device=weight.device, rolling=rolling, window=c.sliding_window or 0,
+                            read=self.loop_read)
         zeros = torch.zeros(n_slots, dtype=torch.long, device=weight.device)
         self.state = DecodeState.of(cache)
         self.depth = DepthwiseState(weight.new_zeros(n_slots, 1, c.d_model), zeros.clone(), zeros.clone(), zeros.clone(),
@@ -239,7 +312,7 @@ class RecursiveRunner(DecoderRunner):
         x = torch.where(new[:, None, None], embedded, state.hidden)
         loop = torch.where(new, 0, state.loop)
         step = StepContext(decode.cache, slot[:, None], position[:, None])
-        x = m.run_loop(x, loop, m.loop_inputs(x, step), step=step)
+        x = m.run_loop(x, loop, decode.cache.lift(m.loop_inputs(x, step), loop, step.slots), step=step)
         logits = m.exit_logits(x)[:, -1]
         last = loop == self.config.loops - 1
         ready = last | self.exit_rule.fires(logits[:, : self.config.vocab_size], loop + 1)
@@ -273,12 +346,13 @@ class RecursiveRunner(DecoderRunner):
         rows = torch.arange(loop.shape[0], device=loop.device)
         ring_entry = cache.ring_entries(slot[:, None])[:, 0] if cache.rolling else slot
         for j, (k_stack, v_stack) in enumerate(cache.stacked):
-            entry = ring_entry if j in cache.rolling_layers else slot
+            entry, span = (ring_entry if j in cache.rolling_layers else slot), cache.spans[j]
             for buffer in (k_stack, v_stack):
-                exit_kv = buffer[loop, rows, :, entry]
+                exit_kv = buffer[rows, :, loop * span + entry]
                 for deeper in range(1, self.config.loops):
                     owed = (exited & (loop < deeper))[:, None, None]
-                    buffer[deeper, rows, :, entry] = torch.where(owed, exit_kv, buffer[deeper, rows, :, entry])
+                    at = deeper * span + entry
+                    buffer[rows, :, at] = torch.where(owed, exit_kv, buffer[rows, :, at])
 
     def mean_exit_loop(self) -> float:
         """Average loops per emitted token so far (a host sync: for reports, not inside the loop)."""
