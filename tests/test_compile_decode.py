@@ -26,6 +26,7 @@ CASES = {
     "tiny-recursive depth-wise": {"exit_rule": ExitRule("max_prob", 0.5)},
     "tiny-recursive depth-wise blocks": {"exit_rule": ExitRule("max_prob", 0.5), "loop_read": "blocks"},
     "tiny-recursive speculative": {"speculation": Speculation(k=2, draft_loops=1)},
+    "tiny-recursive speculative adaptive": {"speculation": Speculation(k=3, draft_loops=1, adaptive=True)},
     "tiny-block": {}, "tiny-double": {}, "tiny-encdec": {},
     "tiny-staircase": {}, "tiny-cached-staircase": {}, "tiny-global-staircase": {}, "tiny-feedback": {},
 }
@@ -65,7 +66,7 @@ def test_decode_step_compiles_as_a_full_graph_and_equals_eager(name):
     torch._dynamo.reset()
 
 
-@pytest.mark.parametrize("name", CASES)
+@pytest.mark.parametrize("name", [name for name in CASES if not name.endswith("adaptive")])
 def test_decode_step_compiles_once_for_every_step(name):
     _, runner = twin_runners(name)
     step = runner.compiled_step(lambda f: torch.compile(f, fullgraph=True, backend="eager"))
@@ -77,3 +78,24 @@ def test_decode_step_compiles_once_for_every_step(name):
                     step(tokens(i))
     finally:
         torch._dynamo.reset()
+
+
+def test_adaptive_speculation_compiles_one_graph_per_draft_length():
+    """Adaptive speculation drafts a different number of positions as acceptance moves: the host picks the
+    length (from a copy it never waits for), and each length is one static graph, compiled once."""
+    _, runner = twin_runners("tiny-recursive speculative adaptive")
+    graphs, lengths = [], set()
+
+    def counting(graph: torch.fx.GraphModule, example_inputs: list) -> object:
+        graphs.append(graph)
+        return graph.forward
+
+    step = runner.compiled_step(lambda f: torch.compile(f, fullgraph=True, backend=counting))
+    try:
+        with torch.no_grad():
+            for i in range(3 * STEPS):
+                lengths.add(runner.speculator._draft_length())
+                step(tokens(i))
+    finally:
+        torch._dynamo.reset()
+    assert len(lengths) > 1 and len(graphs) == len(lengths)

@@ -33,7 +33,7 @@ tokens per row, exactly the full model's output.
 
 from __future__ import annotations
 
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, replace
 
 import torch
@@ -288,6 +288,13 @@ class RecursiveRunner(DecoderRunner):
         if self.speculator is None:
             return super().check_request(sampling)
         self.speculator.check(sampling)
+
+    def compiled_step(self, compile: Callable[[Callable], Callable]) -> Callable[[Tensor], Tensor | StepOutput]:
+        """A speculative step compiles its round (one graph per draft length); the host picks the length."""
+        if self.speculator is None:
+            return super().compiled_step(compile)
+        speculator, run = self.speculator, compile(self.speculator.round)
+        return lambda tokens: speculator.step(self.state, tokens, self.sampling, run)
 
     def decode_step(self, tokens: Tensor) -> Tensor | StepOutput:
         if self.speculator is not None:

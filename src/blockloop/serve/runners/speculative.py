@@ -24,12 +24,16 @@ request's seed and its round count), and a request that does not speculate (``Sa
 shares the batch as an ordinary full-depth step whose token the engine samples as usual. The engine sees a
 runner that emits tokens itself (``Runner.emits``, ``StepOutput.emitted``). Shapes are static (``k`` drafts
 for every row; a row asking for fewer keeps at most its own number), except with ``adaptive``, where each
-row's ``k`` grows by one after a round that kept all its drafts and shrinks by one otherwise, and the round
-drafts the longest of them (one host read per round).
+row's ``k`` grows by one after a round that kept all its drafts and shrinks by one otherwise, and a round
+drafts the longest of them. The host learns that length without waiting for the device: each round ends by
+copying it to host memory asynchronously, and the next round takes the newest copy that has arrived (on a
+GPU running ahead, a round or so late; on the CPU, the last round's). The round itself
+(:meth:`Speculator.round`) has static shapes for a given draft length, so compiled it is one graph per length.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -88,10 +92,14 @@ class Speculator:
         longs = lambda *shape: torch.zeros(shape, dtype=torch.long, device=self.model.embed.weight.device)  # noqa: E731
         self.state = SpeculativeState(longs(n_slots), longs(n_slots) - 1, longs(n_slots), longs(n_slots, max_len),
                                       longs(n_slots, max_len))
+        self.k_hint = self.speculation.k  # the draft length of the next adaptive round, as the host last heard it
+        self._k_arrived: torch.cuda.Event | None = None
+        self._k_host: Tensor | None = None
 
     def start(self, rows: int | slice) -> None:
         """A new request in ``rows``: its draft length comes from its sampling parameters, its rounds from 0."""
         self.state.k_now[rows], self.state.rounds[rows] = -1, 0
+        self.k_hint = self.speculation.k  # its first round may draft up to the runner's k
 
     def check(self, sampling: SamplingParams) -> None:
         if sampling.speculate is not None and sampling.speculate > self.speculation.k:
@@ -99,16 +107,43 @@ class Speculator:
                 f"a request may draft at most the runner's k = {self.speculation.k} tokens, asked for {sampling.speculate}"
             )
 
+    def step(
+        self, decode: DecodeState, tokens: Tensor, sampling: SlotSampling, run: Callable[..., StepOutput] | None = None
+    ) -> StepOutput:
+        """One draft-verify-accept round for every row (see the module docstring), through ``run`` (this
+        speculator's :meth:`round`, or a compiled form of it). ``tokens`` holds the engine's token for rows it
+        sampled and -1 for speculating rows, which continue from their own."""
+        k = self._draft_length() if self.speculation.adaptive else self.speculation.k
+        out = (run or self.round)(decode, tokens, sampling, k)
+        if self.speculation.adaptive:
+            self._send_draft_length()
+        return out
+
+    def _draft_length(self) -> int:
+        if self._k_arrived is not None and self._k_arrived.query():  # the newest copy has landed: no wait
+            self.k_hint = int(self._k_host)
+        return min(max(self.k_hint, 1), self.speculation.k)
+
+    def _send_draft_length(self) -> None:
+        """Start copying the longest draft length a row wants next to the host, without waiting for it."""
+        wanted = self.state.k_now.max()
+        if not wanted.is_cuda:
+            self.k_hint = int(wanted)  # on the CPU the value is already there
+            return
+        if self._k_host is None:
+            self._k_host = torch.zeros((), dtype=wanted.dtype).pin_memory()
+            self._k_arrived = torch.cuda.Event()
+        self._k_host.copy_(wanted, non_blocking=True)
+        self._k_arrived.record()
+
     @torch.no_grad()
-    def step(self, decode: DecodeState, tokens: Tensor, sampling: SlotSampling) -> StepOutput:
-        """One draft-verify-accept round for every row (see the module docstring). ``tokens`` holds the
-        engine's token for rows it sampled and -1 for speculating rows, which continue from their own."""
+    def round(self, decode: DecodeState, tokens: Tensor, sampling: SlotSampling, k: int) -> StepOutput:
+        """The round itself, drafting ``k`` positions: static shapes for a given ``k`` (no host read)."""
         m, config, spec, state = self.model, self.model.config, self.speculation, self.state
         rows, vocab = len(tokens), config.vocab_size
         requested = torch.where(sampling.speculate[:rows] < 0, spec.k, sampling.speculate[:rows])
         k_now = torch.where(state.k_now < 0, requested, state.k_now)
         speculating = requested > 0
-        k = max(int(k_now.max()), 1) if spec.adaptive else spec.k
 
         offsets = torch.arange(k + 1, device=tokens.device)
         slots = (decode.next_slot[:, None] + offsets).clamp_max(decode.cache.max_len - 1)
