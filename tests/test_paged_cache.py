@@ -123,6 +123,61 @@ def test_paged_double_decoder_equals_its_static_cache(read):
     assert outputs[0] == outputs[1]
 
 
+@pytest.mark.parametrize("read", ["gather", "pages"])
+def test_paged_block_transformer_equals_its_static_cache_through_joins_and_frees(read):
+    """The block decoder's cache (one entry per block) on pages of 2 entries: rows join at block boundaries and
+    a finished row's pages go to the next request; every step's logits of the serving rows equal the static
+    cache's (float64), the token decoder's one-block cache untouched by paging."""
+    model = model_of("tiny-block")
+    block = model.config.block_len
+    static, paged = runner_for(model), runner_for(model, paging=Paging(32 * block, 2, read))
+    for runner in (static, paged):
+        runner.sampling = SlotSampling.empty(3, torch.device("cpu"))
+        runner.allocate(3, 64)
+    assert paged.state.block_cache.pages.capacity == 32 and paged.state.token_cache.pages is None
+    prompts = [torch.arange(1, 1 + n * block) % 250 + 1 for n in (1, 3, 2, 5)]
+    held, active = [], set()
+    with torch.no_grad():
+        for event in [("join", 0, 0), ("blocks", 2), ("join", 2, 1), ("blocks", 1), ("leave", 0), ("join", 0, 2),
+                      ("blocks", 2), ("join", 1, 3), ("blocks", 1)]:
+            if event[0] == "join":
+                _, slot, prompt = event
+                for runner in (static, paged):
+                    assert runner.reserve(slot, len(prompts[prompt]) + 6 * block)
+                held.append(list(paged.state.block_cache.pages.held[slot]))
+                active.add(slot)
+                torch.testing.assert_close(paged.prefill_slot(slot, prompts[prompt]),
+                                           static.prefill_slot(slot, prompts[prompt]), rtol=1e-12, atol=1e-12)
+            elif event[0] == "leave":
+                for runner in (static, paged):
+                    runner.release(event[1])
+                active.discard(event[1])
+            else:
+                for i in range(event[1] * block):
+                    tokens, rows = torch.tensor([3 + i, 9 + 2 * i, 30 - i]), sorted(active)
+                    torch.testing.assert_close(paged.decode_step(tokens)[rows], static.decode_step(tokens)[rows],
+                                               rtol=1e-12, atol=1e-12)
+    assert len(held[0]) == 4 and set(held[0]) & set(held[2])  # (1 + 6) blocks in pages of 2; reused after the leave
+
+
+def test_paged_block_transformer_engine_waits_for_pages_and_matches_the_static_engine():
+    model = model_of("tiny-block")
+    outputs = []
+    for paging in (None, Paging(56, 2)):  # 14 block entries in 7 pages: the requests need 2-5 pages each
+        engine = Engine(runner_for(model, paging=paging), n_slots=3, max_len=48, sync_every=4)
+        requests = [engine.submit(p, 12, sampling=SamplingParams(temperature=0.0)) for p in PROMPTS]
+        peak = 0
+        while not engine.idle:
+            engine.step()
+            peak = max(peak, len(engine.admitted))
+        outputs.append([r.output for r in requests])
+        assert peak == (3 if paging is None else 2)  # with pages, requests waited beside a free slot
+        if paging is not None:
+            pages = engine.runner.state.block_cache.pages
+            assert len(pages.free) == pages.n_pages - 1 and not pages.held  # every page came back
+    assert outputs[0] == outputs[1]
+
+
 def test_paged_speculation_equals_static_speculation():
     model = model_of("tiny-recursive")
     outputs = []
@@ -135,8 +190,10 @@ def test_paged_speculation_equals_static_speculation():
     assert outputs[0] == outputs[1]
 
 
-def test_paged_decode_step_compiles_as_one_graph():
-    model = model_of("tiny")
+@pytest.mark.parametrize("name", ["tiny", "tiny-block"])
+def test_paged_decode_step_compiles_as_one_graph(name):
+    """One graph (the Block Transformer: one per step kind) that never recompiles as the rows' pages fill."""
+    model = model_of(name)
     eager, compiled = (runner_for(model, paging=Paging(64, 4, "pages")) for _ in range(2))
     for runner in (eager, compiled):
         runner.sampling = SlotSampling.empty(2, torch.device("cpu"))
@@ -145,10 +202,10 @@ def test_paged_decode_step_compiles_as_one_graph():
             for slot, prompt in enumerate((torch.arange(1, 9), torch.arange(3, 11))):
                 runner.reserve(slot, 20)
                 runner.prefill_slot(slot, prompt)
-    step = torch.compile(compiled.decode_step, fullgraph=True, backend="eager")
+    step = compiled.compiled_step(lambda f: torch.compile(f, fullgraph=True, backend="eager"))
     try:
         with torch.no_grad():
-            for i in range(6):
+            for i in range(10):
                 tokens = torch.tensor([5 + i, 17 + 2 * i])
                 with torch._dynamo.config.patch(error_on_recompile=i > 0):
                     torch.testing.assert_close(step(tokens), eager.decode_step(tokens), rtol=1e-12, atol=1e-12)
@@ -172,7 +229,7 @@ def test_paging_refuses_what_it_cannot_serve():
     with pytest.raises(BlockloopError, match="depth-wise"):
         runner_for(model_of("tiny-recursive"), exit_rule=ExitRule("max_prob", 0.5), paging=Paging(32))
     with pytest.raises(BlockloopError, match="no option paging"):
-        runner_for(model_of("tiny-block"), paging=Paging(32))
+        runner_for(model_of("tiny-staircase"), paging=Paging(32))
     double = model_of("tiny-double")
     with pytest.raises(BlockloopError, match="static batches"):
         runner_for(double, prefix=double.cache_prefix([1, 2, 3]), paging=Paging(32))

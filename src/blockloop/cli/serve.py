@@ -43,8 +43,10 @@ def add_engine_arguments(p: argparse.ArgumentParser, slots: int = 8) -> None:
                    "running ones (default: 512)")
     p.add_argument("--kv-tokens", type=positive_int,
                    help="keep keys/values in a paged cache of this many tokens shared by the slots, each request "
-                   "holding only its own length (vanilla and looped models; default: every slot holds --max-len)")
-    p.add_argument("--page-size", type=positive_int, default=128, help="tokens per page of --kv-tokens (default: 128)")
+                   "holding only its own length (vanilla, looped, block and double-decoder models; default: every slot "
+                   "holds --max-len)")
+    p.add_argument("--page-size", type=positive_int, default=128,
+                   help="cache entries per page of --kv-tokens (tokens; a Block Transformer's blocks) (default: 128)")
     p.add_argument("--threads", type=positive_int, help="CPU threads for torch (default: torch's own; 1 is steadier on a shared box)")
 
 

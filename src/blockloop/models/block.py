@@ -27,6 +27,7 @@ from blockloop.errors import check_context
 from blockloop.models.decoder import TransformerStack, count_parameters
 from blockloop.nn.init import init_weights
 from blockloop.nn.kv_cache import DecoderCache, StepContext
+from blockloop.nn.paged_cache import KVPages
 from blockloop.nn.precision import at_least_fp32
 
 if TYPE_CHECKING:
@@ -170,14 +171,16 @@ class BlockTransformer(nn.Module):
         return count_parameters(self, tables if non_embedding else ())
 
     # ----------------------------------------------------------- generation
-    def generation_caches(self, batch_size: int, prompt_len: int, max_new_tokens: int) -> list[DecoderCache]:
-        """The block decoder's cache (one entry per block of prompt and output) and the token decoder's
-        cache of a single block: all the memory generation holds."""
+    def generation_caches(
+        self, batch_size: int, prompt_len: int, max_new_tokens: int, *, pages: KVPages | None = None
+    ) -> list[DecoderCache]:
+        """The block decoder's cache (one entry per block of prompt and output; paged over ``pages``) and the
+        token decoder's cache of a single block: all the memory generation holds."""
         c = self.config
         weight = self.token_decoder.embed.weight
         n_blocks = -(-(prompt_len + max_new_tokens) // c.block_len)
         return [
-            self.block_decoder.allocate_cache(batch_size, n_blocks, dtype=weight.dtype, device=weight.device),
+            self.block_decoder.allocate_cache(batch_size, n_blocks, dtype=weight.dtype, device=weight.device, pages=pages),
             self.token_decoder.body.allocate_cache(
                 batch_size, c.n_lead + c.block_len - 1, dtype=weight.dtype, device=weight.device
             ),

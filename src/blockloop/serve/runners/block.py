@@ -13,6 +13,11 @@ device scalar, so the token's input position and cache slot are indices, not con
 (the block decoder's step, then the new block's lead through the token decoder) is the other.
 :meth:`BlockRunner.compiled_step` compiles the two separately (issue 12: static-shape steps a CUDA graph
 replays). The block decoder runs once per block, as in the paper; a single graph would run it every token.
+
+With ``paging`` the block decoder's cache (the one that grows with the sequence, one entry per block) is paged
+(:mod:`blockloop.serve.runners.paging`): a request holds the pages of its prompt's and output's blocks from
+admission (its whole budget: re-prefilling a preempted request would re-pad its blocks) and frees them when it
+finishes. The token decoder's cache is one block per row, never more, and stays static.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ from torch import Tensor
 from blockloop.models.block import BlockTransformer
 from blockloop.nn.kv_cache import DecoderCache, StepContext
 from blockloop.serve.runners.base import Runner
+from blockloop.serve.runners.paging import PagedRows, Paging
 
 
 @dataclass
@@ -43,13 +49,14 @@ class BlockDecodeState:
     filled: Tensor
 
 
-class BlockRunner(Runner):
+class BlockRunner(PagedRows, Runner):
     model: BlockTransformer
     state: BlockDecodeState
 
-    def __init__(self, model: BlockTransformer) -> None:
+    def __init__(self, model: BlockTransformer, paging: Paging | None = None) -> None:
         super().__init__(model)
-        self.prompt_multiple = self.admit_every = model.config.block_len
+        self.paging = paging
+        self.prompt_multiple = self.admit_every = self.tokens_per_entry = model.config.block_len
         self.pad_id = model.config.pad_id
         self.phase = 0  # tokens of the current block read so far: the host's copy of ``state.filled``
         self._steps = (self._read_token, self._close_block)
@@ -57,8 +64,10 @@ class BlockRunner(Runner):
     @torch.no_grad()
     def allocate(self, n_slots: int, max_len: int) -> None:
         c, model = self.model.config, self.model
-        block_cache, token_cache = model.generation_caches(n_slots, max_len, 0)
-        device = token_cache.key_valid.device
+        device = model.token_decoder.embed.weight.device
+        n_blocks = -(-max_len // c.block_len)
+        pages = None if self.paging is None else self.paging.pages(n_slots, n_blocks, device, c.block_len)
+        block_cache, token_cache = model.generation_caches(n_slots, max_len, 0, pages=pages)
         zeros = torch.zeros(n_slots, dtype=torch.long, device=device)
         vectors = model.token_decoder.context_vectors(
             torch.zeros(n_slots, c.block_d_model, device=device, dtype=model.token_decoder.embed.weight.dtype)
@@ -67,6 +76,9 @@ class BlockRunner(Runner):
         filled = torch.zeros((), dtype=torch.long, device=device)
         self.phase = 0
         self.state = BlockDecodeState(block_cache, zeros, zeros.clone(), token_cache, vectors, blocks, filled)
+
+    def _paged_cache(self) -> DecoderCache:
+        return self.state.block_cache
 
     @torch.no_grad()
     def prefill_slot(self, slot: int, prompt: Tensor) -> Tensor:
