@@ -18,8 +18,8 @@ from blockloop.nn.masks import cache_mask
 from blockloop.serve.engine import Engine
 from blockloop.serve.generate import generate
 from blockloop.serve.requests import SamplingParams
-from blockloop.serve.runners import ExitRule, runner_for
-from blockloop.serve.runners.recursive import BLOCK, LoopedCache
+from blockloop.serve.runners import ExitRule, Paging, runner_for
+from blockloop.serve.runners.looped_cache import BLOCK, LoopedCache
 from blockloop.serve.sampling import SlotSampling
 
 GREEDY = SamplingParams(temperature=0.0)
@@ -75,6 +75,62 @@ def test_depthwise_logits_equal_sequence_wise_logits(read):
                 out = depthwise.decode_step(torch.full((3,), -1))
             assert out.ready[:2].all()
             torch.testing.assert_close(out.logits[:2], expected[:2], rtol=0, atol=1e-10)
+
+
+def step_by_step(runners, prompts, steps: int, exit_rule_rows: int = 3) -> None:
+    """Drive depth-wise runners with the same tokens (a new one wherever a row is ready) and check that every
+    step's logits and ready rows agree across them."""
+    for runner in runners:
+        runner.sampling = SlotSampling.empty(exit_rule_rows, torch.device("cpu"))
+        runner.allocate(exit_rule_rows, 40)
+        with torch.no_grad():
+            for slot, prompt in enumerate(prompts):
+                assert runner.reserve(slot, len(prompt) + steps)
+                runner.prefill_slot(slot, prompt)
+    ready = torch.ones(exit_rule_rows, dtype=torch.bool)
+    with torch.no_grad():
+        for i in range(steps):
+            tokens = torch.where(ready, torch.tensor([5 + i, 17 + 2 * i, 40 - i]), -1)
+            outs = [runner.decode_step(tokens) for runner in runners]
+            for out in outs[1:]:
+                assert torch.equal(out.ready, outs[0].ready)
+                torch.testing.assert_close(out.logits, outs[0].logits, rtol=0, atol=1e-10)
+            ready = outs[0].ready
+
+
+@pytest.mark.parametrize("read", ["gather", "pages"])
+def test_paged_depthwise_steps_equal_the_static_looped_cache(read):
+    """Paged depth-wise batching (one page-table row per slot and loop, pages of 4) with early exits, so rows sit
+    at different loops and exited tokens' K/V are copied into the pages of the loops they skipped."""
+    model = looped_model()
+    rule = ExitRule("max_prob", 0.012)
+    static = runner_for(model, exit_rule=rule)
+    paged = runner_for(model, exit_rule=rule, paging=Paging(96, 4, read))
+    step_by_step([static, paged], [torch.arange(1, 9), torch.arange(20, 23), torch.arange(7, 19)], steps=24)
+    pages = paged.state.cache.loop_pages
+    assert pages.table.shape[0] == 3 * 3 and all(len(pages.held[loop * 3 + 1]) == -(-(3 + 24) // 4) for loop in range(3))
+    assert static.mean_exit_loop() == paged.mean_exit_loop() < 3
+
+
+def test_paged_depthwise_engine_waits_for_pages_and_frees_them():
+    """A pool of 24 tokens per loop: a request holds its whole budget at every loop from admission (depth-wise
+    rows are not preempted), so a longer request runs alone while the next one waits beside a free slot."""
+    model = looped_model()
+    outputs, waits = [], []
+    for paging in (None, Paging(24, 4)):
+        runner = runner_for(model, exit_rule=ExitRule("max_prob", 0.012), paging=paging)
+        engine = Engine(runner, 2, sync_every=3)
+        requests = [engine.submit(p, n, sampling=GREEDY) for p, n in zip(PROMPTS, BUDGETS)]
+        waited_for_pages = False
+        while not engine.idle:
+            free, waiting = len(engine.scheduler.free), len(engine.scheduler.waiting)
+            engine.step()
+            waited_for_pages |= bool(engine.scheduler.waiting) and waiting - len(engine.scheduler.waiting) < free
+        outputs.append([r.output for r in requests])
+        waits.append(waited_for_pages)
+    assert outputs[0] == outputs[1] and waits == [False, True]
+    pages = runner.state.cache.loop_pages
+    assert pages.capacity == 3 * 24 and len(pages.free) == pages.n_pages - 1 and not pages.held
 
 
 def test_both_reads_serve_the_same_early_exits():

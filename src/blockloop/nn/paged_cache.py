@@ -103,6 +103,12 @@ class KVPages:
         self.reserved[row] = len(held) + need
         return True
 
+    def reserve_all(self, rows: list[int], n_tokens: int) -> bool:
+        """:meth:`reserve` for each of ``rows`` (one request's rows: a looped cache keeps one per loop), all or
+        nothing."""
+        need = sum(max(self.pages_for(n_tokens) - len(self.held.get(row, [])), 0) for row in rows)
+        return need <= len(self.free) and all(self.reserve(row, n_tokens) for row in rows)
+
     def release(self, row: int) -> None:
         """Return row ``row``'s pages to the free list and point its table back at the scratch page."""
         pages = self.held.pop(row, [])
@@ -121,10 +127,12 @@ class KVPages:
         view.table, view.reserved, view.first_row = self.table[start:stop], self.reserved[start:stop], self.first_row + start
         return view
 
-    def positions(self, slots: Tensor) -> Tensor:
-        """Pool positions ``(B, T)`` of logical ``slots`` (``(T,)`` shared or ``(B, T)`` per row)."""
-        slots = slots.expand(self.table.shape[0], -1) if slots.dim() == 1 else slots
-        pages = self.table.gather(1, torch.div(slots, self.page_size, rounding_mode="floor"))
+    def positions(self, slots: Tensor, rows: Tensor | None = None) -> Tensor:
+        """Pool positions ``(B, T)`` of logical ``slots`` (``(T,)`` shared or ``(B, T)`` per row) of the table's
+        rows, or of table rows ``rows (B,)`` (a looped cache: each batch row at its own loop's table row)."""
+        table = self.table if rows is None else self.table[rows]
+        slots = slots.expand(table.shape[0], -1) if slots.dim() == 1 else slots
+        pages = table.gather(1, torch.div(slots, self.page_size, rounding_mode="floor"))
         return pages * self.page_size + slots % self.page_size
 
     def reads_pool(self, slots: Tensor) -> bool:
@@ -132,27 +140,29 @@ class KVPages:
         than over gathered logical views."""
         return self.read == "pages" and slots.dim() == 2 and slots.shape[1] == 1
 
-    def block_mask(self, key_valid: Tensor, slots: Tensor):  # -> flex_attention.BlockMask
+    def block_mask(self, key_valid: Tensor, slots: Tensor, rows: Tensor | None = None):  # -> flex_attention.BlockMask
         """The mask of one decode query per row (``slots (B, 1)``) over the pool: row ``b`` visits its own
-        reserved pages only, and within them sees what :func:`~blockloop.nn.masks.cache_mask` would
-        (valid keys up to its slot, and itself)."""
+        reserved pages only (those of table row ``rows[b]`` when given), and within them sees what
+        :func:`~blockloop.nn.masks.cache_mask` would (valid keys up to its slot, and itself)."""
         from torch.nn.attention.flex_attention import BlockMask
 
         size = self.page_size
-        owner, logical, first = self.owner, self.logical, self.first_row
+        owner, logical = self.owner, self.logical
         query, last = slots[:, 0], key_valid.shape[1] - 1
+        batch = len(query)
+        rows = torch.arange(batch, device=query.device) if rows is None else rows
+        table_row = rows + self.first_row
 
         def mask_mod(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
             page = kv_idx // size
             slot = (logical[page] * size + kv_idx % size).clamp_max(last)
             seen = (slot <= query[b]) & key_valid[b, slot] | (slot == query[b])
-            return (owner[page] == b + first) & seen
+            return (owner[page] == table_row[b]) & seen
 
-        rows = self.table.shape[0]
         # One query block per row (the query block size only has to be a multiple of the kernel's, not 1).
         return BlockMask.from_kv_blocks(
-            self.reserved.view(rows, 1, 1).int(), self.table.view(rows, 1, 1, -1).int(), BLOCK_SIZE=(128, size),
-            mask_mod=mask_mod, seq_lengths=(1, self.n_pages * size), compute_q_blocks=False)
+            self.reserved[rows].view(batch, 1, 1).int(), self.table[rows].view(batch, 1, 1, -1).int(),
+            BLOCK_SIZE=(128, size), mask_mod=mask_mod, seq_lengths=(1, self.n_pages * size), compute_q_blocks=False)
 
 
 class PagedKVCache(nn.Module):

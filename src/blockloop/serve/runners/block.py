@@ -30,6 +30,7 @@ from torch import Tensor
 
 from blockloop.models.block import BlockTransformer
 from blockloop.nn.kv_cache import DecoderCache, StepContext
+from blockloop.nn.paged_cache import KVPages
 from blockloop.serve.runners.base import Runner
 from blockloop.serve.runners.paging import PagedRows, Paging
 
@@ -66,7 +67,7 @@ class BlockRunner(PagedRows, Runner):
         c, model = self.model.config, self.model
         device = model.token_decoder.embed.weight.device
         n_blocks = -(-max_len // c.block_len)
-        pages = None if self.paging is None else self.paging.pages(n_slots, n_blocks, device, c.block_len)
+        pages = None if self.paging is None else self.paging.pages(n_slots, n_blocks, device, tokens_per_entry=c.block_len)
         block_cache, token_cache = model.generation_caches(n_slots, max_len, 0, pages=pages)
         zeros = torch.zeros(n_slots, dtype=torch.long, device=device)
         vectors = model.token_decoder.context_vectors(
@@ -77,8 +78,9 @@ class BlockRunner(PagedRows, Runner):
         self.phase = 0
         self.state = BlockDecodeState(block_cache, zeros, zeros.clone(), token_cache, vectors, blocks, filled)
 
-    def _paged_cache(self) -> DecoderCache:
-        return self.state.block_cache
+    @property
+    def _pages(self) -> KVPages | None:
+        return self.state.block_cache.pages
 
     @torch.no_grad()
     def prefill_slot(self, slot: int, prompt: Tensor) -> Tensor:

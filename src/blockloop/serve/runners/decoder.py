@@ -105,9 +105,9 @@ class DecoderRunner(PagedRows, Runner):
     def prefill_batch(self, idx: Tensor, token_valid: Tensor) -> Tensor:
         """Left-padded prompts at shared slots; rotary positions count from each row's first real token. A
         paged cache gives each row that holds no pages yet room for ``max_len`` tokens."""
-        pages = self.state.cache.pages
+        pages = self._pages
         for row in range(len(idx) if pages is not None else 0):
-            if not pages.reserve(row, pages.max_len):
+            if not self.reserve(row, pages.max_len):
                 raise BlockloopError(f"a paged KV cache of {pages.capacity} tokens cannot hold {len(idx)} rows of "
                                      f"{pages.max_len}; give it more tokens or generate fewer rows at once")
         length = idx.shape[1]

@@ -33,37 +33,44 @@ class Paging:
         if self.read is not None and self.read not in READS:
             raise BlockloopError(f"unknown paged read {self.read!r}; choose one of {', '.join(READS)}")
 
-    def pages(self, n_slots: int, max_len: int, device: torch.device | str, tokens_per_entry: int = 1) -> KVPages:
+    def pages(
+        self, n_slots: int, max_len: int, device: torch.device | str, *, tokens_per_entry: int = 1, loops: int = 1
+    ) -> KVPages:
         """The page table of a cache of ``n_slots`` rows of up to ``max_len`` entries, each entry standing for
-        ``tokens_per_entry`` tokens (a Block Transformer's block decoder keeps one entry per block)."""
-        entries = -(-self.tokens // tokens_per_entry)
-        return KVPages.for_tokens(n_slots, max_len, entries, self.page_size, device=device, read=self.read)
+        ``tokens_per_entry`` tokens (a Block Transformer's block decoder keeps one entry per block); a looped
+        cache keeps ``loops`` table rows per slot (one per loop of its shared layers) in ``loops`` times the pool."""
+        entries = -(-self.tokens // tokens_per_entry) * loops
+        return KVPages.for_tokens(n_slots * loops, max_len, entries, self.page_size, device=device, read=self.read)
 
 
 class PagedRows:
-    """The engine's room calls for a runner whose growing cache (``state.cache`` unless :meth:`_paged_cache`
-    says otherwise) may be paged (no-ops when it is static). The engine counts tokens; a cache entry may stand
-    for ``tokens_per_entry`` of them."""
+    """The engine's room calls for a runner whose growing cache (``state.cache`` unless :attr:`_pages` says
+    otherwise) may be paged (no-ops when it is static). The engine counts tokens; a cache entry may stand for
+    ``tokens_per_entry`` of them, and a slot may own several rows of the page table (:meth:`_table_rows`)."""
 
     state: object  # has ``cache: DecoderCache``
     tokens_per_entry: int = 1
 
-    def _paged_cache(self) -> DecoderCache:
-        return self.state.cache  # type: ignore[attr-defined]
-
     @property
     def _pages(self) -> KVPages | None:
-        return self._paged_cache().pages
+        cache: DecoderCache = self.state.cache  # type: ignore[attr-defined]
+        return cache.pages
+
+    def _table_rows(self, slot: int) -> list[int]:
+        """The page-table rows of slot ``slot``'s request."""
+        return [slot]
 
     def _entries(self, n_tokens: int) -> int:
         return -(-n_tokens // self.tokens_per_entry)
 
     def can_hold(self, token_counts: list[int], *, alone: bool = False) -> bool:
-        return self._pages is None or self._pages.can_hold([self._entries(n) for n in token_counts], alone=alone)
+        copies = len(self._table_rows(0))
+        return self._pages is None or self._pages.can_hold(
+            [self._entries(n) for n in token_counts for _ in range(copies)], alone=alone)
 
     def reserve(self, slot: int, n_tokens: int) -> bool:
-        return self._pages is None or self._pages.reserve(slot, self._entries(n_tokens))
+        return self._pages is None or self._pages.reserve_all(self._table_rows(slot), self._entries(n_tokens))
 
     def release(self, slot: int) -> None:
-        if self._pages is not None:
-            self._pages.release(slot)
+        for row in self._table_rows(slot) if self._pages is not None else ():
+            self._pages.release(row)

@@ -1,10 +1,11 @@
 """Serving Recursive Transformers: sequence-wise like a decoder, or with continuous depth-wise batching and
 confidence-based early exit (Bae et al. 2024, section 2.4 and appendix N).
 
-:class:`RecursiveRunner` without an exit rule is the decoder's runner. Sequence-wise serving runs all ``B`` loops of a token before the next. Here one decode step runs ONE
-loop of the shared block over every row, each row at its own loop (its per-loop LoRA gathered by loop
-index, :meth:`RecursiveDecoder.run_loop` with a ``(rows,)`` loop tensor, over this module's
-:class:`LoopedCache`). After loop ``k`` a row's exit
+:class:`RecursiveRunner` without an exit rule is the decoder's runner. Sequence-wise serving runs all ``B`` loops of a
+token before the next. Here one decode step runs ONE loop of the shared block over every row, each row at its own
+loop (its per-loop LoRA gathered by loop index, :meth:`RecursiveDecoder.run_loop` with a ``(rows,)`` loop tensor,
+over a :class:`~blockloop.serve.runners.looped_cache.LoopedCache`, or its paged form with ``paging``, each row's
+loop read in place). After loop ``k`` a row's exit
 logits (shared final norm + head, section 3.7) are scored by an :class:`ExitRule`; a row whose rule
 fires, or that finished the last loop, emits its token, and starts the next token's loop 0 at the very
 next step, while the other rows go on to their next loop. With early exits, tokens cost fewer loops
@@ -33,20 +34,20 @@ tokens per row, exactly the full model's output.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection
-from dataclasses import dataclass, replace
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 
 from blockloop.errors import BlockloopError, check_context
-from blockloop.models.decoder import LayerInputs
 from blockloop.models.recursive import RecursiveDecoder
-from blockloop.nn.kv_cache import DecoderCache, KVCache, RollingKVCache, StepContext
+from blockloop.nn.kv_cache import DecoderCache, StepContext
 from blockloop.nn.paged_cache import KVPages
 from blockloop.serve.requests import SamplingParams
 from blockloop.serve.runners.base import StepOutput
 from blockloop.serve.runners.decoder import DecoderRunner, DecodeState
+from blockloop.serve.runners.looped_cache import LoopedCache, PagedLoopedCache
 from blockloop.serve.runners.paging import Paging
 from blockloop.serve.runners.speculative import Speculation, Speculator
 
@@ -82,123 +83,6 @@ class ExitRule:
         return confident & (loops_done >= self.min_loops)
 
 
-LOOP_READS = ("dense", "blocks")
-BLOCK = 128  # keys per block of the "blocks" read (FlexAttention's CUDA kernels tile by at least 16)
-
-
-class RowLoopKV:
-    """One shared layer's keys/values when each row of the batch runs its own loop (depth-wise batching).
-
-    ``k, v`` are ``(B, H_kv, loops * span, D)``: loop ``l`` of row ``b`` is ``[b, :, l * span : (l + 1) * span]``.
-    Row ``b`` writes its token into loop ``loop[b]``'s part, and the step attends over the stacked rows as they
-    are, with a mask that shows each row only its own loop's part (:meth:`LoopedCache.lift`): no row's loop is
-    copied out to attend over. A ``rolling`` layer's ``span`` is its ring (and scratch entry); it is attended
-    as the ring before the write then the new key, as :class:`~blockloop.nn.kv_cache.RollingKVCache` does, so
-    its rows' rings (window-sized) are gathered.
-    """
-
-    def __init__(self, k: Tensor, v: Tensor, loop: Tensor, span: int, rolling: bool = False) -> None:
-        self.k, self.v, self.loop, self.span, self.rolling = k, v, loop, span, rolling
-
-    def write(self, slots: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
-        """Store one token per row, ``k, v (B, H_kv, 1, D)`` at per-row ``slots (B, 1)`` of its loop (a rolling
-        layer's ring entries, :meth:`~blockloop.nn.kv_cache.DecoderCache.ring_entries`)."""
-        rows = torch.arange(k.shape[0], device=k.device)
-        before = tuple(self._rings(t, rows) for t in (self.k, self.v)) if self.rolling else None
-        at = self.loop * self.span + slots[:, 0]
-        self.k[rows, :, at] = k[:, :, 0].to(self.k.dtype)
-        self.v[rows, :, at] = v[:, :, 0].to(self.v.dtype)
-        if before is not None:
-            return torch.cat((before[0], k.to(self.k.dtype)), 2), torch.cat((before[1], v.to(self.v.dtype)), 2)
-        return self.k, self.v
-
-    def _rings(self, stacked: Tensor, rows: Tensor) -> Tensor:
-        """Each row's ring at its own loop, ``(B, H_kv, span, D)``."""
-        b, h, _, d = stacked.shape
-        return stacked.view(b, h, -1, self.span, d)[rows, :, self.loop]
-
-
-class LoopedCache(DecoderCache):
-    """A cache for ``n_layer`` shared layers run ``loops`` times. Shared layer ``j`` keeps ``(B, H_kv, loops *
-    span, D)`` buffers, loop after loop along the key axis, and depth entry ``loop * n_layer + j`` is a view of
-    one loop's part: one batch can run every row at the same loop (``layers``, the sequence-wise prefill) or
-    each row at its own (:meth:`loop_layer` with the masks of :meth:`lift`). Shared layers in ``rolling``
-    (local at every loop) stack rings of ``window`` slots.
-
-    ``read`` is how a depth-wise step shows each row its own loop: ``"dense"`` (a boolean mask over every
-    loop's keys, False outside the row's loop: no copy, but the kernel scans all loops; the CPU default) or
-    ``"blocks"`` (a FlexAttention block mask that visits only the row's live blocks of its loop, so a step
-    reads what a row has cached at that loop and nothing else; the CUDA default; each loop's span is then a
-    whole number of 128-key blocks).
-    """
-
-    def __init__(
-        self, n_layer: int, loops: int, batch_size: int, n_kv_head: int, max_len: int, head_dim: int, *,
-        dtype: torch.dtype, device: torch.device | str, rolling: Collection[int] = (), window: int = 0,
-        read: str | None = None,
-    ) -> None:
-        entries = [loop * n_layer + j for loop in range(loops) for j in rolling]
-        super().__init__(0, batch_size, n_kv_head, max_len, head_dim, dtype=dtype, device=device,
-                         rolling=entries, window=window)
-        read = read or ("blocks" if torch.device(device).type == "cuda" else "dense")
-        if read not in LOOP_READS:
-            raise BlockloopError(f"unknown looped-cache read {read!r}; choose one of {', '.join(LOOP_READS)}")
-        if read == "blocks" and rolling:
-            raise BlockloopError("the 'blocks' read of a looped cache has no rolling (sliding-window) layers; use 'dense'")
-        self.loops, self.read, self.rolling_layers = loops, read, frozenset(rolling)
-        self.span = -(-max_len // BLOCK) * BLOCK if read == "blocks" else max_len
-        ring = self.ring_slot.shape[1]  # ring entries + the scratch one
-        self.spans = [ring if j in self.rolling_layers else self.span for j in range(n_layer)]
-        self.stacked = [
-            tuple(torch.zeros(batch_size, n_kv_head, loops * span, head_dim, dtype=dtype, device=device) for _ in "kv")
-            for span in self.spans
-        ]
-        self.layers = nn.ModuleList(
-            (RollingKVCache if j in self.rolling_layers else KVCache).of(
-                *(t[:, :, loop * self.spans[j] :][:, :, : self.spans[j] if j in self.rolling_layers else max_len]
-                  for t in self.stacked[j]))
-            for loop in range(loops) for j in range(n_layer)
-        )
-
-    def loop_layer(self, layer: int, loop: Tensor) -> RowLoopKV:
-        """Shared layer ``layer`` with row ``b`` at loop ``loop[b]``."""
-        return RowLoopKV(*self.stacked[layer], loop, self.spans[layer], layer in self.rolling_layers)
-
-    def lift(self, inputs: LayerInputs, loop: Tensor, slots: Tensor) -> LayerInputs:
-        """A depth-wise step's masks for the full-length layers, moved from one loop's slots onto the stacked
-        buffers: row ``b`` sees, at loop ``loop[b]``'s part, what the step's cache mask shows it (queries at
-        ``slots (B, 1)``), and nothing of its other loops. Rolling layers' ring masks stay as they are."""
-        if self.read == "blocks":
-            return replace(inputs, masks={"mask": self._block_mask(loop, slots)})
-        at_loop = (loop[:, None] == torch.arange(self.loops, device=loop.device))[:, None, None, :, None]
-
-        def lifted(masks: dict[str, object] | None) -> dict[str, object] | None:
-            return masks if masks is None else {"mask": (at_loop & masks["mask"].unsqueeze(-2)).flatten(-2)}
-
-        return replace(inputs, masks=lifted(inputs.masks), local_masks=lifted(inputs.local_masks))
-
-    def _block_mask(self, loop: Tensor, slots: Tensor):  # -> flex_attention.BlockMask
-        """Row ``b`` visits the blocks of loop ``loop[b]`` up to its query's slot, and sees in them what
-        :func:`~blockloop.nn.masks.cache_mask` would."""
-        from torch.nn.attention.flex_attention import BlockMask
-
-        span, key_valid, query = self.span, self.key_valid, slots[:, 0]
-        last = key_valid.shape[1] - 1
-
-        def mask_mod(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
-            slot = kv_idx - loop[b] * span
-            at = slot.clamp(0, last)
-            seen = (at <= query[b]) & key_valid[b, at] | (at == query[b])
-            return (slot >= 0) & (slot <= last) & seen
-
-        rows, width = len(loop), span // BLOCK
-        counts = torch.div(query, BLOCK, rounding_mode="floor") + 1
-        indices = loop[:, None] * width + torch.arange(width, device=loop.device)
-        return BlockMask.from_kv_blocks(
-            counts.view(rows, 1, 1).int(), indices.view(rows, 1, 1, width).int(), BLOCK_SIZE=(BLOCK, BLOCK),
-            mask_mod=mask_mod, seq_lengths=(1, self.loops * span), compute_q_blocks=False)
-
-
 @dataclass
 class DepthwiseState:
     """Sequence-wise state (cache, next slot/position per row) plus each row's in-flight token: its hidden
@@ -231,8 +115,8 @@ class RecursiveRunner(DecoderRunner):
         super().__init__(model, paging)
         self.resumable = exit_rule is None and speculation is None
         self.chunked_prefill = self.chunked_prefill and self.resumable
-        if paging is not None and exit_rule is not None:
-            raise BlockloopError("depth-wise batching (exit_rule) keeps a static per-loop cache; serve it without paging")
+        if paging is not None and loop_read is not None:
+            raise BlockloopError("loop_read picks how a static looped cache is read; a paged one reads as Paging.read says")
         self.config = model.config
         self.exit_rule = exit_rule
         self.speculator = None if speculation is None else Speculator(model, speculation)
@@ -261,14 +145,29 @@ class RecursiveRunner(DecoderRunner):
         c, m, weight = self.config, self.model, self.model.embed.weight
         check_context(max_len, c.context_length, "cache", "allocate fewer slots")
         rolling = [j for j in range(c.n_layer) if j in m.rolling]  # loop 0's position of a layer local at every loop
-        cache = LoopedCache(c.n_layer, c.loops, n_slots, c.n_kv_head, max_len, c.head_dim,
-                            dtype=weight.dtype, device=weight.device, rolling=rolling, window=c.sliding_window or 0,
-                            read=self.loop_read)
+        if self.paging is not None:
+            pages = self.paging.pages(n_slots, max_len, weight.device, loops=c.loops)
+            cache = PagedLoopedCache(c.n_layer, c.loops, n_slots, c.n_kv_head, max_len, c.head_dim, dtype=weight.dtype,
+                                     pages=pages)
+        else:
+            cache = LoopedCache(c.n_layer, c.loops, n_slots, c.n_kv_head, max_len, c.head_dim, dtype=weight.dtype,
+                                device=weight.device, rolling=rolling, window=c.sliding_window or 0, read=self.loop_read)
         zeros = torch.zeros(n_slots, dtype=torch.long, device=weight.device)
         self.state = DecodeState.of(cache)
         self.depth = DepthwiseState(weight.new_zeros(n_slots, 1, c.d_model), zeros.clone(), zeros.clone(), zeros.clone(),
                                     torch.zeros(c.loops, dtype=torch.long, device=weight.device),
                                     zeros.new_zeros(n_slots, c.loops), zeros.new_zeros(n_slots, max_len))
+
+    @property
+    def _pages(self) -> KVPages | None:
+        cache = self.state.cache
+        return cache.loop_pages if isinstance(cache, PagedLoopedCache) else cache.pages
+
+    def _table_rows(self, slot: int) -> list[int]:
+        """Depth-wise over pages: one page-table row per loop of the slot's request."""
+        if not isinstance(self.state.cache, PagedLoopedCache):
+            return [slot]
+        return [loop * self.state.cache.batch_size + slot for loop in range(self.config.loops)]
 
     def _allocate_cache(self, n_slots: int, max_len: int, pages: KVPages | None) -> DecoderCache:
         # a speculative round writes k + 1 slots and may keep only one: rings keep room for the k it takes back
@@ -326,8 +225,8 @@ class RecursiveRunner(DecoderRunner):
         exit_loop = loop
         if self.exit_rule.kind == "oracle":
             exit_loop = self._oracle_exit(state, logits, loop)
-        elif self.exit_rule.kind != "none":
-            self._fill_owed(decode.cache, ready & ~last, loop, slot)
+        elif self.exit_rule.kind != "none":  # the K/V an exited token owes the loops it skipped
+            decode.cache.copy_exits(ready & ~last, loop, slot)
         state.exits.index_add_(0, exit_loop, ready.long())
         rows = torch.arange(len(slot), device=slot.device)
         state.exit_log[rows, slot] = torch.where(ready, exit_loop + 1, state.exit_log[rows, slot])
@@ -347,19 +246,6 @@ class RecursiveRunner(DecoderRunner):
         after, i.e. of the request's output tokens 2.. (the first comes from the sequence-wise prefill).
         Read it once the request has finished, before its row is prefilled again (a host sync)."""
         return self.depth.exit_log[row, start : start + n_tokens].tolist()
-
-    def _fill_owed(self, cache: LoopedCache, exited: Tensor, loop: Tensor, slot: Tensor) -> None:
-        """Copy the K/V an early-exited token wrote at its exit loop into every deeper loop's entry."""
-        rows = torch.arange(loop.shape[0], device=loop.device)
-        ring_entry = cache.ring_entries(slot[:, None])[:, 0] if cache.rolling else slot
-        for j, (k_stack, v_stack) in enumerate(cache.stacked):
-            entry, span = (ring_entry if j in cache.rolling_layers else slot), cache.spans[j]
-            for buffer in (k_stack, v_stack):
-                exit_kv = buffer[rows, :, loop * span + entry]
-                for deeper in range(1, self.config.loops):
-                    owed = (exited & (loop < deeper))[:, None, None]
-                    at = deeper * span + entry
-                    buffer[rows, :, at] = torch.where(owed, exit_kv, buffer[rows, :, at])
 
     def mean_exit_loop(self) -> float:
         """Average loops per emitted token so far (a host sync: for reports, not inside the loop)."""
