@@ -455,6 +455,29 @@ def test_poisson_stream_serves_every_request_and_counts_queueing_in_ttft():
         run_stream(tiny(), [[1, 2]], n_slots=1, min_tokens=1, max_tokens=1, rate=0.0)
 
 
+def test_a_stream_sizes_its_slots_to_its_longest_request_and_cuts_prompts_with_the_models_tokenizer(monkeypatch):
+    from blockloop.bench import stream
+    from blockloop.data.corpora import load_documents
+    from blockloop.data.tokenizers import build_tokenizer
+
+    lengths = []
+    real_engine = stream.Engine
+
+    def engine(*args, **kwargs):
+        lengths.append(kwargs["max_len"])
+        return real_engine(*args, **kwargs)
+
+    monkeypatch.setattr(stream, "Engine", engine)
+    stream.run_stream(tiny("tiny-block"), random_prompts((5, 9, 3)), n_slots=2, min_tokens=2, max_tokens=4)
+    _, budgets = stream.schedule(3, float("inf"), 2, 4)
+    assert lengths == [12 + budgets.max()]  # the 9-token prompt padded to 3 blocks of 4, plus the largest budget
+    tokenizer = build_tokenizer("smollm2")
+    prompts = stream.corpus_prompts(tokenizer.vocab_size, 3, 8, 12, tokenizer=tokenizer)
+    corpus = "\n".join(load_documents("shakespeare"))
+    assert all(8 <= len(p) <= 12 and tokenizer.decode(p).strip() in corpus for p in prompts)
+    assert max(max(p) for p in prompts) > 255  # real subword ids, not bytes
+
+
 def test_the_paper_scenarios_are_shortened_to_fit_the_model_context():
     """2048 + 128 overruns the 2048-token context of the paper's own models by one block of 128."""
     from blockloop.bench.throughput import scenario_lengths

@@ -12,19 +12,29 @@ import torch
 from torch import nn
 
 from blockloop.bench.metrics import Timing, serving_metrics
+from blockloop.data.tokenizers import Tokenizer
 from blockloop.errors import BlockloopError
 from blockloop.serve.engine import Engine
 from blockloop.serve.requests import SamplingParams
-from blockloop.serve.runners import Runner
+from blockloop.serve.runners import Runner, runner_for
 from blockloop.serve.runners.recursive import RecursiveRunner
 
+PROMPT_TEXT = 1 << 20  # characters of the corpus a stream's prompts are cut from
 
-def corpus_prompts(vocab_size: int, n: int, min_len: int, max_len: int, *, corpus: str = "shakespeare", seed: int = 0) -> list[list[int]]:
-    """``n`` byte-token slices of ``corpus`` with lengths uniform in ``[min_len, max_len]`` (ids mod vocab)."""
+
+def corpus_prompts(
+    vocab_size: int, n: int, min_len: int, max_len: int, *, corpus: str = "shakespeare", seed: int = 0,
+    tokenizer: Tokenizer | None = None,
+) -> list[list[int]]:
+    """``n`` token slices of ``corpus`` with lengths uniform in ``[min_len, max_len]``: the model's own
+    ``tokenizer``'s tokens (a trained or imported checkpoint's), or bytes (ids mod vocab) for a preset."""
     from blockloop.data.corpora import load_documents
 
     text = "\n".join(d if isinstance(d, str) else d.decode("utf-8", "replace") for d in load_documents(corpus))
-    tokens = np.frombuffer(text.encode("utf-8"), dtype=np.uint8).astype(np.int64) % vocab_size
+    if tokenizer is not None:
+        tokens = np.asarray(tokenizer.encode(text[:PROMPT_TEXT]), dtype=np.int64)
+    else:
+        tokens = np.frombuffer(text.encode("utf-8"), dtype=np.uint8).astype(np.int64) % vocab_size
     rng = np.random.default_rng(seed)
     prompts = []
     for length in rng.integers(min_len, max_len + 1, size=n):
@@ -54,8 +64,12 @@ def run_stream(
     and each request's ``outputs`` (in submission order). ``served`` is a model or its runner (a recursive
     model's depth-wise runner also reports its exits, a speculative one its acceptance)."""
     offsets, budgets = schedule(len(prompts), rate, min_tokens, max_tokens, seed)
-    engine = Engine(served, n_slots, sync_every=sync_every, compile=compile)
-    runner = engine.runner
+    runner = served if isinstance(served, Runner) else runner_for(served)
+    # Slots as long as the stream's longest request (padded prompt + budget), not the model's whole context.
+    multiple = runner.prompt_multiple
+    longest = runner.reserved + max(-(-len(p) // multiple) * multiple for p in prompts) + int(budgets.max())
+    engine = Engine(runner, n_slots, max_len=min(longest, runner.model.config.context_length), sync_every=sync_every,
+                    compile=compile)
     depthwise = isinstance(runner, RecursiveRunner) and runner.exit_rule is not None
     speculator = runner.speculator if isinstance(runner, RecursiveRunner) else None
     greedy = SamplingParams(temperature=0.0)

@@ -21,6 +21,7 @@ from blockloop.bench.records import last_val_loss
 from blockloop.bench.stream import agreement, corpus_prompts, run_stream
 from blockloop.bench.throughput import engine_throughput, search_batches
 from blockloop.bench.timing import copy_bandwidth
+from blockloop.data.tokenizers import Tokenizer
 from blockloop.errors import BlockloopError
 from blockloop.families import build_model, from_name
 from blockloop.serve.exit_schedule import simulate
@@ -36,6 +37,7 @@ class BenchModel:
     name: str
     model: nn.Module
     val_loss: float | None  # of a trained run, for the throughput-vs-loss plot
+    tokenizer: Tokenizer | None = None  # a checkpoint's, so stream prompts are its real tokens
 
 
 def bench_dtype(name: str, device: str) -> torch.dtype:
@@ -56,7 +58,7 @@ def load_models(
         models.append(BenchModel(name, build_model(from_name(name)).to(device=device, dtype=dtype).eval(), None))
     for path in checkpoints:
         trained = load_trained(path, device)
-        models.append(BenchModel(Path(path).name, trained.model.to(dtype), last_val_loss(Path(path))))
+        models.append(BenchModel(Path(path).name, trained.model.to(dtype), last_val_loss(Path(path)), trained.tokenizer))
     if not models:
         raise BlockloopError("nothing to bench: give --presets or --checkpoint")
     return models
@@ -159,19 +161,21 @@ def stream_rows(models: list[BenchModel], settings: StreamSettings) -> Iterator[
     """One row per served model, yielded as each finishes: serving metrics, and for depth-wise runs the mean
     exit loop, the simulated schedules (RRT appendix N) and greedy agreement with the sequence-wise run."""
     s = settings
-    served: list[tuple[str, Any, float | None, str | None]] = []
+    served: list[tuple[str, Any, BenchModel, str | None]] = []
     for m in models:
-        served.append((m.name, m.model, m.val_loss, None))
+        served.append((m.name, m.model, m, None))
         if isinstance(runner_for(m.model), RecursiveRunner):
-            served += [(f"{m.name} depth-wise exit {rule_name(r)}", runner_for(m.model, exit_rule=r), m.val_loss, m.name)
+            served += [(f"{m.name} depth-wise exit {rule_name(r)}", runner_for(m.model, exit_rule=r), m, m.name)
                        for r in s.exits]
-            served += [(f"{m.name} {speculation_name(sp)}", runner_for(m.model, speculation=sp), m.val_loss, m.name)
+            served += [(f"{m.name} {speculation_name(sp)}", runner_for(m.model, speculation=sp), m, m.name)
                        for sp in s.speculations]
     first: float | None = None
     outputs: dict[str, list[list[int]]] = {}
     throughput: dict[str, float] = {}
-    for name, model, val_loss, reference in served:
-        prompts = corpus_prompts(model.config.vocab_size, s.requests, *s.prompt_range, corpus=s.corpus, seed=s.seed)
+    for name, model, bench_model, reference in served:
+        val_loss = bench_model.val_loss
+        prompts = corpus_prompts(model.config.vocab_size, s.requests, *s.prompt_range, corpus=s.corpus, seed=s.seed,
+                                 tokenizer=bench_model.tokenizer)
         m = run_stream(model, prompts, n_slots=s.slots, min_tokens=s.tokens_range[0], max_tokens=s.tokens_range[1],
                        rate=s.rate, sync_every=s.sync_every, seed=s.seed, compile=s.compile)
         outputs[name] = m.pop("outputs")
