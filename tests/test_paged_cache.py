@@ -235,8 +235,6 @@ def test_paging_refuses_what_it_cannot_serve():
     double = model_of("tiny-double")
     with pytest.raises(BlockloopError, match="static batches"):
         runner_for(double, prefix=double.cache_prefix([1, 2, 3]), paging=Paging(32))
-    with pytest.raises(BlockloopError, match="sliding-window"):
-        runner_for(build_model(from_name("tiny", local_layers=[0], sliding_window=4)), paging=Paging(32))
     with pytest.raises(BlockloopError, match="paged read"):
         Paging(32, read="dense")
 

@@ -11,13 +11,14 @@ import pytest
 import torch
 
 from blockloop.config import DecoderConfig
+from blockloop.errors import BlockloopError
 from blockloop.families import build_model, spec_of
 from blockloop.families.recursive import RecursiveConfig
 from blockloop.nn.kv_cache import KVCache, RollingKVCache, StepContext
 from blockloop.serve.engine import Engine
 from blockloop.serve.generate import generate
 from blockloop.serve.requests import SamplingParams
-from blockloop.serve.runners import ExitRule, Speculation, runner_for
+from blockloop.serve.runners import ExitRule, Paging, Speculation, runner_for
 from blockloop.serve.sampling import SlotSampling
 
 WINDOW = 4
@@ -127,6 +128,32 @@ def test_continuous_batching_with_mid_batch_joins_equals_per_request_generation(
     requests = [engine.submit(p, n, sampling=GREEDY) for p, n in zip(prompts, budgets)]
     engine.run()
     assert [r.output for r in requests] == reference
+
+
+@pytest.mark.parametrize("read", ["gather", "pages"])
+@pytest.mark.parametrize("name", ["decoder", "recursive shared"])
+def test_paged_global_layers_beside_rolling_local_ones_equal_per_request_generation(name, read):
+    """A paged cache for the global layers, rings for the local ones: a small pool (requests wait for pages and
+    grow a window at a time, the newest preempted when pages run out) gives exactly each request's own greedy
+    continuation, and every page comes back."""
+    model = MODELS[name]()
+    prompts, budgets = prompts_of((9, 2, 13, 5, 6)), [12, 9, 5, 13, 7]
+    reference = [uncached_greedy(model, p, n) for p, n in zip(prompts, budgets)]
+    runner = runner_for(model, paging=Paging(32, 4, read))
+    engine = Engine(runner, 3, sync_every=2)
+    requests = [engine.submit(p, n, sampling=GREEDY) for p, n in zip(prompts, budgets)]
+    engine.run()
+    assert [r.output for r in requests] == reference and any(r.preemptions for r in requests)
+    cache = runner.state.cache
+    assert any(isinstance(layer, RollingKVCache) for layer in cache.layers) and cache.pages is not None
+    assert len(cache.pages.free) == cache.pages.n_pages - 1 and not cache.pages.held
+
+
+def test_paging_refuses_layers_local_at_some_loops_only_and_paged_depthwise_local_layers():
+    with pytest.raises(BlockloopError, match="local at some loops and global at others"):
+        runner_for(recursive("per-depth"), paging=Paging(32, 4))
+    with pytest.raises(BlockloopError, match="depth-wise without paging"):
+        runner_for(recursive("shared"), exit_rule=ExitRule("none"), paging=Paging(32, 4))
 
 
 def test_a_chunk_of_mixed_lengths_keeps_padding_out_of_the_rings(model):

@@ -259,7 +259,7 @@ class TransformerStack(nn.Module):
             inputs.local_rope = rope_angles(positions, c.rotary_dim, c.local_rope_base) if c.local_rope_base else rope
             if mask is None:
                 inputs.local_masks = {"mask_mod": sliding_window_mask_mod(c.sliding_window)}
-            else:
+            elif isinstance(mask, Tensor):  # not a paged decode step's block mask: its local layers are all rolling
                 inputs.local_masks = {"mask": mask & within_window(step.slots, mask.shape[-1], c.sliding_window)}
         return inputs
 

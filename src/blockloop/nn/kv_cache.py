@@ -111,7 +111,8 @@ class DecoderCache(nn.Module):
     Rows are independent: a row's keys are only visible to that row, and only where ``key_valid`` is
     set, so left-padded prompts of different lengths share one set of slot indices. With ``pages`` the
     layers keep their keys in pages of one shared pool instead (:mod:`blockloop.nn.paged_cache`): the
-    same slots and masks, memory per row only for the pages it reserved.
+    same slots and masks, memory per row only for the pages it reserved (rolling layers keep their rings:
+    they are window-sized already).
 
     Layers in ``rolling`` (sliding-window layers seeing the last ``window`` slots) get a
     :class:`RollingKVCache` of ``min(window + rollback, max_len)`` entries (and a scratch one); ``rollback`` is
@@ -142,13 +143,11 @@ class DecoderCache(nn.Module):
         if pages is not None and (pages.table.shape[0], pages.max_len) != (batch_size, max_len):
             raise ValueError(f"a page table of {tuple(pages.table.shape)} rows/pages for max_len {pages.max_len} "
                              f"does not fit a cache of {batch_size} rows x {max_len} slots")
-        if pages is not None and rolling:
-            raise ValueError("a paged cache has no rolling (sliding-window) layers")
         self.rolling, self.window = frozenset(rolling), window
         ring = min(window + rollback, max_len) + 1 if rolling else 0  # with the scratch entry
         self.layers = nn.ModuleList(
-            PagedKVCache(pages, n_kv_head, head_dim, dtype=dtype) if pages is not None
-            else RollingKVCache(batch_size, n_kv_head, ring, head_dim, dtype=dtype, device=device) if i in self.rolling
+            RollingKVCache(batch_size, n_kv_head, ring, head_dim, dtype=dtype, device=device) if i in self.rolling
+            else PagedKVCache(pages, n_kv_head, head_dim, dtype=dtype) if pages is not None
             else KVCache(batch_size, n_kv_head, max_len, head_dim, dtype=dtype, device=device)
             for i in range(n_layer)
         )

@@ -56,9 +56,13 @@ class DecoderRunner(PagedRows, Runner):
         super().__init__(model)
         c = model.config
         local = bool(getattr(c, "local_layers", None) or getattr(c, "local_depths", None))
-        if paging is not None and local:
-            raise BlockloopError("the paged KV cache does not cover sliding-window (local) layers yet; "
-                                 "serve this model without paging")
+        # Local layers keep window-sized rings beside the pages, except a looped layer local at some loops only,
+        # whose full-length entries are read through a window mask over the cache (a dense mask, not the pool's).
+        rolling = set(getattr(model, "rolling", ()))
+        windowed = [p for p, is_local in enumerate(getattr(model, "local", ())) if is_local and p not in rolling]
+        if paging is not None and windowed:
+            raise BlockloopError("the paged KV cache does not cover a looped layer that is local at some loops and "
+                                 "global at others; serve this model without paging")
         self.paging = paging
         # A row between two chunks of its prompt still takes the window's decode steps, which write past its
         # prompt: a full-length cache overwrites those slots later, but a rolling cache (local layers) would

@@ -115,6 +115,9 @@ class RecursiveRunner(DecoderRunner):
         super().__init__(model, paging)
         self.resumable = exit_rule is None and speculation is None
         self.chunked_prefill = self.chunked_prefill and self.resumable
+        if paging is not None and exit_rule is not None and any(model.local):
+            raise BlockloopError("paged depth-wise batching does not cover sliding-window layers; serve this model "
+                                 "depth-wise without paging")
         if paging is not None and loop_read is not None:
             raise BlockloopError("loop_read picks how a static looped cache is read; a paged one reads as Paging.read says")
         self.config = model.config
