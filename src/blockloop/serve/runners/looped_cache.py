@@ -183,7 +183,7 @@ class PagedLoopedCache(DecoderCache):
     ``loops * batch_size`` rows) gives slot ``b``'s loop ``l`` table row ``l * batch_size + b``, so a request holds
     pages for what it has cached at each loop. The depth-wise step reads the pool as ``loop_pages.read`` says
     (``"pages"``: a block mask over each row's own loop's pages; ``"gather"``: gathered logical views); the
-    sequence-wise prefill, through ``layers``, always gathers. No sliding-window layers (paging refuses them)."""
+    sequence-wise prefill, through ``layers``, always gathers. No sliding-window layers (the runner refuses them)."""
 
     def __init__(
         self, n_layer: int, loops: int, batch_size: int, n_kv_head: int, max_len: int, head_dim: int, *,
