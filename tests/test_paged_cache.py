@@ -50,7 +50,7 @@ def test_pages_are_reserved_grown_released_and_reused():
 
 
 @pytest.mark.parametrize("read", ["gather", "pages"])
-@pytest.mark.parametrize("name", ["tiny", "tiny-recursive", "tiny-ladder"])
+@pytest.mark.parametrize("name", ["tiny", "tiny-recursive", "tiny-ladder", "tiny-encdec"])
 def test_paged_runner_equals_the_static_one_through_joins_and_frees(name, read):
     """Rows joining mid-batch, a finished row's pages going to the next request: every step's logits of the
     rows serving a request equal the static cache's (float64; idle rows compute garbage in both)."""
@@ -190,7 +190,7 @@ def test_paged_speculation_equals_static_speculation():
     assert outputs[0] == outputs[1]
 
 
-@pytest.mark.parametrize("name, options", [("tiny", {}), ("tiny-block", {}),
+@pytest.mark.parametrize("name, options", [("tiny", {}), ("tiny-block", {}), ("tiny-encdec", {}),
                                            ("tiny-recursive", {"exit_rule": ExitRule("max_prob", 0.5)})])
 def test_paged_decode_step_compiles_as_one_graph(name, options):
     """One graph (the Block Transformer: one per step kind) that never recompiles as the rows' pages fill."""

@@ -51,7 +51,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     t.add_argument("--sync-every", type=positive_int, default=16, help="decode steps between host syncs (default: 16)")
     t.add_argument("--hf", action="store_true", help="also time HF generate() on the first (vanilla) model")
     t.add_argument("--paged", action="store_true",
-                   help="also time each model whose runner pages (vanilla, ladder, looped, block, double decoder) "
+                   help="also time each model whose runner pages (vanilla, ladder, looped, block, double decoder, encoder-decoder) "
                         "over a paged KV cache")
     s = p.add_argument_group("request stream (continuous batching)")
     s.add_argument("--stream", action="store_true", help="run the request-stream benchmark instead")

@@ -43,7 +43,7 @@ def add_engine_arguments(p: argparse.ArgumentParser, slots: int = 8) -> None:
                    "running ones (default: 512)")
     p.add_argument("--kv-tokens", type=positive_int,
                    help="keep keys/values in a paged cache of this many tokens shared by the slots, each request "
-                   "holding only its own length (vanilla, looped, block and double-decoder models; default: every slot "
+                   "holding only its own length (vanilla, looped, block, double-decoder and encoder-decoder models; default: every slot "
                    "holds --max-len)")
     p.add_argument("--page-size", type=positive_int, default=128,
                    help="cache entries per page of --kv-tokens (tokens; a Block Transformer's blocks) (default: 128)")

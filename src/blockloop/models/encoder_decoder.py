@@ -27,6 +27,7 @@ from blockloop.models.decoder import Block, CrossKV, LanguageModel
 from blockloop.nn.kv_cache import DecoderCache, StepContext
 from blockloop.nn.masks import padding_mask
 from blockloop.nn.norm import build_norm
+from blockloop.nn.paged_cache import KVPages
 from blockloop.nn.rope import rope_angles
 
 if TYPE_CHECKING:
@@ -81,11 +82,11 @@ class EncoderDecoder(LanguageModel):
         return self.logits(self.norm(x))
 
     # ------------------------------------------------------------ inference
-    def allocate_cache(self, batch_size: int, max_len: int) -> DecoderCache:
-        """A static KV cache for the decoder's self-attention."""
+    def allocate_cache(self, batch_size: int, max_len: int, *, pages: KVPages | None = None) -> DecoderCache:
+        """The KV cache for the decoder's self-attention (static, or paged over ``pages``)."""
         c, weight = self.config, self.embed.weight
         return DecoderCache(c.n_decoder_layer, batch_size, c.n_kv_head, max_len, c.head_dim,
-                            dtype=weight.dtype, device=weight.device)
+                            dtype=weight.dtype, device=weight.device, pages=pages)
 
     def decoder_step(self, tokens: Tensor, step: StepContext, cross: list[CrossKV], cross_mask: Tensor) -> Tensor:
         """One token per row ``tokens (B,)`` through the decoder (its cache + the fixed cross K/V); the

@@ -1,8 +1,13 @@
 """Serving the encoder-decoder baseline: encode prompt[:-1] once (every decoder layer's cross K/V), then
 decode from the last prompt token with a KV cache for the decoder's self-attention only.
 
-Continuous batching keeps static cross K/V buffers of ``max_len`` entries per decoder layer, masked past
-each row's encoded prompt; decoder positions count from 0 at each request's last prompt token.
+Continuous batching keeps cross K/V buffers of ``max_len`` entries per decoder layer and row, masked past
+each row's encoded prompt; decoder positions count from 0 at each request's last prompt token. With
+``paging`` (:mod:`blockloop.serve.runners.paging`) both the self-attention cache and the cross K/V live in
+pages under one page table: a request holds the pages of its budget (prompt plus new tokens, which covers
+its encoded prompt and its generated tokens alike) from admission and frees them when it finishes. A decode
+step then reads the cross pool through a block mask of the row's own pages ("pages") or through gathered
+logical views ("gather", the CPU reference).
 """
 
 from __future__ import annotations
@@ -15,58 +20,72 @@ from torch import Tensor
 from blockloop.models.decoder import CrossKV
 from blockloop.models.encoder_decoder import EncoderDecoder
 from blockloop.nn.kv_cache import DecoderCache, StepContext
+from blockloop.nn.paged_cache import PagedKVCache
 from blockloop.serve.runners.base import Runner
+from blockloop.serve.runners.paging import PagedRows, Paging
 
 
 @dataclass
 class EncDecState:
-    """The decoder's KV cache, every decoder layer's cross K/V and key mask, each row's next cache slot
-    (which is also its decoder position)."""
+    """The decoder's KV cache, every decoder layer's cross K/V and which cross keys are real, each row's next
+    cache slot (which is also its decoder position). Paged, ``cross`` holds each layer's pool of pages."""
 
     cache: DecoderCache
     cross: list[CrossKV]
-    cross_mask: Tensor
+    cross_valid: Tensor  # (rows, cross length)
     next_slot: Tensor
 
 
-class EncoderDecoderRunner(Runner):
+class EncoderDecoderRunner(PagedRows, Runner):
     model: EncoderDecoder
     state: EncDecState
+
+    def __init__(self, model: EncoderDecoder, paging: Paging | None = None) -> None:
+        super().__init__(model)
+        self.paging = paging
 
     def allocate(self, n_slots: int, max_len: int) -> None:
         self.max_len = max_len
         c, weight = self.model.config, self.model.embed.weight
-        shape = (n_slots, c.n_kv_head, max_len, c.head_dim)
-        cross = [(weight.new_zeros(shape), weight.new_zeros(shape)) for _ in self.model.decoder]
-        mask = torch.zeros(n_slots, 1, 1, max_len, dtype=torch.bool, device=weight.device)
+        pages = None if self.paging is None else self.paging.pages(n_slots, max_len, weight.device)
+        if pages is None:
+            shape = (n_slots, c.n_kv_head, max_len, c.head_dim)
+            cross = [(weight.new_zeros(shape), weight.new_zeros(shape)) for _ in self.model.decoder]
+        else:
+            pools = [PagedKVCache(pages, c.n_kv_head, c.head_dim, dtype=weight.dtype) for _ in self.model.decoder]
+            cross = [(pool.k, pool.v) for pool in pools]
+        valid = torch.zeros(n_slots, max_len, dtype=torch.bool, device=weight.device)
         zeros = torch.zeros(n_slots, dtype=torch.long, device=weight.device)
-        self.state = EncDecState(self.model.allocate_cache(n_slots, max_len), cross, mask, zeros)
+        self.state = EncDecState(self.model.allocate_cache(n_slots, max_len, pages=pages), cross, valid, zeros)
 
     @torch.no_grad()
     def prefill_slot(self, slot: int, prompt: Tensor) -> Tensor:
-        """Encode ``prompt[:-1]`` into row ``slot``'s cross buffers; decode its last token at slot 0."""
-        state = self.state
+        """Encode ``prompt[:-1]`` into row ``slot``'s cross K/V; decode its last token at slot 0."""
+        state, pages = self.state, self.state.cache.pages
         cross, cross_mask = self.model.encode(prompt[None, :-1])
         length = cross_mask.shape[-1]
         for (k, v), (k1, v1) in zip(state.cross, cross):
-            k[slot, :, :length], v[slot, :, :length] = k1[0], v1[0]
-        state.cross_mask[slot] = False
-        state.cross_mask[slot, ..., :length] = cross_mask[0]
+            if pages is None:
+                k[slot, :, :length], v[slot, :, :length] = k1[0], v1[0]
+            else:
+                at = pages.rows(slot, slot + 1).positions(torch.arange(length, device=prompt.device))[0]
+                k[0, :, at], v[0, :, at] = k1[0], v1[0]
+        state.cross_valid[slot] = False
+        state.cross_valid[slot, :length] = cross_mask[0, 0, 0]
         row = state.cache.row(slot)
         row.reset()
         state.next_slot[slot] = 1
-        pick = slice(slot, slot + 1)
         step = StepContext(row, torch.zeros(1, dtype=torch.long, device=prompt.device))
-        return self.model.decoder_step(prompt[-1:], step, [(k[pick], v[pick]) for k, v in state.cross],
-                                       state.cross_mask[pick])[0]
+        cross_kv, mask = self._cross(slice(slot, slot + 1))
+        return self.model.decoder_step(prompt[-1:], step, cross_kv, mask)[0]
 
     @torch.no_grad()
     def prefill_batch(self, idx: Tensor, token_valid: Tensor) -> Tensor:
-        """Encode the left-padded prompts but their last token; every row decodes from slot 0 of a cache
+        """Encode the left-padded prompts but their last token; every row decodes from slot 0 of a (static) cache
         over the last prompt token and the generated ones."""
         cross, cross_mask = self.model.encode(idx[:, :-1], token_valid[:, :-1])
         cache = self.model.allocate_cache(idx.shape[0], 1 + self.max_len - idx.shape[1])
-        self.state = EncDecState(cache, cross, cross_mask, torch.zeros(idx.shape[0], dtype=torch.long, device=idx.device))
+        self.state = EncDecState(cache, cross, cross_mask[:, 0, 0], torch.zeros(idx.shape[0], dtype=torch.long, device=idx.device))
         return self.decode_step(idx[:, -1])
 
     @torch.no_grad()
@@ -74,6 +93,22 @@ class EncoderDecoderRunner(Runner):
         """One token per row at its own next slot (rows past the end of the cache rewrite their last one)."""
         state = self.state
         slots = state.next_slot.clamp_max(state.cache.max_len - 1)[:, None]
-        logits = self.model.decoder_step(tokens, StepContext(state.cache, slots), state.cross, state.cross_mask)
+        cross, mask = self._cross(slice(None))
+        logits = self.model.decoder_step(tokens, StepContext(state.cache, slots), cross, mask)
         state.next_slot = state.next_slot + 1
         return logits
+
+    def _cross(self, rows: slice) -> tuple[list[CrossKV], object]:
+        """The rows' cross K/V to attend over and their mask: the buffers and a dense key mask, or, paged, the
+        pools with a block mask over each row's pages, or the rows' gathered logical views."""
+        state, pages = self.state, self.state.cache.pages  # a lock-step batch's cache (and cross K/V) is static
+        valid = state.cross_valid[rows]
+        if pages is None:
+            return [(k[rows], v[rows]) for k, v in state.cross], valid[:, None, None, :]
+        pages = pages.rows(rows.start or 0, rows.stop if rows.stop is not None else len(state.cross_valid))
+        if pages.read == "pages":
+            beyond = torch.full((len(valid), 1), valid.shape[1], device=valid.device)  # a query after every key
+            return state.cross, pages.block_mask(valid, beyond)
+        every = pages.positions(torch.arange(valid.shape[1], device=valid.device))
+        gathered = [(k[0][:, every].transpose(0, 1), v[0][:, every].transpose(0, 1)) for k, v in state.cross]
+        return gathered, valid[:, None, None, :]
