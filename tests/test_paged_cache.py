@@ -237,6 +237,13 @@ def test_paging_refuses_what_it_cannot_serve():
         runner_for(double, prefix=double.cache_prefix([1, 2, 3]), paging=Paging(32))
     with pytest.raises(BlockloopError, match="paged read"):
         Paging(32, read="dense")
+    prefixed = build_model(from_name("tiny-recursive", prefix_len=2))  # appendix K: gathered views only
+    for options in ({}, {"exit_rule": ExitRule("none")}):
+        with pytest.raises(BlockloopError, match="read='gather'"):
+            Engine(runner_for(prefixed, paging=Paging(32, 4, "pages"), **options), n_slots=2, max_len=24)
+    engine = Engine(runner_for(prefixed, paging=Paging(32, 4, "gather")), n_slots=2, max_len=24)
+    engine.submit([1, 2, 3], 4)
+    engine.run()
 
 
 def test_the_serving_engine_takes_paging_and_the_prefill_chunk():

@@ -71,8 +71,16 @@ class DecoderRunner(PagedRows, Runner):
 
     def allocate(self, n_slots: int, max_len: int) -> None:
         device = self.model.embed.weight.device
-        pages = None if self.paging is None else self.paging.pages(n_slots, max_len, device)
+        pages = None if self.paging is None else self._checked(self.paging.pages(n_slots, max_len, device))
         self.state = DecodeState.of(self._allocate_cache(n_slots, max_len, pages))
+
+    def _checked(self, pages: KVPages) -> KVPages:
+        """Refuse what a decode step reading pages cannot do: a relaxed model's learned prefix K/V sit in front
+        of every row's keys (appendix K), which a mask over the shared pool cannot place."""
+        if pages.read == "pages" and getattr(self.model.config, "prefix_len", 0):
+            raise BlockloopError("a model with a learned prefix (prefix_len) cannot read its paged cache through "
+                                 "page masks; use Paging(..., read='gather') or serve it without paging")
+        return pages
 
     def _allocate_cache(self, n_slots: int, max_len: int, pages: KVPages | None) -> DecoderCache:
         """The model's cache for the rows (a runner whose steps take slots back sizes rolling caches for it)."""

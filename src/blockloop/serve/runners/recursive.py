@@ -149,7 +149,7 @@ class RecursiveRunner(DecoderRunner):
         check_context(max_len, c.context_length, "cache", "allocate fewer slots")
         rolling = [j for j in range(c.n_layer) if j in m.rolling]  # loop 0's position of a layer local at every loop
         if self.paging is not None:
-            pages = self.paging.pages(n_slots, max_len, weight.device, loops=c.loops)
+            pages = self._checked(self.paging.pages(n_slots, max_len, weight.device, loops=c.loops))
             cache = PagedLoopedCache(c.n_layer, c.loops, n_slots, c.n_kv_head, max_len, c.head_dim, dtype=weight.dtype,
                                      pages=pages)
         else:
