@@ -124,7 +124,9 @@ def test_continuous_batching_with_mid_batch_joins_equals_per_request_generation(
     prompts, budgets = prompts_of((9, 2, 13, 5, 6)), [12, 9, 5, 13, 7]
     reference = [uncached_greedy(model, p, n) for p, n in zip(prompts, budgets)]
     engine = Engine(model, 3, sync_every=2, prefill_chunk=5)  # rows join as others finish, each at its own slot
-    assert not engine.runner.chunked_prefill  # local layers' rings: each prompt is prefilled whole
+    # Prompts of up to 13 tokens in chunks of 5: a row between its chunks takes the window's decode steps fed no
+    # token, which must not push its prompt's keys out of the rings.
+    assert engine.runner.chunked_prefill
     requests = [engine.submit(p, n, sampling=GREEDY) for p, n in zip(prompts, budgets)]
     engine.run()
     assert [r.output for r in requests] == reference

@@ -182,6 +182,8 @@ class Engine:
                 self.admitted.append(slot)
             if self.runner.chunked_prefill:
                 self.prefilling.update((slot, 0) for slot, _ in admitted)
+                for slot, _ in admitted:  # fed no token (-1) until its prompt is cached: its steps write nothing real
+                    self.ready[slot] = False
                 self._prefill_chunks()
             else:
                 for start, group in self._prefill_groups(admitted):

@@ -54,8 +54,6 @@ class DecoderRunner(PagedRows, Runner):
 
     def __init__(self, model, paging: Paging | None = None) -> None:  # noqa: ANN001  (any single-stack model)
         super().__init__(model)
-        c = model.config
-        local = bool(getattr(c, "local_layers", None) or getattr(c, "local_depths", None))
         # Local layers keep window-sized rings beside the pages, except a looped layer local at some loops only,
         # whose full-length entries are read through a window mask over the cache (a dense mask, not the pool's).
         rolling = set(getattr(model, "rolling", ()))
@@ -64,10 +62,6 @@ class DecoderRunner(PagedRows, Runner):
             raise BlockloopError("the paged KV cache does not cover a looped layer that is local at some loops and "
                                  "global at others; serve this model without paging")
         self.paging = paging
-        # A row between two chunks of its prompt still takes the window's decode steps, which write past its
-        # prompt: a full-length cache overwrites those slots later, but a rolling cache (local layers) would
-        # lose the window's keys to them. Such models prefill each prompt whole.
-        self.chunked_prefill = not local
 
     def allocate(self, n_slots: int, max_len: int) -> None:
         device = self.model.embed.weight.device
@@ -132,7 +126,11 @@ class DecoderRunner(PagedRows, Runner):
 
     @torch.no_grad()
     def decode_step(self, tokens: Tensor) -> Tensor:
-        """One token per row, written at that row's own next slot."""
+        """One token per row, written at that row's own next slot. A row fed no token (-1: between two chunks
+        of its prompt) writes a padding entry there, which no query sees and no ring keeps; its next chunk
+        starts from where its prompt stopped."""
         slots, positions = self.state.step_slots()
-        logits, _ = self.model(tokens[:, None], step=StepContext(self.state.cache, slots, positions))
+        real = (tokens >= 0)[:, None]
+        step = StepContext(self.state.cache, slots, positions, real)
+        logits, _ = self.model(tokens.clamp_min(0)[:, None], step=step)
         return logits[:, -1]
