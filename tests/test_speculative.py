@@ -113,6 +113,21 @@ def test_verification_reuses_the_draft_loops_instead_of_recomputing_them(monkeyp
     assert calls == drafts + [(2, 4), (3, 4)]  # then loops 2, 3 once over all k + 1 positions
 
 
+def test_a_finished_request_no_longer_sets_the_adaptive_draft_length():
+    """Adaptive rounds draft the longest length any row wants: a row whose request has finished must drop out,
+    or a long-gone request that was accepting everything keeps every later round at the maximum k."""
+    model = looped(3)  # the loops agree: the first request's draft length climbs to k
+    runner = runner_for(model, speculation=Speculation(4, 1, adaptive=True))
+    engine = Engine(runner, 2, sync_every=1)
+    eager = engine.submit(prompts_of((5,))[0], 12, sampling=GREEDY)
+    modest = engine.submit(prompts_of((6,), seed=4)[0], 60, sampling=dataclasses.replace(GREEDY, speculate=1))
+    while eager.finish_reason is None:
+        engine.step()
+    assert modest.finish_reason is None
+    engine.step()
+    assert runner.speculator._draft_length() == 1  # only the running request's own length is left
+
+
 def test_eos_inside_an_accepted_run_ends_the_request_there():
     model = looped(3, 2.5)
     prompts = prompts_of((5, 7, 4, 6, 8, 3), seed=0)

@@ -186,6 +186,12 @@ class RecursiveRunner(DecoderRunner):
             self.speculator.start(slice(0, len(idx)))
         return super().prefill_batch(idx, token_valid)
 
+    def release(self, slot: int) -> None:
+        super().release(slot)
+        if self.speculator is not None:
+            # an idle row stops speculating, so the draft length it last wanted no longer sets the batch's
+            self.sampling.speculate[slot] = 0
+
     def check_request(self, sampling: SamplingParams) -> None:
         if self.speculator is None:
             return super().check_request(sampling)
