@@ -195,6 +195,37 @@ def test_bench_over_http_streams_the_seeded_requests_and_reports_percentiles(van
     assert row["requests_per_s"] == pytest.approx(8 / row["duration_s"])
 
 
+def test_tokenize_gives_the_served_tokenizers_ids_with_and_without_the_prompts_specials(vanilla):
+    tokenizer = vanilla.reference.tokenizer
+    text = "ROMEO: what light through yonder window breaks?"
+    for specials, expected in ((True, tokenizer.encode_prompt(text)), (False, tokenizer.encode(text))):
+        reply = httpx.post(vanilla.url + "/tokenize", json={"prompt": text, "add_special_tokens": specials}).json()
+        assert reply["tokens"] == expected and reply["count"] == len(expected) and reply["max_model_len"] == 128
+
+
+def test_bench_over_http_cuts_its_prompts_with_the_servers_own_tokenizer(tmp_path_factory, monkeypatch):
+    """A subword model must be sent subword prompts, the same ones the in-process stream cuts, not bytes."""
+    import dataclasses
+
+    from blockloop.bench import http_stream
+    from blockloop.bench.stream import corpus_prompts
+    from blockloop.data.tokenizers import build_tokenizer
+    from blockloop.families import build_model, from_name
+
+    tokenizer = build_tokenizer("smollm2")
+    model = build_model(dataclasses.replace(from_name("tiny"), vocab_size=tokenizer.vocab_size,
+                                            padded_vocab_size=tokenizer.vocab_size)).eval()
+    sent = []
+    send = http_stream._send_all
+    monkeypatch.setattr(http_stream, "_send_all", lambda url, name, prompts, *a: sent.append(prompts) or send(url, name, prompts, *a))
+    with running(app_for(model, tokenizer, name="subword", n_slots=4)) as url:
+        metrics = http_stream.run_http_stream(url, requests=4, rate=float("inf"), prompt_range=(6, 10),
+                                              tokens_range=(2, 3), seed=5)
+    assert metrics["requests"] == 4
+    assert sent == [corpus_prompts(tokenizer.vocab_size, 4, 6, 10, seed=5, tokenizer=tokenizer)]
+    assert max(max(p) for p in sent[0]) > 255  # real subword ids, not bytes
+
+
 def test_bench_over_http_says_when_no_server_answers(capsys):
     assert main(["bench", "--url", "http://127.0.0.1:9", "--requests", "2"]) == 2
     assert "no OpenAI-compatible server answers" in capsys.readouterr().err

@@ -20,6 +20,8 @@ from server_helpers import metric, running, tiny_run
 
 GOOD = {"model": "tiny", "prompt": "ROMEO:", "max_tokens": 4, "temperature": 0}
 CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+TOKENIZE = {"model": "tiny", "prompt": "ROMEO:"}
+BASE = {"/v1/completions": GOOD, "/v1/chat/completions": CHAT, "/tokenize": TOKENIZE}
 LONG = "x" * 200  # more than the 128-token context of the tiny model
 # (path, body: a dict to merge into GOOD / CHAT, or raw bytes, expected status, expected param)
 MALFORMED = [
@@ -61,6 +63,11 @@ MALFORMED = [
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": LONG}]}, 400, "messages"),
     ("/v1/chat/completions", {"max_completion_tokens": 0}, 400, "max_completion_tokens"),
     ("/v1/chat/completions", {"tools": [{"type": "function"}]}, 400, "tools"),
+    ("/tokenize", {"prompt": ""}, 400, "prompt"),
+    ("/tokenize", {"prompt": [1, 2]}, 400, "prompt"),
+    ("/tokenize", {"model": "gpt-4"}, 404, "model"),
+    ("/tokenize", {"add_special_tokens": "no"}, 400, "add_special_tokens"),
+    ("/tokenize", {"max_tokens": 3}, 400, "max_tokens"),
 ]
 
 
@@ -81,7 +88,7 @@ def test_malformed_requests_each_get_a_4xx_naming_the_field_and_the_server_keeps
             if isinstance(change, bytes):
                 reply = httpx.post(url + path, content=change, headers={"content-type": "application/json"})
             else:
-                reply = httpx.post(url + path, json={**(CHAT if "chat" in path else GOOD), **change})
+                reply = httpx.post(url + path, json={**BASE[path], **change})
             error = reply.json()["error"]
             assert (reply.status_code, error["param"]) == (status, param), (change, error)
             assert error["type"] == "invalid_request_error" and error["message"]

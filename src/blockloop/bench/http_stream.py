@@ -1,6 +1,7 @@
 """The request-stream benchmark over HTTP (``blockloop bench --url``), like ``vllm bench serve``: the requests of
-:func:`~blockloop.bench.stream.run_stream` (the same corpus prompts as token ids, the same Poisson arrivals and
-token budgets for the same seed, greedy, EOS ignored) sent to a running ``blockloop serve`` as streamed
+:func:`~blockloop.bench.stream.run_stream` (the same corpus prompts as token ids, cut from the corpus as the
+server's own tokenizer reads it through ``/tokenize``; the same Poisson arrivals and token budgets for the same
+seed; greedy, EOS ignored) sent to a running ``blockloop serve`` as streamed
 ``/v1/completions``, each token's arrival taken from its server-sent event on the client. The statistics are
 :func:`~blockloop.bench.metrics.serving_metrics`', so the in-process and HTTP figures differ only by what HTTP adds.
 """
@@ -15,19 +16,29 @@ from typing import Any
 import httpx
 
 from blockloop.bench.metrics import Timing, serving_metrics
-from blockloop.bench.stream import corpus_prompts, schedule
+from blockloop.bench.stream import corpus_text, cut_prompts, schedule
 from blockloop.errors import BlockloopError
 
 
 def model_card(url: str) -> dict[str, Any]:
-    """The served model's entry of ``GET /v1/models`` (its id, and the vocabulary the prompts are cut for)."""
+    """The served model's entry of ``GET /v1/models`` (its id names the model in every request)."""
     try:
         cards = httpx.get(url.rstrip("/") + "/v1/models", timeout=30).raise_for_status().json()["data"]
     except (httpx.HTTPError, KeyError, ValueError) as exc:
         raise BlockloopError(f"no OpenAI-compatible server answers at {url} ({exc}); start `blockloop serve` first") from None
-    if not cards or "vocab_size" not in cards[0]:
-        raise BlockloopError(f"the server at {url} does not report its vocab_size; bench --url drives `blockloop serve`")
+    if not cards or "id" not in cards[0]:
+        raise BlockloopError(f"the server at {url} lists no model; bench --url drives `blockloop serve`")
     return cards[0]
+
+
+def server_tokens(url: str, model: str, text: str) -> list[int]:
+    """``text`` as the served model's tokenizer reads it (no BOS: prompts are slices of one long text)."""
+    body = {"model": model, "prompt": text, "add_special_tokens": False}
+    try:
+        return httpx.post(url.rstrip("/") + "/tokenize", json=body, timeout=300).raise_for_status().json()["tokens"]
+    except (httpx.HTTPError, KeyError, ValueError) as exc:
+        raise BlockloopError(f"the server at {url} did not tokenize the corpus ({exc}); bench --url drives "
+                             "`blockloop serve`") from None
 
 
 def run_http_stream(
@@ -38,7 +49,7 @@ def run_http_stream(
     if requests < 1:
         raise BlockloopError(f"--requests must be >= 1, got {requests}")
     card = model_card(url)
-    prompts = corpus_prompts(card["vocab_size"], requests, *prompt_range, corpus=corpus, seed=seed)
+    prompts = cut_prompts(server_tokens(url, card["id"], corpus_text(corpus)), requests, *prompt_range, seed=seed)
     offsets, budgets = schedule(requests, rate, *tokens_range, seed=seed)
     timings = asyncio.run(_send_all(url.rstrip("/"), card["id"], prompts, offsets.tolist(), budgets.tolist()))
     metrics = serving_metrics(timings)

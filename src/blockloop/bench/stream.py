@@ -5,6 +5,7 @@ engine serves them with ``n_slots`` rows. Reports throughput and TTFT/TPOT/ITL/E
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -28,13 +29,29 @@ def corpus_prompts(
 ) -> list[list[int]]:
     """``n`` token slices of ``corpus`` with lengths uniform in ``[min_len, max_len]``: the model's own
     ``tokenizer``'s tokens (a trained or imported checkpoint's), or bytes (ids mod vocab) for a preset."""
-    from blockloop.data.corpora import load_documents
-
-    text = "\n".join(d if isinstance(d, str) else d.decode("utf-8", "replace") for d in load_documents(corpus))
+    text = corpus_text(corpus)
     if tokenizer is not None:
-        tokens = np.asarray(tokenizer.encode(text[:PROMPT_TEXT]), dtype=np.int64)
+        tokens = tokenizer.encode(text)
     else:
         tokens = np.frombuffer(text.encode("utf-8"), dtype=np.uint8).astype(np.int64) % vocab_size
+    return cut_prompts(tokens, n, min_len, max_len, seed=seed)
+
+
+def corpus_text(corpus: str) -> str:
+    """The first :data:`PROMPT_TEXT` characters of ``corpus``, which a stream's prompts are cut from."""
+    from blockloop.data.corpora import load_documents
+
+    documents = load_documents(corpus)
+    return "\n".join(d if isinstance(d, str) else d.decode("utf-8", "replace") for d in documents)[:PROMPT_TEXT]
+
+
+def cut_prompts(tokens: Sequence[int] | np.ndarray, n: int, min_len: int, max_len: int, *, seed: int = 0) -> list[list[int]]:
+    """``n`` slices of ``tokens`` at seeded places, with lengths uniform in ``[min_len, max_len]``: the same
+    prompts for the same tokens and seed, in process or over HTTP."""
+    tokens = np.asarray(tokens, dtype=np.int64)
+    if len(tokens) <= max_len:
+        raise BlockloopError(f"the corpus has {len(tokens)} tokens, too few to cut prompts of up to {max_len}; "
+                             "lower the prompt range")
     rng = np.random.default_rng(seed)
     prompts = []
     for length in rng.integers(min_len, max_len + 1, size=n):

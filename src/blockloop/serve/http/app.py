@@ -1,5 +1,5 @@
 """The OpenAI-compatible HTTP API over one engine: ``/v1/models``, ``/v1/completions``, ``/v1/chat/completions``,
-``/health`` and ``/metrics`` (FastAPI; run it with uvicorn, as ``blockloop serve`` does).
+``/tokenize`` (as vLLM's), ``/health`` and ``/metrics`` (FastAPI; run it with uvicorn, as ``blockloop serve`` does).
 
 Handlers only check, enqueue and stream: each request becomes a :class:`~blockloop.serve.http.worker.Job`
 whose events come back from the engine thread into an asyncio queue (``loop.call_soon_threadsafe``). A
@@ -30,7 +30,15 @@ from blockloop.data.tokenizers import Tokenizer
 from blockloop.errors import BlockloopError
 from blockloop.serve.http.chat import ChatTemplate, chat_template_for
 from blockloop.serve.http.metrics import CONTENT_TYPE, ServerMetrics
-from blockloop.serve.http.protocol import ApiError, ChatRequest, CompletionRequest, Reply, Sampling, parse
+from blockloop.serve.http.protocol import (
+    ApiError,
+    ChatRequest,
+    CompletionRequest,
+    Reply,
+    Sampling,
+    TokenizeRequest,
+    parse,
+)
 from blockloop.serve.http.text import TextStream
 from blockloop.serve.http.worker import EngineWorker, Event, Job, QueueFull, serving_engine
 from blockloop.serve.requests import SamplingParams
@@ -113,7 +121,16 @@ def create_app(served: ServedModel) -> FastAPI:
         return await _serve(params, tokenizer.encode(text), "messages", params.token_limit(), stream,
                             Reply(True, served.name))
 
-    def _check_model(params: Sampling) -> None:
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> dict[str, Any]:
+        params = parse(TokenizeRequest, await _body(request))
+        if params.model is not None:
+            _check_model(params)
+        encode = tokenizer.encode_prompt if params.add_special_tokens else tokenizer.encode
+        tokens = await asyncio.to_thread(encode, params.prompt)  # a long text must not hold up the streams
+        return {"tokens": tokens, "count": len(tokens), "max_model_len": engine.max_len}
+
+    def _check_model(params: Sampling | TokenizeRequest) -> None:
         if params.model != served.name:
             raise ApiError(404, f"model {params.model!r} does not exist; this server serves {served.name!r}",
                            param="model", code="model_not_found")

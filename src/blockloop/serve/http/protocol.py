@@ -124,10 +124,22 @@ class ChatRequest(Sampling):
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
 
-FIELDS = {name for m in (CompletionRequest, ChatRequest, ChatMessage, StreamOptions) for name in m.model_fields}
+class TokenizeRequest(BaseModel):
+    """``POST /tokenize`` (vLLM's shape): a text's ids under the served tokenizer, for a client that cuts prompts
+    to token lengths (``blockloop bench --url``); ``add_special_tokens`` adds the BOS a prompt would get."""
+
+    model_config = ConfigDict(strict=True, extra="forbid")
+
+    model: str | None = None
+    prompt: str = Field(..., min_length=1)
+    add_special_tokens: bool = True
 
 
-def parse(model: type[Sampling], body: Any) -> Sampling:
+FIELDS = {name for m in (CompletionRequest, ChatRequest, ChatMessage, StreamOptions, TokenizeRequest)
+          for name in m.model_fields}
+
+
+def parse(model: type[BaseModel], body: Any) -> Any:
     """Validate a request body, or raise the :class:`ApiError` naming the first bad field."""
     if not isinstance(body, dict):
         raise ApiError(400, "the request body must be a JSON object")
