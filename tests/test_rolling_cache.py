@@ -151,11 +151,59 @@ def test_paged_global_layers_beside_rolling_local_ones_equal_per_request_generat
     assert len(cache.pages.free) == cache.pages.n_pages - 1 and not cache.pages.held
 
 
-def test_paging_refuses_layers_local_at_some_loops_only_and_paged_depthwise_local_layers():
+def test_paging_refuses_layers_local_at_some_loops_only():
     with pytest.raises(BlockloopError, match="local at some loops and global at others"):
         runner_for(recursive("per-depth"), paging=Paging(32, 4))
-    with pytest.raises(BlockloopError, match="depth-wise without paging"):
-        runner_for(recursive("shared"), exit_rule=ExitRule("none"), paging=Paging(32, 4))
+    with pytest.raises(BlockloopError, match="local at some loops and global at others"):
+        runner_for(recursive("per-depth"), exit_rule=ExitRule("none"), paging=Paging(32, 4))
+
+
+@pytest.mark.parametrize("read", ["gather", "pages"])
+def test_paged_depth_wise_batching_keeps_rings_for_local_layers(read):
+    """Depth-wise over pages for a model whose shared layers 0 and 2 are local at every loop: layer 1's loops take
+    pages, the local layers' rings stay stacked per loop. Without exits the engine serves each request's uncached
+    greedy continuation through a pool small enough that requests wait for pages, and every page comes back."""
+    model = recursive("shared")
+    prompts, budgets = prompts_of((9, 2, 13, 5), seed=6), [12, 9, 12, 7]
+    reference = [uncached_greedy(model, p, n) for p, n in zip(prompts, budgets)]
+    runner = runner_for(model, exit_rule=ExitRule("none"), paging=Paging(40, 4, read))
+    engine = Engine(runner, 2, sync_every=3)
+    requests = [engine.submit(p, n, sampling=GREEDY) for p, n in zip(prompts, budgets)]
+    waited = False
+    while not engine.idle:
+        engine.step()
+        waited |= bool(engine.scheduler.waiting) and bool(engine.scheduler.free)
+    assert [r.output for r in requests] == reference and waited
+    cache = runner.state.cache
+    assert [tuple(t.shape[2] for t in store) for store in cache.stores[::2]] == [(2 * (WINDOW + 1),) * 2] * 2
+    pages = cache.loop_pages
+    assert pages.capacity == 2 * 40 and len(pages.free) == pages.n_pages - 1 and not pages.held
+
+
+@pytest.mark.parametrize("read", ["gather", "pages"])
+def test_paged_depth_wise_early_exits_fill_deeper_pages_and_rings_like_the_static_cache(read):
+    """With a real exit rule rows sit at different loops and an exited token's K/V is copied into the loops it
+    skipped, in pages (global layer) and rings (local layers): every step's logits and exits equal the static
+    looped cache's, long enough for the rings to wrap."""
+    model = recursive("shared")
+    rule, rows, steps = ExitRule("max_prob", 0.2), 3, 30
+    runners = [runner_for(model, exit_rule=rule), runner_for(model, exit_rule=rule, paging=Paging(3 * 48, 4, read))]
+    for runner in runners:
+        runner.sampling = SlotSampling.empty(rows, torch.device("cpu"))
+        runner.allocate(rows, 48)
+        for slot, prompt in enumerate(prompts_of((9, 2, 13), seed=7)):
+            assert runner.reserve(slot, len(prompt) + steps)
+            runner.prefill_slot(slot, torch.tensor(prompt))
+    ready, exits = torch.ones(rows, dtype=torch.bool), 0
+    with torch.no_grad():
+        for i in range(steps):
+            tokens = torch.where(ready, torch.tensor([5 + i, 17 + i, 40 - i]), -1)
+            static, paged = (runner.decode_step(tokens) for runner in runners)
+            assert torch.equal(static.ready, paged.ready)
+            torch.testing.assert_close(paged.logits, static.logits, rtol=0, atol=1e-10)
+            exits += int((static.ready & (runners[0].depth.loop < 2)).sum())
+            ready = static.ready
+    assert exits > 0 and runners[0].mean_exit_loop() == runners[1].mean_exit_loop()
 
 
 def test_a_chunk_of_mixed_lengths_keeps_padding_out_of_the_rings(model):
@@ -234,13 +282,16 @@ def test_scoring_reuses_a_prefix_through_the_rings(name):
 
 
 @pytest.mark.parametrize("name, kwargs", [("decoder", {}), ("recursive per-depth", {"exit_rule": ExitRule("none")}),
-                                          ("recursive shared", {"speculation": Speculation(k=2)})])
+                                          ("recursive shared", {"speculation": Speculation(k=2)}),
+                                          ("recursive shared", {"exit_rule": ExitRule("max_prob", 0.2),
+                                                                "paging": Paging(80, 4, "pages")})])
 def test_decode_step_over_rings_compiles_as_a_full_graph(name, kwargs):
     model = MODELS[name]()
     runners = [runner_for(model, **kwargs) for _ in range(2)]
     for runner in runners:
         runner.sampling = SlotSampling.empty(2, torch.device("cpu"))
         runner.allocate(2, 40)
+        assert runner.reserve(0, 40) and runner.reserve(1, 40)
         runner.prefill_slot(0, torch.arange(1, 10))
         runner.prefill_slot(1, torch.arange(3, 6))
     eager, compiled = runners

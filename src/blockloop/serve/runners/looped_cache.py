@@ -91,8 +91,9 @@ class LoopedCache(DecoderCache):
         ring = self.ring_slot.shape[1]  # ring entries + the scratch one
         self.spans = [ring if j in self.rolling_layers else self.span for j in range(n_layer)]
         self.stacked = [
-            tuple(torch.zeros(batch_size, n_kv_head, loops * span, head_dim, dtype=dtype, device=device) for _ in "kv")
-            for span in self.spans
+            stacked_rings(self, loops, n_kv_head, head_dim, dtype, device) if j in self.rolling_layers else
+            tuple(torch.zeros(batch_size, n_kv_head, loops * self.span, head_dim, dtype=dtype, device=device) for _ in "kv")
+            for j in range(n_layer)
         ]
         self.layers = nn.ModuleList(
             (RollingKVCache if j in self.rolling_layers else KVCache).of(
@@ -142,16 +143,32 @@ class LoopedCache(DecoderCache):
     def copy_exits(self, exited: Tensor, loop: Tensor, slot: Tensor) -> None:
         """Rows where ``exited (B,)``: copy the K/V their token wrote at loop ``loop[b]`` (slot ``slot[b]``) into
         every deeper loop's entry."""
-        rows = torch.arange(loop.shape[0], device=loop.device)
         ring_entry = self.ring_entries(slot[:, None])[:, 0] if self.rolling else slot
-        for j, (k_stack, v_stack) in enumerate(self.stacked):
-            entry, span = (ring_entry if j in self.rolling_layers else slot), self.spans[j]
-            for buffer in (k_stack, v_stack):
-                exit_kv = buffer[rows, :, loop * span + entry]
-                for deeper in range(1, self.loops):
-                    owed = (exited & (loop < deeper))[:, None, None]
-                    at = deeper * span + entry
-                    buffer[rows, :, at] = torch.where(owed, exit_kv, buffer[rows, :, at])
+        for j, stack in enumerate(self.stacked):
+            entry = ring_entry if j in self.rolling_layers else slot
+            copy_stacked_exits(stack, self.spans[j], entry, exited, loop)
+
+
+def copy_stacked_exits(stack: tuple[Tensor, Tensor], span: int, entry: Tensor, exited: Tensor, loop: Tensor) -> None:
+    """In one layer's loops stacked along the key axis (``span`` entries each): rows where ``exited`` copy the
+    K/V of their entry ``entry[b]`` at loop ``loop[b]`` into the same entry of every deeper loop."""
+    rows = torch.arange(loop.shape[0], device=loop.device)
+    loops = stack[0].shape[2] // span
+    for buffer in stack:
+        exit_kv = buffer[rows, :, loop * span + entry]
+        for deeper in range(1, loops):
+            owed = (exited & (loop < deeper))[:, None, None]
+            at = deeper * span + entry
+            buffer[rows, :, at] = torch.where(owed, exit_kv, buffer[rows, :, at])
+
+
+def stacked_rings(cache: DecoderCache, loops: int, n_kv_head: int, head_dim: int, dtype: torch.dtype,
+                  device: torch.device | str) -> tuple[Tensor, Tensor]:
+    """A rolling layer's rings of every loop, loop after loop along the key axis: ``(B, H_kv, loops * ring, D)``
+    (``cache.ring_slot`` says how many entries a ring has, its scratch entry included)."""
+    ring = cache.ring_slot.shape[1]
+    return tuple(torch.zeros(cache.batch_size, n_kv_head, loops * ring, head_dim, dtype=dtype, device=device)
+                 for _ in "kv")
 
 
 class PagedRowLoopKV:
@@ -179,49 +196,65 @@ class PagedRowLoopKV:
 
 
 class PagedLoopedCache(DecoderCache):
-    """:class:`LoopedCache` in pages: shared layer ``j`` keeps one pool, and ``loop_pages`` (a :class:`KVPages` of
-    ``loops * batch_size`` rows) gives slot ``b``'s loop ``l`` table row ``l * batch_size + b``, so a request holds
-    pages for what it has cached at each loop. The depth-wise step reads the pool as ``loop_pages.read`` says
-    (``"pages"``: a block mask over each row's own loop's pages; ``"gather"``: gathered logical views); the
-    sequence-wise prefill, through ``layers``, always gathers. No sliding-window layers (the runner refuses them)."""
+    """:class:`LoopedCache` in pages: each full-length shared layer ``j`` keeps one pool, and ``loop_pages`` (a
+    :class:`KVPages` of ``loops * batch_size`` rows) gives slot ``b``'s loop ``l`` table row ``l * batch_size + b``,
+    so a request holds pages for what it has cached at each loop. The depth-wise step reads the pools as
+    ``loop_pages.read`` says (``"pages"``: a block mask over each row's own loop's pages; ``"gather"``: gathered
+    logical views); the sequence-wise prefill, through ``layers``, always gathers. Shared layers in ``rolling``
+    (local at every loop) keep their window-sized rings stacked per loop, as in :class:`LoopedCache`: they hold
+    no pages."""
 
     def __init__(
         self, n_layer: int, loops: int, batch_size: int, n_kv_head: int, max_len: int, head_dim: int, *,
-        dtype: torch.dtype, pages: KVPages,
+        dtype: torch.dtype, pages: KVPages, rolling: Collection[int] = (), window: int = 0,
     ) -> None:
-        super().__init__(0, batch_size, n_kv_head, max_len, head_dim, dtype=dtype, device=pages.table.device)
+        device = pages.table.device
+        entries = [loop * n_layer + j for loop in range(loops) for j in rolling]
+        super().__init__(0, batch_size, n_kv_head, max_len, head_dim, dtype=dtype, device=device, rolling=entries,
+                         window=window)
         if (pages.table.shape[0], pages.max_len) != (loops * batch_size, max_len):
             raise ValueError(f"a looped cache of {loops} loops x {batch_size} rows x {max_len} slots needs a page "
                              f"table of {loops * batch_size} rows for max_len {max_len}")
-        self.loops, self.loop_pages, self.rolling_layers = loops, pages, frozenset()
-        self.pools = [PagedKVCache(pages, n_kv_head, head_dim, dtype=dtype) for _ in range(n_layer)]
+        self.loops, self.loop_pages, self.rolling_layers = loops, pages, frozenset(rolling)
+        self.ring = self.ring_slot.shape[1]
+        self.stores = [stacked_rings(self, loops, n_kv_head, head_dim, dtype, device) if j in self.rolling_layers
+                       else PagedKVCache(pages, n_kv_head, head_dim, dtype=dtype) for j in range(n_layer)]
 
-        def loop_view(j: int, loop: int) -> PagedKVCache:
-            view = self.pools[j].rows(loop * batch_size, (loop + 1) * batch_size)
+        def loop_view(j: int, loop: int) -> PagedKVCache | RollingKVCache:
+            if j in self.rolling_layers:
+                return RollingKVCache.of(*(t[:, :, loop * self.ring : (loop + 1) * self.ring] for t in self.stores[j]))
+            view = self.stores[j].rows(loop * batch_size, (loop + 1) * batch_size)
             view.pages.read = "gather"  # a sequence-wise step's mask is over logical slots
             return view
 
         self.layers = nn.ModuleList(loop_view(j, loop) for loop in range(loops) for j in range(n_layer))
 
-    def loop_layer(self, layer: int, loop: Tensor) -> PagedRowLoopKV:
+    def loop_layer(self, layer: int, loop: Tensor) -> PagedRowLoopKV | RowLoopKV:
         """Shared layer ``layer`` with row ``b`` at loop ``loop[b]``."""
-        return PagedRowLoopKV(self.pools[layer], loop, self.loop_pages)
+        if layer in self.rolling_layers:
+            return RowLoopKV(*self.stores[layer], loop, self.ring, rolling=True)
+        return PagedRowLoopKV(self.stores[layer], loop, self.loop_pages)
 
     def lift(self, inputs: LayerInputs, loop: Tensor, slots: Tensor) -> LayerInputs:
-        """The step's mask over the pool (reading pages), or as it is (gathered logical views)."""
+        """The step's mask over the pool (reading pages), or as it is (gathered logical views); rolling layers'
+        ring masks stay as they are."""
         if self.loop_pages.read != "pages":
             return inputs
         table_rows = loop * self.batch_size + torch.arange(len(loop), device=loop.device)
         return replace(inputs, masks={"mask": self.loop_pages.block_mask(self.key_valid, slots, table_rows)})
 
     def copy_exits(self, exited: Tensor, loop: Tensor, slot: Tensor) -> None:
-        """As :meth:`LoopedCache.copy_exits`, between the rows' pages of each loop."""
+        """As :meth:`LoopedCache.copy_exits`, between the rows' pages of each loop (and rings of each loop)."""
         rows = torch.arange(loop.shape[0], device=loop.device)
         position = lambda at_loop: self.loop_pages.positions(slot[:, None], at_loop * len(rows) + rows)[:, 0]  # noqa: E731
         source = position(loop)
-        for deeper in range(1, self.loops):
-            owed = (exited & (loop < deeper))[None, :, None]
-            target = position(torch.full_like(loop, deeper))
-            for pool in self.pools:
-                for buffer in (pool.k[0], pool.v[0]):
+        targets = [position(torch.full_like(loop, deeper)) for deeper in range(1, self.loops)]
+        ring_entry = self.ring_entries(slot[:, None])[:, 0] if self.rolling else None
+        for store in self.stores:
+            if not isinstance(store, PagedKVCache):
+                copy_stacked_exits(store, self.ring, ring_entry, exited, loop)
+                continue
+            for deeper, target in enumerate(targets, start=1):
+                owed = (exited & (loop < deeper))[None, :, None]
+                for buffer in (store.k[0], store.v[0]):
                     buffer[:, target] = torch.where(owed, buffer[:, source], buffer[:, target])

@@ -115,9 +115,6 @@ class RecursiveRunner(DecoderRunner):
         super().__init__(model, paging)
         self.resumable = exit_rule is None and speculation is None
         self.chunked_prefill = self.chunked_prefill and self.resumable
-        if paging is not None and exit_rule is not None and any(model.local):
-            raise BlockloopError("paged depth-wise batching does not cover sliding-window layers; serve this model "
-                                 "depth-wise without paging")
         if paging is not None and loop_read is not None:
             raise BlockloopError("loop_read picks how a static looped cache is read; a paged one reads as Paging.read says")
         self.config = model.config
@@ -151,7 +148,7 @@ class RecursiveRunner(DecoderRunner):
         if self.paging is not None:
             pages = self._checked(self.paging.pages(n_slots, max_len, weight.device, loops=c.loops))
             cache = PagedLoopedCache(c.n_layer, c.loops, n_slots, c.n_kv_head, max_len, c.head_dim, dtype=weight.dtype,
-                                     pages=pages)
+                                     pages=pages, rolling=rolling, window=c.sliding_window or 0)
         else:
             cache = LoopedCache(c.n_layer, c.loops, n_slots, c.n_kv_head, max_len, c.head_dim, dtype=weight.dtype,
                                 device=weight.device, rolling=rolling, window=c.sliding_window or 0, read=self.loop_read)
