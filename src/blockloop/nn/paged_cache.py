@@ -185,9 +185,7 @@ class PagedKVCache(nn.Module):
             pool[0].index_copy_(1, where, new.to(pool.dtype).transpose(0, 1).flatten(1, 2))
         if pages.reads_pool(slots):
             return self.k, self.v
-        logical = torch.arange(pages.table.shape[1] * pages.page_size, device=slots.device)[: pages.max_len]
-        every = pages.positions(logical)  # (B, S)
-        return self.k[0][:, every].transpose(0, 1), self.v[0][:, every].transpose(0, 1)
+        return gather_rows(self.k, self.v, pages)
 
     def rows(self, start: int, stop: int) -> PagedKVCache:
         """Rows ``start .. stop - 1``: the same pool under a view of the page table."""
@@ -200,3 +198,10 @@ class PagedKVCache(nn.Module):
 
     def row(self, index: int) -> PagedKVCache:
         return self.rows(index, index + 1)
+
+
+def gather_rows(k: Tensor, v: Tensor, pages: KVPages, rows: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """Each row's logical view ``(B, H_kv, max_len, D)`` gathered from pools ``k, v (1, H_kv, positions, D)``: the
+    reference read (CPU), for a step whose mask is over logical slots. ``rows`` as in :meth:`KVPages.positions`."""
+    every = pages.positions(torch.arange(pages.max_len, device=pages.table.device), rows)  # (B, max_len)
+    return k[0][:, every].transpose(0, 1), v[0][:, every].transpose(0, 1)

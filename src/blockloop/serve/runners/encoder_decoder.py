@@ -20,7 +20,7 @@ from torch import Tensor
 from blockloop.models.decoder import CrossKV
 from blockloop.models.encoder_decoder import EncoderDecoder
 from blockloop.nn.kv_cache import DecoderCache, StepContext
-from blockloop.nn.paged_cache import PagedKVCache
+from blockloop.nn.paged_cache import PagedKVCache, gather_rows
 from blockloop.serve.runners.base import Runner
 from blockloop.serve.runners.paging import PagedRows, Paging
 
@@ -109,6 +109,4 @@ class EncoderDecoderRunner(PagedRows, Runner):
         if pages.read == "pages":
             beyond = torch.full((len(valid), 1), valid.shape[1], device=valid.device)  # a query after every key
             return state.cross, pages.block_mask(valid, beyond)
-        every = pages.positions(torch.arange(valid.shape[1], device=valid.device))
-        gathered = [(k[0][:, every].transpose(0, 1), v[0][:, every].transpose(0, 1)) for k, v in state.cross]
-        return gathered, valid[:, None, None, :]
+        return [gather_rows(k, v, pages) for k, v in state.cross], valid[:, None, None, :]

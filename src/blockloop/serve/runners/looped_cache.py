@@ -21,7 +21,7 @@ from torch import Tensor, nn
 from blockloop.errors import BlockloopError
 from blockloop.models.decoder import LayerInputs
 from blockloop.nn.kv_cache import DecoderCache, KVCache, RollingKVCache
-from blockloop.nn.paged_cache import KVPages, PagedKVCache
+from blockloop.nn.paged_cache import KVPages, PagedKVCache, gather_rows
 
 LOOP_READS = ("dense", "blocks")
 BLOCK = 128  # keys per block of the "blocks" read (FlexAttention's CUDA kernels tile by at least 16)
@@ -190,9 +190,7 @@ class PagedRowLoopKV:
         self.v[0][:, at] = v[:, :, 0].transpose(0, 1).to(self.v.dtype)
         if pages.read == "pages":
             return self.k, self.v
-        logical = torch.arange(pages.table.shape[1] * pages.page_size, device=slots.device)[: pages.max_len]
-        every = pages.positions(logical, self.table_rows)  # (B, S)
-        return self.k[0][:, every].transpose(0, 1), self.v[0][:, every].transpose(0, 1)
+        return gather_rows(self.k, self.v, pages, self.table_rows)
 
 
 class PagedLoopedCache(DecoderCache):
