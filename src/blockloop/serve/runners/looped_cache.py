@@ -177,10 +177,8 @@ class PagedRowLoopKV:
     visits the row's pages of its loop only); reading by gathering (the CPU reference), over each row's loop
     gathered into a logical ``(B, H_kv, S, D)`` view."""
 
-    def __init__(self, pool: PagedKVCache, loop: Tensor, pages: KVPages) -> None:
-        self.k, self.v, self.pages = pool.k, pool.v, pages
-        batch = len(loop)
-        self.table_rows = loop * batch + torch.arange(batch, device=loop.device)
+    def __init__(self, pool: PagedKVCache, table_rows: Tensor, pages: KVPages) -> None:
+        self.k, self.v, self.pages, self.table_rows = pool.k, pool.v, pages, table_rows
 
     def write(self, slots: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
         """Store one token per row, ``k, v (B, H_kv, 1, D)`` at per-row ``slots (B, 1)`` of its loop."""
@@ -231,20 +229,22 @@ class PagedLoopedCache(DecoderCache):
         """Shared layer ``layer`` with row ``b`` at loop ``loop[b]``."""
         if layer in self.rolling_layers:
             return RowLoopKV(*self.stores[layer], loop, self.ring, rolling=True)
-        return PagedRowLoopKV(self.stores[layer], loop, self.loop_pages)
+        return PagedRowLoopKV(self.stores[layer], self.table_rows(loop), self.loop_pages)
+
+    def table_rows(self, loop: Tensor) -> Tensor:
+        """The page-table row of each batch row ``b`` at loop ``loop[b]``: ``loop[b] * batch_size + b``."""
+        return loop * self.batch_size + torch.arange(len(loop), device=loop.device)
 
     def lift(self, inputs: LayerInputs, loop: Tensor, slots: Tensor) -> LayerInputs:
         """The step's mask over the pool (reading pages), or as it is (gathered logical views); rolling layers'
         ring masks stay as they are."""
         if self.loop_pages.read != "pages":
             return inputs
-        table_rows = loop * self.batch_size + torch.arange(len(loop), device=loop.device)
-        return replace(inputs, masks={"mask": self.loop_pages.block_mask(self.key_valid, slots, table_rows)})
+        return replace(inputs, masks={"mask": self.loop_pages.block_mask(self.key_valid, slots, self.table_rows(loop))})
 
     def copy_exits(self, exited: Tensor, loop: Tensor, slot: Tensor) -> None:
         """As :meth:`LoopedCache.copy_exits`, between the rows' pages of each loop (and rings of each loop)."""
-        rows = torch.arange(loop.shape[0], device=loop.device)
-        position = lambda at_loop: self.loop_pages.positions(slot[:, None], at_loop * len(rows) + rows)[:, 0]  # noqa: E731
+        position = lambda at_loop: self.loop_pages.positions(slot[:, None], self.table_rows(at_loop))[:, 0]  # noqa: E731
         source = position(loop)
         targets = [position(torch.full_like(loop, deeper)) for deeper in range(1, self.loops)]
         ring_entry = self.ring_entries(slot[:, None])[:, 0] if self.rolling else None
