@@ -66,12 +66,11 @@ def local_positions(config: RecursiveConfig) -> list[bool]:
 
 
 def rolling_positions(config: RecursiveConfig) -> list[int]:
-    """Depth positions whose cache entry is a ring of ``sliding_window`` slots: the local positions of shared
-    layers local at all their positions. A layer local at some positions only keeps full-length entries,
-    because the depth-wise runner batches rows at its local and its global loops over one K/V tensor."""
-    order, local = layer_order(config.n_layer, config.loops, config.tying), local_positions(config)
-    kinds = {layer: {kind for p, kind in zip(order, local) if p == layer} for layer in order}
-    return [p for p, layer in enumerate(order) if kinds[layer] == {True}]
+    """Depth positions whose cache entry is a ring of ``sliding_window`` slots: every local one. Each depth
+    position caches its own keys and values, so a shared layer local at some loops and global at others
+    keeps rings at its local positions and full-length entries at its global ones (depth-wise batching,
+    which stacks a shared layer's loops in one buffer, rings only layers local at every loop)."""
+    return [p for p, is_local in enumerate(local_positions(config)) if is_local]
 
 
 class RecursiveDecoder(Decoder):

@@ -54,13 +54,6 @@ class DecoderRunner(PagedRows, Runner):
 
     def __init__(self, model, paging: Paging | None = None) -> None:  # noqa: ANN001  (any single-stack model)
         super().__init__(model)
-        # Local layers keep window-sized rings beside the pages, except a looped layer local at some loops only,
-        # whose full-length entries are read through a window mask over the cache (a dense mask, not the pool's).
-        rolling = set(getattr(model, "rolling", ()))
-        windowed = [p for p, is_local in enumerate(getattr(model, "local", ())) if is_local and p not in rolling]
-        if paging is not None and windowed:
-            raise BlockloopError("the paged KV cache does not cover a looped layer that is local at some loops and "
-                                 "global at others; serve this model without paging")
         self.paging = paging
 
     def allocate(self, n_slots: int, max_len: int) -> None:

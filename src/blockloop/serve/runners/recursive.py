@@ -130,6 +130,10 @@ class RecursiveRunner(DecoderRunner):
                 raise BlockloopError(
                     f"depth-wise batching needs cycle tying (rows share layers per loop), not {model.config.tying!r}"
                 )
+            if paging is not None and any(model.mixed):
+                raise BlockloopError("depth-wise batching over a paged KV cache does not cover a looped layer that is "
+                                     "local at some loops and global at others; serve it without paging, or "
+                                     "sequence-wise (no exit rule) with paging")
             self.token_per_step = False  # rows emit a token only when they leave a loop (see the engine)
         plain = not any(model.local) and not model.config.prefix_len  # every layer reads a full-length, prefix-free cache
         if loop_read == "blocks" and not plain:
@@ -144,7 +148,8 @@ class RecursiveRunner(DecoderRunner):
             return super().allocate(n_slots, max_len)
         c, m, weight = self.config, self.model, self.model.embed.weight
         check_context(max_len, c.context_length, "cache", "allocate fewer slots")
-        rolling = [j for j in range(c.n_layer) if j in m.rolling]  # loop 0's position of a layer local at every loop
+        # the shared layers whose every depth position is a ring (local at every loop): one ring per loop
+        rolling = [j for j in range(c.n_layer) if all(loop * c.n_layer + j in m.rolling for loop in range(c.loops))]
         if self.paging is not None:
             pages = self._checked(self.paging.pages(n_slots, max_len, weight.device, loops=c.loops))
             cache = PagedLoopedCache(c.n_layer, c.loops, n_slots, c.n_kv_head, max_len, c.head_dim, dtype=weight.dtype,
