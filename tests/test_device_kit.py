@@ -1,4 +1,4 @@
-"""``benchmarks/device_kit.py`` and ``benchmarks/device_env.sh``: what a GPU session carries to the lent machine
+"""``benchmarks/device/kit.py`` and ``benchmarks/device/env.sh``: what a GPU session carries to the lent machine
 (no registry there) and how a command runs over it. The download itself needs PyPI and is not run here."""
 
 from __future__ import annotations
@@ -11,13 +11,13 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "benchmarks"))
+sys.path.insert(0, str(ROOT / "benchmarks" / "device"))
 
-import device_kit  # noqa: E402
+import kit  # noqa: E402
 
 
 def test_the_closure_pins_installed_versions_and_leaves_out_what_the_device_ships():
-    pins = dict(pin.split("==") for pin in device_kit.requirement_closure(device_kit.ROOTS, "3.12"))
+    pins = dict(pin.split("==") for pin in kit.requirement_closure(kit.ROOTS, "3.12"))
     assert {"fastapi", "uvicorn", "openai", "gguf"} <= pins.keys()
     assert pins["pydantic-core"] == importlib.metadata.version("pydantic-core")  # pydantic's exact pin, followed
     assert "starlette" in pins and "numpy" not in pins and "torch" not in pins  # gguf needs numpy: the image has it
@@ -26,16 +26,16 @@ def test_the_closure_pins_installed_versions_and_leaves_out_what_the_device_ship
 
 def run_env(tree: Path, *command: str) -> subprocess.CompletedProcess[str]:
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "BLOCKLOOP_CACHE")}
-    return subprocess.run(["bash", "benchmarks/device_env.sh", *command], cwd=tree, capture_output=True, text=True,
+    return subprocess.run(["bash", "benchmarks/device/env.sh", *command], cwd=tree, capture_output=True, text=True,
                           env={**env, "PYTHON": sys.executable}, timeout=120)
 
 
 def test_device_env_runs_the_repository_commands_over_the_kit(tmp_path):
-    (tmp_path / "benchmarks").mkdir()
-    shutil.copy(ROOT / "benchmarks" / "device_env.sh", tmp_path / "benchmarks")
+    (tmp_path / "benchmarks" / "device").mkdir(parents=True)
+    shutil.copy(ROOT / "benchmarks" / "device" / "env.sh", tmp_path / "benchmarks" / "device")
     (tmp_path / "src").symlink_to(ROOT / "src")
     refused = run_env(tmp_path, "true")
-    assert refused.returncode == 2 and "device_kit.py" in refused.stderr  # no kit: says how to make one
+    assert refused.returncode == 2 and "benchmarks/device/kit.py" in refused.stderr  # no kit: says how to make one
     (tmp_path / ".device-kit" / "cache").mkdir(parents=True)
     done = run_env(tmp_path, ".venv/bin/python", "-c",
                    "import os, blockloop; print(blockloop.__file__); print(os.environ['BLOCKLOOP_CACHE'])")

@@ -11,10 +11,10 @@ writes into ``--out`` (default ``.device-kit``, ignored by git):
   ``gpt2`` and ``smollm2`` tokenizers, the Shakespeare corpus, the nine zero-shot sets), less the downloaded
   archives and SmolLM2's weights.
 
-A device call names the folder in ``carry`` and runs its command through ``benchmarks/device_env.sh``::
+A device call names the folder in ``carry`` and runs its command through ``benchmarks/device/env.sh``::
 
-    .venv/bin/python benchmarks/device_kit.py                     # here, once per session
-    bash benchmarks/device_env.sh .venv/bin/python benchmarks/gpu_suite.py --out-dir "$OUT"   # there
+    .venv/bin/python benchmarks/device/kit.py                     # here, once per session
+    bash benchmarks/device/env.sh .venv/bin/python benchmarks/gpu_suite.py --out-dir "$OUT"   # there
 
 The kit and the working tree travel together within the device tool's 64 MiB, so the script stops with an
 error when the kit would not leave room for the tree. SmolLM2's GGUF (98 MB) cannot travel in one call: its

@@ -1,16 +1,16 @@
 #!/usr/bin/env bash
 # Run a command on the lent GPU machine as if blockloop were installed there: the wheels of the kit that
-# benchmarks/device_kit.py packs (carried as .device-kit) go to /tmp/site, blockloop is read from src/, its
+# benchmarks/device/kit.py packs (carried as .device-kit) go to /tmp/site, blockloop is read from src/, its
 # cache from the kit, and .venv/bin/python and .venv/bin/blockloop point at the machine's own Python, so the
 # repository's commands run unchanged:
-#   bash benchmarks/device_env.sh .venv/bin/python benchmarks/gpu_suite.py --out-dir "$OUT"
-#   bash benchmarks/device_env.sh .venv/bin/python -m pytest -m gpu -q
+#   bash benchmarks/device/env.sh .venv/bin/python benchmarks/gpu_suite.py --out-dir "$OUT"
+#   bash benchmarks/device/env.sh .venv/bin/python -m pytest -m gpu -q
 # An existing .venv (a machine where blockloop is installed the usual way) is left as it is.
 set -euo pipefail
 KIT=${KIT:-.device-kit}
 PYTHON=${PYTHON:-python3}
 if [ ! -d "$KIT/cache" ]; then
-  echo "device_env.sh: no $KIT/cache here; pack it with benchmarks/device_kit.py and carry $KIT" >&2
+  echo "benchmarks/device/env.sh: no $KIT/cache here; pack it with benchmarks/device/kit.py and carry $KIT" >&2
   exit 2
 fi
 if compgen -G "$KIT/wheels/*.whl" >/dev/null; then
