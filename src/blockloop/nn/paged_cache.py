@@ -122,8 +122,9 @@ class KVPages:
 
     def rows(self, start: int, stop: int) -> KVPages:
         """Rows ``start .. stop - 1`` as a view: same pool pages and free list, the table's rows sliced."""
-        view = KVPages.__new__(KVPages)
-        view.__dict__.update(self.__dict__)
+        view = KVPages.__new__(KVPages)  # attribute by attribute: a compiled step may take a view (dynamo traces it)
+        view.page_size, view.n_pages, view.max_len, view.read = self.page_size, self.n_pages, self.max_len, self.read
+        view.owner, view.logical, view.free, view.held = self.owner, self.logical, self.free, self.held
         view.table, view.reserved, view.first_row = self.table[start:stop], self.reserved[start:stop], self.first_row + start
         return view
 

@@ -105,8 +105,7 @@ class EncoderDecoderRunner(PagedRows, Runner):
         valid = state.cross_valid[rows]
         if pages is None:
             return [(k[rows], v[rows]) for k, v in state.cross], valid[:, None, None, :]
-        if rows != slice(None):  # a prefill's row; the decode step reads every row (no view: it compiles as is)
-            pages = pages.rows(rows.start, rows.stop)
+        pages = pages.rows(rows.start or 0, rows.stop if rows.stop is not None else len(state.cross_valid))
         if pages.read == "pages":
             beyond = torch.full((len(valid), 1), valid.shape[1], device=valid.device)  # a query after every key
             return state.cross, pages.block_mask(valid, beyond)
