@@ -5,8 +5,11 @@ decoded greedily for exactly ``--gen-len`` tokens after random ``--prompt-len``-
 each batch size, by :func:`blockloop.serve.generate.generate` (what ``blockloop generate`` calls) and by
 ``transformers``' ``generate()`` on the same model exported with :func:`blockloop.convert.hf.to_hf_model`
 (:mod:`blockloop.bench.hf_baseline`), on the same prompts. Both run in this process, alternating run by run,
-so the ratio is what the CPU numbers mean (the machine is shared). ``--profile`` adds the top operators of
-one blockloop run (torch profiler, self CPU time), which is where the time goes.
+so the ratio is what the CPU numbers mean (the machine is shared). blockloop's time includes packing the weights
+for oneDNN (:func:`blockloop.nn.linear.packed_linears`), which every ``generate`` call does. Each run also counts
+the rows whose greedy tokens equal HF's (float32 rounding differs between the two kernels, so a near-tie may
+flip). ``--profile`` adds the top operators of one blockloop run (torch profiler, self CPU time), which is where
+the time goes.
 
     .venv/bin/python benchmarks/cpu_decode_vs_hf.py --batch-sizes 1,8 --prompt-len 64 --gen-len 64 --threads 1 --record
 
@@ -30,11 +33,12 @@ from blockloop.serve.generate import generate
 
 
 def compare(model: torch.nn.Module, hf: torch.nn.Module, batch: int, prompt_len: int, gen_len: int, repeats: int,
-            seed: int) -> dict[str, float]:
+            seed: int) -> dict[str, object]:
     """Generated tokens/s of ``generate()`` and of HF ``generate()`` on the same prompts, alternating run by run
     after one warm-up run each (so load from other processes falls on both alike)."""
     generator = torch.Generator().manual_seed(seed)
     seconds: dict[str, list[float]] = {"blockloop": [], "hf": []}
+    same_rows = 0
     for run in range(repeats + 1):
         ids = torch.randint(0, model.config.vocab_size, (batch, prompt_len), generator=generator)
         start = time.perf_counter()
@@ -46,10 +50,12 @@ def compare(model: torch.nn.Module, hf: torch.nn.Module, batch: int, prompt_len:
         if run:
             seconds["blockloop"].append(mid - start)
             seconds["hf"].append(end - mid)
+            same_rows += sum(row == ref for row, ref in zip(out, theirs[:, prompt_len:].tolist()))
     tok_s = {k: batch * gen_len * len(v) / sum(v) for k, v in seconds.items()}
     ratios = sorted(h / b for b, h in zip(seconds["blockloop"], seconds["hf"]))
     return {"blockloop_tok_s": tok_s["blockloop"], "hf_generate_tok_s": tok_s["hf"],
-            "ratio_vs_hf": tok_s["blockloop"] / tok_s["hf"], "ratio_vs_hf_per_run": ratios}
+            "ratio_vs_hf": tok_s["blockloop"] / tok_s["hf"], "ratio_vs_hf_per_run": ratios,
+            "rows_equal_to_hf": f"{same_rows}/{batch * repeats}"}
 
 
 def profile_top(model: torch.nn.Module, batch: int, prompt_len: int, gen_len: int, rows: int = 12) -> list[dict[str, object]]:
@@ -87,7 +93,7 @@ def main() -> None:
             row["blockloop_profile"] = profile_top(model, batch, args.prompt_len, args.gen_len)
         rows.append(row)
         print(f"batch {batch}: blockloop {row['blockloop_tok_s']:.1f} tok/s, HF generate() {row['hf_generate_tok_s']:.1f} "
-              f"tok/s, ratio {row['ratio_vs_hf']:.2f}x", flush=True)
+              f"tok/s, ratio {row['ratio_vs_hf']:.2f}x, rows with HF's greedy tokens {row['rows_equal_to_hf']}", flush=True)
     result = {"model": SMOLLM2_GGUF, "prompt_len": args.prompt_len, "gen_len": args.gen_len, "repeats": args.repeats,
               "rows": rows, **environment("cpu")}
     (out / "cpu_decode_vs_hf.json").write_text(json.dumps(result, indent=2) + "\n")

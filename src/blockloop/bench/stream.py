@@ -15,6 +15,7 @@ from torch import nn
 from blockloop.bench.metrics import Timing, serving_metrics
 from blockloop.data.tokenizers import Tokenizer
 from blockloop.errors import BlockloopError
+from blockloop.nn.linear import packed_linears
 from blockloop.serve.engine import Engine
 from blockloop.serve.requests import SamplingParams
 from blockloop.serve.runners import Runner, runner_for
@@ -94,7 +95,7 @@ def run_stream(
     trajectories: dict[int, list[int]] = {}  # exit loops per request (depth-wise serving), read as each finishes
     rounds: dict[int, list[tuple[int, int]]] = {}  # (emitted, drafted) per verification round (speculation)
     start = time.perf_counter()
-    with torch.no_grad():
+    with torch.no_grad(), packed_linears(runner.model):
         while pending or not engine.idle:
             now = time.perf_counter() - start
             while pending and pending[0][0] <= now:

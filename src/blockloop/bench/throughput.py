@@ -21,6 +21,7 @@ from torch import Tensor, nn
 from blockloop.bench.roofline import bytes_per_step
 from blockloop.bench.timing import timed
 from blockloop.errors import BlockloopError
+from blockloop.nn.linear import packed_linears
 from blockloop.serve.engine import Engine
 from blockloop.serve.requests import SamplingParams
 from blockloop.serve.runners import Paging, runner_for
@@ -121,22 +122,23 @@ def engine_throughput(
     generator = torch.Generator().manual_seed(seed)
     greedy = SamplingParams(temperature=0.0)
     seconds, ttft = [], []
-    for run in range(warmup + repeats):
-        prompts = torch.randint(0, model.config.vocab_size, (batch, prompt_len), generator=generator).tolist()
-        with timed(device) as timer:
-            for p in prompts:
-                engine.submit(p, gen_len, sampling=greedy)
-            engine.run()
-        # Time to first token on its own: the same batch asking for one token (prefill + first sample),
-        # since within a full run tokens only reach the host once per sync window.
-        with timed(device) as first:
-            for p in prompts:
-                engine.submit(p, 1, sampling=greedy)
-            while not engine.idle:  # a prompt longer than the engine's prefill chunk takes a window per chunk
-                engine.step(max_steps=1)
-        if run >= warmup:
-            seconds.append(timer.seconds)
-            ttft.append(first.seconds)
+    with packed_linears(model):  # CPU only: the engine's weights in oneDNN's layout, as generate and serve use them
+        for run in range(warmup + repeats):
+            prompts = torch.randint(0, model.config.vocab_size, (batch, prompt_len), generator=generator).tolist()
+            with timed(device) as timer:
+                for p in prompts:
+                    engine.submit(p, gen_len, sampling=greedy)
+                engine.run()
+            # Time to first token on its own: the same batch asking for one token (prefill + first sample),
+            # since within a full run tokens only reach the host once per sync window.
+            with timed(device) as first:
+                for p in prompts:
+                    engine.submit(p, 1, sampling=greedy)
+                while not engine.idle:  # a prompt longer than the engine's prefill chunk takes a window per chunk
+                    engine.step(max_steps=1)
+            if run >= warmup:
+                seconds.append(timer.seconds)
+                ttft.append(first.seconds)
     mean = sum(seconds) / len(seconds)
     mean_ttft = sum(ttft) / len(ttft)
     tok_s = batch * gen_len / mean

@@ -26,6 +26,7 @@ from blockloop.data.tokenizers import Tokenizer
 from blockloop.device import resolve_device
 from blockloop.evals.scoring import Request, encode_request, score
 from blockloop.families import spec_of
+from blockloop.nn.linear import packed_linears
 from blockloop.serve.generate import generate
 from blockloop.train.run import load_trained
 
@@ -74,17 +75,18 @@ class BlockloopLM(LM):
 
     def generate_until(self, requests: list[Any], disable_tqdm: bool = False) -> list[str]:
         outputs = []
-        for req in requests:
-            context, kwargs = req.args[0], dict(req.args[1])
-            until = kwargs.get("until") or []
-            until = [until] if isinstance(until, str) else list(until)
-            c = self.model.config
-            new = max(1, min(int(kwargs.get("max_gen_toks", 256)), c.context_length // 2))
-            keep = c.context_length - new - spec_of(c).sequence_multiple(c)  # a block family pads the prompt
-            prompt = (self.tokenizer.encode(context) or [self.tokenizer.eos_id])[-keep:]
-            (tokens,) = generate(self.model, [prompt], new, temperature=0.0, eos_id=self.tokenizer.eos_id)
-            text = self.tokenizer.decode(tokens)
-            for stop in until:
-                text = text.split(stop)[0]
-            outputs.append(text)
+        with packed_linears(self.model):  # once for every request, not per generate call
+            for req in requests:
+                context, kwargs = req.args[0], dict(req.args[1])
+                until = kwargs.get("until") or []
+                until = [until] if isinstance(until, str) else list(until)
+                c = self.model.config
+                new = max(1, min(int(kwargs.get("max_gen_toks", 256)), c.context_length // 2))
+                keep = c.context_length - new - spec_of(c).sequence_multiple(c)  # a block family pads the prompt
+                prompt = (self.tokenizer.encode(context) or [self.tokenizer.eos_id])[-keep:]
+                (tokens,) = generate(self.model, [prompt], new, temperature=0.0, eos_id=self.tokenizer.eos_id)
+                text = self.tokenizer.decode(tokens)
+                for stop in until:
+                    text = text.split(stop)[0]
+                outputs.append(text)
         return outputs

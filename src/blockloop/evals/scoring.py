@@ -33,6 +33,7 @@ from blockloop.data.tokenizers import Tokenizer
 from blockloop.errors import BlockloopError
 from blockloop.families import spec_of
 from blockloop.nn.kv_cache import StepContext
+from blockloop.nn.linear import packed_linears
 from blockloop.nn.precision import at_least_fp32
 
 
@@ -101,13 +102,14 @@ def score(
     was_training = model.training
     model.eval()  # no dropout
     try:
-        for i in range(0, len(order), batch_size):
-            chosen = order[i : i + batch_size]
-            out_ll, out_greedy = scorer(model, [list(groups[g]) for g in chosen], exits)
-            rows = [r for g in chosen for r in range(starts[g], starts[g + 1])]
-            ll[rows], greedy[rows] = out_ll.cpu(), out_greedy.cpu()
-            if progress is not None:
-                progress(len(chosen))
+        with packed_linears(model):
+            for i in range(0, len(order), batch_size):
+                chosen = order[i : i + batch_size]
+                out_ll, out_greedy = scorer(model, [list(groups[g]) for g in chosen], exits)
+                rows = [r for g in chosen for r in range(starts[g], starts[g + 1])]
+                ll[rows], greedy[rows] = out_ll.cpu(), out_greedy.cpu()
+                if progress is not None:
+                    progress(len(chosen))
     finally:
         model.train(was_training)
     return Scores(ll, greedy)

@@ -27,6 +27,7 @@ from blockloop.errors import check_context
 from blockloop.models.decoder import TransformerStack, count_parameters
 from blockloop.nn.init import init_weights
 from blockloop.nn.kv_cache import DecoderCache, StepContext
+from blockloop.nn.linear import Linear
 from blockloop.nn.paged_cache import KVPages
 from blockloop.nn.precision import at_least_fp32
 
@@ -45,7 +46,7 @@ class LookupEmbedder(nn.Module):
         super().__init__()
         self.embed = nn.Embedding(config.padded_vocab_size, config.embed_dim)
         width = config.block_len * config.embed_dim
-        self.proj = nn.Linear(width, config.block_d_model, bias=False) if width != config.block_d_model else nn.Identity()
+        self.proj = Linear(width, config.block_d_model, bias=False) if width != config.block_d_model else nn.Identity()
 
     def forward(self, blocks: Tensor) -> Tensor:
         return self.proj(self.embed(blocks).flatten(-2))
@@ -63,7 +64,7 @@ class EncoderEmbedder(nn.Module):
         self.cls = nn.Parameter(torch.zeros(self.n_cls, config.embed_dim)) if self.n_cls else None
         self.encoder = TransformerStack(config.embedder_config(), causal=False)
         readout = self.n_cls or config.block_len
-        self.proj = nn.Linear(readout * config.embed_dim, config.block_d_model, bias=False)
+        self.proj = Linear(readout * config.embed_dim, config.block_d_model, bias=False)
 
     def forward(self, blocks: Tensor) -> Tensor:
         batch, n_blocks, block_len = blocks.shape
@@ -92,9 +93,9 @@ class TokenDecoder(nn.Module):
         self.d = body.d_model
         self.embed = nn.Embedding(config.padded_vocab_size, self.d)
         context_vectors = config.prefix_len if self.kind == "prefix" else config.block_len
-        self.context_proj = nn.Linear(config.block_d_model, context_vectors * self.d, bias=False)
+        self.context_proj = Linear(config.block_d_model, context_vectors * self.d, bias=False)
         self.body = TransformerStack(body, cross_attention=self.kind == "cross")
-        self.lm_head = nn.Linear(self.d, config.padded_vocab_size, bias=False)
+        self.lm_head = Linear(self.d, config.padded_vocab_size, bias=False)
         if config.tie_embeddings:
             self.lm_head.weight = self.embed.weight
 

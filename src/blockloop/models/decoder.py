@@ -24,6 +24,7 @@ from blockloop.errors import check_context
 from blockloop.nn.attention import attention
 from blockloop.nn.init import init_weights
 from blockloop.nn.kv_cache import DecoderCache, LayerStep, StepContext
+from blockloop.nn.linear import Linear
 from blockloop.nn.masks import MaskMod, sliding_window_mask_mod, within_window
 from blockloop.nn.mlp import build_mlp
 from blockloop.nn.norm import build_norm
@@ -55,8 +56,8 @@ class SelfAttention(nn.Module):
         super().__init__()
         self.causal = causal
         self.n_head, self.n_kv_head, self.head_dim = config.n_head, config.n_kv_head, config.head_dim
-        self.qkv = nn.Linear(config.d_model, (config.n_head + 2 * config.n_kv_head) * config.head_dim, bias=config.bias)
-        self.proj = nn.Linear(config.n_head * config.head_dim, config.d_model, bias=config.bias)
+        self.qkv = Linear(config.d_model, (config.n_head + 2 * config.n_kv_head) * config.head_dim, bias=config.bias)
+        self.proj = Linear(config.n_head * config.head_dim, config.d_model, bias=config.bias)
         self.dropout = config.dropout
         self.scale = config.attn_scale
         # Gemma-3 normalises each query/key head before rotary; identity otherwise.
@@ -103,9 +104,9 @@ class CrossAttention(nn.Module):
     def __init__(self, config: DecoderConfig) -> None:
         super().__init__()
         self.n_head, self.n_kv_head, self.head_dim = config.n_head, config.n_kv_head, config.head_dim
-        self.q = nn.Linear(config.d_model, config.n_head * config.head_dim, bias=config.bias)
-        self.kv = nn.Linear(config.d_model, 2 * config.n_kv_head * config.head_dim, bias=config.bias)
-        self.proj = nn.Linear(config.n_head * config.head_dim, config.d_model, bias=config.bias)
+        self.q = Linear(config.d_model, config.n_head * config.head_dim, bias=config.bias)
+        self.kv = Linear(config.d_model, 2 * config.n_kv_head * config.head_dim, bias=config.bias)
+        self.proj = Linear(config.n_head * config.head_dim, config.d_model, bias=config.bias)
 
     def keys(self, memory: Tensor) -> CrossKV:
         k, v = self.kv(memory).chunk(2, dim=-1)
@@ -300,7 +301,7 @@ class LanguageModel(nn.Module):
         for name, module in stacks.items():
             setattr(self, name, module)
         self.norm = build_norm(config.norm, config.d_model, config.norm_eps)
-        self.lm_head = nn.Linear(config.d_model, config.padded_vocab_size, bias=False)
+        self.lm_head = Linear(config.d_model, config.padded_vocab_size, bias=False)
         if config.tie_embeddings:
             self.lm_head.weight = self.embed.weight
         self.reset_parameters()

@@ -50,6 +50,7 @@ from blockloop.models.decoder import (
 )
 from blockloop.nn.attention import attention
 from blockloop.nn.kv_cache import DecoderCache, LayerStep, StepContext
+from blockloop.nn.linear import Linear
 from blockloop.nn.masks import dual_block_mask
 from blockloop.nn.paged_cache import KVPages
 from blockloop.nn.rope import apply_rope, rope_angles
@@ -71,7 +72,7 @@ class DualAttention(SelfAttention):
 
     def __init__(self, config: DoubleDecoderConfig) -> None:
         super().__init__(config)
-        self.cross_kv = nn.Linear(config.d_model, 2 * config.n_kv_head * config.head_dim, bias=config.bias)
+        self.cross_kv = Linear(config.d_model, 2 * config.n_kv_head * config.head_dim, bias=config.bias)
 
     def cross_keys(self, latents: Tensor, cos: Tensor, sin: Tensor) -> CrossKV:
         """Keys (rotated at the latents' positions) and values projected from context latents h."""

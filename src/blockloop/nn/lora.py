@@ -17,6 +17,8 @@ import math
 import torch
 from torch import Tensor, nn
 
+from blockloop.nn.linear import Linear
+
 
 class LoopIndex:
     """The loop the current pass runs: an ``int`` for the whole batch, or a ``(B,)`` tensor, one per row.
@@ -29,8 +31,8 @@ class LoopIndex:
         self.value: int | Tensor = 0
 
 
-class LoopLoRALinear(nn.Linear):
-    """``nn.Linear`` with one LoRA delta per loop; the base weight keeps its ``weight``/``bias`` names.
+class LoopLoRALinear(Linear):
+    """:class:`~blockloop.nn.linear.Linear` with one LoRA delta per loop; the base weight keeps its ``weight``/``bias`` names.
 
     ``lora_A``: ``(loops, r, in)``, ``lora_B``: ``(loops, out, r)``, and with a bias ``lora_bias``:
     ``(loops, out)``. ``reset_lora`` gives the standard zero init (A Gaussian, B and the bias delta zero),
@@ -73,12 +75,12 @@ class LoopLoRALinear(nn.Linear):
 
 
 def add_loop_lora(module: nn.Module, *, loops: int, rank: int, scaling: float, loop: LoopIndex) -> list[LoopLoRALinear]:
-    """Replace every ``nn.Linear`` inside ``module`` by a :class:`LoopLoRALinear` of the same shape (fresh
+    """Replace every :class:`~blockloop.nn.linear.Linear` inside ``module`` by a :class:`LoopLoRALinear` of the same shape (fresh
     weights: call before the model initialises or loads them); returns the new layers."""
     added = []
     for parent in list(module.modules()):
         for name, child in list(parent.named_children()):
-            if type(child) is nn.Linear:
+            if type(child) is Linear:
                 lora = LoopLoRALinear(
                     child.in_features, child.out_features, child.bias is not None,
                     loops=loops, rank=rank, scaling=scaling, loop=loop,

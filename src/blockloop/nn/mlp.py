@@ -6,6 +6,8 @@ from __future__ import annotations
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from blockloop.nn.linear import Linear
+
 
 class MLP(nn.Module):
     """down(act(fc(x))), the 4x-wide MLP of GPT-2 and Pythia: exact erf GELU as Pythia uses, or with
@@ -13,8 +15,8 @@ class MLP(nn.Module):
 
     def __init__(self, d_model: int, d_ff: int, bias: bool, approximate: str = "none") -> None:
         super().__init__()
-        self.fc = nn.Linear(d_model, d_ff, bias=bias)
-        self.proj = nn.Linear(d_ff, d_model, bias=bias)
+        self.fc = Linear(d_model, d_ff, bias=bias)
+        self.proj = Linear(d_ff, d_model, bias=bias)
         self.approximate = approximate
 
     def forward(self, x: Tensor) -> Tensor:
@@ -26,9 +28,9 @@ class GatedMLP(nn.Module):
 
     def __init__(self, d_model: int, d_ff: int, bias: bool, activation: str) -> None:
         super().__init__()
-        self.gate = nn.Linear(d_model, d_ff, bias=bias)
-        self.up = nn.Linear(d_model, d_ff, bias=bias)
-        self.proj = nn.Linear(d_ff, d_model, bias=bias)
+        self.gate = Linear(d_model, d_ff, bias=bias)
+        self.up = Linear(d_model, d_ff, bias=bias)
+        self.proj = Linear(d_ff, d_model, bias=bias)
         self.activation = activation
 
     def forward(self, x: Tensor) -> Tensor:

@@ -23,6 +23,7 @@ from typing import Protocol
 from torch import nn
 
 from blockloop.errors import BlockloopError
+from blockloop.nn.linear import packed_linears
 from blockloop.serve.engine import Engine
 from blockloop.serve.http.text import TextStream
 from blockloop.serve.requests import Request, RequestStatus, SamplingParams
@@ -146,6 +147,10 @@ class EngineWorker:
 
     # ------------------------------------------------------------- engine thread
     def _run(self) -> None:
+        with packed_linears(self.engine.model):
+            self._serve()
+
+    def _serve(self) -> None:
         while True:
             if not self._drain(block=self.engine.idle):
                 return

@@ -1,0 +1,127 @@
+"""oneDNN-packed linear weights for CPU inference: the same products as ``F.linear``, used only where they may
+be, released afterwards, and wired into generation and evaluation."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from blockloop.evals.scoring import Request, score
+from blockloop.families import build_model, from_name
+from blockloop.nn.linear import Linear, packed_linears
+from blockloop.serve.generate import generate
+
+pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="this torch has no oneDNN")
+
+PACKED_OP = "mkldnn::_linear_pointwise"
+
+
+def ops_run(fn) -> set[str]:
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        fn()
+    return {e.key for e in prof.key_averages()}
+
+
+@pytest.fixture
+def linear() -> Linear:
+    torch.manual_seed(0)
+    return Linear(48, 80)
+
+
+@pytest.mark.parametrize("shape", [(5, 48), (2, 7, 48), "transposed", "strided"])
+@pytest.mark.parametrize("bias", [True, False])
+def test_packed_product_equals_f_linear_and_is_the_onednn_kernel(shape, bias):
+    torch.manual_seed(0)
+    layer = Linear(48, 80, bias=bias)
+    if shape == "transposed":
+        x = torch.randn(7, 3, 48).transpose(0, 1)
+    elif shape == "strided":
+        x = torch.randn(3, 96)[:, ::2]
+    else:
+        x = torch.randn(*shape)
+    with packed_linears(layer) as n, torch.no_grad():
+        assert n == 1 and layer.packed is not None
+        ops = ops_run(lambda: layer(x))
+        out = layer(x)
+    assert PACKED_OP in ops
+    torch.testing.assert_close(out, F.linear(x, layer.weight, layer.bias), rtol=1e-5, atol=1e-5)
+    assert layer.packed is None  # released on leaving
+
+
+def test_autograd_uses_the_plain_weight(linear):
+    x = torch.randn(4, 48)
+    with packed_linears(linear):
+        ops = ops_run(lambda: linear(x))
+        out = linear(x)
+    assert PACKED_OP not in ops
+    assert torch.equal(out, F.linear(x, linear.weight, linear.bias))
+    out.sum().backward()
+    assert linear.weight.grad is not None
+
+
+def test_a_weight_changed_in_place_is_not_read_from_its_stale_packing(linear):
+    x = torch.randn(4, 48)
+    with packed_linears(linear), torch.no_grad():
+        linear.weight.mul_(-2.0)
+        out = linear(x)
+    assert torch.equal(out, F.linear(x, linear.weight, linear.bias))
+
+
+def test_float64_and_bfloat16_where_unsupported_stay_unpacked(linear):
+    linear.double()
+    with packed_linears(linear) as n:
+        assert n == 0 and linear.packed is None
+
+
+def test_bfloat16_packs_where_the_cpu_has_bf16_kernels(linear):
+    if not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        pytest.skip("this CPU has no oneDNN bf16 kernels")
+    linear.bfloat16()
+    x = torch.randn(3, 48, dtype=torch.bfloat16)
+    with packed_linears(linear) as n, torch.no_grad():
+        out = linear(x)
+    assert n == 1
+    torch.testing.assert_close(out, F.linear(x, linear.weight, linear.bias), rtol=2e-2, atol=2e-2)
+
+
+def test_nested_contexts_keep_the_outer_packing(linear):
+    with packed_linears(linear) as outer:
+        packed = linear.packed
+        with packed_linears(linear) as inner:
+            pass
+        assert (outer, inner) == (1, 0) and linear.packed is packed
+    assert linear.packed is None
+
+
+def test_packing_leaves_the_state_dict_alone():
+    torch.manual_seed(0)
+    model = build_model(from_name("tiny")).eval()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with packed_linears(model) as n:
+        inside = model.state_dict()
+    assert n == sum(isinstance(m, Linear) for m in model.modules())
+    assert inside.keys() == before.keys() and all(torch.equal(inside[k], before[k]) for k in before)
+
+
+@pytest.mark.parametrize("preset,overrides", [("tiny", {}), ("tiny-recursive", {"lora_rank": 4})])
+def test_a_model_under_packing_gives_the_same_logits(preset, overrides):
+    """Every linear of the model (LoRA's base included) goes through the packed kernel, within float32 rounding."""
+    torch.manual_seed(0)
+    model = build_model(from_name(preset, **overrides)).eval()
+    idx = torch.randint(0, 258, (2, 17))
+    with torch.no_grad():
+        reference, _ = model(idx)
+        with packed_linears(model):
+            ops = ops_run(lambda: model(idx))
+            packed, _ = model(idx)
+    assert PACKED_OP in ops
+    torch.testing.assert_close(packed, reference, rtol=1e-4, atol=1e-4)
+
+
+def test_generation_and_scoring_run_on_packed_weights_and_release_them():
+    torch.manual_seed(0)
+    model = build_model(from_name("tiny")).eval()
+    assert PACKED_OP in ops_run(lambda: generate(model, [[1, 2, 3]], 4, temperature=0.0))
+    assert PACKED_OP in ops_run(lambda: score(model, [[Request((1, 2, 3), (4, 5))]]))
+    assert all(m.packed is None for m in model.modules() if isinstance(m, Linear))
