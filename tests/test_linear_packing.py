@@ -125,3 +125,16 @@ def test_generation_and_scoring_run_on_packed_weights_and_release_them():
     assert PACKED_OP in ops_run(lambda: generate(model, [[1, 2, 3]], 4, temperature=0.0))
     assert PACKED_OP in ops_run(lambda: score(model, [[Request((1, 2, 3), (4, 5))]]))
     assert all(m.packed is None for m in model.modules() if isinstance(m, Linear))
+
+
+def test_a_compiled_forward_inside_the_context_traces_the_plain_weight_in_one_graph():
+    torch.manual_seed(0)
+    model = build_model(from_name("tiny")).eval()
+    idx = torch.randint(0, 258, (2, 9))
+    torch._dynamo.reset()
+    compiled = torch.compile(model, fullgraph=True, backend="eager")  # a graph break fails the call
+    with torch.no_grad():
+        reference, _ = model(idx)
+        with packed_linears(model):
+            out, _ = compiled(idx)
+    torch.testing.assert_close(out, reference, rtol=1e-6, atol=1e-6)

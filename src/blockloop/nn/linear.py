@@ -30,10 +30,11 @@ class Linear(nn.Linear):
     packed_version: int = -1
 
     def forward(self, x: Tensor) -> Tensor:
+        if torch.compiler.is_compiling():  # first, so a traced forward never looks at the packed tensor
+            return F.linear(x, self.weight, self.bias)
         packed = self.packed
         if (packed is not None and not torch.is_grad_enabled() and x.dtype == packed.dtype
-                and self.weight._version == self.packed_version and not torch.is_autocast_enabled("cpu")
-                and not torch.compiler.is_compiling()):
+                and self.weight._version == self.packed_version and not torch.is_autocast_enabled("cpu")):
             return torch.ops.mkldnn._linear_pointwise(x, packed, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)
 
