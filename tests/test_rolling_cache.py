@@ -11,7 +11,6 @@ import pytest
 import torch
 
 from blockloop.config import DecoderConfig
-from blockloop.errors import BlockloopError
 from blockloop.families import build_model, spec_of
 from blockloop.families.recursive import RecursiveConfig
 from blockloop.nn.kv_cache import KVCache, RollingKVCache, StepContext
@@ -153,18 +152,14 @@ def test_paged_global_layers_beside_rolling_local_ones_equal_per_request_generat
     assert len(cache.pages.free) == cache.pages.n_pages - 1 and not cache.pages.held
 
 
-def test_paged_depth_wise_batching_refuses_layers_local_at_some_loops_only():
-    """Its stacked loops of such a layer are full-length, read through a window band the page masks lack."""
-    with pytest.raises(BlockloopError, match="local at some loops and global at others"):
-        runner_for(recursive("per-depth"), exit_rule=ExitRule("none"), paging=Paging(32, 4))
-
-
 @pytest.mark.parametrize("read", ["gather", "pages"])
-def test_paged_depth_wise_batching_keeps_rings_for_local_layers(read):
-    """Depth-wise over pages for a model whose shared layers 0 and 2 are local at every loop: layer 1's loops take
-    pages, the local layers' rings stay stacked per loop. Without exits the engine serves each request's uncached
-    greedy continuation through a pool small enough that requests wait for pages, and every page comes back."""
-    model = recursive("shared")
+@pytest.mark.parametrize("mix", list(MIXES))
+def test_paged_depth_wise_batching_keeps_rings_for_local_layers(mix, read):
+    """Depth-wise over pages: shared layers local at every loop keep their rings stacked per loop, the others
+    take pages, and a layer local at some loops only (per-depth, three loops) reads its pages through a window
+    band at its rows' local loops. Without exits the engine serves each request's uncached greedy continuation
+    through a pool small enough that requests wait for pages, and every page comes back."""
+    model = recursive(mix)
     prompts, budgets = prompts_of((9, 2, 13, 5), seed=6), [12, 9, 12, 7]
     reference = [uncached_greedy(model, p, n) for p, n in zip(prompts, budgets)]
     runner = runner_for(model, exit_rule=ExitRule("none"), paging=Paging(40, 4, read))
@@ -176,17 +171,21 @@ def test_paged_depth_wise_batching_keeps_rings_for_local_layers(read):
         waited |= bool(engine.scheduler.waiting) and bool(engine.scheduler.free)
     assert [r.output for r in requests] == reference and waited
     cache = runner.state.cache
-    assert [tuple(t.shape[2] for t in store) for store in cache.stores[::2]] == [(2 * (WINDOW + 1),) * 2] * 2
+    loops = model.config.loops
+    rings = [j for j in range(3) if all(model.loop_local[:, j])]
+    assert rings == sorted(cache.rolling_layers) and rings != [0, 1, 2]
+    assert all(tuple(t.shape[2] for t in cache.stores[j]) == (loops * (WINDOW + 1),) * 2 for j in rings)
     pages = cache.loop_pages
-    assert pages.capacity == 2 * 40 and len(pages.free) == pages.n_pages - 1 and not pages.held
+    assert pages.capacity == loops * 40 and len(pages.free) == pages.n_pages - 1 and not pages.held
 
 
 @pytest.mark.parametrize("read", ["gather", "pages"])
-def test_paged_depth_wise_early_exits_fill_deeper_pages_and_rings_like_the_static_cache(read):
+@pytest.mark.parametrize("mix", ["shared", "per-depth"])
+def test_paged_depth_wise_early_exits_fill_deeper_pages_and_rings_like_the_static_cache(mix, read):
     """With a real exit rule rows sit at different loops and an exited token's K/V is copied into the loops it
-    skipped, in pages (global layer) and rings (local layers): every step's logits and exits equal the static
-    looped cache's, long enough for the rings to wrap."""
-    model = recursive("shared")
+    skipped, in pages (global and mixed layers) and rings (local layers): every step's logits and exits equal the
+    static looped cache's, long enough for the rings to wrap (and for a mixed layer's window to slide)."""
+    model = recursive(mix)
     rule, rows, steps = ExitRule("max_prob", 0.2), 3, 30
     runners = [runner_for(model, exit_rule=rule), runner_for(model, exit_rule=rule, paging=Paging(3 * 48, 4, read))]
     for runner in runners:
@@ -285,7 +284,9 @@ def test_scoring_reuses_a_prefix_through_the_rings(name):
 @pytest.mark.parametrize("name, kwargs", [("decoder", {}), ("recursive per-depth", {"exit_rule": ExitRule("none")}),
                                           ("recursive shared", {"speculation": Speculation(k=2)}),
                                           ("recursive shared", {"exit_rule": ExitRule("max_prob", 0.2),
-                                                                "paging": Paging(80, 4, "pages")})])
+                                                                "paging": Paging(80, 4, "pages")}),
+                                          ("recursive per-depth", {"exit_rule": ExitRule("max_prob", 0.2),
+                                                                   "paging": Paging(80, 4, "pages")})])
 def test_decode_step_over_rings_compiles_as_a_full_graph(name, kwargs):
     model = MODELS[name]()
     runners = [runner_for(model, **kwargs) for _ in range(2)]

@@ -179,6 +179,9 @@ class LayerInputs:
     local_rope: tuple[Tensor, Tensor] | None = None
     local_masks: dict[str, object] | None = None
     rolling_masks: dict[str, object] | None = None
+    # Masks for rows that attend locally where ``local (B,)`` says, when they cannot be picked row by row from the
+    # two dense ones (a paged step's block masks; see :meth:`per_row`).
+    per_row_masks: Callable[[Tensor], dict[str, object]] | None = None
 
     def of(self, local: bool, rolling: bool = False) -> tuple[Tensor, Tensor, dict[str, object]]:
         """A global layer's inputs, or a local one's: ``rolling`` when its cache entry is a ring."""
@@ -189,8 +192,8 @@ class LayerInputs:
     def per_row(self, local: Tensor) -> tuple[Tensor, Tensor, dict[str, object]]:
         """Row ``b``'s local or global inputs as ``local (B,)`` says: one batch whose rows attend differently
         (a looped layer that is local at some depth positions and global at others, rows at different
-        loops; such a layer keeps a full-length cache at every loop). Needs a cached step's masks, which
-        have a row dimension."""
+        loops; such a layer keeps a full-length cache, or pages, at every loop). Needs a cached step's masks,
+        which have a row dimension, or ``per_row_masks`` (block masks over a paged pool)."""
         (cos, sin, masks), (local_cos, local_sin, local_masks) = self.of(False), self.of(True)
         if masks["mask"] is None:
             raise ValueError("rows of one batch attend locally and globally only in a cached step")
@@ -199,6 +202,8 @@ class LayerInputs:
             a, b = (a, b) if a.dim() > 2 else (a.expand(len(local), *a.shape), b.expand(len(local), *b.shape))
             return torch.where(local.view(-1, *(1,) * (a.dim() - 1)), a, b)
 
+        if self.per_row_masks is not None:
+            return pick(local_cos, cos), pick(local_sin, sin), self.per_row_masks(local)
         return pick(local_cos, cos), pick(local_sin, sin), {"mask": pick(local_masks["mask"], masks["mask"])}
 
 

@@ -141,10 +141,13 @@ class KVPages:
         than over gathered logical views."""
         return self.read == "pages" and slots.dim() == 2 and slots.shape[1] == 1
 
-    def block_mask(self, key_valid: Tensor, slots: Tensor, rows: Tensor | None = None):  # -> flex_attention.BlockMask
+    def block_mask(self, key_valid: Tensor, slots: Tensor, rows: Tensor | None = None, *, local: Tensor | None = None,
+                   window: int = 0):  # -> flex_attention.BlockMask
         """The mask of one decode query per row (``slots (B, 1)``) over the pool: row ``b`` visits its own
         reserved pages only (those of table row ``rows[b]`` when given), and within them sees what
-        :func:`~blockloop.nn.masks.cache_mask` would (valid keys up to its slot, and itself)."""
+        :func:`~blockloop.nn.masks.cache_mask` would (valid keys up to its slot, and itself); a row with
+        ``local[b]`` only the slots less than ``window`` before its own, as the band of
+        :func:`~blockloop.nn.masks.within_window` (a looped layer that is local at that row's loop)."""
         from torch.nn.attention.flex_attention import BlockMask
 
         size = self.page_size
@@ -158,6 +161,8 @@ class KVPages:
             page = kv_idx // size
             slot = (logical[page] * size + kv_idx % size).clamp_max(last)
             seen = (slot <= query[b]) & key_valid[b, slot] | (slot == query[b])
+            if local is not None:
+                seen = seen & (~local[b] | (slot > query[b] - window))
             return (owner[page] == table_row[b]) & seen
 
         # One query block per row (the query block size only has to be a multiple of the kernel's, not 1).

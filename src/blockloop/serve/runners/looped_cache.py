@@ -237,10 +237,17 @@ class PagedLoopedCache(DecoderCache):
 
     def lift(self, inputs: LayerInputs, loop: Tensor, slots: Tensor) -> LayerInputs:
         """The step's mask over the pool (reading pages), or as it is (gathered logical views); rolling layers'
-        ring masks stay as they are."""
+        ring masks stay as they are. Over the pool, a layer local at some loops only gets a block mask with a
+        window band for the rows at its local loops."""
         if self.loop_pages.read != "pages":
             return inputs
-        return replace(inputs, masks={"mask": self.loop_pages.block_mask(self.key_valid, slots, self.table_rows(loop))})
+        rows = self.table_rows(loop)
+
+        def per_row_masks(local: Tensor) -> dict[str, object]:
+            return {"mask": self.loop_pages.block_mask(self.key_valid, slots, rows, local=local, window=self.window)}
+
+        return replace(inputs, masks={"mask": self.loop_pages.block_mask(self.key_valid, slots, rows)},
+                       per_row_masks=per_row_masks)
 
     def copy_exits(self, exited: Tensor, loop: Tensor, slot: Tensor) -> None:
         """As :meth:`LoopedCache.copy_exits`, between the rows' pages of each loop (and rings of each loop)."""

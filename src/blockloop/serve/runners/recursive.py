@@ -130,10 +130,6 @@ class RecursiveRunner(DecoderRunner):
                 raise BlockloopError(
                     f"depth-wise batching needs cycle tying (rows share layers per loop), not {model.config.tying!r}"
                 )
-            if paging is not None and any(model.mixed):
-                raise BlockloopError("depth-wise batching over a paged KV cache does not cover a looped layer that is "
-                                     "local at some loops and global at others; serve it without paging, or "
-                                     "sequence-wise (no exit rule) with paging")
             self.token_per_step = False  # rows emit a token only when they leave a loop (see the engine)
         plain = not any(model.local) and not model.config.prefix_len  # every layer reads a full-length, prefix-free cache
         if loop_read == "blocks" and not plain:
