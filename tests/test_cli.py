@@ -278,3 +278,21 @@ def test_piped_training_logs_are_plain_lines_and_say_when_validation_starts(tmp_
     assert "\r" not in captured.err and "\r" not in captured.out
     assert "step 4: validating on up to 1 batches" in captured.out
     assert "val_loss" in captured.out
+
+
+def test_long_work_without_a_bar_still_logs_plain_lines(monkeypatch, capsys):
+    """A benchmark evaluation runs for many minutes: piped to a log (or under --no-progress) it must still say,
+    in plain lines, which task runs and how far it got, and nothing for bars that did not ask for it."""
+    from blockloop import progress
+
+    for enabled in (True, False):  # a pipe, then a pipe with --no-progress
+        monkeypatch.setattr(progress, "_enabled", enabled)
+        with progress.bar(total=3, desc="piqa", unit="q", leave=False, log_every=0) as logged:
+            logged.update(2)
+            logged.update(1)
+        with progress.bar(total=3, desc="quiet", unit="q") as quiet:
+            quiet.update(3)
+        err = capsys.readouterr().err
+        assert "\r" not in err and "quiet" not in err
+        lines = err.splitlines()
+        assert lines[0].startswith("piqa: 0/3 q") and lines[-1].startswith("piqa: 3/3 q"), lines

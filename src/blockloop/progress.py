@@ -26,7 +26,30 @@ def shown() -> bool:
     return _enabled and sys.stderr.isatty()
 
 
-def bar(*, disable: bool = False, **kwargs: Any) -> tqdm:
-    """A tqdm bar that respects the switch and the terminal; ``disable`` adds the caller's own reason."""
+class _Lines:
+    """A file for tqdm that turns each redraw into one plain line (no carriage returns, no padding)."""
+
+    def __init__(self, stream: Any) -> None:
+        self.stream = stream
+
+    def write(self, text: str) -> None:
+        text = text.replace("\r", "").rstrip()
+        if text:
+            self.stream.write(text + "\n")
+
+    def flush(self) -> None:
+        self.stream.flush()
+
+
+def bar(*, disable: bool = False, log_every: float | None = None, **kwargs: Any) -> tqdm:
+    """A tqdm bar that respects the switch and the terminal; ``disable`` adds the caller's own reason.
+
+    Work that runs for many minutes without other output passes ``log_every``: where no bar is drawn (a log
+    file, ``--no-progress``) it still writes a plain line at most that many seconds apart, and one at the end,
+    so a log shows what is running and how far it got."""
+    if not disable and log_every is not None and not shown():
+        kwargs.update(file=_Lines(sys.stderr), mininterval=log_every, leave=True, ascii=True, dynamic_ncols=False,
+                      bar_format="{desc}: {n_fmt}/{total_fmt} {unit} [{elapsed}<{remaining}, {rate_fmt}]")
+        return tqdm(**kwargs)
     kwargs.setdefault("dynamic_ncols", True)
     return tqdm(disable=disable or not shown(), **kwargs)

@@ -110,7 +110,7 @@ def benchmarks(args: argparse.Namespace) -> int:
     bars = []
 
     def progress(task: str, total: int):
-        bar = progress_bars.bar(total=total, desc=task, unit="q", leave=False)
+        bar = progress_bars.bar(total=total, desc=task, unit="q", leave=False, log_every=60)
         bars.append(bar)
 
         def done(n: int) -> None:

@@ -118,6 +118,7 @@ def _encode(
         unit_scale=True,
         desc=description,
         disable=not show_progress,
+        log_every=60,
     ) as bar:
         for batch in _batches(documents):
             for ids in tokenizer.encode_batch(batch):

@@ -77,7 +77,7 @@ def evaluate(
     count = (len(sequences) // min(batch_size, len(sequences)) if recurrent
              else -(-len(sequences) // batch_size))
     batches = progress.bar(iterable=batches, total=count if max_batches is None else min(count, max_batches),
-                           desc="evaluating", unit="batch", disable=not show_progress)
+                           desc="evaluating", unit="batch", disable=not show_progress, log_every=60)
     state = None
     for i, (inputs, targets) in enumerate(batches):
         batch = {k: v.to(device) for k, v in collate(inputs, targets, step_generator(0, i)).items()}
