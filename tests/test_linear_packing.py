@@ -138,3 +138,23 @@ def test_a_compiled_forward_inside_the_context_traces_the_plain_weight_in_one_gr
         with packed_linears(model):
             out, _ = compiled(idx)
     torch.testing.assert_close(out, reference, rtol=1e-6, atol=1e-6)
+
+
+def test_no_pack_keeps_one_copy_of_the_weights(monkeypatch, tmp_path):
+    """``--no-pack`` (every verb that decodes or scores takes it) leaves generation and scoring on the stored
+    weights: for models whose second copy would not fit in memory."""
+    from blockloop.cli import EXIT_USER_ERROR, build_parser, main
+    from blockloop.nn import linear as linear_module
+
+    verbs = ["generate", "chat", "eval", "serve", "bench"]
+    parser = build_parser(set(verbs))
+    for verb in verbs:
+        assert "--no-pack" in parser._subparsers._group_actions[0].choices[verb].format_help(), verb
+    monkeypatch.setattr(linear_module, "_packing", True)  # restored after the test: the switch is per process
+    assert main(["generate", "--checkpoint", str(tmp_path / "missing"), "--prompt", "a", "--no-pack"]) == EXIT_USER_ERROR
+    torch.manual_seed(0)
+    model = build_model(from_name("tiny")).eval()
+    with packed_linears(model) as packed:
+        assert packed == 0 and all(m.packed is None for m in model.modules() if isinstance(m, Linear))
+    assert PACKED_OP not in ops_run(lambda: generate(model, [[1, 2, 3]], 4, temperature=0.0))
+    assert PACKED_OP not in ops_run(lambda: score(model, [[Request((1, 2, 3), (4, 5))]]))

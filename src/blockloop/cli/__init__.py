@@ -58,6 +58,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from blockloop import progress
 
         progress.set_enabled(False)
+    if getattr(args, "no_pack", False):
+        from blockloop.nn.linear import set_packing
+
+        set_packing(False)
     if args.debug or os.environ.get("BLOCKLOOP_DEBUG", "") not in ("", "0"):
         return args.handler(args) or 0  # every error keeps its traceback
     try:

@@ -12,6 +12,7 @@ from typing import Any
 
 from blockloop.cli.common import (
     add_device,
+    add_no_pack,
     add_no_progress,
     int_range,
     nonnegative_int,
@@ -33,6 +34,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     m.add_argument("--checkpoint", action="append", default=[],
                    help="a trained run to bench, after the --presets (repeatable; its validation loss is recorded for --plot)")
     add_device(m)
+    add_no_pack(m)
     add_no_progress(m)
     m.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
                    help="weights/cache dtype (default: bfloat16 on CUDA, float32 on CPU)")

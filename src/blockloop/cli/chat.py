@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 
 from blockloop.cli.common import (
     add_device,
+    add_no_pack,
     nonnegative_float,
     nonnegative_int,
     number,
@@ -37,6 +38,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=nonnegative_int, default=0, help="seed of the first answer; answer i uses seed + i (default: 0)")
     add_engine_arguments(p, slots=1)
     add_device(p)
+    add_no_pack(p)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -9,7 +9,14 @@ import argparse
 import json
 
 from blockloop.choices import OBJECTIVES
-from blockloop.cli.common import add_device, add_no_progress, nonnegative_int, positive_int, print_table
+from blockloop.cli.common import (
+    add_device,
+    add_no_pack,
+    add_no_progress,
+    nonnegative_int,
+    positive_int,
+    print_table,
+)
 
 HELP = "loss, perplexity and bits per byte of a checkpoint on a dataset split; zero/few-shot benchmarks (--tasks)"
 BENCHMARKS = "piqa, hellaswag, arc_easy, arc_challenge, winogrande, openbookqa, boolq, sciq, copa"
@@ -37,6 +44,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="what to score: lm or prefix_lm (the suffix after a breakpoint; default: the run's training objective)",
     )
     add_device(p)
+    add_no_pack(p)
     add_no_progress(p)
     p.add_argument("--json", action="store_true", help="print the metrics as one JSON object")
     p.add_argument(

@@ -7,6 +7,7 @@ import sys
 
 from blockloop.cli.common import (
     add_device,
+    add_no_pack,
     nonnegative_float,
     nonnegative_int,
     number,
@@ -37,6 +38,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     s.add_argument("--draft-loops", type=positive_int, default=1, help="loops that draft (default: 1)")
     s.add_argument("--adaptive-k", action="store_true", help="lower K after rejections, raise it after full acceptance")
     add_device(p)
+    add_no_pack(p)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -6,7 +6,7 @@ import argparse
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from blockloop.cli.common import add_device, integer, nonnegative_int, positive_int
+from blockloop.cli.common import add_device, add_no_pack, integer, nonnegative_int, positive_int
 
 if TYPE_CHECKING:
     from blockloop.train.run import TrainedModel
@@ -27,6 +27,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
                    help="uvicorn's log level (default: info, one line per request)")
     add_device(p)
+    add_no_pack(p)
 
 
 def add_engine_arguments(p: argparse.ArgumentParser, slots: int = 8) -> None:

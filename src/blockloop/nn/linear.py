@@ -6,7 +6,9 @@ slower than oneDNN's kernels on the same weight reordered once into oneDNN's blo
 (``torch.ops.mkldnn._reorder_linear_weight`` / ``_linear_pointwise``, the pair inductor's CPU freezing
 uses). :func:`packed_linears` holds that reordered copy of every :class:`Linear` weight while inference runs
 (generation, serving, evaluation) and drops it afterwards, so training and checkpoints only ever see the
-plain ``weight``. The copy costs as much memory as the weights it packs, for as long as the context lasts.
+plain ``weight``. The copy costs as much memory as the weights it packs, for as long as the context lasts;
+where that memory matters more than the speed, :func:`set_packing` (the CLI's ``--no-pack``) turns packing off
+for the process.
 """
 
 from __future__ import annotations
@@ -17,6 +19,14 @@ from contextlib import contextmanager
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+
+_packing = True
+
+
+def set_packing(enabled: bool) -> None:
+    """Let every later :func:`packed_linears` of this process pack (the default) or not (``--no-pack``)."""
+    global _packing
+    _packing = enabled
 
 
 class Linear(nn.Linear):
@@ -51,8 +61,9 @@ def packable(weight: Tensor) -> bool:
 def packed_linears(model: nn.Module) -> Iterator[int]:
     """Pack every :class:`Linear` weight of ``model`` that :func:`packable` accepts for the context; yields how
     many were packed. Nested contexts leave the outer one's packing alone, so a caller that runs many
-    generations can pack once around them all."""
-    fresh = [m for m in model.modules() if isinstance(m, Linear) and m.packed is None and packable(m.weight)]
+    generations can pack once around them all. Packs nothing after ``set_packing(False)``."""
+    fresh = [m for m in model.modules()
+             if _packing and isinstance(m, Linear) and m.packed is None and packable(m.weight)]
     with torch.no_grad():
         for m in fresh:
             m.packed, m.packed_version = torch.ops.mkldnn._reorder_linear_weight(m.weight.detach()), m.weight._version
