@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from blockloop.evals.scoring import Request, score
 from blockloop.families import build_model, from_name
 from blockloop.nn.linear import Linear, packed_linears
+from blockloop.serve.engine import Engine
 from blockloop.serve.generate import generate
 
 pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="this torch has no oneDNN")
@@ -119,12 +120,17 @@ def test_a_model_under_packing_gives_the_same_logits(preset, overrides):
     torch.testing.assert_close(packed, reference, rtol=1e-4, atol=1e-4)
 
 
-def test_generation_and_scoring_run_on_packed_weights_and_release_them():
+def test_generation_scoring_and_the_engine_run_on_packed_weights_and_release_them():
     torch.manual_seed(0)
     model = build_model(from_name("tiny")).eval()
     assert PACKED_OP in ops_run(lambda: generate(model, [[1, 2, 3]], 4, temperature=0.0))
     assert PACKED_OP in ops_run(lambda: score(model, [[Request((1, 2, 3), (4, 5))]]))
     assert all(m.packed is None for m in model.modules() if isinstance(m, Linear))
+    for drive in (Engine.run, lambda engine: list(engine.stream())):  # an engine driven directly packs too
+        engine = Engine(model, 2, max_len=16)
+        engine.submit([1, 2, 3], 4)
+        assert PACKED_OP in ops_run(lambda: drive(engine))
+        assert all(m.packed is None for m in model.modules() if isinstance(m, Linear))
 
 
 def test_a_compiled_forward_inside_the_context_traces_the_plain_weight_in_one_graph():

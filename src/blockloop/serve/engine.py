@@ -38,6 +38,7 @@ import torch
 from torch import nn
 
 from blockloop.errors import BlockloopError
+from blockloop.nn.linear import packed_linears
 from blockloop.serve.batching import left_pad
 from blockloop.serve.requests import Request, RequestStatus, SamplingParams, TokenCallback
 from blockloop.serve.runners import Runner, runner_for
@@ -352,12 +353,16 @@ class Engine:
         return finished
 
     def run(self) -> None:
-        """Step until every submitted request has finished."""
-        while not self.idle:
-            self.step()
+        """Step until every submitted request has finished, on CPU over oneDNN-packed weights
+        (:func:`~blockloop.nn.linear.packed_linears`; a caller looping over :meth:`step` holds it itself)."""
+        with packed_linears(self.model):
+            while not self.idle:
+                self.step()
 
     def stream(self) -> Iterator[tuple[Request, list[int]]]:
-        """Step until idle, yielding ``(request, new tokens)`` for each running request after every window."""
-        while not self.idle:
-            self.step()
-            yield from self.last_window
+        """Step until idle, yielding ``(request, new tokens)`` for each running request after every window
+        (packed weights as in :meth:`run`, held until the stream ends or is closed)."""
+        with packed_linears(self.model):
+            while not self.idle:
+                self.step()
+                yield from self.last_window

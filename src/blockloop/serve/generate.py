@@ -14,7 +14,6 @@ import torch
 from torch import nn
 
 from blockloop.errors import BlockloopError, check_context
-from blockloop.nn.linear import packed_linears
 from blockloop.serve.batching import padded_prompt_length
 from blockloop.serve.engine import Engine
 from blockloop.serve.requests import Request, SamplingParams
@@ -71,8 +70,7 @@ def generate(
             for row, prompt in enumerate(prompts)
         ]
         rows.update((r.id, row) for row, r in enumerate(requests))
-        with packed_linears(model):
-            engine.run()
+        engine.run()
     finally:
         model.train(was_training)
     return [r.output for r in requests]
