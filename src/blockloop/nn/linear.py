@@ -62,8 +62,8 @@ def packed_linears(model: nn.Module) -> Iterator[int]:
     """Pack every :class:`Linear` weight of ``model`` that :func:`packable` accepts for the context; yields how
     many were packed. Nested contexts leave the outer one's packing alone, so a caller that runs many
     generations can pack once around them all. Packs nothing after ``set_packing(False)``."""
-    fresh = [m for m in model.modules()
-             if _packing and isinstance(m, Linear) and m.packed is None and packable(m.weight)]
+    fresh = ([m for m in model.modules() if isinstance(m, Linear) and m.packed is None and packable(m.weight)]
+             if _packing else [])
     with torch.no_grad():
         for m in fresh:
             m.packed, m.packed_version = torch.ops.mkldnn._reorder_linear_weight(m.weight.detach()), m.weight._version
