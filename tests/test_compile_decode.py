@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch._dynamo.backends.common import aot_autograd
 
 from blockloop.families import build_model, from_name
 from blockloop.serve.runners import ExitRule, Speculation, runner_for
@@ -78,6 +79,73 @@ def test_decode_step_compiles_once_for_every_step(name):
                     step(tokens(i))
     finally:
         torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("name", ["tiny", "tiny-recursive", "tiny-double", "tiny-block"])
+def test_a_prefix_step_compiles_one_static_graph_per_row_count(name):
+    """The engine steps only the busy first rows where the runner can (``prefix_steps``): steps over row 0 alone
+    and over both rows are full graphs equal to eager, one graph per row count (and per static step: a Block
+    Transformer has two), however the counts alternate."""
+    eager, compiled = twin_runners(name)
+    assert compiled.prefix_steps
+    graphs = []
+
+    def counting(graph: torch.fx.GraphModule, example_inputs: list) -> object:
+        graphs.append(graph)
+        return graph.forward
+
+    step = compiled.compiled_step(lambda f: torch.compile(f, fullgraph=True, backend=counting, dynamic=False))
+    try:
+        with torch.no_grad():
+            for i in range(2 * STEPS):
+                rows = 1 if i % 3 else 2
+                torch.testing.assert_close(step(tokens(i)[:rows]), eager.decode_step(tokens(i)[:rows]),
+                                           rtol=1e-12, atol=1e-12)
+    finally:
+        torch._dynamo.reset()
+    assert len(graphs) == 2 * (2 if name == "tiny-block" else 1)
+
+
+def in_place_updates_of_plain_tensors(found: list[str]):
+    """A dynamo backend that records the graph inputs a step updates in place (after functionalisation, a
+    ``copy_`` back into an input) that are not static addresses (``_dynamo_static_input_type``: module
+    buffers, tensors marked with ``mark_static_address``): what makes cudagraph trees skip a graph."""
+
+    def backend(graph: torch.fx.GraphModule, example_inputs: list) -> object:
+        static = [hasattr(t, "_dynamo_static_input_type") for t in example_inputs]
+        names = [node.name for node in graph.graph.nodes if node.op == "placeholder"]
+
+        def inspect(functional: torch.fx.GraphModule, inputs: list) -> object:
+            index = {node: i for i, node in enumerate(n for n in functional.graph.nodes if n.op == "placeholder")}
+            for node in functional.graph.nodes:
+                if node.target is torch.ops.aten.copy_.default and node.args[0] in index:
+                    i = index[node.args[0]]
+                    if not static[i]:
+                        found.append(names[i])
+            return functional.forward
+
+        return aot_autograd(fw_compiler=inspect, keep_inference_input_mutations=True)(graph, example_inputs)
+
+    return backend
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_no_decode_step_updates_a_plain_tensor_in_place(name):
+    """CUDA graphs replay a step that mutates its inputs only where those have static addresses (the KV caches
+    are module buffers; other state a step updates in place is marked, ``runners.base.static_state``); any
+    other in-place update sends the step back to eager on every call. Checked here on CPU, on the graphs the
+    GPU would capture (prefix steps over the first row too, where the runner has them)."""
+    _, runner = twin_runners(name)
+    found: list[str] = []
+    step = runner.compiled_step(
+        lambda f: torch.compile(f, fullgraph=True, backend=in_place_updates_of_plain_tensors(found), dynamic=False))
+    try:
+        with torch.no_grad():
+            for i in range(STEPS):
+                step(tokens(i)[: 1 if runner.prefix_steps and i % 2 else 2])
+    finally:
+        torch._dynamo.reset()
+    assert not found, f"updated in place but not static: {sorted(set(found))}"
 
 
 def test_adaptive_speculation_compiles_one_graph_per_draft_length():

@@ -18,7 +18,8 @@ from blockloop.nn.kv_cache import DecoderCache
 from blockloop.serve.engine import Engine
 from blockloop.serve.generate import generate
 from blockloop.serve.requests import RequestStatus, SamplingParams
-from blockloop.serve.runners import runner_for
+from blockloop.serve.runners import ExitRule, Paging, Speculation, runner_for
+from blockloop.serve.runners.base import row_buckets
 from blockloop.serve.sampling import sample_rows
 from small_presets import small_variant
 
@@ -274,6 +275,33 @@ def test_every_family_serves_a_continuous_batch_with_joins_like_its_full_forward
     assert [r.output for r in requests] == [full_forward_greedy(model, p, n) for p, n in zip(prompts, budgets)]
 
 
+@pytest.mark.parametrize("name,paging", [("tiny", None), ("tiny", Paging(256, page_size=8)), ("tiny-recursive", None),
+                                         ("tiny-ladder", None), ("tiny-double", None), ("tiny-block", None),
+                                         ("tiny-block", Paging(256, page_size=2))])
+def test_a_lightly_loaded_engine_steps_only_its_busy_prefix_of_slots(name, paging):
+    """Three requests on eight slots step four rows; once only slot 0 is busy, one row; two requests joining
+    then take slots 1 and 2 (rows the narrow steps left alone) and widen it again. Every output is the one a
+    1-slot engine (never an idle row) gives."""
+    assert row_buckets(8) == [1, 2, 4, 8] and row_buckets(6) == [1, 2, 4, 6]
+    assert row_buckets(1000)[-1] == 1000 and len(row_buckets(1000)) == 8
+    model = tiny(name)
+    runner = runner_for(model, paging=paging)
+    assert runner.prefix_steps
+    widths, step = [], runner.decode_step
+    runner.decode_step = lambda tokens: widths.append(len(tokens)) or step(tokens)
+    engine = Engine(runner, 8, sync_every=2)
+    prompts, budgets = random_prompts((5, 3, 8, 4, 6)), [30, 2, 3, 4, 5]
+    requests = [engine.submit(p, n, sampling=GREEDY) for p, n in zip(prompts[:3], budgets[:3])]
+    while widths[-1:] != [1]:
+        engine.step()
+    assert widths[0] == 4 and not requests[0].finished
+    requests += [engine.submit(p, n, sampling=GREEDY) for p, n in zip(prompts[3:], budgets[3:])]
+    engine.run()
+    assert [r.slot for r in requests[3:]] == [1, 2]
+    assert widths[-1] == 1 and 4 in widths[widths.index(1):] and set(widths) == {1, 4}
+    assert [r.output for r in requests] == [generate(model, [p], n, temperature=0)[0] for p, n in zip(prompts, budgets)]
+
+
 def test_block_transformer_admits_requests_only_at_block_boundaries():
     model = tiny("tiny-block")
     engine = Engine(model, 2, sync_every=3)
@@ -359,16 +387,28 @@ def test_pareto_plot_from_records(tmp_path):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("name", ["tiny", "tiny-block", "tiny-double"])
-def test_compiled_cuda_graph_decode_in_bf16_matches_eager(name):
+@pytest.mark.parametrize("name,options", [
+    ("tiny", {}), ("tiny-block", {}), ("tiny-double", {}), ("tiny-staircase", {}), ("tiny-cached-staircase", {}),
+    ("tiny-recursive", {"exit_rule": ExitRule("max_prob", 0.5)}),
+    ("tiny-recursive", {"speculation": Speculation(k=2, draft_loops=1)}),
+])
+def test_compiled_cuda_graph_decode_in_bf16_matches_eager(name, options):
+    """Four slots and staggered requests, so prefix steps run at several row counts; every compiled step must
+    replay as a CUDA graph (inductor counts a step that falls back to eager, e.g. for updating a plain tensor
+    in place) and decode the tokens eager decoding does."""
+    from torch._dynamo.utils import counters
+
     model = tiny(name).to(device="cuda", dtype=torch.bfloat16)
-    prompts = random_prompts((5, 9, 3, 12))
+    prompts = random_prompts((5, 9, 3, 12, 7))
     outs = []
+    counters.clear()
     for compile in (False, True):
-        engine = Engine(model, 2, sync_every=8, compile=compile)
-        requests = [engine.submit(p, 16, sampling=GREEDY) for p in prompts]
+        engine = Engine(runner_for(model, **options), 4, sync_every=8, compile=compile)
+        requests = [engine.submit(p, n, sampling=GREEDY) for p, n in zip(prompts, (40, 16, 12, 16, 8))]
         engine.run()
         outs.append([r.output for r in requests])
+    torch._dynamo.reset()
+    assert counters["inductor"]["cudagraph_skips"] == 0
     agree = sum(a == b for x, y in zip(*outs) for a, b in zip(x, y)) / sum(len(x) for x in outs[0])
     assert agree > 0.9  # bf16 kernels may differ in the last bit; near-ties can flip late tokens
 
@@ -392,8 +432,6 @@ def test_hf_generate_baseline_decodes_the_same_greedy_tokens():
 
 
 def test_depthwise_batching_without_exits_equals_sequence_wise_greedy():
-    from blockloop.serve.runners import ExitRule, runner_for
-
     model = tiny("tiny-recursive")
     prompts, budgets = random_prompts((3, 11, 7, 5, 9)), [9, 4, 7, 6, 2]
     reference = [generate(model, [p], n, temperature=0)[0] for p, n in zip(prompts, budgets)]
@@ -410,8 +448,6 @@ def test_depthwise_batching_without_exits_equals_sequence_wise_greedy():
 
 
 def test_early_exit_skips_loops_and_fills_the_owed_deeper_kv():
-    from blockloop.serve.runners import ExitRule, runner_for
-
     model = tiny("tiny-recursive")
     served = runner_for(model, exit_rule=ExitRule("max_prob", 0.0))  # every token may leave after loop 1
     engine = Engine(served, 1, sync_every=4)
@@ -430,8 +466,6 @@ def test_early_exit_skips_loops_and_fills_the_owed_deeper_kv():
 
 
 def test_exit_rules_on_known_distributions():
-    from blockloop.serve.runners import ExitRule
-
     logits = torch.log(torch.tensor([[0.9, 0.05, 0.05], [0.4, 0.3, 0.3]]))
     one = torch.ones(2, dtype=torch.long)
     assert ExitRule("max_prob", 0.8).fires(logits, one).tolist() == [True, False]

@@ -21,8 +21,11 @@ slots with prompts of one padded length in one forward (:meth:`Runner.prefill_ro
 Before each window every decoding row reserves room for it (:meth:`Runner.reserve`; a paged cache adds
 pages as a request grows). When the cache is full, the newest request is preempted: it gives its room back
 and waits at the head of the queue, to be prefilled again with its output so far. Rows that finished inside
-a window keep stepping until its end (their extra tokens are discarded): the price of not syncing every token. Every row steps every time, busy or not,
-so the decode step has static shapes (``torch.compile``, CUDA graphs).
+a window keep stepping until its end (their extra tokens are discarded): the price of not syncing every token.
+A window steps a fixed number of rows, busy or not, so the decode step has static shapes (``torch.compile``,
+CUDA graphs): every slot, or, where the runner can (``prefix_steps``), the first ``n`` slots, ``n`` the
+smallest of a few sizes (:func:`~blockloop.serve.runners.base.row_buckets`) that covers every busy slot, so a
+lightly loaded engine does not pay for its idle slots (requests take the lowest free slots).
 
 A runner that cannot prefill one slot at a time (``per_slot = False``: a double decoder given a shared
 cached prefix) is served in static batches instead: waiting requests are admitted together, left-padded,
@@ -42,7 +45,7 @@ from blockloop.nn.linear import packed_linears
 from blockloop.serve.batching import left_pad
 from blockloop.serve.requests import Request, RequestStatus, SamplingParams, TokenCallback
 from blockloop.serve.runners import Runner, runner_for
-from blockloop.serve.runners.base import StepOutput
+from blockloop.serve.runners.base import StepOutput, row_buckets
 from blockloop.serve.sampling import SlotSampling
 from blockloop.serve.scheduler import Scheduler
 
@@ -96,6 +99,7 @@ class Engine:
         if self.continuous:
             runner.allocate(n_slots, self.max_len)
         self.rows = n_slots if self.continuous else 0  # rows the current decode state has
+        self.row_counts = row_buckets(n_slots) if self.continuous and runner.prefix_steps else [self.rows]
         self.scheduler = Scheduler(n_slots)
         self.logits = torch.zeros(n_slots, model.config.padded_vocab_size, dtype=weight.dtype, device=self.device)
         # Per step and row: the token the engine sampled, then those the runner emitted itself (-1: none).
@@ -107,7 +111,8 @@ class Engine:
         self._decode = runner.decode_step
         if compile:
             mode = "reduce-overhead" if self.device.type == "cuda" else None
-            self._decode = runner.compiled_step(lambda step: torch.compile(step, mode=mode))
+            # static shapes: one graph per row count of a prefix step, not a dynamic one
+            self._decode = runner.compiled_step(lambda step: torch.compile(step, mode=mode, dynamic=False))
         self.steps = 0
         self.last_window: list[tuple[Request, list[int]]] = []
 
@@ -205,7 +210,8 @@ class Engine:
             steps, last = min(steps, remaining), remaining <= steps
         self.sampling.filtered = any(r.sampling.filters for r in running.values())
         self.sampling.greedy = all(r.sampling.temperature == 0 for r in running.values())  # idle rows: any token
-        rows, logits, ready = self.rows, self.logits[: self.rows], self.ready[: self.rows]
+        rows = self._stepped_rows()
+        logits, ready = self.logits[:rows], self.ready[:rows]
         for i in range(steps):
             tokens = self.sampling.sample(logits[:, : self.vocab_size])
             tokens = torch.where(ready, tokens, -1)  # rows inside a token (depth-wise) or speculating emit nothing
@@ -224,6 +230,14 @@ class Engine:
         self.logits[:rows] = logits
         self.steps += steps
         return self._collect(running, steps)
+
+    def _stepped_rows(self) -> int:
+        """How many rows (the first ones) this window steps: all the decode state has, or the fewest of the
+        prefix step's row counts that hold every running request (prefilling ones too)."""
+        if len(self.row_counts) == 1:
+            return self.rows
+        busy = max(self.scheduler.running) + 1
+        return next(n for n in self.row_counts if n >= busy)
 
     def _prefill_groups(self, admitted: list[tuple[int, Request]]) -> list[tuple[int, list[Request]]]:
         """Requests admitted together in consecutive slots with prompts of one padded length, as

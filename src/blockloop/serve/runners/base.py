@@ -17,6 +17,7 @@ import torch
 from torch import Tensor, nn
 
 from blockloop.errors import BlockloopError
+from blockloop.nn.kv_cache import DecoderCache
 from blockloop.serve.requests import SamplingParams
 from blockloop.serve.sampling import SlotSampling
 
@@ -57,7 +58,9 @@ class Runner(ABC):
     * ``chunked_prefill``: True when :meth:`prefill_chunk` can cache prompts of different lengths in one
       forward and continue a prompt from where an earlier chunk stopped (the engine then prefills every
       admitted request together, a bounded chunk per window);
-    * ``reserved``: context every request gives up to something the runner holds (a shared cached prefix).
+    * ``reserved``: context every request gives up to something the runner holds (a shared cached prefix);
+    * ``prefix_steps``: True when :meth:`decode_step` may be given the first ``n < n_slots`` rows only (``n``
+      one of :func:`row_buckets`): the engine then steps the busy prefix of the slots, not every slot.
     """
 
     prompt_multiple: int = 1
@@ -69,6 +72,7 @@ class Runner(ABC):
     reserved: int = 0
     pad_id: int = 0
     emits: int = 0
+    prefix_steps: bool = False
     sampling: SlotSampling  # the engine's per-slot sampling state, set by the engine (read by runners that emit)
 
     def __init__(self, model: nn.Module) -> None:
@@ -130,4 +134,29 @@ class Runner(ABC):
     @abstractmethod
     def decode_step(self, tokens: Tensor) -> Tensor | StepOutput:
         """Feed one token per row ``tokens (n_slots,)`` (-1: none); next-token logits ``(n_slots, V)`` (or,
-        without ``token_per_step``, a :class:`StepOutput`)."""
+        without ``token_per_step``, a :class:`StepOutput`). With ``prefix_steps``, ``tokens`` may cover the
+        first ``n`` rows only (``n`` in :func:`row_buckets`): those rows step, the others keep their state."""
+
+
+def row_buckets(n_slots: int) -> list[int]:
+    """The row counts a prefix step runs at: the powers of two below ``n_slots``, and ``n_slots``. A handful of
+    static shapes (one compiled graph, one CUDA graph each: the largest 8, within dynamo's recompile limit),
+    while a lightly loaded engine steps at most twice the rows it has busy."""
+    sizes = sorted({n_slots, *(1 << i for i in range(n_slots.bit_length()) if 1 << i < n_slots)})
+    return sizes[-8:]
+
+
+def static_state(*tensors: Tensor) -> None:
+    """Mark decode-state tensors that a compiled step updates in place (a token log, a phase) as static
+    addresses. Under CUDA graphs a step may mutate only inputs whose address never changes (module buffers such
+    as the KV caches, and tensors marked so); mutating any other tensor makes inductor run the step eagerly
+    every time. State a step replaces (``state.x = ...``) needs no mark: the new tensor is the graph's output."""
+    for tensor in tensors:
+        torch._dynamo.mark_static_address(tensor)
+
+
+def prefix_views(cache: DecoderCache) -> dict[int, DecoderCache]:
+    """Views of ``cache``'s first ``n`` rows for each row count ``n`` of :func:`row_buckets` short of all of them,
+    for a runner's prefix steps; built once, at allocation (a view is a module per layer: too slow to build
+    every step)."""
+    return {n: cache.rows(0, n) for n in row_buckets(cache.batch_size) if n < cache.batch_size}

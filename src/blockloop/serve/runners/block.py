@@ -23,7 +23,7 @@ finishes. The token decoder's cache is one block per row, never more, and stays 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
@@ -31,7 +31,7 @@ from torch import Tensor
 from blockloop.models.block import BlockTransformer
 from blockloop.nn.kv_cache import DecoderCache, StepContext
 from blockloop.nn.paged_cache import KVPages
-from blockloop.serve.runners.base import Runner
+from blockloop.serve.runners.base import Runner, prefix_views, static_state
 from blockloop.serve.runners.paging import PagedRows, Paging
 
 
@@ -48,11 +48,17 @@ class BlockDecodeState:
     vectors: Tensor
     block_tokens: Tensor
     filled: Tensor
+    prefixes: dict[int, tuple[DecoderCache, DecoderCache]] = field(default_factory=dict, repr=False)
+
+    def caches(self, rows: int) -> tuple[DecoderCache, DecoderCache]:
+        """The block and token caches of the first ``rows`` rows (the whole caches, or views: a prefix step)."""
+        return (self.block_cache, self.token_cache) if rows == len(self.vectors) else self.prefixes[rows]
 
 
 class BlockRunner(PagedRows, Runner):
     model: BlockTransformer
     state: BlockDecodeState
+    prefix_steps = True
 
     def __init__(self, model: BlockTransformer, paging: Paging | None = None) -> None:
         super().__init__(model)
@@ -75,8 +81,11 @@ class BlockRunner(PagedRows, Runner):
         )
         blocks = torch.full((n_slots, c.block_len), c.pad_id, dtype=torch.long, device=device)
         filled = torch.zeros((), dtype=torch.long, device=device)
+        static_state(blocks)  # each step writes its token into the block in place
         self.phase = 0
-        self.state = BlockDecodeState(block_cache, zeros, zeros.clone(), token_cache, vectors, blocks, filled)
+        token_views = prefix_views(token_cache)
+        prefixes = {n: (view, token_views[n]) for n, view in prefix_views(block_cache).items()}
+        self.state = BlockDecodeState(block_cache, zeros, zeros.clone(), token_cache, vectors, blocks, filled, prefixes)
 
     @property
     def _pages(self) -> KVPages | None:
@@ -127,30 +136,34 @@ class BlockRunner(PagedRows, Runner):
         return self.decode_step
 
     def _read_token(self, tokens: Tensor) -> Tensor:
-        """A token inside the block: the token decoder only, at the device phase's input position and slot."""
-        state, tokdec = self.state, self.model.token_decoder
-        filled = state.filled
-        state.block_tokens.index_copy_(1, filled[None], tokens[:, None])
-        x = tokdec.token_inputs(tokens[:, None], state.vectors, filled)
-        step = StepContext(state.token_cache, (tokdec.n_lead + filled)[None])
+        """A token inside the block for each of the first ``len(tokens)`` rows: the token decoder only, at the
+        device phase's input position and slot."""
+        state, tokdec, rows = self.state, self.model.token_decoder, len(tokens)
+        filled, vectors = state.filled, state.vectors[:rows]
+        state.block_tokens[:rows].index_copy_(1, filled[None], tokens[:, None])
+        x = tokdec.token_inputs(tokens[:, None], vectors, filled)
+        step = StepContext(state.caches(rows)[1], (tokdec.n_lead + filled)[None])
         state.filled = filled + 1
-        return self.model.token_logits(x, state.vectors, step)
+        return self.model.token_logits(x, vectors, step)
 
     def _close_block(self, tokens: Tensor) -> Tensor:
         """The block's last token: one block-decoder step gives the next context and the token cache restarts.
 
         Each row writes its own next block slot (rows past the end of the cache, idle rows of a continuous
-        batch, rewrite their last one)."""
-        state = self.state
-        state.block_tokens[:, -1] = tokens
-        slots = state.next_block_slot.clamp_max(state.block_cache.max_len - 1)[:, None]
-        step = StepContext(state.block_cache, slots, state.next_block_position[:, None])
-        context = self.model.block_context(state.block_tokens[:, None], step)
+        batch, rewrite their last one). A prefix step keeps the other rows' context vectors (idle rows; a
+        prefill writes its row's)."""
+        state, rows = self.state, len(tokens)
+        block_cache, token_cache = state.caches(rows)
+        state.block_tokens[:rows, -1] = tokens
+        slots = state.next_block_slot[:rows].clamp_max(block_cache.max_len - 1)[:, None]
+        step = StepContext(block_cache, slots, state.next_block_position[:rows, None])
+        context = self.model.block_context(state.block_tokens[:rows, None], step)
         state.next_block_slot = state.next_block_slot + 1
         state.next_block_position = state.next_block_position + 1
-        state.vectors = self.model.token_decoder.context_vectors(context)
+        vectors = self.model.token_decoder.context_vectors(context)
+        state.vectors = torch.cat((vectors, state.vectors[rows:]))
         state.filled = torch.zeros_like(state.filled)
-        return self._start_block(state.vectors, state.token_cache)
+        return self._start_block(vectors, token_cache)
 
     def _start_block(self, vectors: Tensor, token_cache: DecoderCache) -> Tensor:
         """Empty the token cache and read the block's lead positions; the first token's logits."""

@@ -10,7 +10,7 @@ With ``paging`` the cache is paged (:mod:`blockloop.serve.runners.paging`).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
@@ -18,39 +18,52 @@ from torch import Tensor
 from blockloop.errors import BlockloopError
 from blockloop.nn.kv_cache import DecoderCache, StepContext
 from blockloop.nn.paged_cache import KVPages
-from blockloop.serve.runners.base import Runner
+from blockloop.serve.runners.base import Runner, prefix_views
 from blockloop.serve.runners.paging import PagedRows, Paging
 
 
 @dataclass
 class DecodeState:
-    """The cache, each row's next cache slot and next rotary position."""
+    """The cache, each row's next cache slot and next rotary position; with ``prefixes``, views of the cache's
+    first rows that a prefix step (:attr:`Runner.prefix_steps`) runs on."""
 
     cache: DecoderCache
     next_slot: Tensor
     next_position: Tensor
+    prefixes: dict[int, DecoderCache] = field(default_factory=dict, repr=False)
 
     @classmethod
-    def of(cls, cache: DecoderCache) -> DecodeState:
-        """A fresh state over ``cache``: every row at slot and position 0."""
+    def of(cls, cache: DecoderCache, *, prefixes: bool = False) -> DecodeState:
+        """A fresh state over ``cache``: every row at slot and position 0; with ``prefixes``, its
+        :func:`prefix_views`."""
         zeros = torch.zeros(cache.batch_size, dtype=torch.long, device=cache.key_valid.device)
-        return cls(cache, zeros, zeros.clone())
+        return cls(cache, zeros, zeros.clone(), prefix_views(cache) if prefixes else {})
 
-    def step_slots(self) -> tuple[Tensor, Tensor]:
-        """``(B, 1)`` slots and positions of the next token, then advance. Rows past the end of the cache
-        (idle or finished rows of a continuous batch that keep stepping) rewrite their last slot."""
-        slots = self.next_slot.clamp_max(self.cache.max_len - 1)[:, None]
-        positions = self.next_position[:, None]
+    def rows(self, start: int, stop: int) -> DecodeState:
+        """Rows ``start .. stop - 1`` as a state whose cache and tensors are views of this one's (a prefill
+        writes them in place)."""
+        return DecodeState(self.cache.rows(start, stop), self.next_slot[start:stop], self.next_position[start:stop])
+
+    def step_slots(self, rows: int) -> tuple[DecoderCache, Tensor, Tensor]:
+        """The first ``rows`` rows' cache (the whole cache or one of ``prefixes``) and the ``(rows, 1)`` slots and
+        positions of their next token; then advance every row (the rows past ``rows`` are idle: a prefill sets
+        a row's slots). Rebound, not updated in place: under CUDA graphs a plain tensor updated in place makes
+        the graph fall back to eager, while a new one is the graph's output, the next replay's input. Rows past
+        the end of the cache (idle or finished rows of a continuous batch that keep stepping) rewrite their last
+        slot."""
+        cache = self.cache if rows == self.cache.batch_size else self.prefixes[rows]
+        slots = self.next_slot[:rows].clamp_max(self.cache.max_len - 1)[:, None]
+        positions = self.next_position[:rows, None]
         self.next_slot = self.next_slot + 1
         self.next_position = self.next_position + 1
-        return slots, positions
+        return cache, slots, positions
 
 
 class DecoderRunner(PagedRows, Runner):
     """One KV cache over prompt and generated tokens; every forward writes one step's slots."""
 
     state: DecodeState
-    chunked_prefill = resumable = True
+    chunked_prefill = resumable = prefix_steps = True
 
     def __init__(self, model, paging: Paging | None = None) -> None:  # noqa: ANN001  (any single-stack model)
         super().__init__(model)
@@ -59,7 +72,7 @@ class DecoderRunner(PagedRows, Runner):
     def allocate(self, n_slots: int, max_len: int) -> None:
         device = self.model.embed.weight.device
         pages = None if self.paging is None else self._checked(self.paging.pages(n_slots, max_len, device))
-        self.state = DecodeState.of(self._allocate_cache(n_slots, max_len, pages))
+        self.state = DecodeState.of(self._allocate_cache(n_slots, max_len, pages), prefixes=self.prefix_steps)
 
     def _checked(self, pages: KVPages) -> KVPages:
         """Refuse what a decode step reading pages cannot do: a relaxed model's learned prefix K/V sit in front
@@ -119,11 +132,10 @@ class DecoderRunner(PagedRows, Runner):
 
     @torch.no_grad()
     def decode_step(self, tokens: Tensor) -> Tensor:
-        """One token per row, written at that row's own next slot. A row fed no token (-1: between two chunks
-        of its prompt) writes a padding entry there, which no query sees and no ring keeps; its next chunk
-        starts from where its prompt stopped."""
-        slots, positions = self.state.step_slots()
-        real = (tokens >= 0)[:, None]
-        step = StepContext(self.state.cache, slots, positions, real)
+        """One token per row of the first ``len(tokens)`` rows, written at that row's own next slot. A row fed
+        no token (-1: between two chunks of its prompt) writes a padding entry there, which no query sees and
+        no ring keeps; its next chunk starts from where its prompt stopped."""
+        cache, slots, positions = self.state.step_slots(len(tokens))
+        step = StepContext(cache, slots, positions, (tokens >= 0)[:, None])
         logits, _ = self.model(tokens.clamp_min(0)[:, None], step=step)
         return logits[:, -1]

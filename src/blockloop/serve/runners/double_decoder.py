@@ -15,31 +15,23 @@ K/V and its generated tokens' then take pages as its request grows.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 from torch import Tensor
 
 from blockloop.errors import BlockloopError
 from blockloop.models.double_decoder import ContextPrefix, DoubleDecoder
-from blockloop.nn.kv_cache import DecoderCache, StepContext
+from blockloop.nn.kv_cache import StepContext
 from blockloop.serve.runners.base import Runner
+from blockloop.serve.runners.decoder import DecodeState
 from blockloop.serve.runners.paging import PagedRows, Paging
 
 
-@dataclass
-class DoubleDecodeState:
-    """The generation decoder's KV cache (each row's cross K/V, then its own), each row's next cache slot
-    and position."""
-
-    cache: DecoderCache
-    next_slot: Tensor
-    next_position: Tensor
-
-
 class DoubleDecoderRunner(PagedRows, Runner):
+    """``state``: the generation decoder's KV cache (each row's cross K/V, then its own), each row's next cache
+    slot and position."""
+
     model: DoubleDecoder
-    state: DoubleDecodeState
+    state: DecodeState
 
     def __init__(self, model: DoubleDecoder, prefix: ContextPrefix | None = None, paging: Paging | None = None) -> None:
         super().__init__(model)
@@ -47,7 +39,7 @@ class DoubleDecoderRunner(PagedRows, Runner):
             raise BlockloopError("a cached prefix is served in static batches, which keep a static cache; drop paging")
         self.paging = paging
         self.prefix = prefix
-        self.per_slot = prefix is None
+        self.per_slot = self.prefix_steps = prefix is None
         self.reserved = len(prefix) if prefix is not None else 0
         self.max_len = 0
 
@@ -57,20 +49,20 @@ class DoubleDecoderRunner(PagedRows, Runner):
         if self.per_slot:
             self.state = self._state(n_slots, max_len, self.paging)
 
-    def _state(self, rows: int, length: int, paging: Paging | None = None) -> DoubleDecodeState:
+    def _state(self, rows: int, length: int, paging: Paging | None = None) -> DecodeState:
         device = self.model.embed.weight.device
-        zeros = torch.zeros(rows, dtype=torch.long, device=device)
         pages = None if paging is None else paging.pages(rows, length, device)
         cache = self.model.allocate_cache(self.model.config.n_generation_layer, rows, length, pages=pages)
-        return DoubleDecodeState(cache, zeros, zeros.clone())
+        return DecodeState.of(cache, prefixes=self.prefix_steps)
 
-    def _prefill(self, state: DoubleDecodeState, idx: Tensor, token_valid: Tensor) -> Tensor:
+    def _prefill(self, state: DecodeState, idx: Tensor, token_valid: Tensor) -> Tensor:
         """Context pass over left-padded prompts into ``state``'s cache (all of its rows), then the last prompt
         token's generation step at the slot after the context."""
-        positions = self.model.context_pass(idx, token_valid, state.cache, self.prefix)
-        state.next_slot.fill_(self.reserved + idx.shape[1] - 1)
-        state.next_position.copy_(positions[:, -1])
-        return self._step(state, idx[:, -1])
+        positions = self.model.context_pass(idx, token_valid, state.cache, self.prefix)[:, -1:]
+        slots = torch.full_like(positions, self.reserved + idx.shape[1] - 1)
+        state.next_slot.copy_(slots[:, 0] + 1)
+        state.next_position.copy_(positions[:, 0] + 1)
+        return self.model.generation_step(idx[:, -1], StepContext(state.cache, slots, positions))
 
     @torch.no_grad()
     def prefill_batch(self, idx: Tensor, token_valid: Tensor) -> Tensor:
@@ -82,9 +74,7 @@ class DoubleDecoderRunner(PagedRows, Runner):
         """Prompts of one length into rows ``start ..`` of the cache in one context pass (views: the other rows
         keep their state)."""
         stop = start + prompts.shape[0]
-        state = self.state
-        rows = DoubleDecodeState(state.cache.rows(start, stop), state.next_slot[start:stop], state.next_position[start:stop])
-        return self._prefill(rows, prompts, torch.ones_like(prompts, dtype=torch.bool))
+        return self._prefill(self.state.rows(start, stop), prompts, torch.ones_like(prompts, dtype=torch.bool))
 
     @torch.no_grad()
     def prefill_slot(self, slot: int, prompt: Tensor) -> Tensor:
@@ -92,14 +82,5 @@ class DoubleDecoderRunner(PagedRows, Runner):
 
     @torch.no_grad()
     def decode_step(self, tokens: Tensor) -> Tensor:
-        return self._step(self.state, tokens)
-
-    def _step(self, state: DoubleDecodeState, tokens: Tensor) -> Tensor:
-        """One token per row; each row writes its own next slot (rows past the end of the cache rewrite
-        their last one)."""
-        slots = state.next_slot.clamp_max(state.cache.max_len - 1)[:, None]
-        step = StepContext(state.cache, slots, state.next_position[:, None])
-        logits = self.model.generation_step(tokens, step)
-        state.next_slot += 1
-        state.next_position += 1
-        return logits
+        """One token per row; each row writes its own next slot (:meth:`DecodeState.step_slots`)."""
+        return self.model.generation_step(tokens, StepContext(*self.state.step_slots(len(tokens))))

@@ -45,7 +45,7 @@ from blockloop.models.recursive import RecursiveDecoder
 from blockloop.nn.kv_cache import DecoderCache, StepContext
 from blockloop.nn.paged_cache import KVPages
 from blockloop.serve.requests import SamplingParams
-from blockloop.serve.runners.base import StepOutput
+from blockloop.serve.runners.base import StepOutput, static_state
 from blockloop.serve.runners.decoder import DecoderRunner, DecodeState
 from blockloop.serve.runners.looped_cache import LoopedCache, PagedLoopedCache
 from blockloop.serve.runners.paging import Paging
@@ -113,7 +113,8 @@ class RecursiveRunner(DecoderRunner):
         paging: Paging | None = None, loop_read: str | None = None,
     ) -> None:
         super().__init__(model, paging)
-        self.resumable = exit_rule is None and speculation is None
+        # sequence-wise: a decoder's rows (depth-wise and speculative steps keep per-row state of every slot)
+        self.resumable = self.prefix_steps = exit_rule is None and speculation is None
         self.chunked_prefill = self.chunked_prefill and self.resumable
         if paging is not None and loop_read is not None:
             raise BlockloopError("loop_read picks how a static looped cache is read; a paged one reads as Paging.read says")
@@ -158,6 +159,7 @@ class RecursiveRunner(DecoderRunner):
         self.depth = DepthwiseState(weight.new_zeros(n_slots, 1, c.d_model), zeros.clone(), zeros.clone(), zeros.clone(),
                                     torch.zeros(c.loops, dtype=torch.long, device=weight.device),
                                     zeros.new_zeros(n_slots, c.loops), zeros.new_zeros(n_slots, max_len))
+        static_state(self.depth.exits, self.depth.predictions, self.depth.exit_log)  # a step counts and logs in place
 
     @property
     def _pages(self) -> KVPages | None:

@@ -44,7 +44,7 @@ from blockloop.errors import BlockloopError
 from blockloop.models.recursive import RecursiveDecoder
 from blockloop.nn.kv_cache import StepContext
 from blockloop.serve.requests import SamplingParams
-from blockloop.serve.runners.base import StepOutput
+from blockloop.serve.runners.base import StepOutput, static_state
 from blockloop.serve.runners.decoder import DecodeState
 from blockloop.serve.sampling import SlotSampling, sample_probs, speculative_accept, substream
 
@@ -92,6 +92,7 @@ class Speculator:
         longs = lambda *shape: torch.zeros(shape, dtype=torch.long, device=self.model.embed.weight.device)  # noqa: E731
         self.state = SpeculativeState(longs(n_slots), longs(n_slots) - 1, longs(n_slots), longs(n_slots, max_len),
                                       longs(n_slots, max_len))
+        static_state(self.state.emitted_log, self.state.drafted_log)  # a round logs into them in place
         self.k_hint = self.speculation.k  # the draft length of the next adaptive round, as the host last heard it
         self._k_arrived: torch.cuda.Event | None = None
         self._k_host: Tensor | None = None

@@ -40,7 +40,7 @@ from blockloop.models.recurrent_core import rotate_prefix
 from blockloop.models.staircase import Staircase, StaircaseState
 from blockloop.nn.kv_cache import DecoderCache, StepContext
 from blockloop.nn.rope import rope_angles
-from blockloop.serve.runners.base import Runner
+from blockloop.serve.runners.base import Runner, static_state
 
 
 @dataclass
@@ -78,9 +78,11 @@ class StaircaseRunner(Runner):
         widths = [self._window(k) + c.chunk_size for k in range(c.passes)]
         widths[-1] += c.cache_tokens  # the last pass's second cache half
         zeros = torch.zeros(n_slots, dtype=torch.long, device=weight.device)
+        next_valid, phase = zeros.new_zeros(n_slots, c.cache_tokens, dtype=torch.bool), zeros.clone()
+        static_state(next_valid, phase)  # a chunk boundary resets them in place
         self.state = StaircaseSlots(
             [buffer(width) for width in widths], buffer(c.cache_tokens + c.chunk_size) if c.cache_tokens else None,
-            zeros, zeros.clone(), zeros.new_zeros(n_slots, c.cache_tokens, dtype=torch.bool), zeros.clone(),
+            zeros, zeros.clone(), next_valid, phase,
         )
 
     def _window(self, k: int) -> int:

@@ -1,0 +1,115 @@
+"""What idle slots cost: one request, and a full load, on engines of 1, 8 and 16 slots (SmolLM2-135M and the
+``demo-block`` Block Transformer, CPU).
+
+The engine steps a fixed number of rows per window (static shapes). Stepping every slot makes a lone request
+on an 8-slot engine (``blockloop serve``'s default) pay for eight rows of weight matmuls and attention; stepping
+only the busy prefix of the slots (``Runner.prefix_steps``, :func:`blockloop.serve.runners.base.row_buckets`)
+makes it pay for one. Both are timed here in one process, alternating run by run: "prefix" is the engine as
+shipped, "every slot" the same engine made to step all its slots (``engine.row_counts = [n_slots]``, the
+engine's behaviour before prefix steps). The baseline is the 1-slot engine, timed in the same runs.
+``--models`` names ``smollm2`` (the imported SmolLM2-135M-Instruct) and presets (random weights: the time does
+not depend on them).
+
+    .venv/bin/python benchmarks/idle_slots_cpu.py --threads 1 --record
+
+Writes ``idle_slots_cpu.json`` to runs/bench/ (``--out-dir DIR`` elsewhere, ``--record`` into
+benchmarks/results/) and prints it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import torch
+
+from blockloop.bench.records import add_output_arguments, environment, environment_line, output_dir
+from blockloop.convert.hf import import_hf
+from blockloop.data.pretrained import SMOLLM2_GGUF, quiet_transformers, smollm2_files
+from blockloop.families import build_model, from_name
+from blockloop.serve.engine import Engine
+from blockloop.serve.requests import SamplingParams
+
+
+def run_engine(model: torch.nn.Module, slots: int, prompts: list[list[int]], gen_len: int, *, every_slot: bool,
+               max_len: int) -> tuple[float, list[list[int]]]:
+    """Seconds to serve ``prompts`` (submitted together) to ``gen_len`` greedy tokens each, and their outputs."""
+    engine = Engine(model, slots, max_len=max_len)
+    if every_slot:
+        engine.row_counts = [slots]
+    requests = [engine.submit(p, gen_len, sampling=SamplingParams(temperature=0.0)) for p in prompts]
+    start = time.perf_counter()
+    engine.run()
+    return time.perf_counter() - start, [r.output for r in requests]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--models", default="smollm2,demo-block", help="comma-separated: smollm2 and/or presets")
+    parser.add_argument("--slots", default="8,16", help="comma-separated engine sizes to compare with 1 slot")
+    parser.add_argument("--prompt-len", type=int, default=64)
+    parser.add_argument("--gen-len", type=int, default=64)
+    parser.add_argument("--max-len", type=int, default=256, help="engine max_len (tokens per slot)")
+    parser.add_argument("--repeats", type=int, default=3, help="timed runs per variant (after one warm-up)")
+    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
+    add_output_arguments(parser)
+    args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    out = output_dir(args)
+    rows = []
+    for name in args.models.split(","):
+        rows += compare(load_model(name), name, args)
+    result = {"prompt_len": args.prompt_len, "gen_len": args.gen_len, "max_len": args.max_len, "repeats": args.repeats,
+              "rows": rows, **environment("cpu")}
+    (out / "idle_slots_cpu.json").write_text(json.dumps(result, indent=2) + "\n")
+    print(json.dumps(result, indent=2))
+    print(environment_line(result))
+
+
+def load_model(name: str) -> torch.nn.Module:
+    if name == "smollm2":
+        with quiet_transformers():
+            return import_hf(smollm2_files(), gguf_file=SMOLLM2_GGUF)
+    torch.manual_seed(0)
+    return build_model(from_name(name)).eval()
+
+
+def compare(model: torch.nn.Module, name: str, args: argparse.Namespace) -> list[dict[str, object]]:
+    """One row per engine size and load: every-slot vs prefix steps (and vs 1 slot for a lone request)."""
+    generator = torch.Generator().manual_seed(0)
+    rows = []
+    for slots in [int(s) for s in args.slots.split(",")]:
+        for load in (1, slots):
+            variants = {"every slot": (slots, True), "prefix": (slots, False)}
+            if load == 1:  # the baseline: what one request costs with no idle slot at all
+                variants = {"1 slot": (1, False), **variants}
+            seconds: dict[str, list[float]] = {variant: [] for variant in variants}
+            agree = True
+            for run in range(args.repeats + 1):
+                prompts = torch.randint(0, model.config.vocab_size, (load, args.prompt_len), generator=generator).tolist()
+                outputs = []
+                for variant, (n, every) in variants.items():
+                    took, out_tokens = run_engine(model, n, prompts, args.gen_len, every_slot=every, max_len=args.max_len)
+                    outputs.append(out_tokens)
+                    if run:
+                        seconds[variant].append(took)
+                agree &= outputs[-2] == outputs[-1]  # the same rows of the same engine: prefix steps change no token
+            mean = {variant: sum(v) / len(v) for variant, v in seconds.items()}
+            row = {"model": SMOLLM2_GGUF if name == "smollm2" else name, "slots": slots, "requests": load,
+                   "seconds": seconds,
+                   "every_slot_vs_prefix": mean["every slot"] / mean["prefix"], "same_tokens": agree}
+            line = f"{name}, {slots} slots, {load} request(s): every slot / prefix {row['every_slot_vs_prefix']:.2f}x"
+            if "1 slot" in mean:
+                row["every_slot_vs_1_slot"] = mean["every slot"] / mean["1 slot"]
+                row["prefix_vs_1_slot"] = mean["prefix"] / mean["1 slot"]
+                line += (f"; vs the 1-slot engine: every slot {row['every_slot_vs_1_slot']:.2f}x, "
+                         f"prefix {row['prefix_vs_1_slot']:.2f}x")
+            rows.append(row)
+            print(f"{line}; same tokens {agree}", flush=True)
+    return rows
+
+
+if __name__ == "__main__":
+    main()
