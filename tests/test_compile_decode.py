@@ -81,7 +81,7 @@ def test_decode_step_compiles_once_for_every_step(name):
         torch._dynamo.reset()
 
 
-@pytest.mark.parametrize("name", ["tiny", "tiny-recursive", "tiny-double", "tiny-block"])
+@pytest.mark.parametrize("name", ["tiny", "tiny-recursive", "tiny-double", "tiny-block", "tiny-encdec"])
 def test_a_prefix_step_compiles_one_static_graph_per_row_count(name):
     """The engine steps only the busy first rows where the runner can (``prefix_steps``): steps over row 0 alone
     and over both rows are full graphs equal to eager, one graph per row count (and per static step: a Block

@@ -277,7 +277,8 @@ def test_every_family_serves_a_continuous_batch_with_joins_like_its_full_forward
 
 @pytest.mark.parametrize("name,paging", [("tiny", None), ("tiny", Paging(256, page_size=8)), ("tiny-recursive", None),
                                          ("tiny-ladder", None), ("tiny-double", None), ("tiny-block", None),
-                                         ("tiny-block", Paging(256, page_size=2))])
+                                         ("tiny-block", Paging(256, page_size=2)), ("tiny-encdec", None),
+                                         ("tiny-encdec", Paging(256, page_size=8))])
 def test_a_lightly_loaded_engine_steps_only_its_busy_prefix_of_slots(name, paging):
     """Three requests on eight slots step four rows; once only slot 0 is busy, one row; two requests joining
     then take slots 1 and 2 (rows the narrow steps left alone) and widen it again. Every output is the one a
@@ -388,7 +389,8 @@ def test_pareto_plot_from_records(tmp_path):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("name,options", [
-    ("tiny", {}), ("tiny-block", {}), ("tiny-double", {}), ("tiny-staircase", {}), ("tiny-cached-staircase", {}),
+    ("tiny", {}), ("tiny-block", {}), ("tiny-double", {}), ("tiny-encdec", {}), ("tiny-staircase", {}),
+    ("tiny-cached-staircase", {}),
     ("tiny-recursive", {"exit_rule": ExitRule("max_prob", 0.5)}),
     ("tiny-recursive", {"speculation": Speculation(k=2, draft_loops=1)}),
 ])

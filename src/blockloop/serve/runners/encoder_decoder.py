@@ -12,7 +12,7 @@ logical views ("gather", the CPU reference).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
@@ -21,7 +21,7 @@ from blockloop.models.decoder import CrossKV
 from blockloop.models.encoder_decoder import EncoderDecoder
 from blockloop.nn.kv_cache import DecoderCache, StepContext
 from blockloop.nn.paged_cache import PagedKVCache, gather_rows
-from blockloop.serve.runners.base import Runner
+from blockloop.serve.runners.base import Runner, prefix_views
 from blockloop.serve.runners.paging import PagedRows, Paging
 
 
@@ -34,11 +34,13 @@ class EncDecState:
     cross: list[CrossKV]
     cross_valid: Tensor  # (rows, cross length)
     next_slot: Tensor
+    prefixes: dict[int, DecoderCache] = field(default_factory=dict, repr=False)  # the cache's first rows, prefix steps
 
 
 class EncoderDecoderRunner(PagedRows, Runner):
     model: EncoderDecoder
     state: EncDecState
+    prefix_steps = True
 
     def __init__(self, model: EncoderDecoder, paging: Paging | None = None) -> None:
         super().__init__(model)
@@ -56,7 +58,8 @@ class EncoderDecoderRunner(PagedRows, Runner):
             cross = [(pool.k, pool.v) for pool in pools]
         valid = torch.zeros(n_slots, max_len, dtype=torch.bool, device=weight.device)
         zeros = torch.zeros(n_slots, dtype=torch.long, device=weight.device)
-        self.state = EncDecState(self.model.allocate_cache(n_slots, max_len, pages=pages), cross, valid, zeros)
+        cache = self.model.allocate_cache(n_slots, max_len, pages=pages)
+        self.state = EncDecState(cache, cross, valid, zeros, prefix_views(cache))
 
     @torch.no_grad()
     def prefill_slot(self, slot: int, prompt: Tensor) -> Tensor:
@@ -90,11 +93,13 @@ class EncoderDecoderRunner(PagedRows, Runner):
 
     @torch.no_grad()
     def decode_step(self, tokens: Tensor) -> Tensor:
-        """One token per row at its own next slot (rows past the end of the cache rewrite their last one)."""
-        state = self.state
-        slots = state.next_slot.clamp_max(state.cache.max_len - 1)[:, None]
-        cross, mask = self._cross(slice(None))
-        logits = self.model.decoder_step(tokens, StepContext(state.cache, slots), cross, mask)
+        """One token per row of the first ``len(tokens)`` rows, at its own next slot (rows past the end of the
+        cache rewrite their last one)."""
+        state, rows = self.state, len(tokens)
+        cache = state.cache if rows == state.cache.batch_size else state.prefixes[rows]
+        slots = state.next_slot[:rows].clamp_max(cache.max_len - 1)[:, None]
+        cross, mask = self._cross(slice(0, rows))
+        logits = self.model.decoder_step(tokens, StepContext(cache, slots), cross, mask)
         state.next_slot = state.next_slot + 1
         return logits
 
@@ -105,7 +110,7 @@ class EncoderDecoderRunner(PagedRows, Runner):
         valid = state.cross_valid[rows]
         if pages is None:
             return [(k[rows], v[rows]) for k, v in state.cross], valid[:, None, None, :]
-        pages = pages.rows(rows.start or 0, rows.stop if rows.stop is not None else len(state.cross_valid))
+        pages = pages.rows(rows.start, rows.stop)
         if pages.read == "pages":
             beyond = torch.full((len(valid), 1), valid.shape[1], device=valid.device)  # a query after every key
             return state.cross, pages.block_mask(valid, beyond)
