@@ -1,5 +1,5 @@
 """What idle slots cost: one request, and a full load, on engines of 1, 8 and 16 slots (SmolLM2-135M and the
-``demo-block`` Block Transformer, CPU).
+``demo-block`` Block Transformer), on CPU or a GPU.
 
 The engine steps a fixed number of rows per window (static shapes). Stepping every slot makes a lone request
 on an 8-slot engine (``blockloop serve``'s default) pay for eight rows of weight matmuls and attention; stepping
@@ -10,9 +10,11 @@ engine's behaviour before prefix steps). The baseline is the 1-slot engine, time
 ``--models`` names ``smollm2`` (the imported SmolLM2-135M-Instruct) and presets (random weights: the time does
 not depend on them).
 
-    .venv/bin/python benchmarks/idle_slots_cpu.py --threads 1 --record
+    .venv/bin/python benchmarks/idle_slots.py --threads 1 --record              # CPU, float32
+    .venv/bin/python benchmarks/idle_slots.py --device cuda --compile --models pythia-85m,block-85m --record
+                                                   # a GPU: bfloat16, CUDA graphs (SmolLM2's weights stay here)
 
-Writes ``idle_slots_cpu.json`` to runs/bench/ (``--out-dir DIR`` elsewhere, ``--record`` into
+Writes ``idle_slots_cpu.json`` (``idle_slots_cuda.json``) to runs/bench/ (``--out-dir DIR`` elsewhere, ``--record`` into
 benchmarks/results/) and prints it.
 """
 
@@ -25,19 +27,18 @@ import time
 import torch
 
 from blockloop.bench.records import add_output_arguments, environment, environment_line, output_dir
+from blockloop.bench.suite import bench_dtype
 from blockloop.convert.hf import import_hf
 from blockloop.data.pretrained import SMOLLM2_GGUF, quiet_transformers, smollm2_files
+from blockloop.device import resolve_device
 from blockloop.families import build_model, from_name
 from blockloop.serve.engine import Engine
 from blockloop.serve.requests import SamplingParams
 
 
-def run_engine(model: torch.nn.Module, slots: int, prompts: list[list[int]], gen_len: int, *, every_slot: bool,
-               max_len: int) -> tuple[float, list[list[int]]]:
-    """Seconds to serve ``prompts`` (submitted together) to ``gen_len`` greedy tokens each, and their outputs."""
-    engine = Engine(model, slots, max_len=max_len)
-    if every_slot:
-        engine.row_counts = [slots]
+def run_engine(engine: Engine, prompts: list[list[int]], gen_len: int) -> tuple[float, list[list[int]]]:
+    """Seconds for ``engine`` to serve ``prompts`` (submitted together) to ``gen_len`` greedy tokens each, and
+    their outputs (each window ends on a host copy of its tokens, so the clock stops after the GPU's work)."""
     requests = [engine.submit(p, gen_len, sampling=SamplingParams(temperature=0.0)) for p in prompts]
     start = time.perf_counter()
     engine.run()
@@ -53,17 +54,22 @@ def main() -> None:
     parser.add_argument("--max-len", type=int, default=256, help="engine max_len (tokens per slot)")
     parser.add_argument("--repeats", type=int, default=3, help="timed runs per variant (after one warm-up)")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
+    parser.add_argument("--device", default="cpu", help="cpu, cuda or auto (default: cpu)")
+    parser.add_argument("--compile", action="store_true", help="compile the decode steps (CUDA graphs on CUDA)")
     add_output_arguments(parser)
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
+    device = resolve_device(args.device)
+    torch._dynamo.config.recompile_limit = 64  # several engines of one runner class, a few row counts each
+    dtype = bench_dtype("auto", device)
     out = output_dir(args)
     rows = []
     for name in args.models.split(","):
-        rows += compare(load_model(name), name, args)
+        rows += compare(load_model(name).to(device=device, dtype=dtype), name, args)
     result = {"prompt_len": args.prompt_len, "gen_len": args.gen_len, "max_len": args.max_len, "repeats": args.repeats,
-              "rows": rows, **environment("cpu")}
-    (out / "idle_slots_cpu.json").write_text(json.dumps(result, indent=2) + "\n")
+              "compile": args.compile, "rows": rows, **environment(device, dtype)}
+    (out / f"idle_slots_{torch.device(device).type}.json").write_text(json.dumps(result, indent=2) + "\n")
     print(json.dumps(result, indent=2))
     print(environment_line(result))
 
@@ -79,19 +85,22 @@ def load_model(name: str) -> torch.nn.Module:
 def compare(model: torch.nn.Module, name: str, args: argparse.Namespace) -> list[dict[str, object]]:
     """One row per engine size and load: every-slot vs prefix steps (and vs 1 slot for a lone request)."""
     generator = torch.Generator().manual_seed(0)
-    rows = []
+    new_engine = lambda slots: Engine(model, slots, max_len=args.max_len, compile=args.compile)  # noqa: E731
+    single, rows = new_engine(1), []  # engines are reused run after run, as a server does: compiled once
     for slots in [int(s) for s in args.slots.split(",")]:
+        engines = {"every slot": new_engine(slots), "prefix": new_engine(slots)}
+        engines["every slot"].row_counts = [slots]
         for load in (1, slots):
-            variants = {"every slot": (slots, True), "prefix": (slots, False)}
+            variants = {"every slot": engines["every slot"], "prefix": engines["prefix"]}
             if load == 1:  # the baseline: what one request costs with no idle slot at all
-                variants = {"1 slot": (1, False), **variants}
+                variants = {"1 slot": single, **variants}
             seconds: dict[str, list[float]] = {variant: [] for variant in variants}
             agree = True
             for run in range(args.repeats + 1):
                 prompts = torch.randint(0, model.config.vocab_size, (load, args.prompt_len), generator=generator).tolist()
                 outputs = []
-                for variant, (n, every) in variants.items():
-                    took, out_tokens = run_engine(model, n, prompts, args.gen_len, every_slot=every, max_len=args.max_len)
+                for variant, engine in variants.items():
+                    took, out_tokens = run_engine(engine, prompts, args.gen_len)
                     outputs.append(out_tokens)
                     if run:
                         seconds[variant].append(took)
