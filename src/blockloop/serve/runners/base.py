@@ -156,7 +156,7 @@ def static_state(*tensors: Tensor) -> None:
 
 
 def prefix_views(cache: DecoderCache) -> dict[int, DecoderCache]:
-    """Views of ``cache``'s first ``n`` rows for each row count ``n`` of :func:`row_buckets` short of all of them,
-    for a runner's prefix steps; built once, at allocation (a view is a module per layer: too slow to build
-    every step)."""
-    return {n: cache.rows(0, n) for n in row_buckets(cache.batch_size) if n < cache.batch_size}
+    """The cache of a step over the first ``n`` rows, for each row count ``n`` of :func:`row_buckets`: views of
+    ``cache``'s rows, and ``cache`` itself at its full count. Built once, at allocation (a view is a module per
+    layer: too slow to build every step)."""
+    return {n: cache if n == cache.batch_size else cache.rows(0, n) for n in row_buckets(cache.batch_size)}

@@ -39,7 +39,8 @@ from blockloop.serve.runners.paging import PagedRows, Paging
 class BlockDecodeState:
     """The block decoder's cache (each row's next block slot and position), the current block's context
     vectors, its tokens so far and the token-decoder cache. All rows share the within-block phase
-    ``filled``: a device scalar, how many of the block's tokens have been read."""
+    ``filled``: a device scalar, how many of the block's tokens have been read. ``prefixes``: the block and
+    token caches of a step over the first ``n`` rows by ``n`` (:func:`prefix_views`)."""
 
     block_cache: DecoderCache
     next_block_slot: Tensor
@@ -48,11 +49,7 @@ class BlockDecodeState:
     vectors: Tensor
     block_tokens: Tensor
     filled: Tensor
-    prefixes: dict[int, tuple[DecoderCache, DecoderCache]] = field(default_factory=dict, repr=False)
-
-    def caches(self, rows: int) -> tuple[DecoderCache, DecoderCache]:
-        """The block and token caches of the first ``rows`` rows (the whole caches, or views: a prefix step)."""
-        return (self.block_cache, self.token_cache) if rows == len(self.vectors) else self.prefixes[rows]
+    prefixes: dict[int, tuple[DecoderCache, DecoderCache]] = field(repr=False)
 
 
 class BlockRunner(PagedRows, Runner):
@@ -142,7 +139,7 @@ class BlockRunner(PagedRows, Runner):
         filled, vectors = state.filled, state.vectors[:rows]
         state.block_tokens[:rows].index_copy_(1, filled[None], tokens[:, None])
         x = tokdec.token_inputs(tokens[:, None], vectors, filled)
-        step = StepContext(state.caches(rows)[1], (tokdec.n_lead + filled)[None])
+        step = StepContext(state.prefixes[rows][1], (tokdec.n_lead + filled)[None])
         state.filled = filled + 1
         return self.model.token_logits(x, vectors, step)
 
@@ -153,7 +150,7 @@ class BlockRunner(PagedRows, Runner):
         batch, rewrite their last one). A prefix step keeps the other rows' context vectors (idle rows; a
         prefill writes its row's)."""
         state, rows = self.state, len(tokens)
-        block_cache, token_cache = state.caches(rows)
+        block_cache, token_cache = state.prefixes[rows]
         state.block_tokens[:rows, -1] = tokens
         slots = state.next_block_slot[:rows].clamp_max(block_cache.max_len - 1)[:, None]
         step = StepContext(block_cache, slots, state.next_block_position[:rows, None])

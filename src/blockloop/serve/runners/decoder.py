@@ -24,8 +24,9 @@ from blockloop.serve.runners.paging import PagedRows, Paging
 
 @dataclass
 class DecodeState:
-    """The cache, each row's next cache slot and next rotary position; with ``prefixes``, views of the cache's
-    first rows that a prefix step (:attr:`Runner.prefix_steps`) runs on."""
+    """The cache, each row's next cache slot and next rotary position, and ``prefixes``: the cache of a step
+    over the first ``n`` rows by ``n`` (the whole cache; with prefix steps, :attr:`Runner.prefix_steps`, also
+    views of its first rows)."""
 
     cache: DecoderCache
     next_slot: Tensor
@@ -37,7 +38,7 @@ class DecodeState:
         """A fresh state over ``cache``: every row at slot and position 0; with ``prefixes``, its
         :func:`prefix_views`."""
         zeros = torch.zeros(cache.batch_size, dtype=torch.long, device=cache.key_valid.device)
-        return cls(cache, zeros, zeros.clone(), prefix_views(cache) if prefixes else {})
+        return cls(cache, zeros, zeros.clone(), prefix_views(cache) if prefixes else {cache.batch_size: cache})
 
     def rows(self, start: int, stop: int) -> DecodeState:
         """Rows ``start .. stop - 1`` as a state whose cache and tensors are views of this one's (a prefill
@@ -45,13 +46,13 @@ class DecodeState:
         return DecodeState(self.cache.rows(start, stop), self.next_slot[start:stop], self.next_position[start:stop])
 
     def step_slots(self, rows: int) -> tuple[DecoderCache, Tensor, Tensor]:
-        """The first ``rows`` rows' cache (the whole cache or one of ``prefixes``) and the ``(rows, 1)`` slots and
+        """The first ``rows`` rows' cache (from ``prefixes``) and the ``(rows, 1)`` slots and
         positions of their next token; then advance every row (the rows past ``rows`` are idle: a prefill sets
         a row's slots). Rebound, not updated in place: under CUDA graphs a plain tensor updated in place makes
         the graph fall back to eager, while a new one is the graph's output, the next replay's input. Rows past
         the end of the cache (idle or finished rows of a continuous batch that keep stepping) rewrite their last
         slot."""
-        cache = self.cache if rows == self.cache.batch_size else self.prefixes[rows]
+        cache = self.prefixes[rows]
         slots = self.next_slot[:rows].clamp_max(self.cache.max_len - 1)[:, None]
         positions = self.next_position[:rows, None]
         self.next_slot = self.next_slot + 1

@@ -34,7 +34,7 @@ class EncDecState:
     cross: list[CrossKV]
     cross_valid: Tensor  # (rows, cross length)
     next_slot: Tensor
-    prefixes: dict[int, DecoderCache] = field(default_factory=dict, repr=False)  # the cache's first rows, prefix steps
+    prefixes: dict[int, DecoderCache] = field(repr=False)  # the cache of a step over the first n rows (prefix_views)
 
 
 class EncoderDecoderRunner(PagedRows, Runner):
@@ -88,7 +88,8 @@ class EncoderDecoderRunner(PagedRows, Runner):
         over the last prompt token and the generated ones."""
         cross, cross_mask = self.model.encode(idx[:, :-1], token_valid[:, :-1])
         cache = self.model.allocate_cache(idx.shape[0], 1 + self.max_len - idx.shape[1])
-        self.state = EncDecState(cache, cross, cross_mask[:, 0, 0], torch.zeros(idx.shape[0], dtype=torch.long, device=idx.device))
+        start = torch.zeros(idx.shape[0], dtype=torch.long, device=idx.device)
+        self.state = EncDecState(cache, cross, cross_mask[:, 0, 0], start, {idx.shape[0]: cache})
         return self.decode_step(idx[:, -1])
 
     @torch.no_grad()
@@ -96,7 +97,7 @@ class EncoderDecoderRunner(PagedRows, Runner):
         """One token per row of the first ``len(tokens)`` rows, at its own next slot (rows past the end of the
         cache rewrite their last one)."""
         state, rows = self.state, len(tokens)
-        cache = state.cache if rows == state.cache.batch_size else state.prefixes[rows]
+        cache = state.prefixes[rows]
         slots = state.next_slot[:rows].clamp_max(cache.max_len - 1)[:, None]
         cross, mask = self._cross(slice(0, rows))
         logits = self.model.decoder_step(tokens, StepContext(cache, slots), cross, mask)
