@@ -275,18 +275,26 @@ def test_every_family_serves_a_continuous_batch_with_joins_like_its_full_forward
     assert [r.output for r in requests] == [full_forward_greedy(model, p, n) for p, n in zip(prompts, budgets)]
 
 
-@pytest.mark.parametrize("name,paging", [("tiny", None), ("tiny", Paging(256, page_size=8)), ("tiny-recursive", None),
-                                         ("tiny-ladder", None), ("tiny-double", None), ("tiny-block", None),
-                                         ("tiny-block", Paging(256, page_size=2)), ("tiny-encdec", None),
-                                         ("tiny-encdec", Paging(256, page_size=8))])
-def test_a_lightly_loaded_engine_steps_only_its_busy_prefix_of_slots(name, paging):
+DEPTHWISE = {"exit_rule": ExitRule("max_prob", 0.012)}  # some tokens leave after loop 1, some run both
+
+
+@pytest.mark.parametrize("name,options", [
+    ("tiny", {}), ("tiny", {"paging": Paging(256, page_size=8)}), ("tiny-recursive", {}), ("tiny-ladder", {}),
+    ("tiny-recursive", DEPTHWISE), ("tiny-recursive", {**DEPTHWISE, "loop_read": "blocks"}),
+    ("tiny-recursive", {**DEPTHWISE, "paging": Paging(512, page_size=8)}),
+    ("tiny-recursive", {"speculation": Speculation(k=2)}), ("tiny-recursive", {"speculation": Speculation(k=3, adaptive=True)}),
+    ("tiny-double", {}), ("tiny-block", {}), ("tiny-staircase", {}), ("tiny-cached-staircase", {}),
+    ("tiny-global-staircase", {}), ("tiny-feedback", {}), ("tiny-block", {"paging": Paging(256, page_size=2)}), ("tiny-encdec", {}),
+    ("tiny-encdec", {"paging": Paging(256, page_size=8)})])
+def test_a_lightly_loaded_engine_steps_only_its_busy_prefix_of_slots(name, options):
     """Three requests on eight slots step four rows; once only slot 0 is busy, one row; two requests joining
     then take slots 1 and 2 (rows the narrow steps left alone) and widen it again. Every output is the one a
-    1-slot engine (never an idle row) gives."""
+    1-slot engine (never an idle row) gives: ``generate``'s, or, for depth-wise batching with early exit (whose
+    tokens are not the full model's), a 1-slot engine's over the same kind of runner."""
     assert row_buckets(8) == [1, 2, 4, 8] and row_buckets(6) == [1, 2, 4, 6]
     assert row_buckets(1000)[-1] == 1000 and len(row_buckets(1000)) == 8
     model = tiny(name)
-    runner = runner_for(model, paging=paging)
+    runner = runner_for(model, **options)
     assert runner.prefix_steps
     widths, step = [], runner.decode_step
     runner.decode_step = lambda tokens: widths.append(len(tokens)) or step(tokens)
@@ -300,7 +308,14 @@ def test_a_lightly_loaded_engine_steps_only_its_busy_prefix_of_slots(name, pagin
     engine.run()
     assert [r.slot for r in requests[3:]] == [1, 2]
     assert widths[-1] == 1 and 4 in widths[widths.index(1):] and set(widths) == {1, 4}
-    assert [r.output for r in requests] == [generate(model, [p], n, temperature=0)[0] for p, n in zip(prompts, budgets)]
+    if "exit_rule" not in options:
+        assert [r.output for r in requests] == [generate(model, [p], n, temperature=0)[0] for p, n in zip(prompts, budgets)]
+        return
+    alone = Engine(runner_for(model, **options), 1, sync_every=2)
+    reference = [alone.submit(p, n, sampling=GREEDY) for p, n in zip(prompts, budgets)]
+    alone.run()
+    assert [r.output for r in requests] == [r.output for r in reference]
+    assert 1.0 < runner.mean_exit_loop() < 2.0
 
 
 def test_block_transformer_admits_requests_only_at_block_boundaries():

@@ -213,8 +213,8 @@ class DecoderCache(nn.Module):
 
     def rows(self, start: int, stop: int) -> DecoderCache:
         """Rows ``start .. stop - 1`` as a cache whose buffers are views of this one (prefill into slots while
-        the other rows keep their state)."""
-        view = DecoderCache.__new__(DecoderCache)
+        the other rows keep their state). A subclass's view is of its own class: it adds its own attributes."""
+        view = type(self).__new__(type(self))
         nn.Module.__init__(view)
         view.batch_size, view.max_len = stop - start, self.max_len
         view.pages = self.pages.rows(start, stop) if self.pages is not None else None

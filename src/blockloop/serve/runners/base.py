@@ -155,6 +155,12 @@ def static_state(*tensors: Tensor) -> None:
         torch._dynamo.mark_static_address(tensor)
 
 
+def over_rows(prefix: Tensor, full: Tensor) -> Tensor:
+    """``full`` with its first ``len(prefix)`` rows replaced by ``prefix``: per-row state a prefix step rebinds
+    (a new tensor, the graph's output, not an in-place update; see :func:`static_state`)."""
+    return prefix if len(prefix) == len(full) else torch.cat((prefix, full[len(prefix) :]))
+
+
 def prefix_views(cache: DecoderCache) -> dict[int, DecoderCache]:
     """The cache of a step over the first ``n`` rows, for each row count ``n`` of :func:`row_buckets`: views of
     ``cache``'s rows, and ``cache`` itself at its full count. Built once, at allocation (a view is a module per

@@ -102,6 +102,15 @@ class LoopedCache(DecoderCache):
             for loop in range(loops) for j in range(n_layer)
         )
 
+    def rows(self, start: int, stop: int) -> LoopedCache:
+        """Rows ``start .. stop - 1``, every loop of them, over views of this cache's buffers (a prefill; a
+        depth-wise step over the busy first rows)."""
+        view = super().rows(start, stop)
+        view.loops, view.read, view.rolling_layers = self.loops, self.read, self.rolling_layers
+        view.span, view.spans = self.span, self.spans
+        view.stacked = [tuple(t[start:stop] for t in stack) for stack in self.stacked]
+        return view
+
     def loop_layer(self, layer: int, loop: Tensor) -> RowLoopKV:
         """Shared layer ``layer`` with row ``b`` at loop ``loop[b]``."""
         return RowLoopKV(*self.stacked[layer], loop, self.spans[layer], layer in self.rolling_layers)
@@ -194,7 +203,8 @@ class PagedRowLoopKV:
 class PagedLoopedCache(DecoderCache):
     """:class:`LoopedCache` in pages: each full-length shared layer ``j`` keeps one pool, and ``loop_pages`` (a
     :class:`KVPages` of ``loops * batch_size`` rows) gives slot ``b``'s loop ``l`` table row ``l * batch_size + b``,
-    so a request holds pages for what it has cached at each loop. The depth-wise step reads the pools as
+    so a request holds pages for what it has cached at each loop (a view of rows ``start ..`` keeps the whole
+    table: its row ``b`` is slot ``start + b``). The depth-wise step reads the pools as
     ``loop_pages.read`` says (``"pages"``: a block mask over each row's own loop's pages; ``"gather"``: gathered
     logical views); the sequence-wise prefill, through ``layers``, always gathers. Shared layers in ``rolling``
     (local at every loop) keep their window-sized rings stacked per loop, as in :class:`LoopedCache`: they hold
@@ -212,6 +222,7 @@ class PagedLoopedCache(DecoderCache):
             raise ValueError(f"a looped cache of {loops} loops x {batch_size} rows x {max_len} slots needs a page "
                              f"table of {loops * batch_size} rows for max_len {max_len}")
         self.loops, self.loop_pages, self.rolling_layers = loops, pages, frozenset(rolling)
+        self.rows_per_loop, self.first_slot = batch_size, 0  # page-table rows per loop; the first slot here
         self.ring = self.ring_slot.shape[1]
         self.stores = [stacked_rings(self, loops, n_kv_head, head_dim, dtype, device) if j in self.rolling_layers
                        else PagedKVCache(pages, n_kv_head, head_dim, dtype=dtype) for j in range(n_layer)]
@@ -225,6 +236,16 @@ class PagedLoopedCache(DecoderCache):
 
         self.layers = nn.ModuleList(loop_view(j, loop) for loop in range(loops) for j in range(n_layer))
 
+    def rows(self, start: int, stop: int) -> PagedLoopedCache:
+        """Rows ``start .. stop - 1``, every loop of them: the same pools and page table, the rings' rows sliced (a
+        prefill; a depth-wise step over the busy first rows)."""
+        view = super().rows(start, stop)
+        view.loops, view.loop_pages, view.rolling_layers, view.ring = self.loops, self.loop_pages, self.rolling_layers, self.ring
+        view.rows_per_loop, view.first_slot = self.rows_per_loop, self.first_slot + start
+        view.stores = [tuple(t[start:stop] for t in store) if j in self.rolling_layers else store
+                       for j, store in enumerate(self.stores)]
+        return view
+
     def loop_layer(self, layer: int, loop: Tensor) -> PagedRowLoopKV | RowLoopKV:
         """Shared layer ``layer`` with row ``b`` at loop ``loop[b]``."""
         if layer in self.rolling_layers:
@@ -232,8 +253,8 @@ class PagedLoopedCache(DecoderCache):
         return PagedRowLoopKV(self.stores[layer], self.table_rows(loop), self.loop_pages)
 
     def table_rows(self, loop: Tensor) -> Tensor:
-        """The page-table row of each batch row ``b`` at loop ``loop[b]``: ``loop[b] * batch_size + b``."""
-        return loop * self.batch_size + torch.arange(len(loop), device=loop.device)
+        """The page-table row of each batch row ``b`` at loop ``loop[b]``: ``loop[b] * rows_per_loop + first_slot + b``."""
+        return loop * self.rows_per_loop + self.first_slot + torch.arange(len(loop), device=loop.device)
 
     def lift(self, inputs: LayerInputs, loop: Tensor, slots: Tensor) -> LayerInputs:
         """The step's mask over the pool (reading pages), or as it is (gathered logical views); rolling layers'

@@ -45,7 +45,7 @@ from blockloop.models.recursive import RecursiveDecoder
 from blockloop.nn.kv_cache import DecoderCache, StepContext
 from blockloop.nn.paged_cache import KVPages
 from blockloop.serve.requests import SamplingParams
-from blockloop.serve.runners.base import StepOutput, static_state
+from blockloop.serve.runners.base import StepOutput, over_rows, static_state
 from blockloop.serve.runners.decoder import DecoderRunner, DecodeState
 from blockloop.serve.runners.looped_cache import LoopedCache, PagedLoopedCache
 from blockloop.serve.runners.paging import Paging
@@ -113,8 +113,7 @@ class RecursiveRunner(DecoderRunner):
         paging: Paging | None = None, loop_read: str | None = None,
     ) -> None:
         super().__init__(model, paging)
-        # sequence-wise: a decoder's rows (depth-wise and speculative steps keep per-row state of every slot)
-        self.resumable = self.prefix_steps = exit_rule is None and speculation is None
+        self.resumable = exit_rule is None and speculation is None  # sequence-wise: a decoder's rows
         self.chunked_prefill = self.chunked_prefill and self.resumable
         if paging is not None and loop_read is not None:
             raise BlockloopError("loop_read picks how a static looped cache is read; a paged one reads as Paging.read says")
@@ -155,7 +154,7 @@ class RecursiveRunner(DecoderRunner):
             cache = LoopedCache(c.n_layer, c.loops, n_slots, c.n_kv_head, max_len, c.head_dim, dtype=weight.dtype,
                                 device=weight.device, rolling=rolling, window=c.sliding_window or 0, read=self.loop_read)
         zeros = torch.zeros(n_slots, dtype=torch.long, device=weight.device)
-        self.state = DecodeState.of(cache)
+        self.state = DecodeState.of(cache, prefixes=True)
         self.depth = DepthwiseState(weight.new_zeros(n_slots, 1, c.d_model), zeros.clone(), zeros.clone(), zeros.clone(),
                                     torch.zeros(c.loops, dtype=torch.long, device=weight.device),
                                     zeros.new_zeros(n_slots, c.loops), zeros.new_zeros(n_slots, max_len))
@@ -189,8 +188,10 @@ class RecursiveRunner(DecoderRunner):
     def release(self, slot: int) -> None:
         super().release(slot)
         if self.speculator is not None:
-            # an idle row stops speculating, so the draft length it last wanted no longer sets the batch's
+            # an idle row stops speculating, so the draft length it last wanted no longer sets the batch's (a
+            # prefix step may never step it again to learn so)
             self.sampling.speculate[slot] = 0
+            self.speculator.state.k_now[slot] = 0
 
     def check_request(self, sampling: SamplingParams) -> None:
         if self.speculator is None:
@@ -213,21 +214,22 @@ class RecursiveRunner(DecoderRunner):
 
     @torch.no_grad()
     def _depthwise_step(self, tokens: Tensor) -> StepOutput:
-        """One loop for every row. ``tokens`` holds a new token for rows that emitted one (they start loop
-        0 at their next slot) and -1 for rows still inside a token. Returns every row's exit logits and
-        which rows are ready to emit."""
+        """One loop for each of the first ``len(tokens)`` rows. ``tokens`` holds a new token for rows that
+        emitted one (they start loop 0 at their next slot) and -1 for rows still inside a token. Returns those
+        rows' exit logits and which of them are ready to emit. The rows past them keep their state: idle,
+        they are fed a token (a fresh start) once a request is prefilled into them."""
         m, decode, state = self.model, self.state, self.depth
-        new = tokens >= 0
-        max_len = decode.cache.max_len
-        slot = torch.where(new, decode.next_slot.clamp_max(max_len - 1), state.slot)
-        position = torch.where(new, decode.next_position, state.position)
-        decode.next_slot = decode.next_slot + new
-        decode.next_position = decode.next_position + new
+        n, new = len(tokens), tokens >= 0
+        cache = decode.prefixes[n]
+        slot = torch.where(new, decode.next_slot[:n].clamp_max(cache.max_len - 1), state.slot[:n])
+        position = torch.where(new, decode.next_position[:n], state.position[:n])
+        decode.next_slot = over_rows(decode.next_slot[:n] + new, decode.next_slot)
+        decode.next_position = over_rows(decode.next_position[:n] + new, decode.next_position)
         embedded = m.embed_input(tokens.clamp_min(0)[:, None], position[:, None])
-        x = torch.where(new[:, None, None], embedded, state.hidden)
-        loop = torch.where(new, 0, state.loop)
-        step = StepContext(decode.cache, slot[:, None], position[:, None])
-        x = m.run_loop(x, loop, decode.cache.lift(m.loop_inputs(x, step), loop, step.slots), step=step)
+        x = torch.where(new[:, None, None], embedded, state.hidden[:n])
+        loop = torch.where(new, 0, state.loop[:n])
+        step = StepContext(cache, slot[:, None], position[:, None])
+        x = m.run_loop(x, loop, cache.lift(m.loop_inputs(x, step), loop, step.slots), step=step)
         logits = m.exit_logits(x)[:, -1]
         last = loop == self.config.loops - 1
         ready = last | self.exit_rule.fires(logits[:, : self.config.vocab_size], loop + 1)
@@ -235,20 +237,21 @@ class RecursiveRunner(DecoderRunner):
         if self.exit_rule.kind == "oracle":
             exit_loop = self._oracle_exit(state, logits, loop)
         elif self.exit_rule.kind != "none":  # the K/V an exited token owes the loops it skipped
-            decode.cache.copy_exits(ready & ~last, loop, slot)
+            cache.copy_exits(ready & ~last, loop, slot)
         state.exits.index_add_(0, exit_loop, ready.long())
-        rows = torch.arange(len(slot), device=slot.device)
+        rows = torch.arange(n, device=slot.device)
         state.exit_log[rows, slot] = torch.where(ready, exit_loop + 1, state.exit_log[rows, slot])
-        state.hidden, state.loop, state.slot, state.position = x, loop + 1, slot, position
+        state.hidden, state.loop = over_rows(x, state.hidden), over_rows(loop + 1, state.loop)
+        state.slot, state.position = over_rows(slot, state.slot), over_rows(position, state.position)
         return StepOutput(logits, ready)
 
     def _oracle_exit(self, state: DepthwiseState, logits: Tensor, loop: Tensor) -> Tensor:
-        """Record each row's greedy prediction after ``loop``; for rows that just ran the last loop, the
-        earliest loop (0-based) whose prediction equals the last one's (the last always does)."""
+        """Record each of the first ``len(loop)`` rows' greedy prediction after ``loop``; for rows that just ran
+        the last loop, the earliest loop (0-based) whose prediction equals the last one's (the last always does)."""
         rows = torch.arange(len(loop), device=loop.device)
         state.predictions[rows, loop] = logits[:, : self.config.vocab_size].argmax(-1)
-        matches = state.predictions == state.predictions[:, -1:]
-        return matches.long().argmax(1)
+        predictions = state.predictions[: len(loop)]
+        return (predictions == predictions[:, -1:]).long().argmax(1)
 
     def exit_trajectory(self, row: int, start: int, n_tokens: int) -> list[int]:
         """The loops (1-based) the ``n_tokens`` tokens decoded in ``row`` from cache slot ``start`` on left

@@ -42,9 +42,9 @@ from torch import Tensor
 
 from blockloop.errors import BlockloopError
 from blockloop.models.recursive import RecursiveDecoder
-from blockloop.nn.kv_cache import StepContext
+from blockloop.nn.kv_cache import DecoderCache, StepContext
 from blockloop.serve.requests import SamplingParams
-from blockloop.serve.runners.base import StepOutput, static_state
+from blockloop.serve.runners.base import StepOutput, over_rows, static_state
 from blockloop.serve.runners.decoder import DecodeState
 from blockloop.serve.sampling import SlotSampling, sample_probs, speculative_accept, substream
 
@@ -139,27 +139,29 @@ class Speculator:
 
     @torch.no_grad()
     def round(self, decode: DecodeState, tokens: Tensor, sampling: SlotSampling, k: int) -> StepOutput:
-        """The round itself, drafting ``k`` positions: static shapes for a given ``k`` (no host read)."""
+        """The round itself for the first ``len(tokens)`` rows (the others keep their state), drafting ``k``
+        positions: static shapes for a given ``k`` and row count (no host read)."""
         m, config, spec, state = self.model, self.model.config, self.speculation, self.state
         rows, vocab = len(tokens), config.vocab_size
+        cache = decode.prefixes[rows]
         requested = torch.where(sampling.speculate[:rows] < 0, spec.k, sampling.speculate[:rows])
-        k_now = torch.where(state.k_now < 0, requested, state.k_now)
+        k_now = torch.where(state.k_now[:rows] < 0, requested, state.k_now[:rows])
         speculating = requested > 0
 
         offsets = torch.arange(k + 1, device=tokens.device)
-        slots = (decode.next_slot[:, None] + offsets).clamp_max(decode.cache.max_len - 1)
-        positions = (decode.next_position[:, None] + offsets).clamp_max(config.context_length - 1)
-        first = torch.where(tokens >= 0, tokens, state.pending)
-        x, drafted, draft_probs = self._draft(decode, first, slots, positions, sampling)
+        slots = (decode.next_slot[:rows, None] + offsets).clamp_max(cache.max_len - 1)
+        positions = (decode.next_position[:rows, None] + offsets).clamp_max(config.context_length - 1)
+        first = torch.where(tokens >= 0, tokens, state.pending[:rows])
+        x, drafted, draft_probs = self._draft(cache, first, slots, positions, sampling)
 
-        step = StepContext(decode.cache, slots, positions)  # verification: the other loops over all k + 1
+        step = StepContext(cache, slots, positions)  # verification: the other loops over all k + 1
         inputs = m.loop_inputs(x, step)
         for loop in range(spec.draft_loops, config.loops):
             x = m.run_loop(x, loop, inputs, step=step)
         logits = m.exit_logits(x)
         limit = torch.where(speculating, k_now, 0).clamp_max(k)
         accepted, token = speculative_accept(sampling.probs(logits[..., :vocab]), draft_probs, drafted, limit,
-                                             sampling.seed[:rows], state.rounds, greedy=sampling.greedy)
+                                             sampling.seed[:rows], state.rounds[:rows], greedy=sampling.greedy)
 
         emitted = torch.where(offsets < accepted[:, None], F.pad(drafted, (0, 1)), -1)
         emitted = emitted.scatter(1, accepted[:, None], token[:, None])
@@ -168,25 +170,25 @@ class Speculator:
         index = torch.arange(rows, device=tokens.device)
         state.emitted_log[index, slots[:, 0]] = advance
         state.drafted_log[index, slots[:, 0]] = limit
-        decode.next_slot = decode.next_slot + advance
-        decode.next_position = decode.next_position + advance
-        state.pending, state.rounds = token, state.rounds + 1
+        decode.next_slot = over_rows(decode.next_slot[:rows] + advance, decode.next_slot)
+        decode.next_position = over_rows(decode.next_position[:rows] + advance, decode.next_position)
+        state.pending, state.rounds = over_rows(token, state.pending), over_rows(state.rounds[:rows] + 1, state.rounds)
         if spec.adaptive:
             k_now = torch.where(accepted == limit, k_now + 1, k_now - 1).clamp_min(1)
-        state.k_now = torch.minimum(k_now, requested)
+        state.k_now = over_rows(torch.minimum(k_now, requested), state.k_now)
         return StepOutput(logits[:, 0], ~speculating, emitted)
 
     def _draft(
-        self, decode: DecodeState, token: Tensor, slots: Tensor, positions: Tensor, sampling: SlotSampling
+        self, cache: DecoderCache, token: Tensor, slots: Tensor, positions: Tensor, sampling: SlotSampling
     ) -> tuple[Tensor, Tensor, Tensor]:
         """Run ``token`` and then each drafted token through the draft loops, one position at a time, at
         ``slots`` / ``positions (rows, k + 1)``: the hidden states ``(rows, k + 1, d)`` the verification goes
         on from, and the ``k`` drafts with the distributions they were drawn from ``(rows, k, V)``."""
-        m, spec, rounds = self.model, self.speculation, self.state.rounds
+        m, spec, rounds = self.model, self.speculation, self.state.rounds[: len(token)]
         seed = substream(sampling.seed[: len(token)], 1)
         hiddens, drafts, draft_probs = [], [], []
         for j in range(slots.shape[1]):
-            step = StepContext(decode.cache, slots[:, j : j + 1], positions[:, j : j + 1])
+            step = StepContext(cache, slots[:, j : j + 1], positions[:, j : j + 1])
             x = m.embed_input(token[:, None], positions[:, j : j + 1])
             inputs = m.loop_inputs(x, step)
             for loop in range(spec.draft_loops):

@@ -27,11 +27,15 @@ validity: the chunk reads the live one while each step rotates 1/C of the next w
 a ring of un-rotated entries (no shifting); at the boundary the halves swap, which is a change of masks.
 Attention reads both halves (one more cache read per token). Prefill stays host-driven: the model's
 forward gives the stream state, whose flush steps give the windows (:meth:`StaircaseRunner._load`).
+
+**Prefix steps.** Every row's state is its own (its buffers' rows, its phase, ring head and live half), so a
+step may read the first ``n`` rows only (``prefix_steps``): over views of the buffers' first rows, built once
+(:meth:`StaircaseSlots.buffers`), while the rows past them keep their state.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
@@ -40,7 +44,7 @@ from blockloop.models.recurrent_core import rotate_prefix
 from blockloop.models.staircase import Staircase, StaircaseState
 from blockloop.nn.kv_cache import DecoderCache, StepContext
 from blockloop.nn.rope import rope_angles
-from blockloop.serve.runners.base import Runner, static_state
+from blockloop.serve.runners.base import Runner, over_rows, prefix_views, row_buckets, static_state
 
 
 @dataclass
@@ -53,6 +57,7 @@ class StaircaseSlots:
     chunk reads and the one being prepared for the next chunk (``next_valid``: its real entries).
     ``cache``: a ring of ``cache_tokens + C`` un-rotated cache entries per row, the window's from ring slot
     ``head`` on, then the chunk's. ``phase (B,)``: how many tokens of its chunk each row has read.
+    ``prefixes``: ``passes`` and ``cache`` of a step over the first ``n`` rows, by ``n`` (:func:`prefix_views`).
     """
 
     passes: list[DecoderCache]
@@ -61,11 +66,20 @@ class StaircaseSlots:
     live: Tensor
     next_valid: Tensor
     phase: Tensor
+    prefixes: dict[int, tuple[list[DecoderCache], DecoderCache | None]] = field(default_factory=dict, repr=False)
+
+    def buffers(self, rows: slice) -> tuple[list[DecoderCache], DecoderCache | None]:
+        """``passes`` and ``cache`` for ``rows``: built once for a step's first rows, views made now otherwise
+        (a prefill)."""
+        if rows.start == 0 and rows.stop in self.prefixes:
+            return self.prefixes[rows.stop]
+        return [p.rows(rows.start, rows.stop) for p in self.passes], self.cache and self.cache.rows(rows.start, rows.stop)
 
 
 class StaircaseRunner(Runner):
     model: Staircase
     state: StaircaseSlots
+    prefix_steps = True
 
     def allocate(self, n_slots: int, max_len: int) -> None:
         """Static decode buffers for ``n_slots`` streams; each starts empty. ``max_len`` is not needed: the
@@ -80,10 +94,10 @@ class StaircaseRunner(Runner):
         zeros = torch.zeros(n_slots, dtype=torch.long, device=weight.device)
         next_valid, phase = zeros.new_zeros(n_slots, c.cache_tokens, dtype=torch.bool), zeros.clone()
         static_state(next_valid, phase)  # a chunk boundary resets them in place
-        self.state = StaircaseSlots(
-            [buffer(width) for width in widths], buffer(c.cache_tokens + c.chunk_size) if c.cache_tokens else None,
-            zeros, zeros.clone(), next_valid, phase,
-        )
+        passes = [prefix_views(buffer(width)) for width in widths]
+        ring = prefix_views(buffer(c.cache_tokens + c.chunk_size)) if c.cache_tokens else None
+        prefixes = {n: ([views[n] for views in passes], ring and ring[n]) for n in row_buckets(n_slots)}
+        self.state = StaircaseSlots(*prefixes[n_slots], zeros, zeros.clone(), next_valid, phase, prefixes)
 
     def _window(self, k: int) -> int:
         """``n_k``: the slots of pass k's window (the cache and the ``P - 1 - k`` older chunks)."""
@@ -106,34 +120,37 @@ class StaircaseRunner(Runner):
     def prefill_batch(self, idx: Tensor, token_valid: Tensor) -> Tensor:
         """Left-padded prompts, chunks counted from the padded start (as the forward does)."""
         logits, _, state = self.model(idx, token_valid=token_valid, return_state=True)
-        self._load(slice(None), state)
+        rows = slice(0, len(idx))
+        self._load(rows, state)
         start = idx.shape[1] - idx.shape[1] % self.model.config.chunk_size
         if start < idx.shape[1]:
-            self._read(idx[:, start:], token_valid[:, start:])
+            self._read(idx[:, start:], token_valid[:, start:], rows)
         return logits[:, -1]
 
     @torch.no_grad()
     def decode_step(self, tokens: Tensor) -> Tensor:
-        """Read one token per row through its S / C (or m) passes, each a one-query attention over that
-        pass's window and the chunk so far; rows whose chunk is now complete start the next one."""
-        m = self.model
-        h = self._read(tokens[:, None], torch.ones_like(tokens[:, None], dtype=torch.bool))
-        self._advance(self.state.phase == m.config.chunk_size)
+        """Read one token per row of the first ``len(tokens)`` rows through its S / C (or m) passes, each a
+        one-query attention over that pass's window and the chunk so far; rows whose chunk is now complete
+        start the next one."""
+        m, rows = self.model, slice(0, len(tokens))
+        h = self._read(tokens[:, None], torch.ones_like(tokens[:, None], dtype=torch.bool), rows)
+        self._advance(self.state.phase[rows] == m.config.chunk_size, rows)
         return m.logits(m.norm(h))[:, -1]
 
-    def _read(self, ids: Tensor, valid: Tensor, rows: slice = slice(None)) -> Tensor:
+    def _read(self, ids: Tensor, valid: Tensor, rows: slice) -> Tensor:
         """Append ``ids (B, T)`` to the chunk each of ``rows`` is writing, through every pass, and (Cached
         variants) write the cache entries of their finished states; their final states ``(B, T, d)``."""
         m, slots = self.model, self.state
         c, T = m.config, ids.shape[1]
+        passes, ring = slots.buffers(rows)
         chunk = slots.phase[rows][:, None] + torch.arange(T, device=ids.device)
         states = [m.embed(ids)]
-        for k, cache in enumerate(slots.passes):
+        for k, cache in enumerate(passes):
             cos, sin = rope_angles(self._window(k) + chunk, c.rotary_dim, c.rope_base)
             at = cache.max_len - c.chunk_size + chunk
-            states = m.read_pass(states[-1], cos, sin, StepContext(_rows(cache, rows), at, token_valid=valid))
-        if slots.cache is not None:
-            cache, at = _rows(slots.cache, rows), self._ring(rows, c.cache_tokens + chunk)
+            states = m.read_pass(states[-1], cos, sin, StepContext(cache, at, token_valid=valid))
+        if ring is not None:
+            cache, at = ring, self._ring(rows, c.cache_tokens + chunk)
             for layer, (k, v) in zip(cache.layers, m.cache_entries(states, T)):
                 layer.write(at, k, v)
             cache.mark(at, valid)
@@ -155,7 +172,8 @@ class StaircaseRunner(Runner):
         older = (chunk[..., None] * per_phase + torch.arange(per_phase, device=chunk.device)).clamp_max(kept - 1)
         window = torch.cat((older.flatten(1), kept + chunk), dim=1)  # positions in the next window
         ring = self._ring(rows, c.chunk_size + window)
-        cache, last = _rows(slots.cache, rows), _rows(slots.passes[-1], rows)  # type: ignore[arg-type]
+        passes, cache = slots.buffers(rows)
+        last = passes[-1]
         cos, sin = rope_angles(window, c.rotary_dim, c.rope_base)
         at = (1 - slots.live[rows])[:, None] * c.cache_tokens + window
         batch = torch.arange(len(ring), device=ring.device)[:, None]
@@ -164,36 +182,40 @@ class StaircaseRunner(Runner):
             into.write(at, *rotate_prefix((k, v), cos, sin))
         slots.next_valid[rows].scatter_(1, window, cache.key_valid.gather(1, ring))
 
-    def _advance(self, done: Tensor) -> None:
-        """Rows ``done (B,)`` (their chunk is complete) start the next chunk: pass k's buffer takes pass
-        k + 1's window and chunk, the last pass switches to its prepared cache half (the ring moves C on),
-        and the chunk slots empty. Computed for every row, kept where ``done``."""
+    def _advance(self, done: Tensor, rows: slice) -> None:
+        """Rows where ``done (B,)`` (of ``rows``; their chunk is complete) start the next chunk: pass k's buffer
+        takes pass k + 1's window and chunk, the last pass switches to its prepared cache half (the ring moves C
+        on), and the chunk slots empty. Computed for every row, kept where ``done``."""
         c, slots = self.model.config, self.state
+        passes, ring = slots.buffers(rows)
         row, kv_row = done[:, None], done[:, None, None, None]
-        for into, source in zip(slots.passes, slots.passes[1:]):
-            contents, valid = self._contents(source)
+        for into, source in zip(passes, passes[1:]):
+            contents, valid = self._contents(source, rows, last=source is passes[-1])
             window = torch.arange(valid.shape[1], device=done.device)  # pass k's window: pass k + 1's slots
             for layer, (k, v) in zip(into.layers, contents):
                 layer.write(window, torch.where(kv_row, k, layer.k[:, :, : len(window)]),
                             torch.where(kv_row, v, layer.v[:, :, : len(window)]))
             into.mark(_all(into), torch.where(row, _then_empty(valid, c.chunk_size), into.key_valid))
-        last, halves = slots.passes[-1], slots.next_valid.new_zeros(len(done), 0)
-        if slots.cache is not None:
-            live, empty = slots.live.bool()[:, None], torch.zeros_like(slots.next_valid)
-            halves = torch.cat((torch.where(live, slots.next_valid, empty), torch.where(live, empty, slots.next_valid)), 1)
-            slots.head = torch.where(done, (slots.head + c.chunk_size) % slots.cache.max_len, slots.head)
-            slots.live = torch.where(done, 1 - slots.live, slots.live)
-            slots.next_valid.masked_fill_(row, False)
+        last, next_valid = passes[-1], slots.next_valid[rows]
+        halves = next_valid.new_zeros(len(done), 0)
+        if ring is not None:
+            head, live = slots.head[rows], slots.live[rows]
+            empty = torch.zeros_like(next_valid)
+            halves = torch.cat((torch.where(live.bool()[:, None], next_valid, empty),
+                                torch.where(live.bool()[:, None], empty, next_valid)), 1)
+            slots.head = over_rows(torch.where(done, (head + c.chunk_size) % ring.max_len, head), slots.head)
+            slots.live = over_rows(torch.where(done, 1 - live, live), slots.live)
+            next_valid.masked_fill_(row, False)
         last.mark(_all(last), torch.where(row, _then_empty(halves, c.chunk_size), last.key_valid))
-        slots.phase.masked_fill_(done, 0)
+        slots.phase[rows].masked_fill_(done, 0)
 
-    def _contents(self, cache: DecoderCache) -> tuple[list[tuple[Tensor, Tensor]], Tensor]:
-        """A pass buffer's keys/values per layer and validity, window then chunk (of the last pass's two
+    def _contents(self, cache: DecoderCache, rows: slice, *, last: bool) -> tuple[list[tuple[Tensor, Tensor]], Tensor]:
+        """A pass buffer's keys/values per layer and validity, window then chunk (of the ``last`` pass's two
         cache halves, each row's live one)."""
-        ct, slots = self.model.config.cache_tokens, self.state
-        if cache is not slots.passes[-1] or not ct:
+        ct = self.model.config.cache_tokens
+        if not last or not ct:
             return [(layer.k, layer.v) for layer in cache.layers], cache.key_valid
-        live = slots.live.bool()
+        live = self.state.live[rows].bool()
 
         def pick(x: Tensor) -> Tensor:  # (B, H, 2 ct + C, D)
             return torch.cat((torch.where(live[:, None, None, None], x[:, :, ct : 2 * ct], x[:, :, :ct]), x[:, :, 2 * ct :]), 2)
@@ -209,7 +231,8 @@ class StaircaseRunner(Runner):
         slots, and the cache the last pass reads. Empties the chunks being written."""
         m, slots = self.model, self.state
         c, current = m.config, state
-        for k, cache in enumerate(slots.passes):
+        passes, ring = slots.buffers(rows)
+        for k, view in enumerate(passes):
             last = current  # after the loop: the state the last pass reads (its window is its cache)
             older, older_valid, following = [], current.cache_valid[:, :0], current
             if current.chunks:
@@ -220,7 +243,6 @@ class StaircaseRunner(Runner):
             valid = torch.cat((current.cache_valid, older_valid), dim=1)
             window = torch.arange(self._window(k) - valid.shape[1], self._window(k), device=valid.device)
             cos, sin = rope_angles(window, c.rotary_dim, c.rope_base)
-            view = _rows(cache, rows)
             view.reset()
             view.mark(window, valid)
             for layer, kv in enumerate(view.layers):
@@ -228,19 +250,14 @@ class StaircaseRunner(Runner):
                 if parts and window.numel():
                     kv.write(window, *rotate_prefix((torch.cat([p[0] for p in parts], 2), torch.cat([p[1] for p in parts], 2)), cos, sin))
             current = following
-        if slots.cache is not None:
-            view = _rows(slots.cache, rows)
-            view.reset()
+        if ring is not None:
+            ring.reset()
             window = torch.arange(c.cache_tokens - last.cache_valid.shape[1], c.cache_tokens, device=last.cache_valid.device)
-            view.mark(window, last.cache_valid)
-            for layer, (k, v) in zip(view.layers, last.cache):
+            ring.mark(window, last.cache_valid)
+            for layer, (k, v) in zip(ring.layers, last.cache):
                 layer.write(window, k, v)
         slots.head[rows] = slots.live[rows] = slots.phase[rows] = 0
         slots.next_valid[rows] = False
-
-
-def _rows(cache: DecoderCache, rows: slice) -> DecoderCache:
-    return cache if rows == slice(None) else cache.rows(rows.start, rows.stop)
 
 
 def _all(cache: DecoderCache) -> Tensor:
