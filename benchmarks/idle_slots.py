@@ -1,5 +1,6 @@
-"""What idle slots cost: one request, and a full load, on engines of 1, 8 and 16 slots (SmolLM2-135M and the
-``demo-block`` Block Transformer), on CPU or a GPU.
+"""What idle slots cost: one request, and a full load, on engines of 1, 8 and 16 slots (SmolLM2-135M, the
+``demo-block`` Block Transformer, ``demo-recursive`` served depth-wise and speculatively, ``demo-staircase``), on
+CPU or a GPU.
 
 The engine steps a fixed number of rows per window (static shapes). Stepping every slot makes a lone request
 on an 8-slot engine (``blockloop serve``'s default) pay for eight rows of weight matmuls and attention; stepping
@@ -8,7 +9,8 @@ makes it pay for one. Both are timed here in one process, alternating run by run
 shipped, "every slot" the same engine made to step all its slots (``engine.row_counts = [n_slots]``, the
 engine's behaviour before prefix steps). The baseline is the 1-slot engine, timed in the same runs.
 ``--models`` names ``smollm2`` (the imported SmolLM2-135M-Instruct) and presets (random weights: the time does
-not depend on them).
+not depend on them), each optionally served by another runner: ``demo-recursive:depthwise`` (continuous
+depth-wise batching, every token running every loop), ``demo-recursive:speculative`` (self-speculative rounds).
 
     .venv/bin/python benchmarks/idle_slots.py --threads 1 --record              # CPU, float32
     .venv/bin/python benchmarks/idle_slots.py --device cuda --compile --models pythia-85m,block-85m --record
@@ -34,6 +36,11 @@ from blockloop.device import resolve_device
 from blockloop.families import build_model, from_name
 from blockloop.serve.engine import Engine
 from blockloop.serve.requests import SamplingParams
+from blockloop.serve.runners import ExitRule, Speculation, runner_for
+
+RUNNERS: dict[str, dict[str, object]] = {
+    "": {}, "depthwise": {"exit_rule": ExitRule("none")}, "speculative": {"speculation": Speculation(k=2)},
+}
 
 
 def run_engine(engine: Engine, prompts: list[list[int]], gen_len: int) -> tuple[float, list[list[int]]]:
@@ -47,7 +54,9 @@ def run_engine(engine: Engine, prompts: list[list[int]], gen_len: int) -> tuple[
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--models", default="smollm2,demo-block", help="comma-separated: smollm2 and/or presets")
+    parser.add_argument("--models", default="smollm2,demo-block,demo-recursive:depthwise,demo-recursive:speculative,demo-staircase",
+                        help="comma-separated: smollm2 and/or presets, each optionally NAME:RUNNER "
+                             f"(RUNNER one of {', '.join(RUNNERS)})")
     parser.add_argument("--slots", default="8,16", help="comma-separated engine sizes to compare with 1 slot")
     parser.add_argument("--prompt-len", type=int, default=64)
     parser.add_argument("--gen-len", type=int, default=64)
@@ -65,8 +74,11 @@ def main() -> None:
     dtype = bench_dtype("auto", device)
     out = output_dir(args)
     rows = []
-    for name in args.models.split(","):
-        rows += compare(load_model(name).to(device=device, dtype=dtype), name, args)
+    for served in args.models.split(","):
+        name, _, runner = served.partition(":")
+        if runner not in RUNNERS:
+            parser.error(f"unknown runner {runner!r} in {served!r}; choose one of {', '.join(RUNNERS)}")
+        rows += compare(load_model(name).to(device=device, dtype=dtype), served, RUNNERS[runner], args)
     result = {"prompt_len": args.prompt_len, "gen_len": args.gen_len, "max_len": args.max_len, "repeats": args.repeats,
               "compile": args.compile, "rows": rows, **environment(device, dtype)}
     (out / f"idle_slots_{torch.device(device).type}.json").write_text(json.dumps(result, indent=2) + "\n")
@@ -82,10 +94,13 @@ def load_model(name: str) -> torch.nn.Module:
     return build_model(from_name(name)).eval()
 
 
-def compare(model: torch.nn.Module, name: str, args: argparse.Namespace) -> list[dict[str, object]]:
-    """One row per engine size and load: every-slot vs prefix steps (and vs 1 slot for a lone request)."""
+def compare(model: torch.nn.Module, name: str, options: dict[str, object],
+            args: argparse.Namespace) -> list[dict[str, object]]:
+    """One row per engine size and load: every-slot vs prefix steps (and vs 1 slot for a lone request), the
+    model served by ``runner_for(model, **options)``."""
     generator = torch.Generator().manual_seed(0)
-    new_engine = lambda slots: Engine(model, slots, max_len=args.max_len, compile=args.compile)  # noqa: E731
+    new_engine = lambda slots: Engine(runner_for(model, **options), slots, max_len=args.max_len,  # noqa: E731
+                                      compile=args.compile)
     single, rows = new_engine(1), []  # engines are reused run after run, as a server does: compiled once
     for slots in [int(s) for s in args.slots.split(",")]:
         engines = {"every slot": new_engine(slots), "prefix": new_engine(slots)}
@@ -106,7 +121,7 @@ def compare(model: torch.nn.Module, name: str, args: argparse.Namespace) -> list
                         seconds[variant].append(took)
                 agree &= outputs[-2] == outputs[-1]  # the same rows of the same engine: prefix steps change no token
             mean = {variant: sum(v) / len(v) for variant, v in seconds.items()}
-            row = {"model": SMOLLM2_GGUF if name == "smollm2" else name, "slots": slots, "requests": load,
+            row = {"model": name.replace("smollm2", SMOLLM2_GGUF), "slots": slots, "requests": load,
                    "seconds": seconds,
                    "every_slot_vs_prefix": mean["every slot"] / mean["prefix"], "same_tokens": agree}
             line = f"{name}, {slots} slots, {load} request(s): every slot / prefix {row['every_slot_vs_prefix']:.2f}x"
