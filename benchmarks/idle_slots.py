@@ -13,7 +13,8 @@ not depend on them), each optionally served by another runner: ``demo-recursive:
 depth-wise batching, every token running every loop), ``demo-recursive:speculative`` (self-speculative rounds).
 
     .venv/bin/python benchmarks/idle_slots.py --threads 1 --record              # CPU, float32
-    .venv/bin/python benchmarks/idle_slots.py --device cuda --compile --models pythia-85m,block-85m --record
+    .venv/bin/python benchmarks/idle_slots.py --device cuda --compile --record \
+        --models pythia-85m,block-85m,demo-recursive:depthwise,demo-recursive:speculative,demo-staircase
                                                    # a GPU: bfloat16, CUDA graphs (SmolLM2's weights stay here)
 
 Writes ``idle_slots_cpu.json`` (``idle_slots_cuda.json``) to runs/bench/ (``--out-dir DIR`` elsewhere, ``--record`` into
