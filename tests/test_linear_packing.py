@@ -1,5 +1,6 @@
 """oneDNN-packed linear weights for CPU inference: the same products as ``F.linear``, used only where they may
-be, released afterwards, and wired into generation and evaluation."""
+be and where measured faster, released afterwards, and wired into generation and evaluation. The kernel timing
+is replaced here (``packed_wins``), so what is checked does not depend on this machine's BLAS."""
 
 from __future__ import annotations
 
@@ -9,13 +10,23 @@ import torch.nn.functional as F
 
 from blockloop.evals.scoring import Request, score
 from blockloop.families import build_model, from_name
-from blockloop.nn.linear import Linear, packed_linears
+from blockloop.nn import linear as linear_module
+from blockloop.nn.linear import Linear, packed_faster, packed_linears
 from blockloop.serve.engine import Engine
 from blockloop.serve.generate import generate
 
 pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="this torch has no oneDNN")
 
 PACKED_OP = "mkldnn::_linear_pointwise"
+
+
+@pytest.fixture(autouse=True)
+def packed_wins(monkeypatch):
+    """The packed kernel measures faster at every row count (the test below changes that); no choice cached."""
+    timed: list[tuple[tuple[int, ...], int]] = []
+    monkeypatch.setattr(linear_module, "_choices", {})
+    monkeypatch.setattr(linear_module, "packed_is_faster", lambda weight, rows: timed.append((tuple(weight.shape), rows)) or True)
+    return timed
 
 
 def ops_run(fn) -> set[str]:
@@ -164,3 +175,37 @@ def test_no_pack_keeps_one_copy_of_the_weights(monkeypatch, tmp_path):
         assert packed == 0 and all(m.packed is None for m in model.modules() if isinstance(m, Linear))
     assert PACKED_OP not in ops_run(lambda: generate(model, [[1, 2, 3]], 4, temperature=0.0))
     assert PACKED_OP not in ops_run(lambda: score(model, [[Request((1, 2, 3), (4, 5))]]))
+
+
+def test_a_weight_is_packed_only_for_the_row_counts_where_the_packed_kernel_measured_faster(monkeypatch, packed_wins):
+    """Where ``F.linear`` wins at one row (an Intel CPU's MKL) a lone decoding row takes it and a batch the packed
+    kernel; where it wins at both, no copy is held at all. Each shape is timed once per process, on at most
+    ``PROXY_OUTPUTS`` of its output features."""
+    monkeypatch.setattr(linear_module, "packed_is_faster", lambda weight, rows: packed_wins.append(tuple(weight.shape)) or rows > 1)
+    torch.manual_seed(0)
+    layers = torch.nn.Sequential(Linear(48, 80), Linear(48, 80), Linear(48, linear_module.PROXY_OUTPUTS + 5))
+    with packed_linears(layers) as n, torch.no_grad():
+        assert n == 3 and all(layer.packed_for == (False, True) for layer in layers)
+        for x, packed in ((torch.randn(1, 48), False), (torch.randn(1, 1, 48), False), (torch.randn(3, 48), True),
+                          (torch.randn(2, 1, 48), True)):
+            assert (PACKED_OP in ops_run(lambda: layers[0](x))) == packed
+            torch.testing.assert_close(layers[0](x), F.linear(x, layers[0].weight, layers[0].bias), rtol=1e-5, atol=1e-5)
+    assert packed_wins == [(80, 48), (80, 48), (linear_module.PROXY_OUTPUTS, 48), (linear_module.PROXY_OUTPUTS, 48)]
+    monkeypatch.setattr(linear_module, "packed_is_faster", lambda weight, rows: False)
+    monkeypatch.setattr(linear_module, "_choices", {})
+    with packed_linears(layers) as n:
+        assert n == 0 and all(layer.packed is None for layer in layers)
+        assert PACKED_OP not in ops_run(lambda: layers[0](torch.randn(4, 48)))
+
+
+def test_the_kernel_timing_compares_both_kernels_on_the_weight(monkeypatch):
+    """The real timing (not replaced here) runs both kernels and answers which was faster; ``packed_faster``
+    caches it per shape, dtype and thread count."""
+    monkeypatch.undo()
+    monkeypatch.setattr(linear_module, "_choices", {})
+    weight = torch.randn(64, 32)
+    ops = ops_run(lambda: linear_module.packed_is_faster(weight, 1))
+    assert PACKED_OP in ops and "aten::linear" in ops
+    choice = packed_faster(weight)
+    assert len(choice) == 2 and all(isinstance(wins, bool) for wins in choice)
+    assert packed_faster(torch.randn(64, 32)) is choice and len(linear_module._choices) == 1

@@ -9,10 +9,19 @@ uses). :func:`packed_linears` holds that reordered copy of every :class:`Linear`
 plain ``weight``. The copy costs as much memory as the weights it packs, for as long as the context lasts;
 where that memory matters more than the speed, :func:`set_packing` (the CLI's ``--no-pack``) turns packing off
 for the process.
+
+Why measure: which kernel wins depends on the CPU. On an Intel Xeon, MKL's sgemm beat the packed kernel at one
+row (1.15-1.3x) while losing at 8 rows (up to 2.6x, the LM head), so :func:`packed_faster` times both kernels
+once per weight shape, dtype and thread count in the process, at one row (a lone decoding row) and at 8 (a
+batch, a prefill), and a weight is packed only for the row counts where the packed kernel won (not at all if
+it never did). The choice depends on the timing, so on two machines (rarely, two runs) a float32 product may
+round differently, as it does between batch sizes; ``--no-pack`` always takes ``F.linear``.
 """
 
 from __future__ import annotations
 
+import math
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -21,6 +30,9 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 _packing = True
+TIMED_ROWS = (1, 8)  # a lone decoding row; a batch or a prefill (every count above one)
+PROXY_OUTPUTS = 4096  # output features timed at most: the kernels' ratio decides, and a slice keeps it cheap
+_choices: dict[tuple[int, int, torch.dtype, int], tuple[bool, bool]] = {}
 
 
 def set_packing(enabled: bool) -> None:
@@ -38,13 +50,15 @@ class Linear(nn.Linear):
 
     packed: Tensor | None = None
     packed_version: int = -1
+    packed_for: tuple[bool, bool] = (False, False)  # use the packed kernel at one row, at more (packed_faster)
 
     def forward(self, x: Tensor) -> Tensor:
         if torch.compiler.is_compiling():  # first, so a traced forward never looks at the packed tensor
             return F.linear(x, self.weight, self.bias)
         packed = self.packed
         if (packed is not None and not torch.is_grad_enabled() and x.dtype == packed.dtype
-                and self.weight._version == self.packed_version and not torch.is_autocast_enabled("cpu")):
+                and self.weight._version == self.packed_version and not torch.is_autocast_enabled("cpu")
+                and self.packed_for[x.numel() > x.shape[-1]]):
             return torch.ops.mkldnn._linear_pointwise(x, packed, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)
 
@@ -57,16 +71,48 @@ def packable(weight: Tensor) -> bool:
     return weight.dtype == torch.float32 or (weight.dtype == torch.bfloat16 and torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
+def packed_faster(weight: Tensor) -> tuple[bool, bool]:
+    """Whether oneDNN's packed kernel beats ``F.linear`` on a weight of this shape and dtype at one row and at
+    :data:`TIMED_ROWS`' batch (see the module docstring): measured on its first :data:`PROXY_OUTPUTS` output
+    features, once per shape, dtype and thread count in this process."""
+    key = (*weight.shape, weight.dtype, torch.get_num_threads())
+    if key not in _choices:
+        with torch.no_grad():
+            proxy = weight.detach()[:PROXY_OUTPUTS].contiguous()
+            _choices[key] = tuple(packed_is_faster(proxy, rows) for rows in TIMED_ROWS)
+    return _choices[key]
+
+
+def packed_is_faster(weight: Tensor, rows: int, repeats: int = 7) -> bool:
+    """Time both kernels on ``rows`` random rows, interleaved (other work on the machine slows both alike),
+    best of ``repeats`` each (the first calls warm caches and create oneDNN's primitive)."""
+    x = torch.randn(rows, weight.shape[1], dtype=weight.dtype)
+    packed = torch.ops.mkldnn._reorder_linear_weight(weight)
+    kernels = (lambda: F.linear(x, weight), lambda: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], ""))
+    best = [math.inf, math.inf]
+    for _ in range(repeats):
+        for i, kernel in enumerate(kernels):
+            start = time.perf_counter()
+            kernel()
+            best[i] = min(best[i], time.perf_counter() - start)
+    return best[1] < best[0]
+
+
 @contextmanager
 def packed_linears(model: nn.Module) -> Iterator[int]:
-    """Pack every :class:`Linear` weight of ``model`` that :func:`packable` accepts for the context; yields how
-    many were packed. Nested contexts leave the outer one's packing alone, so a caller that runs many
-    generations can pack once around them all. Packs nothing after ``set_packing(False)``."""
-    fresh = ([m for m in model.modules() if isinstance(m, Linear) and m.packed is None and packable(m.weight)]
-             if _packing else [])
+    """Pack every :class:`Linear` weight of ``model`` that :func:`packable` accepts, for the row counts where
+    :func:`packed_faster` says packing pays, for the context; yields how many were packed. Nested contexts leave
+    the outer one's packing alone, so a caller that runs many generations can pack once around them all. Packs
+    nothing after ``set_packing(False)``."""
+    candidates = ([m for m in model.modules() if isinstance(m, Linear) and m.packed is None and packable(m.weight)]
+                  if _packing else [])
+    fresh = []
     with torch.no_grad():
-        for m in fresh:
-            m.packed, m.packed_version = torch.ops.mkldnn._reorder_linear_weight(m.weight.detach()), m.weight._version
+        for m in candidates:
+            m.packed_for = packed_faster(m.weight)
+            if any(m.packed_for):
+                m.packed, m.packed_version = torch.ops.mkldnn._reorder_linear_weight(m.weight.detach()), m.weight._version
+                fresh.append(m)
     try:
         yield len(fresh)
     finally:
