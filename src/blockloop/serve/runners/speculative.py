@@ -2,7 +2,7 @@
 
 A Recursive Transformer trained with the early-exit loss (RRT section 3.7) holds a cheap draft model inside
 itself: its first ``draft_loops`` loops read through the shared final norm and head. One decode step of
-:class:`Speculator` is one round for every row of a continuous batch:
+:class:`Speculator` is one round for every busy row of a continuous batch (the first rows, ``prefix_steps``):
 
 1. draft: the row's pending token, then up to ``k`` drafted tokens, each run through loops
    ``0 .. draft_loops - 1`` only, one token at a time (their keys/values go to those loops' cache entries),
