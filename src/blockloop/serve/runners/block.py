@@ -31,7 +31,7 @@ from torch import Tensor
 from blockloop.models.block import BlockTransformer
 from blockloop.nn.kv_cache import DecoderCache, StepContext
 from blockloop.nn.paged_cache import KVPages
-from blockloop.serve.runners.base import Runner, prefix_views, static_state
+from blockloop.serve.runners.base import Runner, over_rows, prefix_views, static_state
 from blockloop.serve.runners.paging import PagedRows, Paging
 
 
@@ -158,7 +158,7 @@ class BlockRunner(PagedRows, Runner):
         state.next_block_slot = state.next_block_slot + 1
         state.next_block_position = state.next_block_position + 1
         vectors = self.model.token_decoder.context_vectors(context)
-        state.vectors = torch.cat((vectors, state.vectors[rows:]))
+        state.vectors = over_rows(vectors, state.vectors)
         state.filled = torch.zeros_like(state.filled)
         return self._start_block(vectors, token_cache)
 
