@@ -82,8 +82,9 @@ def test_dense_mask_and_mask_mod_agree_with_reference(backend):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_per_batch_mask_and_empty_rows(backend):
-    q, k, v = inputs(tq=5, tk=7, dtype=torch.float64)
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])  # on CPU, SDPA's math and flash kernels
+def test_per_batch_mask_and_empty_rows(backend, dtype):
+    q, k, v = inputs(tq=5, tk=7, dtype=dtype)
     mask = torch.rand(2, 1, 5, 7, generator=torch.Generator().manual_seed(3)) > 0.5
     mask[0, 0, 2] = False  # a query that sees nothing: zeros, lse = -inf
     out = attention(q, k, v, mask=mask, backend=backend)
@@ -187,3 +188,19 @@ def test_grouped_query_attention_never_expands_keys_and_values(backend, masking)
     with Largest():
         attention(q, k, v, backend=backend, **kwargs)
     assert max(largest) <= k.numel() < b * hq * tk * d
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_keys_past_a_narrower_mask_are_seen_by_no_query(backend):
+    """A dense mask over the leading keys only (an eager CPU decode step over a long static cache) attends as the
+    same mask padded with False over every key would, whatever the keys past it hold."""
+    q, k, v = inputs(tq=3, tk=11, dtype=torch.float64)
+    narrow = torch.rand(2, 1, 3, 7, generator=torch.Generator().manual_seed(5)) > 0.4
+    narrow[..., 0] = True
+    full = torch.nn.functional.pad(narrow, (0, 4))
+    k[:, :, 7:], v[:, :, 7:] = 1e6, float("nan")  # what no query may read
+    torch.testing.assert_close(attention(q, k, v, mask=narrow, backend=backend),
+                               reference(q, k[:, :, :7], v[:, :, :7], narrow)[0], atol=1e-10, rtol=1e-10)
+    k[:, :, 7:], v[:, :, 7:] = 0.0, 0.0
+    torch.testing.assert_close(attention(q, k, v, mask=narrow, backend=backend),
+                               attention(q, k, v, mask=full, backend=backend), atol=1e-10, rtol=1e-10)

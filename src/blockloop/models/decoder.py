@@ -60,9 +60,10 @@ class SelfAttention(nn.Module):
         self.proj = Linear(config.n_head * config.head_dim, config.d_model, bias=config.bias)
         self.dropout = config.dropout
         self.scale = config.attn_scale
-        # Gemma-3 normalises each query/key head before rotary; identity otherwise.
-        qk_norm = partial(build_norm, config.norm, config.head_dim, config.norm_eps) if config.qk_norm else nn.Identity
-        self.q_norm, self.k_norm = qk_norm(), qk_norm()
+        # Gemma-3 normalises each query/key head before rotary; other models have no such norm.
+        qk_norm = partial(build_norm, config.norm, config.head_dim, config.norm_eps)
+        self.q_norm = qk_norm() if config.qk_norm else None
+        self.k_norm = qk_norm() if config.qk_norm else None
 
     def project(
         self, x: Tensor, cos: Tensor, sin: Tensor, kv: LayerStep | None = None
@@ -73,7 +74,9 @@ class SelfAttention(nn.Module):
         )
         q, k = split_heads(q, self.n_head, self.head_dim), split_heads(k, self.n_kv_head, self.head_dim)
         v = split_heads(v, self.n_kv_head, self.head_dim)
-        q, k = apply_rope(self.q_norm(q), cos, sin), apply_rope(self.k_norm(k), cos, sin)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if kv is not None:
             k, v = kv.write(k, v)
         return q, k, v
@@ -142,10 +145,11 @@ class Block(nn.Module):
             self.cross = CrossAttention(config)
         self.norm2 = build_norm(config.norm, config.d_model, config.norm_eps)
         self.mlp = build_mlp(config.mlp, config.d_model, config.d_ff, config.bias)
-        post_norm = partial(build_norm, config.norm, config.d_model, config.norm_eps) if config.sandwich_norm else nn.Identity
-        self.post_attn_norm, self.post_mlp_norm = post_norm(), post_norm()
+        post_norm = partial(build_norm, config.norm, config.d_model, config.norm_eps)
+        self.post_attn_norm = post_norm() if config.sandwich_norm else None
+        self.post_mlp_norm = post_norm() if config.sandwich_norm else None
         self.parallel_residual = config.parallel_residual
-        self.drop = nn.Dropout(config.dropout)
+        self.dropout = config.dropout
 
     def forward(
         self,
@@ -157,14 +161,22 @@ class Block(nn.Module):
         **attn_kwargs: object,
     ) -> Tensor:
         """``memory`` is a memory ``(B, M, d)`` or its precomputed cross K/V (see CrossAttention.keys)."""
-        attn_out = self.drop(self.post_attn_norm(self.attn(self.norm1(x), cos, sin, **attn_kwargs)))
+        attn_out = self.branch(self.attn(self.norm1(x), cos, sin, **attn_kwargs), self.post_attn_norm)
         if self.parallel_residual and memory is None:
-            return x + attn_out + self.drop(self.post_mlp_norm(self.mlp(self.norm2(x))))
+            return x + attn_out + self.branch(self.mlp(self.norm2(x)), self.post_mlp_norm)
         x = x + attn_out
         if memory is not None:
             cross = self.cross.keys(memory) if isinstance(memory, Tensor) else memory
-            x = x + self.drop(self.cross(self.norm_cross(x), cross, memory_mask))
-        return x + self.drop(self.post_mlp_norm(self.mlp(self.norm2(x))))
+            x = x + self.branch(self.cross(self.norm_cross(x), cross, memory_mask))
+        return x + self.branch(self.mlp(self.norm2(x)), self.post_mlp_norm)
+
+    def branch(self, out: Tensor, post_norm: nn.Module | None = None) -> Tensor:
+        """A branch's output as the residual stream adds it: sandwich-normed where the model has that norm, and
+        dropped out while training. What a model lacks is skipped rather than run as an identity module: a decode
+        step is hundreds of small calls, and each no-op module call costs about as much as a small op."""
+        if post_norm is not None:
+            out = post_norm(out)
+        return F.dropout(out, self.dropout) if self.training and self.dropout else out
 
 
 @dataclass
@@ -198,8 +210,8 @@ class LayerInputs:
         if masks["mask"] is None:
             raise ValueError("rows of one batch attend locally and globally only in a cached step")
 
-        def pick(a: Tensor, b: Tensor) -> Tensor:
-            a, b = (a, b) if a.dim() > 2 else (a.expand(len(local), *a.shape), b.expand(len(local), *b.shape))
+        def pick(a: Tensor, b: Tensor) -> Tensor:  # rotary tables (T, R) shared by the rows get a row and head axis
+            a, b = (a, b) if a.dim() > 2 else (a.expand(len(local), 1, *a.shape), b.expand(len(local), 1, *b.shape))
             return torch.where(local.view(-1, *(1,) * (a.dim() - 1)), a, b)
 
         if self.per_row_masks is not None:

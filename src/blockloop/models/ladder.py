@@ -79,7 +79,7 @@ class Ladder(LanguageModel):
         cos, sin = rope_angles(step.token_positions, self.config.rotary_dim, self.config.rope_base)
         mask = step.begin()
         if self.config.memory_len:
-            mask = mask & within_span(step.slots, step.cache.max_len, self.config.memory_len)
+            mask = mask & within_span(step.slots, mask.shape[-1], self.config.memory_len)
         for application, layer in enumerate(self.order):
             x = self.core.blocks[layer](x, cos, sin, kv=step.layer(application), mask=mask)
         return x

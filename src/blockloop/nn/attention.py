@@ -15,6 +15,9 @@ is, so it is not rebuilt by the eager ``create_block_mask`` at every call; the o
 ``mask_mod`` densely); every backend accepts every form (the builders live in :mod:`blockloop.nn.masks`).
 A cache's mask for a decode step over a paged pool arrives as ``mask`` but is a ``BlockMask`` (the pool's
 keys have batch 1, shared by every row): it is used as ``block_mask``, and only FlexAttention reads a pool.
+A dense mask narrower than the keys covers the leading ones: no query sees the rest, which are not read (an
+eager CPU step over a static cache passes only the slots up to its furthest query's, see
+:meth:`~blockloop.nn.kv_cache.DecoderCache.mask`).
 With ``Tq < Tk`` a causal query ``i`` sits at key position ``i + Tk - Tq``, which is what chunked prefill
 over a cache needs. ``return_lse=True`` also returns the natural-log log-sum-exp of the scaled scores per
 query, ``(B, H, Tq)``, which lets two attentions over disjoint key sets be merged exactly (the double-decoder
@@ -67,6 +70,8 @@ def attention(
     pooled = mask is not None and not isinstance(mask, Tensor)  # a paged cache's BlockMask (see the module docstring)
     if pooled:
         mask, block_mask = None, mask
+    elif mask is not None and mask.shape[-1] < k.shape[-2]:  # keys past a narrower mask: seen by no query, not read
+        k, v = k[:, :, : mask.shape[-1]], v[:, :, : mask.shape[-1]]
     if sum(x is not None for x in (mask, mask_mod, block_mask)) + int(causal) > 1:
         raise ValueError("give at most one of causal=True, mask, mask_mod, block_mask")
     if q.shape[1] % k.shape[1]:
@@ -165,8 +170,9 @@ def _sdpa(
     out = F.scaled_dot_product_attention(
         q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=causal, scale=scale, enable_gqa=groups > 1
     )
-    if mask is not None:
-        # SDPA returns NaN for rows that see no key; the contract is zeros.
+    if mask is not None and not q.is_cpu:
+        # Some GPU kernels return NaN for rows that see no key; the contract is zeros. SDPA's CPU kernels (math
+        # and flash) already give zeros (its safe softmax, torch >= 2.5), so a CPU decode step skips the check.
         out = out.masked_fill(~mask.any(-1, keepdim=True), 0.0)
     return out
 

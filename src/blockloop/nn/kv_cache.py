@@ -176,11 +176,24 @@ class DecoderCache(nn.Module):
         return torch.where(real & (per_row > newest - ring), per_row % ring, ring)
 
     def mask(self, slots: Tensor) -> Tensor:
-        """The ``(B, 1, T, S)`` mask of queries at ``slots`` over what has been marked (see :func:`cache_mask`),
-        or, for a decode step reading pages, the same mask as a block mask over the pool."""
+        """The ``(B, 1, T, S')`` mask of queries at ``slots`` over what has been marked (see :func:`cache_mask`),
+        or, for a decode step reading pages, the same mask as a block mask over the pool.
+
+        ``S'`` is :meth:`visible`: on an eager CPU step, only the slots up to the furthest query's (no query sees
+        a later one), so attention, which reads the keys a narrower mask covers (:func:`~blockloop.nn.attention.
+        attention`), reads what the rows hold rather than the whole static cache (a server's slots are the
+        model's context long); ``S`` everywhere else."""
         if self.pages is not None and self.pages.reads_pool(slots):
             return self.pages.block_mask(self.key_valid, slots)
-        return cache_mask(self.key_valid, slots)
+        return cache_mask(self.key_valid[:, : self.visible(slots)], slots)
+
+    def visible(self, slots: Tensor) -> int:
+        """How many leading slots queries at ``slots`` may see: one past the furthest of them where reading that
+        is free (eager, on CPU), else every slot (a CUDA step would wait for the device; a compiled one has
+        static shapes)."""
+        if slots.is_cpu and not torch.compiler.is_compiling():
+            return min(int(slots.max()) + 1, self.max_len)
+        return self.max_len
 
     def rolling_mask(self, slots: Tensor, token_valid: Tensor | None = None) -> Tensor:
         """The rolling layers' ``(B, 1, T, ring + 1 + T)`` mask of a step at ``slots`` (see :func:`ring_mask`):
@@ -258,8 +271,10 @@ class StepContext:
     positions: Tensor | None = None
     token_valid: Tensor | None = None
     ring_entries: Tensor | None = field(init=False, default=None)  # the rolling layers' entries, once per step
+    layer_caches: list[KVWriter] = field(init=False)  # cache.layers as a list: indexing a ModuleList is slow
 
     def __post_init__(self) -> None:
+        self.layer_caches = list(self.cache.layers)
         if self.cache.rolling:
             self.ring_entries = self.cache.ring_entries(self.slots, self.token_valid)
 
@@ -267,7 +282,7 @@ class StepContext:
         """Layer ``index``'s write of this step (into ``cache`` instead, when a model lays its layers out
         itself, e.g. one shared layer per loop): at the step's slots, or a rolling layer's ring entries."""
         slots = self.ring_entries if index in self.cache.rolling else self.slots
-        return LayerStep(self.cache.layers[index] if cache is None else cache, slots)
+        return LayerStep(self.layer_caches[index] if cache is None else cache, slots)
 
     @property
     def token_positions(self) -> Tensor:

@@ -8,13 +8,13 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from blockloop.nn.lora import LoopIndex
-from blockloop.nn.precision import at_least_fp32
+from blockloop.nn.precision import at_least_fp32, cast
 
 
 def rms_norm(x: Tensor, scale: Tensor, eps: float) -> Tensor:
     """``x / rms(x) * scale`` in at least float32, so bf16 activations do not lose the mean square."""
     x32 = at_least_fp32(x)
-    return (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps) * scale).to(x.dtype)
+    return cast(x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps) * scale, x.dtype)
 
 
 class RMSNorm(nn.Module):

@@ -16,6 +16,7 @@ from collections.abc import Collection
 from dataclasses import replace
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from blockloop.errors import BlockloopError
@@ -124,7 +125,11 @@ class LoopedCache(DecoderCache):
         at_loop = (loop[:, None] == torch.arange(self.loops, device=loop.device))[:, None, None, :, None]
 
         def lifted(masks: dict[str, object] | None) -> dict[str, object] | None:
-            return masks if masks is None else {"mask": (at_loop & masks["mask"].unsqueeze(-2)).flatten(-2)}
+            if masks is None:
+                return None
+            mask = masks["mask"]  # over the slots up to the furthest query's (DecoderCache.visible): each loop has span
+            mask = F.pad(mask, (0, self.span - mask.shape[-1])) if mask.shape[-1] < self.span else mask
+            return {"mask": (at_loop & mask.unsqueeze(-2)).flatten(-2)}
 
         return replace(inputs, masks=lifted(inputs.masks), local_masks=lifted(inputs.local_masks))
 
