@@ -9,7 +9,8 @@ so the ratio is what the CPU numbers mean (the machine is shared). blockloop's t
 for oneDNN (:func:`blockloop.nn.linear.packed_linears`), which every ``generate`` call does. Each run also counts
 the rows whose greedy tokens equal HF's (float32 rounding differs between the two kernels, so a near-tie may
 flip). ``--profile`` adds the top operators of one blockloop run (torch profiler, self CPU time), which is where
-the time goes.
+the time goes; ``--count-ops`` the ATen operators each side dispatches per decoded token (at batch 1, a decode
+step is as much per-op overhead on the host as matmul time, so fewer ops is faster).
 
     .venv/bin/python benchmarks/cpu_decode_vs_hf.py --batch-sizes 1,8 --prompt-len 64 --gen-len 64 --threads 1 --record
 
@@ -22,8 +23,10 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from collections.abc import Callable
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from blockloop.bench.hf_baseline import hf_generate, to_hf_generator
 from blockloop.bench.records import add_output_arguments, environment, environment_line, output_dir
@@ -69,6 +72,34 @@ def profile_top(model: torch.nn.Module, batch: int, prompt_len: int, gen_len: in
     return [{"op": e.key, "calls": e.count, "self_cpu_share": e.self_cpu_time_total / total} for e in top]
 
 
+class _OpCounter(TorchDispatchMode):
+    """Counts the ATen operators dispatched inside it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops = 0
+
+    def __torch_dispatch__(self, func: Callable[..., object], types: object, args: tuple = (), kwargs: dict | None = None) -> object:
+        self.ops += 1
+        return func(*args, **(kwargs or {}))
+
+
+def ops_per_token(model: torch.nn.Module, hf: torch.nn.Module, prompt_len: int) -> dict[str, int]:
+    """ATen operators per decoded token on each side: those of a batch-1 run of 3 new tokens minus those of 2
+    (prefill and set-up cancel)."""
+    ids = torch.randint(0, model.config.vocab_size, (1, prompt_len))
+    sides = {"blockloop": lambda n: generate(model, ids.tolist(), n, temperature=0.0), "hf": lambda n: hf_generate(hf, ids, n)}
+    counts = {}
+    for name, run in sides.items():
+        totals = []
+        for n in (2, 3):
+            with _OpCounter() as counter:
+                run(n)
+            totals.append(counter.ops)
+        counts[name] = totals[1] - totals[0]
+    return counts
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--batch-sizes", default="1,8", help="comma-separated batch sizes")
@@ -77,6 +108,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3, help="timed runs per side and batch (after one warm-up)")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
     parser.add_argument("--profile", action="store_true", help="also profile one blockloop run per batch size")
+    parser.add_argument("--count-ops", action="store_true", help="also count each side's ATen operators per decoded token")
     add_output_arguments(parser)
     args = parser.parse_args()
     if args.threads:
@@ -96,6 +128,9 @@ def main() -> None:
               f"tok/s, ratio {row['ratio_vs_hf']:.2f}x, rows with HF's greedy tokens {row['rows_equal_to_hf']}", flush=True)
     result = {"model": SMOLLM2_GGUF, "prompt_len": args.prompt_len, "gen_len": args.gen_len, "repeats": args.repeats,
               "rows": rows, **environment("cpu")}
+    if args.count_ops:
+        result["aten_ops_per_token"] = ops_per_token(model, hf, args.prompt_len)
+        print(f"ATen operators per decoded token (batch 1): {result['aten_ops_per_token']}", flush=True)
     (out / "cpu_decode_vs_hf.json").write_text(json.dumps(result, indent=2) + "\n")
     print(json.dumps(result, indent=2))
     print(environment_line(result))

@@ -209,3 +209,33 @@ def test_the_kernel_timing_compares_both_kernels_on_the_weight(monkeypatch):
     choice = packed_faster(weight)
     assert len(choice) == 2 and all(isinstance(wins, bool) for wins in choice)
     assert packed_faster(torch.randn(64, 32)) is choice and len(linear_module._choices) == 1
+
+
+def test_a_caller_decoding_one_row_packs_only_weights_that_win_at_one_row(monkeypatch, packed_wins):
+    """A batch-1 decode multiplies one row per step: a weight whose packed kernel wins only at more rows would be
+    reordered for the prompt's prefill alone, which costs more than it saves, so it is left unpacked; at two rows
+    (or a speculative round's drafts for one slot) it is packed as before."""
+    torch.manual_seed(0)
+    model = build_model(from_name("tiny")).eval()
+    monkeypatch.setattr(linear_module, "packed_is_faster", lambda weight, rows: rows > 1)
+    with packed_linears(model, step_rows=1) as n:
+        assert n == 0
+    with packed_linears(model, step_rows=2) as n:
+        assert n > 0
+    assert PACKED_OP not in ops_run(lambda: generate(model, [[1, 2, 3]], 4, temperature=0.0))
+    assert PACKED_OP in ops_run(lambda: generate(model, [[1, 2, 3], [4, 5]], 4, temperature=0.0))
+    monkeypatch.setattr(linear_module, "packed_is_faster", lambda weight, rows: rows == 1)
+    monkeypatch.setattr(linear_module, "_choices", {})
+    with packed_linears(model, step_rows=1) as n:
+        assert n > 0
+    assert PACKED_OP in ops_run(lambda: generate(model, [[1, 2, 3]], 4, temperature=0.0))
+
+
+def test_an_engine_packs_for_the_rows_its_decode_steps_multiply():
+    from blockloop.serve.runners import Speculation, runner_for
+
+    torch.manual_seed(0)
+    assert Engine(build_model(from_name("tiny")).eval(), 1, max_len=16).step_rows == 1
+    assert Engine(build_model(from_name("tiny")).eval(), 3, max_len=16).step_rows == 3
+    looped = build_model(from_name("tiny-recursive")).eval()
+    assert Engine(runner_for(looped, speculation=Speculation(3)), 2, max_len=32).step_rows == 2 * 4

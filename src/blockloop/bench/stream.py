@@ -95,7 +95,7 @@ def run_stream(
     trajectories: dict[int, list[int]] = {}  # exit loops per request (depth-wise serving), read as each finishes
     rounds: dict[int, list[tuple[int, int]]] = {}  # (emitted, drafted) per verification round (speculation)
     start = time.perf_counter()
-    with torch.no_grad(), packed_linears(runner.model):
+    with torch.no_grad(), packed_linears(runner.model, engine.step_rows):
         while pending or not engine.idle:
             now = time.perf_counter() - start
             while pending and pending[0][0] <= now:

@@ -14,7 +14,8 @@ Why measure: which kernel wins depends on the CPU. On an Intel Xeon, MKL's sgemm
 row (1.15-1.3x) while losing at 8 rows (up to 2.6x, the LM head), so :func:`packed_faster` times both kernels
 once per weight shape, dtype and thread count in the process, at one row (a lone decoding row) and at 8 (a
 batch, a prefill), and a weight is packed only for the row counts where the packed kernel won (not at all if
-it never did). The choice depends on the timing, so on two machines (rarely, two runs) a float32 product may
+it never did), and not for a caller whose decode steps multiply one row (``step_rows=1``: a one-slot engine) if
+it won only at more rows: the prompt's prefill alone would not repay the reorder. The choice depends on the timing, so on two machines (rarely, two runs) a float32 product may
 round differently, as it does between batch sizes; ``--no-pack`` always takes ``F.linear``.
 """
 
@@ -99,18 +100,23 @@ def packed_is_faster(weight: Tensor, rows: int, repeats: int = 7) -> bool:
 
 
 @contextmanager
-def packed_linears(model: nn.Module) -> Iterator[int]:
+def packed_linears(model: nn.Module, step_rows: int | None = None) -> Iterator[int]:
     """Pack every :class:`Linear` weight of ``model`` that :func:`packable` accepts, for the row counts where
     :func:`packed_faster` says packing pays, for the context; yields how many were packed. Nested contexts leave
     the outer one's packing alone, so a caller that runs many generations can pack once around them all. Packs
-    nothing after ``set_packing(False)``."""
+    nothing after ``set_packing(False)``.
+
+    ``step_rows``: the most rows a decode step of the caller multiplies (None: any number). At one, a weight
+    is packed only if the packed kernel wins at one row: the prompt's prefill then is the only many-row product,
+    once per request, and gains less than reordering the weight costs (on the Xeon where MKL wins at one row,
+    packing for the prefill alone cost a batch-1 ``generate`` 5%)."""
     candidates = ([m for m in model.modules() if isinstance(m, Linear) and m.packed is None and packable(m.weight)]
                   if _packing else [])
     fresh = []
     with torch.no_grad():
         for m in candidates:
             m.packed_for = packed_faster(m.weight)
-            if any(m.packed_for):
+            if m.packed_for[0] or (m.packed_for[1] and step_rows != 1):
                 m.packed, m.packed_version = torch.ops.mkldnn._reorder_linear_weight(m.weight.detach()), m.weight._version
                 fresh.append(m)
     try:

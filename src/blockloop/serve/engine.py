@@ -173,6 +173,12 @@ class Engine:
     def idle(self) -> bool:
         return self.scheduler.idle
 
+    @property
+    def step_rows(self) -> int:
+        """The most rows a decode step multiplies by each weight: a row per slot, or a speculative round's
+        draft and bonus tokens per slot (what :func:`~blockloop.nn.linear.packed_linears` packs for)."""
+        return self.n_slots * max(1, self.runner.emits)
+
     @torch.no_grad()
     def step(self, max_steps: int | None = None) -> list[Request]:
         """Admit waiting requests, decode one window, and hand its tokens to their requests.
@@ -369,14 +375,14 @@ class Engine:
     def run(self) -> None:
         """Step until every submitted request has finished, on CPU over oneDNN-packed weights
         (:func:`~blockloop.nn.linear.packed_linears`; a caller looping over :meth:`step` holds it itself)."""
-        with packed_linears(self.model):
+        with packed_linears(self.model, self.step_rows):
             while not self.idle:
                 self.step()
 
     def stream(self) -> Iterator[tuple[Request, list[int]]]:
         """Step until idle, yielding ``(request, new tokens)`` for each running request after every window
         (packed weights as in :meth:`run`, held until the stream ends or is closed)."""
-        with packed_linears(self.model):
+        with packed_linears(self.model, self.step_rows):
             while not self.idle:
                 self.step()
                 yield from self.last_window

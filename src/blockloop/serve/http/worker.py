@@ -147,7 +147,7 @@ class EngineWorker:
 
     # ------------------------------------------------------------- engine thread
     def _run(self) -> None:
-        with packed_linears(self.engine.model):
+        with packed_linears(self.engine.model, self.engine.step_rows):
             self._serve()
 
     def _serve(self) -> None:
