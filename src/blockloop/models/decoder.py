@@ -69,7 +69,7 @@ class SelfAttention(nn.Module):
         self, x: Tensor, cos: Tensor, sin: Tensor, kv: LayerStep | None = None
     ) -> tuple[Tensor, Tensor, Tensor]:
         """Rotated queries and the keys/values to attend over (the whole cache after writing, with one)."""
-        q, k, v = self.qkv(x).split(
+        q, k, v = self.qkv(x).split_with_sizes(  # Tensor.split's Python wrapper costs more than the op here
             [self.n_head * self.head_dim, self.n_kv_head * self.head_dim, self.n_kv_head * self.head_dim], dim=-1
         )
         q, k = split_heads(q, self.n_head, self.head_dim), split_heads(k, self.n_kv_head, self.head_dim)

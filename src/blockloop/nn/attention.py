@@ -72,7 +72,7 @@ def attention(
         mask, block_mask = None, mask
     elif mask is not None and mask.shape[-1] < k.shape[-2]:  # keys past a narrower mask: seen by no query, not read
         k, v = k[:, :, : mask.shape[-1]], v[:, :, : mask.shape[-1]]
-    if sum(x is not None for x in (mask, mask_mod, block_mask)) + int(causal) > 1:
+    if (mask is not None) + (mask_mod is not None) + (block_mask is not None) + causal > 1:
         raise ValueError("give at most one of causal=True, mask, mask_mod, block_mask")
     if q.shape[1] % k.shape[1]:
         raise ValueError(f"{k.shape[1]} key/value heads do not divide {q.shape[1]} query heads")
