@@ -15,8 +15,9 @@ row (1.15-1.3x) while losing at 8 rows (up to 2.6x, the LM head), so :func:`pack
 once per weight shape, dtype and thread count in the process, at one row (a lone decoding row) and at 8 (a
 batch, a prefill), and a weight is packed only for the row counts where the packed kernel won (not at all if
 it never did), and not for a caller whose decode steps multiply one row (``step_rows=1``: a one-slot engine) if
-it won only at more rows: the prompt's prefill alone would not repay the reorder. The choice depends on the timing, so on two machines (rarely, two runs) a float32 product may
-round differently, as it does between batch sizes; ``--no-pack`` always takes ``F.linear``.
+it won only at more rows: the prompt's prefill alone would not repay the reorder. The choice depends on the
+timing, so on two machines (rarely, two runs) a float32 product may round differently, as it does between batch
+sizes; ``--no-pack`` always takes ``F.linear``.
 """
 
 from __future__ import annotations
