@@ -84,6 +84,21 @@ def test_ctrl_c_stops_the_answer_not_the_program(session):
     assert engine.scheduler.free == [0]  # the cancelled answer gave its slot back
 
 
+def test_a_line_that_cannot_be_answered_is_reported_and_the_chat_goes_on(session):
+    """A message longer than the context, or undecodable input (a lone surrogate, as Python reads bad bytes), is
+    refused with a line saying why; the next message is answered."""
+    out: list[str] = []
+    converse(session, lines("a" * 500, "caf\udce9", "Who is there?"), out.append, interactive=False)
+    text = "".join(out)
+    assert "does not fit the model context" in text and "not valid UTF-8" in text
+    assert [m["content"] for m in session.history if m["role"] == "user"] == ["Who is there?"]
+
+
+def test_a_system_message_that_leaves_no_room_is_refused_up_front(session):
+    with pytest.raises(BlockloopError, match="system message takes .* shorten it"):
+        ChatSession(session.worker, session.tokenizer, session.template, system="s" * 200)
+
+
 def test_history_is_trimmed_to_leave_room_for_an_answer(session):
     engine = session.worker.engine
     for i in range(6):

@@ -68,6 +68,13 @@ MALFORMED = [
     ("/tokenize", {"model": "gpt-4"}, 404, "model"),
     ("/tokenize", {"add_special_tokens": "no"}, 400, "add_special_tokens"),
     ("/tokenize", {"max_tokens": 3}, 400, "max_tokens"),
+    ("/v1/completions", {"top_k": 2**64}, 400, "top_k"),  # past what a slot's int64 holds
+    ("/v1/completions", {"seed": -(2**63) - 1}, 400, "seed"),
+    # JSON may escape a lone surrogate, which is no UTF-8 text (sent as bytes: a client cannot encode it)
+    ("/v1/completions", json.dumps({**GOOD, "prompt": "\ud800abc"}).encode(), 400, "prompt"),
+    ("/v1/chat/completions", json.dumps({**CHAT, "messages": [{"role": "user", "content": "\udfff"}]}).encode(), 400,
+     "messages[0].content"),
+    ("/v1/completions", b'{"prompt": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", 400, None),  # too deep to parse
 ]
 
 
@@ -100,6 +107,25 @@ def test_malformed_requests_each_get_a_4xx_naming_the_field_and_the_server_keeps
         assert httpx.get(url + "/health").json() == {"status": "ok"}
         good = httpx.post(url + "/v1/completions", json=GOOD).json()
         assert good["usage"]["completion_tokens"] >= 1 and good["choices"][0]["finish_reason"] in ("stop", "length")
+
+
+def test_null_optional_fields_mean_their_defaults_and_the_lesser_endpoints_answer(run):
+    """Clients send ``null`` for fields they leave unset; ``/v1/models/{id}`` and ``HEAD /health`` are asked
+    for by clients and health checkers."""
+    nulls = {"temperature": None, "top_p": None, "n": None, "stop": None, "seed": None, "stream": None, "user": None}
+    with running(app(run, n_slots=2)) as url:
+        plain = httpx.post(url + "/v1/completions", json={**GOOD, "seed": 3}).json()
+        nulled = httpx.post(url + "/v1/completions", json={**GOOD, **nulls, "seed": 3, "temperature": 0}).json()
+        assert nulled["choices"][0]["text"] == plain["choices"][0]["text"]
+        chat = httpx.post(url + "/v1/chat/completions", json={**CHAT, **nulls, "max_completion_tokens": None})
+        assert chat.status_code == 200 and chat.json()["usage"]["completion_tokens"] == 4
+        assert httpx.post(url + "/v1/completions", json={**GOOD, "prompt": None}).json()["error"]["param"] == "prompt"
+        unknown = httpx.post(url + "/tokenize", json={**TOKENIZE, "colour": "red"}).json()["error"]
+        assert unknown["param"] == "colour" and "colour" in unknown["message"]
+        assert httpx.get(url + "/v1/models/tiny").json()["id"] == "tiny"
+        missing = httpx.get(url + "/v1/models/gpt-4")
+        assert missing.status_code == 404 and missing.json()["error"]["code"] == "model_not_found"
+        assert httpx.head(url + "/health").status_code == 200
 
 
 def slowed(application, seconds: float) -> None:
@@ -135,6 +161,24 @@ def test_a_client_that_disconnects_mid_stream_frees_its_slot(run):
         assert metric(text, "blockloop_generation_tokens_total") < 100
         after = httpx.post(url + "/v1/completions", json={**GOOD, "ignore_eos": True}).json()
         assert after["choices"][0]["finish_reason"] == "length"  # the one slot serves the next request
+
+
+def test_a_client_that_disconnects_before_its_whole_answer_frees_its_slot(run):
+    """A request without ``stream`` writes nothing until it is done, so the handler must notice the client left."""
+    application = app(run, n_slots=1, sync_every=1)
+    slowed(application, 0.02)
+    with running(application) as url:
+        body = {**GOOD, "max_tokens": 100, "ignore_eos": True}
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(url + "/v1/completions", json=body, timeout=0.5)  # the client gives up and hangs up
+        deadline = time.monotonic() + 60
+        while True:
+            text = httpx.get(url + "/metrics").text
+            if 'blockloop_requests_finished_total{finish_reason="abort"}' in text or time.monotonic() > deadline:
+                break
+            time.sleep(0.05)
+        assert metric(text, 'blockloop_requests_finished_total{finish_reason="abort"}') == 1
+        assert metric(text, "blockloop_generation_tokens_total") < 100
 
 
 def test_a_full_waiting_queue_answers_503_with_retry_after(run):

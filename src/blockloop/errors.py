@@ -26,3 +26,13 @@ def check_context(length: int, context: int, what: str, fix: str = "shorten the 
     """
     if length > context:
         raise ContextLengthError(f"{what} of {length} tokens exceeds the model context of {context}; {fix}")
+
+
+def utf8_problem(text: str) -> str | None:
+    """What keeps ``text`` from being UTF-8, or None. Python carries undecodable input bytes (and JSON its
+    ``\\ud800`` escapes) as lone surrogates, which no tokenizer can encode: callers refuse them up front."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        return f"is not valid UTF-8 text (a lone surrogate at character {exc.start})"
+    return None

@@ -17,6 +17,7 @@ from blockloop.cli.common import (
     utf8_text,
 )
 from blockloop.cli.serve import add_engine_arguments, load
+from blockloop.errors import BlockloopError, utf8_problem
 
 if TYPE_CHECKING:
     from blockloop.serve.http.chat import ChatSession
@@ -80,5 +81,15 @@ def converse(session: ChatSession, read: Callable[[str], str], write: Callable[[
             continue
         if not line:
             continue
-        answer, reason = session.ask(line, lambda text: (write(text), sys.stdout.flush()))
+        problem = utf8_problem(line)
+        if problem is not None:
+            write(f"(that line {problem}; type it again in UTF-8)\n")
+            continue
+        try:
+            answer, reason = session.ask(line, lambda text: (write(text), sys.stdout.flush()))
+        except BlockloopError as exc:  # this message cannot be answered; the next one may be
+            if not session.worker.healthy:
+                raise
+            write(f"({exc})\n")
+            continue
         write(" [stopped]\n" if reason == "interrupted" else "\n")

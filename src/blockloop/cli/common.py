@@ -13,7 +13,7 @@ import json
 import math
 from collections.abc import Callable
 
-from blockloop.errors import BlockloopError
+from blockloop.errors import BlockloopError, utf8_problem
 
 
 def human(n: int) -> str:
@@ -101,10 +101,9 @@ fraction = number(0, 1)  # a share in [0, 1]
 
 def utf8_text(value: str) -> str:
     """An argparse type: text that is valid UTF-8 (the shell hands undecodable bytes over as lone surrogates)."""
-    try:
-        value.encode("utf-8")
-    except UnicodeEncodeError as exc:
-        raise argparse.ArgumentTypeError(f"is not valid UTF-8 text (byte {exc.start}); pass UTF-8") from None
+    problem = utf8_problem(value)
+    if problem is not None:
+        raise argparse.ArgumentTypeError(f"{problem}; pass UTF-8")
     return value
 
 

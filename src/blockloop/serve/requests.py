@@ -16,6 +16,9 @@ class RequestStatus(enum.Enum):
     FINISHED = "finished"
 
 
+INT64_MAX = 2**63 - 1  # the sampling tensors' type bounds top_k and seed
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """Per-request sampling: ``temperature`` 0 is greedy; ``seed`` fixes the request's random stream.
@@ -33,8 +36,10 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if self.temperature < 0:
             raise BlockloopError(f"temperature must be >= 0, got {self.temperature}; use 0 for greedy decoding")
-        if self.top_k is not None and self.top_k < 1:
-            raise BlockloopError(f"top_k must be >= 1, got {self.top_k}; leave it unset to sample from all tokens")
+        if self.top_k is not None and not 1 <= self.top_k <= INT64_MAX:
+            raise BlockloopError(f"top_k must be in [1, 2**63), got {self.top_k}; leave it unset to sample from all tokens")
+        if not -INT64_MAX - 1 <= self.seed <= INT64_MAX:
+            raise BlockloopError(f"seed must fit in 64 bits ([-2**63, 2**63)), got {self.seed}")
         if self.top_p is not None and not 0.0 < self.top_p <= 1.0:
             raise BlockloopError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.speculate is not None and self.speculate < 0:

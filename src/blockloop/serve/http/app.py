@@ -1,10 +1,12 @@
-"""The OpenAI-compatible HTTP API over one engine: ``/v1/models``, ``/v1/completions``, ``/v1/chat/completions``,
-``/tokenize`` (as vLLM's), ``/health`` and ``/metrics`` (FastAPI; run it with uvicorn, as ``blockloop serve`` does).
+"""The OpenAI-compatible HTTP API over one engine: ``/v1/models`` (and ``/v1/models/{id}``), ``/v1/completions``,
+``/v1/chat/completions``, ``/tokenize`` (as vLLM's), ``/health`` and ``/metrics`` (FastAPI; run it with uvicorn,
+as ``blockloop serve`` does).
 
 Handlers only check, enqueue and stream: each request becomes a :class:`~blockloop.serve.http.worker.Job`
 whose events come back from the engine thread into an asyncio queue (``loop.call_soon_threadsafe``). A
-streamed answer is server-sent events, one chunk per token and ``data: [DONE]`` at the end; a client that
-goes away mid-stream cancels its job, and the engine frees the slot at the next window. Every error is an
+streamed answer is server-sent events, one chunk per token and ``data: [DONE]`` at the end. A client that
+goes away, mid-stream or while a whole answer is generated, cancels its job, and the engine frees the slot at
+the next window. Every error is an
 OpenAI-style JSON object (``{"error": {"message", "type", "param", "code"}}``) with a 4xx status, or 503
 with ``Retry-After`` when the waiting queue is full.
 """
@@ -45,6 +47,7 @@ from blockloop.serve.requests import SamplingParams
 
 DEFAULT_COMPLETION_TOKENS = 16  # the OpenAI default for /v1/completions; chat answers may fill the context
 RETRY_AFTER_S = 1
+DISCONNECT_POLL_S = 0.5  # how often a whole answer's handler checks that its client is still there
 
 
 @dataclass
@@ -81,7 +84,7 @@ def create_app(served: ServedModel) -> FastAPI:
         return JSONResponse(ApiError(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}",
                                      code=code).body(), status_code=exc.status_code, headers=exc.headers)
 
-    @app.get("/health")
+    @app.api_route("/health", methods=["GET", "HEAD"])
     async def health() -> JSONResponse:
         ok = served.worker.healthy
         return JSONResponse({"status": "ok" if ok else "engine stopped"}, status_code=200 if ok else 503)
@@ -90,53 +93,60 @@ def create_app(served: ServedModel) -> FastAPI:
     async def prometheus() -> Response:
         return Response(metrics.exposition(), media_type=CONTENT_TYPE)
 
+    def card() -> dict[str, Any]:
+        return {"id": served.name, "object": "model", "created": int(time.time()), "owned_by": "blockloop",
+                "max_model_len": engine.max_len, "vocab_size": engine.vocab_size}
+
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
-        card = {"id": served.name, "object": "model", "created": int(time.time()), "owned_by": "blockloop",
-                "max_model_len": engine.max_len, "vocab_size": engine.vocab_size}
-        return {"object": "list", "data": [card]}
+        return {"object": "list", "data": [card()]}
+
+    @app.get("/v1/models/{name:path}")
+    async def model(name: str) -> dict[str, Any]:
+        _check_model(name)
+        return card()
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
         params = parse(CompletionRequest, await _body(request))
-        _check_model(params)
+        _check_model(params.model)
         if isinstance(params.prompt, str):
             prompt = tokenizer.encode_prompt(params.prompt)
         else:
             prompt = params.prompt
             if not all(0 <= t < engine.vocab_size for t in prompt):
                 raise ApiError(400, f"prompt token ids must lie in [0, {engine.vocab_size})", param="prompt")
-        return await _serve(params, prompt, "prompt", params.max_tokens, TextStream(tokenizer, params.stops()),
-                            Reply(False, served.name))
+        return await _serve(request, params, prompt, "prompt", params.max_tokens,
+                            TextStream(tokenizer, params.stops()), Reply(False, served.name))
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
         params = parse(ChatRequest, await _body(request))
-        _check_model(params)
+        _check_model(params.model)
         try:
             text = served.template.render([{"role": m.role, "content": m.content} for m in params.messages])
         except BlockloopError as exc:
             raise ApiError(400, str(exc), param="messages") from None
         stream = TextStream(tokenizer, params.stops() + served.template.stop, served.template.stop_ids)
-        return await _serve(params, tokenizer.encode(text), "messages", params.token_limit(), stream,
+        return await _serve(request, params, tokenizer.encode(text), "messages", params.token_limit(), stream,
                             Reply(True, served.name))
 
     @app.post("/tokenize")
     async def tokenize(request: Request) -> dict[str, Any]:
         params = parse(TokenizeRequest, await _body(request))
         if params.model is not None:
-            _check_model(params)
+            _check_model(params.model)
         encode = tokenizer.encode_prompt if params.add_special_tokens else tokenizer.encode
         tokens = await asyncio.to_thread(encode, params.prompt)  # a long text must not hold up the streams
         return {"tokens": tokens, "count": len(tokens), "max_model_len": engine.max_len}
 
-    def _check_model(params: Sampling | TokenizeRequest) -> None:
-        if params.model != served.name:
-            raise ApiError(404, f"model {params.model!r} does not exist; this server serves {served.name!r}",
+    def _check_model(name: str) -> None:
+        if name != served.name:
+            raise ApiError(404, f"model {name!r} does not exist; this server serves {served.name!r}",
                            param="model", code="model_not_found")
 
-    async def _serve(params: Sampling, prompt: list[int], field: str, max_tokens: int | None, text: TextStream,
-                     reply: Reply) -> Response:
+    async def _serve(request: Request, params: Sampling, prompt: list[int], field: str, max_tokens: int | None,
+                     text: TextStream, reply: Reply) -> Response:
         room = engine.room(len(prompt))
         if room < 1:
             raise ApiError(400, f"{field} of {len(prompt)} tokens leaves no room for an answer in the model context "
@@ -172,13 +182,21 @@ def create_app(served: ServedModel) -> FastAPI:
             usage = params.stream_options is not None and params.stream_options.include_usage
             return StreamingResponse(_stream(job, events, reply, usage), media_type="text/event-stream")
         pieces: list[str] = []
-        event = Event([])
+        event, checked = Event([]), time.monotonic()
         try:
             while event.finish_reason is None:
-                event = await events.get()
-                pieces += event.pieces
+                try:
+                    event = await asyncio.wait_for(events.get(), DISCONNECT_POLL_S)
+                    pieces += event.pieces
+                except asyncio.TimeoutError:
+                    pass
+                # A whole answer writes nothing until it is done: only asking finds a client that went away.
+                if time.monotonic() - checked >= DISCONNECT_POLL_S:
+                    if await request.is_disconnected():
+                        return Response(status_code=499)  # nginx's "client closed request"; nobody reads it
+                    checked = time.monotonic()
         finally:
-            if event.finish_reason is None:  # the handler was cancelled
+            if event.finish_reason is None:  # the client went away, or the handler was cancelled
                 served.worker.cancel(job)
         if event.finish_reason == "error":
             raise ApiError(500, f"generation failed: {event.tail}", kind="server_error")
@@ -216,6 +234,8 @@ async def _body(request: Request) -> Any:
         return json.loads(await request.body())
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise ApiError(400, f"the request body is not valid JSON ({exc})") from None
+    except RecursionError:
+        raise ApiError(400, "the request body nests JSON too deeply to read; flatten it") from None
 
 
 def _sse(data: dict[str, Any]) -> str:

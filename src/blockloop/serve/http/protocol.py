@@ -15,6 +15,9 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+from blockloop.errors import utf8_problem
+from blockloop.serve.requests import INT64_MAX
+
 # Fields of the OpenAI API this server does not implement, and the values that mean "not used".
 UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     "echo": (False,), "logprobs": (None, False, 0), "top_logprobs": (None, 0), "suffix": (None, ""),
@@ -51,8 +54,8 @@ class Sampling(BaseModel):
     max_tokens: int | None = Field(None, ge=1)
     temperature: float = Field(1.0, ge=0.0, le=2.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
-    top_k: int | None = Field(None, ge=-1)  # -1 or 0: off (as vLLM)
-    seed: int | None = Field(None, ge=-(2**63), le=2**63 - 1)
+    top_k: int | None = Field(None, ge=-1, le=INT64_MAX)  # -1 or 0: off (as vLLM)
+    seed: int | None = Field(None, ge=-INT64_MAX - 1, le=INT64_MAX)
     n: int = 1
     stop: str | list[str] | None = None
     stream: bool = False
@@ -79,6 +82,13 @@ class Sampling(BaseModel):
         return list(self.stop or [])
 
 
+def _text(text: str) -> str:
+    problem = utf8_problem(text)
+    if problem is not None:
+        raise ValueError(f"{problem}; send UTF-8 text")
+    return text
+
+
 class CompletionRequest(Sampling):
     prompt: Any = Field(...)
 
@@ -91,7 +101,7 @@ class CompletionRequest(Sampling):
         if isinstance(prompt, str) or (isinstance(prompt, list) and all(type(t) is int for t in prompt)):
             if len(prompt) == 0:
                 raise ValueError("the prompt is empty; give at least one character or token")
-            return prompt
+            return _text(prompt) if isinstance(prompt, str) else prompt
         if isinstance(prompt, list) and all(isinstance(p, (str, list)) for p in prompt):
             raise ValueError("batched prompts are not supported; send one prompt per request")
         raise ValueError("the prompt must be a string or a list of token ids")
@@ -109,10 +119,10 @@ class ChatMessage(BaseModel):
     def _text(cls, content: Any) -> str:
         """A string, or a list of ``{"type": "text", "text": ...}`` parts joined."""
         if isinstance(content, str):
-            return content
+            return _text(content)
         if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text"
                                              and isinstance(p.get("text"), str) for p in content):
-            return "".join(p["text"] for p in content)
+            return _text("".join(p["text"] for p in content))
         raise ValueError("content must be a string or a list of text parts ({'type': 'text', 'text': ...})")
 
 
@@ -146,22 +156,26 @@ def parse(model: type[BaseModel], body: Any) -> Any:
     for name, defaults in UNSUPPORTED.items():
         if name in body and body[name] not in defaults:
             raise ApiError(400, f"{name} is not supported by this server; leave it out", param=name)
+    # The API lets a client send null for any optional field (several do): it means the default.
+    optional = {name for name, f in model.model_fields.items() if not f.is_required()}
+    body = {key: value for key, value in body.items() if value is not None or key not in optional}
     try:
         return model.model_validate(body)
     except ValidationError as exc:
         error = exc.errors()[0]
-        param = _param(error["loc"])
+        param = _param(error["loc"], unknown_ok=error["type"] == "extra_forbidden")
         raise ApiError(400, f"{param}: {error['msg']}", param=param) from None
 
 
-def _param(loc: tuple[Any, ...]) -> str:
-    """``('messages', 0, 'role')`` -> ``messages[0].role``; stops at pydantic's union-member tags."""
+def _param(loc: tuple[Any, ...], unknown_ok: bool = False) -> str:
+    """``('messages', 0, 'role')`` -> ``messages[0].role``; stops at pydantic's union-member tags, except that
+    a field refused for being unknown (``unknown_ok``) is named as sent."""
     text = ""
-    for part in loc:
+    for i, part in enumerate(loc):
         if isinstance(part, int):
             text += f"[{part}]"
-        elif part in FIELDS:
-            text += f".{part}" if text else part
+        elif part in FIELDS or (unknown_ok and i == len(loc) - 1):
+            text += f".{part}" if text else str(part)
         else:
             break
     return text or "body"

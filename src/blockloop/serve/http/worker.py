@@ -161,7 +161,7 @@ class EngineWorker:
             except Exception as exc:  # noqa: BLE001 - a bug or out of memory: fail the requests, stay up to say so
                 log.exception("the engine failed; failing its requests")
                 self.error = exc
-                self._fail_all()
+                self._fail_all(f"the engine failed ({type(exc).__name__}: {exc}); restart the server")
                 return
             if self.observer is not None:
                 self.observer.on_window(sum(len(tokens) for _, tokens in self.engine.last_window))
@@ -229,7 +229,7 @@ class EngineWorker:
             self.waiting -= len(self.unadmitted) - len(still)
         self.unadmitted = still
 
-    def _fail_all(self) -> None:
+    def _fail_all(self, message: str) -> None:
         for job in self.active:
-            job.deliver(Event([], finish_reason="error"))
+            job.deliver(Event([], finish_reason="error", tail=message))
         self.active = []
