@@ -158,6 +158,8 @@ def test_uptraining_conversion_rejects_impossible_requests():
         vanilla_to_block(build_model(from_name("tiny")), block_len=3)
     with pytest.raises(BlockloopError, match="cannot be split"):
         vanilla_to_block(build_model(from_name("tiny", n_layer=1)))
+    with pytest.raises(BlockloopError, match="not RecursiveDecoder"):  # a Decoder subclass, but looped
+        vanilla_to_block(build_model(from_name("tiny-recursive")))
 
 
 @pytest.mark.parametrize(

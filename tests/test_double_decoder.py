@@ -10,7 +10,7 @@ import torch
 
 from blockloop.data.collate import step_generator
 from blockloop.data.partitions import sample_partition
-from blockloop.errors import ConfigError
+from blockloop.errors import BlockloopError, ConfigError
 from blockloop.families import build_model, collate_for, from_name, spec_of
 from blockloop.families.costs import kv_cache_bytes
 from blockloop.families.double_decoder import DoubleDecoderConfig
@@ -198,6 +198,8 @@ def test_reusing_a_cached_prompt_prefix_gives_identical_outputs(model):
     runner.allocate(1, idx.shape[1] + 1)
     got = runner.prefill_batch(idx, torch.ones_like(idx, dtype=torch.bool))
     assert torch.allclose(got, want, atol=1e-12)
+    with pytest.raises(BlockloopError, match="at least one token"):
+        model.cache_prefix([])
 
 
 def test_generation_holds_one_buffer_per_generation_layer_and_the_kv_bytes_of_the_formula(model):

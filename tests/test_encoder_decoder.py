@@ -81,7 +81,7 @@ def test_encoder_is_bidirectional_and_decoder_is_causal(model):
 
 def test_cached_generation_logits_equal_the_full_forward(model):
     g = torch.Generator().manual_seed(2)
-    prompts = [torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in (9, 4)]
+    prompts = [torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in (9, 4, 1)]  # 1: nothing to encode
     outs = generate(model, prompts, 6, temperature=0)
     for prompt, out in zip(prompts, outs):
         idx = torch.tensor([prompt])
@@ -89,5 +89,5 @@ def test_cached_generation_logits_equal_the_full_forward(model):
         runner.allocate(1, idx.shape[1] + 6)
         logits = runner.prefill_batch(idx, torch.ones_like(idx, dtype=torch.bool))
         steps = [logits[0]] + [runner.decode_step(torch.tensor([t]))[0] for t in out[:-1]]
-        full, _ = model(torch.tensor([prompt[:-1]]), decoder_idx=torch.tensor([prompt[-1:] + out[:-1]]))
+        full, _ = model(torch.tensor([prompt[:-1]], dtype=torch.long), decoder_idx=torch.tensor([prompt[-1:] + out[:-1]]))
         assert torch.allclose(torch.stack(steps), full[0], atol=1e-10)

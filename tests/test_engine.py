@@ -250,7 +250,7 @@ def full_forward_greedy(model, prompt, n):
         seq = prompt + out
         family = model.config.family
         if family == "encoder_decoder":
-            logits, _ = model(torch.tensor([seq[: len(prompt) - 1]]), decoder_idx=torch.tensor([seq[len(prompt) - 1 :]]))
+            logits, _ = model(torch.tensor([seq[: len(prompt) - 1]], dtype=torch.long), decoder_idx=torch.tensor([seq[len(prompt) - 1 :]]))
         elif family == "double_decoder":
             boundaries = torch.tensor([0, len(prompt) - 1, len(seq)]) if len(prompt) > 1 else None
             logits, _ = model(torch.tensor([seq]), boundaries=boundaries)
@@ -266,7 +266,7 @@ def full_forward_greedy(model, prompt, n):
 @pytest.mark.parametrize("name", ["tiny-recursive", "tiny-double", "tiny-encdec"])  # ladder, staircase: test_staircase_engine
 def test_every_family_serves_a_continuous_batch_with_joins_like_its_full_forward(name):
     model = tiny(name)
-    prompts, budgets = random_prompts((3, 9, 6, 2)), [6, 4, 7, 5]
+    prompts, budgets = random_prompts((3, 9, 6, 1)), [6, 4, 7, 5]  # a one-token prompt leaves the encoder nothing
     engine = Engine(model, 2, sync_every=2)
     assert engine.continuous
     requests = [engine.submit(p, n, sampling=GREEDY) for p, n in zip(prompts[:3], budgets[:3])]
@@ -330,7 +330,7 @@ def test_block_transformer_admits_requests_only_at_block_boundaries():
 
 def test_bad_requests_and_engines_are_clear_errors():
     model = tiny()
-    with pytest.raises(BlockloopError, match="at least one slot"):
+    with pytest.raises(BlockloopError, match="slots, at least one"):
         Engine(model, 0)
     engine = Engine(model, 1)
     with pytest.raises(BlockloopError, match="exceeds the engine's 128-token slots"):
@@ -345,6 +345,22 @@ def test_bad_requests_and_engines_are_clear_errors():
         SamplingParams(top_p=0.0)
     with pytest.raises(BlockloopError, match="temperature"):
         SamplingParams(temperature=-1)
+    # wrong types and values a tensor cannot hold are the same one-line errors, not TypeError / OverflowError
+    for bad_prompt in ("abc", None, [[1, 2]], [1.7, 2.2], torch.ones(2, 2, dtype=torch.long)):
+        with pytest.raises(BlockloopError, match="integer token ids"):
+            engine.submit(bad_prompt, 2)
+    assert engine.submit(torch.tensor([1, 2]), 2).prompt == [1, 2]  # a 1-D tensor of ids is a prompt
+    for bad_budget in (2.5, None, "3"):
+        with pytest.raises(BlockloopError, match="max_tokens"):
+            engine.submit([1], bad_budget)
+    with pytest.raises(BlockloopError, match="slots"):
+        Engine(model, 1.5)
+    # generate takes any integer seed, however large (it overflowed int64 from 2**47), and it still replays
+    assert generate(model, [[1, 2]], 3, seed=2**70) == generate(model, [[1, 2]], 3, seed=2**70)
+    for bad in ({"temperature": float("nan")}, {"temperature": float("inf")}, {"top_k": 2.5}, {"top_k": 2**64},
+                {"seed": 2**70}, {"seed": 1.5}):
+        with pytest.raises(BlockloopError, match=next(iter(bad))):
+            SamplingParams(**bad)
 
 
 def test_serving_metrics_on_synthetic_timestamps():

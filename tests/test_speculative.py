@@ -244,7 +244,7 @@ def test_speculation_refuses_what_it_cannot_do():
         Engine(runner_for(model, speculation=Speculation(2)), 1).submit([1, 2], 4, sampling=SamplingParams(speculate=3))
     with pytest.raises(BlockloopError, match="does not speculate"):
         Engine(runner_for(model), 1).submit([1, 2], 4, sampling=SamplingParams(speculate=2))
-    with pytest.raises(BlockloopError, match="speculate must be >= 0"):
+    with pytest.raises(BlockloopError, match="speculate must be a whole number >= 0"):
         SamplingParams(speculate=-1)
 
 

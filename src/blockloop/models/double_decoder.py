@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING, Sequence
 import torch
 from torch import Tensor, nn
 
-from blockloop.errors import check_context
+from blockloop.errors import BlockloopError, check_context
 from blockloop.models.decoder import (
     Block,
     CrossKV,
@@ -157,7 +157,7 @@ class DoubleDecoder(LanguageModel):
         """Run the context decoder once over a shared prompt prefix and keep its cache and latents."""
         tokens = list(tokens)
         if not tokens:
-            raise ValueError("a prefix needs at least one token")
+            raise BlockloopError("a shared prefix needs at least one token; give a non-empty one, or none")
         device = self.embed.weight.device
         idx = torch.tensor([tokens], device=device)
         slots = torch.arange(len(tokens), device=device)

@@ -60,8 +60,13 @@ class EncoderDecoder(LanguageModel):
         return logits, self.loss(logits, targets)
 
     def encode(self, idx: Tensor, valid: Tensor | None = None) -> tuple[list[CrossKV], Tensor]:
-        """Bidirectional encoder over ``idx``; returns every decoder layer's cross K/V and the key mask."""
+        """Bidirectional encoder over ``idx``; returns every decoder layer's cross K/V and the key mask.
+
+        An empty input (a one-token prompt leaves the encoder nothing) is one padding position no query sees, so
+        the decoder's cross-attention adds zeros, as attention over no key does."""
         batch, length = idx.shape
+        if length == 0:
+            idx, valid = idx.new_zeros(batch, 1), torch.zeros(batch, 1, dtype=torch.bool, device=idx.device)
         if valid is None:
             valid = torch.ones(batch, length, dtype=torch.bool, device=idx.device)
         positions = (valid.long().cumsum(1) - 1).clamp_min(0)

@@ -34,6 +34,7 @@ once the previous batch has finished.
 
 from __future__ import annotations
 
+import operator
 import time
 from collections.abc import Iterator, Sequence
 
@@ -43,7 +44,7 @@ from torch import nn
 from blockloop.errors import BlockloopError
 from blockloop.nn.linear import packed_linears
 from blockloop.serve.batching import left_pad
-from blockloop.serve.requests import Request, RequestStatus, SamplingParams, TokenCallback
+from blockloop.serve.requests import Request, RequestStatus, SamplingParams, TokenCallback, whole_number
 from blockloop.serve.runners import Runner, runner_for
 from blockloop.serve.runners.base import StepOutput, row_buckets
 from blockloop.serve.sampling import SlotSampling
@@ -72,8 +73,8 @@ class Engine:
         runner = served if isinstance(served, Runner) else runner_for(served)
         model = runner.model
         self.continuous = runner.per_slot
-        if n_slots < 1:
-            raise BlockloopError(f"the engine needs at least one slot, got n_slots={n_slots}")
+        if not (whole_number(n_slots) and n_slots >= 1):
+            raise BlockloopError(f"the engine needs a whole number of slots, at least one; got n_slots={n_slots!r}")
         if sync_every < 1:
             raise BlockloopError(f"sync_every must be at least 1, got {sync_every}")
         if prefill_chunk < 1:
@@ -127,11 +128,15 @@ class Engine:
         on_token: TokenCallback | None = None,
     ) -> Request:
         """Queue a request; it is prefilled into the first free slot. Raises on a request that cannot fit."""
-        prompt = [int(t) for t in prompt]
+        try:
+            prompt = [operator.index(t) for t in prompt]
+        except TypeError:
+            raise BlockloopError("a prompt is a sequence of integer token ids; encode text with the model's tokenizer "
+                                 "first") from None
         if not prompt:
             raise BlockloopError("every prompt needs at least one token; give a non-empty prompt")
-        if max_tokens < 1:
-            raise BlockloopError(f"max_tokens must be at least 1, got {max_tokens}")
+        if not (whole_number(max_tokens) and max_tokens >= 1):
+            raise BlockloopError(f"max_tokens must be a whole number, at least 1; got {max_tokens!r}")
         if max(prompt) >= self.vocab_size or min(prompt) < 0:
             raise BlockloopError(f"prompt token ids must lie in [0, {self.vocab_size}); re-encode it with the model's tokenizer")
         if max_tokens > self.room(len(prompt)):

@@ -52,6 +52,7 @@ def generate(
     need = (len(prefix) if prefix is not None else 0) + longest + max_new_tokens
     check_context(need, model.config.context_length, f"prompt of {longest} plus {max_new_tokens} new tokens, in all",
                   "shorten the prompt or lower --max-new-tokens")
+    # Any integer seeds: a request's stream reads only its seed's low 32 bits (sampling.counter_uniform).
     base = seed if seed is not None else int(torch.randint(2**31, ()).item())
     was_training = model.training
     try:
@@ -66,7 +67,7 @@ def generate(
 
         requests = [
             engine.submit(prompt, max_new_tokens, eos_id=eos_id, on_token=None if on_token is None else stream,
-                          sampling=SamplingParams(temperature, top_k, top_p, seed=base * 65_537 + row))
+                          sampling=SamplingParams(temperature, top_k, top_p, seed=(base * 65_537 + row) % 2**32))
             for row, prompt in enumerate(prompts)
         ]
         rows.update((r.id, row) for row, r in enumerate(requests))

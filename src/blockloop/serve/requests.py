@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import enum
 import itertools
+import math
+import operator
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -17,6 +19,17 @@ class RequestStatus(enum.Enum):
 
 
 INT64_MAX = 2**63 - 1  # the sampling tensors' type bounds top_k and seed
+
+
+def whole_number(value: object) -> bool:
+    """Whether ``value`` is an integer (a Python or NumPy int, a 0-d integer tensor), not a float or a bool."""
+    if isinstance(value, bool):
+        return False
+    try:
+        operator.index(value)
+    except TypeError:
+        return False
+    return True
 
 
 @dataclass(frozen=True)
@@ -34,16 +47,17 @@ class SamplingParams:
     speculate: int | None = None
 
     def __post_init__(self) -> None:
-        if self.temperature < 0:
-            raise BlockloopError(f"temperature must be >= 0, got {self.temperature}; use 0 for greedy decoding")
-        if self.top_k is not None and not 1 <= self.top_k <= INT64_MAX:
-            raise BlockloopError(f"top_k must be in [1, 2**63), got {self.top_k}; leave it unset to sample from all tokens")
-        if not -INT64_MAX - 1 <= self.seed <= INT64_MAX:
-            raise BlockloopError(f"seed must fit in 64 bits ([-2**63, 2**63)), got {self.seed}")
-        if self.top_p is not None and not 0.0 < self.top_p <= 1.0:
+        if not (isinstance(self.temperature, (int, float)) and math.isfinite(self.temperature) and self.temperature >= 0):
+            raise BlockloopError(f"temperature must be a finite number >= 0, got {self.temperature!r}; use 0 for greedy "
+                                 "decoding")
+        if self.top_k is not None and not (whole_number(self.top_k) and 1 <= self.top_k <= INT64_MAX):
+            raise BlockloopError(f"top_k must be an integer in [1, 2**63), got {self.top_k!r}; leave it unset to sample from all tokens")
+        if not (whole_number(self.seed) and -INT64_MAX - 1 <= self.seed <= INT64_MAX):
+            raise BlockloopError(f"seed must be an integer in [-2**63, 2**63), got {self.seed!r}")
+        if self.top_p is not None and not (isinstance(self.top_p, (int, float)) and 0.0 < self.top_p <= 1.0):
             raise BlockloopError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.speculate is not None and self.speculate < 0:
-            raise BlockloopError(f"speculate must be >= 0 draft tokens, got {self.speculate}; use 0 not to speculate")
+        if self.speculate is not None and not (whole_number(self.speculate) and self.speculate >= 0):
+            raise BlockloopError(f"speculate must be a whole number >= 0 of draft tokens, got {self.speculate!r}; use 0 not to speculate")
 
     @property
     def filters(self) -> bool:
