@@ -61,6 +61,8 @@ def base(tmp_path_factory):
         "model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": 64, "intermediate_size": 128,
         "num_attention_heads": 4, "num_hidden_layers": 2, "vocab_size": 256}))
     (hf / "pytorch_model.bin").write_bytes(b"\x80\x04 a pickle")
+    assert main(["convert", "--to", "recursive", "--checkpoint", str(run), "--out", str(base / "demo_recursive"),
+                 "--loops", "2", "--no-progress"]) == 0
     return base
 
 
@@ -185,6 +187,8 @@ CASES = [
     (["demo", "--out", NEW, "--device", "tpu9"], "--device: must be one of"),
     (["info", "{base}/list_config"], "config.json holds a JSON list"),
     (["info", "{base}/latest_escape"], "not a checkpoint directory inside"),
+    (["generate", "--checkpoint", "{base}/hf_pickle", "--prompt", "a"], "is a Hugging Face model folder"),
+    (["convert", "--to", "block", "--checkpoint", "{base}/demo_recursive", "--out", NEW], "not RecursiveDecoder"),
 ]
 
 

@@ -146,12 +146,25 @@ def resolve_checkpoint(path: Path) -> Path:
             if not (target / "model.safetensors").is_file():
                 raise BlockloopError(f"{latest} points at {target}, which is missing or incomplete; the run is corrupt")
             return target
+    if _is_hf_folder(path):
+        raise BlockloopError(f"{path} is a Hugging Face model folder, not a blockloop checkpoint; import it first: "
+                             f"blockloop convert --from-hf {path} --out RUN, then pass --checkpoint RUN")
     if (path / "model.safetensors").is_file():
         return path
     if checkpoint_root(path).is_dir():
         raise BlockloopError(f"{path} holds no complete checkpoint (the run stopped before its first one was written); "
                              "start it again without --resume")
     raise BlockloopError(f"no checkpoint in {path}; expected a run directory written by `blockloop train`")
+
+
+def _is_hf_folder(path: Path) -> bool:
+    """Whether ``path`` holds a Hugging Face model's ``config.json`` (an ``architectures`` or ``model_type`` key,
+    neither of which a blockloop config has)."""
+    try:
+        config = json.loads((path / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    return isinstance(config, dict) and ("architectures" in config or "model_type" in config)
 
 
 def save_model_files(
