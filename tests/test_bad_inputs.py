@@ -171,6 +171,12 @@ CASES = [
     (["bench", "--threads", "0"], "--threads: must be an integer >= 1"),
     (["bench", "--record", "{base}/records_dir", "--presets", "tiny"], "records_dir is a directory"),
     (["bench", "--plot", "{base}/plot.png", "--record", "{base}/records.jsonl"], "records.jsonl line 2 is not a JSON"),
+    (["bench", "--presets", "tiny", "--exit", "max_prob:0.9", "--rate", "2"], "--rate, --exit do not apply to the throughput"),
+    (["bench", "--stream", "--presets", "tiny", "--paged"], "--paged does not apply to --stream"),
+    (["bench", "--url", "http://127.0.0.1:9", "--slots", "4"], "--slots does not apply to --url"),
+    (["bench", "--stream", "--presets", "tiny,tiny-block", "--prompt-range", "100,120", "--tokens-range", "20,40"],
+     "tiny: the stream's longest request takes"),  # refused before the first model runs
+    (["bench", "--presets", "tiny-block", "--hf", "--prompt-len", "8", "--gen-len", "8"], "--hf times HF generate() on the first model"),
     # convert, tasks, flops, demo, info
     (["convert", "--to", "block", "--checkpoint", R, "--out", NEW, "--block-len", "-1"], "--block-len: must be an"),
     (["convert", "--to", "recursive", "--checkpoint", R, "--out", NEW, "--lora-alpha", "nan"], "--lora-alpha: must"),

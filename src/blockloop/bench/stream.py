@@ -74,6 +74,23 @@ def schedule(n: int, rate: float, min_tokens: int, max_tokens: int, seed: int = 
     return np.cumsum(gaps) - gaps[0], rng.integers(min_tokens, max_tokens + 1, size=n)
 
 
+def longest_request(runner: Runner, prompts: list[list[int]], budgets: np.ndarray) -> int:
+    """The slot length the stream's longest request takes: a shared prefix, its padded prompt and its budget."""
+    multiple = runner.prompt_multiple
+    return runner.reserved + max(-(-len(p) // multiple) * multiple + int(b) for p, b in zip(prompts, budgets))
+
+
+def check_stream_fits(name: str, runner: Runner, prompts: list[list[int]], min_tokens: int, max_tokens: int, *,
+                      rate: float, seed: int) -> None:
+    """Refuse, before anything runs, a stream whose longest request (the budgets :func:`run_stream` will draw)
+    does not fit ``runner``'s model context."""
+    _, budgets = schedule(len(prompts), rate, min_tokens, max_tokens, seed)
+    need, context = longest_request(runner, prompts, budgets), runner.model.config.context_length
+    if need > context:
+        raise BlockloopError(f"{name}: the stream's longest request takes {need} tokens (prompt and new tokens), more "
+                             f"than the model context of {context}; lower --prompt-range or --tokens-range")
+
+
 def run_stream(
     served: nn.Module | Runner, prompts: list[list[int]], *, n_slots: int, min_tokens: int, max_tokens: int,
     rate: float = float("inf"), sync_every: int = 8, seed: int = 0, compile: bool = False,
@@ -83,11 +100,10 @@ def run_stream(
     model's depth-wise runner also reports its exits, a speculative one its acceptance)."""
     offsets, budgets = schedule(len(prompts), rate, min_tokens, max_tokens, seed)
     runner = served if isinstance(served, Runner) else runner_for(served)
-    # Slots as long as the stream's longest request (padded prompt + budget), not the model's whole context.
-    multiple = runner.prompt_multiple
-    longest = runner.reserved + max(-(-len(p) // multiple) * multiple for p in prompts) + int(budgets.max())
-    engine = Engine(runner, n_slots, max_len=min(longest, runner.model.config.context_length), sync_every=sync_every,
-                    compile=compile)
+    # Slots as long as the stream's longest request, not the model's whole context.
+    engine = Engine(runner, n_slots, max_len=min(longest_request(runner, prompts, budgets),
+                                                 runner.model.config.context_length),
+                    sync_every=sync_every, compile=compile)
     depthwise = isinstance(runner, RecursiveRunner) and runner.exit_rule is not None
     speculator = runner.speculator if isinstance(runner, RecursiveRunner) else None
     greedy = SamplingParams(temperature=0.0)

@@ -18,14 +18,14 @@ from torch import nn
 
 from blockloop.bench.hf_baseline import hf_throughput
 from blockloop.bench.records import last_val_loss
-from blockloop.bench.stream import agreement, corpus_prompts, run_stream
+from blockloop.bench.stream import agreement, check_stream_fits, corpus_prompts, run_stream
 from blockloop.bench.throughput import engine_throughput, search_batches
 from blockloop.bench.timing import copy_bandwidth
 from blockloop.data.tokenizers import Tokenizer
 from blockloop.errors import BlockloopError
 from blockloop.families import build_model, from_name
 from blockloop.serve.exit_schedule import simulate
-from blockloop.serve.runners import RUNNERS, ExitRule, Speculation, runner_for
+from blockloop.serve.runners import RUNNERS, ExitRule, Runner, Speculation, runner_for
 from blockloop.serve.runners.recursive import RecursiveRunner
 from blockloop.train.run import load_trained
 
@@ -159,33 +159,43 @@ class StreamSettings:
 
 def stream_rows(models: list[BenchModel], settings: StreamSettings) -> Iterator[dict[str, Any]]:
     """One row per served model, yielded as each finishes: serving metrics, and for depth-wise runs the mean
-    exit loop, the simulated schedules (RRT appendix N) and greedy agreement with the sequence-wise run."""
+    exit loop, the simulated schedules (RRT appendix N) and greedy agreement with the sequence-wise run.
+
+    Every runner and prompt is made, and every request checked against its model's context, before this returns:
+    a bad setting fails before the first model runs, not after it."""
     s = settings
-    served: list[tuple[str, Any, BenchModel, str | None]] = []
+    served: list[tuple[str, Runner, BenchModel, str | None, list[list[int]]]] = []
     for m in models:
-        served.append((m.name, m.model, m, None))
-        if isinstance(runner_for(m.model), RecursiveRunner):
-            served += [(f"{m.name} depth-wise exit {rule_name(r)}", runner_for(m.model, exit_rule=r), m, m.name)
-                       for r in s.exits]
-            served += [(f"{m.name} {speculation_name(sp)}", runner_for(m.model, speculation=sp), m, m.name)
-                       for sp in s.speculations]
+        runners = [(m.name, runner_for(m.model), None)]
+        if isinstance(runners[0][1], RecursiveRunner):
+            runners += [(f"{m.name} depth-wise exit {rule_name(r)}", runner_for(m.model, exit_rule=r), m.name)
+                        for r in s.exits]
+            runners += [(f"{m.name} {speculation_name(sp)}", runner_for(m.model, speculation=sp), m.name)
+                        for sp in s.speculations]
+        prompts = corpus_prompts(m.model.config.vocab_size, s.requests, *s.prompt_range, corpus=s.corpus, seed=s.seed,
+                                 tokenizer=m.tokenizer)
+        for name, runner, reference in runners:
+            check_stream_fits(name, runner, prompts, *s.tokens_range, rate=s.rate, seed=s.seed)
+            served.append((name, runner, m, reference, prompts))
+    return _serve_streams(served, s)
+
+
+def _serve_streams(served: list[tuple[str, Runner, BenchModel, str | None, list[list[int]]]],
+                   s: StreamSettings) -> Iterator[dict[str, Any]]:
     first: float | None = None
     outputs: dict[str, list[list[int]]] = {}
     throughput: dict[str, float] = {}
-    for name, model, bench_model, reference in served:
-        val_loss = bench_model.val_loss
-        prompts = corpus_prompts(model.config.vocab_size, s.requests, *s.prompt_range, corpus=s.corpus, seed=s.seed,
-                                 tokenizer=bench_model.tokenizer)
-        m = run_stream(model, prompts, n_slots=s.slots, min_tokens=s.tokens_range[0], max_tokens=s.tokens_range[1],
+    for name, runner, bench_model, reference, prompts in served:
+        m = run_stream(runner, prompts, n_slots=s.slots, min_tokens=s.tokens_range[0], max_tokens=s.tokens_range[1],
                        rate=s.rate, sync_every=s.sync_every, seed=s.seed, compile=s.compile)
         outputs[name] = m.pop("outputs")
         throughput[name] = m["throughput_tok_s"]
         if "exit_trajectories" in m:
-            m["simulated"] = simulate(m.pop("exit_trajectories"), s.slots, model.config.loops)
+            m["simulated"] = simulate(m.pop("exit_trajectories"), s.slots, runner.model.config.loops)
             m["mean_exit_loop"] = m["simulated"]["mean_exit_loop"]  # of the delivered tokens only
         if reference is not None:  # the same model served sequence-wise, in this run
             m["agreement_vs_no_exit"] = agreement(outputs[name], outputs[reference])
             m["ratio_vs_same_model"] = m["throughput_tok_s"] / throughput[reference]
         m["ratio_vs_baseline"] = m["throughput_tok_s"] / first if first is not None else 1.0
         first = m["throughput_tok_s"] if first is None else first
-        yield {"kind": "stream", "name": name, "val_loss": val_loss, **m}
+        yield {"kind": "stream", "name": name, "val_loss": bench_model.val_loss, **m}

@@ -41,15 +41,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     m.add_argument("--compile", action="store_true", help="torch.compile the decode step (CUDA graphs on CUDA)")
     m.add_argument("--threads", type=positive_int, help="CPU threads for torch (default: torch's own; 1 is steadier on a shared box)")
     t = p.add_argument_group("throughput protocol (Block Transformer section 3.2)")
-    t.add_argument("--scenario", choices=["prefill-heavy", "decode-heavy"], default="decode-heavy",
+    t.add_argument("--scenario", choices=["prefill-heavy", "decode-heavy"],
                    help="prompt/gen lengths 2048/128 or 128/2048 (default: decode-heavy)")
     t.add_argument("--prompt-len", type=positive_int, help="override the scenario's prompt length (e.g. 32 on CPU)")
     t.add_argument("--gen-len", type=positive_int, help="override the scenario's generated tokens (e.g. 64 on CPU)")
-    t.add_argument("--batch-sizes", type=positive_ints, default="1,16,64", help="comma-separated batch sizes (default: 1,16,64)")
+    t.add_argument("--batch-sizes", type=positive_ints, help="comma-separated batch sizes (default: 1,16,64)")
     t.add_argument("--search", action="store_true", help="keep doubling the batch past the list until out of memory")
-    t.add_argument("--max-batch", type=positive_int, default=4096, help="upper bound for --search (default: 4096)")
-    t.add_argument("--repeats", type=positive_int, default=3, help="timed runs per batch size (default: 3)")
-    t.add_argument("--warmup", type=nonnegative_int, default=1, help="untimed runs first (default: 1)")
+    t.add_argument("--max-batch", type=positive_int, help="upper bound for --search (default: 4096)")
+    t.add_argument("--repeats", type=positive_int, help="timed runs per batch size (default: 3)")
+    t.add_argument("--warmup", type=nonnegative_int, help="untimed runs first (default: 1)")
     t.add_argument("--sync-every", type=positive_int, default=16, help="decode steps between host syncs (default: 16)")
     t.add_argument("--hf", action="store_true", help="also time HF generate() on the first (vanilla) model")
     t.add_argument("--paged", action="store_true",
@@ -59,12 +59,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     s.add_argument("--stream", action="store_true", help="run the request-stream benchmark instead")
     s.add_argument("--url", help="send the stream to a running `blockloop serve` at this address over HTTP instead "
                    "(e.g. http://127.0.0.1:8000; the server's model and slots are used)")
-    s.add_argument("--requests", type=positive_int, default=64, help="requests in the stream (default: 64)")
-    s.add_argument("--rate", type=number(0, low_open=True, infinite=True), default=math.inf, help="Poisson arrivals per second (default: inf, a fixed queue)")
-    s.add_argument("--slots", type=positive_int, default=16, help="engine slots (concurrent requests, default: 16)")
-    s.add_argument("--prompt-range", type=int_range, default="16,64", help="min,max prompt tokens cut from the corpus (default: 16,64)")
-    s.add_argument("--tokens-range", type=int_range, default="16,64", help="min,max tokens each request asks for (default: 16,64)")
-    s.add_argument("--corpus", default="shakespeare", help="built-in corpus the prompts come from (default: shakespeare)")
+    s.add_argument("--requests", type=positive_int, help="requests in the stream (default: 64)")
+    s.add_argument("--rate", type=number(0, low_open=True, infinite=True), help="Poisson arrivals per second (default: inf, a fixed queue)")
+    s.add_argument("--slots", type=positive_int, help="engine slots (concurrent requests, default: 16)")
+    s.add_argument("--prompt-range", type=int_range, help="min,max prompt tokens cut from the corpus (default: 16,64)")
+    s.add_argument("--tokens-range", type=int_range, help="min,max tokens each request asks for (default: 16,64)")
+    s.add_argument("--corpus", help="built-in corpus the prompts come from (default: shakespeare)")
     s.add_argument("--exit", metavar="RULE:THRESHOLD", action="append", default=[],
                    help="also serve looped models depth-wise with this early-exit rule, e.g. max_prob:0.9, "
                    "entropy:2.0, none:0 or oracle (repeatable); reports mean loops per token, greedy agreement with "
@@ -74,7 +74,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="also serve looped models self-speculatively: draft K tokens with the first loops, verify with "
                    "all loops in one pass (repeatable); reports the share of drafts kept, tokens per verification pass, "
                    "tok/s against the same model without speculation, and greedy agreement with it (100%%: exact)")
-    s.add_argument("--draft-loops", type=positive_int, default=1, help="loops that draft under --speculate (default: 1)")
+    s.add_argument("--draft-loops", type=positive_int, help="loops that draft under --speculate (default: 1)")
     s.add_argument("--adaptive-k", action="store_true",
                    help="--speculate K is each request's most: lower it after rejections, raise it after full acceptance")
     o = p.add_argument_group("output")
@@ -93,6 +93,7 @@ def run(args: argparse.Namespace) -> int:
 
     if args.record is not None and args.record.is_dir():
         raise BlockloopError(f"--record {args.record} is a directory; name a JSON-lines file")
+    _settle_modes(args)
     if args.url is not None:
         return _http(args)
     device = resolve_device(args.device)
@@ -118,6 +119,32 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+# The flags of one mode, and their defaults (None in the parser, so that a flag given to a mode that ignores it
+# is told apart from one left alone). ENGINE_STREAM are stream flags that --url leaves to the server.
+THROUGHPUT = {"scenario": "decode-heavy", "batch_sizes": [1, 16, 64], "max_batch": 4096, "repeats": 3, "warmup": 1,
+              "prompt_len": None, "gen_len": None, "search": False, "hf": False, "paged": False}
+STREAM = {"requests": 64, "rate": math.inf, "prompt_range": (16, 64), "tokens_range": (16, 64), "corpus": "shakespeare"}
+ENGINE_STREAM = {"slots": 16, "draft_loops": 1, "exit": [], "speculate": [], "adaptive_k": False}
+
+
+def _settle_modes(args: argparse.Namespace) -> None:
+    """Refuse a flag the chosen mode would ignore, then fill in the defaults of the flags left alone."""
+    if args.plot is None:
+        mode = "--url" if args.url is not None else "--stream" if args.stream else "the throughput protocol"
+        ignored = {**STREAM, **ENGINE_STREAM} if mode == "the throughput protocol" else {**THROUGHPUT}
+        if mode == "--url":  # the server's model and engine serve the stream
+            ignored.update({**ENGINE_STREAM, "presets": None, "checkpoint": []})
+        given = [name for name in ignored if getattr(args, name) not in (None, False, [])]
+        if given:
+            flags = ", ".join("--" + name.replace("_", "-") for name in given)
+            raise BlockloopError(f"{flags} {'does' if len(given) == 1 else 'do'} not apply to {mode}; leave "
+                                 f"{'it' if len(given) == 1 else 'them'} out"
+                                 + (" or add --stream" if mode == "the throughput protocol" else ""))
+    for name, default in {**THROUGHPUT, **STREAM, **ENGINE_STREAM}.items():
+        if getattr(args, name) is None:
+            setattr(args, name, default)
+
+
 def _throughput(args: argparse.Namespace, models: list, device: Any) -> list[dict[str, Any]]:
     from blockloop.bench.hf_baseline import hf_available
     from blockloop.bench.suite import ThroughputSettings, measure_bandwidth, throughput_rows
@@ -132,6 +159,13 @@ def _throughput(args: argparse.Namespace, models: list, device: Any) -> list[dic
             print(f"{args.scenario}: the paper's {paper} tokens shortened to {prompt_len}/{gen_len} to fit the model "
                   "context")
     hf_missing = hf_available() if args.hf else None  # why the HF baseline cannot run, if asked for
+    if args.hf and hf_missing is None:
+        from blockloop.convert.hf import export_architecture
+
+        try:
+            export_architecture(models[0].model.config)
+        except BlockloopError as exc:
+            raise BlockloopError(f"--hf times HF generate() on the first model, {models[0].name}: {exc}") from None
     settings = ThroughputSettings(
         args.prompt_len or prompt_len, args.gen_len or gen_len, args.batch_sizes,
         repeats=args.repeats, warmup=args.warmup, sync_every=args.sync_every, compile=args.compile,
@@ -150,6 +184,9 @@ def _throughput(args: argparse.Namespace, models: list, device: Any) -> list[dic
         ratio = f"{r['ratio_vs_baseline']:.2f}x" if r["ratio_vs_baseline"] else "-"
         print(f"| {r['name']} | {r['batch']} | {r['tok_s']:.0f} | {ratio} | {1e3 * r['ttft_s']:.1f} | "
               f"{1e3 * r['tpot_s']:.2f} | {r['cache_bytes_per_sample'] or '-'} | {r['peak_mem_per_sample'] or '-'} | {frac} |")
+    if args.warmup == 0 and any(r["tpot_s"] == 0 for r in rows):
+        print("note: a TPOT of 0 means the first token, timed on its own, took as long as the whole cold run; "
+              "time with --warmup 1 or more")
     return rows
 
 
@@ -179,6 +216,9 @@ def _stream(args: argparse.Namespace, models: list) -> list[dict[str, Any]]:
               f"{same} | {_ms(m['ttft_s'], 'median', 'p90', 'p99')} | {_ms(m['tpot_s'], 'median', 'p90', 'p99')} | "
               f"{_ms(m['itl_s'], 'median', 'p99')} | {_ms(m['e2e_s'], 'median', 'p99')} | {loops} | {agree} | {kept} | "
               f"{per_pass} |")
+    if args.tokens_range[0] <= args.sync_every:
+        print(f"note: tokens reach the host every --sync-every {args.sync_every} steps, so a request that finishes "
+              "within one window reads a TPOT and ITL of 0; lower --sync-every to resolve short requests")
     simulated = [r for r in rows if "simulated" in r]
     if simulated:
         print(f"\nsimulated schedules of the recorded exits ({args.slots} slots, steps = block passes over the batch; "
