@@ -44,6 +44,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from blockloop.device import resolve_device
     from blockloop.serve.generate import generate
+    from blockloop.serve.http.text import TextStream, continuation
     from blockloop.serve.runners import Speculation
     from blockloop.train.run import load_trained
 
@@ -66,24 +67,23 @@ def run(args: argparse.Namespace) -> int:
     )
     try:
         if args.num_samples == 1:
-            # Stream: print each token's text as soon as it decodes to whole characters.
-            pending: list[int] = []
-            sys.stdout.write(args.prompt)
+            # Stream each token's text as soon as it decodes to whole characters; the prompt goes out with the
+            # first token, so a request the engine refuses writes nothing.
+            stream = TextStream(tok, prompt=prompt)
+            shown = [args.prompt]
 
             def on_token(row: int, token: int) -> None:
-                pending.append(token)
-                text = tok.decode(pending)
-                if not text.endswith("\ufffd"):
-                    sys.stdout.write(text)
-                    sys.stdout.flush()
-                    pending.clear()
+                shown.append(stream.push(token))
+                sys.stdout.write("".join(shown))
+                sys.stdout.flush()
+                shown.clear()
 
             generate(trained.model, [prompt], max_new, on_token=on_token, **kwargs)
-            sys.stdout.write(tok.decode(pending) + "\n")
+            sys.stdout.write("".join(shown) + stream.flush() + "\n")
         else:
             outs = generate(trained.model, [prompt] * args.num_samples, max_new, **kwargs)
             for i, out in enumerate(outs):
-                print(f"--- sample {i + 1}\n{args.prompt}{tok.decode(out)}")
+                print(f"--- sample {i + 1}\n{args.prompt}{continuation(tok, prompt, out)}")
     except ValueError as exc:  # bad sampling parameters
         raise BlockloopError(str(exc)) from exc
     return 0

@@ -117,7 +117,7 @@ def create_app(served: ServedModel) -> FastAPI:
             if not all(0 <= t < engine.vocab_size for t in prompt):
                 raise ApiError(400, f"prompt token ids must lie in [0, {engine.vocab_size})", param="prompt")
         return await _serve(request, params, prompt, "prompt", params.max_tokens,
-                            TextStream(tokenizer, params.stops()), Reply(False, served.name))
+                            TextStream(tokenizer, params.stops(), prompt=prompt), Reply(False, served.name))
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
@@ -127,9 +127,9 @@ def create_app(served: ServedModel) -> FastAPI:
             text = served.template.render([{"role": m.role, "content": m.content} for m in params.messages])
         except BlockloopError as exc:
             raise ApiError(400, str(exc), param="messages") from None
-        stream = TextStream(tokenizer, params.stops() + served.template.stop, served.template.stop_ids)
-        return await _serve(request, params, tokenizer.encode(text), "messages", params.token_limit(), stream,
-                            Reply(True, served.name))
+        prompt = tokenizer.encode(text)
+        stream = TextStream(tokenizer, params.stops() + served.template.stop, served.template.stop_ids, prompt=prompt)
+        return await _serve(request, params, prompt, "messages", params.token_limit(), stream, Reply(True, served.name))
 
     @app.post("/tokenize")
     async def tokenize(request: Request) -> dict[str, Any]:

@@ -153,7 +153,7 @@ class ChatSession:
         events: queue.Queue[Event] = queue.Queue()
         job = Job(prompt, min(self.max_new_tokens, engine.room(len(prompt))),
                   SamplingParams(s.temperature, s.top_k, s.top_p, seed=s.seed + self.turns),
-                  TextStream(self.tokenizer, self.template.stop, self.template.stop_ids), events.put,
+                  TextStream(self.tokenizer, self.template.stop, self.template.stop_ids, prompt=prompt), events.put,
                   eos_id=self.tokenizer.eos_id)
         self.worker.submit(job)
         pieces: list[str] = []

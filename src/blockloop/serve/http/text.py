@@ -3,8 +3,10 @@
 A token's text is not always the text of the token alone (a UTF-8 character split over byte tokens, a
 tokenizer whose decoding depends on the neighbours), so each token's delta is the difference of two short
 decodes over a sliding window, and a delta is only released once it ends in whole characters (the
-incremental detokenizer of text-generation-inference and vLLM). Text that could be the start of a stop
-string is held back until it is known not to be one, so a stop string never reaches the client.
+incremental detokenizer of text-generation-inference and vLLM). The window starts on the prompt's last
+tokens, so the first delta carries what joins it to the prompt (a word tokenizer's space, a SentencePiece
+token's leading space that a lone decode drops). Text that could be the start of a stop string is held back
+until it is known not to be one, so a stop string never reaches the client.
 """
 
 from __future__ import annotations
@@ -14,15 +16,18 @@ from collections.abc import Collection, Sequence
 from blockloop.data.tokenizers import Tokenizer
 
 REPLACEMENT = "\ufffd"
+CONTEXT = 6  # prompt tokens the first decode window starts on (vLLM keeps 5)
 
 
 class TextStream:
-    """The text deltas of one request's tokens; ``stopped`` once a stop string or a stop token ends it."""
+    """The text deltas of one request's tokens after ``prompt``; ``stopped`` once a stop string or a stop token
+    ends it."""
 
-    def __init__(self, tokenizer: Tokenizer, stop: Sequence[str] = (), stop_ids: Collection[int] = ()) -> None:
+    def __init__(self, tokenizer: Tokenizer, stop: Sequence[str] = (), stop_ids: Collection[int] = (), *,
+                 prompt: Sequence[int] = ()) -> None:
         self.tokenizer, self.stop, self.stop_ids = tokenizer, [s for s in stop if s], frozenset(stop_ids)
-        self.ids: list[int] = []
-        self.prefix = self.read = 0  # ids[prefix:read] decoded last time; ids[read:] not released yet
+        self.ids: list[int] = list(prompt)[-CONTEXT:]
+        self.prefix, self.read = 0, len(self.ids)  # ids[prefix:read] decoded last time; ids[read:] not released yet
         self.text = ""  # all text decoded to whole characters
         self.sent = 0  # characters of ``text`` released
         self.stopped = False
@@ -65,3 +70,9 @@ class TextStream:
         delta = self.text[self.sent : end] if end > self.sent else ""
         self.sent = max(self.sent, end)
         return delta
+
+
+def continuation(tokenizer: Tokenizer, prompt: Sequence[int], ids: Sequence[int]) -> str:
+    """The text ``ids`` add after ``prompt`` (what a stream of them releases in all)."""
+    stream = TextStream(tokenizer, prompt=prompt)
+    return "".join(stream.push(token) for token in ids) + stream.flush()
