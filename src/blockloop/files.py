@@ -10,9 +10,9 @@ import contextlib
 import io
 import json
 import os
+import secrets
 import shutil
 import socket
-import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import IO, Any
@@ -24,7 +24,7 @@ def copy_into_place(src: IO[bytes], target: Path) -> None:
     """Stream ``src`` to ``target`` through a temporary file in the same folder, synced, then renamed."""
     target = Path(target)
     target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=".tmp-")
+    fd, tmp = _new_file(target.parent)
     try:
         with os.fdopen(fd, "wb") as out:
             shutil.copyfileobj(src, out)
@@ -32,8 +32,35 @@ def copy_into_place(src: IO[bytes], target: Path) -> None:
             os.fsync(out.fileno())
         os.replace(tmp, target)
     except BaseException:
-        Path(tmp).unlink(missing_ok=True)
+        tmp.unlink(missing_ok=True)
         raise
+
+
+def _new_file(folder: Path) -> tuple[int, Path]:
+    """A new empty file in ``folder`` under an unused name, open for writing.
+
+    Unlike ``tempfile.mkstemp``, which makes it private (0600), it gets the mode any new file gets (0666 less
+    the umask, or what the folder's default ACL says): it is renamed into place as the real file, and a run
+    shared with other users must stay readable to them. The kernel applies the umask, so it is never read.
+    """
+    while True:
+        tmp = folder / f".tmp-{secrets.token_hex(8)}"
+        try:  # O_BINARY: no newline translation on Windows; O_EXCL: never someone else's file
+            return os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0), 0o666), tmp
+        except FileExistsError:
+            continue  # the name was taken: draw another
+
+
+def new_dir(folder: Path, prefix: str) -> Path:
+    """A new empty folder in ``folder`` under an unused name starting ``prefix``: ``tempfile.mkdtemp`` without its
+    private mode (0700), for a folder that is renamed into place as the real one (as :func:`_new_file`)."""
+    while True:
+        tmp = folder / f"{prefix}{secrets.token_hex(8)}"
+        try:
+            tmp.mkdir(mode=0o777)
+            return tmp
+        except FileExistsError:
+            continue
 
 
 def atomic_write_text(path: Path, text: str) -> None:
@@ -72,7 +99,7 @@ def run_lock(directory: Path, enabled: bool = True) -> Iterator[None]:
 
 
 def _acquire(lock: Path) -> None:
-    fd, tmp = tempfile.mkstemp(dir=lock.parent, prefix=".tmp-")
+    fd, tmp = _new_file(lock.parent)
     try:
         with os.fdopen(fd, "w") as f:
             json.dump({"pid": os.getpid(), "host": socket.gethostname()}, f)
@@ -90,7 +117,7 @@ def _acquire(lock: Path) -> None:
                 lock.unlink(missing_ok=True)  # stale: its process died without releasing it
         raise BlockloopError(f"could not take the lock {lock}: another process keeps replacing it; try again")
     finally:
-        Path(tmp).unlink(missing_ok=True)
+        tmp.unlink(missing_ok=True)
 
 
 def _holder(lock: Path) -> dict[str, Any] | None:
@@ -104,10 +131,24 @@ def _holder(lock: Path) -> dict[str, Any] | None:
         return None  # never written whole: links are atomic, so this is not a live holder's file
     if host != socket.gethostname():
         return {"pid": pid, "host": host}  # cannot tell whether it is alive: assume it is
+    return None if _gone(pid) else {"pid": pid, "host": host}
+
+
+def _gone(pid: int) -> bool:
+    """Whether process ``pid`` has ended on this host.
+
+    A zombie has: it exited and only waits for its parent to collect its status, which a container's PID 1
+    that never reaps will never do. ``kill(pid, 0)`` still succeeds on it, so Linux's /proc/PID/stat tells
+    (state Z, or X); without /proc (other systems), or where it hides other users' processes, kill's answer stands.
+    """
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
-        return None
+        return True
     except PermissionError:
         pass  # alive, another user's
-    return {"pid": pid, "host": host}
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_bytes()
+    except OSError:
+        return False
+    return stat.rpartition(b")")[2].strip()[:1] in (b"Z", b"X")  # the state follows the command name in ()

@@ -5,8 +5,9 @@
 Python API gets the same answers. Only the named verb's arguments are built (some read their choices and
 defaults from the library, which imports torch), so ``blockloop --help`` and the light verbs start at once.
 User mistakes surface as :class:`BlockloopError` and are printed as one
-line on stderr with exit code 2, as are the environment's expected refusals (:data:`OS_ERRORS`: a full disk, a
-read-only folder, a file where a folder belongs); anything else is a bug and keeps its traceback. ``--debug``
+line on stderr with exit code 2, as are the environment's refusals: an OS error that names a path (a full disk,
+a read-only folder, a file where a folder belongs: :data:`OS_ERRORS` has the fix for the common ones, and the path
+is the fix for the rest); anything else is a bug and keeps its traceback. ``--debug``
 (or ``BLOCKLOOP_DEBUG=1``) shows the traceback of every error.
 """
 
@@ -37,6 +38,7 @@ OS_ERRORS = {
     errno.EISDIR: "a folder stands where a file belongs", errno.EEXIST: "a file stands where a folder belongs",
     errno.ENAMETOOLONG: "use a shorter path", errno.ELOOP: "fix the symbolic links",
 }
+OTHER_OS_ERROR = "check the path or write elsewhere"  # any other refusal that names a path (/proc/x: ENOENT)
 
 COMMANDS: dict[str, ModuleType] = {
     "train": train, "eval": eval_, "generate": generate, "convert": convert, "tasks": tasks, "presets": presets,
@@ -84,10 +86,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 1
     except OSError as exc:
-        if exc.errno not in OS_ERRORS:
+        if exc.errno not in OS_ERRORS and exc.filename is None:
             raise
-        path = exc.filename if exc.filename is not None else "a file"
-        print(f"blockloop {args.command}: error: {exc.strerror}: {path}; {OS_ERRORS[exc.errno]} "
+        path = "a file" if exc.filename is None else exc.filename
+        if exc.filename2 is not None:  # a rename or link: both ends
+            path = f"{path} -> {exc.filename2}"
+        print(f"blockloop {args.command}: error: {exc.strerror}: {path}; {OS_ERRORS.get(exc.errno, OTHER_OS_ERROR)} "
               "(BLOCKLOOP_DEBUG=1 shows the traceback)", file=sys.stderr)
         return EXIT_USER_ERROR
     except KeyboardInterrupt:

@@ -11,7 +11,6 @@ from __future__ import annotations
 import hashlib
 import json
 import shutil
-import tempfile
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,6 +23,7 @@ from blockloop.data.corpora import hash_documents, load_documents
 from blockloop.data.packages import cache_dir
 from blockloop.data.tokenizers import Tokenizer
 from blockloop.errors import BlockloopError
+from blockloop.files import new_dir
 
 # Bump whenever the stream layout or split rule changes, so stale caches are not reused.
 _FORMAT = 1
@@ -172,7 +172,7 @@ def _read_cache(folder: Path) -> dict[str, Any] | None:
 def _write_atomically(folder: Path, arrays: dict[str, np.ndarray], meta: dict[str, object]) -> None:
     """Write arrays and meta into a temporary sibling folder, then rename it to ``folder`` in one step."""
     folder.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=folder.parent, prefix=".tmp-"))
+    tmp = new_dir(folder.parent, ".tmp-")
     try:
         for name, array in arrays.items():
             array.tofile(tmp / name)

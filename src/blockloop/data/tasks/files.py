@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import tempfile
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,6 +28,7 @@ from blockloop.data.packages import cache_dir
 from blockloop.data.tasks.base import IGNORE_INDEX, NO_LABEL, SPLITS, Task, TaskStream, TaskVocab, split_seed
 from blockloop.data.tasks.registry import get_task
 from blockloop.errors import BlockloopError
+from blockloop.files import new_dir
 
 # Bump when the layout or the generators change, so datasets made by another version are refused.
 FORMAT = 1
@@ -93,7 +93,7 @@ def write_splits(out_dir: Path, streams: dict[str, TaskStream], vocab: TaskVocab
     meta = {"format": FORMAT, **meta, "tokens": {split: len(stream.inputs) for split, stream in streams.items()},
             "vocab": list(vocab.words), "ignore_index": IGNORE_INDEX, "dtypes": _DTYPES}
     out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=f".{out_dir.name}.tmp-"))
+    tmp = new_dir(out_dir.parent, f".{out_dir.name}.tmp-")
     try:
         for split, stream in streams.items():
             (tmp / split).mkdir()

@@ -1,0 +1,103 @@
+"""Atomic writes and the run lock against what a shared machine does to them, and OS errors in one line.
+
+A lock left by a zombie (a killed run under a PID 1 that never reaps) is stale; files written atomically get
+the mode of any new file, not mkstemp's private 0600; an OS error naming a path, whatever its errno, is one
+line on stderr with exit code 2.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import socket
+import stat
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from blockloop.cli import EXIT_USER_ERROR, main
+from blockloop.files import atomic_write_text, new_dir, run_lock
+
+
+def _state(pid: int) -> bytes:
+    return Path(f"/proc/{pid}/stat").read_bytes().rpartition(b")")[2].split()[0]
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="needs /proc to make and see a zombie")
+def test_a_lock_held_by_a_zombie_is_stale(tmp_path):
+    child = subprocess.Popen([sys.executable, "-c", ""])  # not waited for: it stays a zombie until reaped
+    try:
+        deadline = time.monotonic() + 30
+        while _state(child.pid) != b"Z":
+            assert time.monotonic() < deadline, "the child never became a zombie"
+            time.sleep(0.01)
+        run = tmp_path / "run"
+        run.mkdir()
+        (run / "lock").write_text(json.dumps({"pid": child.pid, "host": socket.gethostname()}))
+        with run_lock(run):
+            assert json.loads((run / "lock").read_text())["pid"] == os.getpid()
+    finally:
+        child.wait()
+
+
+@pytest.mark.parametrize("umask, mode", [(0o022, 0o644), (0o077, 0o600)], ids=["022", "077"])
+def test_atomically_written_files_get_the_mode_of_a_new_file(tmp_path, umask, mode):
+    old = os.umask(umask)
+    try:
+        atomic_write_text(tmp_path / "latest", "step_0000002\n")
+        with run_lock(tmp_path / "run"):
+            lock_mode = stat.S_IMODE((tmp_path / "run" / "lock").stat().st_mode)
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE((tmp_path / "latest").stat().st_mode) == mode
+    assert lock_mode == mode
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["latest"]  # no temporary file left behind
+
+
+def test_a_folder_written_atomically_gets_the_mode_of_a_new_folder(tmp_path):
+    """``tasks make`` writes its splits into a temporary folder renamed into place (as the token cache and the
+    package downloads do): that folder must not keep mkdtemp's private 0700."""
+    old = os.umask(0o022)
+    try:
+        assert main(["tasks", "make", "random-walk", "--out", str(tmp_path / "walk"), "--sizes", "2,2,2"]) == 0
+        folder = new_dir(tmp_path, ".tmp-")
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE((tmp_path / "walk").stat().st_mode) == 0o755
+    assert stat.S_IMODE(folder.stat().st_mode) == 0o755 and folder.name.startswith(".tmp-")
+
+
+@pytest.mark.parametrize("code", [errno.ENOENT, errno.EIO], ids=["ENOENT", "EIO"])
+def test_any_os_error_naming_a_path_is_one_line(monkeypatch, capsys, code):
+    from blockloop.cli import presets
+
+    def refuse(args):
+        raise OSError(code, os.strerror(code), "/some/where/file")
+
+    monkeypatch.setattr(presets, "run", refuse)
+    assert main(["presets"]) == EXIT_USER_ERROR
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and "/some/where/file" in err and "Traceback" not in err, err
+
+
+def test_an_unknown_os_error_without_a_path_keeps_its_traceback(monkeypatch):
+    from blockloop.cli import presets
+
+    def fail(args):
+        raise OSError(errno.EIO, os.strerror(errno.EIO))
+
+    monkeypatch.setattr(presets, "run", fail)
+    with pytest.raises(OSError):
+        main(["presets"])
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="needs /proc, where nothing can be created")
+def test_an_out_folder_that_cannot_be_created_is_one_line(capsys):
+    assert main(["train", "--preset", "tiny", "--steps", "2", "--device", "cpu", "--out", "/proc/blockloop-test",
+                 "--no-progress"]) == EXIT_USER_ERROR
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and "/proc/blockloop-test" in err and "Traceback" not in err, err
