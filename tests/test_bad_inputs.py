@@ -194,6 +194,7 @@ CASES = [
     (["info", "{base}/list_config"], "config.json holds a JSON list"),
     (["info", "{base}/latest_escape"], "not a checkpoint directory inside"),
     (["generate", "--checkpoint", "{base}/hf_pickle", "--prompt", "a"], "is a Hugging Face model folder"),
+    (["eval", "--checkpoint", R, "--tasks", ""], "--tasks names no benchmark"),
     (["convert", "--to", "block", "--checkpoint", "{base}/demo_recursive", "--out", NEW], "not RecursiveDecoder"),
 ]
 
@@ -288,12 +289,35 @@ def test_a_run_killed_in_its_first_checkpoint_starts_afresh_without_its_old_log(
     (partial / "model.safetensors").write_bytes(b"cut short")
     (run / "metrics.jsonl").write_text('{"step": 1, "loss": 5.0}\n{"step": 2, "lo')
     assert main(["train", "--resume", "--out", str(run), "--no-progress"]) == EXIT_USER_ERROR
-    assert "start it again without --resume" in capsys.readouterr().err
+    assert "train it again, without --resume" in capsys.readouterr().err
     assert main([*TRAIN, "--steps", "2", "--out", str(run)]) == 0
     assert "starting afresh" in capsys.readouterr().err
     steps = [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [s for s in steps] == [1, 2, 2]  # the new run's two loss lines and its final validation, nothing older
     assert not partial.exists() and (run / "checkpoints" / "latest").read_text().strip() == "step_0000002"
+
+
+def test_a_run_killed_before_latest_was_written_resumes_from_its_newest_checkpoint(base, tmp_path, capsys):
+    """``commit_checkpoint`` moves the step directory into place, then writes ``latest``: a kill in between
+    leaves a complete checkpoint that every command must still find."""
+    run = tmp_path / "run"
+    shutil.copytree(base / "run", run)
+    (run / "checkpoints" / "latest").unlink()
+    assert main(["info", str(run)]) == 0 and "step 4" in capsys.readouterr().out
+    assert main(["train", "--resume", "--steps", "6", "--out", str(run), "--no-progress"]) == 0
+    assert "step 4 of 6" in capsys.readouterr().out
+    assert (run / "checkpoints" / "latest").read_text().strip() == "step_0000006"
+
+
+def test_out_may_not_be_a_checkpoint_directory(base, tmp_path, capsys):
+    run = tmp_path / "run"
+    shutil.copytree(base / "run", run)
+    step = run / "checkpoints" / "step_0000004"
+    before = snapshot(run)
+    for extra in ([*TINY], ["--resume", "--steps", "6", "--no-progress"]):
+        assert main(["train", *extra, "--out", str(step)]) == EXIT_USER_ERROR
+        assert f"is a checkpoint directory, not a run folder; name its run, {run}, instead" in capsys.readouterr().err
+    assert snapshot(run) == before  # nothing nested inside the checkpoint
 
 
 def test_resume_cuts_a_partial_metrics_line_and_later_steps_and_cleans_temporary_files(base, tmp_path):

@@ -45,6 +45,11 @@ def test_resume_extends_a_finished_run(trained_run, tmp_path, capsys):
     assert main(["train", "--steps", "6", "--out", str(run), "--resume", "--no-progress"]) == 0
     assert "step 4 of 6" in capsys.readouterr().out
     assert (run / "checkpoints" / "latest").read_text().strip() == "step_0000006"
+    # resumed once finished: nothing to train (no NaN loss); asked for fewer steps than it has: an error
+    assert main(["train", "--steps", "6", "--out", str(run), "--resume", "--no-progress"]) == 0
+    assert "already at step 6 of 6; nothing to train" in capsys.readouterr().out
+    one_line_error(capsys, ["train", "--steps", "5", "--out", str(run), "--resume", "--no-progress"],
+                   "already at step 6, past --steps 5")
 
 
 def test_eval_reports_loss_perplexity_and_bits_per_byte(trained_run, capsys):

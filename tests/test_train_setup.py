@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from blockloop.bench.reports import flops_report, preset_sizes
@@ -47,13 +49,12 @@ def test_the_default_seq_len_fits_the_model_context(tmp_path):
         start_training(plan_run(TrainRequest(tmp_path / "given", preset="tiny", train_overrides={**fields, "seq_len": 256})))
 
 
-def test_a_run_shorter_than_its_warm_up_is_warned_about(tmp_path, recwarn):
+def test_a_run_shorter_than_its_warm_up_is_warned_about(tmp_path, capsys):
     start_training(plan_run(TrainRequest(tmp_path / "short", preset="tiny", train_overrides={**TINY, "warmup_steps": 100})))
-    (warning,) = [w for w in recwarn if "warm-up" in str(w.message)]
-    assert "--steps 2 ends inside the 100-step warm-up" in str(warning.message) and "peaks at 2e-05" in str(warning.message)
-    recwarn.clear()
+    (warning,) = [line for line in capsys.readouterr().err.splitlines() if "warm-up" in line]  # one line
+    assert warning.startswith("warning: --steps 2 ends inside the 100-step warm-up") and "peaks at 2e-05" in warning
     start_training(plan_run(TrainRequest(tmp_path / "long", preset="tiny", train_overrides=TINY)))
-    assert not [w for w in recwarn if "warm-up" in str(w.message)]
+    assert "warm-up" not in capsys.readouterr().err
 
 
 def test_resume_continues_the_saved_run_and_refuses_new_model_choices(trained):
@@ -71,11 +72,18 @@ def test_resume_continues_the_saved_run_and_refuses_new_model_choices(trained):
         plan_run(TrainRequest(trained))
 
 
+def test_a_corpus_path_is_saved_absolute_so_the_run_reads_it_from_anywhere(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert plan_run(TrainRequest(tmp_path / "r1", data="notes.jsonl")).spec.data == str(tmp_path / "notes.jsonl")
+    assert plan_run(TrainRequest(tmp_path / "r2", data="shakespeare")).spec.data == "shakespeare"  # a builtin name
+
+
 def test_init_from_starts_a_new_run_from_the_saved_model(trained, tmp_path):
     plan = plan_run(TrainRequest(tmp_path / "fine", init_from=str(trained), train_overrides={"lr": 1e-4}))
     assert (plan.spec.preset, plan.spec.data) == ("tiny", "shakespeare") and not plan.resume
     assert plan.spec.init_from.endswith("step_0000002") and plan.config.lr == 1e-4
-    assert plan_run(TrainRequest(tmp_path / "f2", init_from=str(trained), data="bytes:x")).spec.data == "bytes:x"
+    assert plan_run(TrainRequest(tmp_path / "f2", init_from=str(trained), data="bytes:x")).spec.data == (
+        f"bytes:{Path('x').resolve()}")
     with pytest.raises(BlockloopError, match="--init-from keeps the saved model"):
         plan_run(TrainRequest(tmp_path / "f3", init_from=str(trained), dropout=0.1))
 

@@ -73,7 +73,7 @@ def run(args: argparse.Namespace) -> int:
         raise BlockloopError("--checkpoint is required (or --compare A B)")
     if args.task and args.tasks:
         raise BlockloopError("--task names a state-tracking task and --tasks benchmarks; give one of them")
-    if args.tasks:
+    if args.tasks is not None:  # an empty list is a mistake, not a request for the loss evaluation
         return benchmarks(args)
     if args.loops is not None or args.out:
         raise BlockloopError("--loops and --out go with --tasks")

@@ -17,6 +17,7 @@ from blockloop.cli.common import (
     positive_float,
     positive_int,
 )
+from blockloop.errors import BlockloopError
 
 HELP = "train a model (single process, or under torchrun for DDP/FSDP)"
 DESCRIPTION = ("Train a model from a preset on a built-in corpus or your own text. Flags left out take the defaults "
@@ -145,6 +146,14 @@ def train(args: argparse.Namespace) -> int:
     info = init_distributed(plan.config.resolved_device())
     try:
         run, trainer = start_training(plan, info)
+        if trainer.step > trainer.config.steps:
+            raise BlockloopError(f"{plan.out} is already at step {trainer.step}, past --steps {trainer.config.steps}; "
+                                 f"give --steps above {trainer.step} to train further")
+        if trainer.step == trainer.config.steps:  # a finished run resumed (again): nothing to do, nothing to fail
+            if info.is_main:
+                print(f"{plan.out} is already at step {trainer.step} of {trainer.config.steps}; nothing to train "
+                      "(give a larger --steps to train further)")
+            return 0
         if info.is_main:
             config = trainer.config
             print(

@@ -97,6 +97,16 @@ BUILTIN_CORPORA: dict[str, str] = {name: builtin.description for name, builtin i
 """Builtin corpus name -> one-line description (for ``--help``)."""
 
 
+def absolute_source(source: str) -> str:
+    """``source`` with a file or folder path made absolute: a run saves its corpus by this name, and eval, resume
+    and ``--init-from`` read it again from wherever they are started. Builtin names stay as they are."""
+    if source in _BUILTINS:
+        return source
+    if source.startswith("bytes:"):
+        return "bytes:" + str(Path(source[len("bytes:") :]).expanduser().resolve())
+    return str(Path(source).expanduser().resolve())
+
+
 def load_documents(source: str) -> list[str | bytes]:
     """The documents of ``source``, which is one of:
 

@@ -135,7 +135,8 @@ def parse_tasks(text: str) -> list[str]:
     names = list(TASKS) if text.strip() == "all" else [n.strip() for n in text.split(",") if n.strip()]
     unknown = [n for n in names if n not in TASKS]
     if unknown or not names:
-        raise BlockloopError(f"unknown benchmark task(s) {', '.join(unknown) or text!r}; known: all, {', '.join(TASKS)}")
+        what = f"unknown benchmark task(s) {', '.join(unknown)}" if unknown else "--tasks names no benchmark"
+        raise BlockloopError(f"{what}; known: all, {', '.join(TASKS)}")
     return names
 
 

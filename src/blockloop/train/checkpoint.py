@@ -146,6 +146,11 @@ def resolve_checkpoint(path: Path) -> Path:
             if not (target / "model.safetensors").is_file():
                 raise BlockloopError(f"{latest} points at {target}, which is missing or incomplete; the run is corrupt")
             return target
+    # A run killed between moving its first checkpoint into place and writing ``latest`` (commit_checkpoint) still
+    # has that checkpoint: take the newest complete one.
+    steps = sorted(p for p in checkpoint_root(path).glob("step_*") if (p / "model.safetensors").is_file())
+    if steps:
+        return steps[-1]
     if _is_hf_folder(path):
         raise BlockloopError(f"{path} is a Hugging Face model folder, not a blockloop checkpoint; import it first: "
                              f"blockloop convert --from-hf {path} --out RUN, then pass --checkpoint RUN")
@@ -153,7 +158,7 @@ def resolve_checkpoint(path: Path) -> Path:
         return path
     if checkpoint_root(path).is_dir():
         raise BlockloopError(f"{path} holds no complete checkpoint (the run stopped before its first one was written); "
-                             "start it again without --resume")
+                             "train it again, without --resume")
     raise BlockloopError(f"no checkpoint in {path}; expected a run directory written by `blockloop train`")
 
 

@@ -11,12 +11,12 @@ from __future__ import annotations
 import dataclasses
 import shutil
 import sys
-import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from blockloop.config import ModelConfig, from_fields
+from blockloop.data.corpora import absolute_source
 from blockloop.errors import BlockloopError
 from blockloop.families import spec_of
 from blockloop.train import checkpoint as ckpt
@@ -85,6 +85,10 @@ def plan_run(request: TrainRequest) -> RunPlan:
     overrides = {**r.model_overrides, **model_flags}
     if r.resume and r.init_from:
         raise BlockloopError("--resume continues the run in --out; --init-from starts a new one: give one of them")
+    if (r.out / "model.safetensors").is_file():  # a run written here would nest inside (and break) that one
+        run = r.out.parent.parent if r.out.parent.name == "checkpoints" else None
+        fix = f"name its run, {run}, instead" if run is not None else "start a new run from it with --init-from"
+        raise BlockloopError(f"--out {r.out} is a checkpoint directory, not a run folder; {fix}")
     if r.resume:
         directory = ckpt.resolve_checkpoint(r.out)
         state = ckpt.read_json(directory / "train_state.json")
@@ -110,19 +114,20 @@ def plan_run(request: TrainRequest) -> RunPlan:
         raise BlockloopError(f"--out {r.out} is a file; name a directory for the run")
     if ckpt.has_checkpoint(r.out):
         raise BlockloopError(f"{r.out} already holds a run; pass --resume to continue it or choose another --out")
+    data = absolute_source(r.data) if r.data else None
     if r.init_from is not None:
         if r.preset or r.tokenizer or overrides:
             raise BlockloopError(
                 "--init-from keeps the saved model and tokenizer; drop --preset/--tokenizer/--set/--dropout/--mup-base-width"
             )
-        spec = init_from_spec(r.init_from, data=r.data, task=r.task, task_dir=r.task_dir)
+        spec = init_from_spec(r.init_from, data=data, task=r.task, task_dir=r.task_dir)
     elif r.task or r.task_dir:
         if r.data or r.tokenizer:
             raise BlockloopError("--task brings its own data and vocabulary; drop --data/--tokenizer")
         spec = RunSpec(preset=r.preset or "demo", model_overrides=overrides, **task_fields(r.task, r.task_dir))
     else:
         spec = RunSpec(
-            preset=r.preset or "demo", data=r.data or "shakespeare", tokenizer=r.tokenizer or "byte",
+            preset=r.preset or "demo", data=data or "shakespeare", tokenizer=r.tokenizer or "byte",
             model_overrides=overrides,
         )
     config = TrainConfig(**r.train_overrides)
@@ -207,12 +212,11 @@ def start_training(plan: RunPlan, info: DistInfo = DistInfo()) -> tuple[Prepared
     if plan.tokens is not None:
         per_step = config.batch_size * config.grad_accum * config.seq_len * info.world_size
         config.steps = max(1, int(plan.tokens // per_step))
-    if config.steps < config.warmup_steps and info.is_main:
-        warnings.warn(
-            f"--steps {config.steps} ends inside the {config.warmup_steps}-step warm-up: the learning rate peaks at "
-            f"{config.lr * config.steps / config.warmup_steps:.3g}, not --lr {config.lr:g}; lower --warmup-steps",
-            stacklevel=2,
-        )
+    if config.steps < config.warmup_steps and info.is_main:  # a note, not an error: tiny runs do this on purpose
+        length = f"--tokens {plan.tokens:g} ({config.steps} steps)" if plan.tokens is not None else f"--steps {config.steps}"
+        print(f"warning: {length} ends inside the {config.warmup_steps}-step warm-up: the learning rate peaks at "
+              f"{config.lr * config.steps / config.warmup_steps:.3g}, not --lr {config.lr:g}; lower --warmup-steps",
+              file=sys.stderr)
     train_seqs, val_seqs = sequences(run.splits, config.seq_len, run.tokenizer.start_id)
     trainer = Trainer(
         run.model, run.model_config, run.tokenizer, train_seqs, val_seqs, config, plan.out,
