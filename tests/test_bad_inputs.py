@@ -195,6 +195,8 @@ CASES = [
     (["info", "{base}/latest_escape"], "not a checkpoint directory inside"),
     (["generate", "--checkpoint", "{base}/hf_pickle", "--prompt", "a"], "is a Hugging Face model folder"),
     (["eval", "--checkpoint", R, "--tasks", ""], "--tasks names no benchmark"),
+    (["train", *TINY, "--distill-weight", "2", "--out", NEW], "add --distill-from TEACHER or leave it out"),
+    (["generate", "--checkpoint", R, "--prompt", "a", "--draft-loops", "2"], "add --speculate K or leave them out"),
     (["convert", "--to", "block", "--checkpoint", "{base}/demo_recursive", "--out", NEW], "not RecursiveDecoder"),
 ]
 

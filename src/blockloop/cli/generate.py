@@ -35,7 +35,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     s.add_argument("--speculate", type=positive_int, metavar="K",
                    help="draft K tokens with the first loops, verify them with all loops in one pass: the same greedy "
                    "output (the same distribution when sampling), fewer full-depth passes")
-    s.add_argument("--draft-loops", type=positive_int, default=1, help="loops that draft (default: 1)")
+    s.add_argument("--draft-loops", type=positive_int, help="loops that draft (default: 1)")
     s.add_argument("--adaptive-k", action="store_true", help="lower K after rejections, raise it after full acceptance")
     add_device(p)
     add_no_pack(p)
@@ -50,6 +50,8 @@ def run(args: argparse.Namespace) -> int:
 
     if args.num_samples < 1:
         raise BlockloopError(f"--num-samples must be at least 1, got {args.num_samples}")
+    if args.speculate is None and (args.draft_loops is not None or args.adaptive_k):
+        raise BlockloopError("--draft-loops and --adaptive-k shape speculation; add --speculate K or leave them out")
     trained = load_trained(args.checkpoint, resolve_device(args.device))
     tok = trained.tokenizer
     prompt = tok.encode_prompt(args.prompt)
@@ -63,7 +65,7 @@ def run(args: argparse.Namespace) -> int:
     kwargs = dict(
         temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
         eos_id=None if args.no_stop else tok.eos_id, seed=args.seed,
-        speculation=None if args.speculate is None else Speculation(args.speculate, args.draft_loops, args.adaptive_k),
+        speculation=None if args.speculate is None else Speculation(args.speculate, args.draft_loops or 1, args.adaptive_k),
     )
     try:
         if args.num_samples == 1:

@@ -79,7 +79,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     e.add_argument("--distill-from", metavar="RUN",
                    help="add forward-KL distillation from this frozen teacher (e.g. the model a looped one was "
                    "converted from); the teacher is never saved with the student")
-    e.add_argument("--distill-weight", type=nonnegative_float, default=1.0, help="weight of the KL term (default: 1.0)")
+    e.add_argument("--distill-weight", type=nonnegative_float, help="weight of the KL term (default: 1.0)")
     e.add_argument("--early-exit", choices=EXIT_LOSSES,
                    help="train every loop's exit: weighted (alpha_i = i / sum i) or aggressive (intermediate loops "
                    "x --exit-coefficient, final x 1); looped models only")

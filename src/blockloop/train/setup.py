@@ -58,7 +58,7 @@ class TrainRequest:
     tokens: float | None = None  # a token budget that sets the step count
     early_exit: EarlyExit = field(default_factory=EarlyExit)
     distill_from: str | None = None
-    distill_weight: float = 1.0
+    distill_weight: float | None = None  # 1.0 when distilling
 
 
 @dataclass
@@ -83,6 +83,8 @@ def plan_run(request: TrainRequest) -> RunPlan:
     r = request
     model_flags = {k: v for k, v in (("dropout", r.dropout), ("mup_base_width", r.mup_base_width)) if v is not None}
     overrides = {**r.model_overrides, **model_flags}
+    if r.distill_weight is not None and r.distill_from is None:
+        raise BlockloopError("--distill-weight weighs the teacher's term; add --distill-from TEACHER or leave it out")
     if r.resume and r.init_from:
         raise BlockloopError("--resume continues the run in --out; --init-from starts a new one: give one of them")
     if (r.out / "model.safetensors").is_file():  # a run written here would nest inside (and break) that one
@@ -101,7 +103,8 @@ def plan_run(request: TrainRequest) -> RunPlan:
                  ("task_dir", r.task_dir), ("dropout", r.dropout), ("mup_base_width", r.mup_base_width))
         clashes = [name for name, value in named if value is not None] + (["set"] if r.model_overrides else [])
         exits = (("early_exit", r.early_exit.exit_loss), ("exit_coefficient", r.early_exit.exit_coefficient),
-                 ("exit_kd_weight", r.early_exit.exit_kd_weight), ("distill_from", r.distill_from))
+                 ("exit_kd_weight", r.early_exit.exit_kd_weight), ("distill_from", r.distill_from),
+                 ("distill_weight", r.distill_weight))
         clashes += [name for name, value in exits if value is not None]
         if clashes:
             raise BlockloopError(f"--resume continues the saved run; drop --{', --'.join(f.replace('_', '-') for f in clashes)}")
@@ -132,7 +135,7 @@ def plan_run(request: TrainRequest) -> RunPlan:
         )
     config = TrainConfig(**r.train_overrides)
     if r.distill_from is not None:
-        config.extra.update(distill_from=r.distill_from, distill_weight=r.distill_weight)
+        config.extra.update(distill_from=r.distill_from, distill_weight=1.0 if r.distill_weight is None else r.distill_weight)
     return RunPlan(spec, spec, config, r.out, False, r.early_exit, r.tokens, fit_seq_len="seq_len" not in r.train_overrides)
 
 
