@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 
 import pytest
 import torch
@@ -12,7 +13,7 @@ transformers = pytest.importorskip("transformers")
 from blockloop.cli import EXIT_USER_ERROR, main
 from blockloop.config import DecoderConfig
 from blockloop.convert.hf import export_hf, from_hf_model, import_hf, to_hf_model
-from blockloop.data.tokenizers import HFTokenizer
+from blockloop.data.tokenizers import ByteTokenizer, HFTokenizer
 from blockloop.errors import BlockloopError
 from blockloop.models.decoder import Decoder
 from blockloop.serve.generate import generate
@@ -249,3 +250,63 @@ def test_smollm2_gguf_matches_transformers():
     with torch.no_grad():
         diff = max_diff(ours(idx)[0], hf(idx).logits)
     assert diff <= TOL, diff
+
+
+@pytest.fixture(scope="module")
+def byte_export(tmp_path_factory):
+    """A tiny byte-tokenizer decoder (258 ids, 320 embedding rows, as runs pad it) and its Hugging Face export."""
+    torch.manual_seed(0)
+    config = DecoderConfig(vocab_size=258, padded_vocab_size=320, context_length=64, n_layer=2, n_head=4, n_kv_head=2,
+                           d_model=32, norm="rmsnorm", mlp="swiglu", bias=False)
+    model = Decoder(config).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.3 * torch.randn_like(p))
+    return model, export_hf(model, ByteTokenizer(), tmp_path_factory.mktemp("export") / "hf")
+
+
+def test_reimported_export_samples_only_tokenizer_ids(byte_export, tmp_path):
+    """The export writes all 320 rows as Hugging Face's vocabulary; the re-import takes the tokenizer's 258 ids
+    as vocab_size again, so the other rows stay padding that sampling never picks, and the logits are the same."""
+    model, folder = byte_export
+    assert main(["convert", "--from-hf", str(folder), "--out", str(tmp_path / "run")]) == 0
+    back = load_trained(tmp_path / "run").model
+    assert (back.config.vocab_size, back.config.padded_vocab_size) == (258, 320)
+    idx = tokens(vocab=258)
+    with torch.no_grad():
+        assert max_diff(back(idx)[0][..., :258], model(idx)[0][..., :258]) <= TOL
+    sampled = generate(back, [[1, 2, 3]] * 4, max_new_tokens=40, temperature=100.0, seed=0)
+    assert max(max(row) for row in sampled) < 258
+
+
+CORRUPTIONS = {
+    "bad_json": (lambda d: (d / "config.json").write_text("{"), "config.json is not valid JSON"),
+    "bad_field": (lambda d: _edit_config(d, hidden_size="abc"), "config.json is not a readable model config"),
+    "truncated": (lambda d: _truncate(d / "model.safetensors", 500), "model.safetensors cannot be read"),
+    "torn": (lambda d: _truncate(d / "model.safetensors", (d / "model.safetensors").stat().st_size - 100),
+             "model.safetensors cannot be read"),
+    "wider": (lambda d: _edit_config(d, hidden_size=64), "is [320, 32] there but the config makes it [320, 64]"),
+    "deeper": (lambda d: _edit_config(d, num_hidden_layers=3), "it lacks model.layers.2."),
+    "shallower": (lambda d: _edit_config(d, num_hidden_layers=1), "it holds model.layers.1."),
+}
+
+
+def _edit_config(folder, **fields):
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, **fields}))
+
+
+def _truncate(path, size):
+    with path.open("r+b") as f:
+        f.truncate(size)
+
+
+@pytest.mark.parametrize("case", list(CORRUPTIONS))
+def test_corrupt_or_mismatched_folder_is_one_line_error(case, byte_export, tmp_path, capsys):
+    """A broken config.json or weights file, or weights of another shape, is named in one line (transformers
+    would raise a paragraph, or load the mismatch with random weights); nothing is written to --out."""
+    corrupt, message = CORRUPTIONS[case]
+    folder = shutil.copytree(byte_export[1], tmp_path / "hf")
+    corrupt(folder)
+    one_line_error(capsys, ["convert", "--from-hf", str(folder), "--out", str(tmp_path / "run")], message)
+    assert not (tmp_path / "run").exists()

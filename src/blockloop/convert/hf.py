@@ -11,10 +11,14 @@ only sees local paths.
 from __future__ import annotations
 
 import dataclasses
+import json
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import SafetensorError
 from torch import nn
 
 from blockloop.config import DecoderConfig
@@ -30,28 +34,58 @@ SUPPORTED = ", ".join(ARCHITECTURES)
 # Fields an exported model need not reproduce: naming, the vocabulary padding (exported as real rows),
 # training-only settings.
 _NOT_EXPORTED = {"name", "vocab_size", "padded_vocab_size", "dropout", "init", "init_std", "extra"}
+_REPAIR = "re-export or re-download the model"
 
 
 def architecture_for(hf_config: Any) -> Architecture:
     """The conversion of ``hf_config.model_type``, or a one-line error listing the supported ones."""
-    model_type = getattr(hf_config, "model_type", None)
+    return _architecture(getattr(hf_config, "model_type", None))
+
+
+def _architecture(model_type: Any) -> Architecture:
     if model_type not in ARCHITECTURES:
         raise BlockloopError(f"unsupported Hugging Face architecture {model_type!r}; supported: {SUPPORTED}")
     return ARCHITECTURES[model_type]
 
 
 def _load_hf_config(path: Path, gguf_file: str | None) -> Any:
+    from huggingface_hub.errors import StrictDataclassError
     from transformers import AutoConfig
 
     if not path.is_dir():
         raise BlockloopError(f"{path} is not a directory; give a Hugging Face model folder (config.json + weights)")
     if gguf_file is not None:
-        if not (path / gguf_file).is_file():
+        source = path / gguf_file
+        if not source.is_file():
             raise BlockloopError(f"no GGUF file {gguf_file!r} in {path}; name a .gguf file inside that folder")
-        return AutoConfig.from_pretrained(path, gguf_file=gguf_file, local_files_only=True)
-    if not (path / "config.json").is_file():
-        raise BlockloopError(f"no config.json in {path}; give a Hugging Face model folder, or --gguf-file for a GGUF")
-    return AutoConfig.from_pretrained(path, local_files_only=True)
+    else:
+        source = path / "config.json"
+        if not source.is_file():
+            raise BlockloopError(f"no config.json in {path}; give a Hugging Face model folder, or --gguf-file for a GGUF")
+        _architecture(_model_type(source))
+    extra = {"gguf_file": gguf_file} if gguf_file is not None else {}
+    try:
+        return AutoConfig.from_pretrained(path, local_files_only=True, **extra)
+    except (OSError, ValueError, StrictDataclassError) as exc:
+        raise BlockloopError(f"{source} is not a readable model config ({_one_line(exc)}); {_REPAIR}") from None
+
+
+def _model_type(config_file: Path) -> Any:
+    """config.json's ``model_type``, read before ``transformers`` reads the file: its errors for broken JSON or
+    an architecture it does not know are paragraphs that name neither the file nor what blockloop converts."""
+    try:
+        fields = json.loads(config_file.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise BlockloopError(f"{config_file} is not valid JSON ({exc}); {_REPAIR}") from None
+    if not isinstance(fields, dict):
+        raise BlockloopError(f"{config_file} holds a JSON {type(fields).__name__}, not an object of config fields; {_REPAIR}")
+    if "model_type" not in fields:
+        raise BlockloopError(f"{config_file} has no model_type, which names the architecture; {_REPAIR}")
+    return fields["model_type"]
+
+
+def _one_line(exc: Exception) -> str:
+    return " ".join(str(exc).split())
 
 
 def load_hf_model(path: Path | str, *, gguf_file: str | None = None) -> nn.Module:
@@ -67,18 +101,77 @@ def load_hf_model(path: Path | str, *, gguf_file: str | None = None) -> nn.Modul
             if pickles else "no weights"
         raise BlockloopError(f"{path} holds {found}; give a folder with .safetensors weights (transformers' "
                              "save_pretrained writes them)")
+    weights = path / gguf_file if gguf_file is not None else _safetensors_name(path)
     extra = {"gguf_file": gguf_file} if gguf_file is not None else {}
-    with quiet_transformers():
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, local_files_only=True, **extra)
+    with quiet_transformers(), _no_load_report():
+        try:
+            model, info = AutoModelForCausalLM.from_pretrained(
+                path, dtype=torch.float32, local_files_only=True, ignore_mismatched_sizes=True,
+                output_loading_info=True, **extra,
+            )
+        except (SafetensorError, OSError, ValueError) as exc:
+            raise BlockloopError(f"{weights} cannot be read, it is corrupt or incomplete ({_one_line(exc)}); "
+                                 f"{_REPAIR}") from None
+    _check_loaded(info, weights, path / (gguf_file or "config.json"))
     return model.eval()
 
 
+def _safetensors_name(path: Path) -> str:
+    files = sorted(path.glob("*.safetensors"))
+    return str(files[0]) if len(files) == 1 else f"the .safetensors files in {path}"
+
+
+@contextmanager
+def _no_load_report() -> Iterator[None]:
+    """Only errors from ``transformers`` while loading: it logs a table of the weights it could not load as a
+    warning, where :func:`_check_loaded` says what is wrong in one line."""
+    from transformers.utils import logging as hf_logging
+
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()
+    try:
+        yield
+    finally:
+        hf_logging.set_verbosity(verbosity)
+
+
+def _check_loaded(info: dict[str, Any], weights: Path | str, config: Path) -> None:
+    """Refuse weights that do not fit the config: ``transformers`` leaves a tensor the file lacks, or holds in
+    another shape, randomly initialised and drops one the model has no place for, so the import would be a
+    different model that still runs."""
+    if info["mismatched_keys"]:
+        key, found, wanted = min(info["mismatched_keys"], key=lambda k: k[0])
+        more = len(info["mismatched_keys"]) - 1
+        problem = f"{key} is {list(found)} there but the config makes it {list(wanted)}" + (
+            f" (and {more} more)" if more else "")
+    elif info["missing_keys"]:
+        problem = f"it lacks {_some(info['missing_keys'])}, which the config needs"
+    elif info["unexpected_keys"]:
+        problem = f"it holds {_some(info['unexpected_keys'])}, which the config has no place for"
+    else:
+        return
+    raise BlockloopError(f"{weights} does not match {config}: {problem}; the folder mixes files of different "
+                         f"models, {_REPAIR}")
+
+
+def _some(keys: set[str]) -> str:
+    first, *rest = sorted(keys)
+    return first + (f" (and {len(rest)} more)" if rest else "")
+
+
 @torch.no_grad()
-def from_hf_model(hf_model: nn.Module, name: str | None = None) -> Decoder:
-    """A blockloop Decoder with ``hf_model``'s weights (float32, eval mode)."""
+def from_hf_model(hf_model: nn.Module, name: str | None = None, *, vocab_size: int | None = None) -> Decoder:
+    """A blockloop Decoder with ``hf_model``'s weights (float32, eval mode).
+
+    ``vocab_size`` is the ids of the tokenizer that goes with it. Where it has fewer than the model's embedding
+    rows (a blockloop export writes its padded vocabulary as real rows), the rest stay as padding that
+    generation never samples, as in the run the export came from.
+    """
     hf_config = hf_model.config
     arch = architecture_for(hf_config)
     config = arch.to_config(hf_config, name or hf_config.model_type)
+    if vocab_size is not None and vocab_size < config.vocab_size:
+        config = config.replace(vocab_size=vocab_size)
     state = arch.keymap.to_blockloop({k: v.float() for k, v in hf_model.state_dict().items()}, config)
     model = Decoder(config)
     if config.tie_embeddings:
@@ -87,11 +180,12 @@ def from_hf_model(hf_model: nn.Module, name: str | None = None) -> Decoder:
     return model.float().eval()
 
 
-def import_hf(path: Path | str, *, gguf_file: str | None = None) -> Decoder:
-    """The Hugging Face causal LM in folder ``path`` (or GGUF ``gguf_file`` inside it) as a blockloop Decoder."""
+def import_hf(path: Path | str, *, gguf_file: str | None = None, vocab_size: int | None = None) -> Decoder:
+    """The Hugging Face causal LM in folder ``path`` (or GGUF ``gguf_file`` inside it) as a blockloop Decoder
+    (``vocab_size`` as in :func:`from_hf_model`)."""
     path = Path(path)
     name = Path(gguf_file).stem if gguf_file else path.name
-    return from_hf_model(load_hf_model(path, gguf_file=gguf_file), name=name)
+    return from_hf_model(load_hf_model(path, gguf_file=gguf_file), name=name, vocab_size=vocab_size)
 
 
 def _model_fields(config: DecoderConfig) -> dict[str, Any]:

@@ -29,7 +29,11 @@ def _source_tokenizer(path: Path, gguf_file: str | None) -> Tokenizer:
     if not (path / gguf_file).is_file():
         raise BlockloopError(f"no GGUF file {gguf_file!r} in {path}; name a .gguf file inside that folder")
     with tempfile.TemporaryDirectory() as tmp:
-        converted = convert_gguf_tokenizer(path, gguf_file, Path(tmp))
+        try:
+            converted = convert_gguf_tokenizer(path, gguf_file, Path(tmp))
+        except (OSError, ValueError) as exc:  # transformers' reading of a truncated or foreign file
+            raise BlockloopError(f"{path / gguf_file} holds no readable tokenizer ({exc}); re-download the GGUF, or "
+                                 "pass --tokenizer") from None
         return hf_folder_tokenizer(converted, name=str((path / gguf_file).resolve()))
 
 
@@ -38,7 +42,9 @@ def import_checkpoint(
 ) -> tuple[Decoder, Tokenizer]:
     """Convert ``source`` (a Hugging Face folder, or ``smollm2``) into the checkpoint directory ``out``.
 
-    ``data`` is recorded as the run's corpus, what ``eval`` scores unless told otherwise.
+    ``data`` is recorded as the run's corpus, what ``eval`` scores unless told otherwise. The model's
+    ``vocab_size`` is the tokenizer's: embedding rows beyond its ids (an export's padded vocabulary) stay padding.
+    Everything is read and checked before ``out`` is created, so a failed import leaves nothing there.
     """
     out = Path(out)
     if (out / "model.safetensors").exists():
@@ -52,7 +58,7 @@ def import_checkpoint(
     if not path.is_dir():
         raise BlockloopError(f"{path} is not a directory; give a Hugging Face model folder, or 'smollm2'")
     tok = build_tokenizer(tokenizer) if tokenizer else _source_tokenizer(path, gguf_file)
-    model = import_hf(path, gguf_file=gguf_file)
+    model = import_hf(path, gguf_file=gguf_file, vocab_size=tok.vocab_size)
     if tok.vocab_size > model.config.padded_vocab_size:
         raise BlockloopError(
             f"tokenizer {tok.name!r} has {tok.vocab_size} ids but the model only {model.config.padded_vocab_size}; "
