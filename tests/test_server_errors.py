@@ -140,6 +140,16 @@ def slowed(application, seconds: float) -> None:
     engine.step = slow_step
 
 
+def metrics_once_aborted(url: str) -> str:
+    """``/metrics`` once a request has finished as aborted (or after a minute, for the assertions to report)."""
+    deadline = time.monotonic() + 60
+    while True:
+        text = httpx.get(url + "/metrics").text
+        if 'blockloop_requests_finished_total{finish_reason="abort"}' in text or time.monotonic() > deadline:
+            return text
+        time.sleep(0.05)
+
+
 def test_a_client_that_disconnects_mid_stream_frees_its_slot(run):
     application = app(run, n_slots=1, sync_every=1)
     slowed(application, 0.02)
@@ -149,13 +159,7 @@ def test_a_client_that_disconnects_mid_stream_frees_its_slot(run):
             lines = reply.iter_lines()
             first = next(line for line in lines if line.startswith("data: "))
             assert json.loads(first[6:])["choices"][0]["finish_reason"] is None
-        # The connection is closed: the engine cancels the request at its next window.
-        deadline = time.monotonic() + 60
-        while True:
-            text = httpx.get(url + "/metrics").text
-            if 'blockloop_requests_finished_total{finish_reason="abort"}' in text or time.monotonic() > deadline:
-                break
-            time.sleep(0.05)
+        text = metrics_once_aborted(url)  # the connection is closed: the engine cancels it at its next window
         assert metric(text, 'blockloop_requests_finished_total{finish_reason="abort"}') == 1
         assert metric(text, "blockloop_requests_running") == 0
         assert metric(text, "blockloop_generation_tokens_total") < 100
@@ -171,12 +175,7 @@ def test_a_client_that_disconnects_before_its_whole_answer_frees_its_slot(run):
         body = {**GOOD, "max_tokens": 100, "ignore_eos": True}
         with pytest.raises(httpx.ReadTimeout):
             httpx.post(url + "/v1/completions", json=body, timeout=0.5)  # the client gives up and hangs up
-        deadline = time.monotonic() + 60
-        while True:
-            text = httpx.get(url + "/metrics").text
-            if 'blockloop_requests_finished_total{finish_reason="abort"}' in text or time.monotonic() > deadline:
-                break
-            time.sleep(0.05)
+        text = metrics_once_aborted(url)
         assert metric(text, 'blockloop_requests_finished_total{finish_reason="abort"}') == 1
         assert metric(text, "blockloop_generation_tokens_total") < 100
 
