@@ -196,6 +196,7 @@ CASES = [
     (["generate", "--checkpoint", "{base}/hf_pickle", "--prompt", "a"], "is a Hugging Face model folder"),
     (["eval", "--checkpoint", R, "--tasks", ""], "--tasks names no benchmark"),
     (["train", *TINY, "--distill-weight", "2", "--out", NEW], "add --distill-from TEACHER or leave it out"),
+    (["train", *TINY, "--tokens", "1e4", "--steps", "3", "--out", NEW], "give --tokens or --steps, not both"),
     (["generate", "--checkpoint", R, "--prompt", "a", "--draft-loops", "2"], "add --speculate K or leave them out"),
     (["convert", "--to", "block", "--checkpoint", "{base}/demo_recursive", "--out", NEW], "not RecursiveDecoder"),
 ]

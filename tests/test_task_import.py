@@ -124,6 +124,7 @@ def test_import_refuses_bad_choices(tmp_path):
         (dict(name="random-walk"), "is a built-in task's"),
         (dict(valid=data), "give both --valid and --test"),
         (dict(valid_fraction=1.5), "--valid-fraction must be between 0 and 1"),
+        (dict(valid_fraction=0.6, test_fraction=0.6), "leave nothing to train on; keep their sum below 1"),
         (dict(valid=data, test=unlabelled), r"the test split \(.*none.jsonl\) has no labelled positions"),
     ]
     for kwargs, match in cases:

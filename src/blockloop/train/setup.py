@@ -83,6 +83,8 @@ def plan_run(request: TrainRequest) -> RunPlan:
     r = request
     model_flags = {k: v for k, v in (("dropout", r.dropout), ("mup_base_width", r.mup_base_width)) if v is not None}
     overrides = {**r.model_overrides, **model_flags}
+    if r.tokens is not None and "steps" in r.train_overrides:
+        raise BlockloopError("--tokens sets the number of steps; give --tokens or --steps, not both")
     if r.distill_weight is not None and r.distill_from is None:
         raise BlockloopError("--distill-weight weighs the teacher's term; add --distill-from TEACHER or leave it out")
     if r.resume and r.init_from:

@@ -90,6 +90,9 @@ def split_sequences(
     for name, fraction in (("--valid-fraction", valid_fraction), ("--test-fraction", test_fraction)):
         if not 0.0 < fraction < 1.0:
             raise BlockloopError(f"{name} must be between 0 and 1 (exclusive), got {fraction}")
+    if valid_fraction + test_fraction >= 1.0:
+        raise BlockloopError(f"--valid-fraction {valid_fraction:g} and --test-fraction {test_fraction:g} leave nothing to "
+                             "train on; keep their sum below 1")
     n = len(sequences)
     n_valid, n_test = (max(1, round(n * fraction)) for fraction in (valid_fraction, test_fraction))
     if n - n_valid - n_test < 1:
