@@ -162,7 +162,7 @@ def test_demo_trains_compares_and_samples(tmp_path, capsys):
 def test_tokens_budget_sets_the_step_count(tmp_path):
     # 2 sequences x 32 tokens = 64 tokens per step, so 200 tokens is 3 whole steps.
     argv = [*TINY_TRAIN, "--out", str(tmp_path / "run"), "--tokens", "200"]
-    argv[argv.index("--steps") + 1] = "1000"
+    del argv[argv.index("--steps") : argv.index("--steps") + 2]  # --tokens sets the step count; both are refused
     assert main(argv) == 0
     assert (tmp_path / "run" / "checkpoints" / "latest").read_text().strip() == "step_0000003"
 
