@@ -13,11 +13,13 @@ import os
 import secrets
 import shutil
 import socket
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, Any, TypeVar
 
 from blockloop.errors import BlockloopError
+
+_T = TypeVar("_T")
 
 
 def copy_into_place(src: IO[bytes], target: Path) -> None:
@@ -43,22 +45,22 @@ def _new_file(folder: Path) -> tuple[int, Path]:
     the umask, or what the folder's default ACL says): it is renamed into place as the real file, and a run
     shared with other users must stay readable to them. The kernel applies the umask, so it is never read.
     """
-    while True:
-        tmp = folder / f".tmp-{secrets.token_hex(8)}"
-        try:  # O_BINARY: no newline translation on Windows; O_EXCL: never someone else's file
-            return os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0), 0o666), tmp
-        except FileExistsError:
-            continue  # the name was taken: draw another
+    # O_BINARY: no newline translation on Windows; O_EXCL: never someone else's file
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0)
+    return _unused(folder, ".tmp-", lambda tmp: (os.open(tmp, flags, 0o666), tmp))
 
 
 def new_dir(folder: Path, prefix: str) -> Path:
     """A new empty folder in ``folder`` under an unused name starting ``prefix``: ``tempfile.mkdtemp`` without its
     private mode (0700), for a folder that is renamed into place as the real one (as :func:`_new_file`)."""
+    return _unused(folder, prefix, lambda tmp: (tmp.mkdir(mode=0o777), tmp)[1])
+
+
+def _unused(folder: Path, prefix: str, create: Callable[[Path], _T]) -> _T:
+    """``create`` (which refuses a path that exists) at a random name in ``folder``, drawn again while taken."""
     while True:
-        tmp = folder / f"{prefix}{secrets.token_hex(8)}"
         try:
-            tmp.mkdir(mode=0o777)
-            return tmp
+            return create(folder / f"{prefix}{secrets.token_hex(8)}")
         except FileExistsError:
             continue
 

@@ -127,9 +127,10 @@ class ChatSession:
         self.worker, self.tokenizer, self.template = worker, tokenizer, template
         self.max_new_tokens, self.sampling, self.system = max_new_tokens, sampling, system
         self.reset()
-        if self.history and worker.engine.room(len(self.prompt(self.history))) < 2:  # a user turn and an answer
-            raise BlockloopError(f"the system message takes {len(self.prompt(self.history))} of the model's "
-                                 f"{worker.engine.max_len} context tokens, leaving no room to chat; shorten it")
+        taken = len(self.prompt(self.history)) if self.history else 0
+        if worker.engine.room(taken) < 2:  # a user turn and an answer
+            raise BlockloopError(f"the system message takes {taken} of the model's {worker.engine.max_len} context "
+                                 "tokens, leaving no room to chat; shorten it")
 
     def reset(self) -> None:
         self.history: list[Message] = [{"role": "system", "content": self.system}] if self.system else []

@@ -82,7 +82,7 @@ class Sampling(BaseModel):
         return list(self.stop or [])
 
 
-def _text(text: str) -> str:
+def _utf8(text: str) -> str:
     problem = utf8_problem(text)
     if problem is not None:
         raise ValueError(f"{problem}; send UTF-8 text")
@@ -101,7 +101,7 @@ class CompletionRequest(Sampling):
         if isinstance(prompt, str) or (isinstance(prompt, list) and all(type(t) is int for t in prompt)):
             if len(prompt) == 0:
                 raise ValueError("the prompt is empty; give at least one character or token")
-            return _text(prompt) if isinstance(prompt, str) else prompt
+            return _utf8(prompt) if isinstance(prompt, str) else prompt
         if isinstance(prompt, list) and all(isinstance(p, (str, list)) for p in prompt):
             raise ValueError("batched prompts are not supported; send one prompt per request")
         raise ValueError("the prompt must be a string or a list of token ids")
@@ -119,10 +119,10 @@ class ChatMessage(BaseModel):
     def _text(cls, content: Any) -> str:
         """A string, or a list of ``{"type": "text", "text": ...}`` parts joined."""
         if isinstance(content, str):
-            return _text(content)
+            return _utf8(content)
         if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text"
                                              and isinstance(p.get("text"), str) for p in content):
-            return _text("".join(p["text"] for p in content))
+            return _utf8("".join(p["text"] for p in content))
         raise ValueError("content must be a string or a list of text parts ({'type': 'text', 'text': ...})")
 
 
