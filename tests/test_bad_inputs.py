@@ -383,6 +383,8 @@ def test_config_files_are_typed_by_their_dataclasses():
         from_fields(TrainConfig, {"bogus": 1}, "x")
     with pytest.raises(ConfigError, match="must be a JSON object"):
         from_fields(TrainConfig, [1], "x")
+    with pytest.raises(ConfigError, match=r"^x: --lr must be > 0, got -1.0 \(a value in the file"):
+        from_fields(TrainConfig, {"lr": -1.0}, "x")  # a saved value, not the flag, is to blame
     with pytest.raises(ConfigError, match="steps must be an integer, got '3'"):
         TrainConfig(steps="3")
     with pytest.raises(ConfigError, match="--grad-clip must be >= 0"):

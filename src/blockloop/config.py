@@ -190,13 +190,17 @@ def check_types(instance: Any, prefix: str = "", label: str = "") -> None:
 
 def from_fields(cls: type, data: Any, what: str) -> Any:
     """``cls(**data)`` for fields read from a file (``what`` names it): anything but an object of ``cls``'s
-    fields is refused by name instead of surfacing as a ``TypeError``."""
+    fields is refused by name instead of surfacing as a ``TypeError``, and a value ``cls`` refuses is reported
+    as the file's, not as a command-line flag's."""
     if not isinstance(data, dict):
         raise ConfigError(f"{what} must be a JSON object of fields, got {type(data).__name__}")
     unknown = sorted(set(data) - {f.name for f in dataclasses.fields(cls)})
     if unknown:
         raise ConfigError(f"{what} has unknown fields {', '.join(unknown)}; it was written by another version or edited")
-    return cls(**data)
+    try:
+        return cls(**data)
+    except ConfigError as e:
+        raise ConfigError(f"{what}: {e} (a value in the file; it was written by another version or edited)") from None
 
 
 def check_fields(cls: type, names: Any) -> None:

@@ -112,6 +112,7 @@ def plan_run(request: TrainRequest) -> RunPlan:
             raise BlockloopError(f"--resume continues the saved run; drop --{', --'.join(f.replace('_', '-') for f in clashes)}")
         # The model, config and tokenizer come from the run's own checkpoint, whatever it started from.
         source = dataclasses.replace(spec, init_from=str(directory))
+        # The flags passed argparse's checks, so a value refused here is the file's.
         config = from_fields(TrainConfig, {**state["train_config"], **r.train_overrides},
                              f"{directory / 'train_state.json'}: train_config")
         return RunPlan(spec, source, config, r.out, True, r.early_exit, r.tokens)
