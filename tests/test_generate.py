@@ -80,3 +80,14 @@ def test_generate_sizes_the_cache_to_its_requests_not_the_context(model, monkeyp
     out = generate(model, [[1, 2, 3], [4, 5]], 5, temperature=0)
     assert sizes == [3 + 5] and sizes[0] < model.config.context_length
     assert out == [naive_greedy(model, [1, 2, 3], 5), naive_greedy(model, [4, 5], 5)]
+
+
+def test_a_batch_tensor_is_read_row_by_row_and_other_shapes_are_refused(model):
+    prompts = [[5, 6, 7], [9, 10, 11]]
+    assert generate(model, torch.tensor(prompts), 4, temperature=0) == generate(model, prompts, 4, temperature=0)
+    for bad, says in ((torch.tensor([5, 6, 7]), r"shape \(batch, length\), got \(3,\)"),
+                      ([5, 6, 7], "one per row"), ("hello", "one per row"), ([[5], "ab"], "one per row")):
+        with pytest.raises(BlockloopError, match=says):
+            generate(model, bad, 4)
+    with pytest.raises(BlockloopError, match="whole number, at least 1; got 2.5"):
+        generate(model, prompts, 2.5)

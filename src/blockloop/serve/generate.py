@@ -16,14 +16,14 @@ from torch import nn
 from blockloop.errors import BlockloopError, check_context
 from blockloop.serve.batching import padded_prompt_length
 from blockloop.serve.engine import Engine
-from blockloop.serve.requests import Request, SamplingParams
+from blockloop.serve.requests import Request, SamplingParams, whole_number
 from blockloop.serve.runners import Speculation, runner_for
 
 
 @torch.no_grad()
 def generate(
     model: nn.Module,
-    prompts: Sequence[Sequence[int]],
+    prompts: Sequence[Sequence[int]] | torch.Tensor,
     max_new_tokens: int,
     *,
     temperature: float = 1.0,
@@ -37,17 +37,19 @@ def generate(
 ) -> list[list[int]]:
     """Continue each prompt by up to ``max_new_tokens`` tokens; a row stops early at ``eos_id``.
 
-    Returns the new tokens of each row, without the EOS. ``on_token(row, token)`` is called as tokens
+    ``prompts`` is a list of token-id lists (any lengths) or a ``(B, T)`` tensor of ids. Returns the new
+    tokens of each row, without the EOS. ``on_token(row, token)`` is called as tokens
     reach the host (streaming). The same ``seed`` gives the same samples; row ``i`` samples with its own
     stream ``(seed, i)``. ``prefix`` is a prompt prefix the model cached once (e.g.
     :meth:`DoubleDecoder.cache_prefix`): every prompt continues it. ``speculation`` decodes a looped model
     self-speculatively (:mod:`blockloop.serve.runners.speculative`): the same greedy tokens, the same
     sampling distribution (other samples for a seed), fewer full-depth passes.
     """
+    prompts = _prompt_rows(prompts)
     if not prompts or any(len(p) == 0 for p in prompts):
         raise BlockloopError("every prompt needs at least one token; give a non-empty --prompt")
-    if max_new_tokens < 1:
-        raise BlockloopError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
+    if not (whole_number(max_new_tokens) and max_new_tokens >= 1):
+        raise BlockloopError(f"max_new_tokens must be a whole number, at least 1; got {max_new_tokens!r}")
     longest = padded_prompt_length(model, prompts)
     need = (len(prefix) if prefix is not None else 0) + longest + max_new_tokens
     check_context(need, model.config.context_length, f"prompt of {longest} plus {max_new_tokens} new tokens, in all",
@@ -75,3 +77,18 @@ def generate(
     finally:
         model.train(was_training)
     return [r.output for r in requests]
+
+
+def _prompt_rows(prompts: Sequence[Sequence[int]] | torch.Tensor) -> list[Sequence[int]]:
+    """The batch as one id sequence per row: a ``(B, T)`` tensor is read row by row (nanoGPT's ``idx``); one flat
+    prompt, a string or a 1-D tensor is refused rather than read as a batch of one-token prompts."""
+    if isinstance(prompts, torch.Tensor):
+        if prompts.dim() != 2:
+            raise BlockloopError(f"a tensor of prompts has shape (batch, length), got {tuple(prompts.shape)}; "
+                                 "for one prompt pass prompt[None] or [ids]")
+        return prompts.tolist()
+    rows = [prompts] if isinstance(prompts, (str, bytes)) else list(prompts)
+    if any(isinstance(p, (str, bytes)) or not isinstance(p, Sequence | torch.Tensor) for p in rows):
+        raise BlockloopError("prompts is a list of token-id lists, one per row; for one prompt pass [ids], and "
+                             "encode text with the model's tokenizer first")
+    return rows
