@@ -173,6 +173,10 @@ CASES = [
     (["bench", "--plot", "{base}/plot.png", "--record", "{base}/records.jsonl"], "records.jsonl line 2 is not a JSON"),
     (["bench", "--presets", "tiny", "--exit", "max_prob:0.9", "--rate", "2"], "--rate, --exit do not apply to the throughput"),
     (["bench", "--stream", "--presets", "tiny", "--paged"], "--paged does not apply to --stream"),
+    # a flag no verb knows is blamed on the verb's help, not the top-level one
+    (["train", *TINY, "--bogus", "--out", NEW], "blockloop train: error: unrecognized arguments: --bogus; see blockloop train --help"),
+    (["tasks", "import", "{base}/x.jsonl", "--out", NEW, "--no-progress"], "see blockloop tasks import --help"),
+    (["tasks", "import", "{base}/x.jsonl", "--out", NEW, "--valid-fraction", "0"], "--valid-fraction: must be a finite number in (0, 1)"),
     (["bench", "--url", "http://127.0.0.1:9", "--slots", "4"], "--slots does not apply to --url"),
     (["bench", "--stream", "--presets", "tiny,tiny-block", "--prompt-range", "100,120", "--tokens-range", "20,40"],
      "tiny: the stream's longest request takes"),  # refused before the first model runs

@@ -55,7 +55,7 @@ def test_acc_norm_divides_by_the_characters_of_each_choice_and_stderr_is_the_sam
     assert question_metrics(question, [-5.0, -5.0]) == {"acc": 1.0, "acc_norm": 0.0}  # ties go to the first
     mean, stderr = mean_stderr([1.0, 0.0, 1.0, 1.0])
     assert mean == 0.75 and stderr == pytest.approx(0.5 / 2)  # sample std 0.5, n = 4
-    assert math.isnan(mean_stderr([1.0])[1])
+    assert mean_stderr([1.0])[1] is None
 
 
 def test_pairs_are_encoded_as_lm_eval_does():
@@ -220,7 +220,12 @@ def test_cli_runs_the_shipped_benchmarks_writes_json_and_compares(tiny_run, tmp_
     (["--task", "random-walk", "--tasks", "piqa"], "give one of them"),
     (["--tasks", "piqa,nope"], "unknown benchmark"),
     (["--tasks", "piqa", "--loops", "2"], "no loops"),
-    (["--loops", "2"], "go with --tasks"),
+    (["--loops", "2"], "--loops does not apply to the loss evaluation; add --tasks"),
+    (["--shots", "3", "--limit", "5"], "--shots, --limit do not apply to the loss evaluation"),
+    (["--tasks", "copa", "--data", "kjv", "--max-batches", "1"], "--data, --max-batches do not apply to --tasks"),
+    (["--tasks", "all,copa"], "give all alone"),
+    (["--tasks", "copa,piqa,copa"], "names copa more than once"),
+    (["--tasks", "copa", "--out", ""], "--out is empty"),
 ])
 def test_cli_benchmark_errors_are_one_line(tiny_run, capsys, argv, match):
     code = main(["eval", "--checkpoint", str(tiny_run), "--device", "cpu", *argv])
@@ -238,5 +243,61 @@ def test_compare_lines_a_per_loop_record_final_loop_up_with_plain_rows():
     plain = {"model": {"loops": None}, "results": [row(0.6)]}
     looped = {"model": {"loops": 2}, "results": [row(0.5, 1), row(0.55, 2)]}
     rows = compare_rows(plain, looped, ("A", "B"))
-    assert rows[1] == ("piqa", "acc", "", "60.0 ± 1.0", "55.0 ± 1.0", "-5.0")
-    assert rows[2] == ("piqa", "acc", "1", "-", "50.0 ± 1.0", "-")
+    assert rows[1] == ("piqa", "acc", "", "60.0 ± 1.0", "55.0 ± 1.0", "-5.0", "")
+    assert rows[2] == ("piqa", "acc", "1", "-", "50.0 ± 1.0", "-", "")
+    few = {"results": [{**row(0.7), "shots": 5, "n": 20}]}
+    assert compare_rows({"results": [{**row(0.6), "shots": 0, "n": 20}]}, few, ("A", "B"))[1][-1] == "shots 0 vs 5"
+
+
+def test_every_task_is_checked_before_any_is_scored(monkeypatch):
+    """A request the second task cannot meet must not cost the first task's scoring."""
+    tok = ByteTokenizer()
+    model = build_model(small_variant("tiny").replace(vocab_size=tok.vocab_size, padded_vocab_size=320)).eval()
+    copa = [{"premise": f"P{i}.", "choice1": "Aa", "choice2": "Bb", "question": "cause", "label": i % 2} for i in range(3)]
+    monkeypatch.setattr(scoring, "score", lambda *a, **k: pytest.fail("scored before every task was checked"))
+    with pytest.raises(BlockloopError, match="copa has 3 questions, too few for 5 examples"):
+        run_benchmarks(model, tok, BenchmarkRequest(["piqa", "copa"], shots=5),
+                       rows=lambda dataset: copa if "copa" in dataset else PIQA_ROWS * 3)
+    with pytest.raises(BlockloopError, match="--per-loop scores every loop's exit and --loops K one of them"):
+        run_benchmarks(model, tok, BenchmarkRequest(["piqa"], loops=1, per_loop=True), rows=lambda d: PIQA_ROWS)
+
+
+def test_a_task_model_is_refused_the_text_benchmarks():
+    from blockloop.data.tasks import get_task
+    from blockloop.data.tasks.tokenizer import TaskTokenizer
+
+    task = get_task("random-walk")
+    tok = TaskTokenizer(task.name, task.vocab)
+    model = build_model(small_variant("tiny").replace(vocab_size=tok.vocab_size, padded_vocab_size=128)).eval()
+    with pytest.raises(BlockloopError, match="reads the words of task random-walk, not text"):
+        run_benchmarks(model, tok, BenchmarkRequest(["piqa"]), rows=lambda d: PIQA_ROWS)
+
+
+def test_results_files_are_strict_json_and_malformed_ones_are_refused(tiny_run, tmp_path, capsys, monkeypatch):
+    pytest.importorskip("pyarrow")
+    one = tmp_path / "one.json"
+    assert main(["eval", "--checkpoint", str(tiny_run), "--tasks", "copa", "--limit", "1", "--device", "cpu",
+                 "--out", str(one)]) == 0
+    record = json.loads(one.read_text(), parse_constant=lambda name: pytest.fail(f"{name} is not JSON"))
+    assert record["results"][0]["stderr"] is None and record["results"][0]["n"] == 1
+    assert main(["eval", "--compare", str(one), str(one)]) == 0
+    capsys.readouterr()
+    for i, text in enumerate(['"results"', '{"results": 5}', '{"results": [{"task": "copa"}]}',
+                              '{"results": [], "model": 3}', '{"results": [{"task": "copa", "metric": "acc", '
+                              '"value": "high", "stderr": null}]}']):
+        bad = tmp_path / f"bad{i}.json"
+        bad.write_text(text)
+        assert main(["eval", "--compare", str(bad), str(one)]) == EXIT_USER_ERROR
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and "not a benchmark results file" in err, err
+    (tmp_path / "latin1.json").write_bytes(b"\xff\xfe")
+    assert main(["eval", "--compare", str(tmp_path / "latin1.json"), str(one)]) == EXIT_USER_ERROR
+    assert "not a benchmark results JSON file" in capsys.readouterr().err
+    # an --out that cannot be written fails before any question is scored, naming it
+    import blockloop.evals.harness as harness
+
+    monkeypatch.setattr(harness, "evaluate_benchmarks", lambda *a, **k: pytest.fail("scored before --out was checked"))
+    assert main(["eval", "--checkpoint", str(tiny_run), "--tasks", "copa", "--device", "cpu", "--out", str(tmp_path)]) \
+        == EXIT_USER_ERROR
+    err = capsys.readouterr().err.strip()
+    assert f"{tmp_path}; a folder stands where a file belongs" in err and ".tmp-" not in err, err

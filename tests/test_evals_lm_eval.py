@@ -96,3 +96,33 @@ def test_rolling_log_likelihood_and_greedy_generation(byte_model):
     assert total == pytest.approx(expected, rel=1e-5)
     (text_out,) = lm.generate_until([type("R", (), {"args": ("ROMEO:", {"until": ["\n"], "max_gen_toks": 12})})()])
     assert "\n" not in text_out and len(tok.encode(text_out)) <= 12
+
+
+def test_loops_are_checked_and_generation_refuses_a_fixed_exit():
+    from blockloop.errors import BlockloopError
+
+    torch.manual_seed(0)
+    tok = ByteTokenizer()
+    model = build_model(small_variant("tiny-recursive").replace(vocab_size=tok.vocab_size, padded_vocab_size=320)).eval()
+    asked = [type("R", (), {"args": ("The cat", " sat")})()]
+    first, last = (BlockloopLM(model=model, tokenizer=tok, loops=k).loglikelihood(asked) for k in (1, "2"))
+    assert last == BlockloopLM(model=model, tokenizer=tok).loglikelihood(asked) and first != last
+    for loops, says in (("0", "outside"), ("3", "outside"), ("-1", "not a loop number"), ("x", "not a loop number")):
+        with pytest.raises(BlockloopError, match=says):
+            BlockloopLM(model=model, tokenizer=tok, loops=loops)
+    with pytest.raises(BlockloopError, match="generation runs the whole model"):
+        BlockloopLM(model=model, tokenizer=tok, loops=1).generate_until(
+            [type("R", (), {"args": ("The cat", {"until": ["\n"], "max_gen_toks": 4})})()])
+
+
+def test_rolling_log_likelihood_of_an_encoder_decoder_starts_from_an_empty_encoder():
+    torch.manual_seed(0)
+    tok = ByteTokenizer()
+    model = build_model(small_variant("tiny-encdec").replace(vocab_size=tok.vocab_size, padded_vocab_size=320)).double().eval()
+    text = "To be, or not to be."
+    (total,) = BlockloopLM(model=model, tokenizer=tok).loglikelihood_rolling([type("R", (), {"args": (text,)})()])
+    ids = [tok.eos_id] + tok.encode(text)
+    with torch.no_grad():  # one window: nothing before the text, so the decoder reads it all after an empty encoder
+        logits, _ = model(torch.zeros(1, 0, dtype=torch.long), decoder_idx=torch.tensor([ids[:-1]]))
+    expected = torch.log_softmax(logits[0], -1).gather(1, torch.tensor(ids[1:])[:, None]).sum().item()
+    assert total == pytest.approx(expected, abs=1e-9)

@@ -101,3 +101,21 @@ def test_an_out_folder_that_cannot_be_created_is_one_line(capsys):
                  "--no-progress"]) == EXIT_USER_ERROR
     err = capsys.readouterr().err
     assert len(err.strip().splitlines()) == 1 and "/proc/blockloop-test" in err and "Traceback" not in err, err
+
+
+def test_a_write_that_cannot_happen_names_its_target_not_the_temporary_and_can_be_checked_first(tmp_path):
+    from blockloop.files import check_writable
+
+    folder = tmp_path / "results.json"
+    folder.mkdir()
+    for write in (lambda p: atomic_write_text(p, "{}"), check_writable):
+        with pytest.raises(IsADirectoryError) as caught:
+            write(folder)
+        assert caught.value.filename == str(folder)
+        blocked = tmp_path / "a_file" / "x.json"  # a file where its folder belongs
+        (tmp_path / "a_file").write_text("")
+        with pytest.raises(OSError) as caught:
+            write(blocked)
+        assert caught.value.filename == str(blocked)
+    check_writable(tmp_path / "new" / "ok.json")
+    assert list((tmp_path / "new").iterdir()) == []  # the probe leaves nothing behind

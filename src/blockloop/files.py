@@ -7,6 +7,7 @@ already on disk; :func:`run_lock` keeps a second process from writing the same r
 from __future__ import annotations
 
 import contextlib
+import errno
 import io
 import json
 import os
@@ -25,8 +26,7 @@ _T = TypeVar("_T")
 def copy_into_place(src: IO[bytes], target: Path) -> None:
     """Stream ``src`` to ``target`` through a temporary file in the same folder, synced, then renamed."""
     target = Path(target)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = _new_file(target.parent)
+    fd, tmp = _new_file_beside(target)
     try:
         with os.fdopen(fd, "wb") as out:
             shutil.copyfileobj(src, out)
@@ -36,6 +36,25 @@ def copy_into_place(src: IO[bytes], target: Path) -> None:
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
+
+
+def check_writable(target: Path) -> None:
+    """Fail now, with the error a write would give, if ``target`` cannot be written (a folder stands there, its
+    folder is read-only): before long work whose result goes there, not after it."""
+    fd, tmp = _new_file_beside(Path(target))
+    os.close(fd)
+    tmp.unlink()
+
+
+def _new_file_beside(target: Path) -> tuple[int, Path]:
+    """:func:`_new_file` in ``target``'s folder (created if missing); errors name ``target``, not the temporary."""
+    if target.is_dir():
+        raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR), str(target))
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        return _new_file(target.parent)
+    except OSError as exc:
+        raise type(exc)(exc.errno, exc.strerror, str(target)) from None
 
 
 def _new_file(folder: Path) -> tuple[int, Path]:

@@ -27,7 +27,7 @@ from blockloop.errors import BlockloopError
 
 EXIT_USER_ERROR = 2
 # Optional packages and the extra that installs each: a verb that needs one says so in one line.
-EXTRAS = {"transformers": "hf", "gguf": "hf", "matplotlib": "plot", "pyarrow": "eval", "lm_eval": "lm-eval",
+EXTRAS = {"transformers": "hf", "gguf": "hf", "matplotlib": "plot", "pyarrow": "eval", "lm_eval": "eval",
           "fastapi": "serve", "uvicorn": "serve", "prometheus_client": "serve", "httpx": "serve"}
 
 # What the environment refuses, with the fix; the message names the path.
@@ -51,11 +51,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     # The top-level parser has no options of its own besides --help: the first word is the verb.
     verb = next((word for word in argv if not word.startswith("-")), None)
     try:
-        args = build_parser(verbs={verb} if verb else set()).parse_args(argv)
+        args, unknown = build_parser(verbs={verb} if verb else set()).parse_known_args(argv)
     except SystemExit as exc:  # an argument error (already printed) is an exit code; --help still exits
         if exc.code in (0, None):
             raise
         return int(exc.code)
+    if unknown:  # argparse would blame the top-level parser; the help that lists the flags is the verb's
+        prog = " ".join(filter(None, ("blockloop", args.command, getattr(args, f"{args.command}_command", None))))
+        print(f"{prog}: error: unrecognized arguments: {' '.join(unknown)}; see {prog} --help", file=sys.stderr)
+        return EXIT_USER_ERROR
     if getattr(args, "no_progress", False):
         from blockloop import progress
 

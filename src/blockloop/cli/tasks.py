@@ -6,11 +6,12 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from blockloop.cli.common import add_no_progress, fraction, nonnegative_int, print_table
+from blockloop.cli.common import add_no_progress, nonnegative_int, number, print_table
 from blockloop.errors import BlockloopError
 
 HELP = "list or write the state-tracking tasks (algorithm-3, algorithm-5, random-walk), or import your own"
 DESCRIPTION = "Seeded train/valid/test splits of labelled-position tasks, written as memory-mappable arrays."
+share = number(0, 1, low_open=True, high_open=True)  # of an imported file's sequences: each split gets some
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -31,8 +32,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     i.add_argument("--valid", help="a file of validation sequences (with --test; default: drawn from DATA)")
     i.add_argument("--test", help="a file of test sequences (with --valid)")
     i.add_argument("--seed", type=nonnegative_int, default=0, help="seed of the split drawn from DATA (default: 0)")
-    i.add_argument("--valid-fraction", type=fraction, default=0.1, help="share of DATA's sequences for valid (default: 0.1)")
-    i.add_argument("--test-fraction", type=fraction, default=0.1, help="share of DATA's sequences for test (default: 0.1)")
+    i.add_argument("--valid-fraction", type=share, default=0.1, help="share of DATA's sequences for valid (default: 0.1)")
+    i.add_argument("--test-fraction", type=share, default=0.1, help="share of DATA's sequences for test (default: 0.1)")
     i.add_argument("--vocab-from", metavar="TASK_DIR",
                    help="reuse an imported task's vocabulary (new evaluation data for a trained model)")
 

@@ -18,6 +18,7 @@ from torch import nn
 
 import blockloop
 from blockloop.bench.records import environment
+from blockloop.data.tasks.tokenizer import TaskTokenizer
 from blockloop.data.tokenizers import Tokenizer
 from blockloop.device import resolve_device
 from blockloop.errors import BlockloopError
@@ -41,12 +42,13 @@ class BenchmarkRequest:
     per_loop: bool = False
 
 
-def mean_stderr(values: list[float]) -> tuple[float, float]:
-    """The mean and its standard error (sample standard deviation / sqrt(n); NaN for fewer than 2 values)."""
+def mean_stderr(values: list[float]) -> tuple[float, float | None]:
+    """The mean and its standard error (sample standard deviation / sqrt(n); None for fewer than 2 values, which
+    lm-eval reports as NaN: JSON has no NaN)."""
     n = len(values)
     mean = sum(values) / n
     if n < 2:
-        return mean, math.nan
+        return mean, None
     return mean, math.sqrt(sum((v - mean) ** 2 for v in values) / (n - 1)) / math.sqrt(n)
 
 
@@ -64,6 +66,8 @@ def exits_of(model: nn.Module, request: BenchmarkRequest) -> list[int] | None:
     """The loops whose static exits are scored (None: the model's own output)."""
     if request.loops is None and not request.per_loop:
         return None
+    if request.loops is not None and request.per_loop:
+        raise BlockloopError("--per-loop scores every loop's exit and --loops K one of them; give one of the two")
     loops = getattr(model.config, "loops", None)
     if loops is None:
         raise BlockloopError("--loops / --per-loop score a looped model's exits; this model has no loops")
@@ -86,12 +90,16 @@ def run_benchmarks(
 
     ``progress(task, n_questions)`` may return a callback told how many questions are done; ``rows(dataset)``
     replaces the shipped data (tests)."""
+    if isinstance(tokenizer, TaskTokenizer):
+        raise BlockloopError(f"this model reads the words of task {tokenizer.task}, not text, so it cannot answer the "
+                             "benchmarks; score it on its task with `blockloop eval --checkpoint RUN` (no --tasks)")
     exits = exits_of(model, request)
+    # Every task's questions first: a request one task cannot meet (too many --shots) fails before any scoring.
+    prepared = [(name, build_questions(TASKS[name], (rows or load_rows)(TASKS[name].dataset), shots=request.shots,
+                                       limit=request.limit, seed=request.seed)) for name in request.tasks]
     results, seconds = [], {}
-    for name in request.tasks:
+    for name, questions in prepared:
         task = TASKS[name]
-        questions = build_questions(task, (rows or load_rows)(task.dataset), shots=request.shots,
-                                    limit=request.limit, seed=request.seed)
         start = time.perf_counter()
         groups = [[encode_request(tokenizer, c, x) for c, x in q.pairs] for q in questions]
         scores = score(model, groups, exits=exits, batch_size=request.batch_size,

@@ -1,6 +1,6 @@
 """lm-evaluation-harness on blockloop checkpoints: importing this module registers the ``blockloop`` model type.
 
-For people who have lm-eval and its data (``pip install 'blockloop[lm-eval]'``; lm-eval fetches task data
+For people who have lm-eval and its data (``pip install 'blockloop[eval]'``; lm-eval fetches task data
 from a hub unless the task reads local files)::
 
     import lm_eval
@@ -24,6 +24,8 @@ from torch import nn
 
 from blockloop.data.tokenizers import Tokenizer
 from blockloop.device import resolve_device
+from blockloop.errors import BlockloopError
+from blockloop.evals.harness import BenchmarkRequest, exits_of
 from blockloop.evals.scoring import Request, encode_request, score
 from blockloop.families import spec_of
 from blockloop.nn.linear import packed_linears
@@ -44,7 +46,12 @@ class BlockloopLM(LM):
             model, tokenizer = trained.model, trained.tokenizer
         self.model, self.tokenizer = model.eval(), tokenizer
         self.batch_size = int(batch_size) if str(batch_size).isdigit() else 8
-        self.exits = [int(loops)] if loops not in (None, "") else None
+        if loops in (None, ""):
+            self.exits = None
+        elif not str(loops).isdigit():
+            raise BlockloopError(f"loops={loops!r} is not a loop number; give loops=K, 1 <= K <= the model's loops")
+        else:
+            self.exits = exits_of(self.model, BenchmarkRequest([], loops=int(loops)))
 
     def _score(self, requests: list[Request]) -> list[tuple[float, bool]]:
         """Requests with equal contexts form one group (one prefix pass); answers in the order asked."""
@@ -74,6 +81,9 @@ class BlockloopLM(LM):
         return totals
 
     def generate_until(self, requests: list[Any], disable_tqdm: bool = False) -> list[str]:
+        if self.exits is not None:  # decoding exits through the engine's exit rules, not at a fixed loop
+            raise BlockloopError(f"loops={self.exits[0]} scores log-likelihoods at that loop's exit; generation runs "
+                                 "the whole model, so run generation tasks without loops=")
         outputs = []
         with packed_linears(self.model):  # once for every request, not per generate call
             for req in requests:

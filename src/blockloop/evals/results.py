@@ -13,8 +13,9 @@ from blockloop.files import atomic_write_text
 RESULTS_FILE = "benchmarks.json"
 
 
-def _cell(value: float, stderr: float) -> str:
-    return f"{100 * value:.1f}" + ("" if math.isnan(stderr) else f" ± {100 * stderr:.1f}")
+def _cell(value: float, stderr: float | None) -> str:
+    """Percent ± standard error; none for a single question (stored as null; NaN in records of older versions)."""
+    return f"{100 * value:.1f}" + ("" if stderr is None or math.isnan(stderr) else f" ± {100 * stderr:.1f}")
 
 
 def _key(result: dict[str, Any], final_loop: int | None = None) -> tuple:
@@ -35,33 +36,51 @@ def table_rows(record: dict[str, Any]) -> list[tuple[str, ...]]:
 
 def write_record(record: dict[str, Any], path: Path) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
-    atomic_write_text(path, json.dumps(record, indent=1, allow_nan=True) + "\n")
+    atomic_write_text(path, json.dumps(record, indent=1, allow_nan=False) + "\n")
 
 
 def read_record(path: str | Path) -> dict[str, Any]:
-    """A record from its JSON file, or from ``benchmarks.json`` in a run directory."""
+    """A record from its JSON file, or from ``benchmarks.json`` in a run directory, checked to hold results."""
     path = Path(path)
     file = path / RESULTS_FILE if path.is_dir() else path
     if not file.is_file():
         raise BlockloopError(f"no benchmark results at {file}; run blockloop eval --tasks ... --out {file} first")
     try:
         record = json.loads(file.read_text(encoding="utf-8"))
-    except json.JSONDecodeError as exc:
-        raise BlockloopError(f"{file} is not a benchmark results JSON file ({exc})") from exc
-    if "results" not in record:
-        raise BlockloopError(f"{file} is not a benchmark results JSON file (no 'results')")
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise BlockloopError(f"{file} is not a benchmark results JSON file ({exc})") from None
+    problem = _record_problem(record)
+    if problem:
+        raise BlockloopError(f"{file} is not a benchmark results file written by blockloop eval ({problem})")
     return record
 
 
+def _record_problem(record: Any) -> str | None:
+    """What a record lacks that the table and the comparison read (None: nothing)."""
+    if not isinstance(record, dict) or not isinstance(record.get("results"), list):
+        return "no list of results"
+    if not isinstance(record.get("model", {}), dict | None):
+        return "its model is not an object"
+    number = int | float
+    for i, r in enumerate(record["results"]):
+        if not (isinstance(r, dict) and isinstance(r.get("task"), str) and isinstance(r.get("metric"), str)
+                and isinstance(r.get("value"), number) and isinstance(r.get("stderr"), number | None)):
+            return f"result {i} is not an object with task, metric, value and stderr"
+    return None
+
+
 def compare_rows(a: dict[str, Any], b: dict[str, Any], names: tuple[str, str]) -> list[tuple[str, ...]]:
-    """Header + one row per (task, metric[, loop]) in either record: A, B (percent ± stderr) and B - A. A
-    per-loop record's last loop is compared with the other's plain rows (both are the model's output)."""
+    """Header + one row per (task, metric[, loop]) in either record: A, B (percent ± stderr), B - A, and what
+    differs between the two runs of it (shots, questions) when something does. A per-loop record's last loop is
+    compared with the other's plain rows (both are the model's output)."""
     first, second = ({_key(r, (rec.get("model") or {}).get("loops")): r for r in rec["results"]} for rec in (a, b))
     keys = list(first) + [k for k in second if k not in first]
-    rows = [("task", "metric", "loop", names[0], names[1], "B - A")]
+    rows = [("task", "metric", "loop", names[0], names[1], "B - A", "runs differ in")]
     for key in keys:
         x, y = first.get(key), second.get(key)
         cells = [_cell(r["value"], r["stderr"]) if r else "-" for r in (x, y)]
         diff = f"{100 * (y['value'] - x['value']):+.1f}" if x and y else "-"
-        rows.append((key[0], key[1], "" if key[2] is None else str(key[2]), *cells, diff))
+        differ = [f"{field} {x.get(field)} vs {y.get(field)}" for field in ("shots", "n")
+                  if x and y and x.get(field) != y.get(field)]
+        rows.append((key[0], key[1], "" if key[2] is None else str(key[2]), *cells, diff, "; ".join(differ)))
     return rows

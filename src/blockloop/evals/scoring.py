@@ -222,9 +222,7 @@ def _split(model: nn.Module, groups: list[list[Request]], exits: Sequence[int] |
         inputs, targets, n = _window(r, limit)
         b = len(inputs) - n
         idx, tgt = torch.tensor([inputs], device=device), torch.tensor([targets], device=device)
-        if encoder:
-            if b == 0:
-                raise BlockloopError("an encoder-decoder needs at least two context tokens to score a continuation")
+        if encoder:  # a one-token context leaves the encoder empty, as a one-token prompt does when generating
             logits = _logits(model, exits, idx[:, :b], decoder_idx=idx[:, b:])
         else:
             boundaries = prefix_partition(len(inputs), b).to(device) if b else None

@@ -131,12 +131,17 @@ TASKS: dict[str, Task] = {t.name: t for t in (
 
 
 def parse_tasks(text: str) -> list[str]:
-    """``all`` or comma-separated task names, checked."""
+    """``all`` or comma-separated task names, checked: each known, none twice, ``all`` alone."""
     names = list(TASKS) if text.strip() == "all" else [n.strip() for n in text.split(",") if n.strip()]
+    if "all" in names:
+        raise BlockloopError("--tasks all already names every benchmark; give all alone or a list of names")
     unknown = [n for n in names if n not in TASKS]
     if unknown or not names:
         what = f"unknown benchmark task(s) {', '.join(unknown)}" if unknown else "--tasks names no benchmark"
         raise BlockloopError(f"{what}; known: all, {', '.join(TASKS)}")
+    twice = sorted({n for n in names if names.count(n) > 1})
+    if twice:
+        raise BlockloopError(f"--tasks names {', '.join(twice)} more than once; give each task once")
     return names
 
 
