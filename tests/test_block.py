@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import re
 
 import pytest
 import torch
@@ -160,6 +161,14 @@ def test_uptraining_conversion_rejects_impossible_requests():
         vanilla_to_block(build_model(from_name("tiny", n_layer=1)))
     with pytest.raises(BlockloopError, match="not RecursiveDecoder"):  # a Decoder subclass, but looped
         vanilla_to_block(build_model(from_name("tiny-recursive")))
+    # what a Block Transformer's layers cannot hold is named, not dropped (GPT-2's positions, Gemma's norms)
+    for changes, named in (({"learned_positions": True, "rotary_pct": 0.0}, "learned positions"),
+                           ({"qk_norm": True, "sandwich_norm": True}, "q/k norms, sandwich norms"),
+                           ({"embed_scale": True, "logit_softcap": 30.0}, "embedding scaling, logit soft-capping"),
+                           ({"sliding_window": 8, "local_layers": [0]}, "sliding-window layers"),
+                           ({"head_dim": 32}, "head_dim 32 (not d_model / n_head)")):
+        with pytest.raises(BlockloopError, match=f"uses {re.escape(named)}, which the Block Transformer does not have"):
+            vanilla_to_block(build_model(from_name("tiny", **changes)))
 
 
 @pytest.mark.parametrize(

@@ -194,6 +194,11 @@ def test_bad_paths_and_inexpressible_models(tmp_path):
     mup = DecoderConfig(vocab_size=90, context_length=32, n_layer=1, n_head=4, d_model=32, mup_base_width=16)
     with pytest.raises(BlockloopError, match="matches no Hugging Face architecture"):
         export_hf(Decoder(mup), char_tokenizer(90), tmp_path / "mup")
+    # the field that stops an export is named (q/k norms in an otherwise Llama-shaped model)
+    qk = DecoderConfig(vocab_size=90, context_length=32, n_layer=1, n_head=4, d_model=32, norm="rmsnorm", mlp="swiglu",
+                       qk_norm=True)
+    with pytest.raises(BlockloopError, match="the closest, llama, cannot express qk_norm=True"):
+        export_hf(Decoder(qk), char_tokenizer(90), tmp_path / "qk")
 
 
 def test_cli_import_generate_and_export(tmp_path, capsys):

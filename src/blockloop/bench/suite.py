@@ -121,10 +121,13 @@ def pages_kv(model: nn.Module) -> bool:
 def parse_exit_rule(text: str) -> ExitRule:
     """``RULE:THRESHOLD`` (``max_prob:0.9``, ``entropy:2.0``, ``none:0``) or ``oracle``."""
     kind, _, threshold = text.partition(":")
+    if kind in ("none", "oracle") and not threshold:  # rules that read no threshold
+        return ExitRule(kind, 0.0)
     try:
-        return ExitRule(kind, float(threshold or 0))
-    except ValueError as exc:
-        raise BlockloopError(f"--exit takes RULE:THRESHOLD such as max_prob:0.9, got {text!r}") from exc
+        value = float(threshold)
+    except ValueError:
+        raise BlockloopError(f"--exit takes RULE:THRESHOLD such as max_prob:0.9 or entropy:1.5, got {text!r}") from None
+    return ExitRule(kind, value)
 
 
 def rule_name(rule: ExitRule) -> str:

@@ -45,7 +45,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
             if option.name in added:
                 continue
             added.add(option.name)
-            g.add_argument(f"--{option.name.replace('_', '-')}", type=CHECKED.get(option.type, option.type), default=option.default,
+            # default None: a flag given to a target that ignores it is told apart from one left alone (run)
+            g.add_argument(f"--{option.name.replace('_', '-')}", type=CHECKED.get(option.type, option.type),
                            choices=option.choices, help=_merged_help(helps[option.name]))
 
 
@@ -66,6 +67,15 @@ def run(args: argparse.Namespace) -> int:
         raise BlockloopError(
             f"give either --from-hf PATH (import) or --to {'|'.join(TARGETS)} --checkpoint RUN (convert/export)"
         )
+    # A flag the chosen mode would ignore is refused (--save-dtype on an import, --loops on --to block, ...).
+    takes = {"checkpoint", *(o.name for o in TARGETS[args.to].options)} if args.to else {"gguf_file", "tokenizer"}
+    flags = {"checkpoint", "gguf_file", "tokenizer"} | {o.name for t in TARGETS.values() for o in t.options}
+    ignored = sorted(name for name in flags - takes if getattr(args, name) is not None)
+    if ignored:
+        names = ", ".join("--" + name.replace("_", "-") for name in ignored)
+        mode = f"--to {args.to}" if args.to else "--from-hf (an import writes the model as it is)"
+        raise BlockloopError(f"{names} {'does' if len(ignored) == 1 else 'do'} not apply to {mode}; leave "
+                             f"{'it' if len(ignored) == 1 else 'them'} out")
     if args.from_hf is not None:
         from blockloop.convert.hf_checkpoint import import_checkpoint
 
@@ -77,7 +87,7 @@ def run(args: argparse.Namespace) -> int:
         return 0
     if args.checkpoint is None:
         raise BlockloopError(f"--to {args.to} needs --checkpoint RUN, the trained model to convert")
-    options = {option.name: getattr(args, option.name) for option in TARGETS[args.to].options}
+    options = {o.name: o.default if getattr(args, o.name) is None else getattr(args, o.name) for o in TARGETS[args.to].options}
     done = convert_checkpoint(args.to, args.checkpoint, Path(args.out), **options)
     print(f"wrote {done.what} to {done.out}; {done.hint}")
     return 0

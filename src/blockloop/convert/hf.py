@@ -201,20 +201,26 @@ def export_architecture(config: DecoderConfig) -> Architecture:
     if type(config) is not DecoderConfig:
         raise BlockloopError(f"only vanilla decoders export to Hugging Face, not {config.family} models")
     wanted = _model_fields(config)
-    for arch in ARCHITECTURES.values():
+    lost: dict[str, list[str]] = {}  # per architecture that takes the config at all: the fields it cannot express
+    for name, arch in ARCHITECTURES.items():
         back = _round_trip(arch, config)
-        if back is not None and _model_fields(back) == wanted:
-            return arch
+        if back is not None:
+            lost[name] = [f"{k}={v}" for k, v in wanted.items() if _model_fields(back)[k] != v]
+            if not lost[name]:
+                return arch
+    closest = f"; the closest, {min(lost, key=lambda a: len(lost[a]))}, cannot express " + \
+        ", ".join(min(lost.values(), key=len)) if lost else ""
     raise BlockloopError(
         f"{config.name} ({config.norm}, {config.mlp} MLP, bias={config.bias}) matches no Hugging Face architecture "
-        f"blockloop exports ({SUPPORTED}); only vanilla models in one of those layer styles export"
+        f"blockloop exports ({SUPPORTED}){closest}; only vanilla models in one of those layer styles export"
     )
 
 
 def _round_trip(arch: Architecture, config: DecoderConfig) -> DecoderConfig | None:
     """``config`` through ``arch``'s Hugging Face config and back, or None where either side refuses it."""
     try:
-        return arch.to_config(arch.from_config(config), config.name)
+        with quiet_transformers():  # a config an architecture cannot take is expected here, not worth a warning
+            return arch.to_config(arch.from_config(config), config.name)
     except Exception:  # noqa: BLE001 - transformers rejects impossible configs with assorted error types
         return None
 

@@ -57,6 +57,9 @@ def import_checkpoint(
         path = Path(source)
     if not path.is_dir():
         raise BlockloopError(f"{path} is not a directory; give a Hugging Face model folder, or 'smollm2'")
+    if tokenizer is not None and tokenizer.split(":")[0] == "bpe":
+        raise BlockloopError("--tokenizer bpe is trained on a corpus, so its ids would not be the ones the imported "
+                             "weights were trained on; leave --tokenizer out to keep the source's own")
     tok = build_tokenizer(tokenizer) if tokenizer else _source_tokenizer(path, gguf_file)
     model = import_hf(path, gguf_file=gguf_file, vocab_size=tok.vocab_size)
     if tok.vocab_size > model.config.padded_vocab_size:

@@ -28,6 +28,11 @@ def block_config_from_vanilla(config: DecoderConfig, *, block_len: int, prefix_l
         raise BlockloopError(
             f"the model context {config.context_length} is not a multiple of --block-len {block_len}; choose a divisor"
         )
+    missing = _features_block_models_lack(config)
+    if missing:
+        raise BlockloopError(f"{config.name} uses {', '.join(missing)}, which the Block Transformer does not have: its "
+                             "block model would start as a different model, not from this one; convert a model "
+                             "without them (a Llama- or Pythia-style decoder)")
     lower = config.n_layer // 2
     shape = dict(d_model=config.d_model, n_head=config.n_head, n_kv_head=config.n_kv_head, d_ff=config.d_ff)
     return BlockTransformerConfig(
@@ -48,6 +53,18 @@ def block_config_from_vanilla(config: DecoderConfig, *, block_len: int, prefix_l
         tie_embeddings=config.tie_embeddings,
         **config.style(),
     )
+
+
+def _features_block_models_lack(config: DecoderConfig) -> list[str]:
+    """The source's features with no counterpart in :class:`BlockTransformerConfig` (whose layers read only the
+    shared layer style): carried over they would be dropped, so the conversion refuses them by name."""
+    features = (("learned positions", config.learned_positions), ("embedding scaling", config.embed_scale),
+                ("q/k norms", config.qk_norm), ("sandwich norms", config.sandwich_norm),
+                ("an attention scale", config.attn_scalar is not None),
+                ("logit soft-capping", config.logit_softcap is not None),
+                ("sliding-window layers", config.sliding_window is not None or bool(config.local_layers)),
+                (f"head_dim {config.head_dim} (not d_model / n_head)", config.head_dim * config.n_head != config.d_model))
+    return [name for name, used in features if used]
 
 
 @torch.no_grad()

@@ -27,14 +27,30 @@ CHAT_TEMPLATE_FILE = "chat_template.jinja"
 
 @contextmanager
 def quiet_transformers() -> Iterator[None]:
-    """No transformers progress bars on stderr while loading (the CLI's errors and output stay one line each)."""
+    """transformers' progress bars and warnings off on stderr while loading (the CLI's errors and output stay one
+    line each). The GGUF reader draws its own tqdm bar past that switch; it is drawn as blockloop's bars are
+    (on a terminal only, and not under ``--no-progress``)."""
     from transformers.utils import logging as hf_logging  # optional dependency: imported when used
 
-    was_enabled = hf_logging.is_progress_bar_enabled()
+    from blockloop import progress
+
+    was_enabled, verbosity = hf_logging.is_progress_bar_enabled(), hf_logging.get_verbosity()
     hf_logging.disable_progress_bar()
+    hf_logging.set_verbosity_error()
+    try:
+        import transformers.modeling_gguf_pytorch_utils as gguf_reader
+    except ImportError:  # no gguf package: nothing reads GGUF files
+        gguf_reader = None
+    own_bar = getattr(gguf_reader, "tqdm", None)
+    if own_bar is not None:
+        gguf_reader.tqdm = lambda iterable, desc=None, **kwargs: progress.bar(
+            iterable=iterable, desc="dequantising GGUF tensors", unit="tensor")
     try:
         yield
     finally:
+        if own_bar is not None:
+            gguf_reader.tqdm = own_bar
+        hf_logging.set_verbosity(verbosity)
         if was_enabled:
             hf_logging.enable_progress_bar()
 

@@ -34,6 +34,7 @@ tokens per row, exactly the full model's output.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -70,6 +71,13 @@ class ExitRule:
             raise BlockloopError(f"unknown exit rule {self.kind!r}; choose one of {', '.join(EXIT_RULES)}")
         if self.min_loops < 1:
             raise BlockloopError(f"min_loops must be >= 1, got {self.min_loops}")
+        # NaN never fires and a threshold outside the range fires always or never: a rule that means nothing.
+        # (max_prob 0 fires at min_loops always: the exit of a fixed depth, kept as a deliberate setting.)
+        t = self.threshold
+        if self.kind == "max_prob" and not (isinstance(t, int | float) and 0 <= t <= 1):
+            raise BlockloopError(f"the max_prob exit threshold is a probability in [0, 1], got {t!r}")
+        if self.kind == "entropy" and not (isinstance(t, int | float) and 0 <= t < math.inf):
+            raise BlockloopError(f"the entropy exit threshold is a finite number of nats >= 0, got {t!r}")
 
     def fires(self, logits: Tensor, loops_done: Tensor) -> Tensor:
         """``(B,)`` bool: which rows may exit, given their exit logits and how many loops they ran."""
