@@ -119,6 +119,11 @@ CASES = [
     (["train", *TINY, "--exit-coefficient", "inf", "--out", NEW], "--exit-coefficient: must be a finite number"),
     (["train", *TINY, "--mup-base-width", "0", "--out", NEW], "--mup-base-width: must be an integer >= 1"),
     (["train", *TINY, "--schedule", "sawtooth", "--out", NEW], "invalid choice: 'sawtooth'"),
+    # train: a family whose batches drop a task's labels
+    (["train", "--preset", "tiny-block", "--task", "random-walk:16", "--seq-len", "68", "--out", NEW],
+     "the block family builds its targets from the inputs"),
+    (["train", "--preset", "tiny-encdec", "--task", "random-walk:16", "--seq-len", "68", "--out", NEW],
+     "cannot learn or be scored on a labelled-position task"),
     # train: where the run goes and what it continues
     (["train", *TINY, "--out", "{base}/a_file"], "a_file is a file"),
     (["train", *TINY, "--out", "{base}/a_file/run"], "Not a directory: {base}/a_file"),

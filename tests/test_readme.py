@@ -69,7 +69,7 @@ SMOKE: list[tuple[str, str]] = [
     (r"^blockloop demo\b", "blockloop demo --steps 2"),
     (r"(blockloop\.cli|^blockloop) train\b", r"\1 train --steps 2 --eval-batches 1 --batch-size 2"),  # later flags still win
     (r"--batch-size \d+", "--batch-size 2"),
-    (r"^blockloop eval\b", "blockloop eval --max-batches 2"),
+    (r"^blockloop eval\b(?![\s\S]*--(?:tasks|compare)\b)", "blockloop eval --max-batches 2"),  # loss mode only
     (r'"steps": \d+', '"steps": 2'),
 ]
 

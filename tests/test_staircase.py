@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from blockloop.data.loader import PackedSequences, StreamBatches, stream_eval_batches
-from blockloop.errors import ConfigError
+from blockloop.errors import BlockloopError, ConfigError
 from blockloop.families import build_model, config_from_dict, from_name, spec_of
 from blockloop.families.ladder import LadderConfig
 from blockloop.families.staircase import StaircaseConfig
@@ -279,6 +279,14 @@ def test_stream_batches_continue_each_row_and_signal_new_streams():
     torch.testing.assert_close(following[:, 0], first[:, -1] + 1)  # row i goes on where it stopped
     streams = list(stream_eval_batches(data, 4, max_batches=3))
     torch.testing.assert_close(streams[1][0][:, 0], streams[0][0][:, -1] + 1)
+    # a resume reads on in the same streams, and only in them (another batch size would index past them)
+    again = StreamBatches(data, 3, groups=2)
+    again.load_state_dict(batches.state_dict())
+    torch.testing.assert_close(again.next_batch()[0], batches.next_batch()[0])
+    for other in (StreamBatches(data, 6, groups=2), StreamBatches(data, 3, groups=1),
+                  StreamBatches(PackedSequences(np.arange(1000, dtype=np.int64), 20), 3, groups=2)):
+        with pytest.raises(BlockloopError, match="resume with the run's own --batch-size, --grad-accum, --seq-len"):
+            other.load_state_dict(batches.state_dict())
 
 
 def test_truncated_bptt_detaches_the_state_and_the_loss_falls(tmp_path):

@@ -179,9 +179,19 @@ class StreamBatches:
         return self.sequences.to_batch(windows)
 
     def state_dict(self) -> dict[str, int]:
-        return {"epoch": self._epoch, "index": self._offset, "group": self._group}
+        return {"epoch": self._epoch, "index": self._offset, "group": self._group,
+                "streams": self.batch_size * self.world_size * self.groups, "stream_len": self.stream_len}
 
     def load_state_dict(self, state: dict[str, int]) -> None:
+        """Continue where the saved position was. Only in the same stream layout: a position in other streams
+        would index past them, or silently read other text than the one the carried state belongs to."""
+        streams = self.batch_size * self.world_size * self.groups
+        saved = (int(state.get("streams", streams)), int(state.get("stream_len", self.stream_len)))
+        if saved != (streams, self.stream_len) or int(state["index"]) >= self.stream_len:
+            raise BlockloopError(
+                f"the run's recurrent model read its data as {saved[0]} streams of {saved[1]} windows, this resume as "
+                f"{streams} of {self.stream_len}; resume with the run's own --batch-size, --grad-accum, --seq-len "
+                "and number of processes")
         self._epoch, self._offset, self._group = int(state["epoch"]), int(state["index"]), int(state.get("group", 0))
 
 

@@ -214,6 +214,7 @@ SPEC = FamilySpec(
     config_class=BlockTransformerConfig,
     model_class=BlockTransformer,
     scoring="blocks",
+    labelled_tasks=False,
     presets=PRESETS,
     training_flops_per_token=training_flops_per_token,
     make_batch=make_batch,

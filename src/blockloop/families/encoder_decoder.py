@@ -126,6 +126,7 @@ SPEC = FamilySpec(
     config_class=EncoderDecoderConfig,
     model_class=EncoderDecoder,
     scoring="encoder",
+    labelled_tasks=False,
     presets=PRESETS,
     training_flops=training_flops,
     make_batch=make_batch,

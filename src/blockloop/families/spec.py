@@ -75,6 +75,9 @@ class FamilySpec:
       ``blocks`` (the context left-padded to whole blocks, as generation does), ``partition`` (the context
       as the first block of a two-block partition), ``encoder`` (the context as the encoder input); None:
       the family has not said, and evaluation refuses it rather than approximate.
+    * ``labelled_tasks``: ``make_batch`` keeps a window's targets, so a labelled-position task trains and
+      scores its labels (False where the batch is rebuilt from the inputs alone: block targets, span
+      corruption; such a family is refused on a task rather than scored on something else).
     """
 
     name: str
@@ -97,6 +100,7 @@ class FamilySpec:
     cost_note: str = ""
     pad_with_eos: bool = False
     scoring: str | None = None
+    labelled_tasks: bool = True
 
     def __post_init__(self) -> None:
         # A family counted over whole windows (appendix A) has its per-token count derived, not restated.

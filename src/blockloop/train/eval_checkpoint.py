@@ -19,7 +19,13 @@ from blockloop.errors import BlockloopError, check_context
 from blockloop.families import spec_of
 from blockloop.train.evaluate import evaluate
 from blockloop.train.exit_eval import evaluate_loops
-from blockloop.train.run import TrainedModel, check_task_vocabulary, load_trained, task_sequences
+from blockloop.train.run import (
+    TrainedModel,
+    check_learns_tasks,
+    check_task_vocabulary,
+    load_trained,
+    task_sequences,
+)
 
 
 @dataclass
@@ -75,6 +81,7 @@ def evaluate_task(trained: TrainedModel, request: EvalRequest, device: str) -> d
     """Loss and argmax error over the labelled positions of one split of a task (default: the run's, valid)."""
     if request.data:
         raise BlockloopError("--data names a corpus and --task a task; give one of them")
+    check_learns_tasks(trained.config)
     run = trained.state.get("run", {})
     if request.task or request.task_dir:
         name, directory = request.task, request.task_dir

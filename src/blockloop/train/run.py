@@ -67,10 +67,11 @@ def prepare_run(
     """
     if spec.init_from is not None:
         start = load_trained(spec.init_from)
-        splits = prepare_data(spec, start.tokenizer, show_progress=show_progress)
+        splits = prepare_data(spec, start.tokenizer, start.config, show_progress=show_progress)
         return PreparedRun(spec, start.tokenizer, start.config, start.model.train(), splits)
     config = from_name(spec.preset, **spec.model_overrides)  # fail on a bad preset before any data work
     if spec.task is not None:
+        check_learns_tasks(config)
         splits = open_task(spec.task, spec.task_dir, show_progress=show_progress)
         tokenizer: Tokenizer = TaskTokenizer(splits.name, splits.vocab)
     else:
@@ -87,15 +88,26 @@ def prepare_run(
     return PreparedRun(spec, tokenizer, config, build_model(config), splits)
 
 
-def prepare_data(spec: RunSpec, tokenizer: Tokenizer, *, show_progress: bool = True) -> TokenSplits | TaskData:
+def prepare_data(spec: RunSpec, tokenizer: Tokenizer, config: ModelConfig, *, show_progress: bool = True
+                 ) -> TokenSplits | TaskData:
     """The data ``spec`` names, for a model that already has ``tokenizer`` (a checkpoint's)."""
     if spec.task is None:
         return prepare_tokens(spec.data, tokenizer, show_progress=show_progress)
+    check_learns_tasks(config)
     if spec.task_dir is None:  # a built-in task, checked before it is generated
         check_task_vocabulary(tokenizer, spec.task, get_task(spec.task).vocab)
     data = open_task(spec.task, spec.task_dir, show_progress=show_progress)
     check_task_vocabulary(tokenizer, data.name, data.vocab)
     return data
+
+
+def check_learns_tasks(config: ModelConfig) -> None:
+    """Refuse a family whose batches drop a task's labels (:attr:`FamilySpec.labelled_tasks`): it would train on
+    something else and report that as the task error."""
+    if not spec_of(config).labelled_tasks:
+        raise BlockloopError(f"the {config.family} family builds its targets from the inputs (block targets or span "
+                             "corruption), not from a task's labels, so it cannot learn or be scored on a "
+                             "labelled-position task; use a decoder, recursive, double-decoder or staircase-family preset")
 
 
 def check_task_vocabulary(tokenizer: Tokenizer, task: str, vocab: TaskVocab) -> None:
