@@ -49,6 +49,9 @@ def base(tmp_path_factory):
     variant("state_list", lambda d: (d / "train_state.json").write_text("[]"))
     variant("latest_escape", lambda d: (d.parent / "latest").write_text("../../run/checkpoints/step_0000004\n"))
     variant("latest_absolute", lambda d: (d.parent / "latest").write_text(f"{step}\n"))
+    variant("latest_gone", lambda d: (d.parent / "latest").write_text("step_0000009\n"))
+    (base / "lock_only").mkdir()  # a run killed before its first checkpoint: only its (stale) lock is left
+    (base / "lock_only" / "lock").write_text('{"pid": 999999999, "host": "elsewhere"}')
     partial = base / "partial_first" / "checkpoints" / ".tmp_step_0000002"
     partial.mkdir(parents=True)
     (partial / "rng_rank0.safetensors").write_bytes(b"cut")
@@ -106,7 +109,15 @@ CASES = [
     (["train", *TINY, "--weight-decay", "-1", "--out", NEW], "--weight-decay: must be a finite number >= 0"),
     (["train", *TINY, "--grad-clip", "nan", "--out", NEW], "--grad-clip: must be a finite number >= 0"),
     (["train", *TINY, "--grad-clip", "-1", "--out", NEW], "--grad-clip: must be a finite number >= 0"),
-    (["train", *TINY, "--seed", "-1", "--out", NEW], "--seed: must be an integer >= 0"),
+    (["train", *TINY, "--seed", "-1", "--out", NEW], "--seed: must be an integer in [0, 4294967295]"),
+    (["train", *TINY, "--seed", "99999999999999999999999", "--out", NEW], "--seed: must be an integer in [0, 4294967295]"),
+    (["train", *TINY, "--device", "mps", "--out", NEW], "has no MPS; use --device cpu"),
+    (["train", *TINY, "--out", ""], "argument --out: is empty"),
+    (["train", *TINY, "--data", "", "--out", NEW], "argument --data: is empty"),
+    (["train", "--preset", "tiny-recursive", "--exit-kd-weight", "1", "--out", NEW], "add --early-exit weighted|aggressive"),
+    (["train", "--preset", "tiny-recursive", "--early-exit", "weighted", "--exit-coefficient", "0.2", "--out", NEW],
+     "--exit-coefficient weighs the early-exit loss, which this run does not use (exit loss weighted)"),
+    (["train", *TINY, "--distill-weight", "0", "--distill-from", R, "--out", NEW], "--distill-weight: must be a finite number > 0"),
     (["train", *TINY, "--eval-interval", "0", "--out", NEW], "--eval-interval: must be an integer >= 1"),
     (["train", *TINY, "--eval-batches", "0", "--out", NEW], "--eval-batches: must be an integer >= 1"),
     (["train", *TINY, "--log-interval", "0", "--out", NEW], "--log-interval: must be an integer >= 1"),
@@ -115,7 +126,7 @@ CASES = [
     (["train", *TINY, "--device", "cuda:x", "--out", NEW], "--device: must be one of"),
     (["train", *TINY, "--dropout", "1", "--out", NEW], "--dropout: must be a finite number in [0, 1)"),
     (["train", *TINY, "--dropout", "nan", "--out", NEW], "--dropout: must be a finite number"),
-    (["train", *TINY, "--distill-weight", "-1", "--out", NEW], "--distill-weight: must be a finite number >= 0"),
+    (["train", *TINY, "--distill-weight", "-1", "--out", NEW], "--distill-weight: must be a finite number > 0"),
     (["train", *TINY, "--exit-coefficient", "inf", "--out", NEW], "--exit-coefficient: must be a finite number"),
     (["train", *TINY, "--mup-base-width", "0", "--out", NEW], "--mup-base-width: must be an integer >= 1"),
     (["train", *TINY, "--schedule", "sawtooth", "--out", NEW], "invalid choice: 'sawtooth'"),
@@ -130,6 +141,8 @@ CASES = [
     (["train", *TINY, "--out", R], "already holds a run"),
     (["train", "--resume", "--preset", "tiny", "--out", R], "drop --preset"),
     (["train", "--resume", "--out", "{base}/partial_first"], "holds no complete checkpoint"),
+    (["eval", "--checkpoint", "{base}/lock_only"], "holds no complete checkpoint (the run stopped before its first"),
+    (["eval", "--checkpoint", "{base}/latest_gone"], "corrupt: write step_0000004 (its newest complete checkpoint) into"),
     (["train", "--resume", "--out", "{base}/state_missing"], "lacks data"),
     (["train", "--resume", "--out", "{base}/state_list"], "train_state.json holds a JSON list"),
     (["train", "--resume", "--out", "{base}/latest_escape"], "not a checkpoint directory inside {base}/latest_escape"),

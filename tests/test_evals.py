@@ -225,7 +225,7 @@ def test_cli_runs_the_shipped_benchmarks_writes_json_and_compares(tiny_run, tmp_
     (["--tasks", "copa", "--data", "kjv", "--max-batches", "1"], "--data, --max-batches do not apply to --tasks"),
     (["--tasks", "all,copa"], "give all alone"),
     (["--tasks", "copa,piqa,copa"], "names copa more than once"),
-    (["--tasks", "copa", "--out", ""], "--out is empty"),
+    (["--tasks", "copa", "--out", ""], "argument --out: is empty"),
 ])
 def test_cli_benchmark_errors_are_one_line(tiny_run, capsys, argv, match):
     code = main(["eval", "--checkpoint", str(tiny_run), "--device", "cpu", *argv])

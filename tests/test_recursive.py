@@ -323,6 +323,21 @@ def test_convert_uptrain_with_distillation_and_evaluate_per_loop(teacher_run, tm
     assert 1.0 <= metrics["mean_exit_loop"] <= 2.0
 
 
+@pytest.mark.parametrize("argv, says", [
+    (["--preset", "tiny-block"], "the student (block family) does not predict the next token at each position"),
+    (["--preset", "tiny-encdec"], "the student (encoder_decoder family) does not predict the next token"),
+    (["--preset", "tiny", "--tokenizer", "bpe:300"], "reads text with tokenizer byte, the student with bpe:300"),
+    (["--preset", "demo", "--seq-len", "200"], "has a context of 128 tokens, shorter than the --seq-len 200"),
+])
+def test_a_teacher_the_student_cannot_read_alike_is_refused_before_training(teacher_run, tmp_path, capsys, argv, says):
+    """A KL between other tokens or other positions would train on without a word."""
+    train = [a for a in TRAIN if a not in ("--seq-len", "32")] if "--seq-len" in argv else TRAIN
+    assert main(["train", *argv, *train, "--distill-from", str(teacher_run), "--out", str(tmp_path / "x")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()  # (a BPE run logs its tokenizing first)
+    assert says in err[-1] and sum("error" in line for line in err) == 1, err
+    assert not (tmp_path / "x" / "checkpoints").exists()
+
+
 def test_recursive_preset_trains_and_its_loss_falls(tmp_path):
     run = tmp_path / "run"
     assert main(["train", "--preset", "tiny-recursive", *TRAIN, "--out", str(run)]) == 0

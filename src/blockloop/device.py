@@ -17,4 +17,6 @@ def resolve_device(name: str) -> str:
         raise BlockloopError(f"--device {name!r} is not a device; use auto, cpu, cuda or cuda:N") from None
     if name.startswith("cuda") and not torch.cuda.is_available():
         raise BlockloopError(f"--device {name} requested but CUDA is not available; use --device cpu")
+    if name.startswith("mps") and not torch.backends.mps.is_available():
+        raise BlockloopError(f"--device {name} requested but this torch build or machine has no MPS; use --device cpu")
     return name

@@ -83,12 +83,15 @@ def number(
 
 
 def _range(kind: str, low: float | None, high: float | None, low_open: bool, high_open: bool) -> str:
+    def show(bound: float) -> str:  # whole bounds in full (2**32 - 1, not 4.29497e+09)
+        return str(bound) if isinstance(bound, int) else f"{bound:g}"
+
     if low is not None and high is not None:
-        return f"{kind} in {'(' if low_open else '['}{low:g}, {high:g}{')' if high_open else ']'}"
+        return f"{kind} in {'(' if low_open else '['}{show(low)}, {show(high)}{')' if high_open else ']'}"
     if low is not None:
-        return f"{kind} {'>' if low_open else '>='} {low:g}"
+        return f"{kind} {'>' if low_open else '>='} {show(low)}"
     if high is not None:
-        return f"{kind} {'<' if high_open else '<='} {high:g}"
+        return f"{kind} {'<' if high_open else '<='} {show(high)}"
     return kind
 
 
@@ -97,6 +100,13 @@ nonnegative_int = integer(0)
 positive_float = number(0, low_open=True)
 nonnegative_float = number(0)
 fraction = number(0, 1)  # a share in [0, 1]
+
+
+def nonempty(value: str) -> str:
+    """An argparse type: a name or path that is not empty (``--out ""`` would be the current folder)."""
+    if not value.strip():
+        raise argparse.ArgumentTypeError("is empty; give a name or path, or leave the flag out for its default")
+    return value
 
 
 def utf8_text(value: str) -> str:

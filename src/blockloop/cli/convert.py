@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from blockloop.cli.common import add_no_progress, nonnegative_float, nonnegative_int
+from blockloop.cli.common import add_no_progress, nonempty, nonnegative_float, nonnegative_int
 from blockloop.errors import BlockloopError
 
 HELP = ("turn a trained model into another family for uptraining (then `train --init-from`); import or export "
@@ -29,7 +29,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--gguf-file", metavar="NAME", help="--from-hf: the .gguf file inside PATH to read")
     p.add_argument("--tokenizer", help="--from-hf: tokenizer to save with the model (default: the source's own tokenizer)")
-    p.add_argument("--out", required=True, help="directory to write the converted checkpoint to")
+    p.add_argument("--out", required=True, type=nonempty, help="directory to write the converted checkpoint to")
     add_no_progress(p)
     # An option several targets take is one flag; its help says what it means to each.
     helps: dict[str, dict[str, str]] = {}

@@ -13,6 +13,7 @@ from blockloop.cli.common import (
     add_device,
     add_no_pack,
     add_no_progress,
+    nonempty,
     nonnegative_int,
     positive_int,
     print_table,
@@ -59,7 +60,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     bench.add_argument("--limit", type=positive_int, help="score the first N questions of each task (default: all)")
     bench.add_argument("--seed", type=nonnegative_int, help="seed of the few-shot examples (default: 1234)")
     bench.add_argument("--loops", type=positive_int, metavar="K", help="looped models: score the static exit after loop K")
-    bench.add_argument("--out", metavar="FILE", help="write the results as JSON here (default: CHECKPOINT/benchmarks.json)")
+    bench.add_argument("--out", metavar="FILE", type=nonempty, help="write the results as JSON here (default: CHECKPOINT/benchmarks.json)")
     bench.add_argument("--compare", nargs=2, metavar=("A", "B"),
                        help="print two stored results (JSON files or run directories) side by side and exit")
 
@@ -120,14 +121,11 @@ def benchmarks(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from blockloop import progress as progress_bars
-    from blockloop.errors import BlockloopError
     from blockloop.evals.harness import BenchmarkRequest, evaluate_benchmarks
     from blockloop.evals.results import RESULTS_FILE, table_rows, write_record
     from blockloop.evals.tasks import parse_tasks
     from blockloop.files import check_writable
 
-    if args.out == "":
-        raise BlockloopError("--out is empty; name a JSON file, or leave it out for CHECKPOINT/benchmarks.json")
     out = Path(args.out) if args.out else Path(args.checkpoint) / RESULTS_FILE
     shots = args.shots or 0
     request = BenchmarkRequest(parse_tasks(args.tasks), shots=shots, limit=args.limit, batch_size=args.batch_size,

@@ -10,6 +10,8 @@ from blockloop.cli.common import (
     add_no_progress,
     device,
     fraction,
+    integer,
+    nonempty,
     nonnegative_float,
     nonnegative_int,
     number,
@@ -40,13 +42,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("model and data")
     g.add_argument("--preset", help="model preset (see `blockloop presets`; default: demo)")
     g.add_argument(
-        "--data",
+        "--data", type=nonempty,
         help=f"built-in corpus ({', '.join(BUILTIN_CORPORA)}) or a path: text file, directory of .txt, .jsonl with a "
         "'text' field, or bytes:PATH for raw bytes (default: shakespeare)",
     )
     g.add_argument(
-        "--tokenizer",
-        help="byte, gpt2, neox, bpe[:VOCAB] (trained on --data and saved with the run) or a tokenizer.json path "
+        "--tokenizer", type=nonempty,
+        help="byte, gpt2, neox, smollm2, bpe[:VOCAB] (trained on --data and saved with the run) or a tokenizer.json path "
         "(default: byte)",
     )
     g.add_argument(
@@ -70,16 +72,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "prefix_lm: score only the suffix after a breakpoint drawn per batch (default: lm)",
     )
     g.add_argument(
-        "--init-from", metavar="RUN",
+        "--init-from", metavar="RUN", type=nonempty,
         help="start a new run (fresh optimizer and schedule) from the model, config and tokenizer of RUN: "
         "fine-tuning, the PrefixLM phase after pretraining, or uptraining a model made by `blockloop convert`; "
         "the data is RUN's unless --data is given",
     )
     e = p.add_argument_group("distillation and early exit of looped models (RRT section 3.7, appendices L, M)")
-    e.add_argument("--distill-from", metavar="RUN",
+    e.add_argument("--distill-from", metavar="RUN", type=nonempty,
                    help="add forward-KL distillation from this frozen teacher (e.g. the model a looped one was "
                    "converted from); the teacher is never saved with the student")
-    e.add_argument("--distill-weight", type=nonnegative_float, help="weight of the KL term (default: 1.0)")
+    e.add_argument("--distill-weight", type=positive_float, help="weight of the KL term (default: 1.0)")
     e.add_argument("--early-exit", choices=EXIT_LOSSES,
                    help="train every loop's exit: weighted (alpha_i = i / sum i) or aggressive (intermediate loops "
                    "x --exit-coefficient, final x 1); looped models only")
@@ -105,13 +107,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--weight-decay", type=nonnegative_float, help=f"AdamW decay on matrices (default: {d.weight_decay})")
     g.add_argument("--decay-embeddings", action="store_const", const=True, help="also decay embedding tables")
     g.add_argument("--grad-clip", type=nonnegative_float, help=f"clip the gradient norm to this; 0 disables (default: {d.grad_clip})")
-    g.add_argument("--seed", type=nonnegative_int, help=f"seed for initialisation, data order and dropout (default: {d.seed})")
+    g.add_argument("--seed", type=integer(0, 2**32 - 1), help=f"seed for initialisation, data order and dropout (default: {d.seed})")
     g = p.add_argument_group("evaluation, logging and checkpoints")
     g.add_argument("--eval-interval", type=positive_int, help=f"validate every N steps (default: {d.eval_interval})")
     g.add_argument("--eval-batches", type=positive_int, help=f"validation batches per evaluation (default: {d.eval_batches})")
     g.add_argument("--log-interval", type=positive_int, help=f"log every N steps (default: {d.log_interval})")
     g.add_argument("--ckpt-interval", type=positive_int, help=f"checkpoint every N steps and at the end (default: {d.ckpt_interval})")
-    g.add_argument("--out", default="runs/latest", help="run directory for checkpoints and metrics.jsonl (default: runs/latest)")
+    g.add_argument("--out", type=nonempty, default="runs/latest", help="run directory for checkpoints and metrics.jsonl (default: runs/latest)")
     g.add_argument("--resume", action="store_true", help="continue the run in --out from its latest checkpoint")
     add_no_progress(g)
     g = p.add_argument_group("hardware")

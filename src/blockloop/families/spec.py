@@ -75,9 +75,10 @@ class FamilySpec:
       ``blocks`` (the context left-padded to whole blocks, as generation does), ``partition`` (the context
       as the first block of a two-block partition), ``encoder`` (the context as the encoder input); None:
       the family has not said, and evaluation refuses it rather than approximate.
-    * ``labelled_tasks``: ``make_batch`` keeps a window's targets, so a labelled-position task trains and
-      scores its labels (False where the batch is rebuilt from the inputs alone: block targets, span
-      corruption; such a family is refused on a task rather than scored on something else).
+    * ``next_token_windows``: ``make_batch`` passes a window's ``idx`` and its targets through, and position t
+      of the logits predicts ``idx[t + 1]``: a labelled-position task trains and scores its labels, and a
+      teacher's next-token distribution lines up for distillation (False where the batch is rebuilt from the
+      inputs: block targets, span corruption; such a family is refused for both rather than misaligned).
     """
 
     name: str
@@ -100,7 +101,7 @@ class FamilySpec:
     cost_note: str = ""
     pad_with_eos: bool = False
     scoring: str | None = None
-    labelled_tasks: bool = True
+    next_token_windows: bool = True
 
     def __post_init__(self) -> None:
         # A family counted over whole windows (appendix A) has its per-token count derived, not restated.

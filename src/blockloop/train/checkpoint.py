@@ -31,7 +31,7 @@ from blockloop.choices import SAVE_DTYPES
 from blockloop.config import ModelConfig, save_config
 from blockloop.errors import BlockloopError
 from blockloop.families import load_config
-from blockloop.files import atomic_write_text
+from blockloop.files import LOCK_FILE, atomic_write_text
 
 LATEST = "latest"
 KEEP_LAST = 2
@@ -126,6 +126,11 @@ def _tensors(value: Any) -> list[torch.Tensor]:
     return []
 
 
+def _complete_steps(path: Path) -> list[Path]:
+    """A run's complete checkpoints (weights in place), oldest first."""
+    return sorted(p for p in checkpoint_root(path).glob("step_*") if (p / "model.safetensors").is_file())
+
+
 def resolve_checkpoint(path: Path) -> Path:
     """Accept a run directory, its ``checkpoints`` folder, or one checkpoint directory.
 
@@ -144,11 +149,13 @@ def resolve_checkpoint(path: Path) -> Path:
                 raise BlockloopError(f"{latest} names {name!r}, not a checkpoint directory inside {root}; the run is "
                                      "corrupt: write the name of one of its step_* directories into it")
             if not (target / "model.safetensors").is_file():
-                raise BlockloopError(f"{latest} points at {target}, which is missing or incomplete; the run is corrupt")
+                kept = _complete_steps(path)
+                fix = f": write {kept[-1].name} (its newest complete checkpoint) into {latest}" if kept else ""
+                raise BlockloopError(f"{latest} points at {target}, which is missing or incomplete; the run is corrupt{fix}")
             return target
     # A run killed between moving its first checkpoint into place and writing ``latest`` (commit_checkpoint) still
     # has that checkpoint: take the newest complete one.
-    steps = sorted(p for p in checkpoint_root(path).glob("step_*") if (p / "model.safetensors").is_file())
+    steps = _complete_steps(path)
     if steps:
         return steps[-1]
     if _is_hf_folder(path):
@@ -156,7 +163,7 @@ def resolve_checkpoint(path: Path) -> Path:
                              f"blockloop convert --from-hf {path} --out RUN, then pass --checkpoint RUN")
     if (path / "model.safetensors").is_file():
         return path
-    if checkpoint_root(path).is_dir():
+    if checkpoint_root(path).is_dir() or (path / LOCK_FILE).is_file():  # a run that never wrote a checkpoint
         raise BlockloopError(f"{path} holds no complete checkpoint (the run stopped before its first one was written); "
                              "train it again, without --resume")
     raise BlockloopError(f"no checkpoint in {path}; expected a run directory written by `blockloop train`")

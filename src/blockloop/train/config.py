@@ -55,7 +55,7 @@ class TrainConfig:
                   ("warmup_steps", self.warmup_steps >= 0, ">= 0"), ("weight_decay", self.weight_decay >= 0, ">= 0"),
                   ("grad_clip", self.grad_clip >= 0, ">= 0 (0 disables clipping)"),
                   ("beta1", 0 <= self.beta1 < 1, "in [0, 1)"), ("beta2", 0 <= self.beta2 < 1, "in [0, 1)"),
-                  ("seed", self.seed >= 0, ">= 0"))
+                  ("seed", 0 <= self.seed < 2**32, "in [0, 2**32)"))
         for name, ok, allowed in ranges:
             if not ok:
                 raise ConfigError(f"--{name.replace('_', '-')} must be {allowed}, got {getattr(self, name)}")

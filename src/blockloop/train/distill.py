@@ -13,6 +13,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from blockloop.data.tokenizers import Tokenizer
 from blockloop.errors import BlockloopError
 from blockloop.nn.distill import forward_kl
 
@@ -31,17 +32,33 @@ class Distillation:
         return loss + self.weight * forward_kl(teacher_logits, logits, batch.get("targets"))
 
 
-def build_distillation(extra: dict[str, Any], student_config: Any, device: torch.device | str) -> Distillation | None:
-    """The hook a run's ``TrainConfig.extra`` asks for (``distill_from``, ``distill_weight``), or None."""
+def build_distillation(extra: dict[str, Any], student_config: Any, tokenizer: Tokenizer, seq_len: int,
+                       device: torch.device | str) -> Distillation | None:
+    """The hook a run's ``TrainConfig.extra`` asks for (``distill_from``, ``distill_weight``), or None.
+
+    The teacher must read the student's windows as the student does (the same token ids, windows of
+    ``seq_len`` within its context) and both must predict the next token at each position: otherwise the
+    KL compares distributions over other tokens or other positions, and training goes on without a word."""
     source = extra.get("distill_from")
     if source is None:
         return None
+    from blockloop.families import spec_of
     from blockloop.train.run import load_trained
 
     teacher = load_trained(source, str(device))
+    for role, config in (("student", student_config), ("teacher", teacher.config)):
+        if not spec_of(config).next_token_windows:
+            raise BlockloopError(f"the {role} ({config.family} family) does not predict the next token at each "
+                                 "position of its window; distill between decoder-style models (decoder, recursive, ...)")
+    if teacher.tokenizer.fingerprint() != tokenizer.fingerprint():
+        raise BlockloopError(f"teacher {source} reads text with tokenizer {teacher.tokenizer.name}, the student with "
+                             f"{tokenizer.name}: their ids mean other tokens; distill from a model with the student's tokenizer")
     if teacher.config.padded_vocab_size != student_config.padded_vocab_size:
         raise BlockloopError(
             f"teacher {source} has {teacher.config.padded_vocab_size} vocabulary rows, the student "
             f"{student_config.padded_vocab_size}: distill from the model the student was converted from"
         )
+    if teacher.config.context_length < seq_len:
+        raise BlockloopError(f"teacher {source} has a context of {teacher.config.context_length} tokens, shorter than "
+                             f"the --seq-len {seq_len} windows it would read; lower --seq-len")
     return Distillation(teacher.model, float(extra.get("distill_weight", 1.0)))

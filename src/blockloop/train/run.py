@@ -102,9 +102,9 @@ def prepare_data(spec: RunSpec, tokenizer: Tokenizer, config: ModelConfig, *, sh
 
 
 def check_learns_tasks(config: ModelConfig) -> None:
-    """Refuse a family whose batches drop a task's labels (:attr:`FamilySpec.labelled_tasks`): it would train on
+    """Refuse a family whose batches drop a task's labels (:attr:`FamilySpec.next_token_windows`): it would train on
     something else and report that as the task error."""
-    if not spec_of(config).labelled_tasks:
+    if not spec_of(config).next_token_windows:
         raise BlockloopError(f"the {config.family} family builds its targets from the inputs (block targets or span "
                              "corruption), not from a task's labels, so it cannot learn or be scored on a "
                              "labelled-position task; use a decoder, recursive, double-decoder or staircase-family preset")

@@ -199,7 +199,18 @@ def apply_early_exit(config: ModelConfig, options: EarlyExit) -> ModelConfig:
         return config
     if not set(changes) <= {f.name for f in dataclasses.fields(config)}:  # a model without loops has no exits
         raise BlockloopError(f"--early-exit and --exit-* train recursive models, not {config.family} models")
-    return config.replace(**changes)
+    config = config.replace(**changes)
+    # A weight the chosen loss never reads would be recorded as if it had trained the model.
+    unused = [flag for flag, given, read in (
+        ("--exit-coefficient", options.exit_coefficient is not None, config.exit_loss == "aggressive"),
+        ("--exit-kd-weight", options.exit_kd_weight is not None, config.exit_loss != "none"),
+    ) if given and not read]
+    if unused:
+        raise BlockloopError(f"{', '.join(unused)} weigh{'s' * (len(unused) == 1)} the early-exit loss, which this run "
+                             f"does not use (exit loss {config.exit_loss}); add --early-exit "
+                             f"{'aggressive' if '--exit-coefficient' in unused else 'weighted|aggressive'} or leave "
+                             f"{'it' if len(unused) == 1 else 'them'} out")
+    return config
 
 
 def start_training(plan: RunPlan, info: DistInfo = DistInfo()) -> tuple[PreparedRun, Trainer]:
@@ -227,7 +238,7 @@ def start_training(plan: RunPlan, info: DistInfo = DistInfo()) -> tuple[Prepared
     trainer = Trainer(
         run.model, run.model_config, run.tokenizer, train_seqs, val_seqs, config, plan.out,
         run_info=plan.spec.to_dict(), dist_info=info,
-        loss_hook=build_distillation(config.extra, run.model_config, config.resolved_device()),
+        loss_hook=build_distillation(config.extra, run.model_config, run.tokenizer, config.seq_len, config.resolved_device()),
     )
     if plan.resume:
         trainer.resume(plan.out)
