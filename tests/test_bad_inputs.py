@@ -450,3 +450,13 @@ def test_damaged_cache_entries_are_rebuilt_not_trusted(tmp_path, monkeypatch):
     cached_json.write_text('["a play", "a po')  # cut short
     assert corpora.load_documents("shakespeare") == ["a play", "a poem"]
     assert json.loads(cached_json.read_text()) == ["a play", "a poem"]  # and written whole again
+
+
+def test_a_resume_under_another_process_count_is_refused_by_every_rank(base):
+    from blockloop.errors import BlockloopError
+    from blockloop.train.checkpoint import check_process_count
+
+    step = base / "run" / "checkpoints" / "step_0000004"
+    check_process_count(step, 1)
+    with pytest.raises(BlockloopError, match="was written by 1 process, this resume runs 2; resume without torchrun"):
+        check_process_count(step, 2)  # rank-independent: rank 0, whose random state is there, stops as well

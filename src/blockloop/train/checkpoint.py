@@ -277,10 +277,21 @@ def save_rng(directory: Path, rank: int) -> None:
     save_file(tensors, str(directory / f"rng_rank{rank}.safetensors"))
 
 
+def check_process_count(directory: Path, world_size: int) -> None:
+    """Refuse, on every rank alike, to resume a checkpoint written by another number of processes (one random
+    state per rank, and data positions that are each rank's own). Called before any collective: a rank that went
+    on while another stopped would wait on it forever, or die with the transport's traceback."""
+    written = len(list(directory.glob("rng_rank*.safetensors")))
+    if written != world_size:
+        launch = "without torchrun" if written == 1 else f"with torchrun --nproc-per-node {written}"
+        raise BlockloopError(f"{directory} was written by {written} process{'es' * (written != 1)}, this resume runs "
+                             f"{world_size}; resume {launch}")
+
+
 def load_rng(directory: Path, rank: int) -> None:
     path = directory / f"rng_rank{rank}.safetensors"
     if not path.is_file():
-        raise BlockloopError(f"{path} is missing: the checkpoint was written with a different number of processes")
+        raise BlockloopError(f"{path} is missing; the checkpoint is incomplete")
     tensors = _read_safetensors(path)
     torch.set_rng_state(tensors["torch_cpu"])
     if "torch_cuda" in tensors and torch.cuda.is_available():

@@ -126,6 +126,7 @@ class Trainer:
     def resume(self, checkpoint_dir: Path) -> None:
         """Restore model, optimizer, data position, step and RNG from a checkpoint directory."""
         directory = ckpt.resolve_checkpoint(checkpoint_dir)
+        ckpt.check_process_count(directory, self.dist.world_size)
         state = ckpt.read_train_state(directory)
         set_state_dict(
             self.train_model,
