@@ -229,6 +229,11 @@ def test_write_refuses_bad_input(tmp_path):
         (lambda d: (d / "meta.json").write_text(json.dumps({"format": 99})), "format 99"),
         (lambda d: (d / "valid" / "labels.bin").unlink(), "labels.bin is missing"),
         (lambda d: (d / "train" / "inputs.bin").write_bytes(b"\0" * 10), "truncated or corrupt"),
+        # the right size, ids past the vocabulary (random bytes): named here, not an IndexError in the loss
+        (lambda d: (d / "train" / "labels.bin").write_bytes(b"\xff\x7f" * ((d / "train" / "labels.bin").stat().st_size // 2)),
+         "labels.bin holds ids outside the task's"),
+        (lambda d: (d / "test" / "inputs.bin").write_bytes(b"\xff\xff" * ((d / "test" / "inputs.bin").stat().st_size // 2)),
+         "inputs.bin holds ids outside the task's"),
     ],
 )
 def test_load_reports_missing_and_corrupt_files(tmp_path, damage, match):

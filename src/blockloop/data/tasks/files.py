@@ -154,6 +154,11 @@ def load_task(directory: Path) -> TaskData:
                     "regenerate the dataset"
                 )
             arrays[kind] = np.memmap(path, dtype=dtype, mode="r", shape=(tokens[split],))
+            # Ids past the vocabulary would fail deep inside the model's embedding or loss: say which file.
+            ids = arrays[kind][arrays[kind] != -100] if kind == "labels" else arrays[kind]
+            if ids.size and (int(ids.min()) < 0 or int(ids.max()) >= vocab.vocab_size):
+                raise BlockloopError(f"{path} holds ids outside the task's {vocab.vocab_size}-word vocabulary: "
+                                     "corrupt; regenerate the dataset")
         splits[split] = TaskStream(**arrays)
     return TaskData(name=name, vocab=vocab, meta=meta, splits=splits)
 
