@@ -17,6 +17,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from safetensors.torch import load_file, save_file
 
 from blockloop.cli import EXIT_USER_ERROR, main
 
@@ -47,6 +48,9 @@ def base(tmp_path_factory):
     variant("state_missing", lambda d: _edit_json(d / "train_state.json", lambda s: {k: v for k, v in s.items()
                                                                                      if k != "data"}))
     variant("state_list", lambda d: (d / "train_state.json").write_text("[]"))
+    variant("nan_weights", lambda d: save_file({k: v.fill_(float("nan")) if k.endswith("norm.weight") else v
+                                                 for k, v in load_file(str(d / "model.safetensors")).items()},
+                                                str(d / "model.safetensors")))
     variant("latest_escape", lambda d: (d.parent / "latest").write_text("../../run/checkpoints/step_0000004\n"))
     variant("latest_absolute", lambda d: (d.parent / "latest").write_text(f"{step}\n"))
     variant("latest_gone", lambda d: (d.parent / "latest").write_text("step_0000009\n"))
@@ -141,6 +145,8 @@ CASES = [
     (["train", *TINY, "--out", R], "already holds a run"),
     (["train", "--resume", "--preset", "tiny", "--out", R], "drop --preset"),
     (["train", "--resume", "--out", "{base}/partial_first"], "holds no complete checkpoint"),
+    (["eval", "--checkpoint", "{base}/nan_weights", "--device", "cpu"], "model.safetensors holds NaN or infinite values"),
+    (["train", "--resume", "--out", "{base}/nan_weights"], "holds NaN or infinite values"),
     (["eval", "--checkpoint", "{base}/lock_only"], "holds no complete checkpoint (the run stopped before its first"),
     (["eval", "--checkpoint", "{base}/latest_gone"], "corrupt: write step_0000004 (its newest complete checkpoint) into"),
     (["train", "--resume", "--out", "{base}/state_missing"], "lacks data"),

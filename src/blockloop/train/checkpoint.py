@@ -239,6 +239,12 @@ def read_model_tensors(directory: Path, model: nn.Module) -> dict[str, torch.Ten
     if wrong:
         raise BlockloopError(f"checkpoint {directory}: tensor shapes do not match its config.json: {', '.join(wrong[:3])}; "
                              "the config was edited or belongs to another model")
+    # Training stops before it would save a NaN (Trainer), so non-finite weights are damage to the file, which
+    # would otherwise surface later as a NaN loss blamed on the learning rate, or as garbage text.
+    damaged = [name for name, t in tensors.items() if t.is_floating_point() and not bool(torch.isfinite(t).all())]
+    if damaged:
+        raise BlockloopError(f"{directory / 'model.safetensors'} holds NaN or infinite values ({', '.join(damaged[:3])}): "
+                             "corrupt; use an earlier checkpoint of the run")
     return tensors
 
 
