@@ -283,8 +283,14 @@ def test_corpus_errors(tmp_path: Path) -> None:
     with pytest.raises(BlockloopError, match="empty"):
         load_documents(str(tmp_path / "empty.txt"))
     (tmp_path / "empty_dir").mkdir()
-    with pytest.raises(BlockloopError, match="empty"):
+    with pytest.raises(BlockloopError, match="holds no .txt files"):
         load_documents(str(tmp_path / "empty_dir"))
+    (tmp_path / "notes").mkdir()
+    (tmp_path / "notes" / "a.md").write_text("# words\n", encoding="utf-8")
+    with pytest.raises(BlockloopError, match=r"notes holds no \.txt files \(a folder is read as its \.txt files\)"):
+        load_documents(str(tmp_path / "notes"))
+    with pytest.raises(BlockloopError, match="notes is a folder; bytes:PATH reads one existing file"):
+        load_documents(f"bytes:{tmp_path / 'notes'}")
     (tmp_path / "latin1.txt").write_bytes("café".encode("latin-1"))
     with pytest.raises(BlockloopError, match="not UTF-8"):
         load_documents(str(tmp_path / "latin1.txt"))

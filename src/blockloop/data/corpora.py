@@ -126,12 +126,17 @@ def load_documents(source: str) -> list[str | bytes]:
     elif source.startswith("bytes:"):
         path = Path(source[len("bytes:") :]).expanduser()
         if not path.is_file():
-            raise BlockloopError(f"{source!r}: no such file {path}; give bytes:PATH with an existing file")
+            what = "is a folder" if path.is_dir() else "is no such file"
+            raise BlockloopError(f"{source!r}: {path} {what}; bytes:PATH reads one existing file")
         documents = [path.read_bytes()]
     else:
         path = Path(source).expanduser()
         if path.is_dir():
-            documents = [_read_text(file) for file in sorted(path.rglob("*.txt")) if file.is_file()]
+            files = [file for file in sorted(path.rglob("*.txt")) if file.is_file()]
+            if not files:
+                raise BlockloopError(f"corpus folder {path} holds no .txt files (a folder is read as its .txt files); "
+                                     "add some, or name a .txt or .jsonl file")
+            documents = [_read_text(file) for file in files]
         elif path.is_file() and path.suffix == ".jsonl":
             documents = list(_read_jsonl(path))
         elif path.is_file():

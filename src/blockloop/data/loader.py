@@ -25,7 +25,8 @@ class PackedSequences:
     ``[start_id] + tokens[i*seq_len : (i+1)*seq_len]`` instead: the model reads its BOS first, as it was
     trained to, and the targets still cover the stream exactly once."""
 
-    def __init__(self, tokens: np.ndarray, seq_len: int, start_id: int | None = None) -> None:
+    def __init__(self, tokens: np.ndarray, seq_len: int, start_id: int | None = None, *,
+                 description: str = "the data") -> None:
         if seq_len < 1:
             raise BlockloopError(f"seq_len must be at least 1, got {seq_len}")
         self.tokens = tokens
@@ -34,7 +35,7 @@ class PackedSequences:
         self._count = (len(tokens) - (start_id is None)) // seq_len
         if self._count < 1:
             raise BlockloopError(
-                f"{len(tokens)} tokens are too few for one sequence of {seq_len}+1 tokens; "
+                f"{description} holds {len(tokens)} tokens, too few for one sequence of {seq_len}+1 tokens; "
                 "use a smaller --seq-len or more data"
             )
 

@@ -64,7 +64,8 @@ def evaluate_checkpoint(checkpoint: str | Path, request: EvalRequest, device: st
     if seq_len % unit:
         raise BlockloopError(f"--seq-len {seq_len} is not a multiple of the model's {spec.sequence_unit} {unit}")
     objective = request.objective or trained.state.get("train_config", {}).get("objective", "lm")
-    seqs = PackedSequences(getattr(prepare_tokens(data, trained.tokenizer), split), seq_len, trained.tokenizer.start_id)
+    seqs = PackedSequences(getattr(prepare_tokens(data, trained.tokenizer), split), seq_len, trained.tokenizer.start_id,
+                           description=f"the {split} split of {data}")
     if request.per_loop:
         metrics = evaluate_loops(
             trained.model, seqs, batch_size=request.batch_size, max_batches=request.max_batches, device=device

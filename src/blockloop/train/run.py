@@ -136,7 +136,8 @@ def sequences(
     tokenizer's BOS where its model reads one first), or a task's train/valid windows."""
     if isinstance(splits, TaskData):
         return task_sequences(splits, "train", seq_len), task_sequences(splits, "valid", seq_len)
-    return PackedSequences(splits.train, seq_len, start_id), PackedSequences(splits.val, seq_len, start_id)
+    return tuple(PackedSequences(getattr(splits, split), seq_len, start_id, description=f"the {split} split of the corpus")
+                 for split in ("train", "val"))
 
 
 def task_sequences(data: TaskData, split: str, seq_len: int) -> TaskSequences:
