@@ -458,3 +458,8 @@ def test_eval_batches_are_in_order() -> None:
     assert [b[0].shape[0] for b in batches] == [4, 4, 2]
     assert torch.equal(torch.cat([b[0] for b in batches])[:, 0], torch.arange(10) * 4)
     assert len(list(eval_batches(seqs, 4, max_batches=2))) == 2
+
+
+def test_a_split_too_short_for_one_window_is_named():
+    with pytest.raises(BlockloopError, match=r"^the val split of the corpus holds 12 tokens, too few for one sequence of 128\+1"):
+        PackedSequences(np.zeros(12, dtype=np.int64), 128, description="the val split of the corpus")
