@@ -19,6 +19,7 @@ from blockloop.cli.common import (
     number,
     positive_int,
     positive_ints,
+    refuse_flags,
 )
 from blockloop.errors import BlockloopError
 
@@ -136,10 +137,7 @@ def _settle_modes(args: argparse.Namespace) -> None:
             ignored.update({**ENGINE_STREAM, "presets": None, "checkpoint": []})
         given = [name for name in ignored if getattr(args, name) not in (None, False, [])]
         if given:
-            flags = ", ".join("--" + name.replace("_", "-") for name in given)
-            raise BlockloopError(f"{flags} {'does' if len(given) == 1 else 'do'} not apply to {mode}; leave "
-                                 f"{'it' if len(given) == 1 else 'them'} out"
-                                 + (" or add --stream" if mode == "the throughput protocol" else ""))
+            refuse_flags(given, mode, or_else=" or add --stream" if mode == "the throughput protocol" else "")
     for name, default in {**THROUGHPUT, **STREAM, **ENGINE_STREAM}.items():
         if getattr(args, name) is None:
             setattr(args, name, default)

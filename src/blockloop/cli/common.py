@@ -11,7 +11,8 @@ from __future__ import annotations
 import argparse
 import json
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from typing import NoReturn
 
 from blockloop.errors import BlockloopError, utf8_problem
 
@@ -100,6 +101,15 @@ nonnegative_int = integer(0)
 positive_float = number(0, low_open=True)
 nonnegative_float = number(0)
 fraction = number(0, 1)  # a share in [0, 1]
+
+
+def refuse_flags(names: Sequence[str], mode: str, *, fix: str | None = None, or_else: str = "") -> NoReturn:
+    """Refuse flags (argparse dest names) that ``mode`` would ignore, rather than run without them: the one
+    message of every verb with modes. The fix is to leave them out (``or_else`` adds the other way), or ``fix``."""
+    flags = ", ".join("--" + name.replace("_", "-") for name in names)
+    one = len(names) == 1
+    raise BlockloopError(f"{flags} {'does' if one else 'do'} not apply to {mode}; "
+                         + (fix or f"leave {'it' if one else 'them'} out{or_else}"))
 
 
 def nonempty(value: str) -> str:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from blockloop.cli.common import add_no_progress, nonempty, nonnegative_float, nonnegative_int
+from blockloop.cli.common import add_no_progress, nonempty, nonnegative_float, nonnegative_int, refuse_flags
 from blockloop.errors import BlockloopError
 
 HELP = ("turn a trained model into another family for uptraining (then `train --init-from`); import or export "
@@ -72,10 +72,7 @@ def run(args: argparse.Namespace) -> int:
     flags = {"checkpoint", "gguf_file", "tokenizer"} | {o.name for t in TARGETS.values() for o in t.options}
     ignored = sorted(name for name in flags - takes if getattr(args, name) is not None)
     if ignored:
-        names = ", ".join("--" + name.replace("_", "-") for name in ignored)
-        mode = f"--to {args.to}" if args.to else "--from-hf (an import writes the model as it is)"
-        raise BlockloopError(f"{names} {'does' if len(ignored) == 1 else 'do'} not apply to {mode}; leave "
-                             f"{'it' if len(ignored) == 1 else 'them'} out")
+        refuse_flags(ignored, f"--to {args.to}" if args.to else "--from-hf (an import writes the model as it is)")
     if args.from_hf is not None:
         from blockloop.convert.hf_checkpoint import import_checkpoint
 

@@ -17,6 +17,7 @@ from blockloop.cli.common import (
     nonnegative_int,
     positive_int,
     print_table,
+    refuse_flags,
 )
 
 HELP = "loss, perplexity and bits per byte of a checkpoint on a dataset split; zero/few-shot benchmarks (--tasks)"
@@ -82,11 +83,10 @@ def run(args: argparse.Namespace) -> int:
     benchmark_mode = args.tasks is not None  # an empty list is a mistake, not a request for the loss evaluation
     ignored = LOSS_ONLY if benchmark_mode else BENCHMARK_ONLY
     given = [name for name in ignored if getattr(args, name) is not None]
+    if given and benchmark_mode:
+        refuse_flags(given, "--tasks (the benchmarks bring their own data)")
     if given:
-        flags = ", ".join("--" + name.replace("_", "-") for name in given)
-        raise BlockloopError(f"{flags} {'does' if len(given) == 1 else 'do'} not apply to "
-                             + ("--tasks (the benchmarks bring their own data); leave it out" if benchmark_mode
-                                else "the loss evaluation; add --tasks LIST to score benchmarks"))
+        refuse_flags(given, "the loss evaluation", fix="add --tasks LIST to score benchmarks")
     if benchmark_mode:
         return benchmarks(args)
     from blockloop.train.eval_checkpoint import EvalRequest, evaluate_checkpoint
@@ -127,9 +127,9 @@ def benchmarks(args: argparse.Namespace) -> int:
     from blockloop.files import check_writable
 
     out = Path(args.out) if args.out else Path(args.checkpoint) / RESULTS_FILE
-    shots = args.shots or 0
-    request = BenchmarkRequest(parse_tasks(args.tasks), shots=shots, limit=args.limit, batch_size=args.batch_size,
-                               seed=1234 if args.seed is None else args.seed, loops=args.loops, per_loop=args.per_loop)
+    given = {name: getattr(args, name) for name in ("shots", "seed") if getattr(args, name) is not None}
+    request = BenchmarkRequest(parse_tasks(args.tasks), limit=args.limit, batch_size=args.batch_size,
+                               loops=args.loops, per_loop=args.per_loop, **given)
     bars = []
 
     def progress(task: str, total: int):
@@ -154,7 +154,7 @@ def benchmarks(args: argparse.Namespace) -> int:
         print(json.dumps(record, allow_nan=False))
     else:
         subset = f", at most {args.limit} questions per task" if args.limit else ""
-        print(f"{args.checkpoint}: {shots}-shot{subset} (value ± standard error, %); written to {out}")
+        print(f"{args.checkpoint}: {request.shots}-shot{subset} (value ± standard error, %); written to {out}")
         print_table(table_rows(record))
     return 0
 

@@ -205,11 +205,12 @@ def export_architecture(config: DecoderConfig) -> Architecture:
     for name, arch in ARCHITECTURES.items():
         back = _round_trip(arch, config)
         if back is not None:
-            lost[name] = [f"{k}={v}" for k, v in wanted.items() if _model_fields(back)[k] != v]
+            expressed = _model_fields(back)
+            lost[name] = [f"{k}={v}" for k, v in wanted.items() if expressed[k] != v]
             if not lost[name]:
                 return arch
-    closest = f"; the closest, {min(lost, key=lambda a: len(lost[a]))}, cannot express " + \
-        ", ".join(min(lost.values(), key=len)) if lost else ""
+    best = min(lost, key=lambda a: len(lost[a]), default=None)
+    closest = f"; the closest, {best}, cannot express {', '.join(lost[best])}" if best else ""
     raise BlockloopError(
         f"{config.name} ({config.norm}, {config.mlp} MLP, bias={config.bias}) matches no Hugging Face architecture "
         f"blockloop exports ({SUPPORTED}){closest}; only vanilla models in one of those layer styles export"
