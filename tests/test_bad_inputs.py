@@ -187,6 +187,7 @@ CASES = [
     (["bench", "--stream", "--prompt-range", "64,16"], "--prompt-range: takes MIN,MAX with MIN <= MAX"),
     (["bench", "--stream", "--tokens-range", "8"], "--tokens-range: takes MIN,MAX"),
     (["bench", "--batch-sizes", "0,4"], "--batch-sizes: needs positive integers"),
+    (["bench", "--batch-sizes", "1,,4"], "--batch-sizes: takes comma-separated integers such as 1,4,16"),
     (["bench", "--stream", "--rate", "0"], "--rate: must be a number > 0"),
     (["bench", "--stream", "--rate", "nan"], "--rate: must be a number > 0"),
     (["bench", "--requests", "0"], "--requests: must be an integer >= 1"),

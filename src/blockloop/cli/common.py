@@ -128,12 +128,12 @@ def utf8_text(value: str) -> str:
 
 
 def positive_ints(text: str) -> list[int]:
-    """An argparse type: comma-separated positive integers."""
+    """An argparse type: comma-separated positive integers (an empty item is a typo, not a separator)."""
     try:
-        values = [int(x) for x in text.split(",") if x.strip()]
+        values = [int(x) for x in text.split(",")]
     except ValueError:
-        raise argparse.ArgumentTypeError(f"takes comma-separated integers, got {text!r}") from None
-    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"takes comma-separated integers such as 1,4,16, got {text!r}") from None
+    if min(values) < 1:
         raise argparse.ArgumentTypeError(f"needs positive integers, got {text!r}")
     return values
 
