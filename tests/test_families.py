@@ -4,6 +4,7 @@ config.json files that still load, and no family branches outside the family mod
 from __future__ import annotations
 
 import dataclasses
+import re
 import subprocess
 from pathlib import Path
 
@@ -81,3 +82,40 @@ def test_no_family_branches_outside_the_family_modules():
     found = subprocess.run(["git", "grep", "-nE", r"family (==|!=|in \()", "--", "src", ":!src/blockloop/families"],
                            cwd=ROOT, capture_output=True, text=True)
     assert found.stdout == ""
+
+
+@pytest.mark.parametrize("preset, overrides", [
+    ("tiny", {"d_model": 128}),
+    ("tiny", {"n_head": 8, "n_kv_head": 8}),
+    ("tiny", {"mlp": "gelu"}),
+    ("tiny", {"vocab_size": 1000}),
+    ("tiny-recursive", {"d_model": 128, "vocab_size": 100}),
+    ("tiny-block", {"block_d_model": 128, "token_d_model": 128}),
+    ("tiny-encdec", {"vocab_size": 400}),
+])
+def test_overriding_a_preset_derives_its_sizes_again(preset, overrides):
+    """head_dim, d_ff, n_kv_head, padded_vocab_size and embed_dim that a preset left to be derived follow the
+    override, as `--set d_model=128` means: the config equals one built with those fields from the start."""
+    fields = {**PRESETS[preset].fields, "name": preset, **overrides}
+    fresh = spec_of(from_name(preset)).config_class(**fields)
+    assert from_name(preset, **overrides) == fresh
+    assert from_name(preset).replace(**overrides) == fresh
+    if "d_model" in overrides:
+        assert fresh.head_dim * fresh.n_head == 128
+
+
+def test_a_derived_size_given_explicitly_is_kept_by_replace():
+    config = from_name("tiny", head_dim=32)
+    assert config.replace(n_layer=3).head_dim == 32
+    assert config.replace(d_model=128).d_ff == from_name("tiny", d_model=128).d_ff  # d_ff was derived
+
+
+@pytest.mark.parametrize("fields, says", [
+    ({"embedder": "encoder", "embed_dim": 16, "embedder_n_head": 0}, "embedder_n_head=0 does not divide embed_dim=16"),
+    ({"embedder": "encoder", "embed_dim": 16, "embedder_n_head": 3}, "embedder_n_head=3 does not divide embed_dim=16"),
+    ({"embedder": "cls", "embed_dim": 16, "embedder_n_layer": 0}, "the cls embedder needs embedder_n_layer >= 1"),
+])
+def test_block_embedder_shapes_are_checked_not_replaced(fields, says):
+    """The encoder embedder used to fall back to one head, or one layer, without a word."""
+    with pytest.raises(ConfigError, match=re.escape(says)):
+        from_name("tiny-block", **fields)

@@ -107,6 +107,8 @@ def test_conversion_targets_check_their_options_before_loading(tmp_path):
         to_recursive_checkpoint("/no/such/run", tmp_path / "x", relax="none", lora_rank=4)
     with pytest.raises(BlockloopError, match="unknown conversion target 'gguf'"):
         convert_checkpoint("gguf", "/no/such/run", tmp_path / "x")
+    with pytest.raises(BlockloopError, match="conversion to block takes no option loops; its options: block_len, "):
+        convert_checkpoint("block", "/no/such/run", tmp_path / "x", loops=2)
 
 
 def test_convert_to_block_writes_an_uptraining_checkpoint(trained, tmp_path):

@@ -76,7 +76,11 @@ class ModelConfig:
         negative = [f"{f.name}={getattr(self, f.name)}" for f in dataclasses.fields(self)
                     if isinstance(getattr(self, f.name), (int, float)) and getattr(self, f.name) < 0]
         self._check((not negative, f"{', '.join(negative)}: no size, count, id, rate or scale is negative"))
+        unset = [f.name for f in dataclasses.fields(self) if getattr(self, f.name) is None]
         self.validate()
+        # Sizes validate() worked out from others (head_dim, d_ff, padded_vocab_size, ...): replace() works them
+        # out again from the new fields instead of keeping values sized for the old shape.
+        self._derived = frozenset(name for name in unset if getattr(self, name) is not None)
 
     def validate(self) -> None:
         """Fill derived defaults and check every field (groups extend this cooperatively)."""
@@ -131,9 +135,14 @@ class ModelConfig:
         return {k: getattr(self, k) for k in LAYER_STYLE}
 
     def replace(self, **changes: Any) -> Any:
-        """A copy with some fields changed, validated again; a field this family does not have is refused."""
+        """A copy with some fields changed, validated again; a field this family does not have is refused.
+
+        Derived sizes that were not given (``head_dim`` = d_model / n_head, ``d_ff``, ``padded_vocab_size``, ...)
+        are derived again, so ``replace(d_model=128)`` is the config built with d_model=128 from the start.
+        """
         check_fields(type(self), changes)
-        return dataclasses.replace(self, **changes)
+        rederive = {name: None for name in self._derived if name not in changes}
+        return dataclasses.replace(self, **rederive, **changes)
 
     def to_dict(self) -> dict[str, Any]:
         return {"family": self.family, **dataclasses.asdict(self)}

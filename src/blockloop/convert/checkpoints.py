@@ -160,4 +160,9 @@ def convert_checkpoint(target: str, checkpoint: str | Path, out: Path, **options
     """Convert ``checkpoint`` to ``target`` (a key of :data:`TARGETS`) with that target's ``options``."""
     if target not in TARGETS:
         raise BlockloopError(f"unknown conversion target {target!r}; choose one of {', '.join(TARGETS)}")
+    takes = {option.name for option in TARGETS[target].options}
+    unknown = sorted(set(options) - takes)
+    if unknown:
+        raise BlockloopError(f"conversion to {target} takes no option {', '.join(unknown)}; "
+                             f"its options: {', '.join(sorted(takes)) or 'none'}")
     return CONVERTERS[target](checkpoint, Path(out), **options)

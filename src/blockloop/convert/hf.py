@@ -171,7 +171,7 @@ def from_hf_model(hf_model: nn.Module, name: str | None = None, *, vocab_size: i
     arch = architecture_for(hf_config)
     config = arch.to_config(hf_config, name or hf_config.model_type)
     if vocab_size is not None and vocab_size < config.vocab_size:
-        config = config.replace(vocab_size=vocab_size)
+        config = config.replace(vocab_size=vocab_size, padded_vocab_size=config.padded_vocab_size)
     state = arch.keymap.to_blockloop({k: v.float() for k, v in hf_model.state_dict().items()}, config)
     model = Decoder(config)
     if config.tie_embeddings:

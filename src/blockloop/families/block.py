@@ -78,7 +78,17 @@ class BlockTransformerConfig(ModelConfig):
             (self.embed_dim >= 1, f"embed_dim must be positive, got {self.embed_dim}"),
             (self.mup_base_width is None, "muP width scaling is not defined for block models (two widths)"),
         )
-        for build_part in (self.block_decoder_config, self.token_decoder_config, self.embedder_config):
+        parts = [self.block_decoder_config, self.token_decoder_config]
+        if self.embedder != "lookup":  # the lookup embedder has no transformer: its layer and head counts are unused
+            self._check(
+                (self.embedder_n_layer >= 1, f"the {self.embedder} embedder needs embedder_n_layer >= 1"),
+                (
+                    self.embedder_n_head >= 1 and self.embed_dim % self.embedder_n_head == 0,
+                    f"embedder_n_head={self.embedder_n_head} does not divide embed_dim={self.embed_dim}",
+                ),
+            )
+            parts.append(self.embedder_config)
+        for build_part in parts:
             build_part()  # each part validates its own shape
 
     @property
@@ -102,10 +112,9 @@ class BlockTransformerConfig(ModelConfig):
         )
 
     def embedder_config(self) -> DecoderConfig:
-        heads = self.embedder_n_head if self.embed_dim % self.embedder_n_head == 0 else 1
         return self._part(
-            "embedder", context_length=self.block_len + self.n_cls, n_layer=max(1, self.embedder_n_layer),
-            d_model=self.embed_dim, n_head=heads,
+            "embedder", context_length=self.block_len + self.n_cls, n_layer=self.embedder_n_layer,
+            d_model=self.embed_dim, n_head=self.embedder_n_head,
         )
 
     def summary(self) -> str:

@@ -53,6 +53,14 @@ def paper_kv_cache_bytes(d_model: int, layers: int, in_len: int, out_len: int, b
     return 2 * d_model * bytes_per_value * layers * (in_len + out_len)
 
 
+def paper_kv_bytes_of_decoder_layers(d_model: int, n_layer: int, n_dec_layer: int, in_len: int, out_len: int,
+                                     bytes_per_value: int = 2) -> int:
+    """Appendix A.1 for the two-stack models: only the ``n_dec_layer`` layers that generate keep K/V (cross K/V
+    of the input, self K/V of the output) -- the double decoder's generation layers, the encoder-decoder's
+    decoder. ``n_layer`` is in the signature every family's ``paper_kv_bytes`` shares; it does not count."""
+    return paper_kv_cache_bytes(d_model, n_dec_layer, in_len, out_len, bytes_per_value)
+
+
 def param_bytes(*modules: nn.Module) -> int:
     """Bytes of the unique parameters of ``modules`` (a tied weight once)."""
     params = {id(p): p for m in modules for p in m.parameters()}

@@ -15,7 +15,7 @@ from blockloop.families.costs import (
     attention_flops,
     kv_cache_bytes,
     layer_weights,
-    paper_kv_cache_bytes,
+    paper_kv_bytes_of_decoder_layers,
     param_bytes,
 )
 from blockloop.families.decoder import PAPER_SIZES, llama_tiny, paper_shape
@@ -100,11 +100,6 @@ def paper_training_flops(seq_len: int, d_model: int, n_layer: int) -> float:
     return n_layer * (76 * seq_len * d_model**2 + 12 * seq_len**2 * d_model)
 
 
-def paper_kv_bytes(d_model: int, n_layer: int, n_dec_layer: int, in_len: int, out_len: int,
-                   bytes_per_value: int = 2) -> int:
-    """Appendix A.1: only the generation layers keep K/V (cross K/V of the prompt, self K/V of the output)."""
-    return paper_kv_cache_bytes(d_model, n_dec_layer, in_len, out_len, bytes_per_value)
-
 
 def kv_bytes(config: DoubleDecoderConfig, prompt_len: int, new_tokens: int, bytes_per_value: int = 2) -> int:
     return kv_cache_bytes(config, config.n_generation_layer, prompt_len + new_tokens, bytes_per_value)
@@ -130,5 +125,5 @@ SPEC = FamilySpec(
     kv_bytes=kv_bytes,
     decode_bytes_per_step=decode_bytes_per_step,
     paper_training_flops=paper_training_flops,
-    paper_kv_bytes=paper_kv_bytes,
+    paper_kv_bytes=paper_kv_bytes_of_decoder_layers,
 )

@@ -11,7 +11,12 @@ from torch import Tensor
 from blockloop.config import ModelConfig, PretrainedFeatures, TransformerShape, split_layers
 from blockloop.data.collate import sample_breakpoint
 from blockloop.data.span_corruption import span_corrupt, span_counts
-from blockloop.families.costs import attention_flops, kv_cache_bytes, layer_weights, paper_kv_cache_bytes
+from blockloop.families.costs import (
+    attention_flops,
+    kv_cache_bytes,
+    layer_weights,
+    paper_kv_bytes_of_decoder_layers,
+)
 from blockloop.families.decoder import PAPER_SIZES, llama_tiny, paper_shape
 from blockloop.families.spec import Batch, FamilySpec, Preset
 from blockloop.models.encoder_decoder import EncoderDecoder
@@ -111,11 +116,6 @@ def paper_training_flops(seq_len: int, d_model: int, n_layer: int, out_len: int)
     return n_layer * ((52 * T + 28 * To) * d**2 + (4 * To**2 + 4 * T * To + 8 * T**2) * d)
 
 
-def paper_kv_bytes(d_model: int, n_layer: int, n_dec_layer: int, in_len: int, out_len: int,
-                   bytes_per_value: int = 2) -> int:
-    """Appendix A.1: only the decoder layers keep K/V (cross K/V of the input, self K/V of the output)."""
-    return paper_kv_cache_bytes(d_model, n_dec_layer, in_len, out_len, bytes_per_value)
-
 
 def kv_bytes(config: EncoderDecoderConfig, prompt_len: int, new_tokens: int, bytes_per_value: int = 2) -> int:
     return kv_cache_bytes(config, config.n_decoder_layer, prompt_len + new_tokens, bytes_per_value)
@@ -132,6 +132,6 @@ SPEC = FamilySpec(
     make_batch=make_batch,
     kv_bytes=kv_bytes,
     paper_training_flops=paper_training_flops,
-    paper_kv_bytes=paper_kv_bytes,
+    paper_kv_bytes=paper_kv_bytes_of_decoder_layers,
     paper_lengths=window_lengths,
 )

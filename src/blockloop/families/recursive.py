@@ -88,7 +88,8 @@ class RecursiveConfig(LocalAttention, InputEmbedding, PretrainedFeatures, Transf
         relax = f", LoRA r={self.lora_rank}" if self.lora_rank else ""
         relax += f", prefix {self.prefix_len}" if self.prefix_len else ""
         relax += ", per-loop norms" if self.loop_norms else ""
-        return f"{self.n_layer} shared layers x {self.loops} loops ({self.tying}), d={self.d_model}{relax}"
+        layers = f"{self.n_layer} shared layer{'s' if self.n_layer > 1 else ''}"
+        return f"{layers} x {self.loops} loops ({self.tying}), d={self.d_model}{relax}"
 
 
 PRESETS = (

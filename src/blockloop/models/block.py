@@ -20,16 +20,14 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from blockloop.errors import check_context
-from blockloop.models.decoder import TransformerStack, count_parameters
+from blockloop.models.decoder import LanguageModel, TransformerStack, count_parameters
 from blockloop.nn.init import init_weights
 from blockloop.nn.kv_cache import DecoderCache, StepContext
 from blockloop.nn.linear import Linear
 from blockloop.nn.paged_cache import KVPages
-from blockloop.nn.precision import at_least_fp32
 
 if TYPE_CHECKING:
     from blockloop.families.block import BlockTransformerConfig
@@ -162,10 +160,7 @@ class BlockTransformer(nn.Module):
         logits = self.token_decoder(context[:, :-1].flatten(0, 1), blocks[:, 1:].flatten(0, 1))
         logits = logits.view(batch, -1, logits.shape[-1])
         logits = torch.cat([logits.new_zeros(batch, c.block_len, logits.shape[-1]), logits], dim=1)
-        loss = None
-        if targets is not None:
-            loss = F.cross_entropy(at_least_fp32(logits.flatten(0, 1)), targets.flatten(), ignore_index=-100)
-        return logits, loss
+        return logits, LanguageModel.loss(logits, targets)
 
     def num_parameters(self, *, non_embedding: bool = False) -> int:
         tables = (self.embedder.embed, self.token_decoder.embed, self.token_decoder.lm_head)

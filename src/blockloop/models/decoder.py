@@ -347,7 +347,8 @@ class LanguageModel(nn.Module):
 
     @staticmethod
     def loss(logits: Tensor, targets: Tensor | None) -> Tensor | None:
-        """Mean next-token cross-entropy over targets that are not -100 (None without targets)."""
+        """Mean cross-entropy of ``logits`` against ``targets`` at the same positions, over targets that are not
+        -100 (None without targets): every family's loss, whatever its targets mean."""
         if targets is None:
             return None
         return F.cross_entropy(at_least_fp32(logits.flatten(0, 1)), targets.flatten(), ignore_index=-100)
@@ -387,7 +388,8 @@ class Decoder(LanguageModel):
         step: StepContext | None = None,
         last_only: bool = False,
     ) -> tuple[Tensor, Tensor | None]:
-        """Logits for ``idx (B, T)``, and the mean next-token loss when ``targets`` is given.
+        """Logits for ``idx (B, T)``, and the mean loss of predicting ``targets (B, T)`` at each position when
+        given: ``targets`` are the next tokens (``idx`` shifted left by one, as nanoGPT's ``y``), not ``idx``.
 
         Without a ``step`` this is the training forward over a full causal window. With one the tokens
         are written at its cache slots (``(T,)`` shared by all rows, or ``(B, T)`` per row), at its rotary

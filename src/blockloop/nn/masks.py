@@ -85,19 +85,21 @@ def within_span(query_slots: Tensor, n_keys: int, span: int) -> Tensor:
     return distance <= span
 
 
+def sees_cached(key_slot: Tensor, query_slot: Tensor, key_valid: Tensor) -> Tensor:
+    """The rule of every cache mask, elementwise (also inside FlexAttention ``mask_mod``s over pages and loops):
+    a query sees valid keys at or before its own slot, and always itself, so that a padding query still has
+    one key and its (unused) output stays finite."""
+    return (key_slot <= query_slot) & key_valid | (key_slot == query_slot)
+
+
 def cache_mask(key_valid: Tensor, slots: Tensor) -> Tensor:
     """``(B, 1, T, S)`` mask of queries at cache ``slots`` (``(T,)`` shared or ``(B, T)`` per row) over a
-    cache whose written, real slots are ``key_valid (B, S)``.
-
-    A query sees valid keys at or before its own slot, and always itself, so that a padding query still
-    has one key and its (unused) output stays finite.
+    cache whose written, real slots are ``key_valid (B, S)`` (:func:`sees_cached`).
     """
     batch, max_len = key_valid.shape
     per_row = slots if slots.dim() == 2 else slots.expand(batch, slots.shape[-1])
     key_slots = torch.arange(max_len, device=slots.device)
-    causal = key_slots <= per_row[..., None]
-    own = key_slots == per_row[..., None]
-    return ((causal & key_valid[:, None, :]) | own).unsqueeze(1)
+    return sees_cached(key_slots, per_row[..., None], key_valid[:, None, :]).unsqueeze(1)
 
 
 def window_mask(prefix_valid: Tensor, valid: Tensor, span: int | None = None) -> Tensor:

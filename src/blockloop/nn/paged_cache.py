@@ -30,6 +30,7 @@ import torch
 from torch import Tensor, nn
 
 from blockloop.errors import BlockloopError
+from blockloop.nn.masks import sees_cached
 
 READS = ("pages", "gather")
 SCRATCH = 0  # the page every unreserved table entry points at
@@ -145,7 +146,7 @@ class KVPages:
                    window: int = 0):  # -> flex_attention.BlockMask
         """The mask of one decode query per row (``slots (B, 1)``) over the pool: row ``b`` visits its own
         reserved pages only (those of table row ``rows[b]`` when given), and within them sees what
-        :func:`~blockloop.nn.masks.cache_mask` would (valid keys up to its slot, and itself); a row with
+        :func:`~blockloop.nn.masks.sees_cached` says (valid keys up to its slot, and itself); a row with
         ``local[b]`` only the slots less than ``window`` before its own, as the band of
         :func:`~blockloop.nn.masks.within_window` (a looped layer that is local at that row's loop)."""
         from torch.nn.attention.flex_attention import BlockMask
@@ -160,7 +161,7 @@ class KVPages:
         def mask_mod(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
             page = kv_idx // size
             slot = (logical[page] * size + kv_idx % size).clamp_max(last)
-            seen = (slot <= query[b]) & key_valid[b, slot] | (slot == query[b])
+            seen = sees_cached(slot, query[b], key_valid[b, slot])
             if local is not None:
                 seen = seen & (~local[b] | (slot > query[b] - window))
             return (owner[page] == table_row[b]) & seen

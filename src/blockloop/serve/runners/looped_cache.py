@@ -22,6 +22,7 @@ from torch import Tensor, nn
 from blockloop.errors import BlockloopError
 from blockloop.models.decoder import LayerInputs
 from blockloop.nn.kv_cache import DecoderCache, KVCache, RollingKVCache
+from blockloop.nn.masks import sees_cached
 from blockloop.nn.paged_cache import KVPages, PagedKVCache, gather_rows
 
 LOOP_READS = ("dense", "blocks")
@@ -135,7 +136,7 @@ class LoopedCache(DecoderCache):
 
     def _block_mask(self, loop: Tensor, slots: Tensor):  # -> flex_attention.BlockMask
         """Row ``b`` visits the blocks of loop ``loop[b]`` up to its query's slot, and sees in them what
-        :func:`~blockloop.nn.masks.cache_mask` would."""
+        :func:`~blockloop.nn.masks.sees_cached` says."""
         from torch.nn.attention.flex_attention import BlockMask
 
         span, key_valid, query = self.span, self.key_valid, slots[:, 0]
@@ -144,7 +145,7 @@ class LoopedCache(DecoderCache):
         def mask_mod(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
             slot = kv_idx - loop[b] * span
             at = slot.clamp(0, last)
-            seen = (at <= query[b]) & key_valid[b, at] | (at == query[b])
+            seen = sees_cached(at, query[b], key_valid[b, at])
             return (slot >= 0) & (slot <= last) & seen
 
         rows, width = len(loop), span // BLOCK
