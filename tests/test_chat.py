@@ -13,7 +13,14 @@ from blockloop.cli.chat import converse
 from blockloop.data.tokenizers import ByteTokenizer
 from blockloop.errors import BlockloopError
 from blockloop.serve.generate import generate
-from blockloop.serve.http.chat import ChatSession, chat_template_for, plain_template, trim_history
+from blockloop.serve.http.chat import (
+    ChatSession,
+    chat_template_for,
+    jinja_template,
+    plain_template,
+    trim_history,
+    wrap_seed,
+)
 from blockloop.serve.http.worker import EngineWorker, serving_engine
 from blockloop.serve.requests import SamplingParams
 from blockloop.train.run import load_trained
@@ -136,6 +143,25 @@ def test_plain_template_and_a_jinja_template_with_its_end_of_turn_token(tmp_path
     template = chat_template_for(ByteTokenizer(), tmp_path)
     assert template.render(messages[:1]) == "<user>hi</s><assistant>"
     assert template.stop_ids == []  # "</s>" is five bytes for the byte tokenizer, not one special id
+
+
+def test_a_jinja_template_gets_the_special_tokens_and_helpers_transformers_gives_it():
+    """``bos_token``/``eos_token``/``pad_token`` and ``strftime_now`` are defined (Gemma and Llama templates write
+    ``{{ bos_token }}``), and a ``developer`` message reaches the template as ``system``."""
+    source = ("{{ bos_token | default('-') }}{{ eos_token }}{{ pad_token }}{% for m in messages %}{{ m.role }}:"
+              "{{ m.content }};{% endfor %}{{ strftime_now('%Y') | length }}")
+    template = jinja_template(source, ByteTokenizer())
+    assert template.render([{"role": "developer", "content": "be brief"}]) == "-<|endoftext|><|pad|>system:be brief;4"
+
+
+def test_a_template_that_fails_to_render_is_one_error_not_a_traceback():
+    template = jinja_template("{{ messages[0].content | no_such_filter }}", ByteTokenizer())
+    with pytest.raises(BlockloopError, match="the chat template failed on these messages"):
+        template.render([{"role": "user", "content": "hi"}])
+
+
+def test_a_seeded_chat_counts_its_turns_past_the_largest_seed():
+    assert wrap_seed(2**63 - 1) == 2**63 - 1 and wrap_seed(2**63) == -(2**63) and wrap_seed(5) == 5
 
 
 @pytest.mark.slow

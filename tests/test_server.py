@@ -229,6 +229,9 @@ def test_bench_over_http_cuts_its_prompts_with_the_servers_own_tokenizer(tmp_pat
 def test_bench_over_http_says_when_no_server_answers(capsys):
     assert main(["bench", "--url", "http://127.0.0.1:9", "--requests", "2"]) == 2
     assert "no OpenAI-compatible server answers" in capsys.readouterr().err
+    assert main(["bench", "--url", "http://127.0.0.1:abc", "--requests", "2"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "is not a valid URL" in err, err
 
 
 def test_the_serve_verb_answers_over_http_and_stops_on_ctrl_c(tmp_path_factory):

@@ -55,6 +55,9 @@ MALFORMED = [
     ("/v1/completions", {"logprobs": 3}, 400, "logprobs"),
     ("/v1/completions", {"echo": True}, 400, "echo"),
     ("/v1/completions", {"presence_penalty": 0.5}, 400, "presence_penalty"),
+    ("/v1/completions", {"min_p": 0.1}, 400, "min_p"),  # vLLM's extras are refused by name, not ignored
+    ("/v1/completions", {"repetition_penalty": 1.2}, 400, "repetition_penalty"),
+    ("/v1/completions", {"stream_options": {"include_usage": True}}, 400, "stream_options"),  # without stream
     ("/v1/chat/completions", {"messages": []}, 400, "messages"),
     ("/v1/chat/completions", {"messages": "hi"}, 400, "messages"),
     ("/v1/chat/completions", {"messages": [{"role": "robot", "content": "hi"}]}, 400, "messages[0].role"),
@@ -112,7 +115,8 @@ def test_malformed_requests_each_get_a_4xx_naming_the_field_and_the_server_keeps
 def test_null_optional_fields_mean_their_defaults_and_the_lesser_endpoints_answer(run):
     """Clients send ``null`` for fields they leave unset; ``/v1/models/{id}`` and ``HEAD /health`` are asked
     for by clients and health checkers."""
-    nulls = {"temperature": None, "top_p": None, "n": None, "stop": None, "seed": None, "stream": None, "user": None}
+    nulls = {"temperature": None, "top_p": None, "n": None, "stop": None, "seed": None, "stream": None, "user": None,
+             "echo": None, "logprobs": None, "min_p": None}
     with running(app(run, n_slots=2)) as url:
         plain = httpx.post(url + "/v1/completions", json={**GOOD, "seed": 3}).json()
         nulled = httpx.post(url + "/v1/completions", json={**GOOD, **nulls, "seed": 3, "temperature": 0}).json()
@@ -186,14 +190,17 @@ def test_a_full_waiting_queue_answers_503_with_retry_after(run):
     gate, step = threading.Event(), engine.step
     engine.step = lambda *args, **kwargs: (gate.wait(60), step(*args, **kwargs))[1]
     with running(application) as url:
-        with httpx.stream("POST", url + "/v1/completions", json={**GOOD, "stream": True}) as first:
-            # The first request waits (its engine window is held back); one more would pass the bound of one.
+        streams = [httpx.stream("POST", url + "/v1/completions", json={**GOOD, "stream": True}) for _ in range(2)]
+        with streams[0] as first, streams[1] as second:
+            # The engine's window is held back: the first request will take the free slot, the second waits for
+            # it, and one more would pass the bound of one waiting.
             refused = httpx.post(url + "/v1/completions", json=GOOD)
             assert refused.status_code == 503 and refused.headers["retry-after"] == "1"
             assert refused.json()["error"]["code"] == "queue_full"
-            assert metric(httpx.get(url + "/metrics").text, "blockloop_requests_waiting") == 1
+            assert metric(httpx.get(url + "/metrics").text, "blockloop_requests_waiting") == 2
             gate.set()
-            assert first.read().decode().rstrip().endswith("data: [DONE]")
+            for reply in (first, second):
+                assert reply.read().decode().rstrip().endswith("data: [DONE]")
         assert httpx.post(url + "/v1/completions", json=GOOD).status_code == 200
         assert metric(httpx.get(url + "/metrics").text, "blockloop_requests_rejected_total") == 1
 
@@ -202,3 +209,32 @@ def test_serve_rejects_an_exit_rule_for_a_model_without_loops(run, capsys):
     assert main(["serve", "--checkpoint", str(run), "--exit", "max_prob:0.9", "--device", "cpu"]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "--exit applies to looped" in err
+
+
+def test_a_paged_cache_smaller_than_the_context_bounds_max_tokens_with_a_400(run):
+    """With 64 cache tokens on a 128-token context the pool, not the context, is the limit: a request past it
+    gets a 400 naming max_tokens (it used to pass the check and fail with a 500), and a chat without max_tokens
+    gets what the pool holds."""
+    from blockloop.serve.runners import Paging
+
+    application = app(run, n_slots=2, paging=Paging(64, page_size=16))
+    engine = application.state.served.worker.engine
+    prompt = "ROMEO:"
+    room = engine.room(len(application.state.served.tokenizer.encode_prompt(prompt)))
+    assert 0 < room < 64
+    with running(application) as url:
+        too_many = httpx.post(url + "/v1/completions", json={**GOOD, "prompt": prompt, "max_tokens": room + 1})
+        assert too_many.status_code == 400 and too_many.json()["error"]["param"] == "max_tokens", too_many.text
+        body = {**GOOD, "prompt": prompt, "max_tokens": room, "ignore_eos": True}
+        assert httpx.post(url + "/v1/completions", json=body).json()["usage"]["completion_tokens"] == room
+        chat = httpx.post(url + "/v1/chat/completions", json={**CHAT, "max_tokens": None, "ignore_eos": True})
+        assert chat.status_code == 200, chat.text
+
+
+def test_prefill_only_windows_add_no_generated_tokens_to_the_metrics(run):
+    """A prompt longer than the prefill chunk takes windows that generate nothing; the last window's tokens used
+    to be counted again for each of them."""
+    with running(app(run, n_slots=2, prefill_chunk=4)) as url:
+        body = {**GOOD, "prompt": "ROMEO: But soft, what light", "max_tokens": 3, "ignore_eos": True}
+        usage = [httpx.post(url + "/v1/completions", json=body).json()["usage"]["completion_tokens"] for _ in range(3)]
+        assert metric(httpx.get(url + "/metrics").text, "blockloop_generation_tokens_total") == sum(usage) == 9

@@ -24,6 +24,8 @@ def model_card(url: str) -> dict[str, Any]:
     """The served model's entry of ``GET /v1/models`` (its id names the model in every request)."""
     try:
         cards = httpx.get(url.rstrip("/") + "/v1/models", timeout=30).raise_for_status().json()["data"]
+    except httpx.InvalidURL as exc:
+        raise BlockloopError(f"--url {url!r} is not a valid URL ({exc}); give one like http://127.0.0.1:8000") from None
     except (httpx.HTTPError, KeyError, ValueError) as exc:
         raise BlockloopError(f"no OpenAI-compatible server answers at {url} ({exc}); start `blockloop serve` first") from None
     if not cards or "id" not in cards[0]:
@@ -61,7 +63,12 @@ async def _send_all(url: str, model: str, prompts: list[list[int]], offsets: lis
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
     async with httpx.AsyncClient(base_url=url, timeout=None, limits=limits) as client:
         start = time.perf_counter()
-        return await asyncio.gather(*(_one(client, model, p, n, start + t) for p, n, t in zip(prompts, budgets, offsets)))
+        try:
+            return await asyncio.gather(*(_one(client, model, p, n, start + t)
+                                          for p, n, t in zip(prompts, budgets, offsets)))
+        except httpx.HTTPError as exc:  # the server went away (or broke a stream) mid-run
+            raise BlockloopError(f"lost the server at {url} mid-run ({type(exc).__name__}: {exc}); "
+                                 "check that it is still running, then bench again") from None
 
 
 async def _one(client: httpx.AsyncClient, model: str, prompt: list[int], max_tokens: int, arrival: float) -> Timing:

@@ -23,7 +23,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--name", help="the model name clients send (default: the checkpoint folder's name)")
     add_engine_arguments(p)
     p.add_argument("--max-waiting", type=nonnegative_int, default=256,
-                   help="requests that may wait for a slot; past it the server answers 503 (default: 256)")
+                   help="requests that may wait for a slot (beyond those free slots will take); past it the server answers "
+                   "503 (default: 256)")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
                    help="uvicorn's log level (default: info, one line per request)")
     add_device(p)

@@ -155,8 +155,23 @@ class Engine:
         return request
 
     def room(self, prompt_len: int) -> int:
-        """The most new tokens a prompt of ``prompt_len`` tokens may ask for (< 1: the prompt alone does not fit)."""
-        return self.max_len - self.reserved - self._padded(prompt_len)
+        """The most new tokens a prompt of ``prompt_len`` tokens may ask for (< 1: the prompt alone does not fit):
+        what its slot leaves of the model context, and what a paged KV cache smaller than that holds."""
+        padded = self._padded(prompt_len)
+        most = self.max_len - self.reserved - padded
+        if most < 1 or not self.continuous or self.runner.can_hold([padded + most], alone=True):
+            return most
+
+        def holds(new_tokens: int) -> bool:
+            return self.runner.can_hold([padded + new_tokens], alone=True)
+
+        if not holds(0):
+            return 0
+        low, high = 0, most - 1  # the largest count the empty pool holds: holds(low) stays true
+        while low < high:
+            mid = (low + high + 1) // 2
+            low, high = (mid, high) if holds(mid) else (low, mid - 1)
+        return low
 
     def cancel(self, request: Request) -> None:
         """Finish ``request`` now with reason ``"abort"`` (its client went away): a waiting request leaves the
@@ -209,6 +224,7 @@ class Engine:
             self._prefill_batch(self.scheduler.admit(fits=self._fits_together))
         running = {slot: r for slot, r in self.scheduler.running.items() if slot not in self.prefilling}
         if not running:
+            self.last_window = []  # a window of prefill only: no token came out
             return []
         steps, last = self.sync_every, False
         if max_steps is not None:

@@ -128,7 +128,9 @@ def create_app(served: ServedModel) -> FastAPI:
         except BlockloopError as exc:
             raise ApiError(400, str(exc), param="messages") from None
         prompt = tokenizer.encode(text)
-        stream = TextStream(tokenizer, params.stops() + served.template.stop, served.template.stop_ids, prompt=prompt)
+        # ignore_eos also runs past the template's end-of-turn token (vLLM: generation config EOS ids included).
+        turn_ends = [] if params.ignore_eos else served.template.stop_ids
+        stream = TextStream(tokenizer, params.stops() + served.template.stop, turn_ends, prompt=prompt)
         return await _serve(request, params, prompt, "messages", params.token_limit(), stream, Reply(True, served.name))
 
     @app.post("/tokenize")
@@ -150,11 +152,12 @@ def create_app(served: ServedModel) -> FastAPI:
         room = engine.room(len(prompt))
         if room < 1:
             raise ApiError(400, f"{field} of {len(prompt)} tokens leaves no room for an answer in the model context "
-                           f"of {engine.max_len} tokens; shorten it", param=field, code="context_length_exceeded")
+                           f"of {engine.max_len} tokens (or in the server's KV cache); shorten it", param=field,
+                           code="context_length_exceeded")
         name = "max_completion_tokens" if getattr(params, "max_completion_tokens", None) is not None else "max_tokens"
         if max_tokens is not None and max_tokens > room:
-            raise ApiError(400, f"{name} of {max_tokens} is more than the {room} tokens the model context leaves "
-                           f"after this {len(prompt)}-token {field}; lower it", param=name,
+            raise ApiError(400, f"{name} of {max_tokens} is more than the {room} tokens the model context and KV "
+                           f"cache leave after this {len(prompt)}-token {field}; lower it", param=name,
                            code="context_length_exceeded")
         if max_tokens is None:
             max_tokens = room if reply.chat else min(DEFAULT_COMPLETION_TOKENS, room)
@@ -179,7 +182,7 @@ def create_app(served: ServedModel) -> FastAPI:
         except BlockloopError as exc:
             raise ApiError(503, str(exc), kind="server_error") from None
         if params.stream:
-            usage = params.stream_options is not None and params.stream_options.include_usage
+            usage = params.stream_options is not None and bool(params.stream_options.include_usage)
             return StreamingResponse(_stream(job, events, reply, usage), media_type="text/event-stream")
         pieces: list[str] = []
         event, checked = Event([]), time.monotonic()

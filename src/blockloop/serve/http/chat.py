@@ -22,7 +22,8 @@ Where the template comes from, first found wins:
    with ``"\\nUser:"`` as a stop string, so a model that goes on to write the user's next turn stops there.
 
 A Jinja template is rendered like ``transformers``' ``apply_chat_template`` (sandboxed, ``trim_blocks``,
-``lstrip_blocks``, ``add_generation_prompt=True``). Its end-of-turn token (``<|im_end|>``, ``<|eot_id|>``,
+``lstrip_blocks``, ``add_generation_prompt=True``, the tokenizer's ``bos_token`` / ``eos_token`` / ``pad_token``
+and ``strftime_now``); a ``developer`` message reaches it as ``system``, the role templates know. Its end-of-turn token (``<|im_end|>``, ``<|eot_id|>``,
 ``<end_of_turn>`` or ``</s>``, whichever the template writes and the tokenizer has as one special id) stops
 generation like the end-of-text token.
 """
@@ -33,6 +34,7 @@ import json
 import queue
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from datetime import datetime
 from pathlib import Path
 
 from blockloop.data.tokenizers import Tokenizer, build_tokenizer
@@ -54,11 +56,13 @@ class ChatTemplate:
     source: str | None = None  # Jinja text; None = the plain template
     stop: list[str] = field(default_factory=list)  # stop strings every chat request gets
     stop_ids: list[int] = field(default_factory=list)  # end-of-turn token ids
+    special_tokens: dict[str, str] = field(default_factory=dict)  # bos_token, eos_token, pad_token: their text
 
     def render(self, messages: list[Message]) -> str:
         if self.source is None:
             turns = "".join(f"{PLAIN_NAMES[m['role']]}: {m['content']}\n\n" for m in messages)
             return turns + "Assistant:"
+        from jinja2 import TemplateError
         from jinja2.ext import loopcontrols  # a dependency of torch
         from jinja2.sandbox import ImmutableSandboxedEnvironment
 
@@ -67,7 +71,14 @@ class ChatTemplate:
 
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
         env.globals["raise_exception"] = raise_exception
-        return env.from_string(self.source).render(messages=messages, add_generation_prompt=True)
+        env.globals["strftime_now"] = lambda format: datetime.now().strftime(format)
+        messages = [{**m, "role": "system"} if m["role"] == "developer" else m for m in messages]
+        try:
+            return env.from_string(self.source).render(messages=messages, add_generation_prompt=True,
+                                                       **self.special_tokens)
+        except TemplateError as exc:
+            raise BlockloopError(f"the chat template failed on these messages ({type(exc).__name__}: {exc}); "
+                                 "fix the checkpoint's chat template") from None
 
 
 def plain_template() -> ChatTemplate:
@@ -81,7 +92,14 @@ def jinja_template(source: str, tokenizer: Tokenizer) -> ChatTemplate:
         encoded = tokenizer.encode(marker) if marker in source else []
         if len(encoded) == 1 and tokenizer.decode(encoded) == "":  # one special id, not plain text
             ids.append(encoded[0])
-    return ChatTemplate(source, stop_ids=ids)
+    try:
+        vocabulary = tokenizer.hf_tokenizer()
+    except BlockloopError:  # a task's word list: no token texts to give the template
+        vocabulary = None
+    specials = {name: vocabulary.id_to_token(i) for name, i in
+                (("bos_token", tokenizer.bos_id), ("eos_token", tokenizer.eos_id), ("pad_token", tokenizer.pad_id))
+                if i is not None and vocabulary is not None}
+    return ChatTemplate(source, stop_ids=ids, special_tokens={k: v for k, v in specials.items() if v is not None})
 
 
 def chat_template_for(tokenizer: Tokenizer, directory: Path | None = None) -> ChatTemplate:
@@ -113,6 +131,11 @@ def trim_history(messages: list[Message], fits: Callable[[list[Message]], bool])
         if fits(kept):
             return kept
     raise BlockloopError("the last message alone does not fit the model context; write a shorter one or /reset")
+
+
+def wrap_seed(seed: int) -> int:
+    """``seed`` wrapped into the int64 range a request's seed takes, so counting turns past 2**63 - 1 goes on."""
+    return (seed + 2**63) % 2**64 - 2**63
 
 
 class ChatSession:
@@ -153,7 +176,7 @@ class ChatSession:
         s = self.sampling
         events: queue.Queue[Event] = queue.Queue()
         job = Job(prompt, min(self.max_new_tokens, engine.room(len(prompt))),
-                  SamplingParams(s.temperature, s.top_k, s.top_p, seed=s.seed + self.turns),
+                  SamplingParams(s.temperature, s.top_k, s.top_p, seed=wrap_seed(s.seed + self.turns)),
                   TextStream(self.tokenizer, self.template.stop, self.template.stop_ids, prompt=prompt), events.put,
                   eos_id=self.tokenizer.eos_id)
         self.worker.submit(job)

@@ -13,16 +13,19 @@ import time
 import uuid
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
 
 from blockloop.errors import utf8_problem
 from blockloop.serve.requests import INT64_MAX
 
-# Fields of the OpenAI API this server does not implement, and the values that mean "not used".
+# Fields of the OpenAI API, and vLLM's sampling extras, this server does not implement, and the values that mean
+# "not used". Other fields it does not know are ignored, as vLLM ignores them.
 UNSUPPORTED: dict[str, tuple[Any, ...]] = {
-    "echo": (False,), "logprobs": (None, False, 0), "top_logprobs": (None, 0), "suffix": (None, ""),
+    "echo": (None, False), "logprobs": (None, False, 0), "top_logprobs": (None, 0), "suffix": (None, ""),
     "best_of": (None, 1), "presence_penalty": (None, 0), "frequency_penalty": (None, 0), "logit_bias": (None, {}),
     "tools": (None, []), "tool_choice": (None, "none"), "functions": (None, []), "response_format": (None, {"type": "text"}),
+    "repetition_penalty": (None, 1), "min_p": (None, 0), "min_tokens": (None, 0), "stop_token_ids": (None, []),
+    "include_stop_str_in_output": (None, False), "use_beam_search": (None, False), "length_penalty": (None, 1),
 }
 MAX_STOP = 4
 
@@ -42,7 +45,7 @@ class ApiError(Exception):
 
 class StreamOptions(BaseModel):
     model_config = ConfigDict(strict=True, extra="forbid")
-    include_usage: bool = False
+    include_usage: bool | None = None  # null: the default, no usage chunk
 
 
 class Sampling(BaseModel):
@@ -62,6 +65,13 @@ class Sampling(BaseModel):
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False
     user: str | None = None
+
+    @field_validator("stream_options")
+    @classmethod
+    def _options_of_a_stream(cls, options: StreamOptions | None, info: ValidationInfo) -> StreamOptions | None:
+        if options is not None and not info.data.get("stream", False):  # ``stream`` is declared, so checked, first
+            raise ValueError("is only allowed with stream: true")
+        return options
 
     @field_validator("n")
     @classmethod

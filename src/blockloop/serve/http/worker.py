@@ -6,8 +6,9 @@ boundaries anyway), and get back one :class:`Event` per job and window through t
 callback, called on the engine thread: an HTTP handler passes ``loop.call_soon_threadsafe`` into an asyncio
 queue, the terminal chat a plain ``queue.Queue.put``. A token callback turns tokens into text
 (:class:`~blockloop.serve.http.text.TextStream`) and ends its request at a stop string, so the slot frees at
-the same window as on EOS. Requests not yet running are bounded: past ``max_waiting``, :meth:`EngineWorker.submit`
-raises :class:`QueueFull` at once instead of queueing without limit.
+the same window as on EOS. Requests waiting for a slot (those not yet running, less the slots free for them) are
+bounded: past ``max_waiting``, :meth:`EngineWorker.submit` raises :class:`QueueFull` at once instead of queueing
+without limit.
 """
 
 from __future__ import annotations
@@ -104,8 +105,8 @@ class EngineWorker:
     """
 
     def __init__(self, engine: Engine, *, max_waiting: int = 256, observer: Observer | None = None) -> None:
-        if max_waiting < 1:  # every request waits, however briefly, until the engine thread admits it
-            raise BlockloopError(f"--max-waiting must be at least 1, got {max_waiting}")
+        if max_waiting < 0:
+            raise BlockloopError(f"--max-waiting must be at least 0, got {max_waiting}")
         self.engine, self.max_waiting, self.observer = engine, max_waiting, observer
         self.inbox: queue.Queue[tuple[str, Job | None]] = queue.Queue()
         self.lock = threading.Lock()
@@ -135,9 +136,11 @@ class EngineWorker:
         """Queue ``job``; :class:`QueueFull` when ``max_waiting`` requests already wait for a slot."""
         if not self.healthy:
             raise BlockloopError(f"the engine is not running ({self.error!r}); restart the server")
+        # Jobs not admitted yet fill the free slots first; only those beyond them wait for a slot.
+        free = max(0, self.engine.n_slots - self.running)
         with self.lock:
-            if self.waiting >= self.max_waiting:
-                raise QueueFull(f"{self.waiting} requests are already waiting for a slot; retry shortly")
+            if self.waiting - free >= self.max_waiting:
+                raise QueueFull(f"{self.waiting - free} requests are already waiting for a slot; retry shortly")
             self.waiting += 1
         self.inbox.put(("submit", job))
 
