@@ -119,3 +119,8 @@ def test_block_embedder_shapes_are_checked_not_replaced(fields, says):
     """The encoder embedder used to fall back to one head, or one layer, without a word."""
     with pytest.raises(ConfigError, match=re.escape(says)):
         from_name("tiny-block", **fields)
+
+
+def test_a_local_layer_named_twice_is_refused():
+    with pytest.raises(ConfigError, match=re.escape("local_layers=[1, 1] names a layer twice")):
+        DecoderConfig(n_layer=2, n_head=4, d_model=64, local_layers=[1, 1], sliding_window=4)

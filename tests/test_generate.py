@@ -91,3 +91,12 @@ def test_a_batch_tensor_is_read_row_by_row_and_other_shapes_are_refused(model):
             generate(model, bad, 4)
     with pytest.raises(BlockloopError, match="whole number, at least 1; got 2.5"):
         generate(model, prompts, 2.5)
+
+
+def test_an_eos_id_outside_the_vocabulary_is_refused(model):
+    """It could never be generated, so no row would stop: the caller passed another tokenizer's id."""
+    vocab = model.config.vocab_size
+    for bad in (vocab, -1, 2.0):
+        with pytest.raises(BlockloopError, match="is not a token of the model's vocabulary"):
+            generate(model, [[5, 6]], 2, eos_id=bad)
+    assert len(generate(model, [[5, 6]], 2, eos_id=vocab - 1, temperature=0)[0]) <= 2

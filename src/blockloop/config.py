@@ -335,6 +335,10 @@ class LocalAttention:
                 f"local_layers={self.local_layers} must be layer indices below n_layer={self.n_layer}",
             ),
             (
+                len(set(self.local_layers)) == len(self.local_layers),
+                f"local_layers={self.local_layers} names a layer twice",
+            ),
+            (
                 not self.local_layers or (self.sliding_window or 0) > 0,
                 "local_layers need a positive sliding_window (how many recent positions they see)",
             ),

@@ -139,6 +139,9 @@ class Engine:
             raise BlockloopError(f"max_tokens must be a whole number, at least 1; got {max_tokens!r}")
         if max(prompt) >= self.vocab_size or min(prompt) < 0:
             raise BlockloopError(f"prompt token ids must lie in [0, {self.vocab_size}); re-encode it with the model's tokenizer")
+        if eos_id is not None and not (whole_number(eos_id) and 0 <= eos_id < self.vocab_size):
+            raise BlockloopError(f"eos_id {eos_id!r} is not a token of the model's vocabulary [0, {self.vocab_size}), so "
+                                 "no request would stop at it; pass the tokenizer's eos_id")
         if max_tokens > self.room(len(prompt)):
             raise BlockloopError(
                 f"prompt of {self._padded(len(prompt))} tokens plus {max_tokens} new tokens exceeds the engine's "
