@@ -319,6 +319,26 @@ def test_a_lightly_loaded_engine_steps_only_its_busy_prefix_of_slots(name, optio
     assert 1.0 < runner.mean_exit_loop() < 2.0
 
 
+@pytest.mark.parametrize("options", [{}, {"paging": Paging(64, 4)}, {"exit_rule": ExitRule("none")}])
+def test_rows_that_keep_stepping_past_the_context_stay_inside_a_learned_position_table(options):
+    """A finished or idle row of a continuous batch keeps stepping while another request runs; its position used
+    to grow past the context and index past a learned (GPT-2 style) position table."""
+    torch.manual_seed(0)
+    name = "tiny-recursive" if "exit_rule" in options else "tiny"
+    model = build_model(from_name(name, learned_positions=True, context_length=32)).double().eval()
+    greedy = SamplingParams(temperature=0.0)
+    work = [(list(range(1, 32)), 1), ([5], 31)]  # 31 + 1 and 1 + 31: each fills the context exactly
+    alone = []
+    for prompt, n in work:
+        engine = Engine(runner_for(model, **options), 1, sync_every=4)
+        alone.append(engine.submit(prompt, n, sampling=greedy))
+        engine.run()
+    engine = Engine(runner_for(model, **options), 2, sync_every=4)
+    together = [engine.submit(prompt, n, sampling=greedy) for prompt, n in work]
+    engine.run()
+    assert [r.output for r in together] == [r.output for r in alone]
+
+
 def test_block_transformer_admits_requests_only_at_block_boundaries():
     model = tiny("tiny-block")
     engine = Engine(model, 2, sync_every=3)

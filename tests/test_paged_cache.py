@@ -50,7 +50,7 @@ def test_pages_are_reserved_grown_released_and_reused():
 
 
 @pytest.mark.parametrize("read", ["gather", "pages"])
-@pytest.mark.parametrize("name", ["tiny", "tiny-recursive", "tiny-ladder", "tiny-encdec"])
+@pytest.mark.parametrize("name", ["tiny", "tiny-recursive", "tiny-ladder", "tiny-transformer-xl", "tiny-encdec"])
 def test_paged_runner_equals_the_static_one_through_joins_and_frees(name, read):
     """Rows joining mid-batch, a finished row's pages going to the next request: every step's logits of the
     rows serving a request equal the static cache's (float64; idle rows compute garbage in both)."""
@@ -297,3 +297,20 @@ def test_paged_decode_under_cuda_graphs_matches_the_static_cache():
     for other in outputs[1:]:
         agree = sum(a == b for x, y in zip(outputs[0], other) for a, b in zip(x, y)) / sum(map(len, outputs[0]))
         assert agree > 0.9  # float32 kernels differ in the last bits; near-ties can flip late tokens
+
+
+@pytest.mark.parametrize("tokens, page_size, loops", [(67, 2, 2), (65, 8, 3)])
+def test_a_depthwise_pool_holds_its_tokens_at_every_loop_whatever_the_page_size(tokens, page_size, loops):
+    """Each loop's table row takes whole pages, so the pool rounds up per loop: a request of exactly ``tokens``
+    tokens is admitted depth-wise as it is sequence-wise (it was refused when tokens was not a multiple of the
+    page size) and gives the same greedy tokens."""
+    torch.manual_seed(0)
+    model = build_model(from_name("tiny-recursive", loops=loops)).double().eval()
+    prompt = list(range(1, 30))
+    outputs = []
+    for options in ({}, {"exit_rule": ExitRule("none")}):
+        engine = Engine(runner_for(model, paging=Paging(tokens, page_size=page_size), **options), 2, sync_every=4)
+        request = engine.submit(prompt, tokens - len(prompt), sampling=SamplingParams(temperature=0.0))
+        engine.run()
+        outputs.append(request.output)
+    assert len(outputs[0]) == tokens - len(prompt) and outputs[0] == outputs[1]

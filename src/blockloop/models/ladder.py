@@ -30,7 +30,7 @@ from blockloop.errors import check_context
 from blockloop.models.decoder import LanguageModel
 from blockloop.models.recurrent_core import build_core, prefix_kv, rotate_prefix
 from blockloop.nn.kv_cache import DecoderCache, StepContext
-from blockloop.nn.masks import window_mask, within_span
+from blockloop.nn.masks import window_mask
 from blockloop.nn.paged_cache import KVPages
 from blockloop.nn.rope import rope_angles
 
@@ -77,9 +77,7 @@ class Ladder(LanguageModel):
 
     def _cached(self, x: Tensor, step: StepContext) -> Tensor:
         cos, sin = rope_angles(step.token_positions, self.config.rotary_dim, self.config.rope_base)
-        mask = step.begin()
-        if self.config.memory_len:
-            mask = mask & within_span(step.slots, mask.shape[-1], self.config.memory_len)
+        mask = step.begin(span=self.config.memory_len or None)
         for application, layer in enumerate(self.order):
             x = self.core.blocks[layer](x, cos, sin, kv=step.layer(application), mask=mask)
         return x

@@ -142,7 +142,7 @@ class Engine:
         if eos_id is not None and not (whole_number(eos_id) and 0 <= eos_id < self.vocab_size):
             raise BlockloopError(f"eos_id {eos_id!r} is not a token of the model's vocabulary [0, {self.vocab_size}), so "
                                  "no request would stop at it; pass the tokenizer's eos_id")
-        if max_tokens > self.room(len(prompt)):
+        if max_tokens > self._context_room(len(prompt)):
             raise BlockloopError(
                 f"prompt of {self._padded(len(prompt))} tokens plus {max_tokens} new tokens exceeds the engine's "
                 f"{self.max_len - self.reserved}-token slots (the model context); shorten the prompt or lower max_tokens"
@@ -161,7 +161,7 @@ class Engine:
         """The most new tokens a prompt of ``prompt_len`` tokens may ask for (< 1: the prompt alone does not fit):
         what its slot leaves of the model context, and what a paged KV cache smaller than that holds."""
         padded = self._padded(prompt_len)
-        most = self.max_len - self.reserved - padded
+        most = self._context_room(prompt_len)
         if most < 1 or not self.continuous or self.runner.can_hold([padded + most], alone=True):
             return most
 
@@ -187,6 +187,9 @@ class Engine:
         else:
             self._release(request.slot)
         request.finish("abort", time.perf_counter())
+
+    def _context_room(self, prompt_len: int) -> int:
+        return self.max_len - self.reserved - self._padded(prompt_len)
 
     def _padded(self, length: int) -> int:
         return -(-length // self.prompt_multiple) * self.prompt_multiple

@@ -45,16 +45,16 @@ class DecodeState:
         writes them in place)."""
         return DecodeState(self.cache.rows(start, stop), self.next_slot[start:stop], self.next_position[start:stop])
 
-    def step_slots(self, rows: int) -> tuple[DecoderCache, Tensor, Tensor]:
+    def step_slots(self, rows: int, context_length: int) -> tuple[DecoderCache, Tensor, Tensor]:
         """The first ``rows`` rows' cache (from ``prefixes``) and the ``(rows, 1)`` slots and
         positions of their next token; then advance every row (the rows past ``rows`` are idle: a prefill sets
         a row's slots). Rebound, not updated in place: under CUDA graphs a plain tensor updated in place makes
         the graph fall back to eager, while a new one is the graph's output, the next replay's input. Rows past
         the end of the cache (idle or finished rows of a continuous batch that keep stepping) rewrite their last
-        slot."""
+        slot, at the model's last position (``context_length - 1``: a learned position table ends there)."""
         cache = self.prefixes[rows]
         slots = self.next_slot[:rows].clamp_max(self.cache.max_len - 1)[:, None]
-        positions = self.next_position[:rows, None]
+        positions = self.next_position[:rows, None].clamp_max(context_length - 1)
         self.next_slot = self.next_slot + 1
         self.next_position = self.next_position + 1
         return cache, slots, positions
@@ -136,7 +136,7 @@ class DecoderRunner(PagedRows, Runner):
         """One token per row of the first ``len(tokens)`` rows, written at that row's own next slot. A row fed
         no token (-1: between two chunks of its prompt) writes a padding entry there, which no query sees and
         no ring keeps; its next chunk starts from where its prompt stopped."""
-        cache, slots, positions = self.state.step_slots(len(tokens))
+        cache, slots, positions = self.state.step_slots(len(tokens), self.model.config.context_length)
         step = StepContext(cache, slots, positions, (tokens >= 0)[:, None])
         logits, _ = self.model(tokens.clamp_min(0)[:, None], step=step)
         return logits[:, -1]

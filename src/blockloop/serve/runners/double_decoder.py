@@ -83,4 +83,5 @@ class DoubleDecoderRunner(PagedRows, Runner):
     @torch.no_grad()
     def decode_step(self, tokens: Tensor) -> Tensor:
         """One token per row; each row writes its own next slot (:meth:`DecodeState.step_slots`)."""
-        return self.model.generation_step(tokens, StepContext(*self.state.step_slots(len(tokens))))
+        step = StepContext(*self.state.step_slots(len(tokens), self.model.config.context_length))
+        return self.model.generation_step(tokens, step)

@@ -39,8 +39,10 @@ class Paging:
         """The page table of a cache of ``n_slots`` rows of up to ``max_len`` entries, each entry standing for
         ``tokens_per_entry`` tokens (a Block Transformer's block decoder keeps one entry per block); a looped
         cache keeps ``loops`` table rows per slot (one per loop of its shared layers) in ``loops`` times the pool."""
-        entries = -(-self.tokens // tokens_per_entry) * loops
-        return KVPages.for_tokens(n_slots * loops, max_len, entries, self.page_size, device=device, read=self.read)
+        entries = -(-self.tokens // tokens_per_entry)
+        per_loop = -(-entries // self.page_size) * self.page_size  # each loop's table row takes whole pages
+        return KVPages.for_tokens(n_slots * loops, max_len, per_loop * loops, self.page_size, device=device,
+                                  read=self.read)
 
 
 class PagedRows:
