@@ -126,3 +126,33 @@ def test_rolling_log_likelihood_of_an_encoder_decoder_starts_from_an_empty_encod
         logits, _ = model(torch.zeros(1, 0, dtype=torch.long), decoder_idx=torch.tensor([ids[:-1]]))
     expected = torch.log_softmax(logits[0], -1).gather(1, torch.tensor(ids[1:])[:, None]).sum().item()
     assert total == pytest.approx(expected, abs=1e-9)
+
+
+def test_a_model_that_reads_a_bos_gets_it_in_rolling_windows_and_generation_prompts():
+    """Rolling log-likelihood starts from the BOS (lm-eval's prefix token, and the bridge's own empty-context
+    loglikelihood), and generation prompts start with it, as `blockloop generate` reads them."""
+    import tokenizers
+    from tokenizers import models
+
+    import blockloop.evals.lm_eval_bridge as bridge
+    from blockloop.config import DecoderConfig
+    from blockloop.data.tokenizers import HFTokenizer
+
+    words = tokenizers.Tokenizer(models.WordLevel({w: i for i, w in enumerate(["<eos>", "<bos>", "the", "cat", "sat"])},
+                                                  unk_token="<eos>"))
+    words.pre_tokenizer = tokenizers.pre_tokenizers.WhitespaceSplit()
+    tok = HFTokenizer(words, "words", eos_id=0, bos_id=1, add_bos=True)
+    torch.manual_seed(0)
+    model = build_model(DecoderConfig(vocab_size=5, context_length=32, n_layer=1, n_head=2, d_model=16)).double().eval()
+    lm = BlockloopLM(model=model, tokenizer=tok)
+    ((empty_context, _),) = lm.loglikelihood([type("R", (), {"args": ("", "the cat sat")})()])
+    (rolling,) = lm.loglikelihood_rolling([type("R", (), {"args": ("the cat sat",)})()])
+    assert rolling == pytest.approx(empty_context, abs=1e-12)
+    prompts = []
+    real = bridge.generate
+    try:
+        bridge.generate = lambda m, p, n, **kw: (prompts.append(p[0]), real(m, p, n, **kw))[1]
+        lm.generate_until([type("R", (), {"args": ("the cat sat " * 20, {"until": ["\n"], "max_gen_toks": 4})})()])
+    finally:
+        bridge.generate = real
+    assert prompts[0][0] == 1 and prompts[0][1:] == tok.encode("the cat sat " * 20)[-(len(prompts[0]) - 1):]

@@ -75,8 +75,11 @@ class BlockloopLM(LM):
         window = config.context_length - (multiple if multiple > 1 else 0)  # room for a block-padded context
         totals = []
         for req in requests:
+            # The first window's one-token context is the model's start token (its BOS, as lm-eval's prefix
+            # token and blockloop's own empty context), or the end of a previous text.
+            start = self.tokenizer.start_id if self.tokenizer.start_id is not None else self.tokenizer.eos_id
             pairs = [make_disjoint_window(p) for p in get_rolling_token_windows(
-                self.tokenizer.encode(req.args[0]), self.tokenizer.eos_id, window, 1)]
+                self.tokenizer.encode(req.args[0]), start, window, 1)]
             totals.append(sum(ll for ll, _ in self._score([Request(tuple(c), tuple(x)) for c, x in pairs])))
         return totals
 
@@ -93,7 +96,11 @@ class BlockloopLM(LM):
                 c = self.model.config
                 new = max(1, min(int(kwargs.get("max_gen_toks", 256)), c.context_length // 2))
                 keep = c.context_length - new - spec_of(c).sequence_multiple(c)  # a block family pads the prompt
-                prompt = (self.tokenizer.encode(context) or [self.tokenizer.eos_id])[-keep:]
+                ids, start = self.tokenizer.encode(context), self.tokenizer.start_id
+                if start is not None:  # as the model reads a prompt: BOS first, kept when a long context is cut
+                    prompt = [start, *ids[max(0, len(ids) - (keep - 1)):]]
+                else:
+                    prompt = (ids or [self.tokenizer.eos_id])[-keep:]
                 (tokens,) = generate(self.model, [prompt], new, temperature=0.0, eos_id=self.tokenizer.eos_id)
                 text = self.tokenizer.decode(tokens)
                 for stop in until:
