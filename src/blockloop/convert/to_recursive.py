@@ -71,12 +71,12 @@ def recursive_config_from_vanilla(
         raise BlockloopError(
             f"--loops {loops} does not divide the model's {config.n_layer} layers; choose one of {divisors}"
         )
-    max_rank = min(min(shape) for shape in linear_shapes(config).values())
+    widest = max(linear_shapes(config).items(), key=lambda item: min(item[1]))
+    max_rank = min(widest[1])  # full rank of every linear (a narrower one takes its own full rank)
     if lora_rank > max_rank:
-        smallest = min(linear_shapes(config).items(), key=lambda item: min(item[1]))
         raise BlockloopError(
-            f"--lora-rank {lora_rank} exceeds the rank of the shared weights: {smallest[0]} is {smallest[1][0]}x"
-            f"{smallest[1][1]}, so at most min(in, out) = {max_rank}"
+            f"--lora-rank {lora_rank} exceeds the rank of every shared weight: the widest, {widest[0]}, is "
+            f"{widest[1][0]}x{widest[1][1]}, so at most min(in, out) = {max_rank} (full rank)"
         )
     if tying not in TYING_STRATEGIES:
         raise BlockloopError(f"tying strategy {tying!r} is unknown; choose one of {TYING_STRATEGIES}")

@@ -24,7 +24,8 @@ class RecursiveConfig(LocalAttention, InputEmbedding, PretrainedFeatures, Transf
     ``tying`` orders the shared layers along the depth (appendix D): ``cycle`` repeats the block
     (0,1,2,0,1,2), ``sequence`` repeats each layer in place (0,0,1,1,2,2), ``cycle_rev`` runs the last loop
     in reverse (0,1,2,2,1,0). Relaxations (section 2.3, appendix K): ``lora_rank`` > 0 gives every shared
-    linear weight one LoRA per loop (scaling ``lora_alpha / lora_rank``, alpha defaulting to the rank);
+    linear weight one LoRA per loop (of rank min(lora_rank, in, out); scaling ``lora_alpha / lora_rank``, alpha
+    defaulting to the rank);
     ``prefix_len`` > 0 gives every (loop, layer) position its own learned prefix keys/values; ``loop_norms``
     gives every norm of the shared layers one gain (and LayerNorm bias) per loop.
     Sliding-window attention: ``local_layers`` are shared layers that are local at every depth position;

@@ -76,14 +76,16 @@ class LoopLoRALinear(Linear):
 
 def add_loop_lora(module: nn.Module, *, loops: int, rank: int, scaling: float, loop: LoopIndex) -> list[LoopLoRALinear]:
     """Replace every :class:`~blockloop.nn.linear.Linear` inside ``module`` by a :class:`LoopLoRALinear` of the same shape (fresh
-    weights: call before the model initialises or loads them); returns the new layers."""
+    weights: call before the model initialises or loads them); returns the new layers. A linear narrower than
+    ``rank`` gets its own full rank, min(in, out): more could not add anything, and one narrow linear (an attention
+    narrower than the model) must not cap the rank of the others."""
     added = []
     for parent in list(module.modules()):
         for name, child in list(parent.named_children()):
             if type(child) is Linear:
                 lora = LoopLoRALinear(
                     child.in_features, child.out_features, child.bias is not None,
-                    loops=loops, rank=rank, scaling=scaling, loop=loop,
+                    loops=loops, rank=min(rank, child.in_features, child.out_features), scaling=scaling, loop=loop,
                 )
                 setattr(parent, name, lora)
                 added.append(lora)
