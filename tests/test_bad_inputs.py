@@ -206,6 +206,9 @@ CASES = [
     (["tasks", "import", "{base}/x.jsonl", "--out", NEW, "--no-progress"], "see blockloop tasks import --help"),
     (["tasks", "import", "{base}/x.jsonl", "--out", NEW, "--valid-fraction", "0"], "--valid-fraction: must be a finite number in (0, 1)"),
     (["bench", "--url", "http://127.0.0.1:9", "--slots", "4"], "--slots does not apply to --url"),
+    (["bench", "--url", "http://127.0.0.1:9", "--threads", "2", "--sync-every", "4"],
+     "--threads, --sync-every do not apply to --url"),
+    (["bench", "--plot", "{base}/p.png", "--url", "http://127.0.0.1:9"], "--url does not apply to --plot"),
     (["bench", "--stream", "--presets", "tiny,tiny-block", "--prompt-range", "100,120", "--tokens-range", "20,40"],
      "tiny: the stream's longest request takes"),  # refused before the first model runs
     (["bench", "--presets", "tiny-block", "--hf", "--prompt-len", "8", "--gen-len", "8"], "--hf times HF generate() on the first model"),

@@ -178,6 +178,11 @@ def test_convert_to_block_then_uptrain_and_generate(trained_run, tmp_path, capsy
     assert main(["info", str(up)]) == 0
     assert "model: block" in capsys.readouterr().out
     assert main(["generate", "--checkpoint", str(up), "--prompt", "ab", "--max-new-tokens", "9", "--device", "cpu"]) == 0
+    # The default --max-new-tokens is what the context leaves after the prompt padded to whole blocks (it used to
+    # be refused by the very check it should satisfy, for a prompt that is not a multiple of the block length).
+    context = json.loads(next((up / "checkpoints").glob("step_*/config.json")).read_text())["context_length"]
+    assert main(["generate", "--checkpoint", str(up), "--prompt", "x" * (context - 5), "--temperature", "0",
+                 "--no-stop", "--device", "cpu"]) == 0
     one_line_error(capsys, ["convert", "--to", "block", "--checkpoint", str(trained_run), "--out", str(block)],
                    "already holds a model")
     one_line_error(capsys, ["convert", "--to", "block", "--checkpoint", str(trained_run), "--out", str(tmp_path / "b3"),

@@ -69,3 +69,53 @@ def test_room_is_what_the_submit_check_allows():
     engine.submit(list(range(1, 6)), engine.room(5))
     with pytest.raises(BlockloopError, match="exceeds"):
         engine.submit(list(range(1, 6)), engine.room(5) + 1)
+
+
+def test_an_idle_static_batch_engine_steps_to_nothing():
+    """A continuous engine's idle step returns no tokens; a static-batch one used to fail on an empty batch."""
+    from blockloop.serve.runners import runner_for
+
+    model = tiny("tiny-double")
+    engine = Engine(runner_for(model, prefix=model.cache_prefix([1, 2, 3])), 2)  # a shared prefix: static batches
+    assert not engine.continuous and engine.idle and engine.step() == []
+
+
+def test_a_job_queued_while_the_engine_fails_is_answered_with_the_error():
+    """A job the worker accepted while the failing step ran was left in the inbox unanswered (an HTTP client
+    would wait forever); every job, running or queued, now gets the error, and later submits are refused."""
+    import queue
+    import threading
+
+    from blockloop.serve.http.worker import EngineWorker, Job, serving_engine
+
+    class Text:  # what a job's TextStream does, for plain token ids
+        stopped = False
+
+        def push(self, token: int) -> str:
+            return "x"
+
+        def flush(self) -> str:
+            return ""
+
+    engine = serving_engine(tiny(), 1, sync_every=2)
+    in_step, go = threading.Event(), threading.Event()
+
+    def failing_step(*args, **kwargs):
+        in_step.set()
+        go.wait(10)
+        raise RuntimeError("out of memory (simulated)")
+
+    engine.step = failing_step
+    worker = EngineWorker(engine)
+    worker.start()
+    first, second = queue.Queue(), queue.Queue()
+    worker.submit(Job([1, 2, 3], 4, GREEDY, Text(), first.put))
+    assert in_step.wait(10)
+    worker.submit(Job([1, 2, 3], 4, GREEDY, Text(), second.put))  # accepted: the worker is still healthy
+    go.set()
+    worker.thread.join(10)
+    for events in (first, second):
+        event = events.get(timeout=5)
+        assert event.finish_reason == "error" and "out of memory (simulated)" in event.tail
+    with pytest.raises(BlockloopError, match="the engine is not running"):
+        worker.submit(Job([1, 2, 3], 4, GREEDY, Text(), first.put))

@@ -51,7 +51,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     t.add_argument("--max-batch", type=positive_int, help="upper bound for --search (default: 4096)")
     t.add_argument("--repeats", type=positive_int, help="timed runs per batch size (default: 3)")
     t.add_argument("--warmup", type=nonnegative_int, help="untimed runs first (default: 1)")
-    t.add_argument("--sync-every", type=positive_int, default=16, help="decode steps between host syncs (default: 16)")
+    t.add_argument("--sync-every", type=positive_int, help="decode steps between host syncs (default: 16)")
     t.add_argument("--hf", action="store_true", help="also time HF generate() on the first (vanilla) model")
     t.add_argument("--paged", action="store_true",
                    help="also time each model whose runner pages (vanilla, ladder, looped, block, double decoder, encoder-decoder) "
@@ -104,9 +104,7 @@ def run(args: argparse.Namespace) -> int:
         n = records.plot_pareto(records.read_records(args.record), args.plot)
         print(f"wrote {args.plot} ({n} runs)")
         return 0
-    if args.threads is not None:
-        if args.threads < 1:
-            raise BlockloopError(f"--threads must be >= 1, got {args.threads}")
+    if args.threads is not None:  # a positive_int flag
         torch.set_num_threads(args.threads)
     dtype = bench_dtype(args.dtype, device)
     meta = records.environment(device, dtype)
@@ -126,19 +124,24 @@ THROUGHPUT = {"scenario": "decode-heavy", "batch_sizes": [1, 16, 64], "max_batch
               "prompt_len": None, "gen_len": None, "search": False, "hf": False, "paged": False}
 STREAM = {"requests": 64, "rate": math.inf, "prompt_range": (16, 64), "tokens_range": (16, 64), "corpus": "shakespeare"}
 ENGINE_STREAM = {"slots": 16, "draft_loops": 1, "exit": [], "speculate": [], "adaptive_k": False}
+# The flags of the engine blockloop runs here (not --url's server), and their defaults.
+LOCAL = {"presets": None, "checkpoint": [], "device": "auto", "dtype": "auto", "compile": False, "threads": None,
+         "no_pack": False, "sync_every": 16}
 
 
 def _settle_modes(args: argparse.Namespace) -> None:
     """Refuse a flag the chosen mode would ignore, then fill in the defaults of the flags left alone."""
-    if args.plot is None:
+    if args.plot is not None:  # it draws recorded runs and runs nothing
+        mode, ignored = "--plot", {**THROUGHPUT, **STREAM, **ENGINE_STREAM, **LOCAL, "stream": False, "url": None}
+    else:
         mode = "--url" if args.url is not None else "--stream" if args.stream else "the throughput protocol"
         ignored = {**STREAM, **ENGINE_STREAM} if mode == "the throughput protocol" else {**THROUGHPUT}
         if mode == "--url":  # the server's model and engine serve the stream
-            ignored.update({**ENGINE_STREAM, "presets": None, "checkpoint": []})
-        given = [name for name in ignored if getattr(args, name) not in (None, False, [])]
-        if given:
-            refuse_flags(given, mode, or_else=" or add --stream" if mode == "the throughput protocol" else "")
-    for name, default in {**THROUGHPUT, **STREAM, **ENGINE_STREAM}.items():
+            ignored.update({**ENGINE_STREAM, **LOCAL})
+    given = [name for name in ignored if getattr(args, name) not in (None, False, [], LOCAL.get(name))]
+    if given:
+        refuse_flags(given, mode, or_else=" or add --stream" if mode == "the throughput protocol" else "")
+    for name, default in {**THROUGHPUT, **STREAM, **ENGINE_STREAM, **LOCAL}.items():
         if getattr(args, name) is None:
             setattr(args, name, default)
 

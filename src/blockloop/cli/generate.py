@@ -43,21 +43,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from blockloop.device import resolve_device
+    from blockloop.serve.batching import padded_prompt_length
     from blockloop.serve.generate import generate
     from blockloop.serve.http.text import TextStream, continuation
     from blockloop.serve.runners import Speculation
     from blockloop.train.run import load_trained
 
-    if args.num_samples < 1:
-        raise BlockloopError(f"--num-samples must be at least 1, got {args.num_samples}")
     if args.speculate is None and (args.draft_loops is not None or args.adaptive_k):
         raise BlockloopError("--draft-loops and --adaptive-k shape speculation; add --speculate K or leave them out")
     trained = load_trained(args.checkpoint, resolve_device(args.device))
     tok = trained.tokenizer
     prompt = tok.encode_prompt(args.prompt)
     max_new = args.max_new_tokens
-    if max_new is None:
-        max_new = min(200, trained.config.context_length - len(prompt))
+    if max_new is None:  # what the context leaves after the prompt as the model reads it (a block model pads it)
+        max_new = min(200, trained.config.context_length - padded_prompt_length(trained.model, [prompt]))
         if max_new < 1:
             raise BlockloopError(
                 f"prompt of {len(prompt)} tokens fills the model context of {trained.config.context_length}; shorten it"
@@ -67,25 +66,22 @@ def run(args: argparse.Namespace) -> int:
         eos_id=None if args.no_stop else tok.eos_id, seed=args.seed,
         speculation=None if args.speculate is None else Speculation(args.speculate, args.draft_loops or 1, args.adaptive_k),
     )
-    try:
-        if args.num_samples == 1:
-            # Stream each token's text as soon as it decodes to whole characters; the prompt goes out with the
-            # first token, so a request the engine refuses writes nothing.
-            stream = TextStream(tok, prompt=prompt)
-            shown = [args.prompt]
+    if args.num_samples == 1:
+        # Stream each token's text as soon as it decodes to whole characters; the prompt goes out with the
+        # first token, so a request the engine refuses writes nothing.
+        stream = TextStream(tok, prompt=prompt)
+        shown = [args.prompt]
 
-            def on_token(row: int, token: int) -> None:
-                shown.append(stream.push(token))
-                sys.stdout.write("".join(shown))
-                sys.stdout.flush()
-                shown.clear()
+        def on_token(row: int, token: int) -> None:
+            shown.append(stream.push(token))
+            sys.stdout.write("".join(shown))
+            sys.stdout.flush()
+            shown.clear()
 
-            generate(trained.model, [prompt], max_new, on_token=on_token, **kwargs)
-            sys.stdout.write("".join(shown) + stream.flush() + "\n")
-        else:
-            outs = generate(trained.model, [prompt] * args.num_samples, max_new, **kwargs)
-            for i, out in enumerate(outs):
-                print(f"--- sample {i + 1}\n{args.prompt}{continuation(tok, prompt, out)}")
-    except ValueError as exc:  # bad sampling parameters
-        raise BlockloopError(str(exc)) from exc
+        generate(trained.model, [prompt], max_new, on_token=on_token, **kwargs)
+        sys.stdout.write("".join(shown) + stream.flush() + "\n")
+    else:
+        outs = generate(trained.model, [prompt] * args.num_samples, max_new, **kwargs)
+        for i, out in enumerate(outs):
+            print(f"--- sample {i + 1}\n{args.prompt}{continuation(tok, prompt, out)}")
     return 0

@@ -72,13 +72,10 @@ def load(args: argparse.Namespace, n_slots: int) -> tuple[TrainedModel, dict[str
 
     from blockloop.bench.suite import parse_exit_rule
     from blockloop.device import resolve_device
-    from blockloop.errors import BlockloopError
     from blockloop.serve.runners import Paging
     from blockloop.train.run import load_trained
 
-    if args.threads is not None:
-        if args.threads < 1:
-            raise BlockloopError(f"--threads must be >= 1, got {args.threads}")
+    if args.threads is not None:  # a positive_int flag
         torch.set_num_threads(args.threads)  # before the engine thread starts: it inherits the setting
     exit_rule = parse_exit_rule(args.exit) if args.exit else None
     trained = load_trained(args.checkpoint, resolve_device(args.device))

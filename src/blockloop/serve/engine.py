@@ -227,7 +227,9 @@ class Engine:
                 for start, group in self._prefill_groups(admitted):
                     self._prefill_rows(start, group)
         elif not self.scheduler.running:
-            self._prefill_batch(self.scheduler.admit(fits=self._fits_together))
+            admitted = self.scheduler.admit(fits=self._fits_together)
+            if admitted:  # an idle static engine has nothing to prefill
+                self._prefill_batch(admitted)
         running = {slot: r for slot, r in self.scheduler.running.items() if slot not in self.prefilling}
         if not running:
             self.last_window = []  # a window of prefill only: no token came out

@@ -133,16 +133,17 @@ class EngineWorker:
         return len(self.engine.scheduler.running)
 
     def submit(self, job: Job) -> None:
-        """Queue ``job``; :class:`QueueFull` when ``max_waiting`` requests already wait for a slot."""
-        if not self.healthy:
-            raise BlockloopError(f"the engine is not running ({self.error!r}); restart the server")
+        """Queue ``job``; :class:`QueueFull` when ``max_waiting`` requests already wait for a slot. Under the lock
+        the engine thread takes to fail everything, so no job slips into the inbox after it gave up."""
         # Jobs not admitted yet fill the free slots first; only those beyond them wait for a slot.
         free = max(0, self.engine.n_slots - self.running)
         with self.lock:
+            if not self.healthy:
+                raise BlockloopError(f"the engine is not running ({self.error!r}); restart the server")
             if self.waiting - free >= self.max_waiting:
                 raise QueueFull(f"{self.waiting - free} requests are already waiting for a slot; retry shortly")
             self.waiting += 1
-        self.inbox.put(("submit", job))
+            self.inbox.put(("submit", job))
 
     def cancel(self, job: Job) -> None:
         """Stop ``job`` (its client went away): its slot frees at the next window."""
@@ -163,8 +164,9 @@ class EngineWorker:
                 self.engine.step()
             except Exception as exc:  # noqa: BLE001 - a bug or out of memory: fail the requests, stay up to say so
                 log.exception("the engine failed; failing its requests")
-                self.error = exc
-                self._fail_all(f"the engine failed ({type(exc).__name__}: {exc}); restart the server")
+                with self.lock:
+                    self.error = exc
+                    self._fail_all(f"the engine failed ({type(exc).__name__}: {exc}); restart the server")
                 return
             if self.observer is not None:
                 self.observer.on_window(sum(len(tokens) for _, tokens in self.engine.last_window))
@@ -233,6 +235,15 @@ class EngineWorker:
         self.unadmitted = still
 
     def _fail_all(self, message: str) -> None:
-        for job in self.active:
+        """Answer every job the engine holds and every job still in the inbox with ``message``."""
+        queued = []
+        while True:
+            try:
+                command, job = self.inbox.get_nowait()
+            except queue.Empty:
+                break
+            if command == "submit":
+                queued.append(job)
+        for job in [*self.active, *queued]:
             job.deliver(Event([], finish_reason="error", tail=message))
         self.active = []
