@@ -105,6 +105,8 @@ CASES = [
     (["train", *TINY, "--batch-size", "0", "--out", NEW], "--batch-size: must be an integer >= 1"),
     (["train", *TINY, "--grad-accum", "0", "--out", NEW], "--grad-accum: must be an integer >= 1"),
     (["train", *TINY, "--seq-len", "0", "--out", NEW], "--seq-len: must be an integer >= 1"),
+    (["train", *TINY, "--seq-len", "1", "--objective", "prefix_lm", "--out", NEW],
+     "--objective prefix_lm splits each window into a prefix and a scored suffix; --seq-len must be at least 2"),
     (["train", *TINY, "--lr", "0", "--out", NEW], "--lr: must be a finite number > 0"),
     (["train", *TINY, "--lr", "nan", "--out", NEW], "--lr: must be a finite number > 0"),
     (["train", *TINY, "--min-lr-ratio", "5", "--out", NEW], "--min-lr-ratio: must be a finite number in [0, 1]"),
@@ -151,6 +153,7 @@ CASES = [
     (["eval", "--checkpoint", "{base}/latest_gone"], "corrupt: write step_0000004 (its newest complete checkpoint) into"),
     (["train", "--resume", "--out", "{base}/state_missing"], "lacks data"),
     (["train", "--resume", "--out", "{base}/state_list"], "train_state.json holds a JSON list"),
+    (["train", *TINY, "--init-from", "{base}/state_list", "--out", NEW], "train_state.json does not hold a run object"),
     (["train", "--resume", "--out", "{base}/latest_escape"], "not a checkpoint directory inside {base}/latest_escape"),
     (["train", "--resume", "--steps", "0", "--out", R], "--steps: must be an integer >= 1"),
     # eval

@@ -87,3 +87,19 @@ def test_scripts_choose_output_one_way_and_describe_no_machine_by_hand(script):
     # The usage lines in the docstring are the recording commands: they say --record.
     usage = [line for line in text.splitlines() if ".venv/bin/python benchmarks/" in line]
     assert usage and all("--record" in line for line in usage)
+
+
+def test_a_metrics_line_cut_short_by_a_kill_is_skipped_when_reading_the_last_val_loss(tmp_path):
+    from blockloop.bench.records import last_val_loss
+
+    (tmp_path / "metrics.jsonl").write_text('{"step": 2, "val_loss": 3.5}\n{"step": 4, "loss": 3.1}\n{"step": 6, "val_lo')
+    assert last_val_loss(tmp_path / "checkpoints" / "step_0000004") == 3.5
+
+
+def test_a_throughput_timing_without_timed_runs_is_refused_before_any_work():
+    from blockloop.bench.throughput import engine_throughput
+    from blockloop.errors import BlockloopError
+    from blockloop.families import build_model, from_name
+
+    with pytest.raises(BlockloopError, match="repeats must be >= 1 timed runs, got 0"):
+        engine_throughput(build_model(from_name("tiny")).eval(), "tiny", 1, 4, 4, repeats=0)

@@ -314,3 +314,20 @@ def test_a_depthwise_pool_holds_its_tokens_at_every_loop_whatever_the_page_size(
         engine.run()
         outputs.append(request.output)
     assert len(outputs[0]) == tokens - len(prompt) and outputs[0] == outputs[1]
+
+
+@pytest.mark.parametrize("name, max_len", [("tiny", 160), ("tiny", 100), ("tiny-block", 160), ("tiny-recursive", 150)])
+def test_the_benchmarks_paged_pool_holds_the_whole_batch_at_full_length(name, max_len):
+    """`bench --paged` times a paged cache, not preemption: every row reserves its whole length at once (the pool
+    used to be batch x max_len tokens, too small once rows round up to whole pages, so rows were preempted and
+    prefilled again inside the timed run)."""
+    from blockloop.bench.throughput import full_batch_paging
+
+    torch.manual_seed(0)
+    model = build_model(from_name(name, context_length=256)).eval()
+    paging = full_batch_paging(model, 4, max_len)
+    runner = runner_for(model, paging=paging)
+    runner.sampling = SlotSampling.empty(4, torch.device("cpu"))
+    runner.allocate(4, max_len)
+    assert all(runner.reserve(slot, max_len) for slot in range(4))
+    assert paging.tokens < 4 * max_len * 2  # and no page more than whole pages need

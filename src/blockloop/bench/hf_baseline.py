@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from blockloop.bench.throughput import ThroughputResult
+from blockloop.bench.throughput import ThroughputResult, check_repeats
 from blockloop.bench.timing import timed
 from blockloop.errors import BlockloopError
 
@@ -50,6 +50,7 @@ def hf_throughput(
     model: nn.Module, batch: int, prompt_len: int, gen_len: int, *, repeats: int = 3, warmup: int = 1, seed: int = 0
 ) -> ThroughputResult:
     """Time ``transformers`` ``generate()`` on ``model`` converted by :func:`to_hf_generator`."""
+    check_repeats(repeats)
     hf = to_hf_generator(model)
     device = next(model.parameters()).device
     generator = torch.Generator().manual_seed(seed)

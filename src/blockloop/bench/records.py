@@ -134,10 +134,12 @@ def read_records(path: Path) -> list[dict[str, Any]]:
 
 def last_val_loss(run_dir: Path) -> float | None:
     """The last ``val_loss`` a training run logged (its metrics.jsonl, here or in a parent directory)."""
+    from blockloop.train.checkpoint import read_metrics  # torch: only for a --checkpoint bench
+
     for directory in (run_dir, *run_dir.parents):
         metrics = directory / "metrics.jsonl"
         if metrics.exists():
-            losses = [r["val_loss"] for r in map(json.loads, metrics.read_text().splitlines()) if "val_loss" in r]
+            losses = [r["val_loss"] for r in read_metrics(metrics) if "val_loss" in r]
             return losses[-1] if losses else None
     return None
 

@@ -103,21 +103,36 @@ def check_lengths(model: nn.Module, prompt_len: int, gen_len: int) -> int:
     return need
 
 
+def check_repeats(repeats: int) -> None:
+    """Refuse a timing with no timed run (its mean would divide by zero after all the warm-up work)."""
+    if repeats < 1:
+        raise BlockloopError(f"repeats must be >= 1 timed runs, got {repeats}")
+
+
+def full_batch_paging(model: nn.Module, batch: int, max_len: int) -> Paging:
+    """The smallest paged pool in which every row of ``batch`` holds ``max_len`` tokens at once: each row takes
+    whole pages, of up to 128 cache entries (FlexAttention's block; a Block Transformer's entry is a block)."""
+    per_entry = getattr(runner_for(model), "tokens_per_entry", 1)
+    entries = -(-max_len // per_entry)
+    page = min(128, -(-entries // 16) * 16)
+    return Paging(batch * -(-entries // page) * page * per_entry, page_size=page)
+
+
 def engine_throughput(
     model: nn.Module, name: str, batch: int, prompt_len: int, gen_len: int, *,
     repeats: int = 3, warmup: int = 1, sync_every: int = 16, compile: bool = False, bandwidth: float | None = None,
     seed: int = 0, paged: bool = False,
 ) -> ThroughputResult:
     """Time ``repeats`` runs of the protocol on one engine (after ``warmup`` untimed ones); ``paged``: over a
-    paged KV cache of exactly the batch's tokens (:class:`~blockloop.serve.runners.Paging`)."""
+    paged KV cache holding the whole batch at full length (:func:`full_batch_paging`), so nothing is preempted."""
     if batch < 1:
         raise BlockloopError(f"batch sizes must be >= 1, got {batch}")
+    check_repeats(repeats)
     max_len = check_lengths(model, prompt_len, gen_len)
     device = next(model.parameters()).device
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-    # Pages of up to 128 tokens (FlexAttention's block), no larger than one request.
-    paging = Paging(batch * max_len, page_size=min(128, -(-max_len // 16) * 16)) if paged else None
+    paging = full_batch_paging(model, batch, max_len) if paged else None
     engine = Engine(runner_for(model, paging=paging), batch, max_len=max_len, sync_every=sync_every, compile=compile)
     generator = torch.Generator().manual_seed(seed)
     greedy = SamplingParams(temperature=0.0)

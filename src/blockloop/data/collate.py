@@ -20,11 +20,16 @@ from typing import Callable
 import torch
 from torch import Tensor
 
+from blockloop.errors import BlockloopError
+
 Collate = Callable[[Tensor, Tensor, torch.Generator], dict[str, Tensor]]
 
 
 def sample_breakpoint(length: int, generator: torch.Generator) -> int:
     """The PrefixLM breakpoint: prefix = positions [0, b), scored suffix = [b, length), b uniform in 1..length-1."""
+    if length < 2:
+        raise BlockloopError(f"a PrefixLM window needs a prefix and a scored suffix, so at least 2 tokens; got {length} "
+                             "(use a longer --seq-len)")
     return int(torch.randint(1, length, (1,), generator=generator))
 
 

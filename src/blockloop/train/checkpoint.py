@@ -320,6 +320,20 @@ def read_json(path: Path) -> Any:
 TRAIN_STATE_KEYS = ("step", "data", "train_config", "run")
 
 
+def read_metrics(path: Path) -> list[dict[str, Any]]:
+    """The records of a run's ``metrics.jsonl`` with a step, in order. A line cut short (a kill or a full disk
+    mid-append) is not a record: it is skipped, as every reader of the log must, rather than break the read."""
+    records = []
+    for line in Path(path).read_text(encoding="utf-8", errors="replace").split("\n"):
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(record, dict) and isinstance(record.get("step"), int):
+            records.append(record)
+    return records
+
+
 def read_train_state(directory: Path) -> dict[str, Any]:
     """A checkpoint's train_state.json, checked to hold what ``--resume`` reads."""
     path = Path(directory) / "train_state.json"

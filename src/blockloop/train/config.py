@@ -64,6 +64,9 @@ class TrainConfig:
         for name, allowed in choices:
             if getattr(self, name) not in allowed:
                 raise ConfigError(f"--{name} {getattr(self, name)!r} is not one of {', '.join(allowed)}")
+        if self.objective == "prefix_lm" and self.seq_len < 2:
+            raise ConfigError("--objective prefix_lm splits each window into a prefix and a scored suffix; "
+                              f"--seq-len must be at least 2, got {self.seq_len}")
 
     def resolved_device(self) -> str:
         from blockloop.device import resolve_device  # imports torch

@@ -38,6 +38,9 @@ def init_distributed(device: str) -> DistInfo:
     if world_size == 1:
         return DistInfo()
     info = DistInfo(int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", "0")), world_size)
+    if device.startswith("cuda"):
+        # Each rank's own GPU as "cuda": a teacher loaded on "cuda" and the saved CUDA RNG state are this rank's.
+        torch.cuda.set_device(info.local_rank)
     if not dist.is_initialized():
         dist.init_process_group("nccl" if device.startswith("cuda") else "gloo")
     return info

@@ -149,7 +149,11 @@ def init_from_spec(
     ``data`` or a task is given."""
     directory = ckpt.resolve_checkpoint(Path(checkpoint))
     state_file = directory / "train_state.json"
-    saved = ckpt.read_json(state_file).get("run", {}) if state_file.is_file() else {}
+    state = ckpt.read_json(state_file) if state_file.is_file() else {}
+    saved = state.get("run", {}) if isinstance(state, dict) else None
+    if not isinstance(saved, dict):
+        raise BlockloopError(f"{state_file} does not hold a run object (its run names); the checkpoint is corrupt: "
+                             "use an earlier one")
     spec = RunSpec(
         preset=saved.get("preset", "demo"), data=data or saved.get("data", "shakespeare"),
         tokenizer=saved.get("tokenizer", "byte"), init_from=str(directory),

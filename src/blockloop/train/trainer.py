@@ -146,9 +146,8 @@ class Trainer:
         last line cut short (a kill or a full disk mid-append) that would otherwise break every later read."""
         path = self.out_dir / "metrics.jsonl"
         if path.is_file():
-            kept = [line for line in path.read_text(encoding="utf-8", errors="replace").split("\n")
-                    if (logged := _logged_step(line)) is not None and logged <= step]
-            atomic_write_text(path, "".join(line + "\n" for line in kept))
+            kept = [record for record in ckpt.read_metrics(path) if record["step"] <= step]
+            atomic_write_text(path, "".join(json.dumps(record) + "\n" for record in kept))
 
     # ------------------------------------------------------------------ train
     def fit(self, on_step: StepCallback | None = None) -> dict[str, float]:
@@ -290,16 +289,6 @@ class Trainer:
             f.write(json.dumps(metrics) + "\n")
         shown = " | ".join(f"{k} {_fmt(v)}" for k, v in metrics.items())
         tqdm.write(shown)
-
-
-def _logged_step(line: str) -> int | None:
-    """The step of one metrics.jsonl line, or None for a line that is not a complete record."""
-    try:
-        record = json.loads(line)
-    except json.JSONDecodeError:
-        return None
-    step = record.get("step") if isinstance(record, dict) else None
-    return step if isinstance(step, int) else None
 
 
 def _fmt(value: float) -> str:
