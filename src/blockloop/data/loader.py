@@ -35,7 +35,8 @@ class PackedSequences:
         self._count = (len(tokens) - (start_id is None)) // seq_len
         if self._count < 1:
             raise BlockloopError(
-                f"{description} holds {len(tokens)} tokens, too few for one sequence of {seq_len}+1 tokens; "
+                f"{description} holds {len(tokens)} tokens, too few for one sequence of "
+                f"{seq_len}{'+1' if start_id is None else ''} tokens; "
                 "use a smaller --seq-len or more data"
             )
 

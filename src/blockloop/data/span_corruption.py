@@ -4,10 +4,10 @@ A fraction ``rate`` of each window's tokens is "noise", grouped into spans of me
 The encoder sees the window with each noise span replaced by one sentinel id; the decoder reconstructs
 the spans, each introduced by its sentinel, and ends with one more sentinel:
 
-    window   a b c d e f g h            (noise: c d, g)
-    encoder  a b <0> e f <1> h
-    decoder  <0> c d <1> g              (input)
-    targets  c d <1> g <2>              (the decoder input shifted left)
+    window   a b c d e f g h            (noise: c d, g h; spans alternate kept, noise, ..., ending in noise)
+    encoder  a b <0> e f <1>
+    decoder  <0> c d <1> g h            (input)
+    targets  c d <1> g h <2>            (the decoder input shifted left)
 
 Every row of a batch gets its own spans but the same counts, so all rows have the same encoder and
 decoder lengths (T - noise + spans and noise + spans): no padding. The number of spans is capped so the

@@ -20,12 +20,12 @@ class Scheduler:
         request.status = RequestStatus.WAITING
         self.waiting.append(request)
 
-    def admit(self, fits: Callable[[list[Request], Request], bool] | None = None) -> list[tuple[int, Request]]:
-        """Pop waiting requests into free slots (lowest slot first), marking them RUNNING; with ``fits``,
-        stop at the first request that ``fits(admitted so far, request)`` rejects (it waits, first in line)."""
+    def admit(self, fits: Callable[[list[Request], Request], bool]) -> list[tuple[int, Request]]:
+        """Pop waiting requests into free slots (lowest slot first), marking them RUNNING; stop at the first
+        request that ``fits(admitted so far, request)`` rejects (it waits, first in line)."""
         admitted: list[tuple[int, Request]] = []
         while self.waiting and self.free:
-            if fits is not None and not fits([r for _, r in admitted], self.waiting[0]):
+            if not fits([r for _, r in admitted], self.waiting[0]):
                 break
             slot, request = self.free.pop(), self.waiting.popleft()
             request.status, request.slot = RequestStatus.RUNNING, slot

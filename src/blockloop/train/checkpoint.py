@@ -41,6 +41,11 @@ def checkpoint_root(run_dir: Path) -> Path:
     return Path(run_dir) / "checkpoints"
 
 
+def temporary_checkpoint(run_dir: Path, step: int) -> Path:
+    """Where the checkpoint of ``step`` is written before it is moved into place (every rank writes its RNG there)."""
+    return checkpoint_root(run_dir) / f".tmp_step_{step:07d}"
+
+
 def begin_checkpoint(run_dir: Path, step: int) -> Path:
     """The temporary directory a checkpoint for ``step`` is written into (fresh and empty).
 
@@ -48,7 +53,7 @@ def begin_checkpoint(run_dir: Path, step: int) -> Path:
     for the next one (``--resume`` on a full disk makes progress instead of failing at every write).
     """
     prune_checkpoints(run_dir, keep=1)
-    tmp = checkpoint_root(run_dir) / f".tmp_step_{step:07d}"
+    tmp = temporary_checkpoint(run_dir, step)
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     return tmp

@@ -250,7 +250,7 @@ class Trainer:
         model_state, optim_state = get_state_dict(
             self.train_model, self.optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
         )
-        tmp = ckpt.checkpoint_root(self.out_dir) / f".tmp_step_{self.step:07d}"
+        tmp = ckpt.temporary_checkpoint(self.out_dir, self.step)
         if self.dist.is_main:
             tmp = ckpt.begin_checkpoint(self.out_dir, self.step)
         barrier(self.dist)
