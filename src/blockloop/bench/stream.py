@@ -76,8 +76,7 @@ def schedule(n: int, rate: float, min_tokens: int, max_tokens: int, seed: int = 
 
 def longest_request(runner: Runner, prompts: list[list[int]], budgets: np.ndarray) -> int:
     """The slot length the stream's longest request takes: a shared prefix, its padded prompt and its budget."""
-    multiple = runner.prompt_multiple
-    return runner.reserved + max(-(-len(p) // multiple) * multiple + int(b) for p, b in zip(prompts, budgets))
+    return runner.reserved + max(runner.padded(len(p)) + int(b) for p, b in zip(prompts, budgets))
 
 
 def check_stream_fits(name: str, runner: Runner, prompts: list[list[int]], min_tokens: int, max_tokens: int, *,

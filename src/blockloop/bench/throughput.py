@@ -92,8 +92,7 @@ def check_lengths(model: nn.Module, prompt_len: int, gen_len: int) -> int:
     """The engine slot length for this protocol; a clear error when it exceeds the model context."""
     if prompt_len < 1 or gen_len < 1:
         raise BlockloopError(f"prompt and generation lengths must be >= 1, got {prompt_len} and {gen_len}")
-    multiple = runner_for(model).prompt_multiple
-    need = -(-prompt_len // multiple) * multiple + gen_len
+    need = runner_for(model).padded(prompt_len) + gen_len
     context = model.config.context_length
     if need > context:
         raise BlockloopError(

@@ -12,9 +12,7 @@ from blockloop.serve.runners import runner_for
 
 def padded_prompt_length(model: nn.Module, prompts: Sequence[Sequence[int]]) -> int:
     """The batch's prompt length: the longest prompt, rounded up to its runner's ``prompt_multiple``."""
-    multiple = runner_for(model).prompt_multiple
-    longest = max(len(p) for p in prompts)
-    return -(-longest // multiple) * multiple
+    return runner_for(model).padded(max(len(p) for p in prompts))
 
 
 def left_pad(prompts: Sequence[Sequence[int]], length: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:

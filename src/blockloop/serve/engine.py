@@ -89,7 +89,6 @@ class Engine:
         model.eval()
         self.runner, self.model, self.n_slots = runner, model, n_slots
         self.reserved = runner.reserved  # context taken by a shared prefix
-        self.prompt_multiple = runner.prompt_multiple
         # Windows end on admission points, so each window starts where new requests may join.
         self.admit_every = runner.admit_every
         self.token_per_step = runner.token_per_step
@@ -192,7 +191,7 @@ class Engine:
         return self.max_len - self.reserved - self._padded(prompt_len)
 
     def _padded(self, length: int) -> int:
-        return -(-length // self.prompt_multiple) * self.prompt_multiple
+        return self.runner.padded(length)
 
     # ------------------------------------------------------------- stepping
     @property

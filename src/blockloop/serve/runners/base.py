@@ -78,6 +78,10 @@ class Runner(ABC):
     def __init__(self, model: nn.Module) -> None:
         self.model = model
 
+    def padded(self, prompt_len: int) -> int:
+        """A prompt's length as the runner reads it: left-padded to a multiple of :attr:`prompt_multiple`."""
+        return -(-prompt_len // self.prompt_multiple) * self.prompt_multiple
+
     def check_request(self, sampling: SamplingParams) -> None:
         """Refuse a request this runner cannot serve as asked (the engine calls it on submit)."""
         if sampling.speculate:
