@@ -65,3 +65,15 @@ def test_staircase_formula_bounds_a_stream_from_empty(name):
     model = build_model(from_name(name)).eval()
     ratio = training_flops_per_token(model.config, 128) / 3 / measured_segment_flops_per_token(model, 128, carried=False)
     assert 1.0 <= ratio < 1.15  # the global cache of 128 states is half full on average over 128 tokens
+
+
+@pytest.mark.parametrize("preset", ["tiny-staircase", "tiny-transformer-xl", "tiny-double"])
+def test_the_generation_state_of_a_meta_model_counts_what_a_real_one_allocates(preset):
+    """The flops report sizes the serving state on the meta device (no memory); every meta tensor counts, as the
+    real tensors do, one per storage."""
+    from blockloop.bench.reports import _generation_state_bytes
+
+    with torch.device("meta"):
+        meta = _generation_state_bytes(build_model(from_name(preset)), 64, 2)
+    real = _generation_state_bytes(build_model(from_name(preset)), 64, 2)
+    assert meta == real > 0

@@ -8,11 +8,11 @@ and depth; families the appendix does not cover get their own rows.
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 
 import torch
 
+from blockloop.bench.throughput import state_tensors
 from blockloop.config import ModelConfig
 from blockloop.data.collate import step_generator
 from blockloop.errors import BlockloopError
@@ -104,23 +104,8 @@ def _generation_state_bytes(model: torch.nn.Module, max_len: int, bytes_per_valu
     """Floating-point values of the static state the model's serving runner allocates for one slot."""
     runner = runner_for(model)
     runner.allocate(1, max_len)
-    seen: dict[int, torch.Tensor] = {}
-
-    def visit(obj: object) -> None:
-        if isinstance(obj, torch.Tensor):
-            seen.setdefault(id(obj), obj)
-        elif isinstance(obj, torch.nn.Module):
-            for tensor in obj.buffers():
-                seen.setdefault(id(tensor), tensor)
-        elif isinstance(obj, (list, tuple)):
-            for item in obj:
-                visit(item)
-        elif dataclasses.is_dataclass(obj):
-            for f in dataclasses.fields(obj):
-                visit(getattr(obj, f.name))
-
-    visit(runner.state)
-    return sum(t.numel() for t in seen.values() if t.is_floating_point()) * bytes_per_value
+    values = [t.untyped_storage().nbytes() // t.element_size() for t in state_tensors(runner.state) if t.is_floating_point()]
+    return sum(values) * bytes_per_value
 
 
 def _own_count_report(preset: str, config: ModelConfig, T: int, out_len: int, nbytes: int, measure: bool) -> Report:

@@ -67,13 +67,14 @@ class ThroughputResult:
         return asdict(self)
 
 
-def state_bytes(obj: object) -> int:
-    """Bytes of every tensor held by a decode state (caches, cross K/V, buffers), each storage once."""
-    seen: dict[int, int] = {}
+def state_tensors(obj: object) -> list[Tensor]:
+    """Every tensor a decode state holds (caches, cross K/V, buffers), one per storage: a view of a cache (a
+    prefix of its rows) is the cache. Meta tensors (a state sized without memory) have no storage to share."""
+    seen: dict[int, Tensor] = {}
 
     def visit(x: object) -> None:
         if isinstance(x, Tensor):
-            seen[x.untyped_storage().data_ptr()] = x.untyped_storage().nbytes()
+            seen.setdefault(id(x) if x.is_meta else x.untyped_storage().data_ptr(), x)
         elif isinstance(x, nn.Module):
             for b in x.buffers():
                 visit(b)
@@ -85,7 +86,12 @@ def state_bytes(obj: object) -> int:
                 visit(value)
 
     visit(obj)
-    return sum(seen.values())
+    return list(seen.values())
+
+
+def state_bytes(obj: object) -> int:
+    """Bytes of a decode state's tensors (:func:`state_tensors`)."""
+    return sum(t.untyped_storage().nbytes() for t in state_tensors(obj))
 
 
 def check_lengths(model: nn.Module, prompt_len: int, gen_len: int) -> int:
