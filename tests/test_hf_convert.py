@@ -199,6 +199,10 @@ def test_bad_paths_and_inexpressible_models(tmp_path):
                        qk_norm=True)
     with pytest.raises(BlockloopError, match="the closest, llama, cannot express qk_norm=True"):
         export_hf(Decoder(qk), char_tokenizer(90), tmp_path / "qk")
+    # an architecture's own refusal is given too (GPT-NeoX cannot rotate 12 x 0.25 = 3 channels)
+    odd = DecoderConfig(vocab_size=90, context_length=32, n_layer=1, d_model=48, n_head=4, rotary_pct=0.25)
+    with pytest.raises(BlockloopError, match="gpt_neox: an odd rotary width 3"):
+        export_hf(Decoder(odd), char_tokenizer(90), tmp_path / "odd")
 
 
 def test_cli_import_generate_and_export(tmp_path, capsys):

@@ -202,26 +202,33 @@ def export_architecture(config: DecoderConfig) -> Architecture:
         raise BlockloopError(f"only vanilla decoders export to Hugging Face, not {config.family} models")
     wanted = _model_fields(config)
     lost: dict[str, list[str]] = {}  # per architecture that takes the config at all: the fields it cannot express
+    refused: list[str] = []  # blockloop's own reasons an architecture gave for refusing it
     for name, arch in ARCHITECTURES.items():
         back = _round_trip(arch, config)
-        if back is not None:
+        if isinstance(back, str):
+            refused.append(back)
+        elif back is not None:
             expressed = _model_fields(back)
             lost[name] = [f"{k}={v}" for k, v in wanted.items() if expressed[k] != v]
             if not lost[name]:
                 return arch
     best = min(lost, key=lambda a: len(lost[a]), default=None)
     closest = f"; the closest, {best}, cannot express {', '.join(lost[best])}" if best else ""
+    reasons = "".join(f"; {reason}" for reason in refused)
     raise BlockloopError(
         f"{config.name} ({config.norm}, {config.mlp} MLP, bias={config.bias}) matches no Hugging Face architecture "
-        f"blockloop exports ({SUPPORTED}){closest}; only vanilla models in one of those layer styles export"
+        f"blockloop exports ({SUPPORTED}){closest}{reasons}; only vanilla models in one of those layer styles export"
     )
 
 
-def _round_trip(arch: Architecture, config: DecoderConfig) -> DecoderConfig | None:
-    """``config`` through ``arch``'s Hugging Face config and back, or None where either side refuses it."""
+def _round_trip(arch: Architecture, config: DecoderConfig) -> DecoderConfig | str | None:
+    """``config`` through ``arch``'s Hugging Face config and back; where blockloop's translation refuses it, its
+    reason; None where transformers does."""
     try:
         with quiet_transformers():  # a config an architecture cannot take is expected here, not worth a warning
             return arch.to_config(arch.from_config(config), config.name)
+    except BlockloopError as exc:
+        return str(exc)
     except Exception:  # noqa: BLE001 - transformers rejects impossible configs with assorted error types
         return None
 
