@@ -106,6 +106,26 @@ def test_non_finite_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path):
     assert all(torch.isfinite(p).all() for p in model.parameters())
 
 
+def test_weights_broken_by_an_update_after_a_finite_loss_are_never_checkpointed(tmp_path):
+    """The loss is computed before the update: an update that makes the weights infinite (here, at step 4) leaves
+    that step's loss finite. The checkpoint of step 4 is refused, so the last one stays the last good one."""
+    trainer = make_trainer(tmp_path / "run")
+    step = trainer.optimizer.step
+
+    def breaking_step(*args, **kwargs):
+        result = step(*args, **kwargs)
+        if trainer.step == 3:  # the update of the 4th step (the counter moves after it)
+            with torch.no_grad():
+                next(trainer.model.parameters()).fill_(float("inf"))
+        return result
+
+    trainer.optimizer.step = breaking_step
+    with pytest.raises(TrainingDiverged, match="the weights stopped being finite numbers at step 4"):
+        trainer.fit()
+    assert ckpt.resolve_checkpoint(tmp_path / "run").name == "step_0000002"
+    assert all(torch.isfinite(p).all() for p in load_trained(tmp_path / "run").model.parameters())
+
+
 def test_checkpoints_are_complete_rotated_and_corruption_is_reported(tmp_path):
     make_trainer(tmp_path / "run").fit()
     root = tmp_path / "run" / "checkpoints"

@@ -41,7 +41,7 @@ from blockloop.train.optim import build_optimizer, lr_at
 
 
 class TrainingDiverged(BlockloopError):
-    """The loss stopped being a finite number."""
+    """The loss or the weights stopped being finite numbers."""
 
 
 StepCallback = Callable[[int, dict[str, float]], None]
@@ -170,11 +170,7 @@ class Trainer:
             self.step += 1
             window_tokens += self.tokens_per_step
             if not math.isfinite(loss):
-                latest = ckpt.checkpoint_root(self.out_dir) / ckpt.LATEST
-                kept = f"the last good checkpoint is in {self.out_dir}" if latest.exists() else "no checkpoint was written"
-                raise TrainingDiverged(
-                    f"loss became {loss} at step {self.step}; {kept}; lower --lr or raise --warmup-steps"
-                )
+                raise self._diverged(f"loss became {loss} at step {self.step}")
             metrics = {"step": self.step, "loss": loss, "lr": lr}
             bar.update(1)
             if self.step % cfg.log_interval == 0 or self.step == cfg.steps:
@@ -245,8 +241,24 @@ class Trainer:
         return metrics
 
     # ------------------------------------------------------------ checkpoints
+    def _diverged(self, what: str) -> TrainingDiverged:
+        latest = ckpt.checkpoint_root(self.out_dir) / ckpt.LATEST
+        kept = f"the last good checkpoint is in {self.out_dir}" if latest.exists() else "no checkpoint was written"
+        return TrainingDiverged(f"{what}; {kept}; lower --lr or raise --warmup-steps")
+
+    def _check_finite_weights(self) -> None:
+        """The loss, checked every step, comes before the update that may break the weights (a huge step, an
+        overflowing gradient): before a checkpoint is written, the weights themselves are checked, on every rank."""
+        local = [p.to_local() if hasattr(p, "to_local") else p for p in self.model.parameters()]
+        broken = torch.stack([~torch.isfinite(p.detach()).all() for p in local]).any().float()
+        if mean_across_ranks(broken, self.dist).item() > 0:
+            raise self._diverged(f"the weights stopped being finite numbers at step {self.step} (the loss before "
+                                 "that update was finite)")
+
     def save_checkpoint(self) -> Path | None:
-        """Write a complete checkpoint for the current step (every rank takes part, rank 0 writes)."""
+        """Write a complete checkpoint for the current step (every rank takes part, rank 0 writes); weights that
+        are no longer finite are never written."""
+        self._check_finite_weights()
         model_state, optim_state = get_state_dict(
             self.train_model, self.optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
         )
