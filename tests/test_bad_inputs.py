@@ -105,6 +105,7 @@ CASES = [
     (["train", *TINY, "--batch-size", "0", "--out", NEW], "--batch-size: must be an integer >= 1"),
     (["train", *TINY, "--grad-accum", "0", "--out", NEW], "--grad-accum: must be an integer >= 1"),
     (["train", *TINY, "--seq-len", "0", "--out", NEW], "--seq-len: must be an integer >= 1"),
+    (["train", *TINY, "--lr", "1e39", "--out", NEW], "--lr must be > 0 and a float32 (below 3.4e38), got 1e+39"),
     (["train", *TINY, "--seq-len", "1", "--objective", "prefix_lm", "--out", NEW],
      "--objective prefix_lm splits each window into a prefix and a scored suffix; --seq-len must be at least 2"),
     (["train", *TINY, "--lr", "0", "--out", NEW], "--lr: must be a finite number > 0"),
@@ -153,7 +154,7 @@ CASES = [
     (["eval", "--checkpoint", "{base}/latest_gone"], "corrupt: write step_0000004 (its newest complete checkpoint) into"),
     (["train", "--resume", "--out", "{base}/state_missing"], "lacks data"),
     (["train", "--resume", "--out", "{base}/state_list"], "train_state.json holds a JSON list"),
-    (["train", *TINY, "--init-from", "{base}/state_list", "--out", NEW], "train_state.json does not hold a run object"),
+    (["train", "--init-from", "{base}/state_list", "--steps", "1", "--out", NEW], "train_state.json does not hold a run object"),
     (["train", "--resume", "--out", "{base}/latest_escape"], "not a checkpoint directory inside {base}/latest_escape"),
     (["train", "--resume", "--steps", "0", "--out", R], "--steps: must be an integer >= 1"),
     # eval
@@ -426,7 +427,7 @@ def test_config_files_are_typed_by_their_dataclasses():
         from_fields(TrainConfig, {"bogus": 1}, "x")
     with pytest.raises(ConfigError, match="must be a JSON object"):
         from_fields(TrainConfig, [1], "x")
-    with pytest.raises(ConfigError, match=r"^x: --lr must be > 0, got -1.0 \(a value in the file"):
+    with pytest.raises(ConfigError, match=r"^x: --lr must be > 0 and a float32 \(below 3.4e38\), got -1.0 \(a value in the file"):
         from_fields(TrainConfig, {"lr": -1.0}, "x")  # a saved value, not the flag, is to blame
     with pytest.raises(ConfigError, match="steps must be an integer, got '3'"):
         TrainConfig(steps="3")

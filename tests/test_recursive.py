@@ -308,7 +308,8 @@ def test_convert_uptrain_with_distillation_and_evaluate_per_loop(teacher_run, tm
     saved = json.loads((run / "checkpoints" / "step_0000016" / "config.json").read_text())
     assert saved["family"] == "recursive" and saved["exit_loss"] == "aggressive" and saved["lora_rank"] == 8
     state = json.loads((run / "checkpoints" / "step_0000016" / "train_state.json").read_text())
-    assert state["train_config"]["extra"]["distill_from"] == str(teacher_run)
+    # pinned: the teacher's checkpoint folder at the start, by absolute path (not the run's moving `latest`)
+    assert state["train_config"]["extra"]["distill_from"] == str((teacher_run / "checkpoints" / "step_0000016").resolve())
     from safetensors import safe_open
 
     with safe_open(str(run / "checkpoints" / "step_0000016" / "model.safetensors"), "pt") as f:

@@ -209,6 +209,16 @@ def test_torchrun_resume_matches_single_process_resume(tmp_path, strategy):
     assert double == pytest.approx(single, abs=1e-5)
 
 
+@pytest.mark.slow
+def test_torchrun_ranks_draw_their_own_dropout_masks(tmp_path):
+    """Every rank builds the same weights from one seed, then draws its own noise: identical dropout masks on two
+    ranks would make two half batches one batch's worth of regularisation."""
+    _launch(tmp_path / "run", *TORCHRUN_TRAIN, "--steps", "2", "--eval-interval", "2", "--batch-size", "2",
+            "--set", "dropout=0.1", nproc=2)
+    step = tmp_path / "run" / "checkpoints" / "step_0000002"
+    assert (step / "rng_rank0.safetensors").read_bytes() != (step / "rng_rank1.safetensors").read_bytes()
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("compile_model", [False, True], ids=["eager", "compiled"])

@@ -138,7 +138,10 @@ def plan_run(request: TrainRequest) -> RunPlan:
         )
     config = TrainConfig(**r.train_overrides)
     if r.distill_from is not None:
-        config.extra.update(distill_from=r.distill_from, distill_weight=1.0 if r.distill_weight is None else r.distill_weight)
+        # Pinned: the teacher's checkpoint as it is now, by absolute path, so a resume from elsewhere, or after the
+        # teacher's run trained on, distils from the same teacher.
+        teacher = ckpt.resolve_checkpoint(Path(r.distill_from)).resolve()
+        config.extra.update(distill_from=str(teacher), distill_weight=1.0 if r.distill_weight is None else r.distill_weight)
     return RunPlan(spec, spec, config, r.out, False, r.early_exit, r.tokens, fit_seq_len="seq_len" not in r.train_overrides)
 
 

@@ -90,6 +90,8 @@ class Trainer:
 
         self.model = model.to(self.device)
         self.train_model = parallelize(self.model, config.distributed, dist_info, self.device)
+        if dist_info.rank > 0:  # every rank built the same weights from one seed; its dropout masks are its own
+            torch.manual_seed(config.seed + dist_info.rank)
         self.forward = torch.compile(self.train_model) if config.compile else self.train_model
         self.optimizer = build_optimizer(
             self.train_model,
@@ -203,7 +205,10 @@ class Trainer:
         autocast = torch.autocast(self.device.type, dtype=self.autocast_dtype) if self.autocast_dtype else nullcontext()
         total = torch.zeros((), device=self.device)
         for micro in range(cfg.grad_accum):
-            generator = step_generator(cfg.seed, self.step * cfg.grad_accum + micro)
+            # Each rank draws its own batch noise (span corruption, block padding, PrefixLM breakpoints), as the
+            # rows of one larger batch would; one process draws what rank 0 does.
+            draw = (self.step * cfg.grad_accum + micro) * self.dist.world_size + self.dist.rank
+            generator = step_generator(cfg.seed, draw)
             batch = self.collate(*self.batches.next_batch(), generator)
             batch = {k: v.to(self.device, non_blocking=True) for k, v in batch.items()}
             sync = micro == cfg.grad_accum - 1
