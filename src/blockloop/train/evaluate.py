@@ -79,27 +79,29 @@ def evaluate(
     batches = progress.bar(iterable=batches, total=count if max_batches is None else min(count, max_batches),
                            desc="evaluating", unit="batch", disable=not show_progress, log_every=60)
     state = None
-    for i, (inputs, targets) in enumerate(batches):
-        batch = {k: v.to(device) for k, v in collate(inputs, targets, step_generator(0, i)).items()}
-        targets = batch.pop("targets")
-        with autocast:
-            if recurrent:
-                logits, _, state = model(**batch, state=state, return_state=True)
-            else:
-                logits, _ = model(**batch)
-        nats = F.cross_entropy(at_least_fp32(logits.flatten(0, 1)), targets.flatten(), reduction="sum", ignore_index=-100)
-        scored = targets != -100
-        total_nats += nats.double()
-        total_tokens += scored.sum()
-        if labelled:
-            total_wrong += labelled_errors(logits, targets)[0]
-        if lengths is not None:  # ids past the tokenizer (span-corruption sentinels) count no bytes
-            in_vocab = scored & (targets < len(lengths))
-            total_bytes += lengths[targets.clamp(0, len(lengths) - 1)][in_vocab].sum()
-    model.train(was_training)
+    try:  # back in the caller's mode also when a batch fails
+        for i, (inputs, targets) in enumerate(batches):
+            batch = {k: v.to(device) for k, v in collate(inputs, targets, step_generator(0, i)).items()}
+            targets = batch.pop("targets")
+            with autocast:
+                if recurrent:
+                    logits, _, state = model(**batch, state=state, return_state=True)
+                else:
+                    logits, _ = model(**batch)
+            nats = F.cross_entropy(at_least_fp32(logits.flatten(0, 1)), targets.flatten(), reduction="sum", ignore_index=-100)
+            scored = targets != -100
+            total_nats += nats.double()
+            total_tokens += scored.sum()
+            if labelled:
+                total_wrong += labelled_errors(logits, targets)[0]
+            if lengths is not None:  # ids past the tokenizer (span-corruption sentinels) count no bytes
+                in_vocab = scored & (targets < len(lengths))
+                total_bytes += lengths[targets.clamp(0, len(lengths) - 1)][in_vocab].sum()
+    finally:
+        model.train(was_training)
     total_nats, total_tokens, total_bytes = total_nats.item(), int(total_tokens), int(total_bytes)
     if total_tokens == 0:
-        raise ValueError("evaluation saw no tokens")
+        raise BlockloopError("evaluation saw no tokens; use a longer split or a shorter --seq-len")
     loss = total_nats / total_tokens
     metrics = {"loss": loss, "perplexity": math.exp(min(loss, 50.0)), "tokens": float(total_tokens)}
     if lengths is not None and total_bytes:

@@ -39,23 +39,25 @@ def evaluate_loops(
     agree = torch.zeros(loops, dtype=torch.long, device=device)
     exits = torch.zeros(loops, dtype=torch.long, device=device)
     tokens = 0
-    for inputs, targets in eval_batches(sequences, batch_size, max_batches):
-        inputs, targets = inputs.to(device), targets.to(device)
-        # The softmax over every row of the head, as training and `evaluate` take it, so the last loop's loss
-        # is the model's evaluation loss; -100 targets (a task's prompt positions) are not scored.
-        per_loop = [at_least_fp32(logits) for logits in model.loop_logits(inputs)]
-        scored = targets != -100
-        preds = torch.stack([logits.argmax(-1) for logits in per_loop])[:, scored]  # (loops, scored tokens)
-        for i, logits in enumerate(per_loop):
-            nats[i] += F.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="sum",
-                                       ignore_index=-100).double()
-        correct += (preds == targets[scored]).sum(1)
-        matches = preds == preds[-1]
-        agree += matches.sum(1)
-        first = matches.long().argmax(0)  # earliest loop agreeing with the last (the last always agrees)
-        exits += torch.bincount(first, minlength=loops)
-        tokens += int(scored.sum())
-    model.train(was_training)
+    try:  # back in the caller's mode also when a batch fails
+        for inputs, targets in eval_batches(sequences, batch_size, max_batches):
+            inputs, targets = inputs.to(device), targets.to(device)
+            # The softmax over every row of the head, as training and `evaluate` take it, so the last loop's loss
+            # is the model's evaluation loss; -100 targets (a task's prompt positions) are not scored.
+            per_loop = [at_least_fp32(logits) for logits in model.loop_logits(inputs)]
+            scored = targets != -100
+            preds = torch.stack([logits.argmax(-1) for logits in per_loop])[:, scored]  # (loops, scored tokens)
+            for i, logits in enumerate(per_loop):
+                nats[i] += F.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="sum",
+                                           ignore_index=-100).double()
+            correct += (preds == targets[scored]).sum(1)
+            matches = preds == preds[-1]
+            agree += matches.sum(1)
+            first = matches.long().argmax(0)  # earliest loop agreeing with the last (the last always agrees)
+            exits += torch.bincount(first, minlength=loops)
+            tokens += int(scored.sum())
+    finally:
+        model.train(was_training)
     if tokens == 0:
         raise BlockloopError("evaluation saw no tokens; use a longer split or a shorter --seq-len")
     rows = []

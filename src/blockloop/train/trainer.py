@@ -157,47 +157,47 @@ class Trainer:
         cfg = self.config
         self.out_dir.mkdir(parents=True, exist_ok=True)
         self.train_model.train()
-        bar = progress.bar(total=cfg.steps, initial=self.step, unit="step",
-                           disable=not (cfg.progress and self.dist.is_main))
-        last: dict[str, float] = {}
-        window_start, window_tokens = time.perf_counter(), 0
-        while self.step < cfg.steps:
-            lr = lr_at(
-                self.step, lr=cfg.lr, total_steps=cfg.steps, warmup_steps=cfg.warmup_steps,
-                schedule=cfg.schedule, min_lr_ratio=cfg.min_lr_ratio,
-            )
-            for group in self.optimizer.param_groups:
-                group["lr"] = lr * group.get("lr_scale", 1.0)
-            loss = self._train_step()
-            self.step += 1
-            window_tokens += self.tokens_per_step
-            if not math.isfinite(loss):
-                raise self._diverged(f"loss became {loss} at step {self.step}")
-            metrics = {"step": self.step, "loss": loss, "lr": lr}
-            bar.update(1)
-            if self.step % cfg.log_interval == 0 or self.step == cfg.steps:
-                if self.device.type == "cuda":
-                    torch.cuda.synchronize(self.device)
-                elapsed = time.perf_counter() - window_start
-                metrics["tokens_per_s"] = window_tokens / elapsed
-                achieved = mfu(self.flops_per_token * metrics["tokens_per_s"] / self.dist.world_size, self.device)
-                if achieved is not None:
-                    metrics["mfu"] = achieved
-                bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{metrics['tokens_per_s']:.3g}")
-                self._log(metrics)
-                window_start, window_tokens = time.perf_counter(), 0
-            if self.val_data is not None and (self.step % cfg.eval_interval == 0 or self.step == cfg.steps):
-                if self.dist.is_main:  # the bar stands still meanwhile: say why
-                    tqdm.write(f"step {self.step}: validating on up to {cfg.eval_batches} batches")
-                validation = self.validate()
-                metrics.update(validation)
-                self._log({"step": self.step, **validation})
-            if self.step % cfg.ckpt_interval == 0 or self.step == cfg.steps:
-                self.save_checkpoint()
-            last = metrics
-            if on_step is not None:
-                on_step(self.step, metrics)
-        bar.close()
+        # The bar is closed also when training stops on an error (a diverged loss, Ctrl-C).
+        with progress.bar(total=cfg.steps, initial=self.step, unit="step",
+                          disable=not (cfg.progress and self.dist.is_main)) as bar:
+            last: dict[str, float] = {}
+            window_start, window_tokens = time.perf_counter(), 0
+            while self.step < cfg.steps:
+                lr = lr_at(
+                    self.step, lr=cfg.lr, total_steps=cfg.steps, warmup_steps=cfg.warmup_steps,
+                    schedule=cfg.schedule, min_lr_ratio=cfg.min_lr_ratio,
+                )
+                for group in self.optimizer.param_groups:
+                    group["lr"] = lr * group.get("lr_scale", 1.0)
+                loss = self._train_step()
+                self.step += 1
+                window_tokens += self.tokens_per_step
+                if not math.isfinite(loss):
+                    raise self._diverged(f"loss became {loss} at step {self.step}")
+                metrics = {"step": self.step, "loss": loss, "lr": lr}
+                bar.update(1)
+                if self.step % cfg.log_interval == 0 or self.step == cfg.steps:
+                    if self.device.type == "cuda":
+                        torch.cuda.synchronize(self.device)
+                    elapsed = time.perf_counter() - window_start
+                    metrics["tokens_per_s"] = window_tokens / elapsed
+                    achieved = mfu(self.flops_per_token * metrics["tokens_per_s"] / self.dist.world_size, self.device)
+                    if achieved is not None:
+                        metrics["mfu"] = achieved
+                    bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{metrics['tokens_per_s']:.3g}")
+                    self._log(metrics)
+                    window_start, window_tokens = time.perf_counter(), 0
+                if self.val_data is not None and (self.step % cfg.eval_interval == 0 or self.step == cfg.steps):
+                    if self.dist.is_main:  # the bar stands still meanwhile: say why
+                        tqdm.write(f"step {self.step}: validating on up to {cfg.eval_batches} batches")
+                    validation = self.validate()
+                    metrics.update(validation)
+                    self._log({"step": self.step, **validation})
+                if self.step % cfg.ckpt_interval == 0 or self.step == cfg.steps:
+                    self.save_checkpoint()
+                last = metrics
+                if on_step is not None:
+                    on_step(self.step, metrics)
         return last
 
     def _train_step(self) -> float:
