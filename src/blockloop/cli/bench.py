@@ -82,7 +82,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     o.add_argument("--record", type=Path, help="append every result to this JSON-lines file")
     o.add_argument("--plot", type=Path, metavar="PNG",
                    help="draw throughput vs validation loss (Figure 2) from --record's runs and exit")
-    o.add_argument("--seed", type=nonnegative_int, default=0, help="seed for prompts and arrivals (default: 0)")
+    o.add_argument("--seed", type=nonnegative_int, help="seed for prompts and arrivals (default: 0)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -132,7 +132,8 @@ LOCAL = {"presets": None, "checkpoint": [], "device": "auto", "dtype": "auto", "
 def _settle_modes(args: argparse.Namespace) -> None:
     """Refuse a flag the chosen mode would ignore, then fill in the defaults of the flags left alone."""
     if args.plot is not None:  # it draws recorded runs and runs nothing
-        mode, ignored = "--plot", {**THROUGHPUT, **STREAM, **ENGINE_STREAM, **LOCAL, "stream": False, "url": None}
+        mode, ignored = "--plot", {**THROUGHPUT, **STREAM, **ENGINE_STREAM, **LOCAL, "stream": False, "url": None,
+                                   "seed": None}
     else:
         mode = "--url" if args.url is not None else "--stream" if args.stream else "the throughput protocol"
         ignored = {**STREAM, **ENGINE_STREAM} if mode == "the throughput protocol" else {**THROUGHPUT}
@@ -141,7 +142,7 @@ def _settle_modes(args: argparse.Namespace) -> None:
     given = [name for name in ignored if getattr(args, name) not in (None, False, [], LOCAL.get(name))]
     if given:
         refuse_flags(given, mode, or_else=" or add --stream" if mode == "the throughput protocol" else "")
-    for name, default in {**THROUGHPUT, **STREAM, **ENGINE_STREAM, **LOCAL}.items():
+    for name, default in {**THROUGHPUT, **STREAM, **ENGINE_STREAM, **LOCAL, "seed": 0}.items():
         if getattr(args, name) is None:
             setattr(args, name, default)
 

@@ -161,7 +161,7 @@ def add_no_pack(p: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
 
 def add_device(p: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
     """``--device``, read with :func:`blockloop.device.resolve_device`."""
-    p.add_argument("--device", default="auto", type=device, help="auto, cpu or cuda (default: auto)")
+    p.add_argument("--device", default="auto", type=device, help="auto, cpu, cuda, cuda:N or mps (default: auto)")
 
 
 DEVICE_TYPES = ("auto", "cpu", "cuda", "mps")
