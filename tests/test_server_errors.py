@@ -238,3 +238,31 @@ def test_prefill_only_windows_add_no_generated_tokens_to_the_metrics(run):
         body = {**GOOD, "prompt": "ROMEO: But soft, what light", "max_tokens": 3, "ignore_eos": True}
         usage = [httpx.post(url + "/v1/completions", json=body).json()["usage"]["completion_tokens"] for _ in range(3)]
         assert metric(httpx.get(url + "/metrics").text, "blockloop_generation_tokens_total") == sum(usage) == 9
+
+
+def test_a_client_gone_before_its_whole_body_arrived_is_no_server_error(run):
+    """Reading the body of a client that hung up mid-request raised out of the handler, logged as an ASGI error."""
+    import logging
+    import socket
+
+    class Errors(logging.Handler):
+        def __init__(self) -> None:
+            super().__init__(logging.ERROR)
+            self.messages: list[str] = []
+
+        def emit(self, record: logging.LogRecord) -> None:
+            self.messages.append(record.getMessage())
+
+    errors = Errors()
+    with running(app(run, n_slots=1)) as url:
+        logging.getLogger("uvicorn.error").addHandler(errors)  # after uvicorn configured its loggers (no root)
+        host, port = url.removeprefix("http://").split(":")
+        with socket.create_connection((host, int(port))) as client:
+            client.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                           b"Content-Length: 100\r\n\r\n{\"model\": ")
+            client.shutdown(socket.SHUT_WR)
+            client.settimeout(10)
+            assert client.recv(4096) == b""  # nobody answers a client that is gone
+        assert httpx.get(url + "/health").json() == {"status": "ok"}
+    logging.getLogger("uvicorn.error").removeHandler(errors)
+    assert not [m for m in errors.messages if "Exception in ASGI application" in m]

@@ -31,6 +31,15 @@ def test_a_byte_stream_releases_whole_characters_and_holds_back_a_stop_string():
     assert continuation(tok, prompt, tok.encode("wörld")) == "wörld"
 
 
+def test_a_stop_string_that_only_the_final_decode_reveals_still_ends_the_answer():
+    """An answer cut inside a character ends in U+FFFD on the final decode; a stop string holding it must not
+    reach the client there either, and the stream counts as stopped."""
+    stream = TextStream(ByteTokenizer(), stop=["\ufffd"])
+    text = "".join(stream.push(t) for t in [ord("o"), ord("k"), 0xE2, 0x82])  # "ok" then 2 of euro's 3 bytes
+    assert not stream.stopped
+    assert text + stream.flush() == "ok" and stream.stopped
+
+
 def test_generate_writes_nothing_when_the_request_does_not_fit(tmp_path_factory, capsys):
     run = tiny_run(tmp_path_factory.getbasetemp() / "serve-runs", "tiny")
     capsys.readouterr()  # training's own output

@@ -26,6 +26,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect
 from torch import nn
 
 from blockloop.data.tokenizers import Tokenizer
@@ -235,6 +236,8 @@ def create_app(served: ServedModel) -> FastAPI:
 async def _body(request: Request) -> Any:
     try:
         return json.loads(await request.body())
+    except ClientDisconnect:  # gone before its whole body arrived: nobody reads the answer, and it is no bug
+        raise ApiError(499, "the client closed the connection before sending its whole request") from None
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise ApiError(400, f"the request body is not valid JSON ({exc})") from None
     except RecursionError:

@@ -42,10 +42,14 @@ class TextStream:
         return self._after_stops()
 
     def flush(self) -> str:
-        """Everything held back, once the request has ended without a stop (incomplete characters decode to U+FFFD)."""
+        """Everything held back, once the request has ended without a stop (incomplete characters decode to U+FFFD,
+        which a stop string may hold: then the request ends there, ``stopped``)."""
         if self.stopped:
             return ""
         self._decode(final=True)
+        end = self._first_stop()
+        if end is not None:
+            self.stopped, self.text = True, self.text[:end]
         return self._release(len(self.text))
 
     def _decode(self, final: bool) -> None:
@@ -55,12 +59,15 @@ class TextStream:
             self.text += after[len(before) :]
             self.prefix, self.read = self.read, len(self.ids)
 
-    def _after_stops(self) -> str:
+    def _first_stop(self) -> int | None:
+        """Where the first stop string in the unreleased text starts, if one is there."""
         found = [i for i in (self.text.find(s, self.sent) for s in self.stop) if i >= 0]
-        if found:
-            self.stopped = True
-            end = min(found)
-            self.text = self.text[:end]
+        return min(found) if found else None
+
+    def _after_stops(self) -> str:
+        end = self._first_stop()
+        if end is not None:
+            self.stopped, self.text = True, self.text[:end]
             return self._release(end)
         held = max((k for s in self.stop for k in range(min(len(s) - 1, len(self.text)), 0, -1)
                     if self.text.endswith(s[:k])), default=0)

@@ -217,8 +217,10 @@ class EngineWorker:
                 event = Event(job.pieces, prompt_tokens=len(job.prompt), completion_tokens=len(request.output))
                 job.pieces = []
                 if done:
-                    event.finish_reason = FINISH_REASONS[request.finish_reason]
                     event.tail = job.text.flush() if request.finish_reason != "abort" else ""
+                    # A stop string found only in the final decode (it holds a U+FFFD) ends the answer as a stop.
+                    stopped = request.finish_reason != "abort" and job.text.stopped
+                    event.finish_reason = "stop" if stopped else FINISH_REASONS[request.finish_reason]
                     if self.observer is not None:
                         self.observer.on_finish(request)
                 job.deliver(event)
