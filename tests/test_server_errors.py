@@ -266,3 +266,19 @@ def test_a_client_gone_before_its_whole_body_arrived_is_no_server_error(run):
         assert httpx.get(url + "/health").json() == {"status": "ok"}
     logging.getLogger("uvicorn.error").removeHandler(errors)
     assert not [m for m in errors.messages if "Exception in ASGI application" in m]
+
+
+def test_ignore_eos_also_runs_past_the_templates_end_of_turn_token(run):
+    """As vLLM's ignore_eos: the chat template's end-of-turn ids stop an answer only without it."""
+    application = app(run, n_slots=1)
+    body = {**CHAT, "temperature": 0, "ignore_eos": True}
+    with running(application) as url:
+        free = httpx.post(url + "/v1/chat/completions", json=body).json()
+        first = free["choices"][0]["message"]["content"][0]
+        assert first.isascii()  # a byte token: its id is its code
+        application.state.served.template.stop_ids = [ord(first)]  # as if the template's end-of-turn token
+        stopped = httpx.post(url + "/v1/chat/completions", json={**body, "ignore_eos": False}).json()
+        assert (stopped["choices"][0]["finish_reason"], stopped["choices"][0]["message"]["content"]) == ("stop", "")
+        again = httpx.post(url + "/v1/chat/completions", json=body).json()
+        assert again["choices"][0]["message"]["content"] == free["choices"][0]["message"]["content"]
+        assert again["usage"]["completion_tokens"] == 4
