@@ -159,20 +159,13 @@ class Engine:
     def room(self, prompt_len: int) -> int:
         """The most new tokens a prompt of ``prompt_len`` tokens may ask for (< 1: the prompt alone does not fit):
         what its slot leaves of the model context, and what a paged KV cache smaller than that holds."""
-        padded = self._padded(prompt_len)
-        most = self._context_room(prompt_len)
-        if most < 1 or not self.continuous or self.runner.can_hold([padded + most], alone=True):
+        padded, most = self._padded(prompt_len), self._context_room(prompt_len)
+        if most < 1 or not self.continuous:
             return most
-
-        def holds(new_tokens: int) -> bool:
-            return self.runner.can_hold([padded + new_tokens], alone=True)
-
-        if not holds(0):
-            return 0
-        low, high = 0, most - 1  # the largest count the empty pool holds: holds(low) stays true
+        low, high = 0, most  # the most new tokens the empty pool holds, 0 if none (more never gets easier)
         while low < high:
             mid = (low + high + 1) // 2
-            low, high = (mid, high) if holds(mid) else (low, mid - 1)
+            low, high = (mid, high) if self.runner.can_hold([padded + mid], alone=True) else (low, mid - 1)
         return low
 
     def cancel(self, request: Request) -> None:

@@ -53,7 +53,8 @@ class TrainConfig:
         for name in positive:
             if getattr(self, name) < 1:
                 raise ConfigError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(self, name)}")
-        ranges = (("lr", 0 < self.lr < FLOAT32_MAX, "> 0 and a float32 (below 3.4e38)"), ("min_lr_ratio", 0 <= self.min_lr_ratio <= 1, "in [0, 1]"),
+        ranges = (("lr", 0 < self.lr < FLOAT32_MAX, "> 0 and a float32 (below 3.4e38)"),
+                  ("min_lr_ratio", 0 <= self.min_lr_ratio <= 1, "in [0, 1]"),
                   ("warmup_steps", self.warmup_steps >= 0, ">= 0"), ("weight_decay", self.weight_decay >= 0, ">= 0"),
                   ("grad_clip", self.grad_clip >= 0, ">= 0 (0 disables clipping)"),
                   ("beta1", 0 <= self.beta1 < 1, "in [0, 1)"), ("beta2", 0 <= self.beta2 < 1, "in [0, 1)"),

@@ -38,7 +38,7 @@ def evaluate_loops(
     correct = torch.zeros(loops, dtype=torch.long, device=device)
     agree = torch.zeros(loops, dtype=torch.long, device=device)
     exits = torch.zeros(loops, dtype=torch.long, device=device)
-    tokens = 0
+    tokens = torch.zeros((), dtype=torch.long, device=device)  # sums stay on the device: one host sync at the end
     try:  # back in the caller's mode also when a batch fails
         for inputs, targets in eval_batches(sequences, batch_size, max_batches):
             inputs, targets = inputs.to(device), targets.to(device)
@@ -46,18 +46,19 @@ def evaluate_loops(
             # is the model's evaluation loss; -100 targets (a task's prompt positions) are not scored.
             per_loop = [at_least_fp32(logits) for logits in model.loop_logits(inputs)]
             scored = targets != -100
-            preds = torch.stack([logits.argmax(-1) for logits in per_loop])[:, scored]  # (loops, scored tokens)
+            preds = torch.stack([logits.argmax(-1) for logits in per_loop])  # (loops, B, T)
             for i, logits in enumerate(per_loop):
                 nats[i] += F.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="sum",
                                            ignore_index=-100).double()
-            correct += (preds == targets[scored]).sum(1)
+            correct += ((preds == targets) & scored).flatten(1).sum(1)
             matches = preds == preds[-1]
-            agree += matches.sum(1)
+            agree += (matches & scored).flatten(1).sum(1)
             first = matches.long().argmax(0)  # earliest loop agreeing with the last (the last always agrees)
-            exits += torch.bincount(first, minlength=loops)
-            tokens += int(scored.sum())
+            exits += torch.bincount(first.masked_fill(~scored, loops).flatten(), minlength=loops + 1)[:loops]
+            tokens += scored.sum()
     finally:
         model.train(was_training)
+    tokens = int(tokens)
     if tokens == 0:
         raise BlockloopError("evaluation saw no tokens; use a longer split or a shorter --seq-len")
     rows = []

@@ -23,9 +23,9 @@ Where the template comes from, first found wins:
 
 A Jinja template is rendered like ``transformers``' ``apply_chat_template`` (sandboxed, ``trim_blocks``,
 ``lstrip_blocks``, ``add_generation_prompt=True``, the tokenizer's ``bos_token`` / ``eos_token`` / ``pad_token``
-and ``strftime_now``); a ``developer`` message reaches it as ``system``, the role templates know. Its end-of-turn token (``<|im_end|>``, ``<|eot_id|>``,
-``<end_of_turn>`` or ``</s>``, whichever the template writes and the tokenizer has as one special id) stops
-generation like the end-of-text token.
+and ``strftime_now``); a ``developer`` message reaches it as ``system``, the role templates know. Its end-of-turn
+token (``<|im_end|>``, ``<|eot_id|>``, ``<end_of_turn>`` or ``</s>``, whichever the template writes and the
+tokenizer has as one special id) stops generation like the end-of-text token.
 """
 
 from __future__ import annotations
@@ -96,10 +96,9 @@ def jinja_template(source: str, tokenizer: Tokenizer) -> ChatTemplate:
         vocabulary = tokenizer.hf_tokenizer()
     except BlockloopError:  # a task's word list: no token texts to give the template
         vocabulary = None
-    specials = {name: vocabulary.id_to_token(i) for name, i in
-                (("bos_token", tokenizer.bos_id), ("eos_token", tokenizer.eos_id), ("pad_token", tokenizer.pad_id))
-                if i is not None and vocabulary is not None}
-    return ChatTemplate(source, stop_ids=ids, special_tokens={k: v for k, v in specials.items() if v is not None})
+    ids_of = {"bos_token": tokenizer.bos_id, "eos_token": tokenizer.eos_id, "pad_token": tokenizer.pad_id}
+    texts = {name: vocabulary.id_to_token(i) for name, i in ids_of.items() if i is not None} if vocabulary else {}
+    return ChatTemplate(source, stop_ids=ids, special_tokens={k: v for k, v in texts.items() if v is not None})
 
 
 def chat_template_for(tokenizer: Tokenizer, directory: Path | None = None) -> ChatTemplate:

@@ -230,7 +230,8 @@ class RecursiveRunner(DecoderRunner):
         n, new = len(tokens), tokens >= 0
         cache = decode.prefixes[n]
         slot = torch.where(new, decode.next_slot[:n].clamp_max(cache.max_len - 1), state.slot[:n])
-        position = torch.where(new, decode.next_position[:n].clamp_max(m.config.context_length - 1), state.position[:n])
+        next_position = decode.next_position[:n].clamp_max(m.config.context_length - 1)  # finished rows step on
+        position = torch.where(new, next_position, state.position[:n])
         decode.next_slot = over_rows(decode.next_slot[:n] + new, decode.next_slot)
         decode.next_position = over_rows(decode.next_position[:n] + new, decode.next_position)
         embedded = m.embed_input(tokens.clamp_min(0)[:, None], position[:, None])
