@@ -66,6 +66,18 @@ def test_first_block_is_not_predicted():
     assert torch.all(batch["targets"][:, :4] == -100)
 
 
+def test_a_one_block_window_has_zero_logits_and_is_refused_for_training():
+    """A window of a single block has no context embedding: its logits are block 0's zeros (no reshape error), and
+    a batch of such windows, where nothing is scored, is refused with a sentence instead of training on a NaN loss."""
+    for token_decoder in ("prefix", "sum", "cross"):
+        model = block_model(token_decoder=token_decoder)
+        logits, _ = model(torch.randint(0, 258, (2, 4)))
+        assert logits.shape == (2, 4, model.config.padded_vocab_size) and torch.all(logits == 0)
+    idx = torch.randint(0, 258, (2, 4))
+    with pytest.raises(ConfigError, match="at least 8"):
+        collate_for(model.config)(idx, idx, torch.Generator().manual_seed(0))
+
+
 def test_random_length_padding_keeps_documents_in_their_own_blocks():
     eos, pad, block = 0, 0, 4
     g = torch.Generator().manual_seed(3)

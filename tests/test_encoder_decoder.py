@@ -91,3 +91,20 @@ def test_cached_generation_logits_equal_the_full_forward(model):
         steps = [logits[0]] + [runner.decode_step(torch.tensor([t]))[0] for t in out[:-1]]
         full, _ = model(torch.tensor([prompt[:-1]], dtype=torch.long), decoder_idx=torch.tensor([prompt[-1:] + out[:-1]]))
         assert torch.allclose(torch.stack(steps), full[0], atol=1e-10)
+
+
+def test_attn_scalar_scales_cross_attention_scores_too():
+    """``attn_scalar`` replaces head_dim^-1/2 in every attention of the model, the decoder's cross-attention
+    included: its output equals a softmax over q k^T attn_scalar^-1/2 written out."""
+    model = build_model(from_name("tiny-encdec", attn_scalar=3.0)).double().eval()
+    cross = model.decoder[0].cross
+    torch.manual_seed(0)
+    x, memory = torch.randn(2, 5, model.config.d_model).double(), torch.randn(2, 7, model.config.d_model).double()
+    k, v = cross.keys(memory)
+    q = cross.q(x).view(2, 5, cross.n_head, cross.head_dim).transpose(1, 2)
+    group = cross.n_head // cross.n_kv_head
+    k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    weights = torch.softmax(q @ k.transpose(-1, -2) * 3.0**-0.5, dim=-1)
+    expected = cross.proj((weights @ v).transpose(1, 2).flatten(2))
+    with torch.no_grad():
+        assert torch.allclose(cross(x, cross.keys(memory), None), expected, atol=1e-12)

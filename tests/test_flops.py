@@ -22,9 +22,10 @@ def measured_forward_flops_per_token(model, length: int) -> float:
     return counter.get_total_flops() / idx.numel()
 
 
-@pytest.mark.parametrize("name", ["tiny", "tiny-neox"])
-def test_decoder_formula_is_three_forward_passes_exactly(name):
-    model = build_model(from_name(name))
+@pytest.mark.parametrize("name,overrides", [("tiny", {}), ("tiny-neox", {}), ("tiny-neox", {"mlp": "gelu_tanh"}),
+                                            ("tiny", {"mlp": "geglu"})])
+def test_decoder_formula_is_three_forward_passes_exactly(name, overrides):
+    model = build_model(from_name(name, **overrides))
     formula = training_flops_per_token(model.config, 128)
     assert formula / 3 == pytest.approx(measured_forward_flops_per_token(model, 128), rel=1e-9)
 
@@ -65,6 +66,20 @@ def test_staircase_formula_bounds_a_stream_from_empty(name):
     model = build_model(from_name(name)).eval()
     ratio = training_flops_per_token(model.config, 128) / 3 / measured_segment_flops_per_token(model, 128, carried=False)
     assert 1.0 <= ratio < 1.15  # the global cache of 128 states is half full on average over 128 tokens
+
+
+@pytest.mark.parametrize("overrides", [{}, {"step_size": 64}, {"chunk_size": 8, "step_size": 64}])
+def test_cached_staircase_formula_is_three_forward_passes_of_a_steady_step(overrides):
+    """Cached after one pass, a chunk's tokens finish in the step that reads them: after a first segment that step
+    attends over the full window, the chunk's C keys and a cache of S - C states, S keys in all (not S plus the cache)."""
+    model = build_model(from_name("tiny-cached-staircase", cache_after=1, **overrides)).eval()
+    C = model.config.chunk_size
+    idx = torch.randint(0, 258, (2, 128))
+    state = model(idx, return_state=True)[2]
+    with FlopCounterMode(display=False) as counter, sdpa_kernel(SDPBackend.MATH):
+        model(idx[:, :C], state=state)
+    step = counter.get_total_flops() / (2 * C)
+    assert training_flops_per_token(model.config, 128) / 3 == pytest.approx(step, rel=1e-9)
 
 
 @pytest.mark.parametrize("preset", ["tiny-staircase", "tiny-transformer-xl", "tiny-double"])

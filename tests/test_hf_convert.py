@@ -319,3 +319,21 @@ def test_corrupt_or_mismatched_folder_is_one_line_error(case, byte_export, tmp_p
     corrupt(folder)
     one_line_error(capsys, ["convert", "--from-hf", str(folder), "--out", str(tmp_path / "run")], message)
     assert not (tmp_path / "run").exists()
+
+
+def test_gemma3_style_decoder_with_default_scales_exports(tmp_path):
+    """attn_scalar=None (head_dim) and local_rope_base=None (the global base) are what Gemma-3 writes out as
+    query_pre_attn_scalar=head_dim and one rotary base for both layer types: the export takes them."""
+    config = DecoderConfig(vocab_size=90, context_length=32, n_layer=2, n_head=2, n_kv_head=1, d_model=32, head_dim=8,
+                           norm="rmsnorm1p", mlp="geglu", bias=False, embed_scale=True, qk_norm=True,
+                           sandwich_norm=True, sliding_window=4, local_layers=[0])
+    torch.manual_seed(0)
+    model = Decoder(config).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    hf = to_hf_model(model)
+    assert hf.config.model_type == "gemma3_text"
+    idx = tokens(vocab=90)
+    with torch.no_grad():
+        assert max_diff(hf(idx).logits, model(idx)[0]) <= TOL

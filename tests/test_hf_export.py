@@ -226,3 +226,34 @@ def test_hf_export_in_bfloat16(tokenizers_by_kind, tmp_path):
     idx = torch.tensor([tok.encode(TEXT)])
     with torch.no_grad():
         assert (hf_model(idx).logits - rounded(idx)[0]).abs().max() <= 1e-4
+
+
+@pytest.mark.parametrize("add_bos, bos_post_processor", [(True, False), (False, True)])
+def test_export_starts_texts_with_bos_as_blockloop_does(add_bos, bos_post_processor, tmp_path):
+    """A source whose ``add_bos_token`` disagrees with its tokenizer.json's post-processor: blockloop follows the
+    former, and so must the export, for transformers' AutoTokenizer and for blockloop's own re-import."""
+    import tokenizers
+    from tokenizers import models, pre_tokenizers, processors
+
+    from blockloop.data.tokenizers import hf_folder_tokenizer
+
+    vocab = {t: i for i, t in enumerate(["<unk>", "<s>", "</s>", "hello", "world"])}
+    tok = tokenizers.Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.add_special_tokens(["<s>", "</s>"])
+    if bos_post_processor:
+        tok.post_processor = processors.TemplateProcessing(single="<s> $A", pair="<s> $A $B", special_tokens=[("<s>", 1)])
+    (tmp_path / "src").mkdir()
+    tok.save(str(tmp_path / "src" / "tokenizer.json"))
+    (tmp_path / "src" / "tokenizer_config.json").write_text(json.dumps(
+        {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>", "eos_token": "</s>", "add_bos_token": add_bos}))
+    ours = hf_folder_tokenizer(tmp_path / "src", name="words")
+    assert ours.add_bos == add_bos
+    torch.manual_seed(0)
+    model = Decoder(DecoderConfig(vocab_size=ours.vocab_size, context_length=16, n_layer=1, n_head=2, d_model=16)).eval()
+    out = export_hf(model, ours, tmp_path / "hf")
+    expected = ours.encode_prompt("hello world")
+    assert expected == ([1] if add_bos else []) + [3, 4]
+    assert transformers.AutoTokenizer.from_pretrained(out)("hello world")["input_ids"] == expected
+    again = hf_folder_tokenizer(out, name="again")
+    assert again.add_bos == add_bos and again.encode_prompt("hello world") == expected

@@ -238,6 +238,17 @@ def test_config_validation():
         from_name("tiny-recursive", loops=0)
 
 
+def test_loss_and_lora_weights_the_model_never_reads_are_refused():
+    """A config (``--set``, a config.json) may not carry a weight its model ignores: it would be saved with the run
+    as if it had trained the model."""
+    with pytest.raises(ConfigError, match="exit_kd_weight=0.5 weighs the early-exit loss"):
+        from_name("tiny-recursive", exit_kd_weight=0.5)
+    with pytest.raises(ConfigError, match="lora_alpha=16.0 scales LoRA modules, which lora_rank=0 does not add"):
+        from_name("tiny-recursive", lora_alpha=16.0)
+    assert from_name("tiny-recursive", exit_loss="weighted", exit_kd_weight=0.5).exit_kd_weight == 0.5
+    assert from_name("tiny-recursive", lora_rank=2, lora_alpha=16.0).lora_scaling == 8.0
+
+
 # ------------------------------------------------------- early exit and distillation (3.7, M)
 def test_early_exit_weights():
     weighted = recursive(loops=3, exit_loss="weighted").exit_weights()

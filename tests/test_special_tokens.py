@@ -81,3 +81,21 @@ def test_windows_start_with_bos_and_cover_the_stream_once():
     assert len(windows) == 4 and windows[1].tolist() == [1, 15, 16, 17, 18, 19]
     targets = np.concatenate([PackedSequences.to_batch([windows[i]])[1][0].numpy() for i in range(len(windows))])
     assert targets.tolist() == stream.tolist()
+
+
+def test_eos_is_never_guessed_from_an_ordinary_word(tmp_path):
+    """A folder that declares no EOS: ``</s>`` as a special token is taken, ``</s>`` as a word of the vocabulary
+    is not (the tokenizer is refused with what to add)."""
+    from blockloop.errors import BlockloopError
+
+    vocab = {t: i for i, t in enumerate(["<unk>", "hello", "</s>", "world"])}
+    tok = tokenizers.Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    (tmp_path / "word").mkdir()
+    tok.save(str(tmp_path / "word" / "tokenizer.json"))
+    with pytest.raises(BlockloopError, match="no end-of-text token.*eos_token"):
+        hf_folder_tokenizer(tmp_path / "word", name="word")
+    tok.add_special_tokens(["</s>"])
+    (tmp_path / "special").mkdir()
+    tok.save(str(tmp_path / "special" / "tokenizer.json"))
+    assert hf_folder_tokenizer(tmp_path / "special", name="special").eos_id == 2

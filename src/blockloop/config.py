@@ -298,7 +298,7 @@ class PretrainedFeatures:
     defaults leave a model unchanged. ``qk_norm``: RMSNorm over each query/key head before rotary (Gemma-3).
     ``sandwich_norm``: norms on the attention and MLP outputs too, before the residual add (Gemma-3).
     ``attn_scalar``: scores scaled by attn_scalar^-1/2 instead of head_dim^-1/2 (Gemma-3's
-    query_pre_attn_scalar). ``logit_softcap``: logits become c * tanh(logits / c)."""
+    query_pre_attn_scalar; cross-attention's scores too). ``logit_softcap``: logits become c * tanh(logits / c)."""
 
     qk_norm: bool = False
     sandwich_norm: bool = False

@@ -189,7 +189,15 @@ def import_hf(path: Path | str, *, gguf_file: str | None = None, vocab_size: int
 
 
 def _model_fields(config: DecoderConfig) -> dict[str, Any]:
-    return {k: v for k, v in dataclasses.asdict(config).items() if k not in _NOT_EXPORTED}
+    """The fields an export must reproduce, each None that stands for another field's value resolved to it
+    (scores scaled by head_dim^-1/2; local layers rotated with the global base): the same model either way,
+    which a Hugging Face config may spell out."""
+    fields = {k: v for k, v in dataclasses.asdict(config).items() if k not in _NOT_EXPORTED}
+    if fields["attn_scalar"] is None:
+        fields["attn_scalar"] = config.head_dim
+    if config.local_layers and fields["local_rope_base"] is None:
+        fields["local_rope_base"] = config.rope_base
+    return fields
 
 
 def export_architecture(config: DecoderConfig) -> Architecture:

@@ -13,6 +13,9 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
+import tokenizers
+from tokenizers import processors
+
 from blockloop.data.tokenizers import Tokenizer
 
 
@@ -36,6 +39,7 @@ def special_ids(tokenizer: Tokenizer) -> SpecialIds:
 def hf_tokenizer_files(tokenizer: Tokenizer, *, model_max_length: int) -> dict[str, str]:
     """File name -> text of the tokenizer files of an export (raises for a tokenizer with no Hugging Face form)."""
     hf = tokenizer.hf_tokenizer()
+    _start_texts_as_blockloop_does(hf, tokenizer)
     ids = special_ids(tokenizer)
     eos_text = hf.id_to_token(ids.eos)
     config: dict[str, object] = {
@@ -46,7 +50,26 @@ def hf_tokenizer_files(tokenizer: Tokenizer, *, model_max_length: int) -> dict[s
         "model_max_length": model_max_length,
         "clean_up_tokenization_spaces": False,
         "split_special_tokens": tokenizer.encode(eos_text) != [ids.eos],
+        "add_bos_token": tokenizer.add_bos,
     }
     if tokenizer.chat_template is not None:
         config["chat_template"] = tokenizer.chat_template
     return {"tokenizer.json": hf.to_str(), "tokenizer_config.json": json.dumps(config, indent=2) + "\n"}
+
+
+def _start_texts_as_blockloop_does(hf: tokenizers.Tokenizer, tokenizer: Tokenizer) -> None:
+    """Make ``hf``'s post-processor put BOS before a text exactly when blockloop's prompts start with it.
+
+    A source's ``add_bos_token`` may disagree with its tokenizer.json's post-processor, and blockloop follows
+    the former; the generic tokenizer class an export names follows only the post-processor (and blockloop's
+    re-import, without ``add_bos_token``, too). So where the two differ the post-processor is rewritten.
+    """
+    probe = "a"
+    if hf.encode(probe, add_special_tokens=True).ids == tokenizer.encode_prompt(probe):
+        return
+    start = [] if tokenizer.start_id is None else [(hf.id_to_token(tokenizer.start_id), tokenizer.start_id)]
+    prefix = [f"{token}:0" for token, _ in start]
+    hf.post_processor = processors.TemplateProcessing(
+        single=" ".join([*prefix, "$A:0"]), pair=" ".join([*prefix, "$A:0", *(f"{t}:1" for t, _ in start), "$B:1"]),
+        special_tokens=start,
+    )

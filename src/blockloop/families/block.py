@@ -11,6 +11,7 @@ from torch import Tensor, nn
 from blockloop.config import DecoderConfig, ModelConfig
 from blockloop.data.block_padding import random_length_padding
 from blockloop.data.collate import sample_breakpoint
+from blockloop.errors import ConfigError
 from blockloop.families.costs import attention_flops, kv_cache_bytes, layer_weights, param_bytes, stack_flops
 from blockloop.families.decoder import LLAMA_TINY, PYTHIA
 from blockloop.families.spec import Batch, FamilySpec, Preset
@@ -169,6 +170,9 @@ def make_batch(config: BlockTransformerConfig, inputs: Tensor, targets: Tensor, 
     breakpoint = sample_breakpoint(inputs.shape[1], generator) if objective == "prefix_lm" else 0
     if inputs.shape[1] % c.block_len:
         raise ValueError(f"sequence length {inputs.shape[1]} is not a multiple of block_len={c.block_len}")
+    if inputs.shape[1] < 2 * c.block_len:
+        raise ConfigError(f"a window of {inputs.shape[1]} tokens is one block, and the first block is never predicted: "
+                          f"nothing would be scored; use a sequence length of at least {2 * c.block_len} (two blocks)")
     window = torch.cat([inputs[:, :1], targets], dim=1)
     if c.random_padding:
         idx, real = random_length_padding(window, c.block_len, eos_id=c.pad_id, pad_id=c.pad_id,

@@ -13,6 +13,8 @@ from torch import nn
 
 from blockloop.config import DecoderConfig
 
+GATED_MLPS = ("swiglu", "geglu")  # three matrices (gate, up, down); gelu and gelu_tanh have two
+
 
 def layer_weights(config: DecoderConfig) -> dict[str, int]:
     """Weights of one layer: query + output projections, key + value projections, the MLP."""
@@ -20,7 +22,7 @@ def layer_weights(config: DecoderConfig) -> dict[str, int]:
     return {
         "q_o": 2 * d * h * dh,
         "kv": 2 * d * kv * dh,
-        "mlp": (2 if config.mlp == "gelu" else 3) * d * ff,
+        "mlp": (3 if config.mlp in GATED_MLPS else 2) * d * ff,  # gated: gate, up, down; else fc, proj
     }
 
 

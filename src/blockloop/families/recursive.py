@@ -61,6 +61,17 @@ class RecursiveConfig(LocalAttention, InputEmbedding, PretrainedFeatures, Transf
             (self.exit_loss in EXIT_LOSSES, f"exit_loss {self.exit_loss!r} is unknown; choose one of {EXIT_LOSSES}"),
             (0.0 <= self.exit_coefficient <= 1.0, f"exit_coefficient must be in [0, 1], got {self.exit_coefficient}"),
             (self.exit_kd_weight >= 0.0, f"exit_kd_weight must be non-negative, got {self.exit_kd_weight}"),
+            # A weight the model never reads would be saved with the run as if it had shaped the model.
+            (
+                self.exit_loss != "none" or not self.exit_kd_weight,
+                f"exit_kd_weight={self.exit_kd_weight} weighs the early-exit loss's distillation, which exit_loss='none' "
+                "does not compute; set exit_loss to weighted or aggressive, or leave exit_kd_weight at 0",
+            ),
+            (
+                self.lora_rank or self.lora_alpha is None,
+                f"lora_alpha={self.lora_alpha} scales LoRA modules, which lora_rank=0 does not add; set lora_rank or "
+                "leave lora_alpha unset",
+            ),
             (
                 not (self.prefix_len and (self.local_layers or self.local_depths)),
                 "prefix relaxation is not defined for sliding-window local layers; use LoRA (lora_rank) instead",

@@ -164,15 +164,16 @@ def qkv_flops(config: TransformerShape) -> int:
 def training_flops_per_token(config: StaircaseConfig, seq_len: int) -> float:
     """Steady-state training FLOPs per token: the core once per pass.
 
-    A token has S / C (or m) passes, each attending to a window of at most S keys plus the cache (upper
-    bound: full windows). A state entering the Cached Staircase's cache is projected to keys/values once
-    per layer; the Feedback mix adds its weighted sum.
+    A token has S / C (or m) passes, each attending to the chunks in flight (S / C or m chunks of C) plus the cache
+    (upper bound: full windows), i.e. S keys, or m C plus the whole context for the global cache. A state entering
+    the Cached Staircase's cache is projected to keys/values once per layer; the Feedback mix adds its weighted sum.
     """
     core = config.stack()
+    keys = config.passes * config.chunk_size + config.cache_tokens
     extra = config.n_layer * qkv_flops(config) if config.cache_after else 0
     extra += 6 * (config.n_layer + 1) * config.d_model if config.memory_mix else 0
     head = 6 * config.d_model * config.padded_vocab_size
-    return config.passes * stack_flops(core, 1, config.step_size + config.cache_tokens) + extra + head
+    return config.passes * stack_flops(core, 1, keys) + extra + head
 
 
 SPEC = FamilySpec(

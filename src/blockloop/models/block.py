@@ -98,7 +98,7 @@ class TokenDecoder(nn.Module):
             self.lm_head.weight = self.embed.weight
 
     def context_vectors(self, context: Tensor) -> Tensor:
-        return self.context_proj(context).view(context.shape[0], -1, self.d)
+        return self.context_proj(context).unflatten(-1, (-1, self.d))  # no -1 over the batch: it may hold no block
 
     def lead(self, vectors: Tensor) -> Tensor:
         """Embeddings of the lead positions, ``(M, n_lead, d)``."""
@@ -158,7 +158,7 @@ class BlockTransformer(nn.Module):
         blocks = idx.view(batch, -1, c.block_len)
         context = self.block_decoder(self.drop(self.embedder(blocks)))
         logits = self.token_decoder(context[:, :-1].flatten(0, 1), blocks[:, 1:].flatten(0, 1))
-        logits = logits.view(batch, -1, logits.shape[-1])
+        logits = logits.view(batch, length - c.block_len, logits.shape[-1])  # a one-block window predicts nothing
         logits = torch.cat([logits.new_zeros(batch, c.block_len, logits.shape[-1]), logits], dim=1)
         return logits, LanguageModel.loss(logits, targets)
 

@@ -42,7 +42,7 @@ def split_heads(x: Tensor, n_head: int, head_dim: int) -> Tensor:
 
 def merge_heads(x: Tensor) -> Tensor:
     """``(B, H, T, D) -> (B, T, H * D)``."""
-    return x.transpose(1, 2).reshape(x.shape[0], x.shape[2], -1)
+    return x.transpose(1, 2).reshape(x.shape[0], x.shape[2], x.shape[1] * x.shape[3])  # no -1: a batch may be empty
 
 
 class SelfAttention(nn.Module):
@@ -107,6 +107,7 @@ class CrossAttention(nn.Module):
     def __init__(self, config: DecoderConfig) -> None:
         super().__init__()
         self.n_head, self.n_kv_head, self.head_dim = config.n_head, config.n_kv_head, config.head_dim
+        self.scale = config.attn_scale  # as self-attention's; q/k norms are self-attention's only
         self.q = Linear(config.d_model, config.n_head * config.head_dim, bias=config.bias)
         self.kv = Linear(config.d_model, 2 * config.n_kv_head * config.head_dim, bias=config.bias)
         self.proj = Linear(config.n_head * config.head_dim, config.d_model, bias=config.bias)
@@ -117,7 +118,7 @@ class CrossAttention(nn.Module):
 
     def forward(self, x: Tensor, cross: CrossKV, cross_mask: Tensor | None) -> Tensor:
         q = split_heads(self.q(x), self.n_head, self.head_dim)
-        return self.proj(merge_heads(attention(q, *cross, mask=cross_mask)))
+        return self.proj(merge_heads(attention(q, *cross, mask=cross_mask, scale=self.scale)))
 
 
 class Block(nn.Module):

@@ -68,6 +68,9 @@ class DualAttention(SelfAttention):
     call either way: in training the ``cross`` K/V are placed before the layer's own K/V and ``block_mask``
     covers both; in a cached step the layer's cache already holds the cross K/V ahead of its own slots, so
     the cache and its ``mask`` are the two key sets.
+
+    No dropout on the attention weights (FlexAttention, the training path, has none); the residual dropout of
+    :class:`Block` still applies, and the context decoder's ordinary self-attention keeps ``dropout``.
     """
 
     def __init__(self, config: DoubleDecoderConfig) -> None:

@@ -206,18 +206,19 @@ def apply_early_exit(config: ModelConfig, options: EarlyExit) -> ModelConfig:
         return config
     if not set(changes) <= {f.name for f in dataclasses.fields(config)}:  # a model without loops has no exits
         raise BlockloopError(f"--early-exit and --exit-* train recursive models, not {config.family} models")
-    config = config.replace(**changes)
-    # A weight the chosen loss never reads would be recorded as if it had trained the model.
+    # A weight the chosen loss never reads would be recorded as if it had trained the model (checked before the
+    # config's own refusal, to name the flags).
+    exit_loss = changes.get("exit_loss", config.exit_loss)
     unused = [flag for flag, given, read in (
-        ("--exit-coefficient", options.exit_coefficient is not None, config.exit_loss == "aggressive"),
-        ("--exit-kd-weight", options.exit_kd_weight is not None, config.exit_loss != "none"),
+        ("--exit-coefficient", options.exit_coefficient is not None, exit_loss == "aggressive"),
+        ("--exit-kd-weight", options.exit_kd_weight is not None, exit_loss != "none"),
     ) if given and not read]
     if unused:
         raise BlockloopError(f"{', '.join(unused)} weigh{'s' * (len(unused) == 1)} the early-exit loss, which this run "
-                             f"does not use (exit loss {config.exit_loss}); add --early-exit "
+                             f"does not use (exit loss {exit_loss}); add --early-exit "
                              f"{'aggressive' if '--exit-coefficient' in unused else 'weighted|aggressive'} or leave "
                              f"{'it' if len(unused) == 1 else 'them'} out")
-    return config
+    return config.replace(**changes)
 
 
 def start_training(plan: RunPlan, info: DistInfo = DistInfo()) -> tuple[PreparedRun, Trainer]:
