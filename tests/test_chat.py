@@ -106,6 +106,22 @@ def test_a_system_message_that_leaves_no_room_is_refused_up_front(session):
         ChatSession(session.worker, session.tokenizer, session.template, system="s" * 200)
 
 
+def test_a_context_with_no_room_to_chat_is_refused_without_blaming_a_system_message(run):
+    trained = load_trained(run)
+    worker = EngineWorker(serving_engine(trained.model, 1, max_len=1))
+    with pytest.raises(BlockloopError, match="a context of 1 tokens leaves no room for a message and an answer; "
+                                             "raise --max-len"):
+        ChatSession(worker, trained.tokenizer, plain_template())
+
+
+def test_a_task_model_is_refused_up_front_not_on_every_line(session):
+    from blockloop.data.tasks import TaskTokenizer, get_task
+
+    tokenizer = TaskTokenizer("random-walk", get_task("random-walk").vocab)
+    with pytest.raises(BlockloopError, match="reads the words of task random-walk, not text, so it cannot chat"):
+        ChatSession(session.worker, tokenizer, chat_template_for(tokenizer))
+
+
 def test_history_is_trimmed_to_leave_room_for_an_answer(session):
     engine = session.worker.engine
     for i in range(6):
@@ -122,6 +138,22 @@ def test_trim_history_keeps_the_system_message_and_refuses_a_message_that_cannot
     assert trim_history(messages, lambda m: len(m) <= 2) == [messages[0], messages[3]]
     with pytest.raises(BlockloopError, match="does not fit"):
         trim_history(messages, lambda m: False)
+
+
+def test_trimmed_history_starts_with_a_user_message_so_strict_templates_accept_it(session):
+    """Templates such as Gemma's and Mistral's refuse a conversation whose turns do not alternate from a user
+    message: trimming drops a question with its answer, never leaves an answer first."""
+    messages = [{"role": r, "content": str(i)} for i, r in enumerate(["user", "assistant", "user", "assistant", "user"])]
+    assert trim_history(messages, lambda m: len(m) <= 4) == messages[2:]
+    strict = jinja_template(
+        "{% for m in messages %}{% if (m['role'] == 'user') != (loop.index0 % 2 == 0) %}"
+        "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}{% endif %}"
+        "{{ m['role'] + ': ' + m['content'] + '\\n' }}{% endfor %}{{ 'assistant:' }}", session.tokenizer)
+    chat = ChatSession(session.worker, session.tokenizer, strict, max_new_tokens=12, sampling=GREEDY)
+    for i in range(6):
+        chat.ask(f"Tell me of the {i}th sorrow of the house.", lambda text: None)
+        assert chat.history[0]["role"] == "user"
+    assert chat.history[0]["content"] != "Tell me of the 0th sorrow of the house."  # the oldest turns went
 
 
 def test_the_chat_verb_reads_stdin(run):

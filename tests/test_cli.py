@@ -241,6 +241,17 @@ def test_a_missing_optional_package_names_the_extra_that_installs_it(monkeypatch
     one_line_error(capsys, ["presets"], "pip install 'blockloop[hf]'")
 
 
+def test_ctrl_c_mentions_a_checkpoint_only_where_one_is_written(monkeypatch, capsys):
+    from blockloop.cli import presets
+
+    def interrupted(args):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(presets, "run", interrupted)
+    assert main(["presets"]) == 130
+    assert capsys.readouterr().err.strip() == "blockloop presets: interrupted"
+
+
 def test_an_unrelated_missing_module_is_still_a_bug_with_its_traceback(monkeypatch):
     from blockloop.cli import presets
 

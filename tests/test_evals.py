@@ -254,12 +254,29 @@ def test_every_task_is_checked_before_any_is_scored(monkeypatch):
     tok = ByteTokenizer()
     model = build_model(small_variant("tiny").replace(vocab_size=tok.vocab_size, padded_vocab_size=320)).eval()
     copa = [{"premise": f"P{i}.", "choice1": "Aa", "choice2": "Bb", "question": "cause", "label": i % 2} for i in range(3)]
-    monkeypatch.setattr(scoring, "score", lambda *a, **k: pytest.fail("scored before every task was checked"))
+    import blockloop.evals.harness as harness
+
+    monkeypatch.setattr(harness, "score", lambda *a, **k: pytest.fail("scored before every task was checked"))
     with pytest.raises(BlockloopError, match="copa has 3 questions, too few for 5 examples"):
         run_benchmarks(model, tok, BenchmarkRequest(["piqa", "copa"], shots=5),
                        rows=lambda dataset: copa if "copa" in dataset else PIQA_ROWS * 3)
     with pytest.raises(BlockloopError, match="--per-loop scores every loop's exit and --loops K one of them"):
         run_benchmarks(model, tok, BenchmarkRequest(["piqa"], loops=1, per_loop=True), rows=lambda d: PIQA_ROWS)
+
+
+@pytest.mark.parametrize("preset", ["tiny", "tiny-block"])
+def test_a_continuation_longer_than_the_model_fails_before_any_task_is_scored(preset, monkeypatch):
+    """A later task's answer that cannot fit the context must not cost the earlier tasks' scoring."""
+    import blockloop.evals.harness as harness
+
+    tok = ByteTokenizer()
+    model = build_model(small_variant(preset).replace(vocab_size=tok.vocab_size, padded_vocab_size=320)).eval()
+    long_piqa = [{**row, "sol1": "x" * (model.config.context_length + 1)} for row in PIQA_ROWS]
+    copa = [{"premise": f"P{i}.", "choice1": "Aa", "choice2": "Bb", "question": "cause", "label": i % 2} for i in range(3)]
+    monkeypatch.setattr(harness, "score", lambda *a, **k: pytest.fail("scored before every task was checked"))
+    with pytest.raises(BlockloopError, match="^piqa: a continuation of .* tokens (does not fit|leaves no whole block)"):
+        run_benchmarks(model, tok, BenchmarkRequest(["copa", "piqa"]),
+                       rows=lambda dataset: copa if "copa" in dataset else long_piqa)
 
 
 def test_a_task_model_is_refused_the_text_benchmarks():

@@ -99,7 +99,8 @@ def main(argv: Sequence[str] | None = None) -> int:
               "(BLOCKLOOP_DEBUG=1 shows the traceback)", file=sys.stderr)
         return EXIT_USER_ERROR
     except KeyboardInterrupt:
-        print(f"blockloop {args.command}: interrupted; the last checkpoint written is kept", file=sys.stderr)
+        kept = "; the last checkpoint written is kept" if args.command in ("train", "demo") else ""
+        print(f"blockloop {args.command}: interrupted{kept}", file=sys.stderr)
         return 130
 
 

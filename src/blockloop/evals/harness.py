@@ -23,7 +23,7 @@ from blockloop.data.tokenizers import Tokenizer
 from blockloop.device import resolve_device
 from blockloop.errors import BlockloopError
 from blockloop.evals.benchmarks_data import load_rows
-from blockloop.evals.scoring import encode_request, score
+from blockloop.evals.scoring import check_requests, encode_request, score
 from blockloop.evals.tasks import TASKS, Question, build_questions
 from blockloop.train.run import load_trained
 
@@ -94,14 +94,22 @@ def run_benchmarks(
         raise BlockloopError(f"this model reads the words of task {tokenizer.task}, not text, so it cannot answer the "
                              "benchmarks; score it on its task with `blockloop eval --checkpoint RUN` (no --tasks)")
     exits = exits_of(model, request)
-    # Every task's questions first: a request one task cannot meet (too many --shots) fails before any scoring.
-    prepared = [(name, build_questions(TASKS[name], (rows or load_rows)(TASKS[name].dataset), shots=request.shots,
-                                       limit=request.limit, seed=request.seed)) for name in request.tasks]
+    # Every task's questions first: a request one task cannot meet (too many --shots, a continuation longer
+    # than the model context) fails before any scoring.
+    prepared = []
+    for name in request.tasks:
+        questions = build_questions(TASKS[name], (rows or load_rows)(TASKS[name].dataset), shots=request.shots,
+                                    limit=request.limit, seed=request.seed)
+        groups = [[encode_request(tokenizer, c, x) for c, x in q.pairs] for q in questions]
+        try:
+            check_requests(model, groups)
+        except BlockloopError as exc:
+            raise BlockloopError(f"{name}: {exc}") from None
+        prepared.append((name, questions, groups))
     results, seconds = [], {}
-    for name, questions in prepared:
+    for name, questions, groups in prepared:
         task = TASKS[name]
         start = time.perf_counter()
-        groups = [[encode_request(tokenizer, c, x) for c, x in q.pairs] for q in questions]
         scores = score(model, groups, exits=exits, batch_size=request.batch_size,
                        progress=progress(name, len(questions)) if progress else None)
         seconds[name] = time.perf_counter() - start

@@ -81,17 +81,12 @@ def score(
 ) -> Scores:
     """Score every request; ``groups`` (a question's choices) share their prefix work, ``batch_size`` groups
     go through one forward. ``progress(n)`` is told each time ``n`` more groups are done."""
-    layout = spec_of(model.config).scoring
-    if layout is None:
-        raise BlockloopError(f"the {model.config.family} family cannot score a continuation exactly "
-                             "(its FamilySpec.scoring is None); evaluate another model")
+    check_requests(model, groups)
     if exits is not None and not hasattr(model, "loop_hiddens"):
         raise BlockloopError("--loops / --per-loop score a looped model's exits; this model has no loops")
-    if any(not r.continuation for g in groups for r in g):
-        raise BlockloopError("a continuation tokenized to nothing; nothing to score")
     if batch_size < 1:
         raise BlockloopError(f"--batch-size must be at least 1, got {batch_size}")
-    scorer = LAYOUTS[layout]
+    scorer = LAYOUTS[spec_of(model.config).scoring]
     n_exits = len(exits) if exits is not None else 1
     order = sorted(range(len(groups)), key=lambda g: -max(len(r.context) + len(r.continuation) for r in groups[g]))
     starts = [0]
@@ -115,12 +110,31 @@ def score(
     return Scores(ll, greedy)
 
 
+def check_requests(model: nn.Module, groups: Sequence[Sequence[Request]]) -> None:
+    """Refuse, before any forward, what :func:`score` cannot score exactly: a family without a scoring layout,
+    an empty continuation, or one too long for the model context (a Block Transformer's also needs a whole
+    block of context before it)."""
+    c = model.config
+    layout = spec_of(c).scoring
+    if layout is None:
+        raise BlockloopError(f"the {c.family} family cannot score a continuation exactly "
+                             "(its FamilySpec.scoring is None); evaluate another model")
+    lengths = [len(r.continuation) for g in groups for r in g]
+    if any(n == 0 for n in lengths):
+        raise BlockloopError("a continuation tokenized to nothing; nothing to score")
+    longest = max(lengths, default=0)
+    if layout == "blocks":
+        if -(-longest // c.block_len) * c.block_len > c.context_length - c.block_len:
+            raise BlockloopError(f"a continuation of {longest} tokens leaves no whole block of context "
+                                 f"in the model context of {c.context_length}")
+    elif longest > c.context_length:
+        raise BlockloopError(f"a continuation of {longest} tokens does not fit the model "
+                             f"context of {c.context_length}; evaluate a model with a longer context")
+
+
 def _window(request: Request, limit: int) -> tuple[list[int], list[int], int]:
     """(inputs, targets, scored): lm-eval's window of the last ``limit + 1`` tokens; the last ``scored``
-    targets are the continuation."""
-    if len(request.continuation) > limit:
-        raise BlockloopError(f"a continuation of {len(request.continuation)} tokens does not fit the model "
-                             f"context of {limit}; evaluate a model with a longer context")
+    targets are the continuation (:func:`check_requests` saw that it fits)."""
     full = list(request.context + request.continuation)[-(limit + 1):]
     return full[:-1], full[1:], len(request.continuation)
 
@@ -201,10 +215,7 @@ def _blocks(model: nn.Module, groups: list[list[Request]], exits: Sequence[int] 
     rows, targets = [], []
     for r in (r for g in groups for r in g):
         cont_blocks = -(-len(r.continuation) // c.block_len) * c.block_len
-        room = (c.context_length - cont_blocks) // c.block_len * c.block_len
-        if room < c.block_len:
-            raise BlockloopError(f"a continuation of {len(r.continuation)} tokens leaves no whole block of context "
-                                 f"in the model context of {c.context_length}")
+        room = (c.context_length - cont_blocks) // c.block_len * c.block_len  # >= one block: check_requests
         context = list(r.context[-room:])
         context = [c.pad_id] * (-len(context) % c.block_len) + context
         rows.append(context + list(r.continuation))

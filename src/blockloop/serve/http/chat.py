@@ -122,10 +122,14 @@ def chat_template_for(tokenizer: Tokenizer, directory: Path | None = None) -> Ch
 
 def trim_history(messages: list[Message], fits: Callable[[list[Message]], bool]) -> list[Message]:
     """The longest recent part of a conversation that ``fits``: system messages stay, the oldest other turns go
-    first. Raises when even the last message alone does not fit."""
+    first, a user message with the answers to it, so the kept part starts with a user message as chat templates
+    expect (many refuse a conversation that starts with the assistant). Raises when even the last message alone
+    does not fit."""
     system = [m for m in messages if m["role"] in ("system", "developer")]
     turns = [m for m in messages if m["role"] not in ("system", "developer")]
     for start in range(len(turns)):
+        if start and turns[start]["role"] == "assistant":  # never keep an answer without its question
+            continue
         kept = system + turns[start:]
         if fits(kept):
             return kept
@@ -146,10 +150,17 @@ class ChatSession:
                  sampling: SamplingParams = SamplingParams(), system: str | None = None) -> None:
         if max_new_tokens < 1:
             raise BlockloopError(f"--max-new-tokens must be at least 1, got {max_new_tokens}")
+        task = getattr(tokenizer, "task", None)  # a TaskTokenizer: the words of a state-tracking task
+        if task is not None and template.source is None:
+            raise BlockloopError(f"this model reads the words of task {task}, not text, so it cannot chat; continue "
+                                 "a sequence of its words with blockloop generate --checkpoint RUN --prompt ...")
         self.worker, self.tokenizer, self.template = worker, tokenizer, template
         self.max_new_tokens, self.sampling, self.system = max_new_tokens, sampling, system
         self.reset()
         taken = len(self.prompt(self.history)) if self.history else 0
+        if worker.engine.room(taken) < 2 and not self.history:  # a context too short for any conversation
+            raise BlockloopError(f"a context of {worker.engine.max_len} tokens leaves no room for a message and "
+                                 "an answer; raise --max-len")
         if worker.engine.room(taken) < 2:  # a user turn and an answer
             raise BlockloopError(f"the system message takes {taken} of the model's {worker.engine.max_len} context "
                                  "tokens, leaving no room to chat; shorten it")
