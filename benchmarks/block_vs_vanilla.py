@@ -31,7 +31,13 @@ from pathlib import Path
 
 import torch
 
-from blockloop.bench.records import add_output_arguments, environment, environment_line, output_dir
+from blockloop.bench.records import (
+    add_output_arguments,
+    environment,
+    environment_line,
+    output_dir,
+    run_script,
+)
 from blockloop.families import build_model, from_name
 from blockloop.serve.generate import generate
 from blockloop.train.run import RunSpec, prepare_run, sequences
@@ -218,4 +224,4 @@ def render(record: dict) -> str:
 
 
 if __name__ == "__main__":
-    main()
+    run_script(main)

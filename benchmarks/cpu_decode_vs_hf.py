@@ -29,7 +29,13 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from blockloop.bench.hf_baseline import hf_generate, to_hf_generator
-from blockloop.bench.records import add_output_arguments, environment, environment_line, output_dir
+from blockloop.bench.records import (
+    add_output_arguments,
+    environment,
+    environment_line,
+    output_dir,
+    run_script,
+)
 from blockloop.convert.hf import import_hf
 from blockloop.data.pretrained import SMOLLM2_GGUF, quiet_transformers, smollm2_files
 from blockloop.serve.generate import generate
@@ -137,4 +143,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_script(main)

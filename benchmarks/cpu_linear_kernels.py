@@ -21,7 +21,13 @@ import time
 import torch
 import torch.nn.functional as F
 
-from blockloop.bench.records import add_output_arguments, environment, environment_line, output_dir
+from blockloop.bench.records import (
+    add_output_arguments,
+    environment,
+    environment_line,
+    output_dir,
+    run_script,
+)
 
 # SmolLM2-135M (d = 576, 9 + 2 x 3 heads of 64, d_ff = 1536, vocab 49152): qkv, attention out, gate / up,
 # down, LM head.
@@ -80,4 +86,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_script(main)

@@ -21,7 +21,13 @@ from unittest import mock
 
 import torch
 
-from blockloop.bench.records import add_output_arguments, environment, environment_line, output_dir
+from blockloop.bench.records import (
+    add_output_arguments,
+    environment,
+    environment_line,
+    output_dir,
+    run_script,
+)
 from blockloop.convert.hf import import_hf
 from blockloop.data.pretrained import SMOLLM2_GGUF, quiet_transformers, smollm2_files
 from blockloop.nn.kv_cache import DecoderCache
@@ -85,4 +91,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_script(main)

@@ -25,7 +25,13 @@ from pathlib import Path
 
 import torch
 
-from blockloop.bench.records import add_output_arguments, environment, environment_line, output_dir
+from blockloop.bench.records import (
+    add_output_arguments,
+    environment,
+    environment_line,
+    output_dir,
+    run_script,
+)
 from blockloop.serve.generate import generate
 from blockloop.serve.runners import runner_for
 from blockloop.train.evaluate import evaluate
@@ -160,4 +166,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_script(main)

@@ -23,7 +23,13 @@ import time
 
 import torch
 
-from blockloop.bench.records import add_output_arguments, environment, environment_line, output_dir
+from blockloop.bench.records import (
+    add_output_arguments,
+    environment,
+    environment_line,
+    output_dir,
+    run_script,
+)
 from blockloop.nn.attention import attention, merge_attention
 from blockloop.nn.masks import block_masks, dual_block_mask, dual_mask_mod
 
@@ -125,4 +131,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_script(main)

@@ -39,7 +39,13 @@ import torch
 from train_throughput import run_variant
 
 from blockloop.bench.hf_baseline import hf_available
-from blockloop.bench.records import add_output_arguments, environment, environment_line, output_dir
+from blockloop.bench.records import (
+    add_output_arguments,
+    environment,
+    environment_line,
+    output_dir,
+    run_script,
+)
 from blockloop.bench.suite import (
     StreamSettings,
     ThroughputSettings,
@@ -356,4 +362,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_script(main)

@@ -2,11 +2,13 @@
 # The same seeded request stream served in process (`bench --stream`) and over HTTP (`serve` + `bench --url`) on
 # one checkpoint, in two alternating rounds: what HTTP adds (benchmarks/results/http_serving_cpu.md). One torch
 # thread on both sides: on a shared 2-core box two OpenMP threads stall each other when the cores are taken.
-# DEVICE=cuda serves on the GPU (records into http_serving_cuda.jsonl unless REC says where).
+# DEVICE=cuda serves on the GPU. Records go to runs/bench/http_serving_$DEVICE.jsonl unless REC says where (as every
+# benchmark: only REC=benchmarks/results/http_serving_$DEVICE.jsonl adds to the recorded results).
 set -euo pipefail
 DEVICE=${DEVICE:-cpu}
 RUN=${RUN:-runs/http-bench}
-REC=${REC:-benchmarks/results/http_serving_$DEVICE.jsonl}
+REC=${REC:-runs/bench/http_serving_$DEVICE.jsonl}
+mkdir -p "$(dirname "$REC")"
 PORT=${PORT:-8012}
 ENGINE=(--slots 8 --sync-every 8 --threads 1 --device "$DEVICE")
 STREAM=(--requests 64 --rate 4 --prompt-range 16,64 --tokens-range 16,64 --seed 0)

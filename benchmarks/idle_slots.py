@@ -29,7 +29,13 @@ import time
 
 import torch
 
-from blockloop.bench.records import add_output_arguments, environment, environment_line, output_dir
+from blockloop.bench.records import (
+    add_output_arguments,
+    environment,
+    environment_line,
+    output_dir,
+    run_script,
+)
 from blockloop.bench.suite import bench_dtype
 from blockloop.convert.hf import import_hf
 from blockloop.data.pretrained import SMOLLM2_GGUF, quiet_transformers, smollm2_files
@@ -137,4 +143,4 @@ def compare(model: torch.nn.Module, name: str, options: dict[str, object],
 
 
 if __name__ == "__main__":
-    main()
+    run_script(main)

@@ -25,6 +25,7 @@ from blockloop.bench.records import (
     environment,
     environment_line,
     output_dir,
+    run_script,
 )
 from blockloop.families import build_model, from_name
 from blockloop.serve.runners import ExitRule, runner_for
@@ -77,4 +78,4 @@ def main() -> None:
     print(environment_line(record))
 
 if __name__ == "__main__":
-    main()
+    run_script(main)

@@ -24,7 +24,13 @@ from pathlib import Path
 
 import torch
 
-from blockloop.bench.records import add_output_arguments, environment, environment_line, output_dir
+from blockloop.bench.records import (
+    add_output_arguments,
+    environment,
+    environment_line,
+    output_dir,
+    run_script,
+)
 from blockloop.convert.checkpoints import calibration_windows
 from blockloop.convert.to_recursive import vanilla_to_recursive
 from blockloop.data.dataset import prepare_tokens
@@ -175,4 +181,4 @@ def markdown(meta: dict[str, object], rows: list[dict[str, object]]) -> str:
 
 
 if __name__ == "__main__":
-    main()
+    run_script(main)

@@ -22,7 +22,13 @@ import time
 import torch
 import torch.nn.functional as F
 
-from blockloop.bench.records import add_output_arguments, environment, environment_line, output_dir
+from blockloop.bench.records import (
+    add_output_arguments,
+    environment,
+    environment_line,
+    output_dir,
+    run_script,
+)
 from blockloop.convert.hf import from_hf_model, load_hf_model
 from blockloop.data.dataset import prepare_tokens
 from blockloop.data.loader import PackedSequences
@@ -75,4 +81,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_script(main)

@@ -21,7 +21,13 @@ import time
 
 import torch
 
-from blockloop.bench.records import add_output_arguments, environment, environment_line, output_dir
+from blockloop.bench.records import (
+    add_output_arguments,
+    environment,
+    environment_line,
+    output_dir,
+    run_script,
+)
 from blockloop.families import build_model, from_name
 
 CORE = {"n_layer": 4, "d_model": 128, "n_head": 4, "n_kv_head": 4, "context_length": 256}
@@ -108,4 +114,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_script(main)

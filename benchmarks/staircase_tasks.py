@@ -36,7 +36,13 @@ from pathlib import Path
 
 import torch
 
-from blockloop.bench.records import add_output_arguments, environment, environment_line, output_dir
+from blockloop.bench.records import (
+    add_output_arguments,
+    environment,
+    environment_line,
+    output_dir,
+    run_script,
+)
 from blockloop.families import from_name
 from blockloop.train.evaluate import evaluate
 from blockloop.train.run import RunSpec, prepare_run, sequences, task_sequences
@@ -413,4 +419,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_script(main)

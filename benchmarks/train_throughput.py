@@ -21,7 +21,13 @@ from pathlib import Path
 
 import torch
 
-from blockloop.bench.records import add_output_arguments, environment, environment_line, output_dir
+from blockloop.bench.records import (
+    add_output_arguments,
+    environment,
+    environment_line,
+    output_dir,
+    run_script,
+)
 from blockloop.device import resolve_device
 from blockloop.families import spec_of
 from blockloop.train.flops import peak_flops
@@ -120,4 +126,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_script(main)

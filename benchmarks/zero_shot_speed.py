@@ -16,7 +16,7 @@ import time
 
 import torch
 
-from blockloop.bench.records import add_output_arguments, append_records, environment, output_dir
+from blockloop.bench.records import add_output_arguments, append_records, environment, output_dir, run_script
 from blockloop.evals.benchmarks_data import load_rows
 from blockloop.evals.scoring import LAYOUTS, encode_request, score
 from blockloop.evals.tasks import TASKS, build_questions
@@ -66,4 +66,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_script(main)

@@ -103,3 +103,30 @@ def test_a_throughput_timing_without_timed_runs_is_refused_before_any_work():
 
     with pytest.raises(BlockloopError, match="repeats must be >= 1 timed runs, got 0"):
         engine_throughput(build_model(from_name("tiny")).eval(), "tiny", 1, 4, 4, repeats=0)
+
+
+def test_the_renamed_out_flag_and_a_file_as_out_dir_are_refused_in_one_line(tmp_path, monkeypatch, capsys):
+    # Recorded commands quote the old `--out PATH`; argparse would take it for an abbreviation of --out-dir.
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as exc:
+        parse("--out", "benchmarks/results/staircase_speed_cpu.md")
+    assert exc.value.code == 2 and "--out was replaced: give --out-dir DIR" in capsys.readouterr().err
+    assert not (tmp_path / "benchmarks").exists()
+    (tmp_path / "taken.json").write_text("{}")
+    with pytest.raises(SystemExit):
+        parse("--out-dir", "taken.json")
+    assert "is a file; --out-dir names a folder" in capsys.readouterr().err
+
+
+def test_a_benchmark_script_error_is_one_line_and_exit_status_2(capsys):
+    """A script's BlockloopError (here --record outside the repository) ends it as the CLI's errors end a verb."""
+    from blockloop.bench.records import run_script
+
+    def main() -> None:
+        raise BlockloopError("--record writes into benchmarks/results/ of the repository")
+
+    with pytest.raises(SystemExit) as exit_:
+        run_script(main)
+    assert exit_.value.code == 2
+    assert capsys.readouterr().err == "error: --record writes into benchmarks/results/ of the repository\n"
+    run_script(lambda: None)  # a script that succeeds returns normally

@@ -189,6 +189,8 @@ def test_bench_over_http_streams_the_seeded_requests_and_reports_percentiles(van
     assert "req/s" in out and "| ITL |" in out
     (row,) = [json.loads(line) for line in record.read_text().splitlines()]
     assert row["kind"] == "http_stream" and row["requests"] == 8
+    # like every recorded result, it names its machine, versions, date and the exact command
+    assert {"client_device", "torch", "python", "date", "command"} <= set(row)
     assert row["output_tokens"] == int(schedule(8, 40.0, 3, 6, seed=2)[1].sum())  # EOS ignored: every budget in full
     for key in ("ttft_s", "tpot_s", "itl_s", "e2e_s"):
         assert set(row[key]) == {"mean", "median", "p90", "p99"} and row[key]["p99"] >= row[key]["median"] >= 0

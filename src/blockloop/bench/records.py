@@ -16,7 +16,7 @@ import platform
 import shlex
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 from blockloop.errors import BlockloopError
 
@@ -29,13 +29,42 @@ SCRATCH = Path("runs/bench")
 _COMMAND_ENV = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "CUDA_VISIBLE_DEVICES")
 
 
+class _RenamedOut(argparse.Action):
+    """``--out``, the scripts' output flag before ``--out-dir``/``--record``: refused by name. Without it argparse
+    would read ``--out PATH`` (the form recorded commands quote) as an abbreviation of ``--out-dir`` and write into
+    a new folder named after the old output file."""
+
+    def __call__(self, parser, namespace, values, option_string=None):  # noqa: ANN001
+        parser.error(f"--out was replaced: give --out-dir DIR (a folder; the script names its files) or --record "
+                     f"(into {RECORDED}/), not --out {values}")
+
+
+def _directory(text: str) -> Path:
+    path = Path(text)
+    if path.exists() and not path.is_dir():
+        raise argparse.ArgumentTypeError(f"{text} is a file; --out-dir names a folder the results are written into")
+    return path
+
+
+def run_script(main: Callable[[], object]) -> None:
+    """Run a benchmark script's ``main`` as the CLI runs a verb: a :class:`BlockloopError` (a bad flag value, a
+    missing run, an output path it may not write) is one line on stderr and exit status 2, not a traceback."""
+    try:
+        main()
+    except BlockloopError as err:
+        print(f"error: {err}", file=sys.stderr)
+        sys.exit(2)
+
+
 def add_output_arguments(parser: argparse.ArgumentParser) -> None:
     """The one way a benchmark script chooses where its results go (see :func:`output_dir`)."""
     group = parser.add_argument_group("output")
     where = group.add_mutually_exclusive_group()
-    where.add_argument("--out-dir", type=Path, metavar="DIR", help=f"write the results into DIR (default: {SCRATCH}/)")
+    where.add_argument("--out-dir", type=_directory, metavar="DIR",
+                       help=f"write the results into DIR (default: {SCRATCH}/)")
     where.add_argument("--record", action="store_true",
                        help=f"write into {RECORDED}/, the recorded results kept in git (run from the repository root)")
+    group.add_argument("--out", action=_RenamedOut, default=argparse.SUPPRESS, help=argparse.SUPPRESS)
 
 
 def output_dir(args: argparse.Namespace) -> Path:

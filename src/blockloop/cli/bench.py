@@ -239,8 +239,6 @@ def _stream(args: argparse.Namespace, models: list) -> list[dict[str, Any]]:
 
 def _http(args: argparse.Namespace) -> int:
     """The request stream over HTTP: one row of TTFT / TPOT / ITL / E2E mean, median, p90 and p99."""
-    import datetime
-
     from blockloop.bench import records
     from blockloop.bench.http_stream import run_http_stream
 
@@ -252,8 +250,11 @@ def _http(args: argparse.Namespace) -> int:
     for key in ("ttft_s", "tpot_s", "itl_s", "e2e_s"):
         print(f"| {key[:-2].upper()} | {_ms(m[key], 'mean', 'median', 'p90', 'p99').replace('/', ' | ')} |")
     if args.record is not None:
-        date = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
-        records.append_records(args.record, [{"kind": "http_stream", "name": m["model"], "date": date, **m}])
+        # What every record names (read from this machine): the client's CPU, torch, Python, date and command. The
+        # server's own device is not visible from here; its command line is the one to quote beside this record.
+        env = records.environment()
+        env["client_device"] = env.pop("device")
+        records.append_records(args.record, [{"kind": "http_stream", "name": m["model"], **env, **m}])
     return 0
 
 
