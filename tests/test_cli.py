@@ -171,12 +171,17 @@ def test_convert_to_block_then_uptrain_and_generate(trained_run, tmp_path, capsy
     block = tmp_path / "block"
     assert main(["convert", "--to", "block", "--checkpoint", str(trained_run), "--out", str(block)]) == 0
     assert "train --init-from" in capsys.readouterr().out
+    # a conversion was not trained: info says where it came from, not "trained: step 0 on <the source's data>"
+    assert main(["info", str(block)]) == 0
+    out = capsys.readouterr().out
+    assert "trained:" not in out and "origin: converted from" in out and "not trained since" in out
     up = tmp_path / "up"
     argv = ["train", "--init-from", str(block), "--steps", "2", "--batch-size", "2", "--seq-len", "32",
             "--warmup-steps", "1", "--eval-interval", "2", "--eval-batches", "1", "--device", "cpu", "--no-progress"]
     assert main([*argv, "--out", str(up)]) == 0
     assert main(["info", str(up)]) == 0
-    assert "model: block" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "model: block" in out and "trained: step 2" in out and f"initialised from {block}" in out
     assert main(["generate", "--checkpoint", str(up), "--prompt", "ab", "--max-new-tokens", "9", "--device", "cpu"]) == 0
     # The default --max-new-tokens is what the context leaves after the prompt padded to whole blocks (it used to
     # be refused by the very check it should satisfy, for a prompt that is not a multiple of the block length).

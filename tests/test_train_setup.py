@@ -134,5 +134,10 @@ def test_reports_without_training():
     assert report.note is not None and "looped depth" in report.note
     assert report.rows[0][0] == "model" and len(report.rows) == 2 and "MiB" in report.rows[1][-1]
     assert flops_report("tiny-block", seq_len=64).note is None
+    # the KV figure is appendix A.1's; the engine's allocation per slot is shown beside it (the encoder-decoder's
+    # continuous batching holds max_len cross and max_len self K/V per slot: twice A.1's bytes)
+    for preset, factor in (("tiny", 1), ("tiny-double", 1), ("tiny-recursive", 1), ("tiny-encdec", 2)):
+        row = flops_report(preset, seq_len=64, out_len=64).rows[1]
+        assert float(row[-1].split()[0]) == pytest.approx(factor * float(row[-2].split()[0]), rel=0.02)
     with pytest.raises(BlockloopError, match="not a multiple of the block length 4"):
         flops_report("tiny-block", seq_len=30)

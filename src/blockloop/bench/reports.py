@@ -78,7 +78,8 @@ def flops_report(
         config, looped = spec.unrolled(config), config
         note = f"{preset}: {looped.summary()}; FLOPs and KV cache are those of its {config.n_layer}-layer looped depth"
     baseline = config.stack(config.n_layer)
-    rows = [("model", "paper formula FLOPs/token", "config FLOPs/token", "measured FLOPs/token", f"KV cache T={T}+{out_len}")]
+    rows = [("model", "paper formula FLOPs/token", "config FLOPs/token", "measured FLOPs/token", f"KV cache T={T}+{out_len}",
+             "serving state per slot")]
     for label, c in ((f"{config.family} ({preset})", config), ("decoder-only, same width/depth", baseline)):
         s = spec_of(c)
         paper = s.paper_training_flops(*s.paper_lengths(c, T)[:1], c.d_model, c.n_layer, *s.paper_lengths(c, T)[1:]) / T
@@ -90,13 +91,19 @@ def flops_report(
             batch.pop("targets")
             measured = f"{3 * flops.measured_forward_flops(model, {k: v.to('meta') for k, v in batch.items()}) / T:.4g}"
         kv = s.kv_bytes(c, T, out_len, bytes_per_value)
-        rows.append((label, f"{paper:.4g}", f"{s.training_flops_per_token(c, T):.4g}", measured, f"{kv / 2**20:.2f} MiB"))
+        with torch.device("meta"):  # what the continuous-batching engine allocates for one T + out_len slot
+            served = _generation_state_bytes(build_model(c.replace(context_length=max(c.context_length, T + out_len))),
+                                             T + out_len, bytes_per_value)
+        rows.append((label, f"{paper:.4g}", f"{s.training_flops_per_token(c, T):.4g}", measured, f"{kv / 2**20:.2f} MiB",
+                     f"{served / 2**20:.2f} MiB"))
         if type(c) is type(baseline):  # the preset is a plain decoder: it is its own baseline
             break
     footnote = ("paper formula: appendix A.2 (MHA, 4d MLP, no LM head, 2/3-1/3 split); config: this preset's exact "
                 "shapes incl. LM head; measured: 3 x one forward under torch FlopCounterMode (the double decoder's "
                 "one dense attention over both key sets, 2T keys, counts two attentions' worth where the paper's "
-                "efficient implementation counts one).")
+                "efficient implementation counts one); KV cache: appendix A.1's bytes, what lock-step generation holds; serving "
+                "state: the static caches `serve`'s engine allocates per slot (an encoder-decoder slot holds max_len "
+                "cross K/V and max_len self K/V, as the prompt / output split is not known in advance).")
     return Report(rows, footnote, note)
 
 

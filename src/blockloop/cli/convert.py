@@ -73,6 +73,11 @@ def run(args: argparse.Namespace) -> int:
     ignored = sorted(name for name in flags - takes if getattr(args, name) is not None)
     if ignored:
         refuse_flags(ignored, f"--to {args.to}" if args.to else "--from-hf (an import writes the model as it is)")
+    if args.to and TARGETS[args.to].unread:  # and a flag the target's other flags make meaningless
+        given = {o.name: getattr(args, o.name) for o in TARGETS[args.to].options if getattr(args, o.name) is not None}
+        unread, mode, or_else = TARGETS[args.to].unread(given)
+        if unread:
+            refuse_flags(unread, mode, or_else=or_else)
     if args.from_hf is not None:
         from blockloop.convert.hf_checkpoint import import_checkpoint
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from blockloop.cli.common import nonnegative_int, positive_int, print_table
+from blockloop.cli.common import positive_int, print_table
 
 HELP = "training FLOPs and KV-cache memory of a preset: the paper's formulas, its config, torch's FLOP counter"
 DESCRIPTION = ("Architecture-aware training FLOPs (double-decoder paper, appendix A.2) and generation KV-cache bytes "
@@ -14,7 +14,7 @@ DESCRIPTION = ("Architecture-aware training FLOPs (double-decoder paper, appendi
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--preset", required=True, help="model preset (see `blockloop presets`)")
     p.add_argument("--seq-len", type=positive_int, help="training window / prompt length T (default: the preset's context)")
-    p.add_argument("--out-len", type=nonnegative_int, default=256, help="generated tokens T_out for the KV cache (default: 256)")
+    p.add_argument("--out-len", type=positive_int, default=256, help="generated tokens T_out for the KV cache (default: 256)")
     p.add_argument("--bytes", type=positive_int, default=2, help="bytes per cached value (default: 2, bf16)")
     p.add_argument("--measure", action="store_true", help="also count one forward with torch's FlopCounterMode")
 

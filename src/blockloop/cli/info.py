@@ -34,6 +34,21 @@ def run(args: argparse.Namespace) -> int:
           f"({m.num_parameters(non_embedding=True) / 1e6:.3f}M non-embedding)")
     print(f"tokenizer: {trained.tokenizer.name} (vocab {trained.tokenizer.vocab_size})")
     if trained.state:
-        print(f"trained: step {trained.state.get('step', '?')} on {trained.state.get('run', {}).get('data')}")
+        print(training_line(trained.state))
     print("config: " + json.dumps(trained.config.to_dict()))
     return 0
+
+
+def training_line(state: dict) -> str:
+    """What the checkpoint's train_state says about how its weights came to be. A conversion or an import
+    (``converted_from``) at step 0 was not trained: its ``run.data`` is only what ``eval`` scores by default."""
+    run = state.get("run", {})
+    step, data, origin = state.get("step", "?"), run.get("data"), state.get("converted_from")
+    if origin is not None and step == 0:
+        return f"origin: converted from {origin}, not trained since (recorded data, eval's default: {data})"
+    line = f"trained: step {step} on {data}"
+    if origin is not None:  # --to weights keeps the source's step
+        line += f" (weights copied from {origin}; no optimizer state)"
+    if run.get("init_from"):
+        line += f", initialised from {run['init_from']}"
+    return line

@@ -25,8 +25,23 @@ class Option:
 
 @dataclass(frozen=True)
 class Target:
+    """``unread(given)``, for the options given (name -> value): those the others given make meaningless, the
+    mode that ignores them and the other way out, so ``convert`` refuses them rather than convert without them."""
+
     title: str  # what the target makes, with its reference
     options: tuple[Option, ...]
+    unread: Callable[[dict[str, Any]], tuple[list[str], str, str]] | None = None
+
+
+def _recursive_unread(given: dict[str, Any]) -> tuple[list[str], str, str]:
+    """The LoRA init's options shape nothing without LoRA modules; calibration weights only the SVD init."""
+    relax = given.get("relax") or ("lora" if given.get("lora_rank") else "none")
+    if relax != "lora":
+        lora = [name for name in ("lora_alpha", "lora_init", "calibration") if name in given]
+        return lora, f"--relax {relax} (no LoRA modules)", ", or add --lora-rank R"
+    if given.get("lora_init") == "zero" and "calibration" in given:
+        return ["calibration"], "--lora-init zero (it weights the SVD init)", ""
+    return [], "", ""
 
 
 SAVE_DTYPE = Option("save_dtype", str, "float32", "dtype of the weights --to hf and --to weights write (default: "
@@ -52,7 +67,7 @@ TARGETS: dict[str, Target] = {
                "activations weight the SVD init (activation-aware; 0: SVD of the weights alone; default: 8)"),
         Option("prefix_len", int, None, "learned prefix key/values per depth position with --relax prefix (default: 0)"),
         Option("seed", int, 0, "seed of random and zero inits (default: 0)"),
-    )),
+    ), unread=_recursive_unread),
     "hf": Target("Hugging Face folder (export)", (SAVE_DTYPE,)),
     "weights": Target("the model alone, without optimizer state (export)", (SAVE_DTYPE,)),
 }

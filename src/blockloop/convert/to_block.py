@@ -28,6 +28,12 @@ def block_config_from_vanilla(config: DecoderConfig, *, block_len: int, prefix_l
         raise BlockloopError(
             f"the model context {config.context_length} is not a multiple of --block-len {block_len}; choose a divisor"
         )
+    if config.context_length < 2 * block_len:
+        raise BlockloopError(
+            f"--block-len {block_len} leaves the model context of {config.context_length} tokens one block, and the "
+            f"first block is never predicted: the model could not be trained, evaluated or used to generate; choose a "
+            f"--block-len of at most {config.context_length // 2}"
+        )
     missing = _features_block_models_lack(config)
     if missing:
         raise BlockloopError(f"{config.name} uses {', '.join(missing)}, which the Block Transformer does not have: its "
