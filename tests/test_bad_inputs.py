@@ -12,6 +12,7 @@ import errno
 import json
 import os
 import shutil
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -350,6 +351,23 @@ def test_a_run_killed_in_its_first_checkpoint_starts_afresh_without_its_old_log(
     assert not partial.exists() and (run / "checkpoints" / "latest").read_text().strip() == "step_0000002"
 
 
+def test_a_run_still_before_its_first_checkpoint_is_said_to_be_training_not_stopped(tmp_path, capsys):
+    run = tmp_path / "run"
+    (run / "checkpoints").mkdir(parents=True)
+    sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        (run / "lock").write_text(json.dumps({"pid": sleeper.pid, "host": socket.gethostname()}))
+        for argv in (["eval", "--checkpoint", str(run)], ["generate", "--checkpoint", str(run), "--prompt", "a"]):
+            assert main(argv) == EXIT_USER_ERROR
+            err = capsys.readouterr().err
+            assert f"{run} is still training (process {sleeper.pid}) and has not written its first checkpoint" in err
+    finally:
+        sleeper.kill()
+        sleeper.wait()
+    assert main(["eval", "--checkpoint", str(run)]) == EXIT_USER_ERROR  # its process gone: a run that stopped
+    assert "the run stopped before its first one was written" in capsys.readouterr().err
+
+
 def test_a_run_killed_before_latest_was_written_resumes_from_its_newest_checkpoint(base, tmp_path, capsys):
     """``commit_checkpoint`` moves the step directory into place, then writes ``latest``: a kill in between
     leaves a complete checkpoint that every command must still find."""
@@ -421,6 +439,16 @@ def test_os_errors_are_one_line_naming_the_path_and_debug_shows_the_traceback(mo
     monkeypatch.setenv("BLOCKLOOP_DEBUG", "1")
     with pytest.raises(OSError):
         main(["presets"])
+
+
+@pytest.mark.parametrize("home", ["/proc/no-such-home", "/dev/null"])
+def test_an_unwritable_cache_says_it_is_the_cache_and_how_to_move_it(tmp_path, monkeypatch, capsys, home):
+    monkeypatch.delenv("BLOCKLOOP_CACHE")
+    monkeypatch.setenv("HOME", home)
+    assert main([*TRAIN, "--out", str(tmp_path / "run")]) == EXIT_USER_ERROR
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1, err
+    assert f"it is blockloop's cache ({home}/.cache/blockloop); set BLOCKLOOP_CACHE to a writable folder" in err, err
 
 
 def test_config_files_are_typed_by_their_dataclasses():

@@ -130,3 +130,16 @@ def test_a_benchmark_script_error_is_one_line_and_exit_status_2(capsys):
     assert exit_.value.code == 2
     assert capsys.readouterr().err == "error: --record writes into benchmarks/results/ of the repository\n"
     run_script(lambda: None)  # a script that succeeds returns normally
+
+
+def test_a_record_file_that_cannot_be_written_is_refused_before_the_benchmark_runs(tmp_path, capsys):
+    from blockloop.cli import EXIT_USER_ERROR, main
+
+    (tmp_path / "file").write_text("not a folder")
+    record = tmp_path / "file" / "runs.jsonl"
+    code = main(["bench", "--presets", "tiny", "--prompt-len", "4", "--gen-len", "4", "--batch-sizes", "1",
+                 "--repeats", "1", "--warmup", "0", "--device", "cpu", "--no-progress", "--record", str(record)])
+    out, err = capsys.readouterr()
+    assert code == EXIT_USER_ERROR and len(err.strip().splitlines()) == 1, err
+    assert f"{record}; a file stands where a folder belongs" in err
+    assert out == ""  # nothing was timed, so no result was thrown away

@@ -90,6 +90,17 @@ def test_info_and_presets(trained_run, capsys):
         (["train", "--preset", "tiny", "--tokenizer", "sentencepiece-9"], "sentencepiece-9"),
         (["eval", "--checkpoint", "/no/such/run"], "checkpoint not found"),
         (["generate", "--checkpoint", "/no/such/run", "--prompt", "hi"], "checkpoint not found"),
+        # an empty value (an unset shell variable) is refused, not read as the flag's default or the current folder
+        (["train", "--preset", "", "--steps", "1"], "argument --preset: is empty"),
+        (["train", "--preset", "tiny", "--task", "", "--steps", "1"], "argument --task: is empty"),
+        (["train", "--preset", "tiny", "--task-dir", "", "--steps", "1"], "argument --task-dir: is empty"),
+        (["eval", "--checkpoint", ""], "argument --checkpoint: is empty"),
+        (["eval", "--checkpoint", "/no/such/run", "--data", ""], "argument --data: is empty"),
+        (["eval", "--checkpoint", "/no/such/run", "--task", ""], "argument --task: is empty"),
+        (["generate", "--checkpoint", "", "--prompt", "hi"], "argument --checkpoint: is empty"),
+        (["serve", "--checkpoint", "/no/such/run", "--name", ""], "argument --name: is empty"),
+        (["chat", "--checkpoint", ""], "argument --checkpoint: is empty"),
+        (["tasks", "import", "data.jsonl", "--out", "x", "--name", ""], "argument --name: is empty"),
     ],
 )
 def test_bad_input_is_one_line_and_exit_code_2(tmp_path, capsys, argv, match):
@@ -322,3 +333,11 @@ def test_long_work_without_a_bar_still_logs_plain_lines(monkeypatch, capsys):
         assert "\r" not in err and "quiet" not in err
         lines = err.splitlines()
         assert lines[0].startswith("piqa: 0/3 q") and lines[-1].startswith("piqa: 3/3 q"), lines
+
+
+def test_python_dash_m_blockloop_is_the_console_script():
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-m", "blockloop", "presets", "--help"], capture_output=True, text=True)
+    assert done.returncode == 0 and "usage: blockloop presets" in done.stdout, done.stderr

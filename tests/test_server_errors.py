@@ -282,3 +282,22 @@ def test_ignore_eos_also_runs_past_the_templates_end_of_turn_token(run):
         again = httpx.post(url + "/v1/chat/completions", json=body).json()
         assert again["choices"][0]["message"]["content"] == free["choices"][0]["message"]["content"]
         assert again["usage"]["completion_tokens"] == 4
+
+
+def test_a_taken_port_or_a_foreign_host_is_one_line_before_the_model_loads(capsys):
+    import socket
+
+    from blockloop.cli import EXIT_USER_ERROR, main
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        # the checkpoint does not exist: the address is checked first, so the error is the port's
+        assert main(["serve", "--checkpoint", "/no/such/run", "--port", str(port)]) == EXIT_USER_ERROR
+        err = capsys.readouterr().err.strip()
+        assert err.splitlines() == [f"blockloop serve: error: cannot listen on 127.0.0.1:{port}: Address already in use; "
+                                    "another process listens there; stop it or pick another --port"]
+    assert main(["serve", "--checkpoint", "/no/such/run", "--host", "999.1.1.1"]) == EXIT_USER_ERROR
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "--host '999.1.1.1' is no address of this machine" in err, err

@@ -117,6 +117,14 @@ def test_import_errors_name_the_problem(tmp_path, lines, match):
     assert not (tmp_path / "out").exists()
 
 
+def test_import_names_a_line_that_is_not_utf8(tmp_path):
+    data = tmp_path / "data.jsonl"
+    data.write_bytes(b'{"tokens": ["a"], "labels": ["p0"]}\n{"tokens": ["caf\xe9"], "labels": [null]}\n')
+    with pytest.raises(BlockloopError, match=r"data.jsonl:2: not UTF-8 text \(byte 16 of the line\)"):
+        import_task(data, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
 def test_import_refuses_bad_choices(tmp_path):
     data = write_jsonl(tmp_path / "data.jsonl", parity_sequences(20))
     unlabelled = write_jsonl(tmp_path / "none.jsonl", [{"tokens": ["a"], "labels": [None]}])

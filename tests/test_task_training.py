@@ -199,6 +199,18 @@ def test_cli_task_errors_are_one_line(tmp_path, walk_dir, capsys):
         assert code == EXIT_USER_ERROR and len(err.splitlines()) == 1 and match in err, (argv, err)
 
 
+def test_a_task_longer_than_the_model_context_is_refused_before_it_is_generated(tmp_path, monkeypatch, capsys):
+    # algorithm-3:100000 would take hours and gigabytes to write, only to be refused by the window check after it
+    monkeypatch.setenv("BLOCKLOOP_CACHE", str(tmp_path / "cache"))
+    for argv in (["train", "--preset", "tiny", "--task", "random-walk:128", "--out", str(tmp_path / "a")],
+                 ["train", "--preset", "tiny", "--task", "algorithm-3:100000", "--out", str(tmp_path / "a")]):
+        code = main(argv)
+        err = capsys.readouterr().err.strip()
+        assert code == EXIT_USER_ERROR and len(err.splitlines()) == 1, err
+        assert "tokens, more than the model context of 128; use shorter sequences" in err, err
+    assert not (tmp_path / "cache" / "tasks").exists() and not (tmp_path / "a").exists()
+
+
 def test_a_text_model_is_refused_on_a_task(tmp_path, capsys):
     from blockloop.data.tokenizers import ByteTokenizer
     from blockloop.train.run import check_task_vocabulary

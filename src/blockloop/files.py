@@ -141,6 +141,16 @@ def _acquire(lock: Path) -> None:
         tmp.unlink(missing_ok=True)
 
 
+def running_here(directory: Path) -> int | None:
+    """The pid of another live process on this host that holds ``directory``'s run lock (a run still being written),
+    or None."""
+    lock = Path(directory) / LOCK_FILE
+    holder = _holder(lock) if lock.is_file() else None
+    if holder is None or holder["host"] != socket.gethostname() or holder["pid"] == os.getpid():
+        return None
+    return holder["pid"]
+
+
 def _holder(lock: Path) -> dict[str, Any] | None:
     """Who holds ``lock``, or None when it is stale (its process is gone from this host, or it is unreadable)."""
     try:

@@ -95,13 +95,28 @@ def main(argv: Sequence[str] | None = None) -> int:
         path = "a file" if exc.filename is None else exc.filename
         if exc.filename2 is not None:  # a rename or link: both ends
             path = f"{path} -> {exc.filename2}"
-        print(f"blockloop {args.command}: error: {exc.strerror}: {path}; {OS_ERRORS.get(exc.errno, OTHER_OS_ERROR)} "
-              "(BLOCKLOOP_DEBUG=1 shows the traceback)", file=sys.stderr)
+        print(f"blockloop {args.command}: error: {exc.strerror}: {path}; {OS_ERRORS.get(exc.errno, OTHER_OS_ERROR)}"
+              f"{_cache_hint(exc.filename)} (BLOCKLOOP_DEBUG=1 shows the traceback)", file=sys.stderr)
         return EXIT_USER_ERROR
     except KeyboardInterrupt:
         kept = "; the last checkpoint written is kept" if args.command in ("train", "demo") else ""
         print(f"blockloop {args.command}: interrupted{kept}", file=sys.stderr)
         return 130
+
+
+def _cache_hint(filename: object) -> str:
+    """Where a refused path is blockloop's cache folder, in it, or above it (an unwritable or missing $HOME), the
+    user never typed it: say what it is and how to move it."""
+    if not isinstance(filename, (str, os.PathLike)):
+        return ""
+    from pathlib import Path
+
+    from blockloop.data.packages import cache_dir
+
+    cache, path = Path(os.path.abspath(cache_dir())), Path(os.path.abspath(filename))
+    if path == cache or path in cache.parents or cache in path.parents:
+        return f": it is blockloop's cache ({cache}); set BLOCKLOOP_CACHE to a writable folder"
+    return ""
 
 
 class Parser(argparse.ArgumentParser):

@@ -95,6 +95,10 @@ def run(args: argparse.Namespace) -> int:
     if args.record is not None and args.record.is_dir():
         raise BlockloopError(f"--record {args.record} is a directory; name a JSON-lines file")
     _settle_modes(args)
+    if args.record is not None and args.plot is None:  # results that took minutes must not be lost to a bad path
+        from blockloop.files import check_writable
+
+        check_writable(args.record)
     if args.url is not None:
         return _http(args)
     device = resolve_device(args.device)

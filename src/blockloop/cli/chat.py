@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 from blockloop.cli.common import (
     add_device,
     add_no_pack,
+    nonempty,
     nonnegative_float,
     nonnegative_int,
     number,
@@ -30,7 +31,7 @@ COMMANDS_HELP = "/reset forgets the conversation, /quit leaves; Ctrl-C stops an 
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--checkpoint", required=True, help="run directory or checkpoint directory")
+    p.add_argument("--checkpoint", required=True, type=nonempty, help="run directory or checkpoint directory")
     p.add_argument("--system", type=utf8_text, help="a system message that starts every conversation")
     p.add_argument("--max-new-tokens", type=positive_int, default=256, help="tokens per answer at most (default: 256)")
     p.add_argument("--temperature", type=nonnegative_float, default=0.8, help="0 = greedy (default: 0.8)")

@@ -25,18 +25,18 @@ BENCHMARKS = "piqa, hellaswag, arc_easy, arc_challenge, winogrande, openbookqa, 
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--checkpoint", help="run directory or checkpoint directory (required except with --compare)")
-    p.add_argument("--data", help="corpus name or path (default: the data the run trained on)")
+    p.add_argument("--checkpoint", type=nonempty, help="run directory or checkpoint directory (required except with --compare)")
+    p.add_argument("--data", type=nonempty, help="corpus name or path (default: the data the run trained on)")
     p.add_argument(
         "--split", choices=["train", "val", "valid", "test"],
         help="which split to score: train or val of a corpus; train, valid (= val) or test of a task (default: val)",
     )
     p.add_argument(
-        "--task", metavar="NAME",
+        "--task", metavar="NAME", type=nonempty,
         help="score the task error on this labelled-position state-tracking task (default: the task the run trained "
         "on, if any); a NAME:LENGTH variant tests other sequence lengths. Not the benchmarks: see --tasks",
     )
-    p.add_argument("--task-dir", metavar="DIR", help="the task dataset to score (default: the run's, or generated into the cache)")
+    p.add_argument("--task-dir", metavar="DIR", type=nonempty, help="the task dataset to score (default: the run's, or generated into the cache)")
     p.add_argument("--seq-len", type=positive_int, help="window length (default: the run's training --seq-len)")
     p.add_argument("--batch-size", type=positive_int, default=8,
                    help="sequences per forward pass; with --tasks, questions per forward pass (default: 8)")

@@ -8,6 +8,7 @@ import sys
 from blockloop.cli.common import (
     add_device,
     add_no_pack,
+    nonempty,
     nonnegative_float,
     nonnegative_int,
     number,
@@ -20,7 +21,7 @@ HELP = "print a continuation of --prompt from a checkpoint"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--checkpoint", required=True, help="run directory or checkpoint directory")
+    p.add_argument("--checkpoint", required=True, type=nonempty, help="run directory or checkpoint directory")
     p.add_argument("--prompt", required=True, type=utf8_text, help="text to continue")
     p.add_argument(
         "--max-new-tokens", type=positive_int, help="tokens to generate at most (default: 200, or what fits in the model context)"

@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import argparse
+import errno
+import socket
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from blockloop.cli.common import add_device, add_no_pack, integer, nonnegative_int, positive_int
+from blockloop.cli.common import add_device, add_no_pack, integer, nonempty, nonnegative_int, positive_int
+from blockloop.errors import BlockloopError
 
 if TYPE_CHECKING:
     from blockloop.train.run import TrainedModel
@@ -17,10 +20,10 @@ DESCRIPTION = ("Serve a checkpoint with continuous batching behind /v1/completio
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--checkpoint", required=True, help="run directory or checkpoint directory")
+    p.add_argument("--checkpoint", required=True, type=nonempty, help="run directory or checkpoint directory")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
     p.add_argument("--port", type=integer(0, 65535), default=8000, help="port to listen on (default: 8000)")
-    p.add_argument("--name", help="the model name clients send (default: the checkpoint folder's name)")
+    p.add_argument("--name", type=nonempty, help="the model name clients send (default: the checkpoint folder's name)")
     add_engine_arguments(p)
     p.add_argument("--max-waiting", type=nonnegative_int, default=256,
                    help="requests that may wait for a slot (beyond those free slots will take); past it the server answers "
@@ -57,13 +60,43 @@ def run(args: argparse.Namespace) -> int:
 
     from blockloop.serve.http.app import app_for
 
-    trained, options = load(args, n_slots=args.slots)
-    name = args.name or Path(args.checkpoint).resolve().name
-    app = app_for(trained.model, trained.tokenizer, name=name, directory=trained.directory,
-                  max_waiting=args.max_waiting, **options)
-    print(f"serving {name} ({trained.config.family}, {args.slots} slots) at http://{args.host}:{args.port}/v1")
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+    sock = bind(args.host, args.port)  # before the model loads: a taken port or a wrong host fails at once, in one line
+    try:
+        trained, options = load(args, n_slots=args.slots)
+        name = args.name or Path(args.checkpoint).resolve().name
+        app = app_for(trained.model, trained.tokenizer, name=name, directory=trained.directory,
+                      max_waiting=args.max_waiting, **options)
+        port = sock.getsockname()[1]  # --port 0: the one the system chose
+        host = f"[{args.host}]" if ":" in args.host else args.host  # an IPv6 address in a URL
+        print(f"serving {name} ({trained.config.family}, {args.slots} slots) at http://{host}:{port}/v1")
+        try:
+            uvicorn.Server(uvicorn.Config(app, log_level=args.log_level)).run(sockets=[sock])
+        except KeyboardInterrupt:  # uvicorn shut down gracefully, then raised the signal again: a normal stop
+            pass
+    finally:
+        sock.close()
     return 0
+
+
+def bind(host: str, port: int) -> socket.socket:
+    """A socket bound to ``host:port`` for uvicorn to listen on; what the system refuses is one line with the fix."""
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
+    except socket.gaierror as exc:
+        raise BlockloopError(f"--host {host!r} is no address of this machine ({exc.strerror}); "
+                             "use 127.0.0.1, 0.0.0.0 or one of its own names or addresses") from None
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn does: a restart need not wait
+        sock.bind(address)
+    except OSError as exc:
+        sock.close()
+        fix = {errno.EADDRINUSE: "another process listens there; stop it or pick another --port",
+               errno.EACCES: "ports below 1024 need privileges; pick another --port",
+               errno.EADDRNOTAVAIL: "--host is no address of this machine; use 127.0.0.1 or 0.0.0.0"}
+        raise BlockloopError(f"cannot listen on {host}:{port}: {exc.strerror}; "
+                             f"{fix.get(exc.errno, 'pick another --host or --port')}") from None
+    return sock
 
 
 def load(args: argparse.Namespace, n_slots: int) -> tuple[TrainedModel, dict[str, Any]]:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from blockloop.cli.common import add_no_progress, nonnegative_int, number, print_table
+from blockloop.cli.common import add_no_progress, nonempty, nonnegative_int, number, print_table
 from blockloop.errors import BlockloopError
 
 HELP = "list or write the state-tracking tasks (algorithm-3, algorithm-5, random-walk), or import your own"
@@ -28,7 +28,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                          "(null where nothing is asked). The vocabulary is built from the data.")
     i.add_argument("data", help="JSON-lines file of sequences (the train split when --valid and --test are given)")
     i.add_argument("--out", required=True, help="directory to create (must not exist, or be empty)")
-    i.add_argument("--name", help="the task's name, recorded by runs (default: the --out directory's name)")
+    i.add_argument("--name", type=nonempty, help="the task's name, recorded by runs (default: the --out directory's name)")
     i.add_argument("--valid", help="a file of validation sequences (with --test; default: drawn from DATA)")
     i.add_argument("--test", help="a file of test sequences (with --valid)")
     i.add_argument("--seed", type=nonnegative_int, default=0, help="seed of the split drawn from DATA (default: 0)")

@@ -40,7 +40,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
     d = TrainConfig()
     g = p.add_argument_group("model and data")
-    g.add_argument("--preset", help="model preset (see `blockloop presets`; default: demo)")
+    g.add_argument("--preset", type=nonempty, help="model preset (see `blockloop presets`; default: demo)")
     g.add_argument(
         "--data", type=nonempty,
         help=f"built-in corpus ({', '.join(BUILTIN_CORPORA)}) or a path: text file, directory of .txt, .jsonl with a "
@@ -52,12 +52,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "(default: byte)",
     )
     g.add_argument(
-        "--task", metavar="NAME",
+        "--task", metavar="NAME", type=nonempty,
         help="train on a labelled-position task instead of text (algorithm-3, algorithm-5, random-walk, or NAME:LENGTH "
         "for shorter sequences); its vocabulary becomes the tokenizer and validation reports the task error",
     )
     g.add_argument(
-        "--task-dir", metavar="DIR",
+        "--task-dir", metavar="DIR", type=nonempty,
         help="the task dataset to use, written by `blockloop tasks make` (default: generated with seed 0 into the cache)",
     )
     g.add_argument("--dropout", type=number(0, 1, high_open=True), help="dropout on embeddings, attention and residuals (default: preset's)")

@@ -31,7 +31,7 @@ from blockloop.choices import SAVE_DTYPES
 from blockloop.config import ModelConfig, save_config
 from blockloop.errors import BlockloopError
 from blockloop.families import load_config
-from blockloop.files import LOCK_FILE, atomic_write_text
+from blockloop.files import LOCK_FILE, atomic_write_text, running_here
 
 LATEST = "latest"
 KEEP_LAST = 2
@@ -169,6 +169,10 @@ def resolve_checkpoint(path: Path) -> Path:
     if (path / "model.safetensors").is_file():
         return path
     if checkpoint_root(path).is_dir() or (path / LOCK_FILE).is_file():  # a run that never wrote a checkpoint
+        pid = running_here(path)
+        if pid is not None:  # ... yet: it is still training
+            raise BlockloopError(f"{path} is still training (process {pid}) and has not written its first checkpoint "
+                                 "yet; wait for it (train writes one every --ckpt-interval steps and at the end)")
         raise BlockloopError(f"{path} holds no complete checkpoint (the run stopped before its first one was written); "
                              "train it again, without --resume")
     raise BlockloopError(f"no checkpoint in {path}; expected a run directory written by `blockloop train`")

@@ -92,7 +92,7 @@ def evaluate_task(trained: TrainedModel, request: EvalRequest, device: str) -> d
             raise BlockloopError(f"the run trained on task {name} from {directory}, which is gone; pass --task-dir")
     if directory is None:  # a built-in task: a wrong model fails before the task is generated
         check_task_vocabulary(trained.tokenizer, name, get_task(name).vocab)
-    data = open_task(name, directory)
+    data = open_task(name, directory, context=trained.config.context_length)
     check_task_vocabulary(trained.tokenizer, data.name, data.vocab)
     split = {None: "valid", "val": "valid"}.get(request.split, request.split)
     metrics = evaluate(

@@ -72,7 +72,7 @@ def prepare_run(
     config = from_name(spec.preset, **spec.model_overrides)  # fail on a bad preset before any data work
     if spec.task is not None:
         check_learns_tasks(config)
-        splits = open_task(spec.task, spec.task_dir, show_progress=show_progress)
+        splits = open_task(spec.task, spec.task_dir, show_progress=show_progress, context=config.context_length)
         tokenizer: Tokenizer = TaskTokenizer(splits.name, splits.vocab)
     else:
         # Only a tokenizer trained on the corpus needs its documents.
@@ -96,7 +96,7 @@ def prepare_data(spec: RunSpec, tokenizer: Tokenizer, config: ModelConfig, *, sh
     check_learns_tasks(config)
     if spec.task_dir is None:  # a built-in task, checked before it is generated
         check_task_vocabulary(tokenizer, spec.task, get_task(spec.task).vocab)
-    data = open_task(spec.task, spec.task_dir, show_progress=show_progress)
+    data = open_task(spec.task, spec.task_dir, show_progress=show_progress, context=config.context_length)
     check_task_vocabulary(tokenizer, data.name, data.vocab)
     return data
 

@@ -67,6 +67,9 @@ class Task:
     default_sizes: tuple[int, int, int]
     # Facts about the task recorded in meta.json so a written dataset describes itself.
     details: dict[str, object]
+    # The fewest tokens one sequence takes, its END included: a model whose context is shorter cannot read one,
+    # which is known before the task is generated (NAME:N variants can take hours and gigabytes to write).
+    min_tokens: int = 1
 
 
 def split_seed(seed: int, split: str) -> int:

@@ -163,17 +163,26 @@ def load_task(directory: Path) -> TaskData:
     return TaskData(name=name, vocab=vocab, meta=meta, splits=splits)
 
 
-def open_task(name: str | None, directory: Path | str | None = None, *, show_progress: bool = False) -> TaskData:
+def open_task(
+    name: str | None, directory: Path | str | None = None, *, show_progress: bool = False, context: int | None = None
+) -> TaskData:
     """The task to train or evaluate on: read from ``directory``, or generated once into the cache.
 
     Without a directory the task is generated with seed 0 and its default sizes under
     ``<cache>/tasks/`` (the same files on every machine, so runs that name only the task agree); later
-    calls just map them. With a directory, ``name`` (if given) must be the task it holds.
+    calls just map them. With a directory, ``name`` (if given) must be the task it holds. ``context``, the model's,
+    refuses a built-in task whose every sequence is longer, before it is generated.
     """
     if directory is None:
         if name is None:
             raise BlockloopError("name a task (--task) or a task directory (--task-dir)")
         task = get_task(name)  # an unknown name fails before any work
+        if context is not None and task.min_tokens > context:
+            raise BlockloopError(
+                f"every sequence of task {task.name} takes at least {task.min_tokens} tokens, more than the model "
+                f"context of {context}; use shorter sequences ({task.name.partition(':')[0]}:N) or a model with a "
+                "longer context"
+            )
         directory = cache_dir() / "tasks" / f"{task.name.replace(':', '-len')}-seed0-format{FORMAT}"
         if not (directory / "meta.json").is_file():
             try:

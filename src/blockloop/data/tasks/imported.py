@@ -43,8 +43,13 @@ def read_sequences(path: Path) -> list[ParsedSequence]:
     if not path.is_file():
         raise BlockloopError(f"{path} does not exist; give a .jsonl file with one sequence per line")
     sequences = []
-    with path.open(encoding="utf-8") as handle:
-        for number, line in enumerate(handle, start=1):
+    with path.open("rb") as handle:  # decoded line by line, so a byte that is not UTF-8 is named by its line
+        for number, raw in enumerate(handle, start=1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                raise BlockloopError(f"{path}:{number}: not UTF-8 text (byte {exc.start} of the line); "
+                                     "save the file as UTF-8") from None
             if line.strip():
                 sequences.append(_parse_line(path, number, line))
     if not sequences:

@@ -28,6 +28,7 @@ def _algorithm(num_variables: int, statements: int = algorithm.STATEMENTS_PER_PR
             "statements_per_program": statements,
             "unit": "program",
         },
+        min_tokens=3 * statements + 1,  # the shortest statements are three words (x ++ ; / print x ;), then END
     )
 
 
@@ -46,6 +47,7 @@ def _random_walk(length: int = random_walk.ACTIONS_PER_SEQUENCE) -> Task:
             "actions_per_sequence": length,
             "unit": "sequence",
         },
+        min_tokens=length + 1,  # one word per action, then END
     )
 
 
