@@ -19,8 +19,10 @@ memory roofline = bytes read per step / measured copy bandwidth):
 * double decoder vs the decoder of the same size: KV bytes, TTFT and TPOT ratios;
 * training tokens/s and MFU, eager and compiled (``benchmarks/train_throughput.py``'s trainer run).
 
-Writes ``gpu-<date>-<device>.md`` and ``.json`` to runs/bench/ (``--out-dir DIR`` elsewhere, ``--record`` into
-benchmarks/results/). A target is called met only from a CUDA run; ``--smoke`` rows say so.
+Writes ``gpu-<date>-<device>.md`` and ``.json`` (``gpu-<date>-<device>-<rows>.*`` for a ``--rows`` subset) to
+runs/bench/ (``--out-dir DIR`` elsewhere, ``--record`` into benchmarks/results/), again after every row, so a run
+stopped part-way (a device call ends at 10 minutes: split the rows over several calls) keeps the rows it finished.
+A target is called met only from a CUDA run; ``--smoke`` rows say so.
 """
 
 from __future__ import annotations
@@ -302,12 +304,17 @@ def summary(row: dict[str, Any]) -> str:
 
 
 def write(out: Path, record: dict[str, Any], smoke: bool) -> Path:
+    """The record's ``.json`` and ``.md``; a subset of the rows is named by its rows, so the calls a GPU session
+    splits the suite into (one device call runs at most 10 minutes) do not overwrite each other."""
     device = record["device"]
     slug = re.sub(r"[^a-z0-9]+", "-", device.lower().split(" (")[0]).strip("-") + ("-smoke" if smoke else "")
-    stem = f"gpu-{record['date'][:10]}-{slug}"
+    subset = "" if record["rows_asked"] == list(ROWS) else "-" + "-".join(record["rows_asked"])
+    stem = f"gpu-{record['date'][:10]}-{slug}{subset}"
     (out / f"{stem}.json").write_text(json.dumps(record, indent=2, default=str) + "\n")
     status = "smoke (CPU): no claim" if smoke else None
+    missing = [name for name in record["rows_asked"] if name not in record["rows_done"]]
     lines = [f"# Issue 12 GPU suite{' (smoke: tiny presets, not a measurement)' if smoke else ''}", "",
+             *([f"- **incomplete**: stopped before {', '.join(missing)} (written after each row)"] if missing else []),
              f"- {environment_line(record)}", f"- memory bandwidth (copy): {record['bandwidth_gb_s']:.1f} GB/s; "
              f"suite wall time {record['wall_s']:.0f} s", "", "| row | setting | target | measured | met |", "|---|---|---|---|---|"]
     for row in record["rows"]:
@@ -335,14 +342,24 @@ def main() -> None:
         parser.error(f"unknown rows {unknown}; choose from {', '.join(ROWS)}")
     if args.threads:
         torch.set_num_threads(args.threads)
+    # A step past dynamo's recompile limit would run eagerly and be timed as compiled: fail the row instead.
+    torch._dynamo.config.fail_on_recompile_limit_hit = True
     device = torch.device("cpu" if args.smoke else resolve_device(args.device))
     plan = SMOKE if args.smoke else GPU
     dtype = bench_dtype("auto", str(device))
     out = output_dir(args)
     start = time.perf_counter()
+    environment_now = environment(str(device), dtype)  # the date (and so the file name) of the whole run
     with tempfile.TemporaryDirectory() as work:
         suite = Suite(plan, device, dtype, measure_bandwidth(device), Path(work), [])
         results: list[dict[str, Any]] = []
+        done: list[str] = []
+
+        def record() -> dict[str, Any]:
+            return {**environment_now, "smoke": args.smoke, "plan": asdict(plan), "rows_asked": rows, "rows_done": done,
+                    "bandwidth_gb_s": suite.bandwidth / 1e9, "wall_s": time.perf_counter() - start,
+                    "commands": suite.commands, "rows": results}
+
         for name in rows:
             builder = {"decode-heavy": lambda s: scenario_rows(s, "decode-heavy"),
                        "prefill-heavy": lambda s: scenario_rows(s, "prefill-heavy"), "recursive": recursive_rows,
@@ -353,11 +370,10 @@ def main() -> None:
                 traceback.print_exc()
                 results.append({"row": name, "setting": "-", "target": "-", "measured": {"error": f"{type(exc).__name__}: {exc}"},
                                 "met": False})
-            print(f"[gpu_suite] {name} done after {time.perf_counter() - start:.0f} s", flush=True)
-    record = {**environment(str(device), dtype), "smoke": args.smoke, "plan": asdict(plan),
-              "bandwidth_gb_s": suite.bandwidth / 1e9, "wall_s": time.perf_counter() - start,
-              "commands": suite.commands, "rows": results}
-    path = write(out, record, args.smoke)
+            done.append(name)
+            # Written after every row: a device call killed at its time limit still returns the rows it finished.
+            path = write(out, record(), args.smoke)
+            print(f"[gpu_suite] {name} done after {time.perf_counter() - start:.0f} s (written to {path})", flush=True)
     print(path.read_text())
 
 

@@ -47,3 +47,23 @@ def test_smoke_suite_writes_every_row_without_claiming_a_target(tmp_path):
     commands = "\n".join(record["commands"])
     assert "blockloop convert --to recursive" in commands and "--early-exit weighted" in commands
     assert "$WORK" in commands and "/tmp" not in commands
+
+
+def test_a_suite_stopped_at_the_device_time_limit_keeps_the_rows_it_finished(tmp_path):
+    """A device call is killed at 10 minutes: the suite writes after every row, and a subset of the rows is named by
+    them, so the calls a session splits the suite into do not overwrite each other."""
+    suite = subprocess.Popen([sys.executable, str(ROOT / "benchmarks" / "gpu_suite.py"), "--smoke", "--threads", "1",
+                              "--rows", "decode-heavy,training", "--out-dir", str(tmp_path)],
+                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, cwd=ROOT)
+    try:
+        for line in suite.stdout:
+            if line.startswith("[gpu_suite] decode-heavy done"):
+                break
+        suite.kill()  # as the device tool's limit does, before the training row
+    finally:
+        suite.wait(timeout=60)
+    (path,) = tmp_path.glob("gpu-*-cpu-smoke-decode-heavy-training.json")
+    record = json.loads(path.read_text())
+    assert record["rows_done"] == ["decode-heavy"] and record["rows_asked"] == ["decode-heavy", "training"]
+    assert {"vanilla decode-heavy", "block decode-heavy"} <= {r["row"] for r in record["rows"]}
+    assert "**incomplete**: stopped before training" in path.with_suffix(".md").read_text()

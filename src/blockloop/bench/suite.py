@@ -19,7 +19,7 @@ from torch import nn
 from blockloop.bench.hf_baseline import hf_throughput
 from blockloop.bench.records import last_val_loss
 from blockloop.bench.stream import agreement, check_stream_fits, corpus_prompts, run_stream
-from blockloop.bench.throughput import engine_throughput, search_batches
+from blockloop.bench.throughput import engine_throughput, fresh_compile_caches, search_batches
 from blockloop.bench.timing import copy_bandwidth
 from blockloop.data.tokenizers import Tokenizer
 from blockloop.errors import BlockloopError
@@ -189,6 +189,8 @@ def _serve_streams(served: list[tuple[str, Runner, BenchModel, str | None, list[
     outputs: dict[str, list[list[int]]] = {}
     throughput: dict[str, float] = {}
     for name, runner, bench_model, reference, prompts in served:
+        if s.compile:  # each server compiles its own steps, within dynamo's recompile limit (see fresh_compile_caches)
+            fresh_compile_caches()
         m = run_stream(runner, prompts, n_slots=s.slots, min_tokens=s.tokens_range[0], max_tokens=s.tokens_range[1],
                        rate=s.rate, sync_every=s.sync_every, seed=s.seed, compile=s.compile)
         outputs[name] = m.pop("outputs")

@@ -138,6 +138,8 @@ def engine_throughput(
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     paging = full_batch_paging(model, batch, max_len) if paged else None
+    if compile:
+        fresh_compile_caches()
     engine = Engine(runner_for(model, paging=paging), batch, max_len=max_len, sync_every=sync_every, compile=compile)
     generator = torch.Generator().manual_seed(seed)
     greedy = SamplingParams(temperature=0.0)
@@ -169,6 +171,14 @@ def engine_throughput(
         name, batch, prompt_len, gen_len, tok_s, mean_ttft, max(mean - mean_ttft, 0.0) / max(gen_len - 1, 1), peak,
         state_bytes(engine.runner.state) // batch, roofline, tok_s / roofline if roofline else None,
     )
+
+
+def fresh_compile_caches() -> None:
+    """Forget the compiled steps of the engines timed before: every decode step is one code object to dynamo (the
+    runners' ``torch.no_grad`` steps even share one wrapper), and past its ``recompile_limit`` (8) graphs it runs the
+    step eagerly, silently, so a benchmark that builds an engine per model, batch size and cache would time the later
+    ones uncompiled (no CUDA graphs). Each engine compiles at most 8 graphs (:func:`row_buckets`)."""
+    torch._dynamo.reset()
 
 
 def search_batches(run: Any, batches: list[int], *, search: bool, max_batch: int) -> list[ThroughputResult]:
