@@ -35,6 +35,7 @@ from blockloop.convert.checkpoints import calibration_windows
 from blockloop.convert.to_recursive import vanilla_to_recursive
 from blockloop.data.dataset import prepare_tokens
 from blockloop.data.tokenizers import build_tokenizer
+from blockloop.device import resolve_device
 from blockloop.families import build_model
 from blockloop.train.evaluate import evaluate
 from blockloop.train.run import TrainedModel, load_trained, sequences
@@ -65,10 +66,13 @@ def main() -> None:
     p.add_argument("--scratch-lr", type=float, default=3e-3, help="LR of the reduced-size model trained from scratch")
     p.add_argument("--eval-batches", type=int, default=8)
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--device", default="cpu", help="where models are scored and uptrained: cpu, cuda (bf16 autocast in "
+                   "training, as `blockloop train`), auto (default: cpu); conversions read the source on the CPU")
     add_output_arguments(p)
     args = p.parse_args()
     out = output_dir(args)
     torch.set_num_threads(args.threads)
+    device = resolve_device(args.device)
 
     source = load_source(args.source)
     data = args.data or source.state.get("run", {}).get("data", "shakespeare")
@@ -76,14 +80,15 @@ def main() -> None:
     train_seqs, val_seqs = sequences(splits, args.seq_len, source.tokenizer.start_id)
 
     def score(model: torch.nn.Module) -> float:
-        return evaluate(model, val_seqs, batch_size=args.batch_size, max_batches=args.eval_batches)["perplexity"]
+        return evaluate(model.to(device), val_seqs, batch_size=args.batch_size, max_batches=args.eval_batches,
+                        device=device)["perplexity"]
 
     def uptrain(model: torch.nn.Module, lr: float) -> tuple[float | None, float]:
         if args.steps == 0:
             return None, 0.0
         config = TrainConfig(
             steps=args.steps, batch_size=args.batch_size, seq_len=args.seq_len, lr=lr, warmup_steps=max(1, args.steps // 10),
-            eval_interval=args.steps, eval_batches=1, log_interval=args.steps, ckpt_interval=10**9, device="cpu",
+            eval_interval=args.steps, eval_batches=1, log_interval=args.steps, ckpt_interval=10**9, device=device,
             progress=False, seed=0,
         )
         with tempfile.TemporaryDirectory() as tmp:
@@ -103,7 +108,7 @@ def main() -> None:
         rows.append(row)
         print(json.dumps(row), flush=True)
 
-    original = score(source.model)
+    original = score(copy.deepcopy(source.model))  # the source stays on the CPU, where the conversions read it
     if args.steps:  # the fair baseline: the full-size model given the same extra training
         record("original (full size), same extra training", source.model, original,
                *uptrain(copy.deepcopy(source.model), args.lr))
@@ -136,7 +141,7 @@ def main() -> None:
         record(f"relaxed, average + prefix N={length}, {args.norms} norms", model, before, after, seconds)
 
     meta = {
-        **environment("cpu"),
+        **environment(device),
         "source": str(source.directory), "source_config": source.config.summary(), "data": data,
         "settings": {k: getattr(args, k) for k in ("loops", "norms", "calibration", "steps", "batch_size", "seq_len", "lr", "scratch_lr", "eval_batches")},
         "val_tokens": args.eval_batches * args.batch_size * args.seq_len,
@@ -159,7 +164,7 @@ def load_source(name: str) -> TrainedModel:
 def markdown(meta: dict[str, object], rows: list[dict[str, object]]) -> str:
     s = meta["settings"]
     lines = [
-        "# Recursive / Relaxed Recursive Transformer uptraining (CPU)", "",
+        f"# Recursive / Relaxed Recursive Transformer uptraining ({meta['device']})", "",
         f"- source: `{meta['source']}` ({meta['source_config']}), data: {meta['data']}",
         f"- {environment_line(meta)}",
         (f"- {s['loops']} loops; uptraining and from-scratch runs: {s['steps']} steps of {s['batch_size']} x {s['seq_len']} "

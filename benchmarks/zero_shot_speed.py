@@ -4,7 +4,7 @@ same process, alternating, so the ratio holds however loaded the machine is. Als
 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/zero_shot_speed.py --checkpoint runs/smollm2 --tasks hellaswag,piqa,arc_easy --limit 24 --repeats 1 --record
 
-Appends one JSON line per task, with the environment, to ``zero_shot_speed_cpu.jsonl`` in runs/bench/ (``--out-dir
+Appends one JSON line per task, with the environment, to ``zero_shot_speed_<device>.jsonl`` in runs/bench/ (``--out-dir
 DIR`` elsewhere, ``--record`` into benchmarks/results/).
 """
 
@@ -17,6 +17,7 @@ import time
 import torch
 
 from blockloop.bench.records import add_output_arguments, append_records, environment, output_dir, run_script
+from blockloop.device import resolve_device
 from blockloop.evals.benchmarks_data import load_rows
 from blockloop.evals.scoring import LAYOUTS, encode_request, score
 from blockloop.evals.tasks import TASKS, build_questions
@@ -32,11 +33,13 @@ def main() -> None:
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--device", default="cpu", help="cpu, cuda or auto (default: cpu); the file is named after it")
     add_output_arguments(p)
     args = p.parse_args()
-    out = output_dir(args) / "zero_shot_speed_cpu.jsonl"
+    device = resolve_device(args.device)
+    out = output_dir(args) / f"zero_shot_speed_{torch.device(device).type}.jsonl"
     torch.set_num_threads(args.threads)
-    trained = load_trained(args.checkpoint, "cpu")
+    trained = load_trained(args.checkpoint, device)
     model, tok = trained.model, trained.tokenizer
     if spec_of(model.config).scoring != "cached":
         raise SystemExit("this compares prefix reuse with scoring from scratch: give a model that scores 'cached'")
@@ -49,20 +52,27 @@ def main() -> None:
         for _ in range(args.repeats):
             start = time.perf_counter()
             reused = score(model, groups, batch_size=args.batch_size).loglikelihood[:, 0]
-            best["reuse"] = min(best["reuse"], time.perf_counter() - start)
+            best["reuse"] = min(best["reuse"], synchronized(device) - start)
             start = time.perf_counter()
             with torch.no_grad():
                 parts = [from_scratch(model, groups[i : i + args.batch_size], None)[0][:, 0]
                          for i in range(0, len(groups), args.batch_size)]
-            best["scratch"] = min(best["scratch"], time.perf_counter() - start)
+            best["scratch"] = min(best["scratch"], synchronized(device) - start)
         scratch = torch.cat(parts)
         tokens = sum(len(r.context) + len(r.continuation) for g in groups for r in g)
         row = {"task": name, "questions": len(groups), "requests": sum(map(len, groups)), "tokens": tokens,
                "reuse_s": round(best["reuse"], 2), "scratch_s": round(best["scratch"], 2),
                "speedup": round(best["scratch"] / best["reuse"], 2),
-               "max_abs_diff": float((reused - scratch).abs().max()), **environment("cpu")}
+               "max_abs_diff": float((reused.cpu() - scratch.cpu()).abs().max()), **environment(device)}
         print(json.dumps(row), flush=True)
         append_records(out, [row])
+
+
+def synchronized(device: str) -> float:
+    """The clock once the device has finished the work queued on it (a GPU runs behind the host)."""
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter()
 
 
 if __name__ == "__main__":

