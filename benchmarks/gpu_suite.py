@@ -28,6 +28,7 @@ A target is called met only from a CUDA run; ``--smoke`` rows say so.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import re
 import tempfile
@@ -59,6 +60,7 @@ from blockloop.bench.suite import (
 )
 from blockloop.bench.throughput import scenario_lengths
 from blockloop.cli import main as blockloop
+from blockloop.cli.common import positive_int
 from blockloop.device import resolve_device
 from blockloop.errors import BlockloopError
 from blockloop.families import build_model, from_name
@@ -334,6 +336,9 @@ def main() -> None:
     parser.add_argument("--rows", default=",".join(ROWS), help=f"comma-separated subset of {','.join(ROWS)}")
     parser.add_argument("--device", default="auto", help="auto (CUDA if present), cuda, cpu (--smoke: cpu)")
     parser.add_argument("--threads", type=int, help="CPU threads for torch")
+    parser.add_argument("--repeats", type=positive_int, help="timed runs per batch size (default: 2 on a GPU; 1 helps a "
+                        "row fit one 10-minute device call)")
+    parser.add_argument("--max-batch", type=positive_int, help="bound of the decode-heavy batch search (default: 1024)")
     add_output_arguments(parser)
     args = parser.parse_args()
     rows = [r.strip() for r in args.rows.split(",") if r.strip()]
@@ -346,6 +351,8 @@ def main() -> None:
     torch._dynamo.config.fail_on_recompile_limit_hit = True
     device = torch.device("cpu" if args.smoke else resolve_device(args.device))
     plan = SMOKE if args.smoke else GPU
+    overrides = {"repeats": args.repeats, "max_batch": args.max_batch}
+    plan = dataclasses.replace(plan, **{k: v for k, v in overrides.items() if v is not None})  # recorded with the run
     dtype = bench_dtype("auto", str(device))
     out = output_dir(args)
     start = time.perf_counter()

@@ -16,7 +16,18 @@ STREAM=(--requests 64 --rate 4 --prompt-range 16,64 --tokens-range 16,64 --seed 
 .venv/bin/blockloop serve --checkpoint "$RUN" --port "$PORT" "${ENGINE[@]}" --log-level warning &
 SERVER=$!
 trap 'kill $SERVER' EXIT
-for _ in $(seq 120); do curl -sf "http://127.0.0.1:$PORT/health" >/dev/null && break; sleep 1; done
+# Wait for /health with the Python that serves (the GPU machine's image may have no curl).
+.venv/bin/python - "$PORT" <<'POLL'
+import sys, time, urllib.request
+for _ in range(240):
+    try:
+        urllib.request.urlopen(f"http://127.0.0.1:{sys.argv[1]}/health", timeout=1)
+        break
+    except OSError:
+        time.sleep(0.5)
+else:
+    sys.exit("benchmarks/http_serving.sh: the server did not answer /health within 2 minutes")
+POLL
 for round in 1 2; do
   echo "round $round: in process"
   .venv/bin/blockloop bench --stream --checkpoint "$RUN" "${ENGINE[@]}" "${STREAM[@]}" --record "$REC"
