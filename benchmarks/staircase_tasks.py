@@ -1,6 +1,6 @@
 """Staircase attention results at CPU scale: state-tracking task error (Table 1) and bits per character vs steps (Figure 3).
 
-Two parts, every model trained by the shared trainer through the same path as ``blockloop train``:
+Three parts, every model trained by the shared trainer through the same path as ``blockloop train``:
 
 1. ``tasks``: each ``--models`` entry trained on ``--task`` (Random Walk or Algorithm, usually a shortened
    ``NAME:LENGTH`` variant); recorded: parameters, the task error (argmax error over labelled positions,
@@ -11,13 +11,18 @@ Two parts, every model trained by the shared trainer through the same path as ``
    character for ASCII text): validation bits per character against the number of recurrent steps at
    fixed parameters, for Staircase (step size S fixed, forward size C = S / steps) and Ladder (the core
    repeated), as Figure 3.
+3. ``seeds``: every ``--models`` entry on ``--task`` from ``--seeds`` training seeds (same task data): final
+   valid/test error and a test-error curve every ``--curve-every`` steps; mean ± sample std per model, the
+   seed range and whether it lies wholly below the transformer's, in ``staircase_seeds_cpu.{json,md}`` with
+   one figure per task (``staircase_seeds_cpu_TASK.png``). ``--smoke`` checks the protocol in seconds.
 
     .venv/bin/python benchmarks/staircase_tasks.py tasks --task random-walk:16 --seq-len 68 --steps 300 --record
     .venv/bin/python benchmarks/staircase_tasks.py tasks --task algorithm-3:8 --seq-len 96 --steps 300 --record
     .venv/bin/python benchmarks/staircase_tasks.py lm --steps 300 --record
 
 Model entries are ``LABEL=PRESET[,FIELD=VALUE...]`` (values read as JSON). Results go to runs/bench/
-(``--out-dir DIR`` elsewhere, ``--record`` into benchmarks/results/) as ``staircase_tasks_cpu.{json,md}``,
+(``--out-dir DIR`` elsewhere, ``--record`` into benchmarks/results/) as ``staircase_tasks_cpu.{json,md}``
+(``seeds``: ``staircase_seeds_cpu.*``; ``_gpu`` instead of ``_cpu`` with ``--device cuda``),
 one table per task (and ``lm``); a later call replaces only the rows (by label) it ran, and each row keeps
 the machine, command, date and settings it was measured with.
 Tasks are generated with seed 0 and their default sizes into the blockloop cache (as ``--task`` does).

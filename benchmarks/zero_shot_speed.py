@@ -26,7 +26,7 @@ from blockloop.train.run import load_trained
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--checkpoint", required=True)
     p.add_argument("--tasks", default="hellaswag,piqa,arc_easy")
     p.add_argument("--limit", type=int, default=40)

@@ -103,3 +103,14 @@ def test_bench_stream_oracle_reports_full_agreement_and_the_simulation(tmp_path,
     assert 1.0 <= sim["mean_exit_loop"] == oracle["mean_exit_loop"] <= 2.0
     assert sim["sequencewise_steps"] >= sim["depthwise_steps"] and sim["speedup_vs_sequencewise"] >= 1.0
     assert "speedup vs sequence-wise" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("text", ["oracle:0.5", "none:0.9", "none:abc"])
+def test_exit_rule_without_threshold_refuses_one(text):
+    """``none`` and ``oracle`` read no threshold: a value given to them is refused, not silently ignored."""
+    from blockloop.bench.suite import parse_exit_rule
+
+    with pytest.raises(BlockloopError, match="reads no threshold"):
+        parse_exit_rule(text)
+    assert parse_exit_rule(text.split(":")[0]).kind == text.split(":")[0]
+    assert parse_exit_rule(text.split(":")[0] + ":0").threshold == 0.0

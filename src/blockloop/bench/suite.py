@@ -121,7 +121,9 @@ def pages_kv(model: nn.Module) -> bool:
 def parse_exit_rule(text: str) -> ExitRule:
     """``RULE:THRESHOLD`` (``max_prob:0.9``, ``entropy:2.0``, ``none:0``) or ``oracle``."""
     kind, _, threshold = text.partition(":")
-    if kind in ("none", "oracle") and not threshold:  # rules that read no threshold
+    if kind in ("none", "oracle"):  # rules that read no threshold: one given would be ignored, so refuse it
+        if threshold.strip() not in ("", "0", "0.0"):
+            raise BlockloopError(f"--exit {kind} reads no threshold, got {text!r}; give {kind} (or {kind}:0)")
         return ExitRule(kind, 0.0)
     try:
         value = float(threshold)

@@ -1,9 +1,10 @@
-"""``blockloop <verb>``: train, eval, generate, convert, tasks, presets, flops, bench, info, demo.
+"""``blockloop <verb>``: train, eval, generate, convert, tasks, presets, flops, bench, info, demo, serve, chat.
 
 :data:`COMMANDS` maps each verb to a small module that declares its arguments (``HELP``, ``DESCRIPTION``,
 ``add_arguments``), calls the library and prints (``run``); the decisions live in the library, where the
-Python API gets the same answers. Only the named verb's arguments are built (some read their choices and
-defaults from the library, which imports torch), so ``blockloop --help`` and the light verbs start at once.
+Python API gets the same answers. Only the named verb's arguments are built, from torch-free modules (their
+choices and defaults come from ``choices.py``, ``train/config.py`` and ``convert/targets.py``; the library
+is imported inside ``run``), so ``blockloop --help`` and every ``blockloop VERB --help`` start at once.
 User mistakes surface as :class:`BlockloopError` and are printed as one
 line on stderr with exit code 2, as are the environment's refusals: an OS error that names a path (a full disk,
 a read-only folder, a file where a folder belongs: :data:`OS_ERRORS` has the fix for the common ones, and the path

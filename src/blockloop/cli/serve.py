@@ -16,7 +16,8 @@ if TYPE_CHECKING:
 
 HELP = "serve a checkpoint over an OpenAI-compatible HTTP API"
 DESCRIPTION = ("Serve a checkpoint with continuous batching behind /v1/completions, /v1/chat/completions, /v1/models, "
-               "/health and /metrics (Prometheus), for the openai client, curl or `blockloop bench --url`.")
+               "/tokenize (as vLLM's), /health and /metrics (Prometheus), for the openai client, curl or "
+               "`blockloop bench --url`.")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

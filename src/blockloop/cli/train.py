@@ -117,7 +117,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--resume", action="store_true", help="continue the run in --out from its latest checkpoint")
     add_no_progress(g)
     g = p.add_argument_group("hardware")
-    g.add_argument("--device", type=device, help="auto, cpu, cuda or cuda:N (default: auto)")
+    g.add_argument("--device", type=device, help="auto, cpu, cuda, cuda:N or mps (default: auto)")
     g.add_argument("--precision", choices=PRECISIONS, help="auto = bf16 autocast on CUDA, fp32 on CPU")
     g.add_argument("--compile", action="store_const", const=True, help="torch.compile the model")
     g.add_argument("--distributed", choices=DISTRIBUTED, help="strategy under torchrun (default: ddp)")
