@@ -76,6 +76,13 @@ def test_the_loop_streams_answers_and_reset_forgets_the_conversation(session):
     assert session.history[1]["content"] == "Nay, answer me."
 
 
+def test_an_unknown_command_is_named_not_sent_to_the_model(session):
+    out: list[str] = []
+    converse(session, lines("/help", "/clear"), out.append, interactive=False)
+    assert "".join(out).count("(no command /") == 2 and "/reset forgets the conversation" in "".join(out)
+    assert [m["role"] for m in session.history] == ["system"]  # nothing was asked
+
+
 def test_ctrl_c_stops_the_answer_not_the_program(session):
     out: list[str] = []
 

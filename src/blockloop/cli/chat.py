@@ -82,6 +82,9 @@ def converse(session: ChatSession, read: Callable[[str], str], write: Callable[[
             continue
         if not line:
             continue
+        if line.startswith("/") and line[1:].isalpha():  # /help, /clear, ...: a command, not a message
+            write(f"(no command {line}: {COMMANDS_HELP})\n")
+            continue
         problem = utf8_problem(line)
         if problem is not None:
             write(f"(that line {problem}; type it again in UTF-8)\n")
