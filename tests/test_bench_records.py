@@ -143,3 +143,16 @@ def test_a_record_file_that_cannot_be_written_is_refused_before_the_benchmark_ru
     assert code == EXIT_USER_ERROR and len(err.strip().splitlines()) == 1, err
     assert f"{record}; a file stands where a folder belongs" in err
     assert out == ""  # nothing was timed, so no result was thrown away
+
+
+def test_a_record_file_that_holds_something_else_is_refused_before_the_benchmark_runs(tmp_path, capsys):
+    """--record appends: a file that is not benchmark records (a README, say) is not appended to."""
+    from blockloop.cli import EXIT_USER_ERROR, main
+
+    record = tmp_path / "README.md"
+    record.write_text("# notes\n")
+    code = main(["bench", "--presets", "tiny", "--prompt-len", "4", "--gen-len", "4", "--batch-sizes", "1",
+                 "--repeats", "1", "--warmup", "0", "--device", "cpu", "--no-progress", "--record", str(record)])
+    out, err = capsys.readouterr()
+    assert code == EXIT_USER_ERROR and "line 1 is not a JSON record" in err and out == ""
+    assert record.read_text() == "# notes\n"

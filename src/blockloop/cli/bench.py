@@ -99,6 +99,10 @@ def run(args: argparse.Namespace) -> int:
         from blockloop.files import check_writable
 
         check_writable(args.record)
+        if args.record.is_file() and args.record.stat().st_size:  # appended to: it must already be records
+            from blockloop.bench.records import read_records
+
+            read_records(args.record)
     if args.url is not None:
         return _http(args)
     device = resolve_device(args.device)
