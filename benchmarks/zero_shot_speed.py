@@ -12,11 +12,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import time
 
 import torch
 
 from blockloop.bench.records import add_output_arguments, append_records, environment, output_dir, run_script
+from blockloop.bench.timing import timed
 from blockloop.device import resolve_device
 from blockloop.evals.benchmarks_data import load_rows
 from blockloop.evals.scoring import LAYOUTS, encode_request, score
@@ -50,14 +50,13 @@ def main() -> None:
         groups.sort(key=lambda g: -max(len(r.context) + len(r.continuation) for r in g))  # both batch alike
         best = {"reuse": float("inf"), "scratch": float("inf")}
         for _ in range(args.repeats):
-            start = time.perf_counter()
-            reused = score(model, groups, batch_size=args.batch_size).loglikelihood[:, 0]
-            best["reuse"] = min(best["reuse"], synchronized(device) - start)
-            start = time.perf_counter()
-            with torch.no_grad():
+            with timed(torch.device(device)) as reuse:
+                reused = score(model, groups, batch_size=args.batch_size).loglikelihood[:, 0]
+            best["reuse"] = min(best["reuse"], reuse.seconds)
+            with timed(torch.device(device)) as scratch_time, torch.no_grad():
                 parts = [from_scratch(model, groups[i : i + args.batch_size], None)[0][:, 0]
                          for i in range(0, len(groups), args.batch_size)]
-            best["scratch"] = min(best["scratch"], synchronized(device) - start)
+            best["scratch"] = min(best["scratch"], scratch_time.seconds)
         scratch = torch.cat(parts)
         tokens = sum(len(r.context) + len(r.continuation) for g in groups for r in g)
         row = {"task": name, "questions": len(groups), "requests": sum(map(len, groups)), "tokens": tokens,
@@ -66,13 +65,6 @@ def main() -> None:
                "max_abs_diff": float((reused.cpu() - scratch.cpu()).abs().max()), **environment(device)}
         print(json.dumps(row), flush=True)
         append_records(out, [row])
-
-
-def synchronized(device: str) -> float:
-    """The clock once the device has finished the work queued on it (a GPU runs behind the host)."""
-    if torch.device(device).type == "cuda":
-        torch.cuda.synchronize(device)
-    return time.perf_counter()
 
 
 if __name__ == "__main__":

@@ -227,7 +227,8 @@ CASES = [
     (["convert", "--to", "recursive", "--checkpoint", R, "--out", NEW, "--lora-init", "zero", "--calibration", "4"],
      "--lora-init, --calibration do not apply to --relax none (no LoRA modules); leave them out, or add --lora-rank R"),
     (["convert", "--to", "recursive", "--checkpoint", R, "--out", NEW, "--relax", "prefix", "--prefix-len", "2",
-      "--lora-alpha", "4"], "--lora-alpha does not apply to --relax prefix"),
+      "--lora-alpha", "4"], "--lora-alpha does not apply to --relax prefix (no LoRA modules); leave it out, or add "
+     "--relax lora --lora-rank R"),
     (["convert", "--to", "recursive", "--checkpoint", R, "--out", NEW, "--lora-rank", "2", "--lora-init", "zero",
       "--calibration", "4"], "--calibration does not apply to --lora-init zero"),
     (["convert", "--from-hf", "{base}/hf_pickle", "--checkpoint", R, "--out", NEW], "--checkpoint does not apply to --from-hf"),

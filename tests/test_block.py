@@ -223,3 +223,8 @@ def test_training_lowers_the_loss(tmp_path):
     trainer = Trainer(run.model, run.model_config, run.tokenizer, *sequences(run.splits, 32), config, tmp_path, run_info=spec.to_dict())
     before = trainer.validate()["val_loss"]
     assert trainer.fit()["val_loss"] < before - 1.0
+
+
+def test_a_one_block_context_is_refused_by_the_config():
+    with pytest.raises(ConfigError, match="one block of block_len=4; give at least two"):
+        from_name("tiny-block", context_length=4)

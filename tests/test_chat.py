@@ -121,6 +121,16 @@ def test_a_context_with_no_room_to_chat_is_refused_without_blaming_a_system_mess
         ChatSession(worker, trained.tokenizer, plain_template())
 
 
+def test_a_model_context_with_no_room_to_chat_does_not_ask_for_a_longer_max_len(run):
+    """Where --max-len is already the model context, raising it is refused: the fix is another model."""
+    trained = load_trained(run)
+    trained.model.config = trained.model.config.replace(context_length=1)
+    worker = EngineWorker(serving_engine(trained.model, 1))
+    with pytest.raises(BlockloopError, match="leaves no room for a message and an answer; chat with a model that "
+                                             "has a longer context"):
+        ChatSession(worker, trained.tokenizer, plain_template())
+
+
 def test_a_task_model_is_refused_up_front_not_on_every_line(session):
     from blockloop.data.tasks import TaskTokenizer, get_task
 

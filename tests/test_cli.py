@@ -101,6 +101,12 @@ def test_info_and_presets(trained_run, capsys):
         (["serve", "--checkpoint", "/no/such/run", "--name", ""], "argument --name: is empty"),
         (["chat", "--checkpoint", ""], "argument --checkpoint: is empty"),
         (["tasks", "import", "data.jsonl", "--out", "x", "--name", ""], "argument --name: is empty"),
+        (["tasks", "make", "random-walk:4", "--out", ""], "argument --out: is empty"),
+        (["tasks", "import", "data.jsonl", "--out", ""], "argument --out: is empty"),
+        (["convert", "--to", "weights", "--checkpoint", "", "--out", "x"], "argument --checkpoint: is empty"),
+        (["bench", "--stream", "--checkpoint", ""], "argument --checkpoint: is empty"),
+        (["demo", "--out", ""], "argument --out: is empty"),
+        (["info", ""], "argument checkpoint: is empty"),
     ],
 )
 def test_bad_input_is_one_line_and_exit_code_2(tmp_path, capsys, argv, match):

@@ -379,3 +379,15 @@ def test_flops_count_the_looped_depth(capsys):
     assert spec_of(config).training_flops(config, 64) == spec_of(config.stack(3)).training_flops(config.stack(3), 64)
     assert main(["flops", "--preset", "tiny-recursive"]) == 0
     assert "2-layer looped depth" in capsys.readouterr().out
+
+
+def test_a_config_json_written_before_the_unread_weight_refusals_still_loads():
+    """``convert --to recursive --lora-alpha A`` without a rank (or ``--set exit_kd_weight=W``) wrote these before
+    the refusals: the model never read them, so the checkpoint loads without them, not refused at load."""
+    from blockloop.families import config_from_dict
+
+    saved = {**from_name("tiny-recursive").to_dict(), "lora_alpha": 4.0, "exit_kd_weight": 0.5}
+    config = config_from_dict(saved)
+    assert config.lora_alpha is None and config.exit_kd_weight == 0.0
+    kept = config_from_dict({**saved, "lora_rank": 2, "exit_loss": "weighted"})
+    assert kept.lora_alpha == 4.0 and kept.exit_kd_weight == 0.5

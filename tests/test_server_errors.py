@@ -301,3 +301,15 @@ def test_a_taken_port_or_a_foreign_host_is_one_line_before_the_model_loads(capsy
     assert main(["serve", "--checkpoint", "/no/such/run", "--host", "999.1.1.1"]) == EXIT_USER_ERROR
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "--host '999.1.1.1' is no address of this machine" in err, err
+
+
+def test_a_port_another_serve_holds_while_its_model_loads_is_refused_at_once():
+    from blockloop.cli.serve import bind
+    from blockloop.errors import BlockloopError
+
+    first = bind("127.0.0.1", 0)  # a serve still loading its model: bound, uvicorn not started
+    try:
+        with pytest.raises(BlockloopError, match="Address already in use; another process listens there"):
+            bind("127.0.0.1", first.getsockname()[1]).close()
+    finally:
+        first.close()

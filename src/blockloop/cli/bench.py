@@ -15,6 +15,7 @@ from blockloop.cli.common import (
     add_no_pack,
     add_no_progress,
     int_range,
+    nonempty,
     nonnegative_int,
     number,
     positive_int,
@@ -32,7 +33,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     m = p.add_argument_group("models (the first one is the baseline the ratios divide by)")
     m.add_argument("--presets",
                    help="comma-separated presets, randomly initialised (default without --checkpoint: pythia-85m,block-85m)")
-    m.add_argument("--checkpoint", action="append", default=[],
+    m.add_argument("--checkpoint", action="append", default=[], type=nonempty,
                    help="a trained run to bench, after the --presets (repeatable; its validation loss is recorded for --plot)")
     add_device(m)
     add_no_pack(m)

@@ -21,7 +21,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
     p.add_argument("--to", choices=list(TARGETS),
                    help="target: " + "; ".join(f"{name}, {t.title}" for name, t in TARGETS.items()))
-    p.add_argument("--checkpoint", help="run directory or checkpoint of a trained vanilla model (with --to)")
+    p.add_argument("--checkpoint", type=nonempty, help="run directory or checkpoint of a trained vanilla model (with --to)")
     p.add_argument(
         "--from-hf", metavar="PATH",
         help="import a Hugging Face model folder (config.json + safetensors, or a GGUF with --gguf-file), or "

@@ -5,13 +5,13 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from blockloop.cli.common import add_device, add_no_progress, positive_int
+from blockloop.cli.common import add_device, add_no_progress, nonempty, positive_int
 
 HELP = "train every model family briefly on Shakespeare and compare them (CPU, minutes)"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--out", default="runs/demo", help="where the demo writes its runs (default: runs/demo)")
+    p.add_argument("--out", type=nonempty, default="runs/demo", help="where the demo writes its runs (default: runs/demo)")
     p.add_argument("--steps", type=positive_int, default=None, help="training steps per model (default: the demo's own)")
     add_device(p)
     add_no_progress(p)

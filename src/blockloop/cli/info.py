@@ -6,11 +6,13 @@ import argparse
 import json
 import platform
 
+from blockloop.cli.common import nonempty
+
 HELP = "show the environment, or a checkpoint's config and training state"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("checkpoint", nargs="?", help="run directory or checkpoint directory (omit for the environment)")
+    p.add_argument("checkpoint", nargs="?", type=nonempty, help="run directory or checkpoint directory (omit for the environment)")
 
 
 def run(args: argparse.Namespace) -> int:

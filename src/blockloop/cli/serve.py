@@ -80,7 +80,11 @@ def run(args: argparse.Namespace) -> int:
 
 
 def bind(host: str, port: int) -> socket.socket:
-    """A socket bound to ``host:port`` for uvicorn to listen on; what the system refuses is one line with the fix."""
+    """A socket listening on ``host:port`` for uvicorn to serve; what the system refuses is one line with the fix.
+
+    It listens at once, not only when uvicorn starts: with SO_REUSEADDR Linux lets a second socket bind a port
+    that another has bound but not yet listened on, so a second ``serve`` started while the first still loads
+    would pass this check and fail at uvicorn's ``listen``. Connections made meanwhile wait for the model."""
     try:
         family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
     except socket.gaierror as exc:
@@ -90,6 +94,7 @@ def bind(host: str, port: int) -> socket.socket:
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn does: a restart need not wait
         sock.bind(address)
+        sock.listen(2048)  # uvicorn's default backlog
     except OSError as exc:
         sock.close()
         fix = {errno.EADDRINUSE: "another process listens there; stop it or pick another --port",

@@ -19,7 +19,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     verbs.add_parser("list", help="the task names, default sizes and descriptions")
     m = verbs.add_parser("make", help="generate a task and write its splits to --out")
     m.add_argument("name", help="task name (see `blockloop tasks list`)")
-    m.add_argument("--out", required=True, help="directory to create (must not exist, or be empty)")
+    m.add_argument("--out", required=True, type=nonempty, help="directory to create (must not exist, or be empty)")
     m.add_argument("--seed", type=nonnegative_int, default=0, help="seed of the three splits (default: 0)")
     m.add_argument("--sizes", help="TRAIN,VALID,TEST counts of programs or sequences (default: the task's own)")
     add_no_progress(m)
@@ -27,7 +27,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                          description='One sequence per line: {"tokens": [...], "labels": [...]}, one label per token '
                          "(null where nothing is asked). The vocabulary is built from the data.")
     i.add_argument("data", help="JSON-lines file of sequences (the train split when --valid and --test are given)")
-    i.add_argument("--out", required=True, help="directory to create (must not exist, or be empty)")
+    i.add_argument("--out", required=True, type=nonempty, help="directory to create (must not exist, or be empty)")
     i.add_argument("--name", type=nonempty, help="the task's name, recorded by runs (default: the --out directory's name)")
     i.add_argument("--valid", help="a file of validation sequences (with --test; default: drawn from DATA)")
     i.add_argument("--test", help="a file of test sequences (with --valid)")

@@ -38,7 +38,9 @@ def _recursive_unread(given: dict[str, Any]) -> tuple[list[str], str, str]:
     relax = given.get("relax") or ("lora" if given.get("lora_rank") else "none")
     if relax != "lora":
         lora = [name for name in ("lora_alpha", "lora_init", "calibration") if name in given]
-        return lora, f"--relax {relax} (no LoRA modules)", ", or add --lora-rank R"
+        # --lora-rank alone is refused beside --relax none/prefix: name the relaxation too where one was given
+        add = "--relax lora --lora-rank R" if "relax" in given else "--lora-rank R"
+        return lora, f"--relax {relax} (no LoRA modules)", f", or add {add}"
     if given.get("lora_init") == "zero" and "calibration" in given:
         return ["calibration"], "--lora-init zero (it weights the SVD init)", ""
     return [], "", ""

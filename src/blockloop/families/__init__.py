@@ -89,7 +89,7 @@ def config_from_dict(data: dict[str, Any]) -> ModelConfig:
     defaults = shared_defaults()
     data = {k: v for k, v in data.items() if k in known or k not in defaults or v != defaults[k]}
     check_fields(cls, data)
-    return cls(**data)
+    return cls(**cls.saved_fields(data))
 
 
 def load_config(path: Path) -> ModelConfig:

@@ -71,6 +71,10 @@ class BlockTransformerConfig(ModelConfig):
                 self.context_length % self.block_len == 0,
                 f"context_length={self.context_length} is not a multiple of block_len={self.block_len}",
             ),
+            (  # block 0 is never predicted: a one-block context could not train, score or generate anything
+                self.context_length >= 2 * self.block_len,
+                f"context_length={self.context_length} is one block of block_len={self.block_len}; give at least two",
+            ),
             (self.embedder in EMBEDDERS, f"embedder={self.embedder!r} is not one of {EMBEDDERS}"),
             (self.token_decoder in TOKEN_DECODERS, f"token_decoder={self.token_decoder!r} is not one of {TOKEN_DECODERS}"),
             (self.token_decoder != "prefix" or self.prefix_len >= 1, "the prefix token decoder needs prefix_len >= 1"),

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import ClassVar
+from typing import Any, ClassVar
 
 from torch import nn
 
@@ -85,6 +85,17 @@ class RecursiveConfig(LocalAttention, InputEmbedding, PretrainedFeatures, Transf
                 "local_depths need a positive sliding_window (how many recent positions they see)",
             ),
         )
+
+    @classmethod
+    def saved_fields(cls, data: dict[str, Any]) -> dict[str, Any]:
+        """A checkpoint written before the refusals of unread weights (``convert --to recursive --lora-alpha A``
+        without a rank, ``--set exit_kd_weight=W`` without an exit loss) loads: the model never read them."""
+        data = dict(data)
+        if not data.get("lora_rank"):
+            data.pop("lora_alpha", None)
+        if data.get("exit_loss", "none") == "none":
+            data.pop("exit_kd_weight", None)
+        return data
 
     @property
     def depth(self) -> int:

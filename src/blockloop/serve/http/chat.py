@@ -158,12 +158,15 @@ class ChatSession:
         self.max_new_tokens, self.sampling, self.system = max_new_tokens, sampling, system
         self.reset()
         taken = len(self.prompt(self.history)) if self.history else 0
-        if worker.engine.room(taken) < 2 and not self.history:  # a context too short for any conversation
-            raise BlockloopError(f"a context of {worker.engine.max_len} tokens leaves no room for a message and "
-                                 "an answer; raise --max-len")
         if worker.engine.room(taken) < 2:  # a user turn and an answer
-            raise BlockloopError(f"the system message takes {taken} of the model's {worker.engine.max_len} context "
-                                 "tokens, leaving no room to chat; shorten it")
+            if self.history:
+                raise BlockloopError(f"the system message takes {taken} of the model's {worker.engine.max_len} "
+                                     "context tokens, leaving no room to chat; shorten it")
+            context = worker.engine.model.config.context_length  # a context too short for any conversation
+            fix = ("raise --max-len (at most the model context of {context})" if worker.engine.max_len < context
+                   else "chat with a model that has a longer context").format(context=context)
+            raise BlockloopError(f"a context of {worker.engine.max_len} tokens leaves no room for a message and "
+                                 f"an answer; {fix}")
 
     def reset(self) -> None:
         self.history: list[Message] = [{"role": "system", "content": self.system}] if self.system else []
