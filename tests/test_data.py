@@ -16,11 +16,12 @@ import torch
 
 from blockloop.data import tokenizers as tokenizers_module
 from blockloop.data.corpora import BUILTIN_CORPORA, load_documents
-from blockloop.data.dataset import prepare_tokens
+from blockloop.data.dataset import prepare_tokens, split_documents
 from blockloop.data.loader import PackedSequences, TrainBatches, eval_batches
 from blockloop.data.packages import fetch_package_files
 from blockloop.data.tokenizers import ByteTokenizer, Tokenizer, build_tokenizer, load_tokenizer
 from blockloop.errors import BlockloopError
+from blockloop.train.run import RunSpec, prepare_run
 
 SAMPLE = "Hello world! Ünïcödé — 日本語 🙂 tabs\tand\nnewlines,  double  spaces."
 
@@ -353,7 +354,31 @@ def test_prepare_tokens_few_documents_hold_out_the_tail(cache: Path, tmp_path: P
     splits = prepare_tokens(str(tmp_path / "one.txt"), ByteTokenizer(), val_fraction=0.1, show_progress=False)
     stream = np.concatenate([splits.train, splits.val])
     assert bytes(stream[:-1].astype(np.uint8)) == text.encode("utf-8") and stream[-1] == 256
-    assert len(splits.val) == round(0.1 * len(stream))
+    held_out = text[len(text) - round(0.1 * len(text)):]  # a tenth of the characters, then the document's end
+    assert bytes(splits.val[:-1].astype(np.uint8)) == held_out.encode("utf-8")
+
+
+def test_the_split_is_decided_on_the_text_so_a_cut_document_keeps_no_end_of_text_in_the_middle() -> None:
+    documents = ["a" * 50, "b" * 30, "c" * 20]
+    split = split_documents(documents, val_fraction=0.3)
+    assert (split.rule, split.continues) == ("tail", True)
+    assert split.train == ["a" * 50, "b" * 20] and split.val == ["b" * 10, "c" * 20]
+    whole = split_documents(documents, val_fraction=0.2)  # the cut falls between two documents
+    assert (whole.train, whole.val, whole.continues) == (["a" * 50, "b" * 30], ["c" * 20], False)
+
+
+def test_a_bpe_trained_for_a_run_never_sees_the_validation_text(cache: Path, tmp_path: Path) -> None:
+    """The held-out documents are replaced by text of the same lengths (the split depends only on lengths)
+    that a BPE learns merges for at once; the run's tokenizer must not have learned them."""
+    documents = _small_corpus(40)
+    held_out = split_documents(documents).val
+    assert held_out
+    secret = [("qj" * len(doc))[: len(doc)] if doc in held_out else doc for doc in documents]
+    folder = _write_txt_dir(tmp_path / "corpus", secret)
+    run = prepare_run(RunSpec(preset="tiny", data=str(folder), tokenizer="bpe:300"), seed=0, show_progress=False)
+    assert len(run.tokenizer.encode("qjqjqjqj")) == 8
+    assert len(build_tokenizer("bpe:300", secret).encode("qjqjqjqj")) < 8  # it would, had it seen them
+    assert "qjqj" in run.tokenizer.decode(np.asarray(run.splits.val).tolist())
 
 
 def test_prepare_tokens_with_gpt2_separates_documents(gpt2: Tokenizer, cache: Path, tmp_path: Path) -> None:
@@ -385,7 +410,7 @@ def test_prepare_tokens_errors(gpt2: Tokenizer, cache: Path, tmp_path: Path) -> 
         prepare_tokens(f"bytes:{tmp_path / 'blob'}", gpt2, show_progress=False)
     with pytest.raises(BlockloopError, match="val_fraction"):
         prepare_tokens(str(tmp_path / "tiny.txt"), ByteTokenizer(), val_fraction=0.0)
-    assert len(prepare_tokens(f"bytes:{tmp_path / 'blob'}", ByteTokenizer(), show_progress=False).val) == 5
+    assert len(prepare_tokens(f"bytes:{tmp_path / 'blob'}", ByteTokenizer(), show_progress=False).val) == 5 + 1
 
 
 # --- loader ----------------------------------------------------------------------------------------

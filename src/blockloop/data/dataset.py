@@ -26,7 +26,9 @@ from blockloop.errors import BlockloopError
 from blockloop.files import new_dir
 
 # Bump whenever the stream layout or split rule changes, so stale caches are not reused.
-_FORMAT = 1
+_FORMAT = 2
+# The share of a corpus held out for validation.
+VAL_FRACTION = 0.05
 # Below this many documents, holding out whole documents gives too coarse a validation fraction.
 _MIN_DOCUMENTS_FOR_DOCUMENT_SPLIT = 20
 # Characters handed to one encode_batch call: large enough to keep all cores busy, small enough for a
@@ -43,25 +45,16 @@ class TokenSplits:
 
 
 def prepare_tokens(
-    source: str, tokenizer: Tokenizer, *, val_fraction: float = 0.05, show_progress: bool = True
+    source: str, tokenizer: Tokenizer, *, val_fraction: float = VAL_FRACTION, show_progress: bool = True
 ) -> TokenSplits:
     """Tokenize corpus ``source`` (see :func:`load_documents`) into cached train/validation streams.
 
     Each document is encoded and followed by ``tokenizer.eos_id``; the documents are concatenated in
-    order. The split is deterministic:
-
-    * With at least 20 documents, whole documents are held out, so validation text is never seen in
-      training, not even as the other half of a document. Walking documents in order, a document goes to
-      validation when doing so keeps validation at most ``val_fraction`` of the tokens seen so far; this
-      spreads held-out documents evenly over the corpus (every ~1/val_fraction-th document when they are
-      of similar size) and lands close to ``val_fraction`` of all tokens.
-    * With fewer documents, or when that rule holds out less than half of ``val_fraction`` (a few huge
-      documents), the last ``val_fraction`` of the token stream is validation instead.
+    order. Which text is held out is decided by :func:`split_documents` before tokenizing, so it does not
+    depend on the tokenizer and a tokenizer trained on the corpus can be trained on the training side only.
 
     An empty split raises :class:`BlockloopError`.
     """
-    if not 0.0 < val_fraction < 1.0:
-        raise BlockloopError(f"val_fraction must be between 0 and 1, got {val_fraction}")
     documents = load_documents(source)
     key = hashlib.sha256(
         json.dumps([_FORMAT, tokenizer.name, tokenizer.fingerprint(), repr(val_fraction)]).encode()
@@ -71,9 +64,13 @@ def prepare_tokens(
     if _read_cache(folder) is None:
         shutil.rmtree(folder, ignore_errors=True)  # absent, or damaged (a truncated file): tokenized afresh
         dtype = np.uint16 if tokenizer.vocab_size <= 1 << 16 else np.uint32
+        split = split_documents(documents, val_fraction)
         description = f"tokenizing {source} ({tokenizer.name})"
-        encoded = _encode(documents, tokenizer, dtype, description, show_progress)
-        train, val, split = _split(encoded, val_fraction)
+        encoded = _encode(split.train + split.val, tokenizer, dtype, description, show_progress)
+        if split.continues:  # the last training piece goes on in validation: no end-of-text between them
+            encoded[len(split.train) - 1] = encoded[len(split.train) - 1][:-1]
+        train = _concatenate(encoded[: len(split.train)], dtype)
+        val = _concatenate(encoded[len(split.train) :], dtype)
         if len(train) == 0 or len(val) == 0:
             raise BlockloopError(
                 f"corpus {source!r} is too small to split into training and validation "
@@ -87,7 +84,7 @@ def prepare_tokens(
             "eos_id": tokenizer.eos_id,
             "dtype": np.dtype(dtype).name,
             "documents": len(documents),
-            "split": split,
+            "split": split.rule,
             "train_tokens": len(train),
             "val_tokens": len(val),
         }
@@ -137,23 +134,66 @@ def _batches(documents: Sequence[str | bytes]) -> Iterator[Sequence[str | bytes]
             start, size = end, 0
 
 
-def _split(encoded: list[np.ndarray], val_fraction: float) -> tuple[np.ndarray, np.ndarray, str]:
-    """(train, val, rule used) for the per-document token arrays; see :func:`prepare_tokens`."""
-    if len(encoded) >= _MIN_DOCUMENTS_FOR_DOCUMENT_SPLIT:
-        train_docs, val_docs = [], []
+@dataclass
+class DocumentSplit:
+    """The corpus text on each side of the train/validation split (see :func:`split_documents`)."""
+
+    train: list[str | bytes]
+    val: list[str | bytes]
+    rule: str  # "documents": whole documents held out; "tail": the end of the text
+    continues: bool = False  # the last training piece and the first validation piece are one document, cut
+
+
+def split_documents(documents: Sequence[str | bytes], val_fraction: float = VAL_FRACTION) -> DocumentSplit:
+    """Hold out about ``val_fraction`` of the corpus's characters (bytes for binary data), deterministically.
+
+    * With at least 20 documents, whole documents are held out, so validation text is never seen in
+      training, not even as the other half of a document. Walking documents in order, a document goes to
+      validation when doing so keeps validation at most ``val_fraction`` of the text seen so far; this
+      spreads held-out documents evenly over the corpus (every ~1/val_fraction-th document when they are
+      of similar size) and lands close to ``val_fraction`` of all text.
+    * With fewer documents, or when that rule holds out less than half of ``val_fraction`` (a few huge
+      documents), the last ``val_fraction`` of the text is validation instead, cutting the document it
+      starts in.
+
+    Lengths count one extra for each document's end-of-text token, so a corpus of many short documents
+    splits like its token stream would.
+    """
+    if not 0.0 < val_fraction < 1.0:
+        raise BlockloopError(f"val_fraction must be between 0 and 1, got {val_fraction}")
+    if len(documents) >= _MIN_DOCUMENTS_FOR_DOCUMENT_SPLIT:
+        train, val = [], []
         seen = held_out = 0
-        for ids in encoded:
-            seen += len(ids)
-            if held_out + len(ids) <= val_fraction * seen:
-                val_docs.append(ids)
-                held_out += len(ids)
+        for doc in documents:
+            size = len(doc) + 1
+            seen += size
+            if held_out + size <= val_fraction * seen:
+                val.append(doc)
+                held_out += size
             else:
-                train_docs.append(ids)
+                train.append(doc)
         if held_out >= 0.5 * val_fraction * seen:
-            return np.concatenate(train_docs), np.concatenate(val_docs), "documents"
-    stream = np.concatenate(encoded)
-    n_val = round(val_fraction * len(stream))
-    return stream[: len(stream) - n_val], stream[len(stream) - n_val :], "tail"
+            return DocumentSplit(train, val, "documents")
+    total = sum(len(doc) for doc in documents)
+    cut = total - round(val_fraction * total)  # offset into the joined text where validation starts
+    train, val = [], []
+    continues = False
+    start = 0
+    for doc in documents:
+        if start + len(doc) <= cut:
+            train.append(doc)
+        elif start >= cut:
+            val.append(doc)
+        else:
+            train.append(doc[: cut - start])
+            val.append(doc[cut - start :])
+            continues = True
+        start += len(doc)
+    return DocumentSplit(train, val, "tail", continues)
+
+
+def _concatenate(arrays: list[np.ndarray], dtype: type[np.unsignedinteger]) -> np.ndarray:
+    return np.concatenate(arrays) if arrays else np.zeros(0, dtype=dtype)
 
 
 def _read_cache(folder: Path) -> dict[str, Any] | None:

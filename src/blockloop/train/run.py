@@ -17,7 +17,7 @@ from torch import nn
 
 from blockloop.config import ModelConfig
 from blockloop.data.corpora import load_documents
-from blockloop.data.dataset import TokenSplits, prepare_tokens
+from blockloop.data.dataset import TokenSplits, prepare_tokens, split_documents
 from blockloop.data.loader import PackedSequences
 from blockloop.data.tasks import TaskData, TaskSequences, TaskTokenizer, TaskVocab, get_task, open_task
 from blockloop.data.tokenizers import Tokenizer, build_tokenizer, load_tokenizer
@@ -75,8 +75,9 @@ def prepare_run(
         splits = open_task(spec.task, spec.task_dir, show_progress=show_progress, context=config.context_length)
         tokenizer: Tokenizer = TaskTokenizer(splits.name, splits.vocab)
     else:
-        # Only a tokenizer trained on the corpus needs its documents.
-        documents = load_documents(spec.data) if spec.tokenizer.split(":")[0] == "bpe" else None
+        # Only a tokenizer trained on the corpus needs its documents: those of the training side, so that no
+        # validation text shapes the vocabulary.
+        documents = split_documents(load_documents(spec.data)).train if spec.tokenizer.split(":")[0] == "bpe" else None
         tokenizer = build_tokenizer(spec.tokenizer, documents)
         splits = prepare_tokens(spec.data, tokenizer, show_progress=show_progress)
     padded = padded_vocab(tokenizer.vocab_size + config.reserved_ids)  # + span-corruption sentinels, if any
