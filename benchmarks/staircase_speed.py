@@ -3,12 +3,12 @@
 Every model shares one core shape (the demo's: 4 Llama-style layers, d=128), so all but the Universal
 Transformer (one layer of it) have the same parameters; what differs is how often the core runs per token.
 One timed step = forward + backward + AdamW step on a batch of random byte tokens; the plain decoder is
-timed in the same run and every ratio is against it. CPU numbers (one thread by default): the paper's
-absolute times (V100, 117M models) are not comparable, only the ordering and the ratios.
+timed in the same run and every ratio is against it. On CPU (one thread by default) or a GPU (``--device cuda``)
+at this size, the paper's absolute times (V100, 117M models) are not comparable, only the ordering and the ratios.
 
     .venv/bin/python benchmarks/staircase_speed.py --record
 
-Writes ``staircase_speed_cpu.{json,md}`` to runs/bench/ (``--out-dir DIR`` elsewhere, ``--record`` into
+Writes ``staircase_speed_<device>.{json,md}`` to runs/bench/ (``--out-dir DIR`` elsewhere, ``--record`` into
 benchmarks/results/).
 """
 
@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import time
 
 import torch
 
@@ -28,6 +27,8 @@ from blockloop.bench.records import (
     output_dir,
     run_script,
 )
+from blockloop.bench.timing import timed
+from blockloop.device import resolve_device
 from blockloop.families import build_model, from_name
 
 CORE = {"n_layer": 4, "d_model": 128, "n_head": 4, "n_kv_head": 4, "context_length": 256}
@@ -50,25 +51,26 @@ def models(seq_len: int) -> list[tuple[str, str, dict]]:
     ]
 
 
-def time_train_step(preset: str, overrides: dict, batch: int, seq_len: int, repeats: int) -> tuple[int, float]:
+def time_train_step(preset: str, overrides: dict, batch: int, seq_len: int, repeats: int,
+                    device: torch.device) -> tuple[int, float]:
     torch.manual_seed(0)
-    model = build_model(from_name(preset, **overrides))
+    model = build_model(from_name(preset, **overrides)).to(device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    idx = torch.randint(0, 258, (batch, seq_len))
+    idx = torch.randint(0, 258, (batch, seq_len), device=device)
     recurrent = getattr(model.config, "recurrent", False)
     times, state = [], None
     for i in range(repeats + 1):  # the first is a warm-up
-        start = time.perf_counter()
-        if recurrent:  # as in truncated-BPTT training: the previous segment's state comes in
-            _, loss, state = model(idx, idx, state=state, return_state=True)
-            state = state.detach()
-        else:
-            _, loss = model(idx, idx)
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+        with timed(device) as step:
+            if recurrent:  # as in truncated-BPTT training: the previous segment's state comes in
+                _, loss, state = model(idx, idx, state=state, return_state=True)
+                state = state.detach()
+            else:
+                _, loss = model(idx, idx)
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
         if i:
-            times.append(time.perf_counter() - start)
+            times.append(step.seconds)
     return model.num_parameters(), statistics.median(times)
 
 
@@ -77,27 +79,30 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--seq-len", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=5, help="timed steps per model (median reported)")
-    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--threads", type=int, default=1, help="CPU threads (default: 1)")
+    parser.add_argument("--device", default="cpu", help="cpu, cuda or auto (default: cpu); the files are named after it")
     add_output_arguments(parser)
     args = parser.parse_args()
+    device = torch.device(resolve_device(args.device))
     out = output_dir(args)
     torch.set_num_threads(args.threads)
     rows = []
     for label, preset, overrides in models(args.seq_len):
-        params, seconds = time_train_step(preset, overrides, args.batch_size, args.seq_len, args.repeats)
+        params, seconds = time_train_step(preset, overrides, args.batch_size, args.seq_len, args.repeats, device)
         rows.append((label, params, seconds))
         print(f"{label}: {params:,} parameters, {seconds * 1e3:.0f} ms per batch", flush=True)
     base = rows[0][2]
-    env = environment("cpu")
+    env = environment(device.type)
     lines = [
-        "# Staircase family: train time per batch vs the plain transformer (CPU)",
+        f"# Staircase family: train time per batch vs the plain transformer ({device.type.upper()})",
         "",
         f"- {environment_line(env)}",
         (f"- one step = forward + backward + AdamW on {args.batch_size} x {args.seq_len} random byte tokens; median of "
          f"{args.repeats} after a warm-up; core: {CORE['n_layer']} layers, d={CORE['d_model']} (Llama style); recurrent "
          "models get the previous step's state (truncated BPTT), so caches and memories are full"),
         ("- CPU numbers: the ratios show the cost of recurrence, not GPU parallelism (the Feedback Transformer's "
-         "token-by-token loop costs far more on a GPU)"),
+         "token-by-token loop costs far more on a GPU)") if device.type == "cpu" else
+        "- GPU numbers at CPU-benchmark size: small kernels, so launch overhead weighs more than in the paper",
         "",
         "| model | parameters | train ms / batch | vs plain |",
         "|---|---|---|---|",
@@ -109,8 +114,8 @@ def main() -> None:
     record = {**env, "settings": settings, "core": CORE,
               "rows": [{"model": label, "parameters": params, "train_s_per_batch": s, "vs_plain": s / base}
                        for label, params, s in rows]}
-    (out / "staircase_speed_cpu.json").write_text(json.dumps(record, indent=2) + "\n")
-    (out / "staircase_speed_cpu.md").write_text(text)
+    (out / f"staircase_speed_{device.type}.json").write_text(json.dumps(record, indent=2) + "\n")
+    (out / f"staircase_speed_{device.type}.md").write_text(text)
 
 
 if __name__ == "__main__":

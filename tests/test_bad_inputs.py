@@ -93,6 +93,8 @@ CASES = [
     (["train", *TINY, "--set", "rope_base=NaN", "--out", NEW], "rope_base must be a finite number"),
     (["train", *TINY, "--set", "bias=1", "--out", NEW], "bias must be true or false"),
     (["train", *TINY, "--set", 'local_layers=["a"]', "--out", NEW], "local_layers must be a list of integers"),
+    (["train", *TINY, "--set", "vocab_size=1", "--out", NEW], "--set vocab_size: this field is set from the tokenizer"),
+    (["train", *TINY, "--set", "padded_vocab_size=512", "--out", NEW], "choose the vocabulary with --tokenizer"),
     (["train", *TINY, "--set", "no_such_field=1", "--out", NEW], "no config field no_such_field"),
     (["train", *TINY, "--set", "d_model", "--out", NEW], "--set expects FIELD=VALUE"),
     # train: every number at the boundary

@@ -165,7 +165,7 @@ def resolve_checkpoint(path: Path) -> Path:
         return steps[-1]
     if _is_hf_folder(path):
         raise BlockloopError(f"{path} is a Hugging Face model folder, not a blockloop checkpoint; import it first: "
-                             f"blockloop convert --from-hf {path} --out RUN, then pass --checkpoint RUN")
+                             f"blockloop convert --from-hf {path} --out RUN, then give RUN in its place")
     if (path / "model.safetensors").is_file():
         return path
     if checkpoint_root(path).is_dir() or (path / LOCK_FILE).is_file():  # a run that never wrote a checkpoint

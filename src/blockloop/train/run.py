@@ -52,6 +52,10 @@ class PreparedRun:
     splits: TokenSplits | TaskData
 
 
+# Model config fields that prepare_run fills in from the tokenizer, whatever the preset says.
+TOKENIZER_FIELDS = frozenset({"vocab_size", "padded_vocab_size", "pad_id"})
+
+
 def padded_vocab(vocab_size: int, multiple: int = 64) -> int:
     """Round the embedding table up so matrix shapes stay tensor-core friendly (as Pythia's 50,304)."""
     return (vocab_size + multiple - 1) // multiple * multiple
@@ -69,6 +73,10 @@ def prepare_run(
         start = load_trained(spec.init_from)
         splits = prepare_data(spec, start.tokenizer, start.config, show_progress=show_progress)
         return PreparedRun(spec, start.tokenizer, start.config, start.model.train(), splits)
+    from_tokenizer = sorted(set(spec.model_overrides) & TOKENIZER_FIELDS)
+    if from_tokenizer:
+        raise BlockloopError(f"--set {from_tokenizer[0]}: this field is set from the tokenizer when the model is "
+                             "built; choose the vocabulary with --tokenizer (or --task) instead")
     config = from_name(spec.preset, **spec.model_overrides)  # fail on a bad preset before any data work
     if spec.task is not None:
         check_learns_tasks(config)
