@@ -88,6 +88,25 @@ def test_gradient_accumulation_matches_the_larger_batch(tmp_path):
     assert losses(tmp_path / "accum") == pytest.approx(losses(tmp_path / "big"), abs=1e-5)
 
 
+def test_accumulated_micro_batches_that_score_different_numbers_of_targets_weigh_each_target_equally(tmp_path):
+    """Under PrefixLM each micro-batch draws its own breakpoint, so each scores a different number of targets: the
+    accumulated gradient and the logged loss must be those of one batch holding both (a mean over every scored
+    target), not the mean of the two micro-batch means."""
+    trainer = make_trainer(tmp_path / "run", steps=1, batch_size=2, grad_accum=2, objective="prefix_lm", grad_clip=0.0)
+    seen, grads = [], {}
+    collate = trainer.collate
+    trainer.collate = lambda *args: seen.append(collate(*args)) or seen[-1]
+    trainer.optimizer.step = lambda: grads.update({n: p.grad.clone() for n, p in trainer.model.named_parameters()})
+    logged = trainer._train_step()
+    scored = [int((batch["targets"] != -100).sum()) for batch in seen]
+    assert len(set(scored)) == 2  # the two micro-batches score different numbers of targets
+    _, loss = trainer.model(**{key: torch.cat([batch[key] for batch in seen]) for key in seen[0]})
+    loss.backward()
+    assert logged == pytest.approx(loss.item(), rel=1e-5)
+    for name, param in trainer.model.named_parameters():
+        torch.testing.assert_close(grads[name], param.grad, rtol=1e-4, atol=1e-6)
+
+
 def test_non_finite_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path):
     trainer = make_trainer(tmp_path / "run")
     forward, calls = trainer.forward, []

@@ -65,12 +65,15 @@ def parallelize(model: nn.Module, strategy: str, info: DistInfo, device: torch.d
     raise ValueError(f"unknown distributed strategy {strategy!r}; choose one of {DISTRIBUTED}")
 
 
-def mean_across_ranks(value: torch.Tensor, info: DistInfo) -> torch.Tensor:
+def sum_across_ranks(value: torch.Tensor, info: DistInfo) -> torch.Tensor:
     if info.enabled:
         value = value.clone()
         dist.all_reduce(value, op=dist.ReduceOp.SUM)
-        value /= info.world_size
     return value
+
+
+def mean_across_ranks(value: torch.Tensor, info: DistInfo) -> torch.Tensor:
+    return sum_across_ranks(value, info) / info.world_size
 
 
 def barrier(info: DistInfo) -> None:

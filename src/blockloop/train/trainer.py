@@ -34,7 +34,7 @@ from blockloop.families import spec_of
 from blockloop.files import atomic_write_text
 from blockloop.train import checkpoint as ckpt
 from blockloop.train.config import TrainConfig
-from blockloop.train.distributed import DistInfo, barrier, mean_across_ranks, parallelize
+from blockloop.train.distributed import DistInfo, barrier, mean_across_ranks, parallelize, sum_across_ranks
 from blockloop.train.evaluate import evaluate
 from blockloop.train.flops import mfu
 from blockloop.train.optim import build_optimizer, lr_at
@@ -201,34 +201,47 @@ class Trainer:
         return last
 
     def _train_step(self) -> float:
+        """One optimizer step over ``grad_accum`` micro-batches (on every rank): the gradient of the mean loss over
+        all the step's scored targets, as one large batch would give.
+
+        Each micro-batch's loss is a mean over its own scored targets (those not -100), and the objectives that
+        leave some unscored (PrefixLM breakpoints, block padding, span lengths, task labels) score a different
+        number in each; so each loss is weighted by its share of the step's scored targets, not by 1/grad_accum.
+        DDP and FSDP average gradients over ranks, hence the factor world_size.
+        """
         cfg = self.config
         autocast = torch.autocast(self.device.type, dtype=self.autocast_dtype) if self.autocast_dtype else nullcontext()
-        total = torch.zeros((), device=self.device)
+        batches, fresh_streams = [], []
         for micro in range(cfg.grad_accum):
             # Each rank draws its own batch noise (span corruption, block padding, PrefixLM breakpoints), as the
             # rows of one larger batch would; one process draws what rank 0 does.
             draw = (self.step * cfg.grad_accum + micro) * self.dist.world_size + self.dist.rank
-            generator = step_generator(cfg.seed, draw)
-            batch = self.collate(*self.batches.next_batch(), generator)
-            batch = {k: v.to(self.device, non_blocking=True) for k, v in batch.items()}
+            batch = self.collate(*self.batches.next_batch(), step_generator(cfg.seed, draw))
+            batches.append({k: v.to(self.device, non_blocking=True) for k, v in batch.items()})
+            fresh_streams.append(self.recurrent and self.batches.starts_streams)
+        scored = [(batch["targets"] != -100).sum() for batch in batches]
+        step_scored = sum_across_ranks(torch.stack(scored).sum(), self.dist).clamp(min=1)
+        total = torch.zeros((), device=self.device)
+        for micro, batch in enumerate(batches):
             sync = micro == cfg.grad_accum - 1
             no_sync = getattr(self.train_model, "no_sync", None)
             with (nullcontext() if sync or no_sync is None else no_sync()), autocast:
                 if self.recurrent:
-                    state = None if self.batches.starts_streams else self.stream_states[micro]
+                    state = None if fresh_streams[micro] else self.stream_states[micro]
                     logits, loss, state = self.forward(**batch, state=state, return_state=True)
                     self.stream_states[micro] = state.detach()
                 else:
                     logits, loss = self.forward(**batch)
                 if self.loss_hook is not None:
                     loss = self.loss_hook(batch, logits, loss)
-                (loss / cfg.grad_accum).backward()
-            total += loss.detach()
+                share = scored[micro] / step_scored
+                (loss * share * self.dist.world_size).backward()
+            total += loss.detach() * share
         if cfg.grad_clip > 0:
             torch.nn.utils.clip_grad_norm_(self.train_model.parameters(), cfg.grad_clip)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        return mean_across_ranks(total / cfg.grad_accum, self.dist).item()
+        return sum_across_ranks(total, self.dist).item()
 
     def validate(self) -> dict[str, float]:
         result = evaluate(
