@@ -226,6 +226,9 @@ def test_cli_runs_the_shipped_benchmarks_writes_json_and_compares(tiny_run, tmp_
     (["--tasks", "all,copa"], "give all alone"),
     (["--tasks", "copa,piqa,copa"], "names copa more than once"),
     (["--tasks", "copa", "--out", ""], "argument --out: is empty"),
+    (["--compare", "a.json", "b.json", "--tasks", "copa", "--shots", "3"],
+     "--checkpoint, --tasks, --shots do not apply to --compare"),
+    (["--compare", "a.json", "b.json", "--json"], "--checkpoint, --json do not apply to --compare (it only reads the two stored results)"),
 ])
 def test_cli_benchmark_errors_are_one_line(tiny_run, capsys, argv, match):
     code = main(["eval", "--checkpoint", str(tiny_run), "--device", "cpu", *argv])
@@ -247,6 +250,17 @@ def test_compare_lines_a_per_loop_record_final_loop_up_with_plain_rows():
     assert rows[2] == ("piqa", "acc", "1", "-", "50.0 ± 1.0", "-", "")
     few = {"results": [{**row(0.7), "shots": 5, "n": 20}]}
     assert compare_rows({"results": [{**row(0.6), "shots": 0, "n": 20}]}, few, ("A", "B"))[1][-1] == "shots 0 vs 5"
+
+
+def test_few_shot_results_record_their_seed_and_compare_says_when_it_differs():
+    from blockloop.evals.results import compare_rows
+
+    tok = ByteTokenizer()
+    model = build_model(small_variant("tiny").replace(vocab_size=tok.vocab_size, padded_vocab_size=320)).eval()
+    runs = [run_benchmarks(model, tok, BenchmarkRequest(["piqa"], limit=2, **kw), rows=lambda d: PIQA_ROWS)
+            for kw in ({"shots": 2, "seed": 1}, {"shots": 2, "seed": 2}, {})]
+    assert [r.get("seed") for run in runs for r in run["results"][:1]] == [1, 2, None]  # zero-shot draws nothing
+    assert compare_rows(runs[0], runs[1], ("A", "B"))[1][-1] == "seed 1 vs 2"
 
 
 def test_every_task_is_checked_before_any_is_scored(monkeypatch):

@@ -96,6 +96,9 @@ def test_rolling_log_likelihood_and_greedy_generation(byte_model):
     assert total == pytest.approx(expected, rel=1e-5)
     (text_out,) = lm.generate_until([type("R", (), {"args": ("ROMEO:", {"until": ["\n"], "max_gen_toks": 12})})()])
     assert "\n" not in text_out and len(tok.encode(text_out)) <= 12
+    # an empty stop string stops nothing (lm-eval's models skip it) rather than failing the whole run
+    (unstopped,) = lm.generate_until([type("R", (), {"args": ("ROMEO:", {"until": ["", "\n"], "max_gen_toks": 12})})()])
+    assert unstopped == text_out
 
 
 def test_loops_are_checked_and_generation_refuses_a_fixed_exit():
@@ -110,6 +113,10 @@ def test_loops_are_checked_and_generation_refuses_a_fixed_exit():
     for loops, says in (("0", "outside"), ("3", "outside"), ("-1", "not a loop number"), ("x", "not a loop number")):
         with pytest.raises(BlockloopError, match=says):
             BlockloopLM(model=model, tokenizer=tok, loops=loops)
+    with pytest.raises(BlockloopError, match="needs checkpoint=RUN"):
+        BlockloopLM(device="cpu", batch_size=4)  # lm_eval.simple_evaluate(model="blockloop") without model_args
+    with pytest.raises(BlockloopError, match="batch_size=0 must be at least 1"):
+        BlockloopLM(model=model, tokenizer=tok, batch_size=0)
     with pytest.raises(BlockloopError, match="generation runs the whole model"):
         BlockloopLM(model=model, tokenizer=tok, loops=1).generate_until(
             [type("R", (), {"args": ("The cat", {"until": ["\n"], "max_gen_toks": 4})})()])
@@ -156,3 +163,20 @@ def test_a_model_that_reads_a_bos_gets_it_in_rolling_windows_and_generation_prom
     finally:
         bridge.generate = real
     assert prompts[0][0] == 1 and prompts[0][1:] == tok.encode("the cat sat " * 20)[-(len(prompts[0]) - 1):]
+
+
+def test_requests_sharing_a_context_are_scored_batch_size_at_a_time(byte_model, monkeypatch):
+    """lm-eval's acc_mutual_info asks ("", choice) for every choice of every document: one context shared by
+    thousands of requests must still go through forwards of at most batch_size groups of batch_size rows."""
+    from blockloop.evals import scoring
+
+    model, tok = byte_model
+    asked = [type("R", (), {"args": ("" if i % 3 else "Q:", f" answer {i}")})() for i in range(40)]
+    expected = BlockloopLM(model=model, tokenizer=tok, batch_size=64).loglikelihood(asked)
+    rows, real = [], scoring.LAYOUTS["cached"]
+    monkeypatch.setitem(scoring.LAYOUTS, "cached", lambda m, groups, exits: (
+        rows.append(sum(map(len, groups))), real(m, groups, exits))[1])
+    got = BlockloopLM(model=model, tokenizer=tok, batch_size=2).loglikelihood(asked)
+    assert max(rows) <= 4 and sum(rows) == len(asked)
+    assert [ll for ll, _ in got] == pytest.approx([ll for ll, _ in expected], abs=1e-9)
+    assert [g for _, g in got] == [g for _, g in expected]

@@ -75,6 +75,10 @@ def run(args: argparse.Namespace) -> int:
     from blockloop.errors import BlockloopError
 
     if args.compare:
+        unread = [name for name in ("checkpoint", "tasks", *LOSS_ONLY, *BENCHMARK_ONLY) if getattr(args, name) is not None]
+        unread += [name for name in ("per_loop", "json") if getattr(args, name)]
+        if unread:
+            refuse_flags(unread, "--compare (it only reads the two stored results)")
         return compare(args.compare)
     if not args.checkpoint:
         raise BlockloopError("--checkpoint is required (or --compare A B)")
@@ -153,7 +157,7 @@ def benchmarks(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(record, allow_nan=False))
     else:
-        subset = f", at most {args.limit} questions per task" if args.limit else ""
+        subset = f", at most {args.limit} question{'s' if args.limit > 1 else ''} per task" if args.limit else ""
         print(f"{args.checkpoint}: {request.shots}-shot{subset} (value ± standard error, %); written to {out}")
         print_table(table_rows(record))
     return 0

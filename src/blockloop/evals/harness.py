@@ -122,6 +122,8 @@ def run_benchmarks(
                 value, stderr = mean_stderr([m[metric] for m in per_question])
                 result = {"task": name, "metric": metric, "value": value, "stderr": stderr, "n": len(questions),
                           "shots": request.shots, "limit": request.limit}
+                if request.shots:  # which examples were drawn
+                    result["seed"] = request.seed
                 results.append(result if loop is None else {**result, "loop": loop})
     return {"results": results, "seconds": seconds}
 

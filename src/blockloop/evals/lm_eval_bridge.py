@@ -42,10 +42,15 @@ class BlockloopLM(LM):
                  tokenizer: Tokenizer | None = None, **_: Any) -> None:
         super().__init__()
         if model is None:
+            if not checkpoint:
+                raise BlockloopError('the blockloop model needs checkpoint=RUN (model_args="checkpoint=runs/NAME"), '
+                                     "or a model and tokenizer in memory")
             trained = load_trained(checkpoint, resolve_device(device))
             model, tokenizer = trained.model, trained.tokenizer
         self.model, self.tokenizer = model.eval(), tokenizer
-        self.batch_size = int(batch_size) if str(batch_size).isdigit() else 8
+        self.batch_size = int(batch_size) if str(batch_size).isdigit() else 8  # "auto": lm-eval's default 8
+        if self.batch_size < 1:
+            raise BlockloopError(f"batch_size={batch_size!r} must be at least 1 (or auto)")
         if loops in (None, ""):
             self.exits = None
         elif not str(loops).isdigit():
@@ -54,12 +59,15 @@ class BlockloopLM(LM):
             self.exits = exits_of(self.model, BenchmarkRequest([], loops=int(loops)))
 
     def _score(self, requests: list[Request]) -> list[tuple[float, bool]]:
-        """Requests with equal contexts form one group (one prefix pass); answers in the order asked."""
-        groups: dict[tuple[int, ...], list[int]] = {}
+        """Requests with equal contexts form groups of at most ``batch_size`` (one prefix pass each: lm-eval's
+        ``acc_mutual_info`` asks every choice of every document after the same empty context, which must not
+        become one forward of thousands of rows); answers in the order asked."""
+        by_context: dict[tuple[int, ...], list[int]] = {}
         for i, r in enumerate(requests):
-            groups.setdefault(r.context, []).append(i)
-        order = [i for members in groups.values() for i in members]
-        scores = score(self.model, [[requests[i] for i in m] for m in groups.values()], exits=self.exits,
+            by_context.setdefault(r.context, []).append(i)
+        groups = [m[j : j + self.batch_size] for m in by_context.values() for j in range(0, len(m), self.batch_size)]
+        order = [i for members in groups for i in members]
+        scores = score(self.model, [[requests[i] for i in m] for m in groups], exits=self.exits,
                        batch_size=self.batch_size)
         answers: list[tuple[float, bool]] = [(0.0, False)] * len(requests)
         for row, i in enumerate(order):
@@ -106,6 +114,7 @@ class BlockloopLM(LM):
                 (tokens,) = generate(self.model, [prompt], new, temperature=0.0, eos_id=self.tokenizer.eos_id)
                 text = self.tokenizer.decode(tokens)
                 for stop in until:
-                    text = text.split(stop)[0]
+                    if stop:  # lm-eval ignores an empty stop string (a seq2seq EOS decodes to one)
+                        text = text.split(stop)[0]
                 outputs.append(text)
         return outputs

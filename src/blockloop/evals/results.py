@@ -80,7 +80,7 @@ def compare_rows(a: dict[str, Any], b: dict[str, Any], names: tuple[str, str]) -
         x, y = first.get(key), second.get(key)
         cells = [_cell(r["value"], r["stderr"]) if r else "-" for r in (x, y)]
         diff = f"{100 * (y['value'] - x['value']):+.1f}" if x and y else "-"
-        differ = [f"{field} {x.get(field)} vs {y.get(field)}" for field in ("shots", "n")
+        differ = [f"{field} {x.get(field)} vs {y.get(field)}" for field in ("shots", "n", "seed")
                   if x and y and x.get(field) != y.get(field)]
         rows.append((key[0], key[1], "" if key[2] is None else str(key[2]), *cells, diff, "; ".join(differ)))
     return rows
