@@ -36,8 +36,8 @@ from blockloop.bench.records import (
     output_dir,
     run_script,
 )
-from blockloop.convert.hf import import_hf
-from blockloop.data.pretrained import SMOLLM2_GGUF, quiet_transformers, smollm2_files
+from blockloop.convert.smollm2 import import_smollm2
+from blockloop.data.pretrained import SMOLLM2_GGUF
 from blockloop.serve.generate import generate
 
 
@@ -121,8 +121,7 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     out = output_dir(args)
 
-    with quiet_transformers():
-        model = import_hf(smollm2_files(), gguf_file=SMOLLM2_GGUF)
+    model = import_smollm2()
     hf = to_hf_generator(model)
     rows = []
     for batch in [int(b) for b in args.batch_sizes.split(",")]:

@@ -28,8 +28,8 @@ from blockloop.bench.records import (
     output_dir,
     run_script,
 )
-from blockloop.convert.hf import import_hf
-from blockloop.data.pretrained import SMOLLM2_GGUF, quiet_transformers, smollm2_files
+from blockloop.convert.smollm2 import import_smollm2
+from blockloop.data.pretrained import SMOLLM2_GGUF
 from blockloop.nn.kv_cache import DecoderCache
 from blockloop.serve.engine import Engine
 from blockloop.serve.requests import SamplingParams
@@ -75,8 +75,7 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     out = output_dir(args)
-    with quiet_transformers():
-        model = import_hf(smollm2_files(), gguf_file=SMOLLM2_GGUF)
+    model = import_smollm2()
     max_len = model.config.context_length
     rows = []
     for slots in [int(s) for s in args.slots.split(",")]:

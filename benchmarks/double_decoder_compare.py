@@ -32,6 +32,7 @@ from blockloop.bench.records import (
     output_dir,
     run_script,
 )
+from blockloop.bench.throughput import state_bytes
 from blockloop.serve.generate import generate
 from blockloop.serve.runners import runner_for
 from blockloop.train.evaluate import evaluate
@@ -60,15 +61,14 @@ def timed_generate(model, prompts: list[list[int]], new_tokens: int, repeats: in
     return statistics.median(times)
 
 
-def cache_bytes(model, prompts: list[list[int]], new_tokens: int) -> int:
+def cache_bytes(model: torch.nn.Module, prompts: list[list[int]], new_tokens: int) -> int:
+    """Bytes of the decode state after a lock-step prefill of ``prompts`` (the encoder-decoder's cross K/V then
+    cover the prompt, not a whole slot), counted as the engine throughput benchmark counts them."""
     idx = torch.tensor(prompts)
     runner = runner_for(model)
     runner.allocate(idx.shape[0], idx.shape[1] + new_tokens)
     runner.prefill_batch(idx, torch.ones_like(idx, dtype=torch.bool))
-    state = runner.state
-    tensors = [t for layer in state.cache.layers for t in (layer.k, layer.v)]
-    tensors += [t for pair in getattr(state, "cross", []) for t in pair]
-    return sum(t.numel() * t.element_size() for t in tensors)
+    return state_bytes(runner.state)
 
 
 def run_family(label: str, preset: str, args: argparse.Namespace, workdir: Path) -> dict[str, object]:
@@ -154,9 +154,9 @@ def main() -> None:
         **environment(args.device), "settings": vars(args) | {"out_dir": str(out)},
         "results": results,
         "notes": (
-            "Timings are compared as ratios to decoder-only timed in the same run. KV cache = the K/V tensors of each "
-            "model's decoding state (fp32 here): all layers for decoder-only, the generation / decoder layers only "
-            "(self + cross K/V) for the two-stack models."
+            "Timings are compared as ratios to decoder-only timed in the same run. KV cache = the tensors of each "
+            "model's decoding state after the prompt (fp32 here; K/V and which slots hold a key): all layers for "
+            "decoder-only, the generation / decoder layers only (self + cross K/V) for the two-stack models."
         ),
     }
     stem = "double_decoder_compare_" + ("gpu" if args.device.startswith("cuda") else "cpu")

@@ -37,8 +37,8 @@ from blockloop.bench.records import (
     run_script,
 )
 from blockloop.bench.suite import bench_dtype
-from blockloop.convert.hf import import_hf
-from blockloop.data.pretrained import SMOLLM2_GGUF, quiet_transformers, smollm2_files
+from blockloop.convert.smollm2 import import_smollm2
+from blockloop.data.pretrained import SMOLLM2_GGUF
 from blockloop.device import resolve_device
 from blockloop.families import build_model, from_name
 from blockloop.serve.engine import Engine
@@ -95,8 +95,7 @@ def main() -> None:
 
 def load_model(name: str) -> torch.nn.Module:
     if name == "smollm2":
-        with quiet_transformers():
-            return import_hf(smollm2_files(), gguf_file=SMOLLM2_GGUF)
+        return import_smollm2()
     torch.manual_seed(0)
     return build_model(from_name(name)).eval()
 

@@ -29,7 +29,7 @@ from blockloop.bench.records import (
 )
 from blockloop.bench.timing import timed
 from blockloop.device import resolve_device
-from blockloop.families import build_model, from_name
+from blockloop.families import build_model, from_name, spec_of
 
 CORE = {"n_layer": 4, "d_model": 128, "n_head": 4, "n_kv_head": 4, "context_length": 256}
 
@@ -57,7 +57,7 @@ def time_train_step(preset: str, overrides: dict, batch: int, seq_len: int, repe
     model = build_model(from_name(preset, **overrides)).to(device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     idx = torch.randint(0, 258, (batch, seq_len), device=device)
-    recurrent = getattr(model.config, "recurrent", False)
+    recurrent = spec_of(model.config).recurrent(model.config)
     times, state = [], None
     for i in range(repeats + 1):  # the first is a warm-up
         with timed(device) as step:

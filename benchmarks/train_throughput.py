@@ -30,6 +30,7 @@ from blockloop.bench.records import (
 )
 from blockloop.device import resolve_device
 from blockloop.families import spec_of
+from blockloop.train.checkpoint import read_metrics
 from blockloop.train.flops import peak_flops
 from blockloop.train.run import RunSpec, prepare_run, sequences
 from blockloop.train.trainer import TrainConfig, Trainer
@@ -50,7 +51,7 @@ def run_variant(args: argparse.Namespace, compile_model: bool, out: Path) -> dic
     start = time.perf_counter()
     trainer.fit()
     wall = time.perf_counter() - start
-    lines = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    lines = [m for m in read_metrics(out / "metrics.jsonl") if "loss" in m]  # training records, not validation's
     windows = [m["tokens_per_s"] for m in lines if "tokens_per_s" in m][1:]  # skip warm-up/compile window
     tokens_per_s = statistics.median(windows)
     result = {

@@ -364,3 +364,27 @@ def test_evaluating_a_window_that_splits_a_chunk_names_a_length_that_fits():
     tokens = np.arange(10 * chunk * 8, dtype=np.int64) % model.config.vocab_size
     with pytest.raises(BlockloopError, match=rf"--seq-len {4 * chunk + 2} is not a multiple .* e\.g\. --seq-len {5 * chunk}$"):
         evaluate(model, PackedSequences(tokens, 4 * chunk + 2), batch_size=2)
+
+
+def test_staircase_speed_benchmark_carries_state_across_steps(monkeypatch):
+    """benchmarks/staircase_speed.py times a recurrent model as truncated-BPTT training does: every step after
+    the first is given the previous step's state (the family spec says which models are recurrent)."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "staircase_speed.py"
+    spec = importlib.util.spec_from_file_location("staircase_speed", path)
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    given_state = []
+    call = torch.nn.Module.__call__
+
+    def spy(self, *args, **kwargs):
+        if kwargs.get("return_state"):
+            given_state.append(kwargs.get("state") is not None)
+        return call(self, *args, **kwargs)
+
+    monkeypatch.setattr(torch.nn.Module, "__call__", spy)
+    core = {"n_layer": 1, "d_model": 32, "n_head": 2, "n_kv_head": 2, "context_length": 64}
+    script.time_train_step("tiny-transformer-xl", {**core, "memory_len": 16}, 2, 16, 2, torch.device("cpu"))
+    assert given_state == [False, True, True]

@@ -72,9 +72,6 @@ class KVCache(nn.Module):
         """Rows ``start .. stop - 1`` as a batch whose buffers are views: writing it writes this cache."""
         return type(self).of(self.k[start:stop], self.v[start:stop])
 
-    def row(self, index: int) -> KVCache:
-        return self.rows(index, index + 1)
-
 
 class RollingKVCache(KVCache):
     """A sliding-window layer's keys and values: a ring of ``ring`` entries per row, slot ``s`` at entry

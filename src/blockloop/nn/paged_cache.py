@@ -26,11 +26,16 @@ Two ways to read, same numbers (tests check both against the static cache):
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 from torch import Tensor, nn
 
 from blockloop.errors import BlockloopError
 from blockloop.nn.masks import sees_cached
+
+if TYPE_CHECKING:
+    from torch.nn.attention.flex_attention import BlockMask
 
 READS = ("pages", "gather")
 SCRATCH = 0  # the page every unreserved table entry points at
@@ -143,7 +148,7 @@ class KVPages:
         return self.read == "pages" and slots.dim() == 2 and slots.shape[1] == 1
 
     def block_mask(self, key_valid: Tensor, slots: Tensor, rows: Tensor | None = None, *, local: Tensor | None = None,
-                   window: int = 0):  # -> flex_attention.BlockMask
+                   window: int = 0) -> BlockMask:
         """The mask of one decode query per row (``slots (B, 1)``) over the pool: row ``b`` visits its own
         reserved pages only (those of table row ``rows[b]`` when given), and within them sees what
         :func:`~blockloop.nn.masks.sees_cached` says (valid keys up to its slot, and itself); a row with
@@ -202,9 +207,6 @@ class PagedKVCache(nn.Module):
         view.register_buffer("k", self.k, persistent=False)
         view.register_buffer("v", self.v, persistent=False)
         return view
-
-    def row(self, index: int) -> PagedKVCache:
-        return self.rows(index, index + 1)
 
 
 def gather_rows(k: Tensor, v: Tensor, pages: KVPages, rows: Tensor | None = None) -> tuple[Tensor, Tensor]:

@@ -43,7 +43,6 @@ from blockloop.serve.http.text import TextStream
 from blockloop.serve.http.worker import EngineWorker, Event, Job
 from blockloop.serve.requests import SamplingParams
 
-ROLES = ("system", "developer", "user", "assistant")  # "developer" is OpenAI's newer name for system
 END_OF_TURN = ("<|im_end|>", "<|eot_id|>", "<end_of_turn>", "</s>")
 PLAIN_NAMES = {"system": "System", "developer": "System", "user": "User", "assistant": "Assistant"}
 Message = dict[str, str]

@@ -101,13 +101,15 @@ class Observer(Protocol):
 class EngineWorker:
     """Runs ``engine`` on its own thread (``start``/``close``); ``submit`` and ``cancel`` from any thread.
 
-    ``observer``, if given, is told of every window and finished request (:class:`Observer`).
+    ``observer``, once one is set (:class:`~blockloop.serve.http.metrics.ServerMetrics` sets itself), is told of
+    every window and finished request (:class:`Observer`).
     """
 
-    def __init__(self, engine: Engine, *, max_waiting: int = 256, observer: Observer | None = None) -> None:
+    def __init__(self, engine: Engine, *, max_waiting: int = 256) -> None:
         if max_waiting < 0:
             raise BlockloopError(f"--max-waiting must be at least 0, got {max_waiting}")
-        self.engine, self.max_waiting, self.observer = engine, max_waiting, observer
+        self.engine, self.max_waiting = engine, max_waiting
+        self.observer: Observer | None = None
         self.inbox: queue.Queue[tuple[str, Job | None]] = queue.Queue()
         self.lock = threading.Lock()
         self.waiting = 0  # submitted jobs whose request is not running yet (guarded by ``lock``)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Collection
 from dataclasses import replace
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -24,6 +25,9 @@ from blockloop.models.decoder import LayerInputs
 from blockloop.nn.kv_cache import DecoderCache, KVCache, RollingKVCache
 from blockloop.nn.masks import sees_cached
 from blockloop.nn.paged_cache import KVPages, PagedKVCache, gather_rows
+
+if TYPE_CHECKING:
+    from torch.nn.attention.flex_attention import BlockMask
 
 LOOP_READS = ("dense", "blocks")
 BLOCK = 128  # keys per block of the "blocks" read (FlexAttention's CUDA kernels tile by at least 16)
@@ -134,7 +138,7 @@ class LoopedCache(DecoderCache):
 
         return replace(inputs, masks=lifted(inputs.masks), local_masks=lifted(inputs.local_masks))
 
-    def _block_mask(self, loop: Tensor, slots: Tensor):  # -> flex_attention.BlockMask
+    def _block_mask(self, loop: Tensor, slots: Tensor) -> BlockMask:
         """Row ``b`` visits the blocks of loop ``loop[b]`` up to its query's slot, and sees in them what
         :func:`~blockloop.nn.masks.sees_cached` says."""
         from torch.nn.attention.flex_attention import BlockMask
