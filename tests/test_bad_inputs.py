@@ -18,6 +18,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 from safetensors.torch import load_file, save_file
 
 from blockloop.cli import EXIT_USER_ERROR, main
@@ -49,6 +50,12 @@ def base(tmp_path_factory):
     variant("state_missing", lambda d: _edit_json(d / "train_state.json", lambda s: {k: v for k, v in s.items()
                                                                                      if k != "data"}))
     variant("state_list", lambda d: (d / "train_state.json").write_text("[]"))
+    variant("state_position", lambda d: _edit_json(d / "train_state.json", lambda s: {**s, "data": {"epoch": "x"}}))
+    variant("rng_keys", lambda d: save_file({"state": torch.zeros(3)}, str(d / "rng_rank0.safetensors")))
+    variant("optimizer_groups", lambda d: _edit_json(d / "optimizer.json", lambda o: {**o, "param_groups": o["param_groups"][:1]}))
+    variant("optimizer_moments", lambda d: save_file({k: v for k, v in load_file(str(d / "optimizer.safetensors")).items()
+                                                      if not k.startswith("embed.")}, str(d / "optimizer.safetensors")))
+    variant("rng_missing", lambda d: (d / "rng_rank0.safetensors").unlink())
     variant("nan_weights", lambda d: save_file({k: v.fill_(float("nan")) if k.endswith("norm.weight") else v
                                                  for k, v in load_file(str(d / "model.safetensors")).items()},
                                                 str(d / "model.safetensors")))
@@ -156,6 +163,11 @@ CASES = [
     (["eval", "--checkpoint", "{base}/lock_only"], "holds no complete checkpoint (the run stopped before its first"),
     (["eval", "--checkpoint", "{base}/latest_gone"], "corrupt: write step_0000004 (its newest complete checkpoint) into"),
     (["train", "--resume", "--out", "{base}/state_missing"], "lacks data"),
+    (["train", "--resume", "--out", "{base}/state_position"], "data must hold the non-negative integers epoch and index"),
+    (["train", "--resume", "--out", "{base}/rng_keys"], "does not hold a random number generator state"),
+    (["train", "--resume", "--out", "{base}/optimizer_groups"], "does not fit the model (1 parameter groups"),
+    (["train", "--resume", "--out", "{base}/optimizer_moments"], "does not fit the model (no state for embed.weight"),
+    (["train", "--resume", "--out", "{base}/rng_missing"], "rng_rank0.safetensors is missing; the checkpoint is incomplete"),
     (["train", "--resume", "--out", "{base}/state_list"], "train_state.json holds a JSON list"),
     (["train", "--init-from", "{base}/state_list", "--steps", "1", "--out", NEW], "train_state.json does not hold a run object"),
     (["train", "--resume", "--out", "{base}/latest_escape"], "not a checkpoint directory inside {base}/latest_escape"),
@@ -392,6 +404,16 @@ def test_out_may_not_be_a_checkpoint_directory(base, tmp_path, capsys):
         assert main(["train", *extra, "--out", str(step)]) == EXIT_USER_ERROR
         assert f"is a checkpoint directory, not a run folder; name its run, {run}, instead" in capsys.readouterr().err
     assert snapshot(run) == before  # nothing nested inside the checkpoint
+
+
+def test_out_may_not_be_a_runs_checkpoints_folder(base, tmp_path, capsys):
+    run = tmp_path / "run"
+    shutil.copytree(base / "run", run)
+    before = snapshot(run)
+    for extra in ([*TINY, "--steps", "2"], ["--resume", "--steps", "6", "--no-progress"]):
+        assert main(["train", *extra, "--out", str(run / "checkpoints")]) == EXIT_USER_ERROR
+        assert f"is the checkpoints folder of the run {run}, not a run folder; name its run" in capsys.readouterr().err
+    assert snapshot(run) == before  # no run nested in checkpoints/checkpoints, no log among the step folders
 
 
 def test_resume_cuts_a_partial_metrics_line_and_later_steps_and_cleans_temporary_files(base, tmp_path):

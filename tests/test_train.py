@@ -82,6 +82,15 @@ def test_killed_run_resumes_with_the_same_losses(tmp_path):
         torch.testing.assert_close(tensor, straight[name], atol=1e-6, rtol=1e-6)
 
 
+def test_resume_with_a_new_weight_decay_uses_it(tmp_path):
+    """A training flag given with --resume wins over the checkpoint's, also inside the optimizer's param groups."""
+    make_trainer(tmp_path / "run", steps=2, weight_decay=0.1).fit()
+    resumed = make_trainer(tmp_path / "run", steps=4, weight_decay=0.0)
+    resumed.resume(tmp_path / "run")
+    assert [group["weight_decay"] for group in resumed.optimizer.param_groups] == [0.0, 0.0]
+    assert all(state["exp_avg"].abs().sum() > 0 for state in resumed.optimizer.state.values())  # moments restored
+
+
 def test_gradient_accumulation_matches_the_larger_batch(tmp_path):
     make_trainer(tmp_path / "big", steps=3, batch_size=4).fit()
     make_trainer(tmp_path / "accum", steps=3, batch_size=2, grad_accum=2).fit()

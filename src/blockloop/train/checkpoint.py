@@ -277,12 +277,42 @@ def save_optimizer(directory: Path, optimizer_state: dict[str, Any]) -> None:
 
 def load_optimizer(directory: Path) -> dict[str, Any]:
     tensors = _read_safetensors(directory / "optimizer.safetensors")
-    meta = read_json(directory / "optimizer.json")
+    path = directory / "optimizer.json"
+    meta = read_json(path)
+    if not (isinstance(meta, dict) and isinstance(meta.get("param_groups"), list) and isinstance(meta.get("scalars"), dict)
+            and all(isinstance(g, dict) and isinstance(g.get("params"), list) for g in meta["param_groups"])):
+        raise BlockloopError(f"{path} does not hold the optimizer's param_groups and scalars; the checkpoint is corrupt: "
+                             "use an earlier one")
     state: dict[str, dict[str, Any]] = {}
     for flat, value in list(tensors.items()) + list(meta["scalars"].items()):
-        name, key = flat.rsplit("/", 1)
+        name, slash, key = flat.rpartition("/")
+        if not (name and slash and key):
+            raise BlockloopError(f"{directory} holds optimizer state {flat!r}, not PARAMETER/NAME; the checkpoint is "
+                                 "corrupt: use an earlier one")
         state.setdefault(name, {})[key] = value
     return {"state": state, "param_groups": meta["param_groups"]}
+
+
+def check_optimizer_state(directory: Path, optimizer_state: dict[str, Any], model: nn.Module, groups: int) -> None:
+    """Refuse optimizer state that is not ``model``'s: state missing for a trained parameter would be started afresh
+    without a word (and a moment of another shape fails mid-step), a parameter unknown to the model is dropped."""
+    expected = {name: p.shape for name, p in model.named_parameters() if p.requires_grad}
+    saved = optimizer_state["state"]
+    problems = [f"no state for {', '.join(sorted(set(expected) - set(saved))[:3])}"] if set(expected) - set(saved) else []
+    if set(saved) - set(expected):
+        problems.append(f"state for unknown parameters {', '.join(sorted(set(saved) - set(expected))[:3])}")
+    wrong = [name for name in sorted(set(expected) & set(saved)) for key in ("exp_avg", "exp_avg_sq")
+             if not torch.is_tensor(saved[name].get(key)) or saved[name][key].shape != expected[name]]
+    if wrong:
+        problems.append(f"moments missing or of the wrong shape for {', '.join(dict.fromkeys(wrong[:3]))}")
+    listed = [name for group in optimizer_state["param_groups"] for name in group["params"]]
+    if len(optimizer_state["param_groups"]) != groups or sorted(listed) != sorted(expected):
+        problems.append(f"{len(optimizer_state['param_groups'])} parameter groups over {len(listed)} parameters, "
+                        f"the model trains {groups} over {len(expected)}")
+    if problems:
+        raise BlockloopError(f"the optimizer state in {directory} does not fit the model ({'; '.join(problems)}): it "
+                             "belongs to another model or is damaged; resume from an earlier checkpoint, or start a new "
+                             "run from this one with --init-from")
 
 
 def save_rng(directory: Path, rank: int) -> None:
@@ -297,6 +327,10 @@ def check_process_count(directory: Path, world_size: int) -> None:
     state per rank, and data positions that are each rank's own). Called before any collective: a rank that went
     on while another stopped would wait on it forever, or die with the transport's traceback."""
     written = len(list(directory.glob("rng_rank*.safetensors")))
+    ranks = [directory / f"rng_rank{rank}.safetensors" for rank in range(max(written, 1))]
+    if not all(path.is_file() for path in ranks):  # e.g. no rng_rank0 at all: no process count to name
+        missing = next(path for path in ranks if not path.is_file())
+        raise BlockloopError(f"{missing} is missing; the checkpoint is incomplete: use an earlier one")
     if written != world_size:
         launch = "without torchrun" if written == 1 else f"with torchrun --nproc-per-node {written}"
         raise BlockloopError(f"{directory} was written by {written} process{'es' * (written != 1)}, this resume runs "
@@ -308,7 +342,15 @@ def load_rng(directory: Path, rank: int) -> None:
     if not path.is_file():
         raise BlockloopError(f"{path} is missing; the checkpoint is incomplete")
     tensors = _read_safetensors(path)
-    torch.set_rng_state(tensors["torch_cpu"])
+    states = [tensors.get("torch_cpu"), *([tensors["torch_cuda"]] if "torch_cuda" in tensors else [])]
+    if not all(torch.is_tensor(t) and t.dtype == torch.uint8 and t.dim() == 1 for t in states):
+        raise BlockloopError(f"{path} does not hold a random number generator state (torch_cpu, bytes); the checkpoint "
+                             "is corrupt: use an earlier one")
+    try:
+        torch.set_rng_state(tensors["torch_cpu"])
+    except RuntimeError as exc:  # bytes of the wrong length
+        raise BlockloopError(f"{path} holds an invalid random number generator state ({exc}); the checkpoint is corrupt: "
+                             "use an earlier one") from exc
     if "torch_cuda" in tensors and torch.cuda.is_available():
         torch.cuda.set_rng_state(tensors["torch_cuda"])
 
@@ -358,6 +400,13 @@ def read_train_state(directory: Path) -> dict[str, Any]:
     for key in ("data", "train_config", "run"):
         if not isinstance(state[key], dict):
             raise BlockloopError(f"{path}: {key} must be a JSON object, got {state[key]!r}; the checkpoint is corrupt")
+    # The data position: epoch and index (and, for recurrent models, the stream layout), all counts.
+    data = state["data"]
+    bad = [key for key in ("epoch", "index") if key not in data] + [
+        key for key, value in data.items() if not isinstance(value, int) or isinstance(value, bool) or value < 0]
+    if bad:
+        raise BlockloopError(f"{path}: data must hold the non-negative integers epoch and index, got {data!r}; the "
+                             "checkpoint is corrupt: use an earlier one")
     return state
 
 

@@ -93,6 +93,10 @@ def plan_run(request: TrainRequest) -> RunPlan:
         run = r.out.parent.parent if r.out.parent.name == "checkpoints" else None
         fix = f"name its run, {run}, instead" if run is not None else "start a new run from it with --init-from"
         raise BlockloopError(f"--out {r.out} is a checkpoint directory, not a run folder; {fix}")
+    if r.out.name == ckpt.checkpoint_root(Path()).name and ckpt.has_checkpoint(r.out.parent):
+        # its checkpoints would nest in checkpoints/checkpoints, its log beside the step folders, apart from the run
+        raise BlockloopError(f"--out {r.out} is the checkpoints folder of the run {r.out.parent}, not a run folder; "
+                             f"name its run, {r.out.parent}, instead")
     if r.resume:
         directory = ckpt.resolve_checkpoint(r.out)
         state = ckpt.read_json(directory / "train_state.json")

@@ -130,13 +130,20 @@ class Trainer:
         directory = ckpt.resolve_checkpoint(checkpoint_dir)
         ckpt.check_process_count(directory, self.dist.world_size)
         state = ckpt.read_train_state(directory)
+        # The saved param_groups carry the hyperparameters the run was written with (weight decay, betas): loading
+        # them would silently undo a flag given with --resume, which wins, as for every other training setting.
+        settings = [{k: v for k, v in group.items() if k != "params"} for group in self.optimizer.param_groups]
+        optimizer_state = ckpt.load_optimizer(directory)
+        ckpt.check_optimizer_state(directory, optimizer_state, self.model, len(self.optimizer.param_groups))
         set_state_dict(
             self.train_model,
             self.optimizer,
             model_state_dict=ckpt.read_model_tensors(directory, self.model),
-            optim_state_dict=ckpt.load_optimizer(directory),
+            optim_state_dict=optimizer_state,
             options=StateDictOptions(full_state_dict=True, strict=False),
         )
+        for group, setting in zip(self.optimizer.param_groups, settings):
+            group.update(setting)
         self.batches.load_state_dict(state["data"])
         self.step = state["step"]
         ckpt.load_rng(directory, self.dist.rank)
