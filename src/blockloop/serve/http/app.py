@@ -17,7 +17,7 @@ import asyncio
 import json
 import secrets
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -112,7 +112,7 @@ def create_app(served: ServedModel) -> FastAPI:
         params = parse(CompletionRequest, await _body(request))
         _check_model(params.model)
         if isinstance(params.prompt, str):
-            prompt = tokenizer.encode_prompt(params.prompt)
+            prompt = _encode(tokenizer.encode_prompt, params.prompt, "prompt")
         else:
             prompt = params.prompt
             if not all(0 <= t < engine.vocab_size for t in prompt):
@@ -124,11 +124,15 @@ def create_app(served: ServedModel) -> FastAPI:
     async def chat_completions(request: Request) -> Response:
         params = parse(ChatRequest, await _body(request))
         _check_model(params.model)
+        task = getattr(tokenizer, "task", None)  # a TaskTokenizer: the words of a state-tracking task
+        if task is not None and served.template.source is None:
+            raise ApiError(400, f"this model reads the words of task {task}, not text, so it cannot chat; send a "
+                           "sequence of its words to /v1/completions", param="messages")
         try:
             text = served.template.render([{"role": m.role, "content": m.content} for m in params.messages])
         except BlockloopError as exc:
             raise ApiError(400, str(exc), param="messages") from None
-        prompt = tokenizer.encode(text)
+        prompt = _encode(tokenizer.encode, text, "messages")
         # ignore_eos also runs past the template's end-of-turn token (vLLM: generation config EOS ids included).
         turn_ends = [] if params.ignore_eos else served.template.stop_ids
         stream = TextStream(tokenizer, params.stops() + served.template.stop, turn_ends, prompt=prompt)
@@ -140,8 +144,23 @@ def create_app(served: ServedModel) -> FastAPI:
         if params.model is not None:
             _check_model(params.model)
         encode = tokenizer.encode_prompt if params.add_special_tokens else tokenizer.encode
-        tokens = await asyncio.to_thread(encode, params.prompt)  # a long text must not hold up the streams
+        try:
+            tokens = await asyncio.to_thread(encode, params.prompt)  # a long text must not hold up the streams
+        except BlockloopError as exc:  # text the tokenizer cannot read (a task model's unknown word)
+            raise ApiError(400, str(exc), param="prompt") from None
         return {"tokens": tokens, "count": len(tokens), "max_model_len": engine.max_len}
+
+    def _encode(encode: Callable[[str], list[int]], text: str, field: str) -> list[int]:
+        """``text``'s ids; text the tokenizer cannot read (a task model's unknown word) or that reads as no
+        tokens at all is the client's mistake, a 400 naming ``field``."""
+        try:
+            ids = encode(text)
+        except BlockloopError as exc:
+            raise ApiError(400, str(exc), param=field) from None
+        if not ids:
+            raise ApiError(400, f"{field} reads as no tokens under this model's tokenizer; give at least one token",
+                           param=field)
+        return ids
 
     def _check_model(name: str) -> None:
         if name != served.name:

@@ -27,7 +27,7 @@ from blockloop.errors import BlockloopError
 from blockloop.nn.linear import packed_linears
 from blockloop.serve.engine import Engine
 from blockloop.serve.http.text import TextStream
-from blockloop.serve.requests import Request, RequestStatus, SamplingParams
+from blockloop.serve.requests import Request, SamplingParams
 from blockloop.serve.runners import RUNNERS, ExitRule, Paging, Runner, runner_for
 from blockloop.serve.runners.recursive import RecursiveRunner
 
@@ -112,8 +112,10 @@ class EngineWorker:
         self.observer: Observer | None = None
         self.inbox: queue.Queue[tuple[str, Job | None]] = queue.Queue()
         self.lock = threading.Lock()
-        self.waiting = 0  # submitted jobs whose request is not running yet (guarded by ``lock``)
-        self.unadmitted: list[Job] = []  # those jobs (engine thread only)
+        # Submitted jobs not finished yet (guarded by ``lock``). Counting those admitted instead, as the engine
+        # thread can only after its window, counted a request admitted in this window as waiting and as taking a
+        # slot: a 503 while slots were free.
+        self.in_flight = 0
         self.active: list[Job] = []  # jobs the engine holds (engine thread only)
         self.error: BaseException | None = None
         self.thread = threading.Thread(target=self._run, name="blockloop-engine", daemon=True)
@@ -134,17 +136,23 @@ class EngineWorker:
     def running(self) -> int:
         return len(self.engine.scheduler.running)
 
+    @property
+    def waiting(self) -> int:
+        """Submitted requests not running yet (queued here or in the engine)."""
+        return max(0, self.in_flight - self.running)
+
     def submit(self, job: Job) -> None:
         """Queue ``job``; :class:`QueueFull` when ``max_waiting`` requests already wait for a slot. Under the lock
         the engine thread takes to fail everything, so no job slips into the inbox after it gave up."""
-        # Jobs not admitted yet fill the free slots first; only those beyond them wait for a slot.
-        free = max(0, self.engine.n_slots - self.running)
         with self.lock:
             if not self.healthy:
                 raise BlockloopError(f"the engine is not running ({self.error!r}); restart the server")
-            if self.waiting - free >= self.max_waiting:
-                raise QueueFull(f"{self.waiting - free} requests are already waiting for a slot; retry shortly")
-            self.waiting += 1
+            # Jobs not running yet fill the free slots first; only those beyond them wait for a slot (waiting
+            # less free slots = in flight less running less (slots less running) = in flight less slots).
+            beyond = self.in_flight - self.engine.n_slots
+            if beyond >= self.max_waiting:
+                raise QueueFull(f"{beyond} requests are already waiting for a slot; retry shortly")
+            self.in_flight += 1
             self.inbox.put(("submit", job))
 
     def cancel(self, job: Job) -> None:
@@ -197,14 +205,15 @@ class EngineWorker:
         return True
 
     def _submit(self, job: Job) -> None:
-        self.unadmitted.append(job)
         if job.cancelled:
+            self._done(1)
             return
         try:
             job.request = self.engine.submit(job.prompt, job.max_tokens, sampling=job.sampling, eos_id=job.eos_id,
                                              on_token=job.on_token)
         except BlockloopError as exc:  # callers check first (Engine.room); this is the engine's own word
             job.cancelled = True
+            self._done(1)
             job.deliver(Event([], finish_reason="error", tail=str(exc)))
             return
         job.request.arrival_time = job.arrival  # time in this queue counts in the time to first token
@@ -228,15 +237,12 @@ class EngineWorker:
                 job.deliver(event)
             if not done:
                 keep.append(job)
+        self._done(len(self.active) - len(keep))
         self.active = keep
-        self._count_admitted()
 
-    def _count_admitted(self) -> None:
-        still = [j for j in self.unadmitted if not j.cancelled and j.request is not None
-                 and j.request.status is RequestStatus.WAITING]
+    def _done(self, jobs: int) -> None:
         with self.lock:
-            self.waiting -= len(self.unadmitted) - len(still)
-        self.unadmitted = still
+            self.in_flight -= jobs
 
     def _fail_all(self, message: str) -> None:
         """Answer every job the engine holds and every job still in the inbox with ``message``."""
@@ -251,3 +257,4 @@ class EngineWorker:
         for job in [*self.active, *queued]:
             job.deliver(Event([], finish_reason="error", tail=message))
         self.active = []
+        self.in_flight = 0  # the caller holds the lock
