@@ -20,7 +20,7 @@ from blockloop.serve.generate import generate
 from blockloop.serve.requests import RequestStatus, SamplingParams
 from blockloop.serve.runners import ExitRule, Paging, Speculation, runner_for
 from blockloop.serve.runners.base import row_buckets
-from blockloop.serve.sampling import sample_rows
+from blockloop.serve.sampling import SlotSampling, sample_rows
 from small_presets import small_variant
 
 GREEDY = SamplingParams(temperature=0.0)
@@ -163,9 +163,39 @@ def test_sample_rows_matches_the_distribution_and_its_filters():
     assert set(draw(top_k=2).tolist()) == {0, 1}
     assert set(draw(top_p=0.7).tolist()) == {0, 1}
     assert set(draw(top_p=0.4).tolist()) == {0}
+    # top-p applies to what top-k kept, renormalised (0.625, 0.375), as in HF and vLLM: 0.625 alone reaches 0.6
+    assert set(draw(top_k=2, top_p=0.6).tolist()) == {0}
     assert set(draw(temperature=0.0).tolist()) == {0}
     again = sample_rows(logits, ones, zeros, ones, seeds, zeros + 1)
     assert not torch.equal(again, draw())  # the per-row counter advances the stream
+
+
+def test_a_request_without_top_p_keeps_every_token_when_a_batch_mate_filters():
+    """top_p = 1 is "off": a request's distribution must not lose its tail because another request in the batch
+    uses top-k (the engine then filters every row); float32 cumulative sums reach 1.0 before the tail ends."""
+    torch.manual_seed(0)
+    logits = (torch.randn(2, 32000) * 8)[:, None]  # peaked, over a large vocabulary
+    sampling = SlotSampling.empty(2, torch.device("cpu"))
+    sampling.set(0, SamplingParams(temperature=1.0, seed=1))
+    sampling.set(1, SamplingParams(temperature=1.0, top_k=40, seed=2))
+    sampling.filtered = True  # what the engine sets for this batch
+    together = sampling.probs(logits)[0, 0]
+    sampling.filtered = False  # the request alone
+    alone = sampling.probs(logits)[0, 0]
+    assert (together > 0).all() and torch.equal(together, alone)
+
+
+def test_top_k_one_and_a_tiny_top_p_pick_the_greedy_token_among_ties():
+    """bf16 logits tie often; the one token top_k=1 (or a tiny top_p) keeps must be argmax's, as greedy picks."""
+    torch.manual_seed(0)
+    n = 2000
+    logits = (torch.randn(n, 4096) * 3).bfloat16()
+    top = logits.max(-1, keepdim=True).values
+    assert ((logits == top).sum(-1) > 1).any()  # some rows tie at the top
+    ones, zeros = torch.ones(n), torch.zeros(n, dtype=torch.long)
+    greedy = logits.argmax(-1)
+    assert torch.equal(sample_rows(logits, ones, zeros + 1, ones, torch.arange(n), zeros), greedy)
+    assert torch.equal(sample_rows(logits, ones, zeros, ones * 1e-6, torch.arange(n), zeros), greedy)
 
 
 def test_streaming_callback_and_iterator_see_every_token_in_order():

@@ -28,7 +28,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--temperature", type=nonnegative_float, default=0.8, help="0 = greedy (default: 0.8)")
     p.add_argument("--top-k", type=positive_int, help="sample only among the k most likely tokens")
-    p.add_argument("--top-p", type=number(0, 1, low_open=True), help="sample only from the smallest set with this total probability")
+    p.add_argument("--top-p", type=number(0, 1, low_open=True), help="sample only from the smallest set with this total probability (of what --top-k keeps)")
     p.add_argument("--num-samples", type=positive_int, default=1, help="independent continuations, generated as one batch")
     p.add_argument("--seed", type=nonnegative_int, help="seed for sampling (same seed, same text)")
     p.add_argument("--no-stop", action="store_true", help="do not stop at the end-of-text token")

@@ -54,12 +54,15 @@ def filter_logits(logits: Tensor, temperature: Tensor, top_k: Tensor, top_p: Ten
     scaled = logits.float() / temperature.clamp_min(1e-6)[:, None]
     if not filtered:
         return scaled
-    sorted_logits, order = torch.sort(scaled, dim=-1, descending=True)
+    # stable: among tied logits the lowest id ranks first, the token argmax (greedy) picks, so top_k=1 is greedy
+    sorted_logits, order = torch.sort(scaled, dim=-1, descending=True, stable=True)
     rank = torch.arange(scaled.shape[-1], device=scaled.device)
-    probs = sorted_logits.softmax(dim=-1)
-    drop_sorted = (rank[None, :] >= top_k.masked_fill(top_k <= 0, scaled.shape[-1])[:, None]) | (
-        (probs.cumsum(dim=-1) - probs) >= top_p[:, None]
-    )
+    beyond_k = rank[None, :] >= top_k.masked_fill(top_k <= 0, scaled.shape[-1])[:, None]
+    # top-k first, then top-p over what it kept, renormalised (as Hugging Face's warpers and vLLM apply both)
+    probs = sorted_logits.masked_fill(beyond_k, float("-inf")).softmax(dim=-1)
+    # top_p = 1 is "off": a float32 running sum can reach 1.0 before the tail, which would drop its tokens
+    nucleus = ((probs.cumsum(dim=-1) - probs) >= top_p[:, None]) & (top_p < 1)[:, None]
+    drop_sorted = beyond_k | nucleus
     drop_sorted[:, 0] = False
     return scaled.masked_fill(drop_sorted.scatter(-1, order, drop_sorted), float("-inf"))
 
