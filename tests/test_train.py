@@ -38,6 +38,11 @@ def losses(run_dir: Path) -> list[float]:
     return [m["loss"] for m in lines if "loss" in m]
 
 
+def val_losses(run_dir: Path) -> list[float]:
+    lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [m["val_loss"] for m in lines if "val_loss" in m]
+
+
 def test_loss_falls(tmp_path):
     trainer = make_trainer(tmp_path / "run", steps=60, eval_interval=60, ckpt_interval=60)
     before = trainer.validate()["val_loss"]
@@ -114,6 +119,32 @@ def test_accumulated_micro_batches_that_score_different_numbers_of_targets_weigh
     assert logged == pytest.approx(loss.item(), rel=1e-5)
     for name, param in trainer.model.named_parameters():
         torch.testing.assert_close(grads[name], param.grad, rtol=1e-4, atol=1e-6)
+
+
+def test_ranks_share_validation_batches_and_a_rank_without_rows_counts_nothing(tmp_path):
+    """Five windows, two ranks of batch 2: the global batches are windows 0-3 and 4, so rank 1 has no row in the
+    second and runs a stand-in that must not count; the two ranks' sums are one process's at batch 4. (A process
+    group of one: the all-reduce leaves each rank's own sums, which are added here.)"""
+    import numpy as np
+    import torch.distributed as torch_dist
+
+    from blockloop.data.loader import PackedSequences
+    from blockloop.families import build_model, from_name
+    from blockloop.train.distributed import DistInfo
+    from blockloop.train.evaluate import evaluate
+
+    torch.manual_seed(0)
+    model = build_model(from_name("tiny"))
+    windows = PackedSequences(np.random.default_rng(0).integers(0, 256, 5 * 16 + 1).astype(np.uint16), 16)
+    assert len(windows) == 5
+    whole = evaluate(model, windows, batch_size=4)
+    torch_dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'group'}", rank=0, world_size=1)
+    try:
+        parts = [evaluate(model, windows, batch_size=2, dist=DistInfo(rank=r, world_size=2)) for r in (0, 1)]
+    finally:
+        torch_dist.destroy_process_group()
+    assert [part["tokens"] for part in parts] == [3 * 16, 2 * 16]
+    assert sum(p["loss"] * p["tokens"] for p in parts) == pytest.approx(whole["loss"] * whole["tokens"], rel=1e-6)
 
 
 def test_non_finite_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path):
@@ -222,6 +253,8 @@ def test_torchrun_two_processes_match_one_process_with_the_same_global_batch(tmp
     double = _launch(tmp_path / "double", *TORCHRUN_TRAIN, "--batch-size", "2", "--distributed", strategy, nproc=2)
     assert len(double) == 3
     assert double == pytest.approx(single, abs=1e-5)
+    # validation too: the two ranks share the batches of 4 that one process reads, rather than both reading 2
+    assert val_losses(tmp_path / "double") == pytest.approx(val_losses(tmp_path / "single"), abs=1e-5)
 
 
 @pytest.mark.slow

@@ -24,6 +24,7 @@ from blockloop.data.tasks.windows import TaskSequences
 from blockloop.errors import BlockloopError
 from blockloop.families import family, spec_of
 from blockloop.nn.precision import at_least_fp32
+from blockloop.train.distributed import DistInfo, sum_across_ranks
 
 
 @torch.no_grad()
@@ -38,6 +39,7 @@ def evaluate(
     autocast_dtype: torch.dtype | None = None,
     objective: str = "lm",
     show_progress: bool = False,
+    dist: DistInfo | None = None,
 ) -> dict[str, float]:
     """Loss/perplexity (and bits per byte when ``byte_lengths`` per token id is given).
 
@@ -46,6 +48,11 @@ def evaluate(
     Ids beyond the tokenizer's (span-corruption sentinels) count no bytes. Sources with labelled
     positions also get ``error``, the fraction of scored positions whose argmax is wrong. ``show_progress``
     draws a bar over the batches (a standalone evaluation can take minutes; inside training it stays off).
+
+    Under torchrun (``dist``) the ranks share the batches one process of ``batch_size x world_size`` rows would
+    read, ``batch_size`` rows each, and add up their sums: the metrics do not depend on the number of processes,
+    and no rank scores what another does. A rank left without rows in a short last batch still runs the model on
+    a stand-in row that is not counted, because FSDP gathers weights in every rank's forward together.
     """
     was_training = model.training
     model.eval()
@@ -73,21 +80,28 @@ def evaluate(
             f"--seq-len {sequences.seq_len} is not a multiple of the model's chunk size {chunk}; "
             f"use a multiple of {chunk}, e.g. --seq-len {fit}"
         )
-    batches = (stream_eval_batches if recurrent else eval_batches)(sequences, batch_size, max_batches)
-    count = (len(sequences) // min(batch_size, len(sequences)) if recurrent
-             else -(-len(sequences) // batch_size))
+    rank, world_size = (dist.rank, dist.world_size) if dist is not None else (0, 1)
+    rows = batch_size * world_size  # the batch one process would read; this rank's share is slice ``mine``
+    mine = slice(rank * batch_size, (rank + 1) * batch_size)
+    batches = (stream_eval_batches if recurrent else eval_batches)(sequences, rows, max_batches)
+    count = (len(sequences) // min(rows, len(sequences)) if recurrent
+             else -(-len(sequences) // rows))
     batches = progress.bar(iterable=batches, total=count if max_batches is None else min(count, max_batches),
                            desc="evaluating", unit="batch", disable=not show_progress, log_every=60)
     state = None
     try:  # back in the caller's mode also when a batch fails
         for i, (inputs, targets) in enumerate(batches):
-            batch = {k: v.to(device) for k, v in collate(inputs, targets, step_generator(0, i)).items()}
+            counted = inputs[mine].shape[0] > 0
+            share = mine if counted else slice(0, 1)
+            batch = {k: v.to(device) for k, v in collate(inputs[share], targets[share], step_generator(0, i)).items()}
             targets = batch.pop("targets")
             with autocast:
                 if recurrent:
                     logits, _, state = model(**batch, state=state, return_state=True)
                 else:
                     logits, _ = model(**batch)
+            if not counted:
+                continue
             nats = F.cross_entropy(at_least_fp32(logits.flatten(0, 1)), targets.flatten(), reduction="sum", ignore_index=-100)
             scored = targets != -100
             total_nats += nats.double()
@@ -99,6 +113,9 @@ def evaluate(
                 total_bytes += lengths[targets.clamp(0, len(lengths) - 1)][in_vocab].sum()
     finally:
         model.train(was_training)
+    if dist is not None:
+        total_nats, total_tokens, total_bytes, total_wrong = (
+            sum_across_ranks(t, dist) for t in (total_nats, total_tokens, total_bytes, total_wrong))
     total_nats, total_tokens, total_bytes = total_nats.item(), int(total_tokens), int(total_bytes)
     if total_tokens == 0:
         raise BlockloopError("evaluation saw no tokens; use a longer split or a shorter --seq-len")

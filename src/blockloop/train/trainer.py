@@ -259,6 +259,7 @@ class Trainer:
             device=self.device,
             autocast_dtype=self.autocast_dtype,
             objective=self.config.objective,
+            dist=self.dist,
         )
         metrics = {"val_loss": result["loss"], "val_perplexity": result["perplexity"]}
         if "error" in result:  # a labelled-position task: its error is the number that matters
