@@ -274,6 +274,23 @@ def test_ctrl_c_mentions_a_checkpoint_only_where_one_is_written(monkeypatch, cap
     assert capsys.readouterr().err.strip() == "blockloop presets: interrupted"
 
 
+def test_ctrl_c_in_training_says_whether_a_checkpoint_is_there_to_resume_from(monkeypatch, capsys, tmp_path):
+    from blockloop.cli import train
+
+    def interrupted(args):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(train, "run", interrupted)
+    argv = ["train", "--preset", "tiny", "--out", str(tmp_path / "run")]
+    assert main(argv) == 130
+    assert capsys.readouterr().err.strip() == "blockloop train: interrupted; no checkpoint was written yet"
+    (tmp_path / "run" / "checkpoints" / "step_0000002").mkdir(parents=True)
+    (tmp_path / "run" / "checkpoints" / "step_0000002" / "train_state.json").write_text("{}")
+    assert main(argv) == 130
+    run = tmp_path / "run"
+    assert capsys.readouterr().err.strip() == f"blockloop train: interrupted; the last checkpoint in {run} is kept: --resume goes on from it"
+
+
 def test_an_unrelated_missing_module_is_still_a_bug_with_its_traceback(monkeypatch):
     from blockloop.cli import presets
 

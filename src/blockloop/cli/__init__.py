@@ -100,9 +100,24 @@ def main(argv: Sequence[str] | None = None) -> int:
               f"{_cache_hint(exc.filename)} (BLOCKLOOP_DEBUG=1 shows the traceback)", file=sys.stderr)
         return EXIT_USER_ERROR
     except KeyboardInterrupt:
-        kept = "; the last checkpoint written is kept" if args.command in ("train", "demo") else ""
-        print(f"blockloop {args.command}: interrupted{kept}", file=sys.stderr)
+        print(f"blockloop {args.command}: interrupted{_checkpoints_kept(args)}", file=sys.stderr)
         return 130
+
+
+def _checkpoints_kept(args: argparse.Namespace) -> str:
+    """What an interrupted train or demo leaves to go on from: its last checkpoint, or none yet."""
+    if args.command not in ("train", "demo") or not getattr(args, "out", None):
+        return ""
+    from pathlib import Path
+
+    from blockloop.train.checkpoint import has_checkpoint
+
+    out = Path(args.out)
+    if args.command == "train":
+        return (f"; the last checkpoint in {out} is kept: --resume goes on from it" if has_checkpoint(out)
+                else "; no checkpoint was written yet")
+    runs = [run for run in (out.iterdir() if out.is_dir() else []) if has_checkpoint(run)]
+    return f"; the checkpoints written under {out} are kept" if runs else "; no checkpoint was written yet"
 
 
 def _cache_hint(filename: object) -> str:
