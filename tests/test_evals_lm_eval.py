@@ -20,6 +20,7 @@ from blockloop.evals.lm_eval_bridge import BlockloopLM
 from blockloop.evals.scoring import encode_request, score
 from blockloop.evals.tasks import TASKS, build_questions
 from blockloop.families import build_model
+from blockloop.serve.generate import generate
 from small_presets import small_variant
 
 # PIQA's lm-eval definition (lm_eval/tasks/piqa/piqa.yaml) over a local file
@@ -99,6 +100,15 @@ def test_rolling_log_likelihood_and_greedy_generation(byte_model):
     # an empty stop string stops nothing (lm-eval's models skip it) rather than failing the whole run
     (unstopped,) = lm.generate_until([type("R", (), {"args": ("ROMEO:", {"until": ["", "\n"], "max_gen_toks": 12})})()])
     assert unstopped == text_out
+    # a batch decodes together and each answer is its greedy continuation alone, cut at its first stop string
+    asked = [("ROMEO:", ["\n"], 12), ("To be", [" ", "e"], 20), ("", ["zzz"], 5), ("JULIET: O", [], 9)]
+    answers = BlockloopLM(model=model, tokenizer=tok, batch_size=3).generate_until(
+        [type("R", (), {"args": (context, {"until": until, "max_gen_toks": n})})() for context, until, n in asked])
+    for (context, until, n), answer in zip(asked, answers, strict=True):
+        (alone,) = generate(model, [tok.encode(context) or [tok.eos_id]], n, temperature=0.0, eos_id=tok.eos_id)
+        text = tok.decode(alone)
+        cuts = [text.index(stop) for stop in until if stop in text]
+        assert answer == (text[: min(cuts)] if cuts else text)
 
 
 def test_loops_are_checked_and_generation_refuses_a_fixed_exit():
@@ -156,12 +166,12 @@ def test_a_model_that_reads_a_bos_gets_it_in_rolling_windows_and_generation_prom
     (rolling,) = lm.loglikelihood_rolling([type("R", (), {"args": ("the cat sat",)})()])
     assert rolling == pytest.approx(empty_context, abs=1e-12)
     prompts = []
-    real = bridge.generate
+    real = bridge.Engine.submit
     try:
-        bridge.generate = lambda m, p, n, **kw: (prompts.append(p[0]), real(m, p, n, **kw))[1]
+        bridge.Engine.submit = lambda engine, p, n, **kw: (prompts.append(list(p)), real(engine, p, n, **kw))[1]
         lm.generate_until([type("R", (), {"args": ("the cat sat " * 20, {"until": ["\n"], "max_gen_toks": 4})})()])
     finally:
-        bridge.generate = real
+        bridge.Engine.submit = real
     assert prompts[0][0] == 1 and prompts[0][1:] == tok.encode("the cat sat " * 20)[-(len(prompts[0]) - 1):]
 
 

@@ -10,13 +10,14 @@ from a hub unless the task reads local files)::
 ``loglikelihood`` goes through :func:`blockloop.evals.scoring.score` (requests with the same context share
 their prefix work, and every family is scored the way its spec says), ``loglikelihood_rolling`` scores
 lm-eval's disjoint rolling windows the same way, and ``generate_until`` decodes greedily through the
-engine (:func:`blockloop.serve.generate.generate`), cut at the first stop string.
+engine, ``batch_size`` requests at a time, each cut at its first stop string.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+import torch
 from lm_eval.api.model import LM
 from lm_eval.api.registry import register_model
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
@@ -29,7 +30,9 @@ from blockloop.evals.harness import BenchmarkRequest, exits_of
 from blockloop.evals.scoring import Request, encode_request, score
 from blockloop.families import spec_of
 from blockloop.nn.linear import packed_linears
-from blockloop.serve.generate import generate
+from blockloop.serve.engine import Engine
+from blockloop.serve.requests import SamplingParams
+from blockloop.serve.runners import runner_for
 from blockloop.train.run import load_trained
 
 
@@ -94,27 +97,39 @@ class BlockloopLM(LM):
         return totals
 
     def generate_until(self, requests: list[Any], disable_tqdm: bool = False) -> list[str]:
+        """Greedy continuations, ``batch_size`` requests decoding at once through the engine (continuous batching);
+        a request leaves at the first window after its text holds a stop string, and is cut there."""
         if self.exits is not None:  # decoding exits through the engine's exit rules, not at a fixed loop
             raise BlockloopError(f"loops={self.exits[0]} scores log-likelihoods at that loop's exit; generation runs "
                                  "the whole model, so run generation tasks without loops=")
-        outputs = []
-        with packed_linears(self.model):  # once for every request, not per generate call
-            for req in requests:
-                context, kwargs = req.args[0], dict(req.args[1])
-                until = kwargs.get("until") or []
-                until = [until] if isinstance(until, str) else list(until)
-                c = self.model.config
-                new = max(1, min(int(kwargs.get("max_gen_toks", 256)), c.context_length // 2))
-                keep = c.context_length - new - spec_of(c).sequence_multiple(c)  # a block family pads the prompt
-                ids, start = self.tokenizer.encode(context), self.tokenizer.start_id
-                if start is not None:  # as the model reads a prompt: BOS first, kept when a long context is cut
-                    prompt = [start, *ids[max(0, len(ids) - (keep - 1)):]]
-                else:
-                    prompt = (ids or [self.tokenizer.eos_id])[-keep:]
-                (tokens,) = generate(self.model, [prompt], new, temperature=0.0, eos_id=self.tokenizer.eos_id)
-                text = self.tokenizer.decode(tokens)
-                for stop in until:
-                    if stop:  # lm-eval ignores an empty stop string (a seq2seq EOS decodes to one)
-                        text = text.split(stop)[0]
-                outputs.append(text)
-        return outputs
+        c = self.model.config
+        engine = Engine(runner_for(self.model), min(self.batch_size, max(1, len(requests))), max_len=c.context_length)
+        asked = []
+        for req in requests:
+            context, kwargs = req.args[0], dict(req.args[1])
+            until = kwargs.get("until") or []
+            # lm-eval ignores an empty stop string (a seq2seq EOS decodes to one)
+            until = [stop for stop in ([until] if isinstance(until, str) else until) if stop]
+            new = max(1, min(int(kwargs.get("max_gen_toks", 256)), c.context_length // 2))
+            keep = c.context_length - new - spec_of(c).sequence_multiple(c)  # a block family pads the prompt
+            ids, start = self.tokenizer.encode(context), self.tokenizer.start_id
+            if start is not None:  # as the model reads a prompt: BOS first, kept when a long context is cut
+                prompt = [start, *ids[max(0, len(ids) - (keep - 1)):]]
+            else:
+                prompt = (ids or [self.tokenizer.eos_id])[-keep:]
+            request = engine.submit(prompt, new, sampling=SamplingParams(temperature=0.0), eos_id=self.tokenizer.eos_id)
+            asked.append((request, until))
+        with packed_linears(self.model, engine.step_rows), torch.no_grad():
+            while not engine.idle:
+                engine.step()
+                for request, until in asked:
+                    if not request.finished and _cut(self.tokenizer.decode(request.output), until) is not None:
+                        engine.cancel(request)
+        texts = [(self.tokenizer.decode(request.output), until) for request, until in asked]
+        return [text if (cut := _cut(text, until)) is None else cut for text, until in texts]
+
+
+def _cut(text: str, until: list[str]) -> str | None:
+    """``text`` up to its first stop string, or None when it holds none."""
+    found = [text.index(stop) for stop in until if stop in text]
+    return text[: min(found)] if found else None
