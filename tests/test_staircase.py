@@ -84,6 +84,18 @@ def test_configs_round_trip_and_derived_sizes():
     assert from_name("global-staircase-algorithm").cache_tokens == from_name("global-staircase-algorithm").context_length
 
 
+@pytest.mark.parametrize(
+    "name, fields, total",
+    [("transformer-xl-reddit", {}, 117e6), ("staircase-reddit", {}, 117e6), ("ladder-reddit", {}, 117e6),
+     ("transformer-xl-reddit", {"n_layer": 16}, 218e6), ("universal-transformer-reddit", {}, 29e6)],
+)
+def test_reddit_presets_have_table2_parameter_counts(name, fields, total):
+    """Table 2 counts embeddings: 117M for the 8-layer d=1024 core, 218M for the 2x baseline, 29M for one layer."""
+    with torch.device("meta"):
+        model = build_model(from_name(name, **fields))
+    assert model.num_parameters() == pytest.approx(total, rel=0.01)
+
+
 def test_table6_models_of_a_task_have_equal_parameter_counts():
     counts = set()
     for kind in ("staircase", "cached-staircase", "ladder", "transformer-xl", "global-staircase"):
