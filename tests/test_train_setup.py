@@ -126,6 +126,20 @@ def test_evaluate_checkpoint_defaults_to_the_runs_data(trained):
         evaluate_checkpoint(trained, EvalRequest(split="test"), "cpu")
 
 
+def test_a_weights_export_evaluates_like_its_run(trained, tmp_path):
+    """`convert --to weights` keeps the run's window and objective, so `eval` scores a float32 export exactly as
+    it scores the run; the export still has no training state, so --resume refuses it even inside a run folder."""
+    weights = convert_checkpoint("weights", trained, tmp_path / "weights").out
+    request = EvalRequest(max_batches=1)
+    assert evaluate_checkpoint(weights, request, device="cpu") == evaluate_checkpoint(trained, request, device="cpu")
+    run = tmp_path / "run"
+    (run / "checkpoints").mkdir(parents=True)
+    weights.rename(run / "checkpoints" / "step_0000002")
+    (run / "checkpoints" / "latest").write_text("step_0000002")
+    with pytest.raises(BlockloopError, match="without training state"):
+        plan_run(TrainRequest(run, resume=True))
+
+
 def test_reports_without_training():
     sizes = {s.name: s for s in preset_sizes()}
     pythia = sizes["pythia-85m"]

@@ -141,8 +141,11 @@ def to_weights(checkpoint: str | Path, out: Path, *, save_dtype: str = "float32"
     out.mkdir(parents=True, exist_ok=True)
     ckpt.save_model_files(out, source.model, source.config, dtype=dtype)
     source.tokenizer.save(out)
+    # The run's training settings go along (no data position or optimizer, so --resume still refuses it), so
+    # that `eval` scores the weights on the windows and objective it scores the run on.
     ckpt.write_json_atomic(out / "train_state.json", {
         "step": source.state.get("step", 0), "run": source.state.get("run", {}),
+        **({"train_config": source.state["train_config"]} if "train_config" in source.state else {}),
         "converted_from": str(source.directory),
     })
     size = (out / "model.safetensors").stat().st_size

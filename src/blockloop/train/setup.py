@@ -100,7 +100,7 @@ def plan_run(request: TrainRequest) -> RunPlan:
     if r.resume:
         directory = ckpt.resolve_checkpoint(r.out)
         state = ckpt.read_json(directory / "train_state.json")
-        if isinstance(state, dict) and "train_config" not in state:
+        if isinstance(state, dict) and ("train_config" not in state or "converted_from" in state):
             raise BlockloopError(f"{r.out} holds a model without training state (a converted or exported one); "
                                  "start a new run from it with --init-from")
         state = ckpt.read_train_state(directory)
