@@ -13,13 +13,15 @@ share the phase), so some steps complete a staircase chunk in one row only."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from torch._dynamo.backends.common import aot_autograd
 
 from blockloop.families import build_model, from_name
 from blockloop.serve.runners import ExitRule, Speculation, runner_for
-from blockloop.serve.runners.base import StepOutput
+from blockloop.serve.runners.base import StepOutput, keep_rebound_state
 from blockloop.serve.sampling import SlotSampling
 
 CASES = {
@@ -178,3 +180,63 @@ def test_adaptive_speculation_compiles_one_graph_per_draft_length():
     finally:
         torch._dynamo.reset()
     assert len(lengths) > 1 and len(graphs) == len(lengths)
+
+
+def tensor_fields(holder: object) -> dict[str, torch.Tensor]:
+    return {name: value for name, value in vars(holder).items() if isinstance(value, torch.Tensor)}
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_every_tensor_a_step_rebinds_is_in_a_declared_step_state(name):
+    """``keep_rebound_state`` copies out of a CUDA graph's pool only the tensors of ``Runner.step_states()``: a
+    state a step rebinds anywhere else (another dataclass of the runner's, its speculator's) would be read after
+    the next replay overwrote it. Every dataclass the runner (or its speculator) holds is watched here."""
+    _, runner = twin_runners(name)
+    declared = {id(holder) for holder in runner.step_states()}
+    holders = [h for owner in (runner, getattr(runner, "speculator", None)) if owner is not None
+               for h in vars(owner).values() if dataclasses.is_dataclass(h) and not isinstance(h, type)]
+    with torch.no_grad():
+        for i in range(STEPS):
+            before = [(h, {k: id(v) for k, v in tensor_fields(h).items()}) for h in holders]
+            runner.decode_step(tokens(i))
+            for holder, ids in before:
+                rebound = [k for k, v in tensor_fields(holder).items() if ids.get(k) != id(v)]
+                assert not rebound or id(holder) in declared, f"{type(holder).__name__}.{rebound} not in step_states()"
+    assert any(id(h) in declared for h in holders)
+
+
+def test_keep_rebound_state_copies_a_rebound_tensor_out_of_the_step_memory():
+    """A graph-like step writes its output buffer before it reads its input, as a CUDA graph replay overwrites its
+    pool: a state tensor left pointing at last call's output reads garbage; the copy keeps the right value. A
+    tensor updated in place (a static buffer) keeps its identity."""
+
+    @dataclasses.dataclass
+    class State:
+        position: torch.Tensor
+        log: torch.Tensor
+
+    class GraphLike:
+        def __init__(self) -> None:
+            self.state = State(torch.zeros(2, dtype=torch.long), torch.zeros(2, dtype=torch.long))
+            self.pool = torch.empty(2, dtype=torch.long)
+
+        def step_states(self) -> list[object]:
+            return [self.state]
+
+        def decode_step(self, tokens: torch.Tensor) -> torch.Tensor:
+            self.pool.fill_(-100)  # the replay's output buffer, written before the input is read
+            self.pool.copy_(self.state.position + tokens)
+            self.state.position = self.pool
+            self.state.log.add_(1)
+            return self.pool
+
+    runs = {}
+    for keep in (False, True):
+        runner = GraphLike()
+        log = runner.state.log
+        step = keep_rebound_state(runner, runner.decode_step) if keep else runner.decode_step
+        for _ in range(3):
+            step(torch.ones(2, dtype=torch.long))
+        assert runner.state.log is log and log.tolist() == [3, 3]
+        runs[keep] = runner.state.position.tolist()
+    assert runs == {False: [-99, -99], True: [3, 3]}

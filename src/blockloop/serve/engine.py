@@ -46,7 +46,7 @@ from blockloop.nn.linear import packed_linears
 from blockloop.serve.batching import left_pad
 from blockloop.serve.requests import Request, RequestStatus, SamplingParams, TokenCallback, whole_number
 from blockloop.serve.runners import Runner, runner_for
-from blockloop.serve.runners.base import StepOutput, row_buckets
+from blockloop.serve.runners.base import StepOutput, keep_rebound_state, row_buckets
 from blockloop.serve.sampling import SlotSampling
 from blockloop.serve.scheduler import Scheduler
 
@@ -112,7 +112,8 @@ class Engine:
         if compile:
             mode = "reduce-overhead" if self.device.type == "cuda" else None
             # static shapes: one graph per row count of a prefix step, not a dynamic one
-            self._decode = runner.compiled_step(lambda step: torch.compile(step, mode=mode, dynamic=False))
+            compiled = runner.compiled_step(lambda step: torch.compile(step, mode=mode, dynamic=False))
+            self._decode = keep_rebound_state(runner, compiled)
         self.steps = 0
         self.last_window: list[tuple[Request, list[int]]] = []
 

@@ -135,6 +135,11 @@ class Runner(ABC):
         Transformer: inside a block, or closing it) compiles each and keeps the choice on the host."""
         return compile(self.decode_step)
 
+    def step_states(self) -> list[object]:
+        """The dataclasses whose tensor fields a decode step rebinds (``state.x = ...``): what
+        :func:`keep_rebound_state` copies out of a compiled step's memory."""
+        return [self.state]
+
     @abstractmethod
     def decode_step(self, tokens: Tensor) -> Tensor | StepOutput:
         """Feed one token per row ``tokens (n_slots,)`` (-1: none); next-token logits ``(n_slots, V)`` (or,
@@ -154,7 +159,8 @@ def static_state(*tensors: Tensor) -> None:
     """Mark decode-state tensors that a compiled step updates in place (a token log, a phase) as static
     addresses. Under CUDA graphs a step may mutate only inputs whose address never changes (module buffers such
     as the KV caches, and tensors marked so); mutating any other tensor makes inductor run the step eagerly
-    every time. State a step replaces (``state.x = ...``) needs no mark: the new tensor is the graph's output."""
+    every time. State a step replaces (``state.x = ...``) needs no mark: the new tensor is the graph's output,
+    which :func:`keep_rebound_state` copies out before the next replay."""
     for tensor in tensors:
         torch._dynamo.mark_static_address(tensor)
 
@@ -170,3 +176,22 @@ def prefix_views(cache: DecoderCache) -> dict[int, DecoderCache]:
     ``cache``'s rows, and ``cache`` itself at its full count. Built once, at allocation (a view is a module per
     layer: too slow to build every step)."""
     return {n: cache if n == cache.batch_size else cache.rows(0, n) for n in row_buckets(cache.batch_size)}
+
+
+def keep_rebound_state(runner: Runner, step: Callable[[Tensor], Tensor | StepOutput]) -> Callable[[Tensor], Tensor | StepOutput]:
+    """``step`` (a compiled decode step) with every state tensor it rebinds copied out after each call.
+
+    A CUDA graph's outputs live in its memory pool until its next replay, which writes them again; a state tensor
+    the next step reads must not be one of them (cudagraph trees refuse it as overwritten: seen on an H200,
+    torch 2.11). The copies are a few per-row vectors per step; the KV caches, updated in place, are not copied."""
+    def run(tokens: Tensor) -> Tensor | StepOutput:
+        holders = runner.step_states()
+        before = [{name: id(value) for name, value in vars(h).items() if isinstance(value, Tensor)} for h in holders]
+        out = step(tokens)
+        for holder, ids in zip(holders, before):
+            for name, value in vars(holder).items():
+                if isinstance(value, Tensor) and ids.get(name) != id(value):
+                    setattr(holder, name, value.clone())
+        return out
+
+    return run

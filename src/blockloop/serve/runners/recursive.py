@@ -213,6 +213,11 @@ class RecursiveRunner(DecoderRunner):
         speculator, run = self.speculator, compile(self.speculator.round)
         return lambda tokens: speculator.step(self.state, tokens, self.sampling, run)
 
+    def step_states(self) -> list[object]:
+        """The sequence-wise state, and the depth-wise rows' or the speculator's (allocated for continuous batches)."""
+        extra = (getattr(self, "depth", None), getattr(self.speculator, "state", None))
+        return [self.state, *(state for state in extra if state is not None)]
+
     def decode_step(self, tokens: Tensor) -> Tensor | StepOutput:
         if self.speculator is not None:
             return self.speculator.step(self.state, tokens, self.sampling)
