@@ -60,7 +60,7 @@ from blockloop.bench.suite import (
 )
 from blockloop.bench.throughput import scenario_lengths
 from blockloop.cli import main as blockloop
-from blockloop.cli.common import positive_int
+from blockloop.cli.common import positive_int, positive_ints
 from blockloop.device import resolve_device
 from blockloop.errors import BlockloopError
 from blockloop.families import build_model, from_name
@@ -140,7 +140,8 @@ class Suite:
         p = self.plan
         settings = ThroughputSettings(*lengths, batches, repeats=p.repeats, warmup=p.warmup, search=search, hf=hf,
                                       max_batch=p.max_batch, compile=self.device.type == "cuda", caches=caches)
-        return throughput_rows(models, settings, self.bandwidth)
+        return throughput_rows(models, settings, self.bandwidth,
+                               on_row=lambda row: print(f"[gpu_suite] {json.dumps(row, default=str)}", flush=True))
 
     def run_cli(self, *argv: str) -> None:
         """A ``blockloop`` command, in this process, recorded with the scratch folder written ``$WORK``."""
@@ -339,6 +340,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=positive_int, help="timed runs per batch size (default: 2 on a GPU; 1 helps a "
                         "row fit one 10-minute device call)")
     parser.add_argument("--max-batch", type=positive_int, help="bound of the decode-heavy batch search (default: 1024)")
+    parser.add_argument("--decode-batches", type=positive_ints, help="decode-heavy batch sizes before the search "
+                        "(default: 64,256; e.g. 256 with --max-batch 256 times one batch, to fit a short device call)")
     add_output_arguments(parser)
     args = parser.parse_args()
     rows = [r.strip() for r in args.rows.split(",") if r.strip()]
@@ -351,7 +354,7 @@ def main() -> None:
     torch._dynamo.config.fail_on_recompile_limit_hit = True
     device = torch.device("cpu" if args.smoke else resolve_device(args.device))
     plan = SMOKE if args.smoke else GPU
-    overrides = {"repeats": args.repeats, "max_batch": args.max_batch}
+    overrides = {"repeats": args.repeats, "max_batch": args.max_batch, "decode_batches": args.decode_batches}
     plan = dataclasses.replace(plan, **{k: v for k, v in overrides.items() if v is not None})  # recorded with the run
     dtype = bench_dtype("auto", str(device))
     out = output_dir(args)

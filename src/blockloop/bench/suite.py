@@ -11,7 +11,7 @@ from __future__ import annotations
 import inspect
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 from torch import nn
@@ -91,10 +91,17 @@ class ThroughputSettings:
             raise BlockloopError("--repeats must be >= 1 and --warmup >= 0")
 
 
-def throughput_rows(models: list[BenchModel], settings: ThroughputSettings, bandwidth: float) -> list[dict[str, Any]]:
-    """One row per model and batch size, with ``ratio_vs_baseline`` to the first model at the same batch."""
+def throughput_rows(models: list[BenchModel], settings: ThroughputSettings, bandwidth: float,
+                    on_row: Callable[[dict[str, Any]], None] | None = None) -> list[dict[str, Any]]:
+    """One row per model and batch size, with ``ratio_vs_baseline`` to the first model at the same batch;
+    ``on_row`` sees each row as it is measured (a device call stopped at its time limit keeps what it printed)."""
     s = settings
     rows: list[dict[str, Any]] = []
+
+    def add(row: dict[str, Any]) -> None:
+        rows.append(row)
+        if on_row is not None:
+            on_row(row)
     for m in models:
         for paged in [kind == "paged" for kind in (s.caches if pages_kv(m.model) else ("static",))]:
             def one(batch: int, model: nn.Module = m.model, name: str = m.name + " paged" * paged, paged: bool = paged) -> Any:
@@ -102,10 +109,10 @@ def throughput_rows(models: list[BenchModel], settings: ThroughputSettings, band
                                          sync_every=s.sync_every, compile=s.compile, bandwidth=bandwidth, seed=s.seed,
                                          paged=paged)
             for result in search_batches(one, s.batches, search=s.search, max_batch=s.max_batch):
-                rows.append({"kind": "throughput", "val_loss": m.val_loss, **result.to_dict()})
+                add({"kind": "throughput", "val_loss": m.val_loss, **result.to_dict()})
     if s.hf:
         for batch in s.batches:
-            rows.append({"kind": "throughput", "val_loss": None, **hf_throughput(
+            add({"kind": "throughput", "val_loss": None, **hf_throughput(
                 models[0].model, batch, s.prompt_len, s.gen_len, repeats=s.repeats, warmup=s.warmup, seed=s.seed).to_dict()})
     base = {r["batch"]: r["tok_s"] for r in rows if r["name"] == models[0].name}
     for r in rows:
