@@ -515,6 +515,23 @@ def test_hf_generate_baseline_decodes_the_same_greedy_tokens():
     assert result.name == "hf-generate" and result.tok_s > 0
 
 
+def test_a_short_warm_up_generates_warmup_tokens_and_the_timed_runs_the_whole_length(monkeypatch):
+    """``warmup_tokens`` shortens only the untimed runs (the GPU suite's decode-heavy warm-up cost as much as its
+    timed run); the timed runs and the TTFT runs ask for what they always did, for the engine and for HF."""
+    from blockloop.bench import hf_baseline, throughput
+
+    asked: list[int] = []
+    submit = Engine.submit
+    monkeypatch.setattr(Engine, "submit", lambda self, prompt, n, **kw: asked.append(n) or submit(self, prompt, n, **kw))
+    throughput.engine_throughput(tiny().float(), "tiny", 2, 4, 9, repeats=1, warmup=2, warmup_tokens=3)
+    assert asked == [3, 3, 1, 1] * 2 + [9, 9, 1, 1]
+    if hf_baseline.hf_available() is None:
+        lengths: list[int] = []
+        monkeypatch.setattr(hf_baseline, "hf_generate", lambda hf, ids, n: lengths.append(n))
+        hf_baseline.hf_throughput(tiny().float(), 2, 4, 9, repeats=2, warmup=1, warmup_tokens=3)
+        assert lengths == [3, 9, 9]
+
+
 def test_depthwise_batching_without_exits_equals_sequence_wise_greedy():
     model = tiny("tiny-recursive")
     prompts, budgets = random_prompts((3, 11, 7, 5, 9)), [9, 4, 7, 6, 2]

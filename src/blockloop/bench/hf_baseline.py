@@ -47,9 +47,11 @@ def hf_generate(hf: nn.Module, ids: torch.Tensor, gen_len: int) -> torch.Tensor:
 
 
 def hf_throughput(
-    model: nn.Module, batch: int, prompt_len: int, gen_len: int, *, repeats: int = 3, warmup: int = 1, seed: int = 0
+    model: nn.Module, batch: int, prompt_len: int, gen_len: int, *, repeats: int = 3, warmup: int = 1, seed: int = 0,
+    warmup_tokens: int | None = None,
 ) -> ThroughputResult:
-    """Time ``transformers`` ``generate()`` on ``model`` converted by :func:`to_hf_generator`."""
+    """Time ``transformers`` ``generate()`` on ``model`` converted by :func:`to_hf_generator`; a warm-up run
+    generates ``warmup_tokens`` (default ``gen_len``), as :func:`~blockloop.bench.throughput.engine_throughput`."""
     check_repeats(repeats)
     hf = to_hf_generator(model)
     device = next(model.parameters()).device
@@ -57,8 +59,9 @@ def hf_throughput(
     seconds = []
     for run in range(warmup + repeats):
         ids = torch.randint(0, model.config.vocab_size, (batch, prompt_len), generator=generator).to(device)
+        n_tokens = gen_len if run >= warmup or warmup_tokens is None else min(gen_len, warmup_tokens)
         with timed(device) as timer:
-            hf_generate(hf, ids, gen_len)
+            hf_generate(hf, ids, n_tokens)
         if run >= warmup:
             seconds.append(timer.seconds)
     mean = sum(seconds) / len(seconds)
