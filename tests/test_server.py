@@ -126,6 +126,35 @@ def test_models_lists_the_served_model_with_its_context(served):
     assert card.max_model_len == served.reference.config.context_length
 
 
+def test_early_exit_over_http_answers_as_the_engine_serving_the_same_rule(tmp_path_factory):
+    """``--exit max_prob:0`` (every token leaves after its first loop) over HTTP: each greedy answer is the one an
+    in-process depth-wise engine with the same rule gives, and the server's own runner counted every token leaving
+    after one loop (this barely trained model's first-loop and full-depth answers agree, so the text alone cannot
+    tell the rule was applied)."""
+    from blockloop.serve.engine import Engine
+    from blockloop.serve.requests import SamplingParams
+    from blockloop.serve.runners import runner_for
+
+    rule = ExitRule("max_prob", 0.0)
+    run, app = serve(tmp_path_factory, "tiny-recursive", n_slots=4, exit_rule=rule)
+    reference = load_trained(run)
+    tok = reference.tokenizer
+    runner = runner_for(reference.model, exit_rule=rule)
+    engine = Engine(runner, 4)
+    prompts = ["ROMEO:", "JULIET:", "First Citizen:"]
+    requests = [engine.submit(tok.encode(p), 10, sampling=SamplingParams(temperature=0.0), eos_id=tok.eos_id)
+                for p in prompts]
+    engine.run()
+    assert runner.mean_exit_loop() == 1.0
+    with running(app) as url:
+        client = openai.OpenAI(base_url=url + "/v1", api_key="-", max_retries=0)
+        for prompt, request in zip(prompts, requests):
+            answer = client.completions.create(model="tiny-recursive", prompt=prompt, max_tokens=10, temperature=0)
+            assert answer.choices[0].text == tok.decode(request.output)
+            assert answer.usage.completion_tokens == len(request.output)
+    assert app.state.served.worker.engine.runner.mean_exit_loop() == 1.0  # the server's tokens left after one loop
+
+
 def test_64_concurrent_requests_from_16_threads_all_succeed_with_exact_counts(vanilla):
     tok = vanilla.reference.tokenizer
     prompts = [f"{name}:" for name in ("ROMEO", "JULIET", "HAMLET", "OTHELLO", "LEAR", "PUCK", "IAGO", "ARIEL")]
@@ -176,6 +205,7 @@ def test_metrics_count_tokens_requests_and_latencies(vanilla):
     for histogram in ("time_to_first_token_seconds", "e2e_request_latency_seconds", "time_per_output_token_seconds"):
         assert moved(f"blockloop_{histogram}_count") == 3
     assert metric(after, "blockloop_slots") == 16 and metric(after, "blockloop_requests_running") == 0
+    assert metric(after, "blockloop_slot_usage") == 0
 
 
 def test_bench_over_http_streams_the_seeded_requests_and_reports_percentiles(vanilla, tmp_path, capsys):
