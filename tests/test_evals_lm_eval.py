@@ -188,5 +188,6 @@ def test_requests_sharing_a_context_are_scored_batch_size_at_a_time(byte_model, 
         rows.append(sum(map(len, groups))), real(m, groups, exits))[1])
     got = BlockloopLM(model=model, tokenizer=tok, batch_size=2).loglikelihood(asked)
     assert max(rows) <= 4 and sum(rows) == len(asked)
-    assert [ll for ll, _ in got] == pytest.approx([ll for ll, _ in expected], abs=1e-9)
+    # float32: a batch of 2 and one of 64 take different matrix kernels (8e-9 relative apart on an AMD EPYC)
+    assert [ll for ll, _ in got] == pytest.approx([ll for ll, _ in expected], rel=1e-6)
     assert [g for _, g in got] == [g for _, g in expected]
