@@ -1,0 +1,203 @@
+"""Where a decode step's time goes: the first GPU run (``results/gpu-2026-11-27-nvidia-h200.md``) decoded pythia-85m
+at 12% of its memory roofline, 23 ms per step at batch 256 where reading every cache slot takes 4.8 ms, unprofiled.
+
+Two parts, one device call (about two minutes on an H100/H200):
+
+1. **Attention alone** at the decode shapes of ``--preset`` (one query per row and head over a static cache of
+   ``--context`` slots, each row holding a random live length between half and all of them): SDPA with no mask (the
+   flash kernel, reading every slot: what a kernel that ignores the mask could do), SDPA through the dense
+   ``(B, 1, 1, S)`` boolean mask the static decode step uses, FlexAttention through a block mask of the rows'
+   lengths (reads live blocks only; built once, its build time reported apart), and the eager reference; each eager
+   and compiled, timed with CUDA events, as ms and GB/s of the keys and values it had to read (live and all slots).
+2. **The engine's compiled decode step** (``--batch`` rows of ``--prompt-len`` prompts, as the throughput protocol
+   runs it) under ``torch.profiler``: wall time per step against device-busy time per step (a step that takes
+   much longer than its kernels waits on the host), and the operators that take the device time.
+
+    .venv/bin/python benchmarks/decode_profile.py --out-dir runs/bench          # on the GPU machine
+    .venv/bin/python benchmarks/decode_profile.py --smoke --out-dir runs/bench  # CPU, tiny sizes: checks the script
+
+Writes ``decode_profile-<device>.md`` and ``.json`` to runs/bench/ (``--out-dir DIR`` elsewhere, ``--record`` into
+benchmarks/results/).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import statistics
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from blockloop.bench.records import add_output_arguments, environment, environment_line, output_dir, run_script
+from blockloop.bench.suite import bench_dtype
+from blockloop.bench.timing import timed
+from blockloop.cli.common import positive_int
+from blockloop.device import resolve_device
+from blockloop.families import build_model, from_name
+from blockloop.nn.attention import attention
+from blockloop.nn.masks import cache_mask
+from blockloop.serve.engine import Engine
+from blockloop.serve.requests import SamplingParams
+
+
+def median_seconds(fn: Callable[[], object], device: torch.device, repeats: int) -> float:
+    """Median of ``repeats`` timed calls after three untimed ones (compilation, autotuning, caches)."""
+    for _ in range(3):
+        fn()
+    times = []
+    for _ in range(repeats):
+        with timed(device) as t:
+            fn()
+        times.append(t.seconds)
+    return statistics.median(times)
+
+
+def attention_rows(model: torch.nn.Module, batch: int, context: int, device: torch.device, dtype: torch.dtype,
+                   repeats: int) -> list[dict[str, Any]]:
+    """Part 1: each attention path at one decode step's shapes."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    c = model.config
+    generator = torch.Generator().manual_seed(0)
+    q = torch.randn(batch, c.n_head, 1, c.head_dim, generator=generator).to(device, dtype)
+    k, v = (torch.randn(batch, c.n_kv_head, context, c.head_dim, generator=generator).to(device, dtype) for _ in range(2))
+    lengths = torch.randint(context // 2, context + 1, (batch,), generator=generator).to(device)
+    key_valid = torch.arange(context, device=device)[None] < lengths[:, None]
+    mask = cache_mask(key_valid, (lengths - 1)[:, None])  # the static decode step's (B, 1, 1, S) mask
+
+    def live(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+        return kv_idx < lengths[b]
+
+    for _ in range(2):  # the second build is timed: the first pays for tracing the mask function
+        with timed(device) as build:
+            block_mask = create_block_mask(live, batch, None, 1, context, device=str(device))
+    per_key = 2 * c.n_kv_head * c.head_dim * torch.finfo(dtype).bits // 8  # K and V bytes of one cached token
+    live_bytes, all_bytes = per_key * int(lengths.sum()), per_key * batch * context
+    reference = attention(q.double(), k.double(), v.double(), mask=mask, backend="eager")
+
+    variants: dict[str, Callable[..., Tensor]] = {
+        "sdpa, no mask (reads every slot)": lambda: attention(q, k, v, backend="sdpa"),
+        "sdpa, dense (B,1,1,S) mask (the static decode step)": lambda: attention(q, k, v, mask=mask, backend="sdpa"),
+        "flex, block mask of the rows' lengths": lambda: attention(q, k, v, block_mask=block_mask, backend="flex"),
+        "eager, dense mask": lambda: attention(q, k, v, mask=mask, backend="eager"),
+    }
+    rows = []
+    for name, fn in variants.items():
+        for compiled in (False, True):
+            if name.startswith("flex") and compiled != (device.type == "cuda"):
+                continue  # compiled on CUDA by blockloop already; on CPU inductor cannot return its log-sum-exp
+            run = torch.compile(fn) if compiled else fn
+            try:
+                seconds = median_seconds(run, device, repeats)
+                out = run()
+                error = None if name.startswith("sdpa, no mask") else float((out.double() - reference).abs().max())
+            except Exception as exc:  # noqa: BLE001  (a path this torch or device lacks is a row, not the end)
+                rows.append({"path": name, "compiled": compiled, "error": f"{type(exc).__name__}: {exc}".splitlines()[0][:200]})
+                continue
+            rows.append({"path": name, "compiled": compiled, "ms": 1e3 * seconds,
+                         "live_gb_s": live_bytes / seconds / 1e9, "all_slots_gb_s": all_bytes / seconds / 1e9,
+                         "max_abs_error_vs_float64": error})
+        torch._dynamo.reset()
+    rows.append({"path": "flex block mask build (once per step if rebuilt)", "ms": 1e3 * build.seconds})
+    return rows
+
+
+def step_profile(model: torch.nn.Module, batch: int, prompt_len: int, steps: int, device: torch.device) -> dict[str, Any]:
+    """Part 2: ``steps`` decode steps of the compiled engine under the profiler, after a compiling warm-up."""
+    from torch.profiler import ProfilerActivity, profile
+
+    warmup, window = 32, 16
+    tokens = warmup + 2 * window + 2 * steps  # every row decodes through the warm-up, the timing and the profile
+    engine = Engine(model, batch, max_len=prompt_len + tokens, sync_every=window, compile=True)
+    generator = torch.Generator().manual_seed(0)
+    prompts = torch.randint(0, model.config.vocab_size, (batch, prompt_len), generator=generator).tolist()
+    greedy = SamplingParams(temperature=0.0)
+    for p in prompts:
+        engine.submit(p, tokens, sampling=greedy)
+    while engine.steps < warmup:  # prefill, then windows that compile and capture the step
+        engine.step()
+    with timed(device) as wall:
+        done = engine.steps
+        engine.step(max_steps=steps)
+        timed_steps = engine.steps - done
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=activities) as prof:
+        done = engine.steps
+        engine.step(max_steps=steps)
+        profiled_steps = engine.steps - done
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    events = prof.key_averages()
+    if device.type == "cuda":  # the kernels' own rows (an operator's row repeats the time of the kernels it launched)
+        sort = "self_device_time_total"
+        busy_us = sum(e.self_device_time_total for e in events if e.device_type == torch.autograd.DeviceType.CUDA)
+    else:
+        sort = "self_cpu_time_total"
+        busy_us = sum(e.self_cpu_time_total for e in events)
+    table = events.table(sort_by=sort, row_limit=20, max_name_column_width=70)
+    return {"batch": batch, "prompt_len": prompt_len, "steps": timed_steps, "wall_ms_per_step": 1e3 * wall.seconds / timed_steps,
+            "busy_ms_per_step": busy_us / 1e3 / profiled_steps, "busy_is": sort, "table": table}
+
+
+def write(out: Path, record: dict[str, Any]) -> Path:
+    slug = re.sub(r"[^a-z0-9]+", "-", record["device"].lower().split(" (")[0]).strip("-") + ("-smoke" if record["smoke"] else "")
+    stem = f"decode_profile-{slug}"
+    (out / f"{stem}.json").write_text(json.dumps(record, indent=2) + "\n")
+    a, s = record["attention"], record["step"]
+    lines = [f"# Decode profile: `{record['preset']}`{' (smoke: tiny sizes, not a measurement)' if record['smoke'] else ''}",
+             "", f"- {environment_line(record)}", "",
+             f"## Attention alone: batch {a['batch']}, {a['context']} cache slots, live lengths in [{a['context'] // 2}, "
+             f"{a['context']}]", "", "| path | compiled | ms | GB/s of live K/V | GB/s of every slot | max abs error vs float64 |",
+             "|---|---|---:|---:|---:|---:|"]
+    for row in a["rows"]:
+        if "error" in row:
+            lines.append(f"| {row['path']} | {row['compiled']} | failed: {row['error']} | | | |")
+        elif "live_gb_s" not in row:
+            lines.append(f"| {row['path']} | | {row['ms']:.3f} | | | |")
+        else:
+            err = "-" if row["max_abs_error_vs_float64"] is None else f"{row['max_abs_error_vs_float64']:.1e}"
+            lines.append(f"| {row['path']} | {row['compiled']} | {row['ms']:.3f} | {row['live_gb_s']:.0f} | "
+                         f"{row['all_slots_gb_s']:.0f} | {err} |")
+    lines += ["", f"## The engine's compiled decode step: batch {s['batch']}, prompt {s['prompt_len']}", "",
+              f"{s['wall_ms_per_step']:.3f} ms per step wall time ({s['steps']} steps), {s['busy_ms_per_step']:.3f} ms of "
+              f"it busy ({s['busy_is']}, profiled separately)", "", "```", s["table"], "```", ""]
+    (out / f"{stem}.md").write_text("\n".join(lines))
+    return out / f"{stem}.md"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--smoke", action="store_true", help="tiny sizes on CPU (seconds): checks the script runs")
+    parser.add_argument("--preset", default="pythia-85m", help="model whose decode shapes are timed (default: pythia-85m)")
+    parser.add_argument("--batch", type=positive_int, default=256, help="rows of part 1 (default: 256, the suite's decode batch)")
+    parser.add_argument("--context", type=positive_int, default=2048, help="cache slots per row in part 1 (default: 2048)")
+    parser.add_argument("--step-batch", type=positive_int, default=64, help="rows of the profiled engine (default: 64)")
+    parser.add_argument("--prompt-len", type=positive_int, default=1024, help="prompt of each profiled row (default: 1024)")
+    parser.add_argument("--steps", type=positive_int, default=32, help="profiled decode steps (default: 32)")
+    parser.add_argument("--repeats", type=positive_int, default=50, help="timed calls per attention path (default: 50)")
+    parser.add_argument("--device", default="auto", help="auto (CUDA if present), cuda, cpu")
+    add_output_arguments(parser)
+    args = parser.parse_args()
+    if args.smoke:
+        args.preset, args.batch, args.context, args.step_batch, args.prompt_len, args.steps, args.repeats = (
+            "tiny", 2, 64, 2, 16, 4, 3)
+    device = torch.device("cpu" if args.smoke else resolve_device(args.device))
+    dtype = bench_dtype("auto", str(device))
+    torch.manual_seed(0)
+    model = build_model(from_name(args.preset)).to(device=device, dtype=dtype).eval()
+    record = {**environment(str(device), dtype), "smoke": args.smoke, "preset": args.preset}
+    with torch.no_grad():
+        record["attention"] = {"batch": args.batch, "context": args.context,
+                               "rows": attention_rows(model, args.batch, args.context, device, dtype, args.repeats)}
+        record["step"] = step_profile(model, args.step_batch, args.prompt_len, args.steps, device)
+    path = write(output_dir(args), record)
+    print(path.read_text())
+
+
+if __name__ == "__main__":
+    run_script(main)

@@ -1,0 +1,28 @@
+"""``benchmarks/decode_profile.py --smoke``: the decode profiler a GPU session runs in one call works end to end on
+CPU, every attention path it times computes the static decode step's attention, and the profiled engine steps."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_smoke_profile_times_every_attention_path_and_the_engine_step(tmp_path):
+    done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "decode_profile.py"), "--smoke",
+                           "--out-dir", str(tmp_path)], capture_output=True, text=True, cwd=ROOT, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    record = json.loads((tmp_path / "decode_profile-cpu-smoke.json").read_text())
+    rows = record["attention"]["rows"]
+    timed = [r for r in rows if "live_gb_s" in r]
+    assert not [r for r in rows if "error" in r]
+    assert {r["path"].split(",")[0] for r in timed} == {"sdpa", "flex", "eager"} and all(r["ms"] > 0 for r in timed)
+    masked = [r for r in timed if r["max_abs_error_vs_float64"] is not None]
+    assert len(masked) == 5 and max(r["max_abs_error_vs_float64"] for r in masked) < 1e-5  # one function, five ways
+    assert all(r["all_slots_gb_s"] >= r["live_gb_s"] > 0 for r in timed)  # live keys are a part of every slot
+    step = record["step"]
+    assert step["steps"] == 4 and step["wall_ms_per_step"] > 0 and step["busy_ms_per_step"] > 0
+    assert "aten::" in step["table"] and "| sdpa, dense (B,1,1,S) mask" in (tmp_path / "decode_profile-cpu-smoke.md").read_text()
