@@ -88,20 +88,26 @@ class BlockRunner(PagedRows, Runner):
     def _pages(self) -> KVPages | None:
         return self.state.block_cache.pages
 
-    @torch.no_grad()
     def prefill_slot(self, slot: int, prompt: Tensor) -> Tensor:
         """Cache ``prompt (P,)`` (whole blocks) in row ``slot``'s block cache and open its first block."""
+        return self.prefill_rows(slot, prompt[None])[0]
+
+    @torch.no_grad()
+    def prefill_rows(self, start: int, prompts: Tensor) -> Tensor:
+        """Cache ``prompts (n, P)`` (whole blocks, one length) in rows ``start .. start + n - 1`` in one block-decoder
+        forward and open their first blocks: a window's admitted requests are one forward, not one each."""
         state = self.state
         if self.phase:
             raise RuntimeError("requests join a Block Transformer batch only at block boundaries")
-        blocks = prompt.view(1, -1, self.model.config.block_len)
+        n = prompts.shape[0]
+        blocks = prompts.view(n, -1, self.model.config.block_len)
         n_blocks = blocks.shape[1]
-        cache = state.block_cache.row(slot)
+        cache = state.block_cache.rows(start, start + n)
         cache.reset()
-        context = self.model.block_context(blocks, StepContext(cache, torch.arange(n_blocks, device=prompt.device)))
-        state.next_block_slot[slot] = state.next_block_position[slot] = n_blocks
-        state.vectors[slot] = self.model.token_decoder.context_vectors(context)[0]
-        return self._start_block(state.vectors[slot : slot + 1], state.token_cache.row(slot))[0]
+        context = self.model.block_context(blocks, StepContext(cache, torch.arange(n_blocks, device=prompts.device)))
+        state.next_block_slot[start : start + n] = state.next_block_position[start : start + n] = n_blocks
+        state.vectors[start : start + n] = self.model.token_decoder.context_vectors(context)
+        return self._start_block(state.vectors[start : start + n], state.token_cache.rows(start, start + n))
 
     @torch.no_grad()
     def prefill_batch(self, idx: Tensor, token_valid: Tensor) -> Tensor:

@@ -61,26 +61,32 @@ class EncoderDecoderRunner(PagedRows, Runner):
         cache = self.model.allocate_cache(n_slots, max_len, pages=pages)
         self.state = EncDecState(cache, cross, valid, zeros, prefix_views(cache))
 
-    @torch.no_grad()
     def prefill_slot(self, slot: int, prompt: Tensor) -> Tensor:
         """Encode ``prompt[:-1]`` into row ``slot``'s cross K/V; decode its last token at slot 0."""
+        return self.prefill_rows(slot, prompt[None])[0]
+
+    @torch.no_grad()
+    def prefill_rows(self, start: int, prompts: Tensor) -> Tensor:
+        """Encode ``prompts[:, :-1] (n, P - 1)`` into rows ``start .. start + n - 1``'s cross K/V in one forward;
+        decode their last tokens at slot 0."""
         state, pages = self.state, self.state.cache.pages
-        cross, cross_mask = self.model.encode(prompt[None, :-1])
+        n, rows = len(prompts), slice(start, start + len(prompts))
+        cross, cross_mask = self.model.encode(prompts[:, :-1])
         length = cross_mask.shape[-1]
         for (k, v), (k1, v1) in zip(state.cross, cross):
             if pages is None:
-                k[slot, :, :length], v[slot, :, :length] = k1[0], v1[0]
-            else:
-                at = pages.rows(slot, slot + 1).positions(torch.arange(length, device=prompt.device))[0]
-                k[0, :, at], v[0, :, at] = k1[0], v1[0]
-        state.cross_valid[slot] = False
-        state.cross_valid[slot, :length] = cross_mask[0, 0, 0]
-        row = state.cache.row(slot)
-        row.reset()
-        state.next_slot[slot] = 1
-        step = StepContext(row, torch.zeros(1, dtype=torch.long, device=prompt.device))
-        cross_kv, mask = self._cross(slice(slot, slot + 1))
-        return self.model.decoder_step(prompt[-1:], step, cross_kv, mask)[0]
+                k[rows, :, :length], v[rows, :, :length] = k1, v1
+            else:  # the pool (1, H, positions, D) at each row's pages, rows after one another
+                at = pages.rows(start, start + n).positions(torch.arange(length, device=prompts.device)).reshape(-1)
+                k[0, :, at], v[0, :, at] = (x.transpose(0, 1).reshape(x.shape[1], n * length, -1) for x in (k1, v1))
+        state.cross_valid[rows] = False
+        state.cross_valid[rows, :length] = cross_mask[:, 0, 0]
+        cache = state.cache.rows(start, start + n)
+        cache.reset()
+        state.next_slot[rows] = 1
+        step = StepContext(cache, torch.zeros(1, dtype=torch.long, device=prompts.device))
+        cross_kv, mask = self._cross(rows)
+        return self.model.decoder_step(prompts[:, -1], step, cross_kv, mask)
 
     @torch.no_grad()
     def prefill_batch(self, idx: Tensor, token_valid: Tensor) -> Tensor:

@@ -104,17 +104,23 @@ class StaircaseRunner(Runner):
         c = self.model.config
         return c.cache_tokens + (c.passes - 1 - k) * c.chunk_size
 
-    @torch.no_grad()
     def prefill_slot(self, slot: int, prompt: Tensor) -> Tensor:
         """Read ``prompt (P,)`` as a new stream in row ``slot`` (the other rows keep theirs)."""
-        logits, _, state = self.model(prompt[None], return_state=True)
-        rows = slice(slot, slot + 1)
+        return self.prefill_rows(slot, prompt[None])[0]
+
+    @torch.no_grad()
+    def prefill_rows(self, start: int, prompts: Tensor) -> Tensor:
+        """Read ``prompts (n, P)`` as new streams in rows ``start .. start + n - 1``, in one forward: whole chunks
+        through the model, the incomplete last chunk token by token as decoding reads it."""
+        logits, _, state = self.model(prompts, return_state=True)
+        rows = slice(start, start + len(prompts))
         self._load(rows, state)
-        start = prompt.numel() - prompt.numel() % self.model.config.chunk_size
-        if start < prompt.numel():
-            rest = prompt[None, start:]
+        length = prompts.shape[1]
+        done = length - length % self.model.config.chunk_size
+        if done < length:
+            rest = prompts[:, done:]
             self._read(rest, torch.ones_like(rest, dtype=torch.bool), rows)
-        return logits[0, -1]
+        return logits[:, -1]
 
     @torch.no_grad()
     def prefill_batch(self, idx: Tensor, token_valid: Tensor) -> Tensor:
