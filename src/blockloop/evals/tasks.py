@@ -13,7 +13,9 @@ Prompt per task (``{...}`` = a field of the row; the continuation is `` {choice}
 * ``winogrande``: partial evaluation: the contexts are the sentence up to the blank with each option filled
   in, the continuation (the same for both) the rest of the sentence; accuracy only.
 * ``openbookqa``: ``{question_stem}``; choices ``choices.text``.
-* ``boolq``: ``{passage}\\nQuestion: {question}?\\nAnswer:``; choices ``no``, ``yes``; accuracy only.
+* ``boolq``: ``{passage}\\nQuestion: {question}?\\nAnswer:``; choices ``no``, ``yes``; accuracy only. The gold
+  is the row's ``answer`` (the shipped rows follow google/boolq; lm-eval's super_glue copy names it ``label``: the
+  same prompt and gold).
 * ``sciq``: ``{support, left-stripped}\\nQuestion: {question}\\nAnswer:``; choices the three distractors
   then the correct answer.
 * ``copa``: the premise without its final period, then `` because`` (cause) or `` therefore`` (effect);
