@@ -13,8 +13,9 @@ Two parts, one device call (about two minutes on an H100/H200):
    runs it) under ``torch.profiler``: wall time per step against device-busy time per step (a step that takes
    much longer than its kernels waits on the host), and the operators that take the device time.
 
-    .venv/bin/python benchmarks/decode_profile.py --out-dir runs/bench          # on the GPU machine
-    .venv/bin/python benchmarks/decode_profile.py --smoke --out-dir runs/bench  # CPU, tiny sizes: checks the script
+    .venv/bin/python benchmarks/decode_profile.py --record     # on one H100/H200 (through the device kit: --out-dir "$OUT")
+
+``--smoke`` runs both parts at tiny sizes on CPU in seconds, which checks the script, not the engine.
 
 Writes ``decode_profile-<device>.md`` and ``.json`` to runs/bench/ (``--out-dir DIR`` elsewhere, ``--record`` into
 benchmarks/results/).
