@@ -107,14 +107,14 @@ class Runner(ABC):
     def release(self, slot: int) -> None:
         """Row ``slot``'s request has finished: give back what :meth:`reserve` took."""
 
-    @abstractmethod
     def prefill_slot(self, slot: int, prompt: Tensor) -> Tensor:
         """Take over row ``slot`` for ``prompt (P,)`` (the other rows keep their state); next-token logits ``(V,)``."""
+        return self.prefill_rows(slot, prompt[None])[0]
 
+    @abstractmethod
     def prefill_rows(self, start: int, prompts: Tensor) -> Tensor:
         """Take over rows ``start .. start + n - 1`` for ``n`` prompts of one length ``(n, P)`` admitted
-        together; next-token logits ``(n, V)``. One :meth:`prefill_slot` each unless a runner batches them."""
-        return torch.stack([self.prefill_slot(start + i, prompt) for i, prompt in enumerate(prompts)])
+        together, in one forward; next-token logits ``(n, V)``."""
 
     def prefill_chunk(self, start: int, chunks: Tensor, lengths: Tensor, offsets: Tensor) -> Tensor:
         """Cache the next piece of ``n`` prompts in rows ``start .. start + n - 1``: row ``i`` holds its prompt's

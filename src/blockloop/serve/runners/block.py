@@ -88,10 +88,6 @@ class BlockRunner(PagedRows, Runner):
     def _pages(self) -> KVPages | None:
         return self.state.block_cache.pages
 
-    def prefill_slot(self, slot: int, prompt: Tensor) -> Tensor:
-        """Cache ``prompt (P,)`` (whole blocks) in row ``slot``'s block cache and open its first block."""
-        return self.prefill_rows(slot, prompt[None])[0]
-
     @torch.no_grad()
     def prefill_rows(self, start: int, prompts: Tensor) -> Tensor:
         """Cache ``prompts (n, P)`` (whole blocks, one length) in rows ``start .. start + n - 1`` in one block-decoder

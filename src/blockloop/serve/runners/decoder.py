@@ -87,10 +87,6 @@ class DecoderRunner(PagedRows, Runner):
         """The model's cache for the rows (a runner whose steps take slots back sizes rolling caches for it)."""
         return self.model.allocate_cache(n_slots, max_len, pages=pages)
 
-    def prefill_slot(self, slot: int, prompt: Tensor) -> Tensor:
-        """Cache ``prompt (P,)`` at slots 0..P-1 of row ``slot``."""
-        return self.prefill_rows(slot, prompt[None])[0]
-
     def prefill_rows(self, start: int, prompts: Tensor) -> Tensor:
         """Cache ``prompts (n, P)`` at slots 0..P-1 of rows ``start..start+n-1`` in one forward."""
         n, length = prompts.shape

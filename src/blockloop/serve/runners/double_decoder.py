@@ -77,10 +77,6 @@ class DoubleDecoderRunner(PagedRows, Runner):
         return self._prefill(self.state.rows(start, stop), prompts, torch.ones_like(prompts, dtype=torch.bool))
 
     @torch.no_grad()
-    def prefill_slot(self, slot: int, prompt: Tensor) -> Tensor:
-        return self.prefill_rows(slot, prompt[None])[0]
-
-    @torch.no_grad()
     def decode_step(self, tokens: Tensor) -> Tensor:
         """One token per row; each row writes its own next slot (:meth:`DecodeState.step_slots`)."""
         step = StepContext(*self.state.step_slots(len(tokens), self.model.config.context_length))

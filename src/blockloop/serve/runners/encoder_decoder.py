@@ -61,10 +61,6 @@ class EncoderDecoderRunner(PagedRows, Runner):
         cache = self.model.allocate_cache(n_slots, max_len, pages=pages)
         self.state = EncDecState(cache, cross, valid, zeros, prefix_views(cache))
 
-    def prefill_slot(self, slot: int, prompt: Tensor) -> Tensor:
-        """Encode ``prompt[:-1]`` into row ``slot``'s cross K/V; decode its last token at slot 0."""
-        return self.prefill_rows(slot, prompt[None])[0]
-
     @torch.no_grad()
     def prefill_rows(self, start: int, prompts: Tensor) -> Tensor:
         """Encode ``prompts[:, :-1] (n, P - 1)`` into rows ``start .. start + n - 1``'s cross K/V in one forward;

@@ -104,10 +104,6 @@ class StaircaseRunner(Runner):
         c = self.model.config
         return c.cache_tokens + (c.passes - 1 - k) * c.chunk_size
 
-    def prefill_slot(self, slot: int, prompt: Tensor) -> Tensor:
-        """Read ``prompt (P,)`` as a new stream in row ``slot`` (the other rows keep theirs)."""
-        return self.prefill_rows(slot, prompt[None])[0]
-
     @torch.no_grad()
     def prefill_rows(self, start: int, prompts: Tensor) -> Tensor:
         """Read ``prompts (n, P)`` as new streams in rows ``start .. start + n - 1``, in one forward: whole chunks
