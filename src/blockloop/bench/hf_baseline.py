@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from blockloop.bench.throughput import ThroughputResult, check_repeats
+from blockloop.bench.throughput import ThroughputResult, check_repeats, run_tokens
 from blockloop.bench.timing import timed
 from blockloop.errors import BlockloopError
 
@@ -59,7 +59,7 @@ def hf_throughput(
     seconds = []
     for run in range(warmup + repeats):
         ids = torch.randint(0, model.config.vocab_size, (batch, prompt_len), generator=generator).to(device)
-        n_tokens = gen_len if run >= warmup or warmup_tokens is None else min(gen_len, warmup_tokens)
+        n_tokens = run_tokens(run, warmup, gen_len, warmup_tokens)
         with timed(device) as timer:
             hf_generate(hf, ids, n_tokens)
         if run >= warmup:

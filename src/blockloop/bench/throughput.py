@@ -123,6 +123,12 @@ def full_batch_paging(model: nn.Module, batch: int, max_len: int) -> Paging:
     return Paging(batch * -(-entries // page) * page * per_entry, page_size=page)
 
 
+def run_tokens(run: int, warmup: int, gen_len: int, warmup_tokens: int | None) -> int:
+    """What run ``run`` of a timing generates: ``gen_len`` when it is timed, at most ``warmup_tokens`` when it is
+    one of the ``warmup`` runs before (all ``gen_len`` without ``warmup_tokens``)."""
+    return gen_len if run >= warmup or warmup_tokens is None else min(gen_len, warmup_tokens)
+
+
 def engine_throughput(
     model: nn.Module, name: str, batch: int, prompt_len: int, gen_len: int, *,
     repeats: int = 3, warmup: int = 1, sync_every: int = 16, compile: bool = False, bandwidth: float | None = None,
@@ -150,7 +156,7 @@ def engine_throughput(
     with packed_linears(model):  # CPU only: the engine's weights in oneDNN's layout, as generate and serve use them
         for run in range(warmup + repeats):
             prompts = torch.randint(0, model.config.vocab_size, (batch, prompt_len), generator=generator).tolist()
-            n_tokens = gen_len if run >= warmup or warmup_tokens is None else min(gen_len, warmup_tokens)
+            n_tokens = run_tokens(run, warmup, gen_len, warmup_tokens)
             with timed(device) as timer:
                 for p in prompts:
                     engine.submit(p, n_tokens, sampling=greedy)
