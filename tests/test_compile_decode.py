@@ -18,8 +18,10 @@ import dataclasses
 import pytest
 import torch
 from torch._dynamo.backends.common import aot_autograd
+from torch._inductor.utils import run_and_get_code
 
 from blockloop.families import build_model, from_name
+from blockloop.nn.kv_cache import DecoderCache, KVCache
 from blockloop.serve.runners import ExitRule, Speculation, runner_for
 from blockloop.serve.runners.base import StepOutput, keep_rebound_state
 from blockloop.serve.sampling import SlotSampling
@@ -240,3 +242,39 @@ def test_keep_rebound_state_copies_a_rebound_tensor_out_of_the_step_memory():
         assert runner.state.log is log and log.tolist() == [3, 3]
         runs[keep] = runner.state.position.tolist()
     assert runs == {False: [-99, -99], True: [3, 3]}
+
+
+def kv_caches(holder: object, seen: set[int] | None = None) -> list[KVCache]:
+    """Every KV cache a runner holds, through its state dataclasses, lists and caches."""
+    seen = set() if seen is None else seen
+    if id(holder) in seen or isinstance(holder, (torch.Tensor, type)):
+        return []
+    seen.add(id(holder))
+    if isinstance(holder, KVCache):
+        return [holder]
+    if isinstance(holder, DecoderCache):
+        return [layer for layer in holder.layers if isinstance(layer, KVCache)]
+    if isinstance(holder, (list, tuple)):
+        return [c for item in holder for c in kv_caches(item, seen)]
+    if dataclasses.is_dataclass(holder) or type(holder).__module__.startswith("blockloop"):
+        return [c for item in vars(holder).values() for c in kv_caches(item, seen)]
+    return []
+
+
+@pytest.mark.parametrize("name", ["tiny", "tiny-recursive depth-wise", "tiny-block", "tiny-double"])
+def test_the_compiled_step_writes_its_kv_cache_in_place(name):
+    """A decode step reads every cache slot once; a copy of the cache on top of that multiplies the bytes a step
+    moves. ``scatter_`` into a cache buffer did that under inductor: each layer's K and V were copied whole on
+    every step (V twice, once out and once back), four times the traffic of the attention's own read, on every
+    backend. The code inductor generates here (CPU) must allocate nothing the size of a cache buffer."""
+    _, runner = twin_runners(name)
+    shapes = {tuple(buffer.shape) for cache in kv_caches(runner) for buffer in (cache.k, cache.v)}
+    assert shapes
+    step = runner.compiled_step(lambda f: torch.compile(f, fullgraph=True, dynamic=False))
+    try:
+        with torch.no_grad():
+            code = "\n".join(c for i in range(STEPS) for c in run_and_get_code(step, tokens(i))[1])
+    finally:
+        torch._dynamo.reset()
+    copies = {shape: code.count("empty_strided_cpu((" + ", ".join(map(str, shape)) + ")") for shape in shapes}
+    assert not any(copies.values()), f"cache-sized buffers allocated per step: {copies}"

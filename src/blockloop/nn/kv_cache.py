@@ -53,10 +53,10 @@ class KVCache(nn.Module):
         if slots.dim() == 1:
             self.k.index_copy_(2, slots, k.to(self.k.dtype))
             self.v.index_copy_(2, slots, v.to(self.v.dtype))
-        else:
-            index = slots[:, None, :, None].expand(-1, k.shape[1], -1, k.shape[3])
-            self.k.scatter_(2, index, k.to(self.k.dtype))
-            self.v.scatter_(2, index, v.to(self.v.dtype))
+        else:  # not scatter_: inductor copies a scattered buffer whole (twice for V) on every compiled step
+            rows = torch.arange(slots.shape[0], device=slots.device)[:, None]
+            self.k[rows, :, slots] = k.transpose(1, 2).to(self.k.dtype)
+            self.v[rows, :, slots] = v.transpose(1, 2).to(self.v.dtype)
         return self.k, self.v
 
     @classmethod
@@ -157,9 +157,10 @@ class DecoderCache(nn.Module):
         length = slots.shape[-1]
         valid = torch.ones(self.batch_size, length, dtype=torch.bool, device=slots.device) if token_valid is None else token_valid
         per_row = slots if slots.dim() == 2 else slots.expand(self.batch_size, length)
-        self.key_valid.scatter_(1, per_row, valid)
+        rows = torch.arange(self.batch_size, device=slots.device)[:, None]
+        self.key_valid[rows, per_row] = valid  # indexed writes, not scatter_: see KVCache.write
         if self.rolling:
-            self.ring_slot.scatter_(1, self.ring_entries(per_row, token_valid), per_row)
+            self.ring_slot[rows, self.ring_entries(per_row, token_valid)] = per_row
             self.ring_slot[:, -1] = -1  # the scratch entry holds nothing a query may see
 
     def ring_entries(self, slots: Tensor, token_valid: Tensor | None = None) -> Tensor:
