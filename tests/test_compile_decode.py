@@ -14,6 +14,8 @@ share the phase), so some steps complete a staircase chunk in one row only."""
 from __future__ import annotations
 
 import dataclasses
+import math
+import re
 
 import pytest
 import torch
@@ -22,7 +24,8 @@ from torch._inductor.utils import run_and_get_code
 
 from blockloop.families import build_model, from_name
 from blockloop.nn.kv_cache import DecoderCache, KVCache
-from blockloop.serve.runners import ExitRule, Speculation, runner_for
+from blockloop.nn.paged_cache import PagedKVCache
+from blockloop.serve.runners import ExitRule, Paging, Speculation, runner_for
 from blockloop.serve.runners.base import StepOutput, keep_rebound_state
 from blockloop.serve.sampling import SlotSampling
 
@@ -35,6 +38,7 @@ CASES = {
     "tiny-block": {}, "tiny-double": {}, "tiny-encdec": {},
     "tiny-staircase": {}, "tiny-cached-staircase": {}, "tiny-global-staircase": {}, "tiny-feedback": {},
 }
+PAGED = {"tiny paged": {"paging": Paging(tokens=128, page_size=8)}}
 STEPS = 9  # past two Block Transformer blocks and two staircase chunks
 
 
@@ -42,7 +46,7 @@ def twin_runners(name: str):
     """Two runners of one float64 model with the same two prefilled rows."""
     torch.manual_seed(0)
     model = build_model(from_name(name.split()[0])).double().eval()
-    runners = [runner_for(model, **CASES[name]) for _ in range(2)]
+    runners = [runner_for(model, **{**CASES, **PAGED}[name]) for _ in range(2)]
     for runner in runners:
         runner.sampling = SlotSampling.empty(2, torch.device("cpu"))
         runner.allocate(2, 40)
@@ -244,16 +248,16 @@ def test_keep_rebound_state_copies_a_rebound_tensor_out_of_the_step_memory():
     assert runs == {False: [-99, -99], True: [3, 3]}
 
 
-def kv_caches(holder: object, seen: set[int] | None = None) -> list[KVCache]:
+def kv_caches(holder: object, seen: set[int] | None = None) -> list[KVCache | PagedKVCache]:
     """Every KV cache a runner holds, through its state dataclasses, lists and caches."""
     seen = set() if seen is None else seen
     if id(holder) in seen or isinstance(holder, (torch.Tensor, type)):
         return []
     seen.add(id(holder))
-    if isinstance(holder, KVCache):
+    if isinstance(holder, (KVCache, PagedKVCache)):
         return [holder]
     if isinstance(holder, DecoderCache):
-        return [layer for layer in holder.layers if isinstance(layer, KVCache)]
+        return list(holder.layers)
     if isinstance(holder, (list, tuple)):
         return [c for item in holder for c in kv_caches(item, seen)]
     if dataclasses.is_dataclass(holder) or type(holder).__module__.startswith("blockloop"):
@@ -261,20 +265,23 @@ def kv_caches(holder: object, seen: set[int] | None = None) -> list[KVCache]:
     return []
 
 
-@pytest.mark.parametrize("name", ["tiny", "tiny-recursive depth-wise", "tiny-block", "tiny-double"])
+@pytest.mark.parametrize("name", ["tiny", "tiny paged", "tiny-recursive depth-wise", "tiny-block", "tiny-double"])
 def test_the_compiled_step_writes_its_kv_cache_in_place(name):
     """A decode step reads every cache slot once; a copy of the cache on top of that multiplies the bytes a step
     moves. ``scatter_`` into a cache buffer did that under inductor: each layer's K and V were copied whole on
     every step (V twice, once out and once back), four times the traffic of the attention's own read, on every
-    backend. The code inductor generates here (CPU) must allocate nothing the size of a cache buffer."""
+    backend; so did ``index_copy_`` into a view of a paged pool (``pool[0]``). The code inductor generates here
+    (CPU) must allocate nothing the size of a cache buffer, in any shape."""
     _, runner = twin_runners(name)
-    shapes = {tuple(buffer.shape) for cache in kv_caches(runner) for buffer in (cache.k, cache.v)}
-    assert shapes
+    sizes = {buffer.numel() for cache in kv_caches(runner) for buffer in (cache.k, cache.v)}
+    assert sizes
     step = runner.compiled_step(lambda f: torch.compile(f, fullgraph=True, dynamic=False))
     try:
         with torch.no_grad():
             code = "\n".join(c for i in range(STEPS) for c in run_and_get_code(step, tokens(i))[1])
     finally:
         torch._dynamo.reset()
-    copies = {shape: code.count("empty_strided_cpu((" + ", ".join(map(str, shape)) + ")") for shape in shapes}
-    assert not any(copies.values()), f"cache-sized buffers allocated per step: {copies}"
+    allocated = [tuple(int(n) for n in shape.split(",") if n.strip())
+                 for shape in re.findall(r"empty_strided_cpu\(\(([\d, ]+)\)", code)]
+    copies = [shape for shape in allocated if math.prod(shape) in sizes]
+    assert allocated and not copies, f"cache-sized buffers allocated per step: {copies}"

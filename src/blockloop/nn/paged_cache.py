@@ -194,7 +194,8 @@ class PagedKVCache(nn.Module):
         pages = self.pages
         where = pages.positions(slots).flatten()
         for pool, new in ((self.k, k), (self.v, v)):
-            pool[0].index_copy_(1, where, new.to(pool.dtype).transpose(0, 1).flatten(1, 2))
+            # into the buffer itself: under inductor, writing a view (pool[0]) copied the whole pool every step
+            pool.index_copy_(2, where, new.to(pool.dtype).transpose(0, 1).flatten(1, 2)[None])
         if pages.reads_pool(slots):
             return self.k, self.v
         return gather_rows(self.k, self.v, pages)
