@@ -269,9 +269,10 @@ def kv_caches(holder: object, seen: set[int] | None = None) -> list[KVCache | Pa
 def test_the_compiled_step_writes_its_kv_cache_in_place(name):
     """A decode step reads every cache slot once; a copy of the cache on top of that multiplies the bytes a step
     moves. ``scatter_`` into a cache buffer did that under inductor: each layer's K and V were copied whole on
-    every step (V twice, once out and once back), four times the traffic of the attention's own read, on every
-    backend; so did ``index_copy_`` into a view of a paged pool (``pool[0]``). The code inductor generates here
-    (CPU) must allocate nothing the size of a cache buffer, in any shape."""
+    every step (V twice, once out and once back), four times the traffic of the attention's own read; so did
+    ``index_copy_`` into a view of a paged pool (``pool[0]``). The code inductor generates here (CPU; the
+    reinplacing pass that left those copies is the same for every device) must allocate nothing the size of a
+    cache buffer, in any shape."""
     _, runner = twin_runners(name)
     sizes = {buffer.numel() for cache in kv_caches(runner) for buffer in (cache.k, cache.v)}
     assert sizes
