@@ -42,17 +42,17 @@ PAGED = {"tiny paged": {"paging": Paging(tokens=128, page_size=8)}}
 STEPS = 9  # past two Block Transformer blocks and two staircase chunks
 
 
-def twin_runners(name: str):
-    """Two runners of one float64 model with the same two prefilled rows."""
+def twin_runners(name: str, device: str = "cpu", dtype: torch.dtype = torch.float64):
+    """Two runners of one model (float64 on CPU by default) with the same two prefilled rows."""
     torch.manual_seed(0)
-    model = build_model(from_name(name.split()[0])).double().eval()
+    model = build_model(from_name(name.split()[0])).to(device=device, dtype=dtype).eval()
     runners = [runner_for(model, **{**CASES, **PAGED}[name]) for _ in range(2)]
     for runner in runners:
-        runner.sampling = SlotSampling.empty(2, torch.device("cpu"))
+        runner.sampling = SlotSampling.empty(2, torch.device(device))
         runner.allocate(2, 40)
         with torch.no_grad():
-            runner.prefill_slot(0, torch.arange(1, 9))
-            runner.prefill_slot(1, torch.arange(3, 11 + (runner.prompt_multiple == 1)))
+            runner.prefill_slot(0, torch.arange(1, 9, device=device))
+            runner.prefill_slot(1, torch.arange(3, 11 + (runner.prompt_multiple == 1), device=device))
     return runners
 
 
@@ -265,24 +265,35 @@ def kv_caches(holder: object, seen: set[int] | None = None) -> list[KVCache | Pa
     return []
 
 
-@pytest.mark.parametrize("name", ["tiny", "tiny paged", "tiny-recursive depth-wise", "tiny-block", "tiny-double"])
-def test_the_compiled_step_writes_its_kv_cache_in_place(name):
+IN_PLACE_CASES = ["tiny", "tiny paged", "tiny-recursive depth-wise", "tiny-block", "tiny-double"]
+
+
+@pytest.mark.parametrize("name", IN_PLACE_CASES)
+def test_the_compiled_step_writes_its_kv_cache_in_place(name, device="cpu"):
     """A decode step reads every cache slot once; a copy of the cache on top of that multiplies the bytes a step
     moves. ``scatter_`` into a cache buffer did that under inductor: each layer's K and V were copied whole on
     every step (V twice, once out and once back), four times the traffic of the attention's own read; so did
     ``index_copy_`` into a view of a paged pool (``pool[0]``). The code inductor generates here (CPU; the
     reinplacing pass that left those copies is the same for every device) must allocate nothing the size of a
     cache buffer, in any shape."""
-    _, runner = twin_runners(name)
+    _, runner = twin_runners(name, device, torch.float64 if device == "cpu" else torch.bfloat16)
     sizes = {buffer.numel() for cache in kv_caches(runner) for buffer in (cache.k, cache.v)}
     assert sizes
     step = runner.compiled_step(lambda f: torch.compile(f, fullgraph=True, dynamic=False))
     try:
         with torch.no_grad():
-            code = "\n".join(c for i in range(STEPS) for c in run_and_get_code(step, tokens(i))[1])
+            code = "\n".join(c for i in range(STEPS) for c in run_and_get_code(step, tokens(i).to(device))[1])
     finally:
         torch._dynamo.reset()
     allocated = [tuple(int(n) for n in shape.split(",") if n.strip())
-                 for shape in re.findall(r"empty_strided_cpu\(\(([\d, ]+)\)", code)]
+                 for shape in re.findall(rf"empty_strided_{device}\(\(([\d, ]+)\)", code)]
     copies = [shape for shape in allocated if math.prod(shape) in sizes]
     assert allocated and not copies, f"cache-sized buffers allocated per step: {copies}"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("name", IN_PLACE_CASES)
+def test_the_compiled_cuda_step_writes_its_kv_cache_in_place(name):
+    """The same on CUDA, in bf16 (the paged runner reads its pool through FlexAttention there)."""
+    test_the_compiled_step_writes_its_kv_cache_in_place(name, device="cuda")
