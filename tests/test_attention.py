@@ -151,6 +151,20 @@ def test_cuda_bf16_backends_match_float64_reference():
     torch.testing.assert_close(lse.double(), want_lse, atol=2e-2, rtol=2e-2)
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_cuda_rows_with_no_visible_key_are_zeros(backend):
+    """Without the log-sum-exp (every decode step) FlexAttention's compiled CUDA kernel alone keeps an empty row at
+    zeros; SDPA's GPU kernels need the entry point's fix-up."""
+    q, k, v = (t.cuda() for t in inputs(tq=5, tk=7))
+    mask = torch.rand(2, 1, 5, 7, generator=torch.Generator().manual_seed(3)) > 0.5
+    mask[0, 0, 2] = False
+    out = attention(q, k, v, mask=mask.cuda(), backend=backend)
+    assert torch.all(out[0, :, 2] == 0)
+    torch.testing.assert_close(out.double(), reference(q, k, v, mask.cuda())[0], atol=1e-4, rtol=1e-4)
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("hkv", [2, 1], ids=["gqa", "mqa"])
 def test_grouped_decode_over_a_cache_matches_reference(backend, hkv):

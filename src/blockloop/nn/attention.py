@@ -89,7 +89,7 @@ def attention(
     if dropout_p:
         raise ValueError(f"attention dropout is only supported by the sdpa backend, not {backend!r}")
     if backend == "flex":
-        out, lse = _flex(q, k, v, causal, mask, mask_mod, block_mask, scale)
+        out, lse = _flex(q, k, v, causal, mask, mask_mod, block_mask, scale, return_lse)
     elif backend == "eager":
         out, lse = _eager(q, k, v, _dense_mask(q, k, causal, mask, mask_mod), scale)
     else:
@@ -186,7 +186,11 @@ def _flex(
     mask_mod: MaskMod | None,
     block_mask: BlockMask | None,
     scale: float,
-) -> tuple[Tensor, Tensor]:
+    return_lse: bool,
+) -> tuple[Tensor, Tensor | None]:
+    """FlexAttention asks for the log-sum-exp only when the caller does: inductor cannot compile the LSE on CPU
+    (so a compiled CPU step over a paged pool could not be built), and a decode step has no use for it. A
+    query row with no visible key comes out as zeros either way (FlexAttention's own rule, tested)."""
     from torch.nn.attention import flex_attention as fa
 
     tq, tk = q.shape[-2], k.shape[-2]
@@ -202,6 +206,8 @@ def _flex(
         block_mask = fa.create_block_mask(mask_mod, q.shape[0], q.shape[1], tq, tk, device=q.device)
     flex = _compiled_flex() if q.is_cuda else fa.flex_attention
     enable_gqa = q.shape[1] != k.shape[1]
+    if not return_lse:
+        return flex(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=enable_gqa), None
     if hasattr(fa, "AuxRequest"):
         out, aux = flex(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=enable_gqa,
                         return_aux=fa.AuxRequest(lse=True))

@@ -223,3 +223,22 @@ def dual_block_mask(boundaries: Tensor, length: int, block_size: int = 128) -> B
 
     return BlockMask.from_kv_blocks(*layout(partial), *layout(full), BLOCK_SIZE=block_size,
                                     mask_mod=dual_mask_mod(boundaries, length), seq_lengths=(length, 2 * length))
+
+
+def decode_block_mask(counts: Tensor, indices: Tensor, kv_block: int, kv_length: int, mask_mod: MaskMod) -> BlockMask:
+    """The FlexAttention mask of one decode query per row over ``kv_length`` keys: row ``b`` visits the first
+    ``counts[b]`` of its key blocks ``indices[b]`` (``kv_block`` keys each) and sees in them what ``mask_mod`` says.
+
+    Built from those device tensors with no eager ``create_block_mask`` pass, so it is cheap enough to rebuild at
+    every step and lives inside a captured step. One query block per row: its size (128) only has to be a multiple
+    of the kernel's, not 1. Inductor's CPU kernel wants the index list to span every key block, so on CPU it is
+    padded with block 0 past ``counts`` (never visited); on CUDA each row lists only its own.
+    """
+    from torch.nn.attention.flex_attention import BlockMask
+
+    rows = indices.shape[0]
+    if not indices.is_cuda:
+        indices = torch.nn.functional.pad(indices, (0, -(-kv_length // kv_block) - indices.shape[1]))
+    return BlockMask.from_kv_blocks(
+        counts.view(rows, 1, 1).int(), indices.view(rows, 1, 1, -1).int(), BLOCK_SIZE=(128, kv_block),
+        mask_mod=mask_mod, seq_lengths=(1, kv_length), compute_q_blocks=False)

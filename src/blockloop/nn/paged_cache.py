@@ -32,7 +32,7 @@ import torch
 from torch import Tensor, nn
 
 from blockloop.errors import BlockloopError
-from blockloop.nn.masks import sees_cached
+from blockloop.nn.masks import decode_block_mask, sees_cached
 
 if TYPE_CHECKING:
     from torch.nn.attention.flex_attention import BlockMask
@@ -154,13 +154,10 @@ class KVPages:
         :func:`~blockloop.nn.masks.sees_cached` says (valid keys up to its slot, and itself); a row with
         ``local[b]`` only the slots less than ``window`` before its own, as the band of
         :func:`~blockloop.nn.masks.within_window` (a looped layer that is local at that row's loop)."""
-        from torch.nn.attention.flex_attention import BlockMask
-
         size = self.page_size
         owner, logical = self.owner, self.logical
         query, last = slots[:, 0], key_valid.shape[1] - 1
-        batch = len(query)
-        rows = torch.arange(batch, device=query.device) if rows is None else rows
+        rows = torch.arange(len(query), device=query.device) if rows is None else rows
         table_row = rows + self.first_row
 
         def mask_mod(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
@@ -171,10 +168,7 @@ class KVPages:
                 seen = seen & (~local[b] | (slot > query[b] - window))
             return (owner[page] == table_row[b]) & seen
 
-        # One query block per row (the query block size only has to be a multiple of the kernel's, not 1).
-        return BlockMask.from_kv_blocks(
-            self.reserved[rows].view(batch, 1, 1).int(), self.table[rows].view(batch, 1, 1, -1).int(),
-            BLOCK_SIZE=(128, size), mask_mod=mask_mod, seq_lengths=(1, self.n_pages * size), compute_q_blocks=False)
+        return decode_block_mask(self.reserved[rows], self.table[rows], size, self.n_pages * size, mask_mod)
 
 
 class PagedKVCache(nn.Module):

@@ -23,7 +23,7 @@ from torch import Tensor, nn
 from blockloop.errors import BlockloopError
 from blockloop.models.decoder import LayerInputs
 from blockloop.nn.kv_cache import DecoderCache, KVCache, RollingKVCache
-from blockloop.nn.masks import sees_cached
+from blockloop.nn.masks import decode_block_mask, sees_cached
 from blockloop.nn.paged_cache import KVPages, PagedKVCache, gather_rows
 
 if TYPE_CHECKING:
@@ -141,8 +141,6 @@ class LoopedCache(DecoderCache):
     def _block_mask(self, loop: Tensor, slots: Tensor) -> BlockMask:
         """Row ``b`` visits the blocks of loop ``loop[b]`` up to its query's slot, and sees in them what
         :func:`~blockloop.nn.masks.sees_cached` says."""
-        from torch.nn.attention.flex_attention import BlockMask
-
         span, key_valid, query = self.span, self.key_valid, slots[:, 0]
         last = key_valid.shape[1] - 1
 
@@ -152,12 +150,10 @@ class LoopedCache(DecoderCache):
             seen = sees_cached(at, query[b], key_valid[b, at])
             return (slot >= 0) & (slot <= last) & seen
 
-        rows, width = len(loop), span // BLOCK
+        width = span // BLOCK
         counts = torch.div(query, BLOCK, rounding_mode="floor") + 1
         indices = loop[:, None] * width + torch.arange(width, device=loop.device)
-        return BlockMask.from_kv_blocks(
-            counts.view(rows, 1, 1).int(), indices.view(rows, 1, 1, width).int(), BLOCK_SIZE=(BLOCK, BLOCK),
-            mask_mod=mask_mod, seq_lengths=(1, self.loops * span), compute_q_blocks=False)
+        return decode_block_mask(counts, indices, BLOCK, self.loops * span, mask_mod)
 
     def copy_exits(self, exited: Tensor, loop: Tensor, slot: Tensor) -> None:
         """Rows where ``exited (B,)``: copy the K/V their token wrote at loop ``loop[b]`` (slot ``slot[b]``) into
