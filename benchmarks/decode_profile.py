@@ -9,9 +9,11 @@ Two parts, one device call (about two minutes on an H100/H200):
    ``(B, 1, 1, S)`` boolean mask the static decode step uses, FlexAttention through a block mask of the rows'
    lengths (reads live blocks only; built once, its build time reported apart), and the eager reference; each eager
    and compiled, timed with CUDA events, as ms and GB/s of the keys and values it had to read (live and all slots).
-2. **The engine's compiled decode step** (``--batch`` rows of ``--prompt-len`` prompts, as the throughput protocol
-   runs it) under ``torch.profiler``: wall time per step against device-busy time per step (a step that takes
-   much longer than its kernels waits on the host), and the operators that take the device time.
+2. **The engine's compiled decode step** (``--step-batch`` rows of ``--prompt-len`` prompts, as the throughput
+   protocol runs it) under ``torch.profiler``, over the static cache and over a paged one (the read that can reach
+   the live-bytes roofline: the static step reads every slot): wall time per step against device-busy time per
+   step (a step that takes much longer than its kernels waits on the host), and the operators that take the device
+   time.
 
     .venv/bin/python benchmarks/decode_profile.py --record     # on one H100/H200 (through the device kit: --out-dir "$OUT")
 
@@ -27,6 +29,7 @@ import argparse
 import json
 import re
 import statistics
+import traceback
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -34,8 +37,15 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from blockloop.bench.records import add_output_arguments, environment, environment_line, output_dir, run_script
+from blockloop.bench.records import (
+    add_output_arguments,
+    environment,
+    environment_line,
+    output_dir,
+    run_script,
+)
 from blockloop.bench.suite import bench_dtype
+from blockloop.bench.throughput import full_batch_paging
 from blockloop.bench.timing import timed
 from blockloop.cli.common import positive_int
 from blockloop.device import resolve_device
@@ -44,6 +54,7 @@ from blockloop.nn.attention import attention
 from blockloop.nn.masks import cache_mask
 from blockloop.serve.engine import Engine
 from blockloop.serve.requests import SamplingParams
+from blockloop.serve.runners import runner_for
 
 
 def median_seconds(fn: Callable[[], object], device: torch.device, repeats: int) -> float:
@@ -108,13 +119,17 @@ def attention_rows(model: torch.nn.Module, batch: int, context: int, device: tor
     return rows
 
 
-def step_profile(model: torch.nn.Module, batch: int, prompt_len: int, steps: int, device: torch.device) -> dict[str, Any]:
-    """Part 2: ``steps`` decode steps of the compiled engine under the profiler, after a compiling warm-up."""
+def step_profile(model: torch.nn.Module, batch: int, prompt_len: int, steps: int, device: torch.device, *,
+                 paged: bool) -> dict[str, Any]:
+    """Part 2: ``steps`` decode steps of the compiled engine under the profiler, after a compiling warm-up; ``paged``:
+    over a paged cache holding the whole batch (as the suite's paged rows run it), else the static one."""
     from torch.profiler import ProfilerActivity, profile
 
     warmup, window = 32, 16
     tokens = warmup + 2 * window + 2 * steps  # every row decodes through the warm-up, the timing and the profile
-    engine = Engine(model, batch, max_len=prompt_len + tokens, sync_every=window, compile=True)
+    max_len = prompt_len + tokens
+    runner = runner_for(model, paging=full_batch_paging(model, batch, max_len) if paged else None)
+    engine = Engine(runner, batch, max_len=max_len, sync_every=window, compile=True)
     generator = torch.Generator().manual_seed(0)
     prompts = torch.randint(0, model.config.vocab_size, (batch, prompt_len), generator=generator).tolist()
     greedy = SamplingParams(temperature=0.0)
@@ -141,15 +156,26 @@ def step_profile(model: torch.nn.Module, batch: int, prompt_len: int, steps: int
         sort = "self_cpu_time_total"
         busy_us = sum(e.self_cpu_time_total for e in events)
     table = events.table(sort_by=sort, row_limit=20, max_name_column_width=70)
-    return {"batch": batch, "prompt_len": prompt_len, "steps": timed_steps, "wall_ms_per_step": 1e3 * wall.seconds / timed_steps,
+    return {"cache": "paged" if paged else "static", "batch": batch, "prompt_len": prompt_len, "steps": timed_steps, "wall_ms_per_step": 1e3 * wall.seconds / timed_steps,
             "busy_ms_per_step": busy_us / 1e3 / profiled_steps, "busy_is": sort, "table": table}
+
+
+def profile_or_error(model: torch.nn.Module, args: argparse.Namespace, device: torch.device, *, paged: bool
+                     ) -> dict[str, Any]:
+    """One cache's step profile; a failure is recorded rather than allowed to cost the other's (one device call)."""
+    try:
+        return step_profile(model, args.step_batch, args.prompt_len, args.steps, device, paged=paged)
+    except Exception as exc:  # noqa: BLE001
+        traceback.print_exc()
+        return {"cache": "paged" if paged else "static", "batch": args.step_batch, "prompt_len": args.prompt_len,
+                "error": f"{type(exc).__name__}: {exc}"}
 
 
 def write(out: Path, record: dict[str, Any]) -> Path:
     slug = re.sub(r"[^a-z0-9]+", "-", record["device"].lower().split(" (")[0]).strip("-") + ("-smoke" if record["smoke"] else "")
     stem = f"decode_profile-{slug}"
     (out / f"{stem}.json").write_text(json.dumps(record, indent=2) + "\n")
-    a, s = record["attention"], record["step"]
+    a = record["attention"]
     lines = [f"# Decode profile: `{record['preset']}`{' (smoke: tiny sizes, not a measurement)' if record['smoke'] else ''}",
              "", f"- {environment_line(record)}", "",
              f"## Attention alone: batch {a['batch']}, {a['context']} cache slots, live lengths in [{a['context'] // 2}, "
@@ -164,9 +190,15 @@ def write(out: Path, record: dict[str, Any]) -> Path:
             err = "-" if row["max_abs_error_vs_float64"] is None else f"{row['max_abs_error_vs_float64']:.1e}"
             lines.append(f"| {row['path']} | {row['compiled']} | {row['ms']:.3f} | {row['live_gb_s']:.0f} | "
                          f"{row['all_slots_gb_s']:.0f} | {err} |")
-    lines += ["", f"## The engine's compiled decode step: batch {s['batch']}, prompt {s['prompt_len']}", "",
-              f"{s['wall_ms_per_step']:.3f} ms per step wall time ({s['steps']} steps), {s['busy_ms_per_step']:.3f} ms of "
-              f"it busy ({s['busy_is']}, profiled separately)", "", "```", s["table"], "```", ""]
+    for s in record["steps"]:
+        lines += ["", f"## The engine's compiled decode step, {s['cache']} cache: batch {s['batch']}, prompt {s['prompt_len']}",
+                  ""]
+        if "error" in s:
+            lines += [f"failed: {s['error']}"]
+            continue
+        lines += [f"{s['wall_ms_per_step']:.3f} ms per step wall time ({s['steps']} steps), {s['busy_ms_per_step']:.3f} ms "
+                  f"of it busy ({s['busy_is']}, profiled separately)", "", "```", s["table"], "```"]
+    lines.append("")
     (out / f"{stem}.md").write_text("\n".join(lines))
     return out / f"{stem}.md"
 
@@ -195,7 +227,7 @@ def main() -> None:
     with torch.no_grad():
         record["attention"] = {"batch": args.batch, "context": args.context,
                                "rows": attention_rows(model, args.batch, args.context, device, dtype, args.repeats)}
-        record["step"] = step_profile(model, args.step_batch, args.prompt_len, args.steps, device)
+        record["steps"] = [profile_or_error(model, args, device, paged=paged) for paged in (False, True)]
     path = write(output_dir(args), record)
     print(path.read_text())
 

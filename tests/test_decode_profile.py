@@ -1,5 +1,6 @@
 """``benchmarks/decode_profile.py --smoke``: the decode profiler a GPU session runs in one call works end to end on
-CPU, every attention path it times computes the static decode step's attention, and the profiled engine steps."""
+CPU, every attention path it times computes the static decode step's attention, and the profiled engine steps, over
+the static cache and the paged one."""
 
 from __future__ import annotations
 
@@ -23,6 +24,10 @@ def test_smoke_profile_times_every_attention_path_and_the_engine_step(tmp_path):
     masked = [r for r in timed if r["max_abs_error_vs_float64"] is not None]
     assert len(masked) == 5 and max(r["max_abs_error_vs_float64"] for r in masked) < 1e-5  # one function, five ways
     assert all(r["all_slots_gb_s"] >= r["live_gb_s"] > 0 for r in timed)  # live keys are a part of every slot
-    step = record["step"]
-    assert step["steps"] == 4 and step["wall_ms_per_step"] > 0 and step["busy_ms_per_step"] > 0
-    assert "aten::" in step["table"] and "| sdpa, dense (B,1,1,S) mask" in (tmp_path / "decode_profile-cpu-smoke.md").read_text()
+    assert [step["cache"] for step in record["steps"]] == ["static", "paged"]
+    for step in record["steps"]:
+        assert "error" not in step, step.get("error")
+        assert step["steps"] == 4 and step["wall_ms_per_step"] > 0 and step["busy_ms_per_step"] > 0
+        assert "aten::" in step["table"]
+    report = (tmp_path / "decode_profile-cpu-smoke.md").read_text()
+    assert "| sdpa, dense (B,1,1,S) mask" in report and "decode step, paged cache" in report
