@@ -188,9 +188,9 @@ def _flex(
     scale: float,
     return_lse: bool,
 ) -> tuple[Tensor, Tensor | None]:
-    """FlexAttention asks for the log-sum-exp only when the caller does: inductor cannot compile the LSE on CPU
-    (so a compiled CPU step over a paged pool could not be built), and a decode step has no use for it. A
-    query row with no visible key comes out as zeros either way (FlexAttention's own rule, tested)."""
+    """FlexAttention asks for the log-sum-exp only when the caller does: inductor cannot compile it on CPU (so no
+    step reading through Flex compiled there), and a decode step has no use for it. A query row with no visible
+    key comes out as zeros either way (FlexAttention's own rule, tested on CPU and CUDA)."""
     from torch.nn.attention import flex_attention as fa
 
     tq, tk = q.shape[-2], k.shape[-2]
