@@ -156,19 +156,19 @@ def step_profile(model: torch.nn.Module, batch: int, prompt_len: int, steps: int
         sort = "self_cpu_time_total"
         busy_us = sum(e.self_cpu_time_total for e in events)
     table = events.table(sort_by=sort, row_limit=20, max_name_column_width=70)
-    return {"cache": "paged" if paged else "static", "batch": batch, "prompt_len": prompt_len, "steps": timed_steps, "wall_ms_per_step": 1e3 * wall.seconds / timed_steps,
+    return {"steps": timed_steps, "wall_ms_per_step": 1e3 * wall.seconds / timed_steps,
             "busy_ms_per_step": busy_us / 1e3 / profiled_steps, "busy_is": sort, "table": table}
 
 
 def profile_or_error(model: torch.nn.Module, args: argparse.Namespace, device: torch.device, *, paged: bool
                      ) -> dict[str, Any]:
     """One cache's step profile; a failure is recorded rather than allowed to cost the other's (one device call)."""
+    setting = {"cache": "paged" if paged else "static", "batch": args.step_batch, "prompt_len": args.prompt_len}
     try:
-        return step_profile(model, args.step_batch, args.prompt_len, args.steps, device, paged=paged)
+        return {**setting, **step_profile(model, args.step_batch, args.prompt_len, args.steps, device, paged=paged)}
     except Exception as exc:  # noqa: BLE001
         traceback.print_exc()
-        return {"cache": "paged" if paged else "static", "batch": args.step_batch, "prompt_len": args.prompt_len,
-                "error": f"{type(exc).__name__}: {exc}"}
+        return {**setting, "error": f"{type(exc).__name__}: {exc}"}
 
 
 def write(out: Path, record: dict[str, Any]) -> Path:
