@@ -106,7 +106,7 @@ def load_hf_model(path: Path | str, *, gguf_file: str | None = None) -> nn.Modul
     with quiet_transformers(), _no_load_report():
         try:
             model, info = AutoModelForCausalLM.from_pretrained(
-                path, dtype=torch.float32, local_files_only=True, ignore_mismatched_sizes=True,
+                path, config=hf_config, dtype=torch.float32, local_files_only=True, ignore_mismatched_sizes=True,
                 output_loading_info=True, **extra,
             )
         except (SafetensorError, OSError, ValueError) as exc:
