@@ -60,7 +60,11 @@ SMOKE: list[tuple[str, str]] = [
     (r"--ranks \S+", "--ranks 2"),
     (r"--sizes \S+", "--sizes 200,40,40"),
     (r"--tokens-range \S+", "--tokens-range 4,8"),
+    (r"--scenario prefill-heavy", "--scenario prefill-heavy --prompt-len 128"),  # 2048 tokens of 85M models
     (r"--scenario (\S+)", r"--scenario \1 --gen-len 4"),
+    # benchmarks whose README commands rely on their defaults: the same parts at one batch, one repeat
+    (r"(benchmarks/block_vs_vanilla\.py)", r"\1 --eval-batches 1 --batches 1 --repeats 1 --batch-size 2"),
+    (r"(benchmarks/staircase_speed\.py)", r"\1 --repeats 1 --batch-size 2 --seq-len 64"),
     (r"--variants \S+", "--variants eager"),
     (r"--log-interval \d+", "--log-interval 1"),
     (r"--seq-len 2048\b", "--seq-len 256"),
@@ -159,9 +163,14 @@ def test_the_parser_reads_blocks_marks_and_continuations():
     assert smoke("blockloop train --tokens 2e6 --batch-size 16") == (
         "blockloop train --steps 2 --eval-batches 1 --batch-size 2 --steps 2 --batch-size 2")
     assert smoke("make demo   # comment") == "blockloop demo --steps 2" and smoke("make test") is None
+    assert smoke(".venv/bin/python benchmarks/staircase_speed.py") == (
+        ".venv/bin/python benchmarks/staircase_speed.py --repeats 1 --batch-size 2 --seq-len 64")
+    assert smoke("blockloop bench --scenario prefill-heavy --hf") == (
+        "blockloop bench --scenario prefill-heavy --gen-len 4 --prompt-len 128 --hf")
 
 
 @pytest.mark.slow
+@pytest.mark.longest
 def test_every_readme_command_runs_as_written(tmp_path: Path):
     commands = readme_commands((ROOT / "README.md").read_text(encoding="utf-8"))
     assert len(commands) > 20, "the README lost its commands"
