@@ -24,7 +24,7 @@ demo: $(STAMP)
 	$(VENV)/bin/blockloop demo
 
 test: $(STAMP)
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n 2 --dist worksteal
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache
