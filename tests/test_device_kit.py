@@ -24,10 +24,10 @@ def test_the_closure_pins_installed_versions_and_leaves_out_what_the_device_ship
     assert all(version == importlib.metadata.version(name) for name, version in pins.items())
 
 
-def run_env(tree: Path, *command: str) -> subprocess.CompletedProcess[str]:
+def run_env(tree: Path, *command: str, **extra: str) -> subprocess.CompletedProcess[str]:
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "BLOCKLOOP_CACHE")}
     return subprocess.run(["bash", "benchmarks/device/env.sh", *command], cwd=tree, capture_output=True, text=True,
-                          env={**env, "PYTHON": sys.executable}, timeout=120)
+                          env={**env, "PYTHON": sys.executable, **extra}, timeout=120)
 
 
 def test_device_env_runs_the_repository_commands_over_the_kit(tmp_path):
@@ -81,3 +81,85 @@ def test_smollm2_travels_in_two_halves_that_env_joins_where_the_loader_looks(tmp
     assert found.returncode == 0, found.stderr
     joined = Path(found.stdout.strip())
     assert joined.is_relative_to(tree / ".device-kit" / "cache") and joined.read_bytes() == weights
+
+
+def owed(*steps: str, **env: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(["bash", "benchmarks/device/owed.sh", *steps], cwd=ROOT, capture_output=True, text=True,
+                          env={**os.environ, "PYTHON": sys.executable, **env}, timeout=120)
+
+
+def test_every_owed_step_runs_a_command_with_flags_its_script_accepts():
+    """owed.sh is run only on a GPU, so a renamed flag or script would first show there, at the cost of the
+    session's device time: each step's command is checked here against the ``--help`` of what it calls."""
+    import re
+    import shlex
+
+    listed = owed("decode-heavy", "decode-profile", "pytest-gpu", "prefill-double", "staircase", "http",
+                  "recursive-training", "smollm2", DRY_RUN="1")
+    assert listed.returncode == 0, listed.stderr
+    calls: dict[tuple[str, ...], set[str]] = {}
+    for line in listed.stdout.splitlines():
+        for part in line.split(": ", 1)[1].split(" && "):
+            words = [w for w in shlex.split(part) if "=" not in w or w.startswith("-")]
+            flags = {w.split("=")[0] for w in words if w.startswith("--")}
+            if words[:2] == ["bash", "benchmarks/http_serving.sh"]:
+                assert "DEVICE=" in part and "${DEVICE:-cpu}" in (ROOT / words[1]).read_text()
+            elif words[:3] == [".venv/bin/python", "-m", "pytest"]:
+                assert words[3:5] == ["-m", "gpu"] and '"gpu:' in (ROOT / "pyproject.toml").read_text()
+            elif words[0] == ".venv/bin/blockloop":
+                calls.setdefault((sys.executable, "-m", "blockloop.cli", words[1]), set()).update(flags)
+            else:
+                assert words[0] == ".venv/bin/python" and (ROOT / words[1]).is_file(), part
+                calls.setdefault((sys.executable, words[1]), set()).update(flags)
+    assert len(calls) >= 6  # gpu_suite, decode_profile, staircase_speed, convert, zero_shot_speed, recursive_uptrain
+    helps = {call: subprocess.Popen([*call, "--help"], cwd=ROOT, stdout=subprocess.PIPE, text=True) for call in calls}
+    for call, process in helps.items():
+        text = process.communicate(timeout=120)[0]
+        assert process.returncode == 0, call
+        assert not {flag for flag in calls[call] if not re.search(re.escape(flag) + r"(?![\w-])", text)}, call
+
+
+def test_owed_reports_each_step_and_skips_what_the_budget_cannot_hold(tmp_path):
+    (tmp_path / "kit" / "cache").mkdir(parents=True)
+    unknown = owed("decode-heavy", "no-such-step")
+    assert unknown.returncode == 2 and "no step 'no-such-step'" in unknown.stderr
+    ran = owed("staircase", "decode-heavy", KIT=str(tmp_path / "kit"), OUT=str(tmp_path / "out"),
+               SECONDS_BUDGET="30", CUDA_VISIBLE_DEVICES="")
+    assert ran.returncode == 0, ran.stderr
+    summary = ran.stdout.split("== summary")[1].splitlines()[1:]
+    assert summary[0].startswith("staircase: failed (exit 2)")  # CUDA asked for where there is none: its clear error
+    assert "CUDA is not available" in (tmp_path / "out" / "owed-staircase.log").read_text()
+    assert summary[1].startswith("decode-heavy: not run")  # under 30 s of the budget left after the first step
+
+
+def test_device_env_installs_the_kit_wheels_once_per_machine(tmp_path):
+    """owed.sh runs several commands through env.sh on one machine: the second must not reinstall the wheels
+    (seconds of device time each), and a kit with other wheels must."""
+    import zipfile
+
+    def wheel(version: str) -> None:
+        name = f"kitprobe-{version}"
+        with zipfile.ZipFile(tmp_path / ".device-kit" / "wheels" / f"kitprobe-{version}-py3-none-any.whl", "w") as whl:
+            whl.writestr("kitprobe.py", f"VERSION = {version!r}\n")
+            whl.writestr(f"{name}.dist-info/METADATA", f"Metadata-Version: 2.1\nName: kitprobe\nVersion: {version}\n")
+            whl.writestr(f"{name}.dist-info/WHEEL", "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\n"
+                                                    "Tag: py3-none-any\n")
+            whl.writestr(f"{name}.dist-info/RECORD", "")
+
+    (tmp_path / "benchmarks" / "device").mkdir(parents=True)
+    shutil.copy(ROOT / "benchmarks" / "device" / "env.sh", tmp_path / "benchmarks" / "device")
+    (tmp_path / "src").symlink_to(ROOT / "src")
+    (tmp_path / ".device-kit" / "cache").mkdir(parents=True)
+    (tmp_path / ".device-kit" / "wheels").mkdir()
+    site = tmp_path / "site"
+    probe = (".venv/bin/python", "-c", "import kitprobe; print(kitprobe.VERSION)")
+    wheel("1.0")
+    first = run_env(tmp_path, *probe, SITE=str(site))
+    assert first.returncode == 0 and first.stdout.strip() == "1.0", first.stderr
+    (tmp_path / ".device-kit" / "wheels" / "kitprobe-1.0-py3-none-any.whl").write_bytes(b"not a wheel")
+    again = run_env(tmp_path, *probe, SITE=str(site))
+    assert again.returncode == 0 and again.stdout.strip() == "1.0", again.stderr  # not read again: installed once
+    (tmp_path / ".device-kit" / "wheels" / "kitprobe-1.0-py3-none-any.whl").unlink()
+    wheel("2.0")
+    changed = run_env(tmp_path, *probe, SITE=str(site))
+    assert changed.returncode == 0 and changed.stdout.strip() == "2.0", changed.stderr

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Run a command on the lent GPU machine as if blockloop were installed there: the wheels of the kit that
-# benchmarks/device/kit.py packs (carried as .device-kit) go to /tmp/site, blockloop is read from src/, its
-# cache from the kit, and .venv/bin/python and .venv/bin/blockloop point at the machine's own Python, so the
-# repository's commands run unchanged:
+# benchmarks/device/kit.py packs (carried as .device-kit) go to /tmp/site (once per machine), blockloop is read
+# from src/, its cache from the kit, and .venv/bin/python and .venv/bin/blockloop point at the machine's own
+# Python, so the repository's commands run unchanged:
 #   bash benchmarks/device/env.sh .venv/bin/python benchmarks/gpu_suite.py --out-dir "$OUT"
 #   bash benchmarks/device/env.sh .venv/bin/python -m pytest -m gpu -q
 # An existing .venv (a machine where blockloop is installed the usual way) is left as it is.
@@ -13,8 +13,11 @@ if [ ! -d "$KIT/cache" ]; then
   echo "benchmarks/device/env.sh: no $KIT/cache here; pack it with benchmarks/device/kit.py and carry $KIT" >&2
   exit 2
 fi
-if compgen -G "$KIT/wheels/*.whl" >/dev/null; then
-  "$PYTHON" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site "$KIT"/wheels/*.whl
+SITE=${SITE:-/tmp/site}
+# Installed once per machine: a later command (owed.sh runs several) finds the same wheels already in $SITE.
+if compgen -G "$KIT/wheels/*.whl" >/dev/null && [ "$(cat "$SITE/.kit-wheels" 2>/dev/null)" != "$(ls "$KIT/wheels")" ]; then
+  "$PYTHON" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" "$KIT"/wheels/*.whl
+  ls "$KIT/wheels" > "$SITE/.kit-wheels"
 fi
 # SmolLM2's GGUF, carried in two halves by two calls (kit.py): joined into the kit's cache once both are here.
 HALF_A=${KIT}-smollm2-a HALF_B=${KIT}-smollm2-b
@@ -33,7 +36,7 @@ if [ -f "$HALF_A/part" ] && [ -f "$HALF_B/part" ]; then
     mv "$GGUF.tmp" "$GGUF"
   fi
 fi
-export PYTHONPATH="$PWD/src:/tmp/site${PYTHONPATH:+:$PYTHONPATH}"
+export PYTHONPATH="$PWD/src:$SITE${PYTHONPATH:+:$PYTHONPATH}"
 export BLOCKLOOP_CACHE="$PWD/$KIT/cache"
 export PYTHONUNBUFFERED=1
 if [ ! -e .venv ]; then

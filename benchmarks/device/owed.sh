@@ -1,0 +1,72 @@
+#!/usr/bin/env bash
+# The GPU measurements the open issues still owe, most wanted first, in one device call: a lent machine gives a
+# session 15 minutes of device time and a call 10 minutes at most, so a GPU session should spend one call on this,
+# not several hand-written ones. Each step runs through env.sh with its own time cap, cut to what is left of the
+# call's budget (SECONDS_BUDGET, default 560 s: the device tool's 600 s limit less a margin), and a step stopped at its
+# cap keeps what it wrote (the scripts write their results after every row). Each step's output goes to
+# $OUT/owed-<step>.log and its results under $OUT; the last lines say how each step ended.
+#
+#   bash benchmarks/device/owed.sh                            # the default steps, in this order
+#   bash benchmarks/device/owed.sh pytest-gpu prefill-double  # a later session: what an earlier one did not reach
+#   DRY_RUN=1 bash benchmarks/device/owed.sh                  # print each step's cap and command, run nothing
+#
+# Device tool call: carry=[".device-kit"] (packed here by `.venv/bin/python benchmarks/device/kit.py --no-smollm2`),
+# timeout_s=600. The `smollm2` step needs the kit's two SmolLM2 halves joined first (see kit.py).
+set -uo pipefail
+OUT=${OUT:-runs/owed}
+BUDGET=${SECONDS_BUDGET:-560}
+mkdir -p "$OUT"
+ENV=(bash benchmarks/device/env.sh)
+PY=(.venv/bin/python)
+
+# step name -> "cap-in-seconds|command" (the command is run by bash -c after env.sh, in the repository root)
+declare -A STEPS=(
+  [decode-heavy]="240|${PY[*]} benchmarks/gpu_suite.py --rows decode-heavy --repeats 1 --decode-batches 256 --max-batch 512 --out-dir $OUT"
+  [decode-profile]="150|${PY[*]} benchmarks/decode_profile.py --out-dir $OUT"
+  [pytest-gpu]="240|${PY[*]} -m pytest -m gpu -q -p no:cacheprovider --durations=20 -o log_level=WARNING"
+  [prefill-double]="220|${PY[*]} benchmarks/gpu_suite.py --rows prefill-heavy,double-decoder --repeats 1 --out-dir $OUT"
+  [staircase]="90|${PY[*]} benchmarks/staircase_speed.py --device cuda --out-dir $OUT"
+  [http]="200|DEVICE=cuda REC=$OUT/http_serving_cuda.jsonl bash benchmarks/http_serving.sh"
+  [recursive-training]="560|${PY[*]} benchmarks/gpu_suite.py --rows recursive,training --out-dir $OUT"
+  [smollm2]="400|.venv/bin/blockloop convert --from-hf smollm2 --out runs/smollm2 --no-progress && ${PY[*]} benchmarks/zero_shot_speed.py --checkpoint runs/smollm2 --device cuda --out-dir $OUT && ${PY[*]} benchmarks/recursive_uptrain.py --source smollm2 --device cuda --out-dir $OUT"
+)
+DEFAULT=(decode-heavy decode-profile pytest-gpu prefill-double staircase http)
+ORDER=("$@")
+[ ${#ORDER[@]} -gt 0 ] || ORDER=("${DEFAULT[@]}")
+for name in "${ORDER[@]}"; do
+  if [ -z "${STEPS[$name]+set}" ]; then
+    echo "benchmarks/device/owed.sh: no step '$name'; the steps are: ${!STEPS[*]}" >&2
+    exit 2
+  fi
+done
+
+START=$SECONDS
+SUMMARY=()
+for name in "${ORDER[@]}"; do
+  cap=${STEPS[$name]%%|*}
+  command=${STEPS[$name]#*|}
+  left=$((BUDGET - (SECONDS - START)))
+  limit=$((cap < left ? cap : left))
+  if [ -n "${DRY_RUN:-}" ]; then
+    echo "$name ($cap s): $command"
+    continue
+  fi
+  if [ "$limit" -lt 30 ]; then
+    SUMMARY+=("$name: not run, ${left} s of the budget left")
+    continue
+  fi
+  echo "== $name: at most $limit s"
+  began=$SECONDS
+  timeout -k 10 "$limit" "${ENV[@]}" bash -c "$command" >"$OUT/owed-$name.log" 2>&1
+  status=$?
+  tail -n 25 "$OUT/owed-$name.log"
+  case $status in
+    0) how="done" ;;
+    124 | 137) how="stopped at its $limit s cap" ;;
+    *) how="failed (exit $status)" ;;
+  esac
+  SUMMARY+=("$name: $how in $((SECONDS - began)) s")
+done
+[ -n "${DRY_RUN:-}" ] && exit 0
+echo "== summary (log of each step: $OUT/owed-<step>.log)"
+printf '%s\n' "${SUMMARY[@]}"
