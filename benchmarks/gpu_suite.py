@@ -8,8 +8,8 @@ Rows (the Block Transformer paper's protocol through :mod:`blockloop.bench`: ran
 CUDA events, batch search; tok/s, TTFT, TPOT, peak memory and static cache per sample, fraction of the
 memory roofline = bytes read per step / measured copy bandwidth):
 
-* vanilla and block, decode-heavy (128 / 2048) and prefill-heavy (2048 / 128) in one run each, with Hugging
-  Face ``generate()`` on the vanilla weights and the vanilla model over a paged KV cache beside its static one
+* vanilla and block, decode-heavy (128 / 2048) and prefill-heavy (2048 / 128) in one run each, with the vanilla
+  model over a paged KV cache beside its static one and, last, Hugging Face ``generate()`` on the vanilla weights
   (:func:`blockloop.bench.suite.throughput_rows`);
 * recursive: a vanilla model trained briefly, converted to 2 loops and uptrained with the early-exit loss
   (the ``blockloop`` commands are recorded), then a Poisson request stream served by the vanilla model
@@ -52,7 +52,9 @@ from blockloop.bench.records import (
 from blockloop.bench.suite import (
     StreamSettings,
     ThroughputSettings,
+    add_ratios,
     bench_dtype,
+    hf_rows,
     load_models,
     measure_bandwidth,
     stream_rows,
@@ -135,21 +137,39 @@ class Suite:
     work: Path  # scratch runs of the recursive row
     commands: list[str]
 
-    def throughput(self, presets: str, lengths: tuple[int, int], batches: list[int], *, search: bool, hf: bool,
+    def settings(self, lengths: tuple[int, int], batches: list[int], *, search: bool,
+                 caches: tuple[str, ...] = ("static",)) -> ThroughputSettings:
+        p = self.plan
+        return ThroughputSettings(*lengths, batches, repeats=p.repeats, warmup=p.warmup, search=search,
+                                  max_batch=p.max_batch, compile=self.device.type == "cuda", caches=caches,
+                                  warmup_tokens=p.warmup_tokens)
+
+    def throughput(self, presets: str, lengths: tuple[int, int], batches: list[int], *, search: bool,
                    caches: tuple[str, ...] = ("static",)) -> list[dict[str, Any]]:
         models = load_models(presets, [], str(self.device), self.dtype)
-        p = self.plan
-        settings = ThroughputSettings(*lengths, batches, repeats=p.repeats, warmup=p.warmup, search=search, hf=hf,
-                                      max_batch=p.max_batch, compile=self.device.type == "cuda", caches=caches,
-                                      warmup_tokens=p.warmup_tokens)
-        return throughput_rows(models, settings, self.bandwidth,
-                               on_row=lambda row: print(f"[gpu_suite] {json.dumps(row, default=str)}", flush=True))
+        return throughput_rows(models, self.settings(lengths, batches, search=search, caches=caches), self.bandwidth,
+                               on_row=show)
+
+    def hf_generate(self, preset: str, lengths: tuple[int, int], batches: list[int]) -> list[dict[str, Any]]:
+        """HF ``generate()`` on ``preset``'s weights at ``batches``: timed after blockloop's own rows, since one run
+        of it takes as long as several of the engine's (a call stopped at its limit loses this, not those)."""
+        (model,) = load_models(preset, [], str(self.device), self.dtype)
+        rows = []
+        for row in hf_rows(model.model, self.settings(lengths, batches, search=False)):
+            show(row)
+            rows.append(row)
+        return rows
 
     def run_cli(self, *argv: str) -> None:
         """A ``blockloop`` command, in this process, recorded with the scratch folder written ``$WORK``."""
         self.commands.append("blockloop " + " ".join(argv).replace(str(self.work), "$WORK"))
         if blockloop(list(argv)) != 0:
             raise BlockloopError(f"blockloop {' '.join(argv)} failed")
+
+
+def show(row: dict[str, Any]) -> None:
+    """Print a throughput row as soon as it is measured: a call stopped at its limit keeps it in its log."""
+    print(f"[gpu_suite] {json.dumps(row, default=str)}", flush=True)
 
 
 def best(rows: list[dict[str, Any]], name: str) -> dict[str, Any]:
@@ -166,21 +186,25 @@ def lengths_of(suite: Suite, scenario: str) -> tuple[int, int]:
 
 
 def scenario_rows(suite: Suite, scenario: str) -> list[dict[str, Any]]:
-    """Vanilla and block in one throughput run, HF ``generate()`` on the vanilla weights beside them."""
+    """Vanilla and block in one throughput run, then the vanilla model over a paged KV cache, then HF ``generate()``
+    on the vanilla weights (slowest, so last); every row's ratio is to the vanilla engine's at the same batch."""
     p = suite.plan
     lengths = lengths_of(suite, scenario)
     decode = scenario == "decode-heavy"
     batches = p.decode_batches if decode else p.prefill_batches
     hf_missing = hf_available()
-    rows = suite.throughput(f"{p.vanilla},{p.block}", lengths, batches, search=decode and p.search, hf=hf_missing is None)
+    rows = suite.throughput(f"{p.vanilla},{p.block}", lengths, batches, search=decode and p.search)
     vanilla, block = best(rows, p.vanilla), best(rows, p.block)
     try:  # the paged cache's first GPU run: a failure is recorded, not allowed to cost the rest of the suite
-        rows += suite.throughput(p.vanilla, lengths, batches, search=decode and p.search, hf=False, caches=("paged",))
+        rows += suite.throughput(p.vanilla, lengths, batches, search=decode and p.search, caches=("paged",))
         paged = best(rows, f"{p.vanilla} paged")
     except Exception as exc:  # noqa: BLE001
         traceback.print_exc()
         paged = {"tok_s": float("nan"), "batch": None, "roofline_fraction": None, "cache_bytes_per_sample": 0,
                  "error": f"{type(exc).__name__}: {exc}"}
+    if hf_missing is None:
+        rows += suite.hf_generate(p.vanilla, lengths, batches)
+    add_ratios(rows, p.vanilla)
     hf = best(rows, "hf-generate") if hf_missing is None else {"tok_s": float("nan"), "batch": None, "why_not": hf_missing}
     setting = f"prompt {lengths[0]} / generate {lengths[1]}"
     return [
@@ -243,7 +267,7 @@ def recursive_rows(suite: Suite) -> list[dict[str, Any]]:
 
 def double_decoder_rows(suite: Suite) -> list[dict[str, Any]]:
     p = suite.plan
-    rows = suite.throughput(f"{p.decoder},{p.double}", p.double_lengths, [p.double_batch], search=False, hf=False)
+    rows = suite.throughput(f"{p.decoder},{p.double}", p.double_lengths, [p.double_batch], search=False)
     decoder, double = best(rows, p.decoder), best(rows, p.double)
     kv = double["cache_bytes_per_sample"] / decoder["cache_bytes_per_sample"]
     return [{"row": "double decoder", "setting": f"`{p.double}` vs `{p.decoder}`, prompt {p.double_lengths[0]} / "

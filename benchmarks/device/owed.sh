@@ -21,9 +21,10 @@ PY=(.venv/bin/python)
 
 # step name -> "cap-in-seconds|command" (the command is run by bash -c after env.sh, in the repository root)
 declare -A STEPS=(
-  [decode-heavy]="240|${PY[*]} benchmarks/gpu_suite.py --rows decode-heavy --repeats 1 --decode-batches 256 --max-batch 512 --out-dir $OUT"
-  [decode-profile]="150|${PY[*]} benchmarks/decode_profile.py --out-dir $OUT"
+  [decode-heavy]="270|${PY[*]} benchmarks/gpu_suite.py --rows decode-heavy --repeats 1 --decode-batches 256 --max-batch 256 --out-dir $OUT"
+  [decode-profile]="130|${PY[*]} benchmarks/decode_profile.py --out-dir $OUT"
   [pytest-gpu]="240|${PY[*]} -m pytest -m gpu -q -p no:cacheprovider --durations=20 -o log_level=WARNING"
+  [decode-search]="560|${PY[*]} benchmarks/gpu_suite.py --rows decode-heavy --repeats 1 --decode-batches 512 --max-batch 4096 --out-dir $OUT"
   [prefill-double]="220|${PY[*]} benchmarks/gpu_suite.py --rows prefill-heavy,double-decoder --repeats 1 --out-dir $OUT"
   [staircase]="90|${PY[*]} benchmarks/staircase_speed.py --device cuda --out-dir $OUT"
   [http]="200|DEVICE=cuda REC=$OUT/http_serving_cuda.jsonl bash benchmarks/http_serving.sh"

@@ -112,14 +112,27 @@ def throughput_rows(models: list[BenchModel], settings: ThroughputSettings, band
             for result in search_batches(one, s.batches, search=s.search, max_batch=s.max_batch):
                 add({"kind": "throughput", "val_loss": m.val_loss, **result.to_dict()})
     if s.hf:
-        for batch in s.batches:
-            add({"kind": "throughput", "val_loss": None, **hf_throughput(
-                models[0].model, batch, s.prompt_len, s.gen_len, repeats=s.repeats, warmup=s.warmup, seed=s.seed,
-                warmup_tokens=s.warmup_tokens).to_dict()})
-    base = {r["batch"]: r["tok_s"] for r in rows if r["name"] == models[0].name}
+        for row in hf_rows(models[0].model, s):
+            add(row)
+    add_ratios(rows, models[0].name)
+    return rows
+
+
+def hf_rows(model: nn.Module, settings: ThroughputSettings) -> Iterator[dict[str, Any]]:
+    """HF ``generate()`` on ``model``'s weights at each listed batch size (no search), one row as each is timed."""
+    s = settings
+    for batch in s.batches:
+        yield {"kind": "throughput", "val_loss": None, **hf_throughput(
+            model, batch, s.prompt_len, s.gen_len, repeats=s.repeats, warmup=s.warmup, seed=s.seed,
+            warmup_tokens=s.warmup_tokens).to_dict()}
+
+
+def add_ratios(rows: list[dict[str, Any]], baseline: str) -> None:
+    """Set each row's ``ratio_vs_baseline``: its tok/s over the ``baseline`` model's at the same batch (None where
+    the baseline has no row at that batch)."""
+    base = {r["batch"]: r["tok_s"] for r in rows if r["name"] == baseline}
     for r in rows:
         r["ratio_vs_baseline"] = r["tok_s"] / base[r["batch"]] if r["batch"] in base else None
-    return rows
 
 
 def pages_kv(model: nn.Module) -> bool:
