@@ -99,19 +99,26 @@ def test_every_owed_step_runs_a_command_with_flags_its_script_accepts():
     listed = owed(*steps, DRY_RUN="1")
     assert listed.returncode == 0, listed.stderr
     calls: dict[tuple[str, ...], set[str]] = {}
+    pytest_runs: list[list[str]] = []
     for line in listed.stdout.splitlines():
-        for part in line.split(": ", 1)[1].split(" && "):
+        for part in re.split(r" && |; ", line.split(": ", 1)[1]):
+            if part.startswith(("first=", "exit ")):
+                continue
             words = [w for w in shlex.split(part) if "=" not in w or w.startswith("-")]
             flags = {w.split("=")[0] for w in words if w.startswith("--")}
             if words[:2] == ["bash", "benchmarks/http_serving.sh"]:
                 assert "DEVICE=" in part and "${DEVICE:-cpu}" in (ROOT / words[1]).read_text()
             elif words[:3] == [".venv/bin/python", "-m", "pytest"]:
                 assert words[3:5] == ["-m", "gpu"] and '"gpu:' in (ROOT / "pyproject.toml").read_text()
+                pytest_runs.append(words)
             elif words[0] == ".venv/bin/blockloop":
                 calls.setdefault((sys.executable, "-m", "blockloop.cli", words[1]), set()).update(flags)
             else:
                 assert words[0] == ".venv/bin/python" and (ROOT / words[1]).is_file(), part
                 calls.setdefault((sys.executable, words[1]), set()).update(flags)
+    # The two pytest runs of the GPU tests select complementary sets: together, every GPU test.
+    assert sorted(run[run.index("-k") + 1] for run in pytest_runs) == ["compiled_cuda_graph_decode",
+                                                                        "not compiled_cuda_graph_decode"]
     assert len(calls) >= 6  # gpu_suite, decode_profile, staircase_speed, convert, zero_shot_speed, recursive_uptrain
     helps = {call: subprocess.Popen([*call, "--help"], cwd=ROOT, stdout=subprocess.PIPE, text=True) for call in calls}
     for call, process in helps.items():
