@@ -15,7 +15,7 @@ from blockloop.cli import main
 from blockloop.errors import BlockloopError
 from blockloop.families import PRESETS, build_model, from_name, spec_of
 from blockloop.nn.kv_cache import DecoderCache
-from blockloop.serve.engine import Engine
+from blockloop.serve.engine import Engine, default_sync_every
 from blockloop.serve.generate import generate
 from blockloop.serve.requests import RequestStatus, SamplingParams
 from blockloop.serve.runners import ExitRule, Paging, Speculation, runner_for
@@ -389,6 +389,34 @@ def test_rows_that_keep_stepping_past_the_context_stay_inside_a_learned_position
     together = [engine.submit(prompt, n, sampling=greedy) for prompt, n in work]
     engine.run()
     assert [r.output for r in together] == [r.output for r in alone]
+
+
+def test_on_cpu_each_window_is_one_step_so_tokens_stream_one_at_a_time():
+    """On CPU reading the tokens costs nothing, so the default window is one step: after each ``step`` every
+    running request has one more token (a window of 8 would hand over 8 at once)."""
+    engine = Engine(tiny(), 2)
+    assert engine.sync_every == 1 and default_sync_every(torch.device("cuda")) == 8
+    requests = [engine.submit(p, 6, sampling=GREEDY) for p in random_prompts((4, 7))]
+    for count in range(1, 7):
+        engine.step()
+        assert [len(r.output) for r in requests] == [count, count]
+    assert engine.idle
+
+
+def test_a_request_ending_at_eos_frees_its_slot_without_stepping_past_it():
+    """A request whose EOS comes at its ``k``-th token costs ``k`` one-step windows on CPU, not a window of 8."""
+    model, prompt = tiny(), random_prompts((5,))[0]
+    seeded = SamplingParams(temperature=1.0, seed=3)  # the same tokens on every run; greedy repeats one token here
+    unstopped = Engine(model, 1)
+    free = unstopped.submit(prompt, 12, sampling=seeded)
+    unstopped.run()
+    k = next(k for k in range(2, 12) if free.output[k] not in free.output[:k])  # its first new token: the EOS
+    assert k < 7, "the EOS must come before a window of 8 ends"
+    engine = Engine(model, 1)
+    stopped = engine.submit(prompt, 12, sampling=seeded, eos_id=free.output[k])
+    engine.run()
+    assert stopped.finish_reason == "eos" and stopped.output == free.output[:k]
+    assert engine.steps == k + 1 and Engine(model, 1, sync_every=8).sync_every == 8
 
 
 def test_block_transformer_admits_requests_only_at_block_boundaries():

@@ -39,7 +39,9 @@ def add_engine_arguments(p: argparse.ArgumentParser, slots: int = 8) -> None:
     """The engine options ``serve`` and ``chat`` share."""
     p.add_argument("--slots", type=positive_int, default=slots, help=f"requests decoded together (default: {slots})")
     p.add_argument("--max-len", type=positive_int, help="tokens per slot, prompt and answer (default: the model context)")
-    p.add_argument("--sync-every", type=positive_int, default=8, help="decode steps between host syncs (default: 8)")
+    p.add_argument("--sync-every", type=positive_int,
+                   help="decode steps between host syncs: tokens reach clients once per window (default: 1 on CPU, "
+                   "where a sync costs nothing; 8 on a GPU)")
     p.add_argument("--exit", metavar="RULE:THRESHOLD",
                    help="looped models only: batch depth-wise and leave the loops early by this rule, e.g. "
                    "max_prob:0.9 or entropy:2.0 (none:0 batches depth-wise without early exits)")

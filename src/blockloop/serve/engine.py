@@ -51,13 +51,23 @@ from blockloop.serve.sampling import SlotSampling
 from blockloop.serve.scheduler import Scheduler
 
 
+def default_sync_every(device: torch.device) -> int:
+    """Decode steps per window when none is asked for. On an accelerator a host sync stalls the queue of kernels
+    the host has run ahead with, so a window of 8 steps amortises it. On CPU the host *is* the device and reading
+    the tokens costs nothing, while a longer window only delays them: the first token waits for a whole window,
+    streamed text arrives in bursts of a window, and rows that finish early keep stepping to its end (SmolLM2 on
+    2 cores, 1 against 8: median TTFT 0.27x at the same throughput; ``benchmarks/results/sync_window_cpu.md``)."""
+    return 1 if device.type == "cpu" else 8
+
+
 class Engine:
     """Batching over ``n_slots`` rows for one model (see the module docstring).
 
     ``served`` is a runner, or a model served by its family's default runner (:func:`runner_for`).
     ``compile=True`` wraps the decode step in ``torch.compile`` (``mode="reduce-overhead"``, i.e. CUDA
     graphs, on CUDA). ``prefill_chunk``: the most prompt tokens a request caches per window (runners with
-    ``chunked_prefill``). The model is used as given: cast it (e.g. ``model.to(torch.bfloat16)``) first.
+    ``chunked_prefill``). ``sync_every``: decode steps per window (:func:`default_sync_every` when None). The
+    model is used as given: cast it (e.g. ``model.to(torch.bfloat16)``) first.
     """
 
     def __init__(
@@ -66,7 +76,7 @@ class Engine:
         n_slots: int,
         *,
         max_len: int | None = None,
-        sync_every: int = 8,
+        sync_every: int | None = None,
         compile: bool = False,
         prefill_chunk: int = 512,
     ) -> None:
@@ -75,6 +85,10 @@ class Engine:
         self.continuous = runner.per_slot
         if not (whole_number(n_slots) and n_slots >= 1):
             raise BlockloopError(f"the engine needs a whole number of slots, at least one; got n_slots={n_slots!r}")
+        weight = next(model.parameters())
+        self.device = weight.device
+        if sync_every is None:
+            sync_every = default_sync_every(self.device)
         if sync_every < 1:
             raise BlockloopError(f"sync_every must be at least 1, got {sync_every}")
         if prefill_chunk < 1:
@@ -94,8 +108,6 @@ class Engine:
         self.token_per_step = runner.token_per_step
         self.sync_every = -(-sync_every // self.admit_every) * self.admit_every
         self.vocab_size = model.config.vocab_size
-        weight = next(model.parameters())
-        self.device = weight.device
         if self.continuous:
             runner.allocate(n_slots, self.max_len)
         self.rows = n_slots if self.continuous else 0  # rows the current decode state has

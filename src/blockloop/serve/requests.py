@@ -71,7 +71,8 @@ _ids = itertools.count()
 @dataclass
 class Request:
     """One prompt's life in the engine. Times are ``time.perf_counter()`` seconds on the host, taken when
-    tokens reach the host (the engine syncs every few steps, so tokens arrive in small bursts)."""
+    tokens reach the host: once per window of ``sync_every`` steps (every step on CPU by default; on a GPU, in
+    small bursts)."""
 
     prompt: list[int]
     max_tokens: int

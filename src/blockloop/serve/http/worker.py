@@ -37,7 +37,7 @@ FINISH_REASONS = {"eos": "stop", "stop": "stop", "length": "length", "abort": "a
 
 
 def serving_engine(
-    model: nn.Module, n_slots: int, *, max_len: int | None = None, sync_every: int = 8,
+    model: nn.Module, n_slots: int, *, max_len: int | None = None, sync_every: int | None = None,
     exit_rule: ExitRule | None = None, compile: bool = False, prefill_chunk: int = 512, paging: Paging | None = None,
 ) -> Engine:
     """The engine a server or chat runs: ``model``'s runner over ``n_slots`` slots; with ``exit_rule``, a looped
