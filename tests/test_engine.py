@@ -404,7 +404,8 @@ def test_on_cpu_each_window_is_one_step_so_tokens_stream_one_at_a_time():
 
 
 def test_a_request_ending_at_eos_frees_its_slot_without_stepping_past_it():
-    """A request whose EOS comes at its ``k``-th token costs ``k`` one-step windows on CPU, not a window of 8."""
+    """A request that reaches EOS after ``k`` tokens costs ``k + 1`` one-step windows on CPU (the last samples
+    the EOS), not a window of 8."""
     model, prompt = tiny(), random_prompts((5,))[0]
     seeded = SamplingParams(temperature=1.0, seed=3)  # the same tokens on every run; greedy repeats one token here
     unstopped = Engine(model, 1)
