@@ -41,6 +41,7 @@ from blockloop.serve.http.chat import chat_template_for
 from blockloop.serve.requests import SamplingParams
 
 WINDOWS = (1, 8)
+PROMPT_RANGE = (16, 64)  # tokens of each stream prompt, as http_serving_cpu's stream
 QUESTIONS = [
     "What is the capital of France?", "Name three primary colours.", "What is 12 times 12?",
     "Who wrote Romeo and Juliet?", "Give me a synonym for happy.", "What planet is closest to the sun?",
@@ -64,7 +65,7 @@ def main() -> None:
     low, high = (int(n) for n in args.tokens_range.split(","))
     model = import_smollm2().eval()
     tokenizer = build_tokenizer("smollm2")
-    prompts = corpus_prompts(model.config.vocab_size, args.requests, 16, 64, seed=0, tokenizer=tokenizer)
+    prompts = corpus_prompts(model.config.vocab_size, args.requests, *PROMPT_RANGE, seed=0, tokenizer=tokenizer)
     template = chat_template_for(tokenizer)
     questions = [tokenizer.encode(template.render([{"role": "user", "content": q}])) for q in QUESTIONS]
     stream: dict[int, list[dict[str, object]]] = {w: [] for w in WINDOWS}
@@ -83,7 +84,7 @@ def main() -> None:
                       "steps)", flush=True)
     result = {
         "model": SMOLLM2_GGUF, "slots": args.slots, "repeats": args.repeats,
-        "stream": {"requests": args.requests, "rate": args.rate, "prompt_range": [16, 64], "tokens_range": [low, high],
+        "stream": {"requests": args.requests, "rate": args.rate, "prompt_range": list(PROMPT_RANGE), "tokens_range": [low, high],
                    "summary": {w: stream_summary(stream[w]) for w in WINDOWS},
                    "runs": {w: [{k: v for k, v in m.items() if k != "outputs"} for m in stream[w]] for w in WINDOWS},
                    "same_tokens": all(m["outputs"] == stream[1][0]["outputs"] for w in WINDOWS for m in stream[w])},
