@@ -247,18 +247,47 @@ def test_cli_errors(tmp_path, capsys):
 
 @pytest.mark.slow
 def test_smollm2_gguf_matches_transformers():
-    """The real SmolLM2-135M (Q4_1 GGUF, dequantised): blockloop's logits equal transformers' on real text."""
-    from blockloop.convert.hf import load_hf_model
-    from blockloop.data.pretrained import SMOLLM2_GGUF, smollm2_files
+    """The real SmolLM2-135M (Q4_1 GGUF, dequantised): blockloop's import (its GGUF parsed once) gives the logits
+    of the model transformers loads by itself on real text."""
+    from blockloop.convert.smollm2 import import_smollm2
+    from blockloop.data.pretrained import SMOLLM2_GGUF, quiet_transformers, smollm2_files
     from blockloop.data.tokenizers import build_tokenizer
 
-    hf = load_hf_model(smollm2_files(), gguf_file=SMOLLM2_GGUF)
-    ours = from_hf_model(hf)
+    ours = import_smollm2()
+    with quiet_transformers():
+        hf = transformers.AutoModelForCausalLM.from_pretrained(
+            smollm2_files(), gguf_file=SMOLLM2_GGUF, dtype=torch.float32, local_files_only=True).eval()
     tok = build_tokenizer("smollm2")
     idx = torch.tensor([tok.encode("Shall I compare thee to a summer's day? Thou art more lovely and more temperate.")])
     with torch.no_grad():
         diff = max_diff(ours(idx)[0], hf(idx).logits)
     assert diff <= TOL, diff
+
+
+def test_a_gguf_is_parsed_once_inside_the_context_and_gguf_is_itself_again_after(tmp_path):
+    """Inside :func:`gguf_parsed_once` (nested too) a file's reader and a name table are built once; outside,
+    each call builds its own, as transformers expects."""
+    gguf = pytest.importorskip("gguf")
+    from blockloop.data.pretrained import gguf_parsed_once
+
+    path = tmp_path / "tiny.gguf"
+    writer = gguf.GGUFWriter(path, "llama")
+    writer.add_block_count(2)
+    writer.add_tensor("token_embd.weight", torch.arange(12, dtype=torch.float32).reshape(3, 4).numpy())
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    llama = gguf.MODEL_ARCH.LLAMA
+    with gguf_parsed_once():
+        first = gguf.GGUFReader(path)
+        with gguf_parsed_once():
+            assert gguf.GGUFReader(str(path)) is first
+        assert gguf.GGUFReader(tmp_path / "." / "tiny.gguf") is first
+        assert gguf.get_tensor_name_map(llama, 2) is gguf.get_tensor_name_map(llama, 2)
+        assert first.get_tensor(0).data.tolist() == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11]]
+    assert gguf.GGUFReader(path) is not gguf.GGUFReader(path)
+    assert gguf.get_tensor_name_map(llama, 2) is not gguf.get_tensor_name_map(llama, 2)
 
 
 @pytest.fixture(scope="module")

@@ -24,7 +24,7 @@ from torch import nn
 from blockloop.config import DecoderConfig
 from blockloop.convert.hf_archs import ARCHITECTURES, Architecture
 from blockloop.convert.hf_tokenizer import hf_tokenizer_files, special_ids
-from blockloop.data.pretrained import quiet_transformers
+from blockloop.data.pretrained import gguf_parsed_once, quiet_transformers
 from blockloop.data.tokenizers import Tokenizer
 from blockloop.errors import BlockloopError
 from blockloop.files import atomic_write_text
@@ -88,6 +88,7 @@ def _one_line(exc: Exception) -> str:
     return " ".join(str(exc).split())
 
 
+@gguf_parsed_once()  # its config and its weights: one parse of a GGUF
 def load_hf_model(path: Path | str, *, gguf_file: str | None = None) -> nn.Module:
     """The ``transformers`` model at ``path`` in float32 and eval mode (the reference that parity tests use)."""
     from transformers import AutoModelForCausalLM

@@ -13,7 +13,7 @@ import tempfile
 from pathlib import Path
 
 from blockloop.convert.hf import import_hf
-from blockloop.data.pretrained import SMOLLM2_GGUF, convert_gguf_tokenizer, smollm2_files
+from blockloop.data.pretrained import SMOLLM2_GGUF, convert_gguf_tokenizer, gguf_parsed_once, smollm2_files
 from blockloop.data.tokenizers import Tokenizer, build_tokenizer, hf_folder_tokenizer
 from blockloop.errors import BlockloopError
 from blockloop.models.decoder import Decoder
@@ -37,6 +37,7 @@ def _source_tokenizer(path: Path, gguf_file: str | None) -> Tokenizer:
         return hf_folder_tokenizer(converted, name=str((path / gguf_file).resolve()))
 
 
+@gguf_parsed_once()  # a GGUF's tokenizer, config and weights: one parse
 def import_checkpoint(
     source: str, out: Path, *, gguf_file: str | None = None, tokenizer: str | None = None, data: str = "shakespeare"
 ) -> tuple[Decoder, Tokenizer]:
