@@ -36,6 +36,7 @@ from blockloop.bench.records import (
     output_dir,
     run_script,
 )
+from blockloop.cli.common import add_threads, set_threads
 from blockloop.convert.smollm2 import import_smollm2
 from blockloop.data.pretrained import SMOLLM2_GGUF
 from blockloop.serve.generate import generate
@@ -112,13 +113,12 @@ def main() -> None:
     parser.add_argument("--prompt-len", type=int, default=64)
     parser.add_argument("--gen-len", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3, help="timed runs per side and batch (after one warm-up)")
-    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
+    add_threads(parser)
     parser.add_argument("--profile", action="store_true", help="also profile one blockloop run per batch size")
     parser.add_argument("--count-ops", action="store_true", help="also count each side's ATen operators per decoded token")
     add_output_arguments(parser)
     args = parser.parse_args()
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    set_threads(args.threads)
     out = output_dir(args)
 
     model = import_smollm2()

@@ -28,6 +28,7 @@ from blockloop.bench.records import (
     output_dir,
     run_script,
 )
+from blockloop.cli.common import add_threads, set_threads
 
 # SmolLM2-135M (d = 576, 9 + 2 x 3 heads of 64, d_ff = 1536, vocab 49152): qkv, attention out, gate / up,
 # down, LM head.
@@ -47,11 +48,10 @@ def main() -> None:
     parser.add_argument("--rows", default="1,8,64,512", help="comma-separated numbers of input rows")
     parser.add_argument("--copies", type=int, default=24, help="distinct weights per shape (the LM head: 3)")
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
+    add_threads(parser)
     add_output_arguments(parser)
     args = parser.parse_args()
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    set_threads(args.threads)
     if not torch.backends.mkldnn.is_available():
         raise SystemExit("this torch has no oneDNN: nothing to compare")
     out = output_dir(args)

@@ -28,6 +28,7 @@ from blockloop.bench.records import (
     output_dir,
     run_script,
 )
+from blockloop.cli.common import add_threads, set_threads
 from blockloop.convert.smollm2 import import_smollm2
 from blockloop.data.pretrained import SMOLLM2_GGUF
 from blockloop.nn.kv_cache import DecoderCache
@@ -69,11 +70,10 @@ def main() -> None:
     parser.add_argument("--prompt-len", type=int, default=64)
     parser.add_argument("--gen-len", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=3, help="timed runs per side (after one warm-up)")
-    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
+    add_threads(parser)
     add_output_arguments(parser)
     args = parser.parse_args()
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    set_threads(args.threads)
     out = output_dir(args)
     model = import_smollm2()
     max_len = model.config.context_length

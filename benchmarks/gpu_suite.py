@@ -62,7 +62,7 @@ from blockloop.bench.suite import (
 )
 from blockloop.bench.throughput import scenario_lengths
 from blockloop.cli import main as blockloop
-from blockloop.cli.common import positive_int, positive_ints
+from blockloop.cli.common import add_threads, positive_int, positive_ints, set_threads
 from blockloop.device import resolve_device
 from blockloop.errors import BlockloopError
 from blockloop.families import build_model, from_name
@@ -362,7 +362,7 @@ def main() -> None:
     parser.add_argument("--smoke", action="store_true", help="tiny presets on CPU (about a minute): checks the suite runs")
     parser.add_argument("--rows", default=",".join(ROWS), help=f"comma-separated subset of {','.join(ROWS)}")
     parser.add_argument("--device", default="auto", help="auto (CUDA if present), cuda, cpu (--smoke: cpu)")
-    parser.add_argument("--threads", type=int, help="CPU threads for torch")
+    add_threads(parser)
     parser.add_argument("--repeats", type=positive_int, help="timed runs per batch size (default: 2 on a GPU; 1 helps a "
                         "row fit one 10-minute device call)")
     parser.add_argument("--max-batch", type=positive_int, help="bound of the decode-heavy batch search (default: 1024)")
@@ -374,8 +374,7 @@ def main() -> None:
     unknown = sorted(set(rows) - set(ROWS))
     if unknown:
         parser.error(f"unknown rows {unknown}; choose from {', '.join(ROWS)}")
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    set_threads(args.threads)
     # A step past dynamo's recompile limit would run eagerly and be timed as compiled: fail the row instead.
     torch._dynamo.config.fail_on_recompile_limit_hit = True
     device = torch.device("cpu" if args.smoke else resolve_device(args.device))

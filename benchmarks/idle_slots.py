@@ -37,6 +37,7 @@ from blockloop.bench.records import (
     run_script,
 )
 from blockloop.bench.suite import bench_dtype
+from blockloop.cli.common import add_threads, set_threads
 from blockloop.convert.smollm2 import import_smollm2
 from blockloop.data.pretrained import SMOLLM2_GGUF
 from blockloop.device import resolve_device
@@ -69,13 +70,12 @@ def main() -> None:
     parser.add_argument("--gen-len", type=int, default=64)
     parser.add_argument("--max-len", type=int, default=256, help="engine max_len (tokens per slot)")
     parser.add_argument("--repeats", type=int, default=3, help="timed runs per variant (after one warm-up)")
-    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
+    add_threads(parser)
     parser.add_argument("--device", default="cpu", help="cpu, cuda or auto (default: cpu)")
     parser.add_argument("--compile", action="store_true", help="compile the decode steps (CUDA graphs on CUDA)")
     add_output_arguments(parser)
     args = parser.parse_args()
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    set_threads(args.threads)
     device = resolve_device(args.device)
     torch._dynamo.config.recompile_limit = 64  # several engines of one runner class, a few row counts each
     dtype = bench_dtype("auto", device)

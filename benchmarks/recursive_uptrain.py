@@ -31,6 +31,7 @@ from blockloop.bench.records import (
     output_dir,
     run_script,
 )
+from blockloop.cli.common import add_threads, set_threads
 from blockloop.convert.checkpoints import calibration_windows
 from blockloop.convert.to_recursive import vanilla_to_recursive
 from blockloop.data.dataset import prepare_tokens
@@ -65,13 +66,13 @@ def main() -> None:
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--scratch-lr", type=float, default=3e-3, help="LR of the reduced-size model trained from scratch")
     p.add_argument("--eval-batches", type=int, default=8)
-    p.add_argument("--threads", type=int, default=1)
+    add_threads(p, default=1)
     p.add_argument("--device", default="cpu", help="where models are scored and uptrained: cpu, cuda (bf16 autocast in "
                    "training, as `blockloop train`), auto (default: cpu); conversions read the source on the CPU")
     add_output_arguments(p)
     args = p.parse_args()
     out = output_dir(args)
-    torch.set_num_threads(args.threads)
+    set_threads(args.threads)
     device = resolve_device(args.device)
 
     source = load_source(args.source)

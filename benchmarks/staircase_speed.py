@@ -28,6 +28,7 @@ from blockloop.bench.records import (
     run_script,
 )
 from blockloop.bench.timing import timed
+from blockloop.cli.common import add_threads, set_threads
 from blockloop.device import resolve_device
 from blockloop.families import build_model, from_name, spec_of
 
@@ -79,13 +80,13 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--seq-len", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=5, help="timed steps per model (median reported)")
-    parser.add_argument("--threads", type=int, default=1, help="CPU threads (default: 1)")
+    add_threads(parser, default=1)
     parser.add_argument("--device", default="cpu", help="cpu, cuda or auto (default: cpu); the files are named after it")
     add_output_arguments(parser)
     args = parser.parse_args()
     device = torch.device(resolve_device(args.device))
     out = output_dir(args)
-    torch.set_num_threads(args.threads)
+    set_threads(args.threads)
     rows = []
     for label, preset, overrides in models(args.seq_len):
         params, seconds = time_train_step(preset, overrides, args.batch_size, args.seq_len, args.repeats, device)

@@ -39,8 +39,6 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-import torch
-
 from blockloop.bench.records import (
     add_output_arguments,
     environment,
@@ -48,6 +46,7 @@ from blockloop.bench.records import (
     output_dir,
     run_script,
 )
+from blockloop.cli.common import add_threads, set_threads
 from blockloop.families import from_name
 from blockloop.train.evaluate import evaluate
 from blockloop.train.run import RunSpec, prepare_run, sequences, task_sequences
@@ -375,7 +374,7 @@ def main() -> None:
     parser.add_argument("--curve-every", type=int, default=100, help="`seeds`: steps between points of the test curve")
     parser.add_argument("--curve-batches", type=int, default=8, help="`seeds`: test batches per curve point")
     parser.add_argument("--eval-batches", type=int, default=20, help="evaluation batches per split")
-    parser.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1)")
+    add_threads(parser, default=1)
     parser.add_argument("--device", default="cpu", help="cpu or cuda[:N]; results are written as *_cpu or *_gpu")
     parser.add_argument("--smoke", action="store_true",
                         help="a seconds-long check of the whole protocol: 4 steps, 2 seeds, 1-batch evaluations")
@@ -384,7 +383,7 @@ def main() -> None:
     if args.smoke:
         args.steps, args.seeds, args.curve_every, args.curve_batches, args.eval_batches = 4, 2, 2, 1, 1
         args.models = args.models or list(SMOKE_MODELS)
-    torch.set_num_threads(args.threads)
+    set_threads(args.threads)
     key = "lm" if args.part == "lm" else args.task
     # Results of CPU and GPU runs are kept apart: runs/... are not comparable across devices.
     results = (SEEDS_RESULTS if args.part == "seeds" else RESULTS) + ("_cpu" if args.device == "cpu" else "_gpu")

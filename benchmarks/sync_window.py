@@ -32,6 +32,7 @@ from blockloop.bench.records import (
     run_script,
 )
 from blockloop.bench.stream import corpus_prompts, run_stream
+from blockloop.cli.common import add_threads, set_threads
 from blockloop.convert.smollm2 import import_smollm2
 from blockloop.data.pretrained import SMOLLM2_GGUF
 from blockloop.data.tokenizers import build_tokenizer
@@ -57,11 +58,10 @@ def main() -> None:
     parser.add_argument("--rate", type=float, default=1.0, help="Poisson arrivals per second in the stream")
     parser.add_argument("--tokens-range", default="16,48", help="new tokens per stream request, MIN,MAX")
     parser.add_argument("--max-new-tokens", type=int, default=64, help="most tokens of a chat answer")
-    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
+    add_threads(parser)
     add_output_arguments(parser)
     args = parser.parse_args()
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    set_threads(args.threads)
     low, high = (int(n) for n in args.tokens_range.split(","))
     model = import_smollm2().eval()
     tokenizer = build_tokenizer("smollm2")

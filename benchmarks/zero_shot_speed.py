@@ -17,6 +17,7 @@ import torch
 
 from blockloop.bench.records import add_output_arguments, append_records, environment, output_dir, run_script
 from blockloop.bench.timing import timed
+from blockloop.cli.common import add_threads, set_threads
 from blockloop.device import resolve_device
 from blockloop.evals.benchmarks_data import load_rows
 from blockloop.evals.scoring import LAYOUTS, encode_request, score
@@ -32,13 +33,13 @@ def main() -> None:
     p.add_argument("--limit", type=int, default=40)
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--repeats", type=int, default=2)
-    p.add_argument("--threads", type=int, default=1)
+    add_threads(p, default=1)
     p.add_argument("--device", default="cpu", help="cpu, cuda or auto (default: cpu); the file is named after it")
     add_output_arguments(p)
     args = p.parse_args()
     device = resolve_device(args.device)
     out = output_dir(args) / f"zero_shot_speed_{torch.device(device).type}.jsonl"
-    torch.set_num_threads(args.threads)
+    set_threads(args.threads)
     trained = load_trained(args.checkpoint, device)
     model, tok = trained.model, trained.tokenizer
     if spec_of(model.config).scoring != "cached":

@@ -87,6 +87,27 @@ def test_scripts_choose_output_one_way_and_describe_no_machine_by_hand(script):
     # The usage lines in the docstring are the recording commands: they say --record.
     usage = [line for line in text.splitlines() if ".venv/bin/python benchmarks/" in line]
     assert usage and all("--record" in line for line in usage)
+    # --threads is declared one way too, so a script never ignores 0 or passes -1 on to torch.
+    assert "add_argument(\"--threads\"" not in text and "torch.set_num_threads(" not in text
+
+
+def test_a_script_refuses_a_thread_count_below_one_before_any_work():
+    result = subprocess.run([sys.executable, "benchmarks/staircase_speed.py", "--threads", "0"], cwd=ROOT,
+                            capture_output=True, text=True)
+    assert result.returncode == 2 and "--threads: must be an integer >= 1, got '0'" in result.stderr
+
+
+def test_set_threads_applies_a_count_and_none_keeps_torchs_own():
+    from blockloop.cli.common import set_threads
+
+    before = torch.get_num_threads()
+    try:
+        set_threads(None)
+        assert torch.get_num_threads() == before
+        set_threads(before + 1)
+        assert torch.get_num_threads() == before + 1
+    finally:
+        torch.set_num_threads(before)
 
 
 def test_a_metrics_line_cut_short_by_a_kill_is_skipped_when_reading_the_last_val_loss(tmp_path):

@@ -14,6 +14,7 @@ from blockloop.cli.common import (
     add_device,
     add_no_pack,
     add_no_progress,
+    add_threads,
     int_range,
     nonempty,
     nonnegative_int,
@@ -21,6 +22,7 @@ from blockloop.cli.common import (
     positive_int,
     positive_ints,
     refuse_flags,
+    set_threads,
 )
 from blockloop.errors import BlockloopError
 
@@ -41,7 +43,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     m.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
                    help="weights/cache dtype (default: bfloat16 on CUDA, float32 on CPU)")
     m.add_argument("--compile", action="store_true", help="torch.compile the decode step (CUDA graphs on CUDA)")
-    m.add_argument("--threads", type=positive_int, help="CPU threads for torch (default: torch's own; 1 is steadier on a shared box)")
+    add_threads(m)
     t = p.add_argument_group("throughput protocol (Block Transformer section 3.2)")
     t.add_argument("--scenario", choices=["prefill-heavy", "decode-heavy"],
                    help="prompt/gen lengths 2048/128 or 128/2048 (default: decode-heavy)")
@@ -113,8 +115,7 @@ def run(args: argparse.Namespace) -> int:
         n = records.plot_pareto(records.read_records(args.record), args.plot)
         print(f"wrote {args.plot} ({n} runs)")
         return 0
-    if args.threads is not None:  # a positive_int flag
-        torch.set_num_threads(args.threads)
+    set_threads(args.threads)
     dtype = bench_dtype(args.dtype, device)
     meta = records.environment(device, dtype)
     models = load_models(args.presets, args.checkpoint, device, dtype, args.seed)

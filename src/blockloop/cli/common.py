@@ -164,6 +164,22 @@ def add_device(p: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
     p.add_argument("--device", default="auto", type=device, help="auto, cpu, cuda, cuda:N or mps (default: auto)")
 
 
+def add_threads(p: argparse.ArgumentParser | argparse._ArgumentGroup, default: int | None = None) -> None:
+    """``--threads``, applied with :func:`set_threads`; a positive integer, so 0 or -1 is refused by argparse
+    rather than ignored or left to torch's own error."""
+    default_text = "torch's own; 1 is steadier on a shared box" if default is None else str(default)
+    p.add_argument("--threads", type=positive_int, default=default, help=f"CPU threads for torch (default: {default_text})")
+
+
+def set_threads(threads: int | None) -> None:
+    """Apply ``--threads`` before any work starts (a thread started later, such as the server's engine thread,
+    inherits it); ``None`` keeps torch's own choice."""
+    if threads is not None:
+        import torch
+
+        torch.set_num_threads(threads)
+
+
 DEVICE_TYPES = ("auto", "cpu", "cuda", "mps")
 
 

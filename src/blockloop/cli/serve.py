@@ -8,7 +8,16 @@ import socket
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from blockloop.cli.common import add_device, add_no_pack, integer, nonempty, nonnegative_int, positive_int
+from blockloop.cli.common import (
+    add_device,
+    add_no_pack,
+    add_threads,
+    integer,
+    nonempty,
+    nonnegative_int,
+    positive_int,
+    set_threads,
+)
 from blockloop.errors import BlockloopError
 
 if TYPE_CHECKING:
@@ -55,7 +64,7 @@ def add_engine_arguments(p: argparse.ArgumentParser, slots: int = 8) -> None:
                    "holds --max-len)")
     p.add_argument("--page-size", type=positive_int, default=128,
                    help="cache entries per page of --kv-tokens (tokens; a Block Transformer's blocks) (default: 128)")
-    p.add_argument("--threads", type=positive_int, help="CPU threads for torch (default: torch's own; 1 is steadier on a shared box)")
+    add_threads(p)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -109,15 +118,12 @@ def bind(host: str, port: int) -> socket.socket:
 
 def load(args: argparse.Namespace, n_slots: int) -> tuple[TrainedModel, dict[str, Any]]:
     """The checkpoint and the engine options the flags ask for (shared with ``blockloop chat``)."""
-    import torch
-
     from blockloop.bench.suite import parse_exit_rule
     from blockloop.device import resolve_device
     from blockloop.serve.runners import Paging
     from blockloop.train.run import load_trained
 
-    if args.threads is not None:  # a positive_int flag
-        torch.set_num_threads(args.threads)  # before the engine thread starts: it inherits the setting
+    set_threads(args.threads)  # before the engine thread starts: it inherits the setting
     exit_rule = parse_exit_rule(args.exit) if args.exit else None
     trained = load_trained(args.checkpoint, resolve_device(args.device))
     paging = Paging(args.kv_tokens, args.page_size) if args.kv_tokens else None
