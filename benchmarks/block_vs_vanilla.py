@@ -38,6 +38,7 @@ from blockloop.bench.records import (
     output_dir,
     run_script,
 )
+from blockloop.cli.common import positive_float, positive_int
 from blockloop.families import build_model, from_name
 from blockloop.serve.generate import generate
 from blockloop.train.run import RunSpec, prepare_run, sequences
@@ -106,13 +107,13 @@ def main() -> None:
     parser.add_argument("--vanilla", default="demo")
     parser.add_argument("--block", default="demo-block")
     parser.add_argument("--data", default="shakespeare")
-    parser.add_argument("--steps", type=int, default=300)
-    parser.add_argument("--batch-size", type=int, default=16)
-    parser.add_argument("--seq-len", type=int, default=256)
-    parser.add_argument("--lr", type=float, default=3e-3)
-    parser.add_argument("--eval-batches", type=int, default=20)
+    parser.add_argument("--steps", type=positive_int, default=300)
+    parser.add_argument("--batch-size", type=positive_int, default=16)
+    parser.add_argument("--seq-len", type=positive_int, default=256)
+    parser.add_argument("--lr", type=positive_float, default=3e-3)
+    parser.add_argument("--eval-batches", type=positive_int, default=20)
     parser.add_argument("--batches", default="1,8,32")
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=positive_int, default=3)
     add_output_arguments(parser)
     args = parser.parse_args()
     parts = set(args.parts.split(","))

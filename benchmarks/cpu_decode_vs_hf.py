@@ -36,7 +36,7 @@ from blockloop.bench.records import (
     output_dir,
     run_script,
 )
-from blockloop.cli.common import add_threads, set_threads
+from blockloop.cli.common import add_threads, positive_int, set_threads
 from blockloop.convert.smollm2 import import_smollm2
 from blockloop.data.pretrained import SMOLLM2_GGUF
 from blockloop.serve.generate import generate
@@ -110,9 +110,9 @@ def ops_per_token(model: torch.nn.Module, hf: torch.nn.Module, prompt_len: int) 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--batch-sizes", default="1,8", help="comma-separated batch sizes")
-    parser.add_argument("--prompt-len", type=int, default=64)
-    parser.add_argument("--gen-len", type=int, default=64)
-    parser.add_argument("--repeats", type=int, default=3, help="timed runs per side and batch (after one warm-up)")
+    parser.add_argument("--prompt-len", type=positive_int, default=64)
+    parser.add_argument("--gen-len", type=positive_int, default=64)
+    parser.add_argument("--repeats", type=positive_int, default=3, help="timed runs per side and batch (after one warm-up)")
     add_threads(parser)
     parser.add_argument("--profile", action="store_true", help="also profile one blockloop run per batch size")
     parser.add_argument("--count-ops", action="store_true", help="also count each side's ATen operators per decoded token")

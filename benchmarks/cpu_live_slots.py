@@ -28,7 +28,7 @@ from blockloop.bench.records import (
     output_dir,
     run_script,
 )
-from blockloop.cli.common import add_threads, set_threads
+from blockloop.cli.common import add_threads, positive_int, set_threads
 from blockloop.convert.smollm2 import import_smollm2
 from blockloop.data.pretrained import SMOLLM2_GGUF
 from blockloop.nn.kv_cache import DecoderCache
@@ -67,9 +67,9 @@ def compare(model: torch.nn.Module, slots: int, prompt_len: int, gen_len: int, r
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--slots", default="1,4", help="comma-separated numbers of requests served at once")
-    parser.add_argument("--prompt-len", type=int, default=64)
-    parser.add_argument("--gen-len", type=int, default=32)
-    parser.add_argument("--repeats", type=int, default=3, help="timed runs per side (after one warm-up)")
+    parser.add_argument("--prompt-len", type=positive_int, default=64)
+    parser.add_argument("--gen-len", type=positive_int, default=32)
+    parser.add_argument("--repeats", type=positive_int, default=3, help="timed runs per side (after one warm-up)")
     add_threads(parser)
     add_output_arguments(parser)
     args = parser.parse_args()

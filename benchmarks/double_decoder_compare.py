@@ -33,6 +33,7 @@ from blockloop.bench.records import (
     run_script,
 )
 from blockloop.bench.throughput import state_bytes
+from blockloop.cli.common import nonnegative_int, positive_float, positive_int
 from blockloop.serve.generate import generate
 from blockloop.serve.runners import runner_for
 from blockloop.train.evaluate import evaluate
@@ -131,18 +132,18 @@ def markdown(record: dict[str, object]) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--steps", type=int, default=250)
-    parser.add_argument("--batch-size", type=int, default=8)
-    parser.add_argument("--seq-len", type=int, default=256)
-    parser.add_argument("--lr", type=float, default=3e-3)
-    parser.add_argument("--prefix-lr", type=float, default=2e-4)
-    parser.add_argument("--eval-batches", type=int, default=40)
-    parser.add_argument("--gen-batch", type=int, default=8)
-    parser.add_argument("--prompt-len", type=int, default=128)
-    parser.add_argument("--new-tokens", type=int, default=64)
-    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--steps", type=positive_int, default=250)
+    parser.add_argument("--batch-size", type=positive_int, default=8)
+    parser.add_argument("--seq-len", type=positive_int, default=256)
+    parser.add_argument("--lr", type=positive_float, default=3e-3)
+    parser.add_argument("--prefix-lr", type=positive_float, default=2e-4)
+    parser.add_argument("--eval-batches", type=positive_int, default=40)
+    parser.add_argument("--gen-batch", type=positive_int, default=8)
+    parser.add_argument("--prompt-len", type=positive_int, default=128)
+    parser.add_argument("--new-tokens", type=positive_int, default=64)
+    parser.add_argument("--repeats", type=positive_int, default=5)
     parser.add_argument("--device", default="cpu")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=nonnegative_int, default=0)
     add_output_arguments(parser)
     args = parser.parse_args()
     out = output_dir(args)

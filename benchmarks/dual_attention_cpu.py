@@ -30,6 +30,7 @@ from blockloop.bench.records import (
     output_dir,
     run_script,
 )
+from blockloop.cli.common import positive_int
 from blockloop.nn.attention import attention, merge_attention
 from blockloop.nn.masks import block_masks, dual_block_mask, dual_mask_mod
 
@@ -72,11 +73,11 @@ def mask_build_ms(length: int, boundaries: torch.Tensor, repeats: int) -> dict[s
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--batch", type=int, default=4)
-    parser.add_argument("--heads", type=int, default=4)
-    parser.add_argument("--head-dim", type=int, default=64)
-    parser.add_argument("--lengths", type=int, nargs="+", default=[256, 512, 1024])
-    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--batch", type=positive_int, default=4)
+    parser.add_argument("--heads", type=positive_int, default=4)
+    parser.add_argument("--head-dim", type=positive_int, default=64)
+    parser.add_argument("--lengths", type=positive_int, nargs="+", default=[256, 512, 1024])
+    parser.add_argument("--repeats", type=positive_int, default=7)
     add_output_arguments(parser)
     args = parser.parse_args()
     out = output_dir(args)

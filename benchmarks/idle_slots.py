@@ -37,7 +37,7 @@ from blockloop.bench.records import (
     run_script,
 )
 from blockloop.bench.suite import bench_dtype
-from blockloop.cli.common import add_threads, set_threads
+from blockloop.cli.common import add_threads, positive_int, set_threads
 from blockloop.convert.smollm2 import import_smollm2
 from blockloop.data.pretrained import SMOLLM2_GGUF
 from blockloop.device import resolve_device
@@ -66,10 +66,10 @@ def main() -> None:
                         help="comma-separated: smollm2 and/or presets, each optionally NAME:RUNNER "
                              f"(RUNNER one of {', '.join(RUNNERS)})")
     parser.add_argument("--slots", default="8,16", help="comma-separated engine sizes to compare with 1 slot")
-    parser.add_argument("--prompt-len", type=int, default=64)
-    parser.add_argument("--gen-len", type=int, default=64)
-    parser.add_argument("--max-len", type=int, default=256, help="engine max_len (tokens per slot)")
-    parser.add_argument("--repeats", type=int, default=3, help="timed runs per variant (after one warm-up)")
+    parser.add_argument("--prompt-len", type=positive_int, default=64)
+    parser.add_argument("--gen-len", type=positive_int, default=64)
+    parser.add_argument("--max-len", type=positive_int, default=256, help="engine max_len (tokens per slot)")
+    parser.add_argument("--repeats", type=positive_int, default=3, help="timed runs per variant (after one warm-up)")
     add_threads(parser)
     parser.add_argument("--device", default="cpu", help="cpu, cuda or auto (default: cpu)")
     parser.add_argument("--compile", action="store_true", help="compile the decode steps (CUDA graphs on CUDA)")

@@ -27,6 +27,7 @@ from blockloop.bench.records import (
     output_dir,
     run_script,
 )
+from blockloop.cli.common import positive_int
 from blockloop.families import build_model, from_name
 from blockloop.serve.runners import ExitRule, runner_for
 from blockloop.serve.sampling import SlotSampling
@@ -34,14 +35,14 @@ from blockloop.serve.sampling import SlotSampling
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--d-model", type=int, default=512)
-    parser.add_argument("--layers", type=int, default=4, help="shared layers")
-    parser.add_argument("--loops", type=int, default=2)
-    parser.add_argument("--rows", type=int, default=8)
-    parser.add_argument("--prompt", type=int, default=480, help="longest prompt; rows are prefilled to different lengths")
-    parser.add_argument("--max-len", type=int, default=1024)
-    parser.add_argument("--steps", type=int, default=32)
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--d-model", type=positive_int, default=512)
+    parser.add_argument("--layers", type=positive_int, default=4, help="shared layers")
+    parser.add_argument("--loops", type=positive_int, default=2)
+    parser.add_argument("--rows", type=positive_int, default=8)
+    parser.add_argument("--prompt", type=positive_int, default=480, help="longest prompt; rows are prefilled to different lengths")
+    parser.add_argument("--max-len", type=positive_int, default=1024)
+    parser.add_argument("--steps", type=positive_int, default=32)
+    parser.add_argument("--repeats", type=positive_int, default=3)
     parser.add_argument("--read", default=None, help="the looped cache's read: dense or blocks")
     parser.add_argument("--label", default="", help="names the source tree in the record")
     add_output_arguments(parser)

@@ -31,7 +31,7 @@ from blockloop.bench.records import (
     output_dir,
     run_script,
 )
-from blockloop.cli.common import add_threads, set_threads
+from blockloop.cli.common import add_threads, nonnegative_int, positive_float, positive_int, set_threads
 from blockloop.convert.checkpoints import calibration_windows
 from blockloop.convert.to_recursive import vanilla_to_recursive
 from blockloop.data.dataset import prepare_tokens
@@ -50,22 +50,22 @@ def main() -> None:
     p.add_argument("--name", default="recursive_uptrain_cpu", help="file name without extension (.json and .md are "
                    "written; default: recursive_uptrain_cpu)")
     p.add_argument("--data", default=None, help="corpus (default: the source run's, else shakespeare)")
-    p.add_argument("--loops", type=int, default=2)
+    p.add_argument("--loops", type=positive_int, default=2)
     p.add_argument("--inits", default="stepwise,average,lower,upper,random", help="looped-layer inits ('' for none)")
     p.add_argument("--no-scratch", action="store_true", help="leave out the reduced-size model trained from scratch")
     p.add_argument("--ranks", default="4,16,64", help="LoRA ranks of the relaxed models (average init, SVD LoRA)")
     p.add_argument("--prefix-lens", default="8", help="prefix lengths of prefix-relaxed models (average init; '' for none)")
     p.add_argument("--lora-init", default="svd", help="svd (equation 4) or zero (see convert/to_recursive.py)")
-    p.add_argument("--calibration", type=int, default=8, help="training windows that make the SVD init "
+    p.add_argument("--calibration", type=nonnegative_int, default=8, help="training windows that make the SVD init "
                    "activation-aware (0: SVD of the weights alone; default: 8)")
     p.add_argument("--norms", default="per-loop", choices=("per-loop", "tied"),
                    help="norm gains of the converted models' shared layers (default: per-loop)")
-    p.add_argument("--steps", type=int, default=40, help="uptraining / from-scratch steps (0: converted models only)")
-    p.add_argument("--batch-size", type=int, default=8)
-    p.add_argument("--seq-len", type=int, default=128)
-    p.add_argument("--lr", type=float, default=1e-3)
-    p.add_argument("--scratch-lr", type=float, default=3e-3, help="LR of the reduced-size model trained from scratch")
-    p.add_argument("--eval-batches", type=int, default=8)
+    p.add_argument("--steps", type=nonnegative_int, default=40, help="uptraining / from-scratch steps (0: converted models only)")
+    p.add_argument("--batch-size", type=positive_int, default=8)
+    p.add_argument("--seq-len", type=positive_int, default=128)
+    p.add_argument("--lr", type=positive_float, default=1e-3)
+    p.add_argument("--scratch-lr", type=positive_float, default=3e-3, help="LR of the reduced-size model trained from scratch")
+    p.add_argument("--eval-batches", type=positive_int, default=8)
     add_threads(p, default=1)
     p.add_argument("--device", default="cpu", help="where models are scored and uptrained: cpu, cuda (bf16 autocast in "
                    "training, as `blockloop train`), auto (default: cpu); conversions read the source on the CPU")

@@ -29,6 +29,7 @@ from blockloop.bench.records import (
     output_dir,
     run_script,
 )
+from blockloop.cli.common import positive_int
 from blockloop.convert.hf import from_hf_model, load_hf_model
 from blockloop.data.dataset import prepare_tokens
 from blockloop.data.loader import PackedSequences
@@ -39,8 +40,8 @@ from blockloop.data.tokenizers import build_tokenizer
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--data", default="shakespeare", help="built-in corpus whose val split is scored")
-    parser.add_argument("--windows", type=int, default=8, help="validation windows to score")
-    parser.add_argument("--seq-len", type=int, default=512, help="tokens per window")
+    parser.add_argument("--windows", type=positive_int, default=8, help="validation windows to score")
+    parser.add_argument("--seq-len", type=positive_int, default=512, help="tokens per window")
     add_output_arguments(parser)
     args = parser.parse_args()
     out = output_dir(args)

@@ -28,7 +28,7 @@ from blockloop.bench.records import (
     run_script,
 )
 from blockloop.bench.timing import timed
-from blockloop.cli.common import add_threads, set_threads
+from blockloop.cli.common import add_threads, positive_int, set_threads
 from blockloop.device import resolve_device
 from blockloop.families import build_model, from_name, spec_of
 
@@ -77,9 +77,9 @@ def time_train_step(preset: str, overrides: dict, batch: int, seq_len: int, repe
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--batch-size", type=int, default=8)
-    parser.add_argument("--seq-len", type=int, default=128)
-    parser.add_argument("--repeats", type=int, default=5, help="timed steps per model (median reported)")
+    parser.add_argument("--batch-size", type=positive_int, default=8)
+    parser.add_argument("--seq-len", type=positive_int, default=128)
+    parser.add_argument("--repeats", type=positive_int, default=5, help="timed steps per model (median reported)")
     add_threads(parser, default=1)
     parser.add_argument("--device", default="cpu", help="cpu, cuda or auto (default: cpu); the files are named after it")
     add_output_arguments(parser)

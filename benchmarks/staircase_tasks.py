@@ -46,7 +46,7 @@ from blockloop.bench.records import (
     output_dir,
     run_script,
 )
-from blockloop.cli.common import add_threads, set_threads
+from blockloop.cli.common import add_threads, nonnegative_int, positive_float, positive_int, set_threads
 from blockloop.families import from_name
 from blockloop.train.evaluate import evaluate
 from blockloop.train.run import RunSpec, prepare_run, sequences, task_sequences
@@ -365,15 +365,15 @@ def main() -> None:
     parser.add_argument("--task", default="random-walk:16", help="task for `tasks` and `seeds` (NAME or NAME:LENGTH)")
     parser.add_argument("--data", default="shakespeare", help="corpus for `lm` (byte tokenizer)")
     parser.add_argument("--models", nargs="+", help="LABEL=PRESET[,FIELD=VALUE...] entries (default: the part's list)")
-    parser.add_argument("--steps", type=int, default=300)
-    parser.add_argument("--batch-size", type=int, default=16)
-    parser.add_argument("--seq-len", type=int, default=128)
-    parser.add_argument("--lr", type=float, default=3e-3)
-    parser.add_argument("--seed", type=int, default=0, help="the (first) training seed")
-    parser.add_argument("--seeds", type=int, default=3, help="`seeds`: seeds per model, --seed, --seed + 1, ...")
-    parser.add_argument("--curve-every", type=int, default=100, help="`seeds`: steps between points of the test curve")
-    parser.add_argument("--curve-batches", type=int, default=8, help="`seeds`: test batches per curve point")
-    parser.add_argument("--eval-batches", type=int, default=20, help="evaluation batches per split")
+    parser.add_argument("--steps", type=positive_int, default=300)
+    parser.add_argument("--batch-size", type=positive_int, default=16)
+    parser.add_argument("--seq-len", type=positive_int, default=128)
+    parser.add_argument("--lr", type=positive_float, default=3e-3)
+    parser.add_argument("--seed", type=nonnegative_int, default=0, help="the (first) training seed")
+    parser.add_argument("--seeds", type=positive_int, default=3, help="`seeds`: seeds per model, --seed, --seed + 1, ...")
+    parser.add_argument("--curve-every", type=positive_int, default=100, help="`seeds`: steps between points of the test curve")
+    parser.add_argument("--curve-batches", type=positive_int, default=8, help="`seeds`: test batches per curve point")
+    parser.add_argument("--eval-batches", type=positive_int, default=20, help="evaluation batches per split")
     add_threads(parser, default=1)
     parser.add_argument("--device", default="cpu", help="cpu or cuda[:N]; results are written as *_cpu or *_gpu")
     parser.add_argument("--smoke", action="store_true",

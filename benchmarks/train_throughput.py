@@ -28,6 +28,7 @@ from blockloop.bench.records import (
     output_dir,
     run_script,
 )
+from blockloop.cli.common import positive_int
 from blockloop.device import resolve_device
 from blockloop.families import spec_of
 from blockloop.train.checkpoint import read_metrics
@@ -77,10 +78,10 @@ def main() -> None:
     parser.add_argument("--preset", default="pythia-85m")
     parser.add_argument("--data", default="shakespeare")
     parser.add_argument("--tokenizer", default="gpt2")
-    parser.add_argument("--seq-len", type=int, default=2048)
-    parser.add_argument("--batch-size", type=int, default=16)
-    parser.add_argument("--steps", type=int, default=40)
-    parser.add_argument("--log-interval", type=int, default=10)
+    parser.add_argument("--seq-len", type=positive_int, default=2048)
+    parser.add_argument("--batch-size", type=positive_int, default=16)
+    parser.add_argument("--steps", type=positive_int, default=40)
+    parser.add_argument("--log-interval", type=positive_int, default=10)
     parser.add_argument("--device", default="auto")
     parser.add_argument("--variants", default="eager,compiled")
     add_output_arguments(parser)

@@ -17,7 +17,7 @@ import torch
 
 from blockloop.bench.records import add_output_arguments, append_records, environment, output_dir, run_script
 from blockloop.bench.timing import timed
-from blockloop.cli.common import add_threads, set_threads
+from blockloop.cli.common import add_threads, positive_int, set_threads
 from blockloop.device import resolve_device
 from blockloop.evals.benchmarks_data import load_rows
 from blockloop.evals.scoring import LAYOUTS, encode_request, score
@@ -30,9 +30,9 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--checkpoint", required=True)
     p.add_argument("--tasks", default="hellaswag,piqa,arc_easy")
-    p.add_argument("--limit", type=int, default=40)
-    p.add_argument("--batch-size", type=int, default=8)
-    p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--limit", type=positive_int, default=40)
+    p.add_argument("--batch-size", type=positive_int, default=8)
+    p.add_argument("--repeats", type=positive_int, default=2)
     add_threads(p, default=1)
     p.add_argument("--device", default="cpu", help="cpu, cuda or auto (default: cpu); the file is named after it")
     add_output_arguments(p)

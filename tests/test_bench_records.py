@@ -87,14 +87,21 @@ def test_scripts_choose_output_one_way_and_describe_no_machine_by_hand(script):
     # The usage lines in the docstring are the recording commands: they say --record.
     usage = [line for line in text.splitlines() if ".venv/bin/python benchmarks/" in line]
     assert usage and all("--record" in line for line in usage)
-    # --threads is declared one way too, so a script never ignores 0 or passes -1 on to torch.
+    # Numbers are checked at the boundary as the CLI's are (cli/common.py's types), and --threads is declared
+    # one way, so a script never ignores 0, passes -1 on to torch, or fails later on an empty list of timings.
+    assert not re.search(r"type=(int|float)\b", text)
     assert "add_argument(\"--threads\"" not in text and "torch.set_num_threads(" not in text
 
 
-def test_a_script_refuses_a_thread_count_below_one_before_any_work():
-    result = subprocess.run([sys.executable, "benchmarks/staircase_speed.py", "--threads", "0"], cwd=ROOT,
-                            capture_output=True, text=True)
-    assert result.returncode == 2 and "--threads: must be an integer >= 1, got '0'" in result.stderr
+@pytest.mark.parametrize("argv, message", [
+    (["benchmarks/staircase_speed.py", "--threads", "0"], "--threads: must be an integer >= 1, got '0'"),
+    (["benchmarks/staircase_speed.py", "--repeats", "0"], "--repeats: must be an integer >= 1, got '0'"),
+    (["benchmarks/recursive_uptrain.py", "--lr", "nan"], "--lr: must be a finite number > 0, got 'nan'"),
+    (["benchmarks/staircase_tasks.py", "--seed", "-1"], "--seed: must be an integer >= 0, got '-1'"),
+])
+def test_a_script_refuses_a_bad_number_in_one_line_before_any_work(argv, message):
+    result = subprocess.run([sys.executable, *argv], cwd=ROOT, capture_output=True, text=True)
+    assert result.returncode == 2 and message in result.stderr and "Traceback" not in result.stderr
 
 
 def test_set_threads_applies_a_count_and_none_keeps_torchs_own():
