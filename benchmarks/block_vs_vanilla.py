@@ -38,7 +38,7 @@ from blockloop.bench.records import (
     output_dir,
     run_script,
 )
-from blockloop.cli.common import positive_float, positive_int
+from blockloop.cli.common import names, positive_float, positive_int, positive_ints
 from blockloop.families import build_model, from_name
 from blockloop.serve.generate import generate
 from blockloop.train.run import RunSpec, prepare_run, sequences
@@ -103,7 +103,7 @@ def time_generation(model: torch.nn.Module, batch: int, prompt: int, generated: 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--parts", default="quality,kv,speed", help="any of quality, kv, speed, sweep (comma-separated)")
+    parser.add_argument("--parts", type=names(("quality", "kv", "speed", "sweep")), default="quality,kv,speed", help="any of quality, kv, speed, sweep (comma-separated)")
     parser.add_argument("--vanilla", default="demo")
     parser.add_argument("--block", default="demo-block")
     parser.add_argument("--data", default="shakespeare")
@@ -112,14 +112,11 @@ def main() -> None:
     parser.add_argument("--seq-len", type=positive_int, default=256)
     parser.add_argument("--lr", type=positive_float, default=3e-3)
     parser.add_argument("--eval-batches", type=positive_int, default=20)
-    parser.add_argument("--batches", default="1,8,32")
+    parser.add_argument("--batches", type=positive_ints, default="1,8,32")
     parser.add_argument("--repeats", type=positive_int, default=3)
     add_output_arguments(parser)
     args = parser.parse_args()
-    parts = set(args.parts.split(","))
-    unknown = parts - {"quality", "kv", "speed", "sweep"}
-    if unknown:
-        parser.error(f"unknown part(s) {sorted(unknown)}")
+    parts = set(args.parts)
 
     out = output_dir(args)
     path = out / "block_vs_vanilla_cpu.json"
@@ -148,7 +145,7 @@ def main() -> None:
         settings = {"prefill-heavy": (context * 3 // 4, context // 8), "decode-heavy": (context // 8, context * 3 // 4)}
         rows = []
         for setting, (prompt, gen) in settings.items():
-            for batch in [int(b) for b in args.batches.split(",")]:
+            for batch in args.batches:
                 for preset in (args.vanilla, args.block):
                     row = {"setting": f"{setting} {prompt}/{gen}", "preset": preset,
                            **time_generation(models[preset], batch, prompt, gen, args.repeats),

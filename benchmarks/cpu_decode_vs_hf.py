@@ -36,7 +36,7 @@ from blockloop.bench.records import (
     output_dir,
     run_script,
 )
-from blockloop.cli.common import add_threads, positive_int, set_threads
+from blockloop.cli.common import add_threads, positive_int, positive_ints, set_threads
 from blockloop.convert.smollm2 import import_smollm2
 from blockloop.data.pretrained import SMOLLM2_GGUF
 from blockloop.serve.generate import generate
@@ -109,7 +109,7 @@ def ops_per_token(model: torch.nn.Module, hf: torch.nn.Module, prompt_len: int) 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--batch-sizes", default="1,8", help="comma-separated batch sizes")
+    parser.add_argument("--batch-sizes", type=positive_ints, default="1,8", help="comma-separated batch sizes")
     parser.add_argument("--prompt-len", type=positive_int, default=64)
     parser.add_argument("--gen-len", type=positive_int, default=64)
     parser.add_argument("--repeats", type=positive_int, default=3, help="timed runs per side and batch (after one warm-up)")
@@ -124,7 +124,7 @@ def main() -> None:
     model = import_smollm2()
     hf = to_hf_generator(model)
     rows = []
-    for batch in [int(b) for b in args.batch_sizes.split(",")]:
+    for batch in args.batch_sizes:
         row = {"batch": batch, **compare(model, hf, batch, args.prompt_len, args.gen_len, args.repeats, seed=batch)}
         if args.profile:
             row["blockloop_profile"] = profile_top(model, batch, args.prompt_len, args.gen_len)

@@ -28,7 +28,7 @@ from blockloop.bench.records import (
     output_dir,
     run_script,
 )
-from blockloop.cli.common import add_threads, positive_int, set_threads
+from blockloop.cli.common import add_threads, positive_int, positive_ints, set_threads
 
 # SmolLM2-135M (d = 576, 9 + 2 x 3 heads of 64, d_ff = 1536, vocab 49152): qkv, attention out, gate / up,
 # down, LM head.
@@ -45,7 +45,7 @@ def per_product_us(multiply, weights: list, x: torch.Tensor, calls: int) -> floa
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--rows", default="1,8,64,512", help="comma-separated numbers of input rows")
+    parser.add_argument("--rows", type=positive_ints, default="1,8,64,512", help="comma-separated numbers of input rows")
     parser.add_argument("--copies", type=positive_int, default=24, help="distinct weights per shape (the LM head: 3)")
     parser.add_argument("--repeats", type=positive_int, default=3)
     add_threads(parser)
@@ -61,7 +61,7 @@ def main() -> None:
         copies = 3 if name == "lm_head" else args.copies
         dense = [torch.randn(n_out, n_in) / n_in**0.5 for _ in range(copies)]
         packed = [torch.ops.mkldnn._reorder_linear_weight(w) for w in dense]
-        for n_rows in [int(r) for r in args.rows.split(",")]:
+        for n_rows in args.rows:
             x = torch.randn(n_rows, n_in)
             calls = max(2 * copies, min(200, 20_000_000 // (n_out * n_in) * copies // max(1, n_rows // 8)))
             times: dict[str, list[float]] = {"mkl_f_linear": [], "onednn_packed": []}

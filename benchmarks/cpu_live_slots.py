@@ -28,7 +28,7 @@ from blockloop.bench.records import (
     output_dir,
     run_script,
 )
-from blockloop.cli.common import add_threads, positive_int, set_threads
+from blockloop.cli.common import add_threads, positive_int, positive_ints, set_threads
 from blockloop.convert.smollm2 import import_smollm2
 from blockloop.data.pretrained import SMOLLM2_GGUF
 from blockloop.nn.kv_cache import DecoderCache
@@ -66,7 +66,7 @@ def compare(model: torch.nn.Module, slots: int, prompt_len: int, gen_len: int, r
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--slots", default="1,4", help="comma-separated numbers of requests served at once")
+    parser.add_argument("--slots", type=positive_ints, default="1,4", help="comma-separated numbers of requests served at once")
     parser.add_argument("--prompt-len", type=positive_int, default=64)
     parser.add_argument("--gen-len", type=positive_int, default=32)
     parser.add_argument("--repeats", type=positive_int, default=3, help="timed runs per side (after one warm-up)")
@@ -78,7 +78,7 @@ def main() -> None:
     model = import_smollm2()
     max_len = model.config.context_length
     rows = []
-    for slots in [int(s) for s in args.slots.split(",")]:
+    for slots in args.slots:
         row = compare(model, slots, args.prompt_len, args.gen_len, args.repeats, max_len)
         rows.append(row)
         print(f"{slots} slot(s) of {max_len} entries: live slots {row['live_tok_s']:.1f} tok/s, whole cache "

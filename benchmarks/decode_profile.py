@@ -47,6 +47,7 @@ from blockloop.bench.records import (
 from blockloop.bench.suite import bench_dtype
 from blockloop.bench.throughput import full_batch_paging
 from blockloop.bench.timing import timed
+from blockloop.cli.common import device as device_name
 from blockloop.cli.common import positive_int
 from blockloop.device import resolve_device
 from blockloop.families import build_model, from_name
@@ -213,7 +214,7 @@ def main() -> None:
     parser.add_argument("--prompt-len", type=positive_int, default=1024, help="prompt of each profiled row (default: 1024)")
     parser.add_argument("--steps", type=positive_int, default=32, help="profiled decode steps (default: 32)")
     parser.add_argument("--repeats", type=positive_int, default=50, help="timed calls per attention path (default: 50)")
-    parser.add_argument("--device", default="auto", help="auto (CUDA if present), cuda, cpu")
+    parser.add_argument("--device", type=device_name, default="auto", help="auto (CUDA if present), cuda, cpu")
     add_output_arguments(parser)
     args = parser.parse_args()
     if args.smoke:

@@ -33,6 +33,7 @@ from blockloop.bench.records import (
     run_script,
 )
 from blockloop.bench.throughput import state_bytes
+from blockloop.cli.common import device as device_name
 from blockloop.cli.common import nonnegative_int, positive_float, positive_int
 from blockloop.serve.generate import generate
 from blockloop.serve.runners import runner_for
@@ -142,7 +143,7 @@ def main() -> None:
     parser.add_argument("--prompt-len", type=positive_int, default=128)
     parser.add_argument("--new-tokens", type=positive_int, default=64)
     parser.add_argument("--repeats", type=positive_int, default=5)
-    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--device", type=device_name, default="cpu")
     parser.add_argument("--seed", type=nonnegative_int, default=0)
     add_output_arguments(parser)
     args = parser.parse_args()

@@ -62,7 +62,8 @@ from blockloop.bench.suite import (
 )
 from blockloop.bench.throughput import scenario_lengths
 from blockloop.cli import main as blockloop
-from blockloop.cli.common import add_threads, positive_int, positive_ints, set_threads
+from blockloop.cli.common import add_threads, names, positive_int, positive_ints, set_threads
+from blockloop.cli.common import device as device_name
 from blockloop.device import resolve_device
 from blockloop.errors import BlockloopError
 from blockloop.families import build_model, from_name
@@ -360,8 +361,8 @@ def write(out: Path, record: dict[str, Any], smoke: bool) -> Path:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--smoke", action="store_true", help="tiny presets on CPU (about a minute): checks the suite runs")
-    parser.add_argument("--rows", default=",".join(ROWS), help=f"comma-separated subset of {','.join(ROWS)}")
-    parser.add_argument("--device", default="auto", help="auto (CUDA if present), cuda, cpu (--smoke: cpu)")
+    parser.add_argument("--rows", type=names(ROWS), default=",".join(ROWS), help=f"comma-separated subset of {','.join(ROWS)}")
+    parser.add_argument("--device", type=device_name, default="auto", help="auto (CUDA if present), cuda, cpu (--smoke: cpu)")
     add_threads(parser)
     parser.add_argument("--repeats", type=positive_int, help="timed runs per batch size (default: 2 on a GPU; 1 helps a "
                         "row fit one 10-minute device call)")
@@ -370,10 +371,6 @@ def main() -> None:
                         "(default: 64,256; e.g. 256 with --max-batch 256 times one batch, to fit a short device call)")
     add_output_arguments(parser)
     args = parser.parse_args()
-    rows = [r.strip() for r in args.rows.split(",") if r.strip()]
-    unknown = sorted(set(rows) - set(ROWS))
-    if unknown:
-        parser.error(f"unknown rows {unknown}; choose from {', '.join(ROWS)}")
     set_threads(args.threads)
     # A step past dynamo's recompile limit would run eagerly and be timed as compiled: fail the row instead.
     torch._dynamo.config.fail_on_recompile_limit_hit = True
@@ -391,11 +388,11 @@ def main() -> None:
         done: list[str] = []
 
         def record() -> dict[str, Any]:
-            return {**environment_now, "smoke": args.smoke, "plan": asdict(plan), "rows_asked": rows, "rows_done": done,
+            return {**environment_now, "smoke": args.smoke, "plan": asdict(plan), "rows_asked": args.rows, "rows_done": done,
                     "bandwidth_gb_s": suite.bandwidth / 1e9, "wall_s": time.perf_counter() - start,
                     "commands": suite.commands, "rows": results}
 
-        for name in rows:
+        for name in args.rows:
             builder = {"decode-heavy": lambda s: scenario_rows(s, "decode-heavy"),
                        "prefill-heavy": lambda s: scenario_rows(s, "prefill-heavy"), "recursive": recursive_rows,
                        "double-decoder": double_decoder_rows, "training": training_rows}[name]

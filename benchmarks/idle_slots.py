@@ -37,7 +37,8 @@ from blockloop.bench.records import (
     run_script,
 )
 from blockloop.bench.suite import bench_dtype
-from blockloop.cli.common import add_threads, positive_int, set_threads
+from blockloop.cli.common import add_threads, positive_int, positive_ints, set_threads
+from blockloop.cli.common import device as device_name
 from blockloop.convert.smollm2 import import_smollm2
 from blockloop.data.pretrained import SMOLLM2_GGUF
 from blockloop.device import resolve_device
@@ -65,13 +66,13 @@ def main() -> None:
     parser.add_argument("--models", default="smollm2,demo-block,demo-recursive:depthwise,demo-recursive:speculative,demo-staircase",
                         help="comma-separated: smollm2 and/or presets, each optionally NAME:RUNNER "
                              f"(RUNNER one of {', '.join(RUNNERS)})")
-    parser.add_argument("--slots", default="8,16", help="comma-separated engine sizes to compare with 1 slot")
+    parser.add_argument("--slots", type=positive_ints, default="8,16", help="comma-separated engine sizes to compare with 1 slot")
     parser.add_argument("--prompt-len", type=positive_int, default=64)
     parser.add_argument("--gen-len", type=positive_int, default=64)
     parser.add_argument("--max-len", type=positive_int, default=256, help="engine max_len (tokens per slot)")
     parser.add_argument("--repeats", type=positive_int, default=3, help="timed runs per variant (after one warm-up)")
     add_threads(parser)
-    parser.add_argument("--device", default="cpu", help="cpu, cuda or auto (default: cpu)")
+    parser.add_argument("--device", type=device_name, default="cpu", help="cpu, cuda or auto (default: cpu)")
     parser.add_argument("--compile", action="store_true", help="compile the decode steps (CUDA graphs on CUDA)")
     add_output_arguments(parser)
     args = parser.parse_args()
@@ -108,7 +109,7 @@ def compare(model: torch.nn.Module, name: str, options: dict[str, object],
     new_engine = lambda slots: Engine(runner_for(model, **options), slots, max_len=args.max_len,  # noqa: E731
                                       compile=args.compile)
     single, rows = new_engine(1), []  # engines are reused run after run, as a server does: compiled once
-    for slots in [int(s) for s in args.slots.split(",")]:
+    for slots in args.slots:
         engines = {"every slot": new_engine(slots), "prefix": new_engine(slots)}
         engines["every slot"].row_counts = [slots]
         for load in (1, slots):

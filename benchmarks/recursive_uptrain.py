@@ -31,7 +31,17 @@ from blockloop.bench.records import (
     output_dir,
     run_script,
 )
-from blockloop.cli.common import add_threads, nonnegative_int, positive_float, positive_int, set_threads
+from blockloop.choices import LOOP_INITS, LORA_INITS
+from blockloop.cli.common import (
+    add_threads,
+    names,
+    nonnegative_int,
+    positive_float,
+    positive_int,
+    positive_ints,
+    set_threads,
+)
+from blockloop.cli.common import device as device_name
 from blockloop.convert.checkpoints import calibration_windows
 from blockloop.convert.to_recursive import vanilla_to_recursive
 from blockloop.data.dataset import prepare_tokens
@@ -43,6 +53,11 @@ from blockloop.train.run import TrainedModel, load_trained, sequences
 from blockloop.train.trainer import TrainConfig, Trainer
 
 
+def optional_ints(text: str) -> list[int]:
+    """An argparse type: comma-separated positive integers, or '' for none."""
+    return positive_ints(text) if text else []
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--source", required=True, help="checkpoint of the full-size model, or smollm2 (SmolLM2-135M imported "
@@ -51,11 +66,12 @@ def main() -> None:
                    "written; default: recursive_uptrain_cpu)")
     p.add_argument("--data", default=None, help="corpus (default: the source run's, else shakespeare)")
     p.add_argument("--loops", type=positive_int, default=2)
-    p.add_argument("--inits", default="stepwise,average,lower,upper,random", help="looped-layer inits ('' for none)")
+    p.add_argument("--inits", type=names(LOOP_INITS, empty=True), default=",".join(LOOP_INITS), help="looped-layer inits ('' for none)")
     p.add_argument("--no-scratch", action="store_true", help="leave out the reduced-size model trained from scratch")
-    p.add_argument("--ranks", default="4,16,64", help="LoRA ranks of the relaxed models (average init, SVD LoRA)")
-    p.add_argument("--prefix-lens", default="8", help="prefix lengths of prefix-relaxed models (average init; '' for none)")
-    p.add_argument("--lora-init", default="svd", help="svd (equation 4) or zero (see convert/to_recursive.py)")
+    p.add_argument("--ranks", type=optional_ints, default="4,16,64",
+                   help="LoRA ranks of the relaxed models (average init, SVD LoRA; '' for none)")
+    p.add_argument("--prefix-lens", type=optional_ints, default="8", help="prefix lengths of prefix-relaxed models (average init; '' for none)")
+    p.add_argument("--lora-init", choices=LORA_INITS, default="svd", help="svd (equation 4) or zero (see convert/to_recursive.py)")
     p.add_argument("--calibration", type=nonnegative_int, default=8, help="training windows that make the SVD init "
                    "activation-aware (0: SVD of the weights alone; default: 8)")
     p.add_argument("--norms", default="per-loop", choices=("per-loop", "tied"),
@@ -67,7 +83,7 @@ def main() -> None:
     p.add_argument("--scratch-lr", type=positive_float, default=3e-3, help="LR of the reduced-size model trained from scratch")
     p.add_argument("--eval-batches", type=positive_int, default=8)
     add_threads(p, default=1)
-    p.add_argument("--device", default="cpu", help="where models are scored and uptrained: cpu, cuda (bf16 autocast in "
+    p.add_argument("--device", type=device_name, default="cpu", help="where models are scored and uptrained: cpu, cuda (bf16 autocast in "
                    "training, as `blockloop train`), auto (default: cpu); conversions read the source on the CPU")
     add_output_arguments(p)
     args = p.parse_args()
@@ -115,7 +131,7 @@ def main() -> None:
                *uptrain(copy.deepcopy(source.model), args.lr))
     else:
         record("original (full size)", source.model, original, None)
-    for init in [i for i in args.inits.split(",") if i]:
+    for init in args.inits:
         model = vanilla_to_recursive(source.model, loops=args.loops, init=init, loop_norms=loop_norms)
         before = score(model)
         after, seconds = uptrain(model, args.lr)
@@ -125,7 +141,7 @@ def main() -> None:
         reduced = build_model(source.config.stack(source.config.n_layer // args.loops))
         record(f"reduced size ({reduced.config.n_layer} layers), from scratch", reduced, score(reduced),
                *uptrain(reduced, args.scratch_lr))
-    for rank in [int(r) for r in args.ranks.split(",")]:
+    for rank in args.ranks:
         model = vanilla_to_recursive(
             source.model, loops=args.loops, init="average", lora_rank=rank, lora_init=args.lora_init, loop_norms=loop_norms,
             calibration=calibration,
@@ -134,7 +150,7 @@ def main() -> None:
         after, seconds = uptrain(model, args.lr)
         svd = f"{args.lora_init}, calibrated on {args.calibration} windows" if calibration is not None else args.lora_init
         record(f"relaxed, average + {svd} LoRA r={rank}, {args.norms} norms", model, before, after, seconds)
-    for length in [int(n) for n in args.prefix_lens.split(",") if n]:
+    for length in args.prefix_lens:
         model = vanilla_to_recursive(source.model, loops=args.loops, init="average", prefix_len=length,
                                      loop_norms=loop_norms)
         before = score(model)

@@ -29,6 +29,7 @@ from blockloop.bench.records import (
 )
 from blockloop.bench.timing import timed
 from blockloop.cli.common import add_threads, positive_int, set_threads
+from blockloop.cli.common import device as device_name
 from blockloop.device import resolve_device
 from blockloop.families import build_model, from_name, spec_of
 
@@ -81,7 +82,7 @@ def main() -> None:
     parser.add_argument("--seq-len", type=positive_int, default=128)
     parser.add_argument("--repeats", type=positive_int, default=5, help="timed steps per model (median reported)")
     add_threads(parser, default=1)
-    parser.add_argument("--device", default="cpu", help="cpu, cuda or auto (default: cpu); the files are named after it")
+    parser.add_argument("--device", type=device_name, default="cpu", help="cpu, cuda or auto (default: cpu); the files are named after it")
     add_output_arguments(parser)
     args = parser.parse_args()
     device = torch.device(resolve_device(args.device))

@@ -47,6 +47,7 @@ from blockloop.bench.records import (
     run_script,
 )
 from blockloop.cli.common import add_threads, nonnegative_int, positive_float, positive_int, set_threads
+from blockloop.cli.common import device as device_name
 from blockloop.families import from_name
 from blockloop.train.evaluate import evaluate
 from blockloop.train.run import RunSpec, prepare_run, sequences, task_sequences
@@ -375,7 +376,7 @@ def main() -> None:
     parser.add_argument("--curve-batches", type=positive_int, default=8, help="`seeds`: test batches per curve point")
     parser.add_argument("--eval-batches", type=positive_int, default=20, help="evaluation batches per split")
     add_threads(parser, default=1)
-    parser.add_argument("--device", default="cpu", help="cpu or cuda[:N]; results are written as *_cpu or *_gpu")
+    parser.add_argument("--device", type=device_name, default="cpu", help="cpu or cuda[:N]; results are written as *_cpu or *_gpu")
     parser.add_argument("--smoke", action="store_true",
                         help="a seconds-long check of the whole protocol: 4 steps, 2 seeds, 1-batch evaluations")
     add_output_arguments(parser)

@@ -32,7 +32,7 @@ from blockloop.bench.records import (
     run_script,
 )
 from blockloop.bench.stream import corpus_prompts, run_stream
-from blockloop.cli.common import add_threads, number, positive_int, set_threads
+from blockloop.cli.common import add_threads, int_range, number, positive_int, set_threads
 from blockloop.convert.smollm2 import import_smollm2
 from blockloop.data.pretrained import SMOLLM2_GGUF
 from blockloop.data.tokenizers import build_tokenizer
@@ -56,13 +56,13 @@ def main() -> None:
     parser.add_argument("--slots", type=positive_int, default=8, help="engine slots of the stream (blockloop serve's default: 8)")
     parser.add_argument("--requests", type=positive_int, default=24, help="requests in the stream")
     parser.add_argument("--rate", type=number(0, low_open=True, infinite=True), default=1.0, help="Poisson arrivals per second in the stream")
-    parser.add_argument("--tokens-range", default="16,48", help="new tokens per stream request, MIN,MAX")
+    parser.add_argument("--tokens-range", type=int_range, default="16,48", help="new tokens per stream request, MIN,MAX")
     parser.add_argument("--max-new-tokens", type=positive_int, default=64, help="most tokens of a chat answer")
     add_threads(parser)
     add_output_arguments(parser)
     args = parser.parse_args()
     set_threads(args.threads)
-    low, high = (int(n) for n in args.tokens_range.split(","))
+    low, high = args.tokens_range
     model = import_smollm2().eval()
     tokenizer = build_tokenizer("smollm2")
     prompts = corpus_prompts(model.config.vocab_size, args.requests, *PROMPT_RANGE, seed=0, tokenizer=tokenizer)

@@ -28,7 +28,8 @@ from blockloop.bench.records import (
     output_dir,
     run_script,
 )
-from blockloop.cli.common import positive_int
+from blockloop.cli.common import device as device_name
+from blockloop.cli.common import names, positive_int
 from blockloop.device import resolve_device
 from blockloop.families import spec_of
 from blockloop.train.checkpoint import read_metrics
@@ -82,8 +83,8 @@ def main() -> None:
     parser.add_argument("--batch-size", type=positive_int, default=16)
     parser.add_argument("--steps", type=positive_int, default=40)
     parser.add_argument("--log-interval", type=positive_int, default=10)
-    parser.add_argument("--device", default="auto")
-    parser.add_argument("--variants", default="eager,compiled")
+    parser.add_argument("--device", type=device_name, default="auto")
+    parser.add_argument("--variants", type=names(("eager", "compiled")), default="eager,compiled")
     add_output_arguments(parser)
     args = parser.parse_args()
     if args.steps < 2 * args.log_interval:  # the first logged window holds warm-up and compilation: not timed
@@ -92,7 +93,7 @@ def main() -> None:
     out = output_dir(args)
 
     results = []
-    for variant in args.variants.split(","):
+    for variant in args.variants:
         with tempfile.TemporaryDirectory() as tmp:
             results.append(run_variant(args, variant == "compiled", Path(tmp)))
         print(json.dumps(results[-1]), flush=True)

@@ -18,10 +18,11 @@ import torch
 from blockloop.bench.records import add_output_arguments, append_records, environment, output_dir, run_script
 from blockloop.bench.timing import timed
 from blockloop.cli.common import add_threads, positive_int, set_threads
+from blockloop.cli.common import device as device_name
 from blockloop.device import resolve_device
 from blockloop.evals.benchmarks_data import load_rows
 from blockloop.evals.scoring import LAYOUTS, encode_request, score
-from blockloop.evals.tasks import TASKS, build_questions
+from blockloop.evals.tasks import TASKS, build_questions, parse_tasks
 from blockloop.families import spec_of
 from blockloop.train.run import load_trained
 
@@ -34,9 +35,10 @@ def main() -> None:
     p.add_argument("--batch-size", type=positive_int, default=8)
     p.add_argument("--repeats", type=positive_int, default=2)
     add_threads(p, default=1)
-    p.add_argument("--device", default="cpu", help="cpu, cuda or auto (default: cpu); the file is named after it")
+    p.add_argument("--device", type=device_name, default="cpu", help="cpu, cuda or auto (default: cpu); the file is named after it")
     add_output_arguments(p)
     args = p.parse_args()
+    tasks = parse_tasks(args.tasks)  # a misspelt task stops here, before the model loads
     device = resolve_device(args.device)
     out = output_dir(args) / f"zero_shot_speed_{torch.device(device).type}.jsonl"
     set_threads(args.threads)
@@ -45,7 +47,7 @@ def main() -> None:
     if spec_of(model.config).scoring != "cached":
         raise SystemExit("this compares prefix reuse with scoring from scratch: give a model that scores 'cached'")
     from_scratch = LAYOUTS["causal"]
-    for name in args.tasks.split(","):
+    for name in tasks:
         questions = build_questions(TASKS[name], load_rows(TASKS[name].dataset), limit=args.limit)
         groups = [[encode_request(tok, c, x) for c, x in q.pairs] for q in questions]
         groups.sort(key=lambda g: -max(len(r.context) + len(r.continuation) for r in g))  # both batch alike

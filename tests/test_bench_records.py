@@ -89,7 +89,8 @@ def test_scripts_choose_output_one_way_and_describe_no_machine_by_hand(script):
     assert usage and all("--record" in line for line in usage)
     # Numbers are checked at the boundary as the CLI's are (cli/common.py's types), and --threads is declared
     # one way, so a script never ignores 0, passes -1 on to torch, or fails later on an empty list of timings.
-    assert not re.search(r"type=(int|float)\b", text)
+    assert not re.search(r"type=(int|float)\b", text) and 'add_argument("--device", default' not in text
+    assert not re.search(r"int\(\w+\) for \w+ in args\.", text), "a list of numbers is parsed by its argparse type"
     assert "add_argument(\"--threads\"" not in text and "torch.set_num_threads(" not in text
 
 
@@ -98,6 +99,13 @@ def test_scripts_choose_output_one_way_and_describe_no_machine_by_hand(script):
     (["benchmarks/staircase_speed.py", "--repeats", "0"], "--repeats: must be an integer >= 1, got '0'"),
     (["benchmarks/recursive_uptrain.py", "--lr", "nan"], "--lr: must be a finite number > 0, got 'nan'"),
     (["benchmarks/staircase_tasks.py", "--seed", "-1"], "--seed: must be an integer >= 0, got '-1'"),
+    (["benchmarks/cpu_decode_vs_hf.py", "--batch-sizes", "1,x"], "--batch-sizes: takes comma-separated integers"),
+    (["benchmarks/sync_window.py", "--tokens-range", "48,16"], "--tokens-range: takes MIN,MAX with MIN <= MAX"),
+    (["benchmarks/recursive_uptrain.py", "--source", "smollm2", "--ranks", "0,4"], "--ranks: needs positive integers"),
+    (["benchmarks/idle_slots.py", "--device", "gpu"], "--device: must be one of auto, cpu, cuda, cuda:N, mps"),
+    (["benchmarks/recursive_uptrain.py", "--source", "smollm2", "--inits", "average,mean"], "--inits: unknown 'mean'; choose"),
+    (["benchmarks/gpu_suite.py", "--rows", "decode-heavy,bogus"], "--rows: unknown 'bogus'; choose from decode-heavy,"),
+    (["benchmarks/zero_shot_speed.py", "--checkpoint", "runs/none", "--tasks", "piqa,pica"], "unknown benchmark task(s) pica"),
 ])
 def test_a_script_refuses_a_bad_number_in_one_line_before_any_work(argv, message):
     result = subprocess.run([sys.executable, *argv], cwd=ROOT, capture_output=True, text=True)
@@ -184,3 +192,14 @@ def test_a_record_file_that_holds_something_else_is_refused_before_the_benchmark
     out, err = capsys.readouterr()
     assert code == EXIT_USER_ERROR and "line 1 is not a JSON record" in err and out == ""
     assert record.read_text() == "# notes\n"
+
+
+def test_names_takes_known_names_in_order_and_an_empty_list_only_when_allowed():
+    from blockloop.cli.common import names
+
+    parse = names(("eager", "compiled"))
+    assert parse("compiled,eager") == ["compiled", "eager"]
+    for bad, message in (("eager,", "unknown ''"), ("", "unknown ''"), ("eager,jit", "unknown 'jit'; choose from eager, compiled")):
+        with pytest.raises(argparse.ArgumentTypeError, match=re.escape(message)):
+            parse(bad)
+    assert names(("eager",), empty=True)("") == []

@@ -138,6 +138,23 @@ def positive_ints(text: str) -> list[int]:
     return values
 
 
+def names(choices: Sequence[str], *, empty: bool = False) -> Callable[[str], list[str]]:
+    """An argparse type: comma-separated names, each one of ``choices`` (``empty``: '' is the empty list), so a
+    misspelt name stops the run at once rather than when the run reaches it."""
+
+    def parse(text: str) -> list[str]:
+        if not text and empty:
+            return []
+        items = text.split(",")
+        unknown = [item for item in items if item not in choices]
+        if unknown:
+            raise argparse.ArgumentTypeError(f"unknown {', '.join(map(repr, unknown))}; choose from {', '.join(choices)}")
+        return items
+
+    parse.__name__ = "names"
+    return parse
+
+
 def int_range(text: str) -> tuple[int, int]:
     """An argparse type: ``MIN,MAX`` of positive integers with MIN <= MAX."""
     values = positive_ints(text)
