@@ -203,6 +203,7 @@ CASES = [
     (["serve", "--checkpoint", R, "--max-waiting", "-1"], "--max-waiting: must be an integer >= 0"),
     (["serve", "--checkpoint", R, "--sync-every", "0"], "--sync-every: must be an integer >= 1"),
     (["serve", "--checkpoint", R, "--threads", "-1"], "--threads: must be an integer >= 1"),
+    (["serve", "--checkpoint", R, "--max-len", "100000"], "max_len (--max-len) 100000 is outside the model context of"),
     # bench
     (["bench", "--stream", "--prompt-range", "64,16"], "--prompt-range: takes MIN,MAX with MIN <= MAX"),
     (["bench", "--stream", "--tokens-range", "8"], "--tokens-range: takes MIN,MAX"),

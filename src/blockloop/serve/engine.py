@@ -99,7 +99,8 @@ class Engine:
         context = model.config.context_length
         self.max_len = context if max_len is None else max_len
         if not 1 <= self.max_len <= context:
-            raise BlockloopError(f"max_len {self.max_len} must be between 1 and the model context of {context}")
+            raise BlockloopError(f"max_len (--max-len) {self.max_len} is outside the model context of {context} tokens; "
+                                 f"give 1 to {context}")
         model.eval()
         self.runner, self.model, self.n_slots = runner, model, n_slots
         self.reserved = runner.reserved  # context taken by a shared prefix
