@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -137,6 +139,17 @@ def test_a_weights_export_evaluates_like_its_run(trained, tmp_path):
     weights.rename(run / "checkpoints" / "step_0000002")
     (run / "checkpoints" / "latest").write_text("step_0000002")
     with pytest.raises(BlockloopError, match="without training state"):
+        plan_run(TrainRequest(run, resume=True))
+
+
+def test_a_damaged_training_state_is_named_as_such_not_taken_for_a_conversion(trained, tmp_path):
+    run = tmp_path / "run"
+    shutil.copytree(trained, run)
+    state_file = next((run / "checkpoints").glob("step_*/train_state.json"))
+    state = json.loads(state_file.read_text())
+    del state["train_config"]
+    state_file.write_text(json.dumps(state))
+    with pytest.raises(BlockloopError, match="train_state.json lacks train_config; the checkpoint is incomplete"):
         plan_run(TrainRequest(run, resume=True))
 
 

@@ -100,10 +100,10 @@ def plan_run(request: TrainRequest) -> RunPlan:
     if r.resume:
         directory = ckpt.resolve_checkpoint(r.out)
         state = ckpt.read_json(directory / "train_state.json")
-        if isinstance(state, dict) and ("train_config" not in state or "converted_from" in state):
+        if isinstance(state, dict) and "converted_from" in state:  # every conversion and export says so
             raise BlockloopError(f"{r.out} holds a model without training state (a converted or exported one); "
                                  "start a new run from it with --init-from")
-        state = ckpt.read_train_state(directory)
+        state = ckpt.read_train_state(directory)  # a damaged state is named as such, not taken for a conversion
         spec = from_fields(RunSpec, state["run"], f"{directory / 'train_state.json'}: run")
         named = (("preset", r.preset), ("data", r.data), ("tokenizer", r.tokenizer), ("task", r.task),
                  ("task_dir", r.task_dir), ("dropout", r.dropout), ("mup_base_width", r.mup_base_width))
