@@ -12,6 +12,7 @@ import asyncio
 import json
 import time
 from typing import Any
+from urllib.parse import urlsplit
 
 import httpx
 
@@ -20,12 +21,29 @@ from blockloop.bench.stream import corpus_text, cut_prompts, schedule
 from blockloop.errors import BlockloopError
 
 
+def _bad_url(url: str, why: str) -> BlockloopError:
+    return BlockloopError(f"--url {url!r} is not a valid URL ({why}); give one like http://127.0.0.1:8000")
+
+
+def _check_url(url: str) -> None:
+    """Refuse an address no server could answer at (another scheme, no host, a port out of range) as a bad
+    address, rather than reporting it as a server that does not answer."""
+    parts = urlsplit(url)
+    try:
+        parts.port  # raises on a port that is not a number in [0, 65535]
+    except ValueError as exc:
+        raise _bad_url(url, str(exc)) from None
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise _bad_url(url, "not an http:// or https:// address with a host")
+
+
 def model_card(url: str) -> dict[str, Any]:
     """The served model's entry of ``GET /v1/models`` (its id names the model in every request)."""
+    _check_url(url)
     try:
         cards = httpx.get(url.rstrip("/") + "/v1/models", timeout=30).raise_for_status().json()["data"]
     except httpx.InvalidURL as exc:
-        raise BlockloopError(f"--url {url!r} is not a valid URL ({exc}); give one like http://127.0.0.1:8000") from None
+        raise _bad_url(url, str(exc)) from None
     except (httpx.HTTPError, KeyError, ValueError) as exc:
         raise BlockloopError(f"no OpenAI-compatible server answers at {url} ({exc}); start `blockloop serve` first") from None
     if not cards or "id" not in cards[0]:
