@@ -119,3 +119,43 @@ def test_a_write_that_cannot_happen_names_its_target_not_the_temporary_and_can_b
         assert caught.value.filename == str(blocked)
     check_writable(tmp_path / "new" / "ok.json")
     assert list((tmp_path / "new").iterdir()) == []  # the probe leaves nothing behind
+
+
+@pytest.mark.parametrize("target", ["weights", "recursive", "hf"])
+def test_a_conversion_appears_whole_or_not_at_all(tmp_path_factory, monkeypatch, target):
+    """Every file of a conversion is written into a hidden folder beside --out, renamed to --out last: while it
+    writes (and after a failed write) --out does not exist, so a killed conversion never leaves a folder that
+    looks like a model; --out may be an empty folder but never one holding something else."""
+    from blockloop.convert.checkpoints import convert_checkpoint
+    from blockloop.errors import BlockloopError
+    from blockloop.train import checkpoint as ckpt
+    from server_helpers import tiny_run
+
+    if target == "hf":
+        transformers = pytest.importorskip("transformers")
+        owner, name = transformers.PreTrainedModel, "save_pretrained"
+    else:
+        owner, name = ckpt, "write_json_atomic"  # the last file of a blockloop checkpoint
+    run = tiny_run(tmp_path_factory.getbasetemp() / "atomic-conversions", "tiny")
+    options = {"loops": 2} if target == "recursive" else {}
+    out = tmp_path_factory.mktemp(target) / "out"
+    write = getattr(owner, name)
+
+    def write_then_fail(*args, **kwargs):
+        assert not out.exists() and [p.name[:9] for p in out.parent.iterdir()] == [".out.tmp-"]  # beside --out
+        write(*args, **kwargs)
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(owner, name, write_then_fail)
+    with pytest.raises(OSError, match="No space left"):
+        convert_checkpoint(target, run, out, **options)
+    assert list(out.parent.iterdir()) == []  # neither --out nor the partial folder
+    monkeypatch.undo()
+    out.mkdir()  # an empty folder is taken
+    assert convert_checkpoint(target, run, out, **options).out == out and list(out.parent.iterdir()) == [out]
+    elsewhere = out.parent / "other"
+    elsewhere.mkdir()
+    (elsewhere / "notes.txt").write_text("mine")
+    with pytest.raises(BlockloopError, match="other already exists and is not empty; choose another directory"):
+        convert_checkpoint(target, run, elsewhere, **options)
+    assert [p.name for p in elsewhere.iterdir()] == ["notes.txt"]

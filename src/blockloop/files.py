@@ -75,6 +75,34 @@ def new_dir(folder: Path, prefix: str) -> Path:
     return _unused(folder, prefix, lambda tmp: (tmp.mkdir(mode=0o777), tmp)[1])
 
 
+def check_new_folder(target: Path | str) -> Path:
+    """``target`` as a Path, refused if something is there already other than an empty folder: a result written
+    whole never merges with, or writes over, what a user put there."""
+    target = Path(target)
+    if target.exists() and (not target.is_dir() or any(target.iterdir())):
+        raise BlockloopError(f"{target} already exists and is not empty; choose another directory or delete it")
+    return target
+
+
+@contextlib.contextmanager
+def folder_in_place(target: Path | str) -> Iterator[Path]:
+    """A folder to build a whole result in, under a hidden name beside ``target``, renamed to ``target`` in one
+    step when the block ends: a reader never sees half of it, and a write that fails leaves nothing behind (one
+    killed outright leaves only the hidden ``.NAME.tmp-*`` folder, never a ``target`` that looks complete)."""
+    target = check_new_folder(target)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = new_dir(target.parent, f".{target.name}.tmp-")
+    try:
+        yield tmp
+        try:
+            tmp.rename(target)  # replaces an empty folder; fails if something appeared there meanwhile
+        except OSError as exc:
+            raise BlockloopError(f"could not move the result into {target}: {exc}; choose another directory") from exc
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp)
+
+
 def _unused(folder: Path, prefix: str, create: Callable[[Path], _T]) -> _T:
     """``create`` (which refuses a path that exists) at a random name in ``folder``, drawn again while taken."""
     while True:

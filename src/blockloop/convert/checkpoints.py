@@ -23,6 +23,7 @@ from blockloop.convert.to_recursive import vanilla_to_recursive
 from blockloop.data.dataset import prepare_tokens
 from blockloop.data.loader import PackedSequences
 from blockloop.errors import BlockloopError
+from blockloop.files import folder_in_place
 from blockloop.train import checkpoint as ckpt
 from blockloop.train.run import TrainedModel, load_trained
 
@@ -36,22 +37,14 @@ class Converted:
     hint: str
 
 
-def _refuse_existing(out: Path) -> None:
-    """A conversion never writes over a model or into a training run (whose checkpoints it would mix with)."""
-    if (out / "model.safetensors").exists():
-        raise BlockloopError(f"{out} already holds a model; choose another --out")
-    if (out / "checkpoints").exists():
-        raise BlockloopError(f"{out} holds a training run; choose another --out")
-
-
 def _write_uptraining(out: Path, model: nn.Module, source: TrainedModel, what: str) -> Converted:
-    """Write ``model`` as a step-0 checkpoint with the source's tokenizer and run names."""
-    out.mkdir(parents=True, exist_ok=True)
-    ckpt.save_model_files(out, model, model.config)
-    source.tokenizer.save(out)
-    ckpt.write_json_atomic(
-        out / "train_state.json", {"step": 0, "run": source.state.get("run", {}), "converted_from": str(source.directory)}
-    )
+    """Write ``model`` as a step-0 checkpoint with the source's tokenizer and run names, all at once."""
+    with folder_in_place(out) as tmp:
+        ckpt.save_model_files(tmp, model, model.config)
+        source.tokenizer.save(tmp)
+        ckpt.write_json_atomic(
+            tmp / "train_state.json", {"step": 0, "run": source.state.get("run", {}), "converted_from": str(source.directory)}
+        )
     return Converted(out, what, f"uptrain with: blockloop train --init-from {out} --out RUN")
 
 
@@ -60,8 +53,7 @@ def to_block_checkpoint(checkpoint: str | Path, out: Path, *, block_len: int = 4
     prefix_len = 2 if prefix_len is None else prefix_len
     if block_len < 1 or prefix_len < 1:
         raise BlockloopError("--block-len and --prefix-len must be at least 1")
-    out = Path(out)
-    _refuse_existing(out)
+    out = ckpt.check_new_model_folder(out)
     source = load_trained(checkpoint)
     model = vanilla_to_block(source.model, block_len=block_len, prefix_len=prefix_len, pad_id=source.tokenizer.eos_id)
     what = f"{model.config.name} ({model.num_parameters() / 1e6:.2f}M parameters, {model.config.summary()})"
@@ -93,8 +85,7 @@ def to_recursive_checkpoint(
         raise BlockloopError(f"--lora-rank is for --relax lora, not --relax {relax}")
     if relax != "prefix" and prefix_len:
         raise BlockloopError(f"--prefix-len is for --relax prefix, not --relax {relax}")
-    out = Path(out)
-    _refuse_existing(out)
+    out = ckpt.check_new_model_folder(out)
     source = load_trained(checkpoint)
     calibrate = relax == "lora" and lora_init == "svd" and calibration > 0
     model = vanilla_to_recursive(
@@ -121,9 +112,9 @@ def calibration_windows(source: TrainedModel, count: int, seq_len: int = 128) ->
 def to_hf_folder(checkpoint: str | Path, out: Path, *, save_dtype: str = "float32") -> Converted:
     """A trained vanilla decoder as a Hugging Face folder (config, weights, its tokenizer): :func:`export_hf`."""
     dtype = ckpt.save_dtype(save_dtype)
-    _refuse_existing(Path(out))
+    out = ckpt.check_new_model_folder(out)
     source = load_trained(checkpoint)
-    out = export_hf(source.model, source.tokenizer, Path(out), dtype=dtype)
+    export_hf(source.model, source.tokenizer, out, dtype=dtype)
     return Converted(out, f"a Hugging Face model ({save_dtype})",
                      "load it with transformers.AutoModelForCausalLM / AutoTokenizer.from_pretrained")
 
@@ -135,19 +126,18 @@ def to_weights(checkpoint: str | Path, out: Path, *, save_dtype: str = "float32"
     training checkpoint (float32, with the optimizer) stays the only thing ``--resume`` continues.
     """
     dtype = ckpt.save_dtype(save_dtype)
-    out = Path(out)
-    _refuse_existing(out)
+    out = ckpt.check_new_model_folder(out)
     source = load_trained(checkpoint)
-    out.mkdir(parents=True, exist_ok=True)
-    ckpt.save_model_files(out, source.model, source.config, dtype=dtype)
-    source.tokenizer.save(out)
-    # The run's training settings go along (no data position or optimizer, so --resume still refuses it), so
-    # that `eval` scores the weights on the windows and objective it scores the run on.
-    ckpt.write_json_atomic(out / "train_state.json", {
-        "step": source.state.get("step", 0), "run": source.state.get("run", {}),
-        **({"train_config": source.state["train_config"]} if "train_config" in source.state else {}),
-        "converted_from": str(source.directory),
-    })
+    with folder_in_place(out) as tmp:
+        ckpt.save_model_files(tmp, source.model, source.config, dtype=dtype)
+        source.tokenizer.save(tmp)
+        # The run's training settings go along (no data position or optimizer, so --resume still refuses it), so
+        # that `eval` scores the weights on the windows and objective it scores the run on.
+        ckpt.write_json_atomic(tmp / "train_state.json", {
+            "step": source.state.get("step", 0), "run": source.state.get("run", {}),
+            **({"train_config": source.state["train_config"]} if "train_config" in source.state else {}),
+            "converted_from": str(source.directory),
+        })
     size = (out / "model.safetensors").stat().st_size
     return Converted(out, f"the weights of {source.config.name} ({save_dtype}, {size / 1e6:.1f} MB)",
                      f"use it like a run: blockloop generate --checkpoint {out} --prompt TEXT")

@@ -27,8 +27,9 @@ from blockloop.convert.hf_tokenizer import hf_tokenizer_files, special_ids
 from blockloop.data.pretrained import gguf_parsed_once, quiet_transformers
 from blockloop.data.tokenizers import Tokenizer
 from blockloop.errors import BlockloopError
-from blockloop.files import atomic_write_text
+from blockloop.files import folder_in_place
 from blockloop.models.decoder import Decoder
+from blockloop.train.checkpoint import check_new_model_folder
 
 SUPPORTED = ", ".join(ARCHITECTURES)
 # Fields an exported model need not reproduce: naming, the vocabulary padding (exported as real rows),
@@ -269,9 +270,7 @@ def export_hf(model: Decoder, tokenizer: Tokenizer, out_dir: Path | str, *, dtyp
     samples them, so greedy decoding matches), model.safetensors in ``dtype``, and the tokenizer files of
     :mod:`blockloop.convert.hf_tokenizer`. ``blockloop convert --to hf`` writes through here too.
     """
-    out = Path(out_dir)
-    if (out / "model.safetensors").exists() or (out / "config.json").exists():
-        raise BlockloopError(f"{out} already holds a model; choose another output directory")
+    out = check_new_model_folder(out_dir)
     config = model.config
     if tokenizer.vocab_size > config.padded_vocab_size:
         raise BlockloopError(
@@ -286,9 +285,8 @@ def export_hf(model: Decoder, tokenizer: Tokenizer, out_dir: Path | str, *, dtyp
         target.bos_token_id, target.eos_token_id, target.pad_token_id = ids.bos, ids.eos, ids.pad
     padding_rows = list(range(config.vocab_size, config.padded_vocab_size))
     hf_model.generation_config.suppress_tokens = padding_rows or None
-    out.mkdir(parents=True, exist_ok=True)
-    with quiet_transformers():
-        hf_model.save_pretrained(out)
-    for name, text in files.items():
-        atomic_write_text(out / name, text)
+    with folder_in_place(out) as tmp, quiet_transformers():
+        hf_model.save_pretrained(tmp)
+        for name, text in files.items():
+            (tmp / name).write_text(text, encoding="utf-8")
     return out

@@ -16,6 +16,7 @@ from blockloop.convert.hf import import_hf
 from blockloop.data.pretrained import SMOLLM2_GGUF, convert_gguf_tokenizer, gguf_parsed_once, smollm2_files
 from blockloop.data.tokenizers import Tokenizer, build_tokenizer, hf_folder_tokenizer
 from blockloop.errors import BlockloopError
+from blockloop.files import folder_in_place
 from blockloop.models.decoder import Decoder
 from blockloop.train import checkpoint as ckpt
 
@@ -47,9 +48,7 @@ def import_checkpoint(
     ``vocab_size`` is the tokenizer's: embedding rows beyond its ids (an export's padded vocabulary) stay padding.
     Everything is read and checked before ``out`` is created, so a failed import leaves nothing there.
     """
-    out = Path(out)
-    if (out / "model.safetensors").exists():
-        raise BlockloopError(f"{out} already holds a model; choose another --out")
+    out = ckpt.check_new_model_folder(out)
     if source == BUILTIN:
         if gguf_file is not None:
             raise BlockloopError("--from-hf smollm2 is the built-in GGUF; leave out --gguf-file")
@@ -68,9 +67,9 @@ def import_checkpoint(
             f"tokenizer {tok.name!r} has {tok.vocab_size} ids but the model only {model.config.padded_vocab_size}; "
             "pass the model's own tokenizer"
         )
-    out.mkdir(parents=True, exist_ok=True)
-    ckpt.save_model_files(out, model, model.config)
-    tok.save(out)
     run = {"preset": model.config.name, "data": data, "tokenizer": tok.name}
-    ckpt.write_json_atomic(out / "train_state.json", {"step": 0, "run": run, "converted_from": str(path / (gguf_file or ""))})
+    with folder_in_place(out) as tmp:
+        ckpt.save_model_files(tmp, model, model.config)
+        tok.save(tmp)
+        ckpt.write_json_atomic(tmp / "train_state.json", {"step": 0, "run": run, "converted_from": str(path / (gguf_file or ""))})
     return model, tok

@@ -31,10 +31,21 @@ from blockloop.choices import SAVE_DTYPES
 from blockloop.config import ModelConfig, save_config
 from blockloop.errors import BlockloopError
 from blockloop.families import load_config
-from blockloop.files import LOCK_FILE, atomic_write_text, running_here
+from blockloop.files import LOCK_FILE, atomic_write_text, check_new_folder, running_here
 
 LATEST = "latest"
 KEEP_LAST = 2
+
+
+def check_new_model_folder(out: Path | str) -> Path:
+    """Where a conversion, import or export writes a model: never over a model or into a training run (whose
+    checkpoints it would mix with), and otherwise a new or empty folder (:func:`blockloop.files.folder_in_place`)."""
+    out = Path(out)
+    if (out / "model.safetensors").exists() or (out / "config.json").exists():
+        raise BlockloopError(f"{out} already holds a model; choose another --out")
+    if (out / "checkpoints").exists():
+        raise BlockloopError(f"{out} holds a training run; choose another --out")
+    return check_new_folder(out)
 
 
 def checkpoint_root(run_dir: Path) -> Path:

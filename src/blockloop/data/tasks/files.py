@@ -16,7 +16,6 @@ leaves a half-written dataset under the real name.
 from __future__ import annotations
 
 import json
-import shutil
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,7 +27,7 @@ from blockloop.data.packages import cache_dir
 from blockloop.data.tasks.base import IGNORE_INDEX, NO_LABEL, SPLITS, Task, TaskStream, TaskVocab, split_seed
 from blockloop.data.tasks.registry import get_task
 from blockloop.errors import BlockloopError
-from blockloop.files import new_dir
+from blockloop.files import check_new_folder, folder_in_place
 
 # Bump when the layout or the generators change, so datasets made by another version are refused.
 FORMAT = 1
@@ -70,7 +69,7 @@ def write_task(
         raise BlockloopError(f"sizes must be three positive counts (train, valid, test), got {list(sizes)}")
     if seed < 0:
         raise BlockloopError(f"seed must be zero or positive, got {seed}")
-    out_dir = check_out_dir(out_dir)
+    out_dir = check_new_folder(out_dir)
     bar = progress.bar(total=sum(sizes), desc=f"generating {task.name}", unit="seq", delay=1.0, disable=not show_progress)
     with bar:
         streams = generate_splits(task, seed=seed, sizes=sizes, progress=bar.update)
@@ -79,34 +78,17 @@ def write_task(
     return write_splits(out_dir, streams, task.vocab, meta)
 
 
-def check_out_dir(out_dir: Path | str) -> Path:
-    """``out_dir`` as a Path, refused if it exists and is not an empty directory (a dataset is never overwritten)."""
-    out_dir = Path(out_dir)
-    if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
-        raise BlockloopError(f"{out_dir} already exists and is not empty; choose another directory or delete it")
-    return out_dir
-
-
 def write_splits(out_dir: Path, streams: dict[str, TaskStream], vocab: TaskVocab, meta: dict[str, object]) -> Path:
     """Write ``streams`` and ``meta.json`` (``meta`` plus the format, vocabulary, token counts and dtypes) into
-    ``out_dir`` all at once: built under a temporary name beside it and renamed into place last."""
+    ``out_dir`` all at once (:func:`blockloop.files.folder_in_place`)."""
     meta = {"format": FORMAT, **meta, "tokens": {split: len(stream.inputs) for split, stream in streams.items()},
             "vocab": list(vocab.words), "ignore_index": IGNORE_INDEX, "dtypes": _DTYPES}
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = new_dir(out_dir.parent, f".{out_dir.name}.tmp-")
-    try:
+    with folder_in_place(out_dir) as tmp:
         for split, stream in streams.items():
             (tmp / split).mkdir()
             stream.inputs.astype(_DTYPES["inputs"]).tofile(tmp / split / "inputs.bin")
             stream.labels.astype(_DTYPES["labels"]).tofile(tmp / split / "labels.bin")
         (tmp / "meta.json").write_text(json.dumps(meta, indent=2) + "\n", encoding="utf-8")
-        try:
-            tmp.rename(out_dir)  # replaces an empty directory; fails if something appeared there meanwhile
-        except OSError as exc:
-            raise BlockloopError(f"could not move the dataset into {out_dir}: {exc}") from exc
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp)
     return out_dir
 
 

@@ -26,9 +26,10 @@ from pathlib import Path
 import numpy as np
 
 from blockloop.data.tasks.base import IGNORE_INDEX, NO_LABEL, SPLITS, TaskStream, TaskVocab
-from blockloop.data.tasks.files import check_out_dir, load_task, write_splits
+from blockloop.data.tasks.files import load_task, write_splits
 from blockloop.data.tasks.registry import TASKS
 from blockloop.errors import BlockloopError
+from blockloop.files import check_new_folder
 
 END = "END"
 # Ids are stored as uint16 inputs and int16 labels.
@@ -158,7 +159,7 @@ def import_task(
     from ``data`` by :func:`split_sequences`. ``name`` (default: the directory's name) is what runs record;
     it may not be a built-in task's. ``vocab_from`` reuses the vocabulary of a task directory.
     """
-    out_dir = check_out_dir(out_dir)
+    out_dir = check_new_folder(out_dir)
     name = name or out_dir.name
     if name.partition(":")[0] in TASKS or not name or any(char.isspace() for char in name):
         raise BlockloopError(f"task name {name!r} is empty, holds whitespace or is a built-in task's; choose another with --name")
