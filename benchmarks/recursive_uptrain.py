@@ -36,6 +36,7 @@ from blockloop.cli.common import (
     add_threads,
     names,
     nonnegative_int,
+    or_none,
     positive_float,
     positive_int,
     positive_ints,
@@ -53,11 +54,6 @@ from blockloop.train.run import TrainedModel, load_trained, sequences
 from blockloop.train.trainer import TrainConfig, Trainer
 
 
-def optional_ints(text: str) -> list[int]:
-    """An argparse type: comma-separated positive integers, or '' for none."""
-    return positive_ints(text) if text else []
-
-
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--source", required=True, help="checkpoint of the full-size model, or smollm2 (SmolLM2-135M imported "
@@ -66,11 +62,11 @@ def main() -> None:
                    "written; default: recursive_uptrain_cpu)")
     p.add_argument("--data", default=None, help="corpus (default: the source run's, else shakespeare)")
     p.add_argument("--loops", type=positive_int, default=2)
-    p.add_argument("--inits", type=names(LOOP_INITS, empty=True), default=",".join(LOOP_INITS), help="looped-layer inits ('' for none)")
+    p.add_argument("--inits", type=or_none(names(LOOP_INITS)), default=",".join(LOOP_INITS), help="looped-layer inits ('' for none)")
     p.add_argument("--no-scratch", action="store_true", help="leave out the reduced-size model trained from scratch")
-    p.add_argument("--ranks", type=optional_ints, default="4,16,64",
+    p.add_argument("--ranks", type=or_none(positive_ints), default="4,16,64",
                    help="LoRA ranks of the relaxed models (average init, SVD LoRA; '' for none)")
-    p.add_argument("--prefix-lens", type=optional_ints, default="8", help="prefix lengths of prefix-relaxed models (average init; '' for none)")
+    p.add_argument("--prefix-lens", type=or_none(positive_ints), default="8", help="prefix lengths of prefix-relaxed models (average init; '' for none)")
     p.add_argument("--lora-init", choices=LORA_INITS, default="svd", help="svd (equation 4) or zero (see convert/to_recursive.py)")
     p.add_argument("--calibration", type=nonnegative_int, default=8, help="training windows that make the SVD init "
                    "activation-aware (0: SVD of the weights alone; default: 8)")

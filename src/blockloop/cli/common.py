@@ -12,9 +12,11 @@ import argparse
 import json
 import math
 from collections.abc import Callable, Sequence
-from typing import NoReturn
+from typing import NoReturn, TypeVar
 
 from blockloop.errors import BlockloopError, utf8_problem
+
+_T = TypeVar("_T")
 
 
 def human(n: int) -> str:
@@ -138,13 +140,11 @@ def positive_ints(text: str) -> list[int]:
     return values
 
 
-def names(choices: Sequence[str], *, empty: bool = False) -> Callable[[str], list[str]]:
-    """An argparse type: comma-separated names, each one of ``choices`` (``empty``: '' is the empty list), so a
-    misspelt name stops the run at once rather than when the run reaches it."""
+def names(choices: Sequence[str]) -> Callable[[str], list[str]]:
+    """An argparse type: comma-separated names, each one of ``choices``, so a misspelt name stops the run at once
+    rather than when the run reaches it."""
 
     def parse(text: str) -> list[str]:
-        if not text and empty:
-            return []
         items = text.split(",")
         unknown = [item for item in items if item not in choices]
         if unknown:
@@ -153,6 +153,16 @@ def names(choices: Sequence[str], *, empty: bool = False) -> Callable[[str], lis
 
     parse.__name__ = "names"
     return parse
+
+
+def or_none(parse: Callable[[str], list[_T]]) -> Callable[[str], list[_T]]:
+    """An argparse type: a list read by ``parse``, or '' for the empty list (a flag that may name nothing)."""
+
+    def parse_or_none(text: str) -> list[_T]:
+        return parse(text) if text else []
+
+    parse_or_none.__name__ = parse.__name__
+    return parse_or_none
 
 
 def int_range(text: str) -> tuple[int, int]:
