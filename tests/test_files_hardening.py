@@ -10,6 +10,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import signal
 import socket
 import stat
 import subprocess
@@ -20,7 +21,7 @@ from pathlib import Path
 import pytest
 
 from blockloop.cli import EXIT_USER_ERROR, main
-from blockloop.files import atomic_write_text, new_dir, run_lock
+from blockloop.files import atomic_write_text, folder_in_place, new_dir, run_lock
 
 
 def _state(pid: int) -> bytes:
@@ -69,6 +70,45 @@ def test_a_folder_written_atomically_gets_the_mode_of_a_new_folder(tmp_path):
         os.umask(old)
     assert stat.S_IMODE((tmp_path / "walk").stat().st_mode) == 0o755
     assert stat.S_IMODE(folder.stat().st_mode) == 0o755 and folder.name.startswith(".tmp-")
+
+
+_KILLED_MIDWAY = """
+import os, signal, sys
+from blockloop.files import folder_in_place
+with folder_in_place(sys.argv[1]) as tmp:
+    (tmp / "model.safetensors").write_bytes(bytes(1000))
+    os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+def test_the_hidden_folder_of_a_killed_write_is_removed_by_the_next_one(tmp_path):
+    """A conversion killed outright leaves its hidden folder (hundreds of MB for a real model): the next write of
+    the same --out removes it, as its process has ended, and keeps every folder that may still be in use: one of
+    a live process, one of another host (whose processes cannot be seen), another target's, and any other name."""
+    out = tmp_path / "out"
+    killed = subprocess.run([sys.executable, "-c", _KILLED_MIDWAY, str(out)])
+    assert killed.returncode == -signal.SIGKILL
+    [abandoned] = tmp_path.iterdir()
+    _, host, dead, _ = abandoned.name.split("-")  # .out.tmp-HOST-PID-TOKEN
+    assert abandoned.name.startswith(".out.tmp-") and not out.exists()
+    live = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE)
+    try:
+        other_host = format(int(host, 16) ^ 1, "08x")
+        kept = [
+            f".out.tmp-{host}-{live.pid}-{'0' * 16}",
+            f".out.tmp-{other_host}-{dead}-{'1' * 16}",
+            f".other.tmp-{host}-{dead}-{'2' * 16}",
+            f".out.tmp-x.tmp-{host}-{dead}-{'3' * 16}",  # the folder of a target named "out.tmp-x"
+            ".out.tmp-notes",
+        ]
+        for name in kept:
+            (tmp_path / name).mkdir()
+        with folder_in_place(out) as tmp:
+            (tmp / "model.safetensors").write_bytes(bytes(10))
+    finally:
+        live.stdin.close()
+        live.wait()
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["out", *kept])
 
 
 @pytest.mark.parametrize("code", [errno.ENOENT, errno.EIO], ids=["ENOENT", "EIO"])

@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import hashlib
 import io
 import json
 import os
+import re
 import secrets
 import shutil
 import socket
@@ -71,8 +73,34 @@ def _new_file(folder: Path) -> tuple[int, Path]:
 
 def new_dir(folder: Path, prefix: str) -> Path:
     """A new empty folder in ``folder`` under an unused name starting ``prefix``: ``tempfile.mkdtemp`` without its
-    private mode (0700), for a folder that is renamed into place as the real one (as :func:`_new_file`)."""
-    return _unused(folder, prefix, lambda tmp: (tmp.mkdir(mode=0o777), tmp)[1])
+    private mode (0700), for a folder that is renamed into place as the real one (as :func:`_new_file`).
+
+    Its name says which process on which host owns it, so a process killed before it could rename or remove
+    its folder (a converted model is hundreds of MB) does not leave it for good: the next call with the same
+    ``prefix`` in ``folder`` removes it (:func:`_remove_abandoned`).
+    """
+    _remove_abandoned(folder, prefix)
+    return _unused(folder, f"{prefix}{_host_tag()}-{os.getpid()}-", lambda tmp: (tmp.mkdir(mode=0o777), tmp)[1])
+
+
+def _host_tag() -> str:
+    """This host in eight hex digits: a host name may hold characters a file name should not."""
+    return hashlib.sha256(socket.gethostname().encode()).hexdigest()[:8]
+
+
+def _remove_abandoned(folder: Path, prefix: str) -> None:
+    """Remove the folders :func:`new_dir` made in ``folder`` with ``prefix`` for processes that have ended on this
+    host. One of another host is kept: whether its process lives cannot be told from here (as :func:`run_lock`)."""
+    owned = re.compile(re.escape(prefix) + r"([0-9a-f]{8})-([0-9]+)-[0-9a-f]{16}")
+    try:
+        entries = list(Path(folder).iterdir())
+    except OSError:
+        return  # no folder yet (or unreadable, which creating the new folder will report)
+    host = _host_tag()
+    for entry in entries:
+        owner = owned.fullmatch(entry.name)
+        if owner and owner[1] == host and int(owner[2]) != os.getpid() and _gone(int(owner[2])):
+            shutil.rmtree(entry, ignore_errors=True)  # another process may be removing it too
 
 
 def check_new_folder(target: Path | str) -> Path:
@@ -88,7 +116,8 @@ def check_new_folder(target: Path | str) -> Path:
 def folder_in_place(target: Path | str) -> Iterator[Path]:
     """A folder to build a whole result in, under a hidden name beside ``target``, renamed to ``target`` in one
     step when the block ends: a reader never sees half of it, and a write that fails leaves nothing behind (one
-    killed outright leaves only the hidden ``.NAME.tmp-*`` folder, never a ``target`` that looks complete)."""
+    killed outright leaves only the hidden ``.NAME.tmp-*`` folder, never a ``target`` that looks complete, and
+    the next ``folder_in_place`` of the same ``target`` removes that folder)."""
     target = check_new_folder(target)
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = new_dir(target.parent, f".{target.name}.tmp-")

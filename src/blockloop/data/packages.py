@@ -13,7 +13,8 @@ Cache layout (root: ``$BLOCKLOOP_CACHE`` or ``~/.cache/blockloop``)::
     packages/<pkg>-<ver>/index-<hash>.json     # which files a glob matched, written last
 
 Every file and folder is written under a temporary name and renamed into place, so a run killed halfway
-leaves at most stray ``.tmp-*`` / ``.download-*`` entries, never a truncated file under a real name.
+leaves at most stray ``.tmp-*`` / ``.download-*`` entries, never a truncated file under a real name (the next
+download of the same package removes its stray ``.download-*`` folder: :func:`blockloop.files.new_dir`).
 """
 
 from __future__ import annotations
