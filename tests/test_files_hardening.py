@@ -111,6 +111,24 @@ def test_the_hidden_folder_of_a_killed_write_is_removed_by_the_next_one(tmp_path
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["out", *kept])
 
 
+def test_a_folder_that_cannot_be_made_beside_out_names_out(tmp_path, monkeypatch, capsys):
+    """Where --out's folder refuses new entries, the one-line error names --out, not the hidden folder that
+    was to be built beside it (a name the user never gave)."""
+    mkdir = Path.mkdir
+
+    def read_only(self, *args, **kwargs):
+        if self.name.startswith(".walk.tmp-"):
+            raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), str(self))
+        return mkdir(self, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "mkdir", read_only)
+    out = tmp_path / "walk"
+    assert main(["tasks", "make", "random-walk", "--out", str(out), "--sizes", "2,2,2"]) == EXIT_USER_ERROR
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and str(out) in err and "Permission denied" in err and ".tmp-" not in err, err
+    assert list(tmp_path.iterdir()) == []
+
+
 @pytest.mark.parametrize("code", [errno.ENOENT, errno.EIO], ids=["ENOENT", "EIO"])
 def test_any_os_error_naming_a_path_is_one_line(monkeypatch, capsys, code):
     from blockloop.cli import presets

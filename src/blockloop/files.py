@@ -120,7 +120,10 @@ def folder_in_place(target: Path | str) -> Iterator[Path]:
     the next ``folder_in_place`` of the same ``target`` removes that folder)."""
     target = check_new_folder(target)
     target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = new_dir(target.parent, f".{target.name}.tmp-")
+    try:
+        tmp = new_dir(target.parent, f".{target.name}.tmp-")
+    except OSError as exc:  # a read-only folder: name the folder the user gave, not the hidden one
+        raise type(exc)(exc.errno, exc.strerror, str(target)) from None
     try:
         yield tmp
         try:
