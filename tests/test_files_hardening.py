@@ -127,6 +127,9 @@ def test_a_folder_that_cannot_be_made_beside_out_names_out(tmp_path, monkeypatch
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and str(out) in err and "Permission denied" in err and ".tmp-" not in err, err
     assert list(tmp_path.iterdir()) == []
+    with pytest.raises(PermissionError) as refused:  # the corpus cache and package downloads: the folder
+        new_dir(tmp_path, ".walk.tmp-")
+    assert refused.value.filename == str(tmp_path)
 
 
 @pytest.mark.parametrize("code", [errno.ENOENT, errno.EIO], ids=["ENOENT", "EIO"])

@@ -77,10 +77,13 @@ def new_dir(folder: Path, prefix: str) -> Path:
 
     Its name says which process on which host owns it, so a process killed before it could rename or remove
     its folder (a converted model is hundreds of MB) does not leave it for good: the next call with the same
-    ``prefix`` in ``folder`` removes it (:func:`_remove_abandoned`).
+    ``prefix`` in ``folder`` removes it (:func:`_remove_abandoned`). Errors name ``folder``, not the new name.
     """
     _remove_abandoned(folder, prefix)
-    return _unused(folder, f"{prefix}{_host_tag()}-{os.getpid()}-", lambda tmp: (tmp.mkdir(mode=0o777), tmp)[1])
+    try:
+        return _unused(folder, f"{prefix}{_host_tag()}-{os.getpid()}-", lambda tmp: (tmp.mkdir(mode=0o777), tmp)[1])
+    except OSError as exc:
+        raise type(exc)(exc.errno, exc.strerror, str(folder)) from None
 
 
 def _host_tag() -> str:
