@@ -7,6 +7,7 @@ line on stderr with exit code 2.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import os
@@ -109,6 +110,22 @@ def test_the_hidden_folder_of_a_killed_write_is_removed_by_the_next_one(tmp_path
         live.stdin.close()
         live.wait()
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["out", *kept])
+
+
+@pytest.mark.parametrize("shared", [True, False], ids=["cache-entry", "output"])
+def test_a_folder_filled_meanwhile_is_kept(tmp_path, shared):
+    """Two processes filling the same cache entry (the token cache, a package download) both succeed and the
+    first one's folder stays; an output folder someone filled while a conversion wrote is refused, never merged."""
+    from blockloop.errors import BlockloopError
+
+    target = tmp_path / "entry"
+    raised = contextlib.nullcontext() if shared else pytest.raises(BlockloopError, match="could not move the result")
+    with raised:
+        with folder_in_place(target, shared=shared) as tmp:
+            (tmp / "meta.json").write_text("ours")
+            target.mkdir()
+            (target / "meta.json").write_text("theirs")
+    assert [p.name for p in tmp_path.iterdir()] == ["entry"] and (target / "meta.json").read_text() == "theirs"
 
 
 def test_a_folder_that_cannot_be_made_beside_out_names_out(tmp_path, monkeypatch, capsys):

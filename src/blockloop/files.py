@@ -116,12 +116,17 @@ def check_new_folder(target: Path | str) -> Path:
 
 
 @contextlib.contextmanager
-def folder_in_place(target: Path | str) -> Iterator[Path]:
+def folder_in_place(target: Path | str, *, shared: bool = False) -> Iterator[Path]:
     """A folder to build a whole result in, under a hidden name beside ``target``, renamed to ``target`` in one
     step when the block ends: a reader never sees half of it, and a write that fails leaves nothing behind (one
     killed outright leaves only the hidden ``.NAME.tmp-*`` folder, never a ``target`` that looks complete, and
-    the next ``folder_in_place`` of the same ``target`` removes that folder)."""
-    target = check_new_folder(target)
+    the next ``folder_in_place`` of the same ``target`` removes that folder).
+
+    ``shared`` is for a cache entry that several processes may build at once, each with the same content: the
+    first to finish puts its folder in place and the others drop theirs, where an output folder refuses to be
+    written over (:func:`check_new_folder`).
+    """
+    target = Path(target) if shared else check_new_folder(target)
     target.parent.mkdir(parents=True, exist_ok=True)
     try:
         tmp = new_dir(target.parent, f".{target.name}.tmp-")
@@ -132,7 +137,11 @@ def folder_in_place(target: Path | str) -> Iterator[Path]:
         try:
             tmp.rename(target)  # replaces an empty folder; fails if something appeared there meanwhile
         except OSError as exc:
-            raise BlockloopError(f"could not move the result into {target}: {exc}; choose another directory") from exc
+            if not shared:
+                raise BlockloopError(f"could not move the result into {target}: {exc}; choose another directory") from exc
+            if not target.exists():
+                raise
+            # another process put the same entry in place first: keep theirs
     finally:
         if tmp.exists():
             shutil.rmtree(tmp)

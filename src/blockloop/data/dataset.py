@@ -23,7 +23,7 @@ from blockloop.data.corpora import hash_documents, load_documents
 from blockloop.data.packages import cache_dir
 from blockloop.data.tokenizers import Tokenizer
 from blockloop.errors import BlockloopError
-from blockloop.files import new_dir
+from blockloop.files import folder_in_place
 
 # Bump whenever the stream layout or split rule changes, so stale caches are not reused.
 _FORMAT = 2
@@ -210,19 +210,8 @@ def _read_cache(folder: Path) -> dict[str, Any] | None:
 
 
 def _write_atomically(folder: Path, arrays: dict[str, np.ndarray], meta: dict[str, object]) -> None:
-    """Write arrays and meta into a temporary sibling folder, then rename it to ``folder`` in one step."""
-    folder.parent.mkdir(parents=True, exist_ok=True)
-    tmp = new_dir(folder.parent, ".tmp-")
-    try:
+    """Write arrays and meta into a hidden sibling folder, then rename it to ``folder`` in one step."""
+    with folder_in_place(folder, shared=True) as tmp:
         for name, array in arrays.items():
             array.tofile(tmp / name)
         (tmp / "meta.json").write_text(json.dumps(meta, indent=2), encoding="utf-8")
-        if folder.exists() and not (folder / "meta.json").is_file():  # not ours: completed folders have meta
-            shutil.rmtree(folder)
-        try:
-            tmp.rename(folder)
-        except OSError:  # another process wrote the same key first; its content is identical
-            pass
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp)

@@ -13,8 +13,9 @@ Cache layout (root: ``$BLOCKLOOP_CACHE`` or ``~/.cache/blockloop``)::
     packages/<pkg>-<ver>/index-<hash>.json     # which files a glob matched, written last
 
 Every file and folder is written under a temporary name and renamed into place, so a run killed halfway
-leaves at most stray ``.tmp-*`` / ``.download-*`` entries, never a truncated file under a real name (the next
-download of the same package removes its stray ``.download-*`` folder: :func:`blockloop.files.new_dir`).
+leaves at most stray ``.tmp-*`` / ``.archive.tmp-*`` entries, never a truncated file under a real name (the
+next download of the same package removes its stray ``.archive.tmp-*`` folder:
+:func:`blockloop.files.folder_in_place`).
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ from pathlib import Path, PurePosixPath
 
 from blockloop.data.package_index import download_release
 from blockloop.errors import BlockloopError
-from blockloop.files import atomic_write_text, copy_into_place, new_dir
+from blockloop.files import atomic_write_text, copy_into_place, folder_in_place
 
 
 def cache_dir() -> Path:
@@ -76,9 +77,7 @@ def _download(package: str, version: str, dest: Path) -> Path:
         return archive
     if dest.exists():  # an unusable leftover, e.g. emptied by hand
         shutil.rmtree(dest)
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    tmp = new_dir(dest.parent, ".download-")
-    try:
+    with folder_in_place(dest, shared=True) as tmp:  # another process downloading it too: one of the two is kept
         try:
             download_release(package, version, tmp)
         except BlockloopError as from_index:
@@ -90,13 +89,6 @@ def _download(package: str, version: str, dest: Path) -> Path:
                     "BLOCKLOOP_INDEX_URL to a reachable index, or BLOCKLOOP_CACHE to a cache that already holds it"
                 ) from from_index
             _pip_download(package, version, tmp, from_index)
-        try:
-            os.rename(tmp, dest)
-        except OSError:  # another process finished the same download first; use theirs
-            pass
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp)
     archive = _only_file(dest)
     assert archive is not None
     return archive
