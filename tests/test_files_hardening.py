@@ -112,6 +112,44 @@ def test_the_hidden_folder_of_a_killed_write_is_removed_by_the_next_one(tmp_path
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["out", *kept])
 
 
+_KILLED_MID_FILE = """
+import os, signal, sys
+from pathlib import Path
+from blockloop.files import copy_into_place
+
+class Killing:
+    def read(self, size=-1):
+        os.kill(os.getpid(), signal.SIGKILL)
+
+copy_into_place(Killing(), Path(sys.argv[1]))
+"""
+
+
+def test_the_temporary_file_of_a_killed_write_is_removed_by_the_next_write_there(tmp_path):
+    """An extraction killed outright mid-file leaves its temporary beside the file it was writing: the first
+    atomic write of a later process in that folder removes it, and keeps the temporaries that may be in use."""
+    killed = subprocess.run([sys.executable, "-c", _KILLED_MID_FILE, str(tmp_path / "corpus.txt")])
+    assert killed.returncode == -signal.SIGKILL
+    [abandoned] = tmp_path.iterdir()
+    _, host, dead, _ = abandoned.name.split("-")  # .tmp-HOST-PID-TOKEN
+    assert abandoned.name.startswith(".tmp-") and abandoned.is_file()
+    live = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE)
+    try:
+        kept = [
+            f".tmp-{host}-{live.pid}-{'0' * 16}",
+            f".tmp-{format(int(host, 16) ^ 1, '08x')}-{dead}-{'1' * 16}",  # another host's
+            f".tmp-{'2' * 16}",  # no owner in its name
+        ]
+        for name in kept:
+            (tmp_path / name).write_bytes(b"")
+        later = "import sys; from blockloop.files import atomic_write_text; atomic_write_text(sys.argv[1], '[]')"
+        subprocess.run([sys.executable, "-c", later, str(tmp_path / "index.json")], check=True)
+    finally:
+        live.stdin.close()
+        live.wait()
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["index.json", *kept])
+
+
 @pytest.mark.parametrize("shared", [True, False], ids=["cache-entry", "output"])
 def test_a_folder_filled_meanwhile_is_kept(tmp_path, shared):
     """Two processes filling the same cache entry (the token cache, a package download) both succeed and the

@@ -59,8 +59,14 @@ def _new_file_beside(target: Path) -> tuple[int, Path]:
         raise type(exc)(exc.errno, exc.strerror, str(target)) from None
 
 
+_FILE_PREFIX = ".tmp-"
+_swept_for_files: set[Path] = set()  # the folders this process has already swept of abandoned files
+
+
 def _new_file(folder: Path) -> tuple[int, Path]:
-    """A new empty file in ``folder`` under an unused name, open for writing.
+    """A new empty file in ``folder`` under an unused name, open for writing, named after its owner as
+    :func:`new_dir`'s folders are: the first one a process makes in a folder removes those of processes that ended
+    there without renaming or removing theirs (an extraction killed outright).
 
     Unlike ``tempfile.mkstemp``, which makes it private (0600), it gets the mode any new file gets (0666 less
     the umask, or what the folder's default ACL says): it is renamed into place as the real file, and a run
@@ -68,7 +74,12 @@ def _new_file(folder: Path) -> tuple[int, Path]:
     """
     # O_BINARY: no newline translation on Windows; O_EXCL: never someone else's file
     flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0)
-    return _unused(folder, ".tmp-", lambda tmp: (os.open(tmp, flags, 0o666), tmp))
+    swept = Path(folder).absolute()
+    if swept not in _swept_for_files:  # once per folder, not at each file a run or an extraction writes there
+        _remove_abandoned(folder, _FILE_PREFIX)
+        _swept_for_files.add(swept)
+    return _unused(folder, _owned(_FILE_PREFIX), lambda tmp: (os.open(tmp, flags, 0o666), tmp))
+
 
 
 def new_dir(folder: Path, prefix: str) -> Path:
@@ -81,9 +92,14 @@ def new_dir(folder: Path, prefix: str) -> Path:
     """
     _remove_abandoned(folder, prefix)
     try:
-        return _unused(folder, f"{prefix}{_host_tag()}-{os.getpid()}-", lambda tmp: (tmp.mkdir(mode=0o777), tmp)[1])
+        return _unused(folder, _owned(prefix), lambda tmp: (tmp.mkdir(mode=0o777), tmp)[1])
     except OSError as exc:
         raise type(exc)(exc.errno, exc.strerror, str(folder)) from None
+
+
+def _owned(prefix: str) -> str:
+    """``prefix`` followed by this host and process: the start of the name of a temporary this process owns."""
+    return f"{prefix}{_host_tag()}-{os.getpid()}-"
 
 
 def _host_tag() -> str:
@@ -92,8 +108,9 @@ def _host_tag() -> str:
 
 
 def _remove_abandoned(folder: Path, prefix: str) -> None:
-    """Remove the folders :func:`new_dir` made in ``folder`` with ``prefix`` for processes that have ended on this
-    host. One of another host is kept: whether its process lives cannot be told from here (as :func:`run_lock`)."""
+    """Remove the temporaries (:func:`new_dir`'s folders, :func:`_new_file`'s files) named with ``prefix`` in
+    ``folder`` for processes that have ended on this host. One of another host is kept: whether its process lives
+    cannot be told from here (as :func:`run_lock`)."""
     owned = re.compile(re.escape(prefix) + r"([0-9a-f]{8})-([0-9]+)-[0-9a-f]{16}")
     try:
         entries = list(Path(folder).iterdir())
@@ -103,7 +120,10 @@ def _remove_abandoned(folder: Path, prefix: str) -> None:
     for entry in entries:
         owner = owned.fullmatch(entry.name)
         if owner and owner[1] == host and int(owner[2]) != os.getpid() and _gone(int(owner[2])):
-            shutil.rmtree(entry, ignore_errors=True)  # another process may be removing it too
+            if entry.is_dir() and not entry.is_symlink():
+                shutil.rmtree(entry, ignore_errors=True)  # another process may be removing it too
+            else:
+                entry.unlink(missing_ok=True)
 
 
 def check_new_folder(target: Path | str) -> Path:

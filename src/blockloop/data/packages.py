@@ -13,9 +13,9 @@ Cache layout (root: ``$BLOCKLOOP_CACHE`` or ``~/.cache/blockloop``)::
     packages/<pkg>-<ver>/index-<hash>.json     # which files a glob matched, written last
 
 Every file and folder is written under a temporary name and renamed into place, so a run killed halfway
-leaves at most stray ``.tmp-*`` / ``.archive.tmp-*`` entries, never a truncated file under a real name (the
-next download of the same package removes its stray ``.archive.tmp-*`` folder:
-:func:`blockloop.files.folder_in_place`).
+leaves at most stray ``.tmp-*`` / ``.archive.tmp-*`` entries, never a truncated file under a real name; the
+next download of the same package removes the stray folder, and the next extraction the stray files
+(:mod:`blockloop.files` names each temporary after the process that owns it).
 """
 
 from __future__ import annotations
