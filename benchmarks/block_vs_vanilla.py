@@ -121,7 +121,7 @@ def main() -> None:
     out = output_dir(args)
     path = out / "block_vs_vanilla_cpu.json"
     record = json.loads(path.read_text()) if path.is_file() else {"benchmark": "block_vs_vanilla", "parts": {}}
-    stamp = {**environment("cpu"), "settings": {k: str(v) for k, v in vars(args).items()}}
+    stamp = {**environment("cpu"), "settings": vars(args) | {"out_dir": str(out)}}
 
     models: dict[str, torch.nn.Module] = {}
     if "quality" in parts:

@@ -101,7 +101,7 @@ def main() -> None:
     record = {
         "benchmark": "train_throughput",
         **environment(device),
-        "settings": {k: str(v) for k, v in vars(args).items()},
+        "settings": vars(args) | {"out_dir": str(out)},
         "results": results,
     }
     stem = f"train_throughput_{args.preset}_{'gpu' if device.startswith('cuda') else 'cpu'}"
