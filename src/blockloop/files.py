@@ -81,7 +81,6 @@ def _new_file(folder: Path) -> tuple[int, Path]:
     return _unused(folder, _owned(_FILE_PREFIX), lambda tmp: (os.open(tmp, flags, 0o666), tmp))
 
 
-
 def new_dir(folder: Path, prefix: str) -> Path:
     """A new empty folder in ``folder`` under an unused name starting ``prefix``: ``tempfile.mkdtemp`` without its
     private mode (0700), for a folder that is renamed into place as the real one (as :func:`_new_file`).
