@@ -1,7 +1,7 @@
 """Where a decode step's time goes: the first GPU run (``results/gpu-2026-11-27-nvidia-h200.md``) decoded pythia-85m
 at 12% of its memory roofline, 23 ms per step at batch 256 where reading every cache slot takes 4.8 ms, unprofiled.
 
-Two parts, one device call (about two minutes on an H100/H200):
+Three parts, one device call (about two minutes on an H100/H200), the record written after each:
 
 1. **Attention alone** at the decode shapes of ``--preset`` (one query per row and head over a static cache of
    ``--context`` slots, each row holding a random live length between half and all of them): SDPA with no mask (the
@@ -14,10 +14,13 @@ Two parts, one device call (about two minutes on an H100/H200):
    the live-bytes roofline: the static step reads every slot): wall time per step against device-busy time per
    step (a step that takes much longer than its kernels waits on the host), and the operators that take the device
    time.
+3. **Grouped-query attention under the mask**: part 1's shapes with a third as many key/value heads (SmolLM2's
+   grouping; ``--grouped-kv-heads``), SDPA's own ``enable_gqa`` against blockloop's path, which on a GPU folds each
+   key/value head's query heads into query rows, since SDPA's GPU kernels take no mask with grouped K/V.
 
     .venv/bin/python benchmarks/decode_profile.py --record     # on one H100/H200 (through the device kit: --out-dir "$OUT")
 
-``--smoke`` runs both parts at tiny sizes on CPU in seconds, which checks the script, not the engine.
+``--smoke`` runs every part at tiny sizes on CPU in seconds, which checks the script, not the engine.
 
 Writes ``decode_profile-<device>.md`` and ``.json`` to runs/bench/ (``--out-dir DIR`` elsewhere, ``--record`` into
 benchmarks/results/).
@@ -35,6 +38,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from blockloop.bench.records import (
@@ -48,8 +52,9 @@ from blockloop.bench.suite import bench_dtype
 from blockloop.bench.throughput import full_batch_paging
 from blockloop.bench.timing import timed
 from blockloop.cli.common import device as device_name
-from blockloop.cli.common import positive_int
+from blockloop.cli.common import nonnegative_int, positive_int
 from blockloop.device import resolve_device
+from blockloop.errors import BlockloopError
 from blockloop.families import build_model, from_name
 from blockloop.nn.attention import attention
 from blockloop.nn.masks import cache_mask
@@ -71,34 +76,45 @@ def median_seconds(fn: Callable[[], object], device: torch.device, repeats: int)
 
 
 def attention_rows(model: torch.nn.Module, batch: int, context: int, device: torch.device, dtype: torch.dtype,
-                   repeats: int) -> list[dict[str, Any]]:
-    """Part 1: each attention path at one decode step's shapes."""
+                   repeats: int, kv_heads: int, *, grouping_only: bool = False) -> list[dict[str, Any]]:
+    """Part 1: each attention path at one decode step's shapes, with ``kv_heads`` key/value heads. Grouped (fewer
+    than the query heads), SDPA's own ``enable_gqa`` under the mask is timed beside blockloop's: on a GPU SDPA
+    serves it with its math kernel, which copies K/V per query head, where blockloop folds query heads into rows.
+    ``grouping_only``: just those two."""
     from torch.nn.attention.flex_attention import create_block_mask
 
     c = model.config
     generator = torch.Generator().manual_seed(0)
     q = torch.randn(batch, c.n_head, 1, c.head_dim, generator=generator).to(device, dtype)
-    k, v = (torch.randn(batch, c.n_kv_head, context, c.head_dim, generator=generator).to(device, dtype) for _ in range(2))
+    k, v = (torch.randn(batch, kv_heads, context, c.head_dim, generator=generator).to(device, dtype) for _ in range(2))
     lengths = torch.randint(context // 2, context + 1, (batch,), generator=generator).to(device)
     key_valid = torch.arange(context, device=device)[None] < lengths[:, None]
     mask = cache_mask(key_valid, (lengths - 1)[:, None])  # the static decode step's (B, 1, 1, S) mask
-
-    def live(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
-        return kv_idx < lengths[b]
-
-    for _ in range(2):  # the second build is timed: the first pays for tracing the mask function
-        with timed(device) as build:
-            block_mask = create_block_mask(live, batch, None, 1, context, device=str(device))
-    per_key = 2 * c.n_kv_head * c.head_dim * torch.finfo(dtype).bits // 8  # K and V bytes of one cached token
+    per_key = 2 * kv_heads * c.head_dim * torch.finfo(dtype).bits // 8  # K and V bytes of one cached token
     live_bytes, all_bytes = per_key * int(lengths.sum()), per_key * batch * context
     reference = attention(q.double(), k.double(), v.double(), mask=mask, backend="eager")
 
     variants: dict[str, Callable[..., Tensor]] = {
-        "sdpa, no mask (reads every slot)": lambda: attention(q, k, v, backend="sdpa"),
         "sdpa, dense (B,1,1,S) mask (the static decode step)": lambda: attention(q, k, v, mask=mask, backend="sdpa"),
-        "flex, block mask of the rows' lengths": lambda: attention(q, k, v, block_mask=block_mask, backend="flex"),
-        "eager, dense mask": lambda: attention(q, k, v, mask=mask, backend="eager"),
     }
+    if kv_heads < c.n_head:
+        variants["sdpa, dense mask, SDPA's own enable_gqa (what blockloop replaces on a GPU)"] = (
+            lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True))
+    build: list[dict[str, Any]] = []  # the block mask's build time, under the table
+    if not grouping_only:
+        def live(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+            return kv_idx < lengths[b]
+
+        for _ in range(2):  # the second build is timed: the first pays for tracing the mask function
+            with timed(device) as took:
+                block_mask = create_block_mask(live, batch, None, 1, context, device=str(device))
+        build.append({"path": "flex block mask build (once per step if rebuilt)", "ms": 1e3 * took.seconds})
+        variants = {
+            "sdpa, no mask (reads every slot)": lambda: attention(q, k, v, backend="sdpa"),
+            **variants,
+            "flex, block mask of the rows' lengths": lambda: attention(q, k, v, block_mask=block_mask, backend="flex"),
+            "eager, dense mask": lambda: attention(q, k, v, mask=mask, backend="eager"),
+        }
     rows = []
     for name, fn in variants.items():
         for compiled in (False, True):
@@ -116,8 +132,7 @@ def attention_rows(model: torch.nn.Module, batch: int, context: int, device: tor
                          "live_gb_s": live_bytes / seconds / 1e9, "all_slots_gb_s": all_bytes / seconds / 1e9,
                          "max_abs_error_vs_float64": error})
         torch._dynamo.reset()
-    rows.append({"path": "flex block mask build (once per step if rebuilt)", "ms": 1e3 * build.seconds})
-    return rows
+    return rows + build
 
 
 def step_profile(model: torch.nn.Module, batch: int, prompt_len: int, steps: int, device: torch.device, *,
@@ -172,15 +187,10 @@ def profile_or_error(model: torch.nn.Module, args: argparse.Namespace, device: t
         return {**setting, "error": f"{type(exc).__name__}: {exc}"}
 
 
-def write(out: Path, record: dict[str, Any]) -> Path:
-    slug = re.sub(r"[^a-z0-9]+", "-", record["device"].lower().split(" (")[0]).strip("-") + ("-smoke" if record["smoke"] else "")
-    stem = f"decode_profile-{slug}"
-    (out / f"{stem}.json").write_text(json.dumps(record, indent=2) + "\n")
-    a = record["attention"]
-    lines = [f"# Decode profile: `{record['preset']}`{' (smoke: tiny sizes, not a measurement)' if record['smoke'] else ''}",
-             "", f"- {environment_line(record)}", "",
-             f"## Attention alone: batch {a['batch']}, {a['context']} cache slots, live lengths in [{a['context'] // 2}, "
-             f"{a['context']}]", "", "| path | compiled | ms | GB/s of live K/V | GB/s of every slot | max abs error vs float64 |",
+def attention_table(a: dict[str, Any]) -> list[str]:
+    lines = ["", f"## Attention alone: batch {a['batch']}, {a['context']} cache slots, live lengths in [{a['context'] // 2}, "
+                 f"{a['context']}], {a['kv_heads']} key/value head{'s' * (a['kv_heads'] != 1)}", "",
+             "| path | compiled | ms | GB/s of live K/V | GB/s of every slot | max abs error vs float64 |",
              "|---|---|---:|---:|---:|---:|"]
     for row in a["rows"]:
         if "error" in row:
@@ -191,6 +201,17 @@ def write(out: Path, record: dict[str, Any]) -> Path:
             err = "-" if row["max_abs_error_vs_float64"] is None else f"{row['max_abs_error_vs_float64']:.1e}"
             lines.append(f"| {row['path']} | {row['compiled']} | {row['ms']:.3f} | {row['live_gb_s']:.0f} | "
                          f"{row['all_slots_gb_s']:.0f} | {err} |")
+    return lines
+
+
+def write(out: Path, record: dict[str, Any]) -> Path:
+    slug = re.sub(r"[^a-z0-9]+", "-", record["device"].lower().split(" (")[0]).strip("-") + ("-smoke" if record["smoke"] else "")
+    stem = f"decode_profile-{slug}"
+    (out / f"{stem}.json").write_text(json.dumps(record, indent=2) + "\n")
+    lines = [f"# Decode profile: `{record['preset']}`{' (smoke: tiny sizes, not a measurement)' if record['smoke'] else ''}",
+             "", f"- {environment_line(record)}"]
+    for a in record["attention"]:
+        lines += attention_table(a)
     for s in record["steps"]:
         lines += ["", f"## The engine's compiled decode step, {s['cache']} cache: batch {s['batch']}, prompt {s['prompt_len']}",
                   ""]
@@ -214,22 +235,44 @@ def main() -> None:
     parser.add_argument("--prompt-len", type=positive_int, default=1024, help="prompt of each profiled row (default: 1024)")
     parser.add_argument("--steps", type=positive_int, default=32, help="profiled decode steps (default: 32)")
     parser.add_argument("--repeats", type=positive_int, default=50, help="timed calls per attention path (default: 50)")
+    parser.add_argument("--grouped-kv-heads", type=nonnegative_int, default=None,
+                        help="part 1 again with this many key/value heads (default: a third of the query heads, "
+                             "SmolLM2's grouping, where that divides them; 0: not again)")
     parser.add_argument("--device", type=device_name, default="auto", help="auto (CUDA if present), cuda, cpu")
     add_output_arguments(parser)
     args = parser.parse_args()
     if args.smoke:
         args.preset, args.batch, args.context, args.step_batch, args.prompt_len, args.steps, args.repeats = (
             "tiny", 2, 64, 2, 16, 4, 3)
+        args.grouped_kv_heads = 1 if args.grouped_kv_heads is None else args.grouped_kv_heads
     device = torch.device("cpu" if args.smoke else resolve_device(args.device))
     dtype = bench_dtype("auto", str(device))
     torch.manual_seed(0)
-    model = build_model(from_name(args.preset)).to(device=device, dtype=dtype).eval()
-    record = {**environment(str(device), dtype), "smoke": args.smoke, "preset": args.preset}
+    config = from_name(args.preset)
+    grouped = args.grouped_kv_heads
+    if grouped is None:
+        grouped = config.n_head // 3 if config.n_head % 3 == 0 else 0
+    elif grouped and config.n_head % grouped:
+        raise BlockloopError(f"--grouped-kv-heads {grouped} does not divide {args.preset}'s {config.n_head} query heads")
+    model = build_model(config).to(device=device, dtype=dtype).eval()
+    record = {**environment(str(device), dtype), "smoke": args.smoke, "preset": args.preset, "attention": [],
+              "steps": []}
+
+    def attention_section(kv_heads: int) -> dict[str, Any]:
+        return {"batch": args.batch, "context": args.context, "kv_heads": kv_heads,
+                "rows": attention_rows(model, args.batch, args.context, device, dtype, args.repeats, kv_heads,
+                                       grouping_only=kv_heads != config.n_kv_head)}
+
+    # Written after each part, the grouped-query comparison last: a call stopped at its time cap keeps what it ran.
+    out = output_dir(args)
     with torch.no_grad():
-        record["attention"] = {"batch": args.batch, "context": args.context,
-                               "rows": attention_rows(model, args.batch, args.context, device, dtype, args.repeats)}
+        record["attention"].append(attention_section(config.n_kv_head))
+        write(out, record)
         record["steps"] = [profile_or_error(model, args, device, paged=paged) for paged in (False, True)]
-    path = write(output_dir(args), record)
+        path = write(out, record)
+        if grouped and grouped != config.n_kv_head:
+            record["attention"].append(attention_section(grouped))
+            path = write(out, record)
     print(path.read_text())
 
 

@@ -7,6 +7,7 @@ import math
 import pytest
 import torch
 
+import blockloop.nn.attention as attention_module
 from blockloop.nn.attention import attention
 
 BACKENDS = ["sdpa", "flex", "eager"]
@@ -165,6 +166,25 @@ def test_cuda_rows_with_no_visible_key_are_zeros(backend):
     torch.testing.assert_close(out.double(), reference(q, k, v, mask.cuda())[0], atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("tq", [1, 5], ids=["decode", "chunk"])
+def test_cuda_grouped_query_attention_under_a_mask_runs_a_fused_kernel(tq):
+    """With SDPA's math kernel ruled out, grouped K/V under a mask still run in bf16 (the memory-efficient kernel
+    over the folded query rows), rows that see no key included."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    q, k, v = (t.cuda().bfloat16() for t in inputs(b=4, hq=9, hkv=3, tq=tq, tk=300, d=64, seed=5))
+    mask = torch.rand(4, 1, tq, 300, generator=torch.Generator().manual_seed(6)) > 0.3
+    mask[1] = False
+    mask = mask.cuda()
+    fused = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.CUDNN_ATTENTION]
+    with sdpa_kernel(fused):
+        got = attention(q, k, v, mask=mask, backend="sdpa")
+    assert torch.all(got[1] == 0)
+    torch.testing.assert_close(got.double(), reference(q, k, v, mask)[0], atol=2e-2, rtol=2e-2)
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("hkv", [2, 1], ids=["gqa", "mqa"])
 def test_grouped_decode_over_a_cache_matches_reference(backend, hkv):
@@ -182,14 +202,77 @@ def test_grouped_query_with_a_per_head_mask_matches_reference(backend):
     check(backend, q, k, v, mask, mask=mask)
 
 
-@pytest.mark.parametrize("backend", ["sdpa", "eager"])
+@pytest.fixture
+def gpu_sdpa_grouping(monkeypatch):
+    """SDPA over grouped K/V under a mask as a GPU runs it (each key/value head's query heads folded into query
+    rows, since SDPA's GPU kernels take no mask with ``enable_gqa``), here on CPU."""
+    monkeypatch.setattr(attention_module, "_sdpa_takes_grouped_keys_with_a_mask", lambda q: False)
+
+
+GROUPED_MASKS = {  # name -> (tq, mask for b=3, hq=6, tk=10)
+    "decode, per row": (1, lambda g: torch.rand(3, 1, 1, 10, generator=g) > 0.4),
+    "decode, per head": (1, lambda g: torch.rand(3, 6, 1, 10, generator=g) > 0.4),
+    "chunk, per row": (4, lambda g: torch.rand(3, 1, 4, 10, generator=g) > 0.4),
+    "per head and row": (4, lambda g: torch.rand(3, 6, 4, 10, generator=g) > 0.4),
+    "one for the batch": (4, lambda g: torch.rand(1, 1, 4, 10, generator=g) > 0.4),
+    "two-dimensional": (4, lambda g: torch.rand(4, 10, generator=g) > 0.4),
+}
+
+
+@pytest.mark.parametrize("name", GROUPED_MASKS)
+@pytest.mark.parametrize("hkv", [2, 1], ids=["gqa", "mqa"])
+def test_grouped_query_heads_folded_into_rows_match_reference(gpu_sdpa_grouping, monkeypatch, name, hkv):
+    """The GPU form of SDPA over grouped K/V with a mask: one SDPA call with the key/value heads' own head count and
+    no ``enable_gqa``, equal to the float64 reference for every mask shape, rows with no visible key included."""
+    tq, make = GROUPED_MASKS[name]
+    q, k, v = inputs(b=3, hq=6, hkv=hkv, tq=tq, tk=10, dtype=torch.float64, seed=11)
+    mask = make(torch.Generator().manual_seed(12))
+    if mask.shape[0] == 3:
+        mask[0] = False  # a batch row that sees no key: zeros
+    calls = []
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+
+    def recorded(q, k, v, **kwargs):
+        calls.append((q.shape[1], kwargs["enable_gqa"]))
+        return sdpa(q, k, v, **kwargs)
+
+    monkeypatch.setattr(attention_module.F, "scaled_dot_product_attention", recorded)
+    check("sdpa", q, k, v, mask.expand(3, 6, tq, 10), mask=mask)
+    assert calls == [(hkv, False)]
+
+
+def test_grouped_query_heads_folded_into_rows_compile_into_one_graph(gpu_sdpa_grouping):
+    """The fold is in every compiled GPU decode step over a grouped-query cache: a graph break would fail there."""
+    q, k, v = inputs(b=3, hq=6, hkv=2, tq=1, tk=10, seed=14)
+    live = torch.rand(3, 1, 1, 10, generator=torch.Generator().manual_seed(15)) > 0.4
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda q, k, v, m: attention(q, k, v, mask=m, backend="sdpa"), fullgraph=True)
+    torch.testing.assert_close(compiled(q, k, v, live), reference(q, k, v, live.expand(3, 6, 1, 10))[0].float(),
+                               atol=2e-5, rtol=2e-5)
+
+
+def test_grouped_query_heads_folded_into_rows_under_a_causal_chunk(gpu_sdpa_grouping):
+    q, k, v = inputs(b=2, hq=6, hkv=2, tq=3, tk=8, dtype=torch.float64, seed=13)
+    check("sdpa", q, k, v, causal_dense(3, 8), causal=True)
+    check("sdpa", q, k, v, causal_dense(3, 8), mask_mod=lambda b, h, qi, ki: ki <= qi + 5)
+
+
+ON_CUDA = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+
+
+@pytest.mark.parametrize(("backend", "device"), [("sdpa", "cpu"), ("sdpa as on a GPU", "cpu"), ("eager", "cpu"),
+                                                 pytest.param("sdpa", "cuda", marks=ON_CUDA)])
 @pytest.mark.parametrize("masking", ["cache", "causal"])
-def test_grouped_query_attention_never_expands_keys_and_values(backend, masking):
-    """No tensor the size of K/V repeated per query head is ever made (the per-step copy issue 12 removes)."""
+def test_grouped_query_attention_never_expands_keys_and_values(backend, device, masking, request):
+    """No tensor the size of K/V repeated per query head is ever made (the per-step copy issue 12 removes); on CUDA
+    SDPA's math kernel would make one (it takes grouped K/V under a mask, its fused kernels do not)."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
+    if backend == "sdpa as on a GPU":
+        request.getfixturevalue("gpu_sdpa_grouping")
+        backend = "sdpa"
     b, hq, hkv, tk, d = 2, 8, 1, 64, 32
-    q, k, v = inputs(b=b, hq=hq, hkv=hkv, tq=1 if masking == "cache" else 4, tk=tk, d=d)
+    q, k, v = (t.to(device) for t in inputs(b=b, hq=hq, hkv=hkv, tq=1 if masking == "cache" else 4, tk=tk, d=d))
     largest = []
 
     class Largest(TorchDispatchMode):
@@ -198,7 +281,7 @@ def test_grouped_query_attention_never_expands_keys_and_values(backend, masking)
             largest.extend(t.numel() for t in (out if isinstance(out, (tuple, list)) else [out]) if isinstance(t, torch.Tensor))
             return out
 
-    kwargs = {"mask": torch.ones(b, 1, 1, tk, dtype=torch.bool)} if masking == "cache" else {"causal": True}
+    kwargs = {"mask": torch.ones(b, 1, 1, tk, dtype=torch.bool, device=device)} if masking == "cache" else {"causal": True}
     with Largest():
         attention(q, k, v, backend=backend, **kwargs)
     assert max(largest) <= k.numel() < b * hq * tk * d

@@ -17,13 +17,18 @@ def test_smoke_profile_times_every_attention_path_and_the_engine_step(tmp_path):
                            "--out-dir", str(tmp_path)], capture_output=True, text=True, cwd=ROOT, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     record = json.loads((tmp_path / "decode_profile-cpu-smoke.json").read_text())
-    rows = record["attention"]["rows"]
-    timed = [r for r in rows if "live_gb_s" in r]
-    assert not [r for r in rows if "error" in r]
-    assert {r["path"].split(",")[0] for r in timed} == {"sdpa", "flex", "eager"} and all(r["ms"] > 0 for r in timed)
-    masked = [r for r in timed if r["max_abs_error_vs_float64"] is not None]
-    assert len(masked) == 5 and max(r["max_abs_error_vs_float64"] for r in masked) < 1e-5  # one function, five ways
-    assert all(r["all_slots_gb_s"] >= r["live_gb_s"] > 0 for r in timed)  # live keys are a part of every slot
+    sections = record["attention"]
+    assert [a["kv_heads"] for a in sections] == [2, 1]  # tiny's own grouping, then the smoke's --grouped-kv-heads 1
+    # One function, seven ways: SDPA's own grouping under the mask, eager and compiled, beside blockloop's five; then
+    # the grouping alone: SDPA's own beside blockloop's.
+    for a, paths, ways in zip(sections, ({"sdpa", "flex", "eager"}, {"sdpa"}), (7, 4)):
+        timed = [r for r in a["rows"] if "live_gb_s" in r]
+        assert not [r for r in a["rows"] if "error" in r]
+        assert {r["path"].split(",")[0] for r in timed} == paths and all(r["ms"] > 0 for r in timed)
+        masked = [r for r in timed if r["max_abs_error_vs_float64"] is not None]
+        assert len(masked) == ways and max(r["max_abs_error_vs_float64"] for r in masked) < 1e-5
+        assert sum("enable_gqa" in r["path"] for r in masked) == 2
+        assert all(r["all_slots_gb_s"] >= r["live_gb_s"] > 0 for r in timed)  # live keys are a part of every slot
     assert [step["cache"] for step in record["steps"]] == ["static", "paged"]
     for step in record["steps"]:
         assert "error" not in step, step.get("error")
@@ -31,3 +36,4 @@ def test_smoke_profile_times_every_attention_path_and_the_engine_step(tmp_path):
         assert "aten::" in step["table"]
     report = (tmp_path / "decode_profile-cpu-smoke.md").read_text()
     assert "| sdpa, dense (B,1,1,S) mask" in report and "decode step, paged cache" in report
+    assert "2 key/value heads" in report and "1 key/value head\n" in report

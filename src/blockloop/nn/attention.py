@@ -25,8 +25,9 @@ paper's form of its joint softmax; blockloop's double decoder makes it one call)
 visible key returns zeros and lse = -inf.
 
 Grouped-query K/V are never copied per query head (a decode step would otherwise copy the whole cache):
-SDPA and FlexAttention take ``enable_gqa``, and the eager path reshapes each key/value head's queries into
-one ``(B, Hkv, G * Tq, D)`` block against the un-expanded keys.
+FlexAttention takes ``enable_gqa``, and so does SDPA where its kernel reads grouped K/V as they are (on CPU; on a
+GPU only without a mask); elsewhere (SDPA under a mask on a GPU, the eager path) each key/value head's G query heads
+become one ``(B, Hkv, G * Tq, D)`` block of query rows against the un-expanded keys.
 """
 
 from __future__ import annotations
@@ -167,6 +168,11 @@ def _sdpa(
         causal, mask = False, _dense_mask(q, k, True, None, None)
     elif mask_mod is not None:
         mask = _dense_mask(q, k, False, None, mask_mod)
+    shape = (*q.shape[:-1], v.shape[-1])
+    if mask is not None and groups > 1 and not _sdpa_takes_grouped_keys_with_a_mask(q):
+        # Each key/value head's G query heads become G * Tq query rows against its own keys (as _eager does).
+        q = q.reshape(q.shape[0], k.shape[1], groups * tq, q.shape[-1])
+        mask, groups = _folded_mask(mask, k.shape[1], groups, tq), 1
     out = F.scaled_dot_product_attention(
         q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=causal, scale=scale, enable_gqa=groups > 1
     )
@@ -174,7 +180,27 @@ def _sdpa(
         # Some GPU kernels return NaN for rows that see no key; the contract is zeros. SDPA's CPU kernels (math
         # and flash) already give zeros (its safe softmax, torch >= 2.5), so a CPU decode step skips the check.
         out = out.masked_fill(~mask.any(-1, keepdim=True), 0.0)
-    return out
+    return out.reshape(shape)
+
+
+def _sdpa_takes_grouped_keys_with_a_mask(q: Tensor) -> bool:
+    """SDPA's CPU kernel reads grouped K/V (``enable_gqa``) under a mask as they are. Its GPU kernels do not: flash
+    takes grouped K/V but no mask, the memory-efficient kernel a mask but no grouping, so SDPA falls back to its
+    math kernel, which copies K/V per query head (a decode step would copy the whole cache, then upcast it). On
+    CPU the fold would cost a copy of the queries for nothing (at SmolLM2's decode shapes on 2 cores, 1.35x the time
+    of an attention call at batch 1, the same from batch 8)."""
+    return q.is_cpu
+
+
+def _folded_mask(mask: Tensor, hkv: int, groups: int, tq: int) -> Tensor:
+    """A mask broadcastable to ``(B, Hq, Tq, Tk)`` as one broadcastable to ``(B, Hkv, G * Tq, Tk)``, the query
+    rows of key/value head ``j`` being query heads ``j*G .. j*G + G-1`` one after another (``q.reshape``'s order).
+    A mask the same for every query head and row (a decode step's ``(B, 1, 1, S)``) stays a view."""
+    grouped = _grouped_mask(mask, hkv, groups)  # (B | 1, Hkv | 1, G | 1, Tq | 1, Tk)
+    if grouped.shape[2] == grouped.shape[3] == 1:
+        return grouped.squeeze(2)
+    b, h, tk = grouped.shape[0], grouped.shape[1], grouped.shape[-1]
+    return grouped.expand(b, h, groups, tq, tk).reshape(b, h, groups * tq, tk)
 
 
 def _flex(
