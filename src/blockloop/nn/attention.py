@@ -186,10 +186,10 @@ def _sdpa(
 def _sdpa_takes_grouped_keys_with_a_mask(q: Tensor) -> bool:
     """SDPA's CPU kernel reads grouped K/V (``enable_gqa``) under a mask as they are. On a GPU flash takes grouped
     K/V but no mask and the memory-efficient kernel a mask but no grouping, and SDPA's default order (flash,
-    memory-efficient, math, cuDNN in torch 2.11 and 2.13) reaches its math kernel before cuDNN, which copies K/V
-    per query head (a decode step would copy the whole cache, then upcast it). On
-    CPU the fold would cost a copy of the queries for nothing (at SmolLM2's decode shapes on 2 cores, 1.35x the time
-    of an attention call at batch 1, the same from batch 8)."""
+    memory-efficient, math, cuDNN in torch 2.11 and 2.13) reaches its math kernel first, which copies K/V per query
+    head (a decode step would copy the whole cache, then upcast it). On CPU the fold would cost a copy of the
+    queries for nothing (at SmolLM2's decode shapes on 2 cores, 1.35x the time of an attention call at batch 1,
+    the same from batch 8)."""
     return q.is_cpu
 
 
