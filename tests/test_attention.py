@@ -209,6 +209,20 @@ def gpu_sdpa_grouping(monkeypatch):
     monkeypatch.setattr(attention_module, "_sdpa_takes_grouped_keys_with_a_mask", lambda q: False)
 
 
+@pytest.fixture
+def sdpa_calls(monkeypatch):
+    """What each SDPA call got: its query heads, ``enable_gqa`` and the mask's shape."""
+    calls = []
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+
+    def recorded(q, k, v, **kwargs):
+        calls.append((q.shape[1], kwargs["enable_gqa"], tuple(kwargs["attn_mask"].shape)))
+        return sdpa(q, k, v, **kwargs)
+
+    monkeypatch.setattr(attention_module.F, "scaled_dot_product_attention", recorded)
+    return calls
+
+
 GROUPED_MASKS = {  # name -> (tq, mask for b=3, hq=6, tk=10)
     "decode, per row": (1, lambda g: torch.rand(3, 1, 1, 10, generator=g) > 0.4),
     "decode, per head": (1, lambda g: torch.rand(3, 6, 1, 10, generator=g) > 0.4),
@@ -221,7 +235,7 @@ GROUPED_MASKS = {  # name -> (tq, mask for b=3, hq=6, tk=10)
 
 @pytest.mark.parametrize("name", GROUPED_MASKS)
 @pytest.mark.parametrize("hkv", [2, 1], ids=["gqa", "mqa"])
-def test_grouped_query_heads_folded_into_rows_match_reference(gpu_sdpa_grouping, monkeypatch, name, hkv):
+def test_grouped_query_heads_folded_into_rows_match_reference(gpu_sdpa_grouping, sdpa_calls, name, hkv):
     """The GPU form of SDPA over grouped K/V with a mask: one SDPA call with the key/value heads' own head count and
     no ``enable_gqa``, equal to the float64 reference for every mask shape, rows with no visible key included."""
     tq, make = GROUPED_MASKS[name]
@@ -229,16 +243,10 @@ def test_grouped_query_heads_folded_into_rows_match_reference(gpu_sdpa_grouping,
     mask = make(torch.Generator().manual_seed(12))
     if mask.shape[0] == 3:
         mask[0] = False  # a batch row that sees no key: zeros
-    calls = []
-    sdpa = torch.nn.functional.scaled_dot_product_attention
-
-    def recorded(q, k, v, **kwargs):
-        calls.append((q.shape[1], kwargs["enable_gqa"]))
-        return sdpa(q, k, v, **kwargs)
-
-    monkeypatch.setattr(attention_module.F, "scaled_dot_product_attention", recorded)
     check("sdpa", q, k, v, mask.expand(3, 6, tq, 10), mask=mask)
-    assert calls == [(hkv, False)]
+    assert [call[:2] for call in sdpa_calls] == [(hkv, False)]
+    if name == "decode, per row":  # a decode step's mask goes through as it is, uncopied
+        assert sdpa_calls[0][2] == (3, 1, 1, 10)
 
 
 def test_grouped_query_heads_folded_into_rows_compile_into_one_graph(gpu_sdpa_grouping):
@@ -251,10 +259,13 @@ def test_grouped_query_heads_folded_into_rows_compile_into_one_graph(gpu_sdpa_gr
                                atol=2e-5, rtol=2e-5)
 
 
-def test_grouped_query_heads_folded_into_rows_under_a_causal_chunk(gpu_sdpa_grouping):
+def test_grouped_query_heads_folded_into_rows_under_a_causal_chunk(gpu_sdpa_grouping, sdpa_calls):
+    """A chunk's causal mask, the same for every row and head, reaches SDPA as one ``(1, 1, G*Tq, Tk)`` mask, not
+    copied per batch row and key/value head."""
     q, k, v = inputs(b=2, hq=6, hkv=2, tq=3, tk=8, dtype=torch.float64, seed=13)
     check("sdpa", q, k, v, causal_dense(3, 8), causal=True)
     check("sdpa", q, k, v, causal_dense(3, 8), mask_mod=lambda b, h, qi, ki: ki <= qi + 5)
+    assert sdpa_calls == [(2, False, (1, 1, 9, 8))] * 2
 
 
 ON_CUDA = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]

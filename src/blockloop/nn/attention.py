@@ -196,8 +196,11 @@ def _sdpa_takes_grouped_keys_with_a_mask(q: Tensor) -> bool:
 def _folded_mask(mask: Tensor, hkv: int, groups: int, tq: int) -> Tensor:
     """A mask broadcastable to ``(B, Hq, Tq, Tk)`` as one broadcastable to ``(B, Hkv, G * Tq, Tk)``, the query
     rows of key/value head ``j`` being query heads ``j*G .. j*G + G-1`` one after another (``q.reshape``'s order).
-    A mask the same for every query head and row (a decode step's ``(B, 1, 1, S)``) stays a view."""
+    A mask the same for every query head and row (a decode step's ``(B, 1, 1, S)``) stays a view; one that differs
+    by query row is copied once per query head of a key/value head, over the dimensions it really has (an expanded
+    one, a causal mask over every row and head, is narrowed back to size 1 first)."""
     grouped = _grouped_mask(mask, hkv, groups)  # (B | 1, Hkv | 1, G | 1, Tq | 1, Tk)
+    grouped = grouped[tuple(slice(0, 1) if stride == 0 else slice(None) for stride in grouped.stride()[:4])]
     if grouped.shape[2] == grouped.shape[3] == 1:
         return grouped.squeeze(2)
     b, h, tk = grouped.shape[0], grouped.shape[1], grouped.shape[-1]
