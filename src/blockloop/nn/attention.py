@@ -169,12 +169,13 @@ def _sdpa(
     elif mask_mod is not None:
         mask = _dense_mask(q, k, False, None, mask_mod)
     shape = (*q.shape[:-1], v.shape[-1])
-    if mask is not None and groups > 1 and not _sdpa_takes_grouped_keys_with_a_mask(q):
+    enable_gqa = groups > 1
+    if mask is not None and enable_gqa and not _sdpa_takes_grouped_keys_with_a_mask(q):
         # Each key/value head's G query heads become G * Tq query rows against its own keys (as _eager does).
         q = q.reshape(q.shape[0], k.shape[1], groups * tq, q.shape[-1])
-        mask, groups = _folded_mask(mask, k.shape[1], groups, tq), 1
+        mask, enable_gqa = _folded_mask(mask, k.shape[1], groups, tq), False
     out = F.scaled_dot_product_attention(
-        q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=causal, scale=scale, enable_gqa=groups > 1
+        q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=causal, scale=scale, enable_gqa=enable_gqa
     )
     if mask is not None and not q.is_cpu:
         # Some GPU kernels return NaN for rows that see no key; the contract is zeros. SDPA's CPU kernels (math
