@@ -51,6 +51,11 @@ def base(tmp_path_factory):
                                                                                      if k != "data"}))
     variant("state_list", lambda d: (d / "train_state.json").write_text("[]"))
     variant("state_position", lambda d: _edit_json(d / "train_state.json", lambda s: {**s, "data": {"epoch": "x"}}))
+    variant("state_epoch", lambda d: _edit_json(d / "train_state.json", lambda s: {**s, "data": {**s["data"],
+                                                                                               "epoch": 2**64}}))
+    variant("state_seq_len", lambda d: _edit_json(d / "train_state.json", lambda s: {
+        **s, "train_config": {**s["train_config"], "seq_len": "abc"}}))
+    variant("state_data", lambda d: _edit_json(d / "train_state.json", lambda s: {**s, "run": {**s["run"], "data": 5}}))
     variant("rng_keys", lambda d: save_file({"state": torch.zeros(3)}, str(d / "rng_rank0.safetensors")))
     variant("optimizer_groups", lambda d: _edit_json(d / "optimizer.json", lambda o: {**o, "param_groups": o["param_groups"][:1]}))
     variant("optimizer_moments", lambda d: save_file({k: v for k, v in load_file(str(d / "optimizer.safetensors")).items()
@@ -169,7 +174,9 @@ CASES = [
     (["train", "--resume", "--out", "{base}/optimizer_moments"], "does not fit the model (no state for embed.weight"),
     (["train", "--resume", "--out", "{base}/rng_missing"], "rng_rank0.safetensors is missing; the checkpoint is incomplete"),
     (["train", "--resume", "--out", "{base}/state_list"], "train_state.json holds a JSON list"),
-    (["train", "--init-from", "{base}/state_list", "--steps", "1", "--out", NEW], "train_state.json does not hold a run object"),
+    (["train", "--init-from", "{base}/state_list", "--steps", "1", "--out", NEW], "train_state.json is not an object"),
+    (["train", "--init-from", "{base}/state_data", "--steps", "1", "--out", NEW], "run.data must be a string, got 5"),
+    (["train", "--resume", "--out", "{base}/state_epoch"], "data must hold the non-negative integers epoch and index"),
     (["train", "--resume", "--out", "{base}/latest_escape"], "not a checkpoint directory inside {base}/latest_escape"),
     (["train", "--resume", "--steps", "0", "--out", R], "--steps: must be an integer >= 1"),
     # eval
@@ -184,6 +191,8 @@ CASES = [
     (["eval", "--checkpoint", "{base}/shape_mismatch", "--device", "cpu"], "tensor shapes do not match its config"),
     (["eval", "--checkpoint", "{base}/latest_absolute", "--device", "cpu"], "not a checkpoint directory inside"),
     (["eval", "--checkpoint", "{base}/state_list", "--device", "cpu"], "train_state.json is not an object"),
+    (["eval", "--checkpoint", "{base}/state_seq_len", "--device", "cpu"], "train_config.seq_len must be a positive integer, got 'abc'"),
+    (["eval", "--checkpoint", "{base}/state_data", "--device", "cpu"], "run.data must be a string, got 5"),
     # generate and chat
     (["generate", "--checkpoint", R, "--prompt", "a", "--temperature", "nan"], "--temperature: must be a finite"),
     (["generate", "--checkpoint", R, "--prompt", "a", "--temperature", "inf"], "--temperature: must be a finite"),

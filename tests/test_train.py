@@ -200,6 +200,18 @@ def test_checkpoints_are_complete_rotated_and_corruption_is_reported(tmp_path):
         load_trained(tmp_path / "run")
 
 
+def test_checkpoints_past_ten_million_steps_rotate_and_resolve_in_step_order(tmp_path):
+    """Step folders are zero-padded to seven digits, so past 9,999,999 their text order is not their step order."""
+    for step in (9_999_999, 10_000_000, 10_000_001):
+        tmp = ckpt.begin_checkpoint(tmp_path, step)
+        (tmp / "model.safetensors").write_bytes(b"")
+        ckpt.commit_checkpoint(tmp_path, tmp, step)
+    root = ckpt.checkpoint_root(tmp_path)
+    assert sorted(p.name for p in root.glob("step_*")) == ["step_10000000", "step_10000001"]
+    (root / "latest").unlink()  # killed before ``latest`` was written: the newest complete checkpoint is taken
+    assert ckpt.resolve_checkpoint(tmp_path).name == "step_10000001"
+
+
 def test_schedule_warms_up_then_decays_to_the_floor():
     kw = dict(lr=1.0, total_steps=100, warmup_steps=10, min_lr_ratio=0.1)
     assert lr_at(0, schedule="cosine", **kw) == pytest.approx(0.1)

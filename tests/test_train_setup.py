@@ -7,12 +7,14 @@ import shutil
 from pathlib import Path
 
 import pytest
+import torch
 
 from blockloop.bench.reports import flops_report, preset_sizes
 from blockloop.convert.checkpoints import convert_checkpoint, to_recursive_checkpoint
 from blockloop.convert.targets import TARGETS
 from blockloop.errors import BlockloopError
 from blockloop.families import from_name
+from blockloop.train import checkpoint as ckpt
 from blockloop.train.eval_checkpoint import EvalRequest, evaluate_checkpoint
 from blockloop.train.setup import EarlyExit, TrainRequest, apply_early_exit, plan_run, start_training
 
@@ -88,6 +90,25 @@ def test_init_from_starts_a_new_run_from_the_saved_model(trained, tmp_path):
         f"bytes:{Path('x').resolve()}")
     with pytest.raises(BlockloopError, match="--init-from keeps the saved model"):
         plan_run(TrainRequest(tmp_path / "f3", init_from=str(trained), dropout=0.1))
+
+
+def test_a_run_from_init_from_draws_its_dropout_from_its_seed(tmp_path):
+    """The weights come from the checkpoint, but dropout draws from the seeded generator: the same --seed gives
+    the same losses, another seed other ones."""
+    fields = {**TINY, "steps": 1, "ckpt_interval": 1}
+    start_training(plan_run(TrainRequest(tmp_path / "base", preset="tiny", dropout=0.3, train_overrides=fields)))[1].fit()
+
+    def first_losses(name: str, seed: int) -> list[float]:
+        _, trainer = start_training(plan_run(TrainRequest(
+            tmp_path / name, init_from=str(tmp_path / "base"), train_overrides={**fields, "steps": 3, "seed": seed})))
+        trainer.fit()
+        return [m["loss"] for m in ckpt.read_metrics(tmp_path / name / "metrics.jsonl") if "loss" in m]
+
+    torch.manual_seed(123)  # what ran before must not matter
+    same = first_losses("a", 5)
+    torch.rand(7)
+    assert first_losses("b", 5) == same
+    assert first_losses("c", 6) != same
 
 
 def test_early_exit_options_need_a_looped_model():

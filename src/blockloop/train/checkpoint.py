@@ -89,7 +89,7 @@ def prune_checkpoints(run_dir: Path, keep: int) -> None:
     """Delete all but the newest ``keep`` step directories, never the one ``latest`` names."""
     root = checkpoint_root(run_dir)
     latest = _latest_name(root)
-    steps = sorted(p for p in root.glob("step_*") if p.is_dir())
+    steps = sorted((p for p in root.glob("step_*") if p.is_dir()), key=_step_number)
     for old in steps[:-keep]:
         if old.name != latest:
             shutil.rmtree(old, ignore_errors=True)
@@ -144,7 +144,15 @@ def _tensors(value: Any) -> list[torch.Tensor]:
 
 def _complete_steps(path: Path) -> list[Path]:
     """A run's complete checkpoints (weights in place), oldest first."""
-    return sorted(p for p in checkpoint_root(path).glob("step_*") if (p / "model.safetensors").is_file())
+    return sorted((p for p in checkpoint_root(path).glob("step_*") if (p / "model.safetensors").is_file()),
+                  key=_step_number)
+
+
+def _step_number(step_dir: Path) -> tuple[int, str]:
+    """The step a ``step_*`` folder holds, for ordering: the names are zero-padded to seven digits only, so
+    past 9,999,999 steps their text order is not their step order."""
+    digits = step_dir.name.removeprefix("step_")
+    return (int(digits), "") if digits.isdigit() else (-1, digits)
 
 
 def resolve_checkpoint(path: Path) -> Path:
@@ -396,6 +404,29 @@ def read_metrics(path: Path) -> list[dict[str, Any]]:
     return records
 
 
+# What inference and ``--init-from`` read from a checkpoint's train_state.json without rebuilding the run from it:
+# the run's names (data, tokenizer, task) and the training window; a conversion writes only part of them.
+_SAVED_NAMES = {"run": ("preset", "data", "tokenizer", "task", "task_dir"), "train_config": ("objective",)}
+
+
+def read_saved_state(directory: Path) -> dict[str, Any]:
+    """A checkpoint's train_state.json (``{}`` where there is none, as in an import), checked to hold the names
+    and window that ``eval``, ``generate`` and ``--init-from`` take from it: an edited or damaged value is named
+    here, not met later as a traceback."""
+    path = Path(directory) / "train_state.json"
+    state = read_json(path) if path.is_file() else {}
+    if not isinstance(state, dict) or not all(isinstance(state.get(k, {}), dict) for k in _SAVED_NAMES):
+        raise BlockloopError(f"{path} is not an object with run and train_config objects; the checkpoint is corrupt")
+    bad = [f"{part}.{key} must be a string, got {state[part][key]!r}" for part, keys in _SAVED_NAMES.items()
+           for key in keys if state.get(part, {}).get(key) is not None and not isinstance(state[part][key], str)]
+    seq_len = state.get("train_config", {}).get("seq_len")
+    if seq_len is not None and (not isinstance(seq_len, int) or isinstance(seq_len, bool) or seq_len < 1):
+        bad.append(f"train_config.seq_len must be a positive integer, got {seq_len!r}")
+    if bad:
+        raise BlockloopError(f"{path}: {bad[0]}; the checkpoint is corrupt: use an earlier one")
+    return state
+
+
 def read_train_state(directory: Path) -> dict[str, Any]:
     """A checkpoint's train_state.json, checked to hold what ``--resume`` reads."""
     path = Path(directory) / "train_state.json"
@@ -414,7 +445,8 @@ def read_train_state(directory: Path) -> dict[str, Any]:
     # The data position: epoch and index (and, for recurrent models, the stream layout), all counts.
     data = state["data"]
     bad = [key for key in ("epoch", "index") if key not in data] + [
-        key for key, value in data.items() if not isinstance(value, int) or isinstance(value, bool) or value < 0]
+        key for key, value in data.items()
+        if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value < 2**62]  # + a seed: int64
     if bad:
         raise BlockloopError(f"{path}: data must hold the non-negative integers epoch and index, got {data!r}; the "
                              "checkpoint is corrupt: use an earlier one")

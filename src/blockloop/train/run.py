@@ -72,6 +72,7 @@ def prepare_run(
     if spec.init_from is not None:
         start = load_trained(spec.init_from)
         splits = prepare_data(spec, start.tokenizer, start.config, show_progress=show_progress)
+        torch.manual_seed(seed)  # the weights are loaded, but dropout draws from this generator
         return PreparedRun(spec, start.tokenizer, start.config, start.model.train(), splits)
     from_tokenizer = sorted(set(spec.model_overrides) & TOKENIZER_FIELDS)
     if from_tokenizer:
@@ -171,8 +172,5 @@ def load_trained(path: Path | str, device: str = "cpu") -> TrainedModel:
     model = build_model(config)
     ckpt.load_model_state(directory, model)
     tokenizer = load_tokenizer(directory)
-    state = ckpt.read_json(directory / "train_state.json") if (directory / "train_state.json").is_file() else {}
-    if not isinstance(state, dict) or not all(isinstance(state.get(k, {}), dict) for k in ("run", "train_config")):
-        raise BlockloopError(f"{directory / 'train_state.json'} is not an object with run and train_config objects; "
-                             "the checkpoint is corrupt")
+    state = ckpt.read_saved_state(directory)
     return TrainedModel(model.to(torch.device(device)).eval(), config, tokenizer, directory, state)

@@ -155,12 +155,7 @@ def init_from_spec(
     """A new run from ``checkpoint``'s model and tokenizer. Its data is the checkpoint's (corpus or task) unless
     ``data`` or a task is given."""
     directory = ckpt.resolve_checkpoint(Path(checkpoint))
-    state_file = directory / "train_state.json"
-    state = ckpt.read_json(state_file) if state_file.is_file() else {}
-    saved = state.get("run", {}) if isinstance(state, dict) else None
-    if not isinstance(saved, dict):
-        raise BlockloopError(f"{state_file} does not hold a run object (its run names); the checkpoint is corrupt: "
-                             "use an earlier one")
+    saved = ckpt.read_saved_state(directory).get("run", {})
     spec = RunSpec(
         preset=saved.get("preset", "demo"), data=data or saved.get("data", "shakespeare"),
         tokenizer=saved.get("tokenizer", "byte"), init_from=str(directory),
