@@ -203,8 +203,12 @@ def test_a_jinja_template_gets_the_special_tokens_and_helpers_transformers_gives
     assert template.render([{"role": "developer", "content": "be brief"}]) == "-<|endoftext|><|pad|>system:be brief;4"
 
 
-def test_a_template_that_fails_to_render_is_one_error_not_a_traceback():
-    template = jinja_template("{{ messages[0].content | no_such_filter }}", ByteTokenizer())
+@pytest.mark.parametrize("source", ["{{ messages[0].content | no_such_filter }}", "{{ messages[0].content + 1 }}",
+                                    "{{ 1 / (messages | length - 1) }}", "{{ range(10**9) | length }}"])
+def test_a_template_that_fails_to_render_is_one_error_not_a_traceback(source):
+    """Jinja's own errors and the Python errors template code raises (a string plus a number, a division by
+    zero, the sandbox's refusal of a huge range) alike: the server answers 400, not 500."""
+    template = jinja_template(source, ByteTokenizer())
     with pytest.raises(BlockloopError, match="the chat template failed on these messages"):
         template.render([{"role": "user", "content": "hi"}])
 

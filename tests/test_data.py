@@ -8,6 +8,8 @@ later tests in the session do not download again.
 from __future__ import annotations
 
 import json
+import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -109,6 +111,30 @@ def test_neox_matches_known_encodings(neox: Tokenizer) -> None:
     assert neox.encode("Hello world") == [12092, 1533]
     assert neox.eos_id == 0 and neox.vocab_size == 50280
     assert neox.decode(neox.encode(SAMPLE)) == SAMPLE
+
+
+def test_encoding_a_long_text_lets_other_threads_run(gpt2: Tokenizer) -> None:
+    """A server encodes a long prompt while its engine thread streams other requests' tokens: the encoder must
+    release the GIL (``tokenizers``' ``encode`` holds it for the whole call, so this thread would tick once)."""
+    ticks, done = [0], threading.Event()
+
+    def tick() -> None:
+        while not done.is_set():
+            time.sleep(0.001)
+            ticks[0] += 1
+
+    ticker = threading.Thread(target=tick)
+    ticker.start()
+    try:
+        while ticks[0] < 2:  # running
+            time.sleep(0.001)
+        before = ticks[0]
+        ids = gpt2.encode(SAMPLE * 15_000)  # about half a second
+        during = ticks[0] - before
+    finally:
+        done.set()
+        ticker.join()
+    assert ids[:8] == gpt2.encode(SAMPLE)[:8] and during >= 20, during
 
 
 @pytest.mark.parametrize("spec", ["byte", "gpt2", "neox", "bpe:300"])

@@ -53,6 +53,8 @@ MALFORMED = [
     ("/v1/completions", {"seed": "x"}, 400, "seed"),
     ("/v1/completions", {"stream": "yes"}, 400, "stream"),
     ("/v1/completions", {"logprobs": 3}, 400, "logprobs"),
+    ("/v1/completions", {"logprobs": 0}, 400, "logprobs"),  # the chosen tokens' log-probabilities, no alternatives
+    ("/v1/completions", {"best_of": True}, 400, "best_of"),  # JSON true is not 1
     ("/v1/completions", {"echo": True}, 400, "echo"),
     ("/v1/completions", {"presence_penalty": 0.5}, 400, "presence_penalty"),
     ("/v1/completions", {"min_p": 0.1}, 400, "min_p"),  # vLLM's extras are refused by name, not ignored
@@ -117,12 +119,13 @@ def test_null_optional_fields_mean_their_defaults_and_the_lesser_endpoints_answe
     for by clients and health checkers."""
     nulls = {"temperature": None, "top_p": None, "n": None, "stop": None, "seed": None, "stream": None, "user": None,
              "echo": None, "logprobs": None, "min_p": None}
+    unused = {"logprobs": False, "presence_penalty": 0.0, "top_logprobs": 0}  # "not used", as clients send it
     with running(app(run, n_slots=2)) as url:
         plain = httpx.post(url + "/v1/completions", json={**GOOD, "seed": 3}).json()
         nulled = httpx.post(url + "/v1/completions", json={**GOOD, **nulls, "seed": 3, "temperature": 0}).json()
         assert nulled["choices"][0]["text"] == plain["choices"][0]["text"]
         # unseeded sampling (seed null): ignore_eos, or an early end-of-text (about 1 run in 60) fails the count
-        chat = httpx.post(url + "/v1/chat/completions", json={**CHAT, **nulls, "max_completion_tokens": None,
+        chat = httpx.post(url + "/v1/chat/completions", json={**CHAT, **nulls, **unused, "max_completion_tokens": None,
                                                              "ignore_eos": True})
         assert chat.status_code == 200 and chat.json()["usage"]["completion_tokens"] == 4
         assert httpx.post(url + "/v1/completions", json={**GOOD, "prompt": None}).json()["error"]["param"] == "prompt"

@@ -162,7 +162,9 @@ class HFTokenizer(Tokenizer):
     def encode(self, text: str | bytes) -> list[int]:
         if isinstance(text, bytes):
             raise BlockloopError(f"tokenizer {self.name!r} cannot encode {_RAW_BYTES}")
-        return self._tokenizer.encode(text, add_special_tokens=False).ids
+        # encode_batch, unlike encode, releases the GIL while it works (and is no slower for one text): a server
+        # encoding a long prompt keeps streaming the others' tokens meanwhile.
+        return self._tokenizer.encode_batch([text], add_special_tokens=False)[0].ids
 
     def encode_batch(self, texts: Sequence[str | bytes]) -> list[np.ndarray]:
         if any(isinstance(text, bytes) for text in texts):

@@ -112,7 +112,7 @@ def create_app(served: ServedModel) -> FastAPI:
         params = parse(CompletionRequest, await _body(request))
         _check_model(params.model)
         if isinstance(params.prompt, str):
-            prompt = _encode(tokenizer.encode_prompt, params.prompt, "prompt")
+            prompt = await _encode(tokenizer.encode_prompt, params.prompt, "prompt")
         else:
             prompt = params.prompt
             if not all(0 <= t < engine.vocab_size for t in prompt):
@@ -132,7 +132,7 @@ def create_app(served: ServedModel) -> FastAPI:
             text = served.template.render([{"role": m.role, "content": m.content} for m in params.messages])
         except BlockloopError as exc:
             raise ApiError(400, str(exc), param="messages") from None
-        prompt = _encode(tokenizer.encode, text, "messages")
+        prompt = await _encode(tokenizer.encode, text, "messages")
         # ignore_eos also runs past the template's end-of-turn token (vLLM: generation config EOS ids included).
         turn_ends = [] if params.ignore_eos else served.template.stop_ids
         stream = TextStream(tokenizer, params.stops() + served.template.stop, turn_ends, prompt=prompt)
@@ -144,17 +144,15 @@ def create_app(served: ServedModel) -> FastAPI:
         if params.model is not None:
             _check_model(params.model)
         encode = tokenizer.encode_prompt if params.add_special_tokens else tokenizer.encode
-        try:
-            tokens = await asyncio.to_thread(encode, params.prompt)  # a long text must not hold up the streams
-        except BlockloopError as exc:  # text the tokenizer cannot read (a task model's unknown word)
-            raise ApiError(400, str(exc), param="prompt") from None
+        tokens = await _encode(encode, params.prompt, "prompt")
         return {"tokens": tokens, "count": len(tokens), "max_model_len": engine.max_len}
 
-    def _encode(encode: Callable[[str], list[int]], text: str, field: str) -> list[int]:
-        """``text``'s ids; text the tokenizer cannot read (a task model's unknown word) or that reads as no
-        tokens at all is the client's mistake, a 400 naming ``field``."""
+    async def _encode(encode: Callable[[str], list[int]], text: str, field: str) -> list[int]:
+        """``text``'s ids, encoded off the event loop (a long text must not hold up the streams); text the
+        tokenizer cannot read (a task model's unknown word) or that reads as no tokens at all is the client's
+        mistake, a 400 naming ``field``."""
         try:
-            ids = encode(text)
+            ids = await asyncio.to_thread(encode, text)
         except BlockloopError as exc:
             raise ApiError(400, str(exc), param=field) from None
         if not ids:

@@ -75,7 +75,9 @@ class ChatTemplate:
         try:
             return env.from_string(self.source).render(messages=messages, add_generation_prompt=True,
                                                        **self.special_tokens)
-        except TemplateError as exc:
+        except BlockloopError:
+            raise  # the template's own raise_exception: its message is for the client
+        except (TemplateError, ArithmeticError, LookupError, TypeError, ValueError) as exc:  # what template code raises
             raise BlockloopError(f"the chat template failed on these messages ({type(exc).__name__}: {exc}); "
                                  "fix the checkpoint's chat template") from None
 

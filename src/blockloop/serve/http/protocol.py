@@ -20,8 +20,10 @@ from blockloop.serve.requests import INT64_MAX
 
 # Fields of the OpenAI API, and vLLM's sampling extras, this server does not implement, and the values that mean
 # "not used". Other fields it does not know are ignored, as vLLM ignores them.
+# A value means "not used" only as that JSON type: completions' ``"logprobs": 0`` asks for the chosen tokens'
+# log-probabilities, where chat's ``"logprobs": false`` asks for none.
 UNSUPPORTED: dict[str, tuple[Any, ...]] = {
-    "echo": (None, False), "logprobs": (None, False, 0), "top_logprobs": (None, 0), "suffix": (None, ""),
+    "echo": (None, False), "logprobs": (None, False), "top_logprobs": (None, 0), "suffix": (None, ""),
     "best_of": (None, 1), "presence_penalty": (None, 0), "frequency_penalty": (None, 0), "logit_bias": (None, {}),
     "tools": (None, []), "tool_choice": (None, "none"), "functions": (None, []), "response_format": (None, {"type": "text"}),
     "repetition_penalty": (None, 1), "min_p": (None, 0), "min_tokens": (None, 0), "stop_token_ids": (None, []),
@@ -164,7 +166,7 @@ def parse(model: type[BaseModel], body: Any) -> Any:
     if not isinstance(body, dict):
         raise ApiError(400, "the request body must be a JSON object")
     for name, defaults in UNSUPPORTED.items():
-        if name in body and body[name] not in defaults:
+        if name in body and not any(_same_json(body[name], unused) for unused in defaults):
             raise ApiError(400, f"{name} is not supported by this server; leave it out", param=name)
     # The API lets a client send null for any optional field (several do): it means the default.
     optional = {name for name, f in model.model_fields.items() if not f.is_required()}
@@ -175,6 +177,11 @@ def parse(model: type[BaseModel], body: Any) -> Any:
         error = exc.errors()[0]
         param = _param(error["loc"], unknown_ok=error["type"] == "extra_forbidden")
         raise ApiError(400, f"{param}: {error['msg']}", param=param) from None
+
+
+def _same_json(value: Any, other: Any) -> bool:
+    """Equal as JSON values: Python's ``0 == False`` is not JSON's (an integer and 0.0 are both numbers)."""
+    return isinstance(value, bool) == isinstance(other, bool) and value == other
 
 
 def _param(loc: tuple[Any, ...], unknown_ok: bool = False) -> str:
