@@ -73,6 +73,7 @@ def base(tmp_path_factory):
     partial.mkdir(parents=True)
     (partial / "rng_rank0.safetensors").write_bytes(b"cut")
     (base / "a_file").write_text("not a directory\n")
+    (base / "broken.jinja").write_text("{% for m in messages %}")
     (base / "records.jsonl").write_text('{"kind": "throughput"}\nnot json\n')
     (base / "records_dir").mkdir()
     hf = base / "hf_pickle"
@@ -207,6 +208,8 @@ CASES = [
     (["chat", "--checkpoint", R, "--max-new-tokens", "0"], "--max-new-tokens: must be an integer >= 1"),
     (["chat", "--checkpoint", R, "--slots", "0"], "--slots: must be an integer >= 1"),
     (["chat", "--checkpoint", R, "--system", "\udcff"], "--system: is not valid UTF-8"),
+    (["chat", "--checkpoint", R, "--chat-template", "{base}/none.jinja"], "--chat-template: cannot read {base}/none.jinja"),
+    (["serve", "--checkpoint", R, "--port", "0", "--chat-template", "{base}/broken.jinja"], "the chat template does not"),
     # serve
     (["serve", "--checkpoint", R, "--port", "70000"], "--port: must be an integer in [0, 65535]"),
     (["serve", "--checkpoint", R, "--max-waiting", "-1"], "--max-waiting: must be an integer >= 0"),

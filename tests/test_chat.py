@@ -192,6 +192,8 @@ def test_plain_template_and_a_jinja_template_with_its_end_of_turn_token(tmp_path
     template = chat_template_for(ByteTokenizer(), tmp_path)
     assert template.render(messages[:1]) == "<user>hi</s><assistant>"
     assert template.stop_ids == []  # "</s>" is five bytes for the byte tokenizer, not one special id
+    given = chat_template_for(ByteTokenizer(), tmp_path, "[{{ messages[0].content }}]")  # --chat-template wins
+    assert given.render(messages[:1]) == "[hi]"
 
 
 def test_a_jinja_template_gets_the_special_tokens_and_helpers_transformers_gives_it():
@@ -203,7 +205,14 @@ def test_a_jinja_template_gets_the_special_tokens_and_helpers_transformers_gives
     assert template.render([{"role": "developer", "content": "be brief"}]) == "-<|endoftext|><|pad|>system:be brief;4"
 
 
-@pytest.mark.parametrize("source", ["{{ messages[0].content | no_such_filter }}", "{{ messages[0].content + 1 }}",
+@pytest.mark.parametrize("source", ["{% for m in messages %}", "{{ messages[0].content | no_such_filter }}"])
+def test_a_template_that_does_not_compile_is_refused_when_it_is_loaded(source):
+    """Before the server or chat starts, not as a 400 on every request."""
+    with pytest.raises(BlockloopError, match="the chat template does not compile .*give another with --chat-template"):
+        jinja_template(source, ByteTokenizer())
+
+
+@pytest.mark.parametrize("source", ["{{ messages[0].content.strip(1, 2, 3) }}", "{{ messages[0].content + 1 }}",
                                     "{{ 1 / (messages | length - 1) }}", "{{ range(10**9) | length }}"])
 def test_a_template_that_fails_to_render_is_one_error_not_a_traceback(source):
     """Jinja's own errors and the Python errors template code raises (a string plus a number, a division by

@@ -114,6 +114,13 @@ def test_malformed_requests_each_get_a_4xx_naming_the_field_and_the_server_keeps
         assert good["usage"]["completion_tokens"] >= 1 and good["choices"][0]["finish_reason"] in ("stop", "length")
 
 
+def test_a_chat_template_given_to_the_server_replaces_the_checkpoints(run):
+    """``--chat-template``: the prompt a chat request becomes is the given template's text (one byte a token)."""
+    with running(app(run, n_slots=1, chat_template="<{{ messages[-1].content }}>")) as url:
+        reply = httpx.post(url + "/v1/chat/completions", json={**CHAT, "messages": [{"role": "user", "content": "hey"}]})
+        assert reply.json()["usage"]["prompt_tokens"] == len("<hey>")
+
+
 def test_null_optional_fields_mean_their_defaults_and_the_lesser_endpoints_answer(run):
     """Clients send ``null`` for fields they leave unset; ``/v1/models/{id}`` and ``HEAD /health`` are asked
     for by clients and health checkers."""

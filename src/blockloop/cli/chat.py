@@ -17,7 +17,7 @@ from blockloop.cli.common import (
     positive_int,
     utf8_text,
 )
-from blockloop.cli.serve import add_engine_arguments, load
+from blockloop.cli.serve import add_chat_template, add_engine_arguments, load
 from blockloop.errors import BlockloopError, utf8_problem
 
 if TYPE_CHECKING:
@@ -26,13 +26,15 @@ if TYPE_CHECKING:
 HELP = "chat with a checkpoint in the terminal"
 DESCRIPTION = ("An interactive chat on the serving engine: answers stream as they are generated, the history is "
                "trimmed to the model context, /reset starts over, /quit (or Ctrl-D) leaves, and Ctrl-C stops the "
-               "current answer. Chats use the checkpoint's chat template, or a plain User:/Assistant: one.")
+               "current answer. Chats use --chat-template, else the checkpoint's chat template, else a plain "
+               "User:/Assistant: one.")
 COMMANDS_HELP = "/reset forgets the conversation, /quit leaves; Ctrl-C stops an answer"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--checkpoint", required=True, type=nonempty, help="run directory or checkpoint directory")
     p.add_argument("--system", type=utf8_text, help="a system message that starts every conversation")
+    add_chat_template(p)
     p.add_argument("--max-new-tokens", type=positive_int, default=256, help="tokens per answer at most (default: 256)")
     p.add_argument("--temperature", type=nonnegative_float, default=0.8, help="0 = greedy (default: 0.8)")
     p.add_argument("--top-k", type=positive_int, help="sample only among the k most likely tokens")
@@ -50,7 +52,7 @@ def run(args: argparse.Namespace) -> int:
 
     trained, options = load(args, n_slots=args.slots)
     worker = EngineWorker(serving_engine(trained.model, **options))
-    session = ChatSession(worker, trained.tokenizer, chat_template_for(trained.tokenizer, trained.directory),
+    session = ChatSession(worker, trained.tokenizer, chat_template_for(trained.tokenizer, trained.directory, args.chat_template),
                           max_new_tokens=args.max_new_tokens, system=args.system,
                           sampling=SamplingParams(args.temperature, args.top_k, args.top_p, seed=args.seed))
     worker.start()

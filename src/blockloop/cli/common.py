@@ -12,6 +12,7 @@ import argparse
 import json
 import math
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import NoReturn, TypeVar
 
 from blockloop.errors import BlockloopError, utf8_problem
@@ -127,6 +128,17 @@ def utf8_text(value: str) -> str:
     if problem is not None:
         raise argparse.ArgumentTypeError(f"{problem}; pass UTF-8")
     return value
+
+
+def text_file(value: str) -> str:
+    """An argparse type: the UTF-8 text of the file ``value`` names, read at once (a missing file fails before the
+    model loads)."""
+    try:
+        return Path(value).read_text(encoding="utf-8")
+    except UnicodeDecodeError:
+        raise argparse.ArgumentTypeError(f"{value} is not UTF-8 text") from None
+    except OSError as exc:
+        raise argparse.ArgumentTypeError(f"cannot read {value}: {exc.strerror}") from None
 
 
 def positive_ints(text: str) -> list[int]:

@@ -17,6 +17,7 @@ from blockloop.cli.common import (
     nonnegative_int,
     positive_int,
     set_threads,
+    text_file,
 )
 from blockloop.errors import BlockloopError
 
@@ -34,6 +35,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
     p.add_argument("--port", type=integer(0, 65535), default=8000, help="port to listen on (default: 8000)")
     p.add_argument("--name", type=nonempty, help="the model name clients send (default: the checkpoint folder's name)")
+    add_chat_template(p)
     add_engine_arguments(p)
     p.add_argument("--max-waiting", type=nonnegative_int, default=256,
                    help="requests that may wait for a slot (beyond those free slots will take); past it the server answers "
@@ -67,6 +69,11 @@ def add_engine_arguments(p: argparse.ArgumentParser, slots: int = 8) -> None:
     add_threads(p)
 
 
+def add_chat_template(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--chat-template", type=text_file, metavar="FILE",
+                   help="a Jinja chat template file, in place of the checkpoint's (as vLLM's --chat-template)")
+
+
 def run(args: argparse.Namespace) -> int:
     import uvicorn
 
@@ -77,7 +84,7 @@ def run(args: argparse.Namespace) -> int:
         trained, options = load(args, n_slots=args.slots)
         name = args.name or Path(args.checkpoint).resolve().name
         app = app_for(trained.model, trained.tokenizer, name=name, directory=trained.directory,
-                      max_waiting=args.max_waiting, **options)
+                      chat_template=args.chat_template, max_waiting=args.max_waiting, **options)
         port = sock.getsockname()[1]  # --port 0: the one the system chose
         host = f"[{args.host}]" if ":" in args.host else args.host  # an IPv6 address in a URL
         print(f"serving {name} ({trained.config.family}, {args.slots} slots) at http://{host}:{port}/v1")

@@ -266,11 +266,13 @@ def _sse(data: dict[str, Any]) -> str:
 
 
 def app_for(
-    model: nn.Module, tokenizer: Tokenizer, *, name: str, directory: Path | None = None, n_slots: int = 8,
-    max_waiting: int = 256, **engine_options: Any,
+    model: nn.Module, tokenizer: Tokenizer, *, name: str, directory: Path | None = None,
+    chat_template: str | None = None, n_slots: int = 8, max_waiting: int = 256, **engine_options: Any,
 ) -> FastAPI:
-    """The API serving ``model`` (a checkpoint's model, tokenizer and folder, as ``blockloop serve`` loads them);
-    ``engine_options`` go to :func:`~blockloop.serve.http.worker.serving_engine`."""
+    """The API serving ``model`` (a checkpoint's model, tokenizer and folder, as ``blockloop serve`` loads them;
+    ``chat_template``, Jinja text, replaces the checkpoint's); ``engine_options`` go to
+    :func:`~blockloop.serve.http.worker.serving_engine`."""
+    template = chat_template_for(tokenizer, directory, chat_template)  # a broken template fails before the engine
     engine = serving_engine(model, n_slots, **engine_options)
     worker = EngineWorker(engine, max_waiting=max_waiting)
-    return create_app(ServedModel(name, tokenizer, chat_template_for(tokenizer, directory), worker))
+    return create_app(ServedModel(name, tokenizer, template, worker))

@@ -1,7 +1,7 @@
 """Chat prompts: messages -> prompt text through a chat template, a history kept within the context, and the
 terminal chat's conversation on an engine thread (:class:`ChatSession`).
 
-Where the template comes from, first found wins:
+Where the template comes from: the Jinja file ``--chat-template`` names, else the first found of
 
 1. the template the tokenizer carries (``Tokenizer.chat_template``: SmolLM2's, or a Hugging Face import's);
 2. the checkpoint folder's ``chat_template.jinja``, or the ``chat_template`` of its ``tokenizer_config.json``
@@ -36,12 +36,16 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from blockloop.data.tokenizers import Tokenizer, build_tokenizer
 from blockloop.errors import BlockloopError
 from blockloop.serve.http.text import TextStream
 from blockloop.serve.http.worker import EngineWorker, Event, Job
 from blockloop.serve.requests import SamplingParams
+
+if TYPE_CHECKING:
+    from jinja2 import Environment  # imported only by chats with a Jinja template
 
 END_OF_TURN = ("<|im_end|>", "<|eot_id|>", "<end_of_turn>", "</s>")
 PLAIN_NAMES = {"system": "System", "developer": "System", "user": "User", "assistant": "Assistant"}
@@ -62,19 +66,11 @@ class ChatTemplate:
             turns = "".join(f"{PLAIN_NAMES[m['role']]}: {m['content']}\n\n" for m in messages)
             return turns + "Assistant:"
         from jinja2 import TemplateError
-        from jinja2.ext import loopcontrols  # a dependency of torch
-        from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-        def raise_exception(message: str) -> None:
-            raise BlockloopError(f"the chat template refused the messages: {message}")
-
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
-        env.globals["raise_exception"] = raise_exception
-        env.globals["strftime_now"] = lambda format: datetime.now().strftime(format)
         messages = [{**m, "role": "system"} if m["role"] == "developer" else m for m in messages]
         try:
-            return env.from_string(self.source).render(messages=messages, add_generation_prompt=True,
-                                                       **self.special_tokens)
+            return _environment().from_string(self.source).render(messages=messages, add_generation_prompt=True,
+                                                                  **self.special_tokens)
         except BlockloopError:
             raise  # the template's own raise_exception: its message is for the client
         except (TemplateError, ArithmeticError, LookupError, TypeError, ValueError) as exc:  # what template code raises
@@ -82,12 +78,34 @@ class ChatTemplate:
                                  "fix the checkpoint's chat template") from None
 
 
+def _environment() -> Environment:
+    """A Jinja environment as ``transformers`` renders chat templates in: sandboxed, with its helpers."""
+    from jinja2.ext import loopcontrols  # a dependency of torch
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    def raise_exception(message: str) -> None:
+        raise BlockloopError(f"the chat template refused the messages: {message}")
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
+    env.globals["raise_exception"] = raise_exception
+    env.globals["strftime_now"] = lambda format: datetime.now().strftime(format)
+    return env
+
+
 def plain_template() -> ChatTemplate:
     return ChatTemplate(None, stop=["\nUser:"])
 
 
 def jinja_template(source: str, tokenizer: Tokenizer) -> ChatTemplate:
-    """A Jinja chat template; its end-of-turn tokens that ``tokenizer`` has as single special ids stop generation."""
+    """A Jinja chat template; its end-of-turn tokens that ``tokenizer`` has as single special ids stop generation.
+    A template that does not compile is refused here, when the server or chat starts, not at every request."""
+    from jinja2 import TemplateError
+
+    try:
+        _environment().from_string(source)
+    except TemplateError as exc:
+        raise BlockloopError(f"the chat template does not compile ({type(exc).__name__}: {exc}); fix it, or give "
+                             "another with --chat-template") from None
     ids = []
     for marker in END_OF_TURN:
         encoded = tokenizer.encode(marker) if marker in source else []
@@ -102,8 +120,11 @@ def jinja_template(source: str, tokenizer: Tokenizer) -> ChatTemplate:
     return ChatTemplate(source, stop_ids=ids, special_tokens={k: v for k, v in texts.items() if v is not None})
 
 
-def chat_template_for(tokenizer: Tokenizer, directory: Path | None = None) -> ChatTemplate:
-    """The template a checkpoint's chats use (see the module docstring for the order)."""
+def chat_template_for(tokenizer: Tokenizer, directory: Path | None = None, source: str | None = None) -> ChatTemplate:
+    """The template a checkpoint's chats use: ``source`` (``--chat-template``) where given, else the first found in
+    the module docstring's order."""
+    if source is not None:
+        return jinja_template(source, tokenizer)
     if tokenizer.chat_template is not None:
         return jinja_template(tokenizer.chat_template, tokenizer)
     if directory is not None:
