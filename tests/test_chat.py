@@ -194,6 +194,10 @@ def test_plain_template_and_a_jinja_template_with_its_end_of_turn_token(tmp_path
     assert template.stop_ids == []  # "</s>" is five bytes for the byte tokenizer, not one special id
     given = chat_template_for(ByteTokenizer(), tmp_path, "[{{ messages[0].content }}]")  # --chat-template wins
     assert given.render(messages[:1]) == "[hi]"
+    (tmp_path / "chat_template.jinja").unlink()
+    (tmp_path / "tokenizer_config.json").write_text('{"chat_template": "{{ messages | length }}"')  # cut short
+    with pytest.raises(BlockloopError, match="tokenizer_config.json is not valid JSON"):
+        chat_template_for(ByteTokenizer(), tmp_path)
 
 
 def test_a_jinja_template_gets_the_special_tokens_and_helpers_transformers_gives_it():

@@ -271,17 +271,25 @@ def hf_folder_tokenizer(folder: Path, name: str) -> HFTokenizer:
         raise BlockloopError(
             f"no tokenizer.json in {folder}; pass --tokenizer (e.g. gpt2, neox or a tokenizer.json path)"
         )
-    chat_template = None
+    return _from_file(folder / "tokenizer.json", name=name, chat_template=folder_chat_template(folder))
+
+
+def folder_chat_template(folder: Path) -> str | None:
+    """The chat template a Hugging Face-style folder holds: its ``chat_template.jinja``, else the
+    ``chat_template`` of its ``tokenizer_config.json``; None where it has neither."""
     if (folder / CHAT_TEMPLATE_FILE).is_file():
-        chat_template = (folder / CHAT_TEMPLATE_FILE).read_text(encoding="utf-8")
-    elif (folder / "tokenizer_config.json").is_file():
-        config_path = folder / "tokenizer_config.json"
         try:
-            template = json.loads(config_path.read_text(encoding="utf-8")).get("chat_template")
-        except (UnicodeDecodeError, json.JSONDecodeError, AttributeError) as err:
-            raise BlockloopError(f"{config_path} is not valid JSON ({err}); repair or remove it") from None
-        chat_template = template if isinstance(template, str) else None
-    return _from_file(folder / "tokenizer.json", name=name, chat_template=chat_template)
+            return (folder / CHAT_TEMPLATE_FILE).read_text(encoding="utf-8")
+        except UnicodeDecodeError:
+            raise BlockloopError(f"{folder / CHAT_TEMPLATE_FILE} is not UTF-8 text; repair or remove it") from None
+    config_path = folder / "tokenizer_config.json"
+    if not config_path.is_file():
+        return None
+    try:
+        template = json.loads(config_path.read_text(encoding="utf-8")).get("chat_template")
+    except (UnicodeDecodeError, json.JSONDecodeError, AttributeError) as err:
+        raise BlockloopError(f"{config_path} is not valid JSON ({err}); repair or remove it") from None
+    return template if isinstance(template, str) else None
 
 
 def _from_file(

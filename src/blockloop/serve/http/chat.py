@@ -30,7 +30,6 @@ tokenizer has as one special id) stops generation like the end-of-text token.
 
 from __future__ import annotations
 
-import json
 import queue
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -38,7 +37,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from blockloop.data.tokenizers import Tokenizer, build_tokenizer
+from blockloop.data.tokenizers import Tokenizer, build_tokenizer, folder_chat_template
 from blockloop.errors import BlockloopError
 from blockloop.serve.http.text import TextStream
 from blockloop.serve.http.worker import EngineWorker, Event, Job
@@ -127,14 +126,9 @@ def chat_template_for(tokenizer: Tokenizer, directory: Path | None = None, sourc
         return jinja_template(source, tokenizer)
     if tokenizer.chat_template is not None:
         return jinja_template(tokenizer.chat_template, tokenizer)
-    if directory is not None:
-        if (directory / "chat_template.jinja").is_file():
-            return jinja_template((directory / "chat_template.jinja").read_text(encoding="utf-8"), tokenizer)
-        config = directory / "tokenizer_config.json"
-        if config.is_file():
-            source = json.loads(config.read_text(encoding="utf-8")).get("chat_template")
-            if isinstance(source, str):
-                return jinja_template(source, tokenizer)
+    source = folder_chat_template(directory) if directory is not None else None
+    if source is not None:
+        return jinja_template(source, tokenizer)
     if tokenizer.name == "smollm2":
         source = build_tokenizer("smollm2").chat_template
         if source is not None:
