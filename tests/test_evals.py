@@ -473,7 +473,9 @@ def test_results_files_are_strict_json_and_malformed_ones_are_refused(tiny_run, 
     capsys.readouterr()
     for i, text in enumerate(['"results"', '{"results": 5}', '{"results": [{"task": "copa"}]}',
                               '{"results": [], "model": 3}', '{"results": [{"task": "copa", "metric": "acc", '
-                              '"value": "high", "stderr": null}]}']):
+                              '"value": "high", "stderr": null}]}',
+                              '{"results": [{"task": "copa", "metric": "acc", "value": 0.5, "stderr": null, "loop": [1]}]}',
+                              '{"results": [{"task": "copa", "metric": "acc", "value": true, "stderr": null}]}']):
         bad = tmp_path / f"bad{i}.json"
         bad.write_text(text)
         assert main(["eval", "--compare", str(bad), str(one)]) == EXIT_USER_ERROR

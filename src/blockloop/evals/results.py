@@ -61,11 +61,14 @@ def _record_problem(record: Any) -> str | None:
         return "no list of results"
     if not isinstance(record.get("model", {}), dict | None):
         return "its model is not an object"
-    number = int | float
+    def number(value: Any) -> bool:  # JSON true is no number
+        return isinstance(value, int | float) and not isinstance(value, bool)
+
     for i, r in enumerate(record["results"]):
         if not (isinstance(r, dict) and isinstance(r.get("task"), str) and isinstance(r.get("metric"), str)
-                and isinstance(r.get("value"), number) and isinstance(r.get("stderr"), number | None)):
-            return f"result {i} is not an object with task, metric, value and stderr"
+                and number(r.get("value")) and (r.get("stderr") is None or number(r["stderr"]))
+                and (r.get("loop") is None or (isinstance(r["loop"], int) and not isinstance(r["loop"], bool)))):
+            return f"result {i} is not an object with task, metric, value and stderr (and an integer loop, if any)"
     return None
 
 
