@@ -203,3 +203,22 @@ def test_names_takes_known_names_in_order_and_an_empty_list_only_when_allowed():
         with pytest.raises(argparse.ArgumentTypeError, match=re.escape(message)):
             parse(bad)
     assert or_none(names(("eager",)))("") == []
+
+
+def test_models_that_share_a_folder_name_get_names_that_tell_them_apart(tmp_path):
+    """Ratios are taken to the first model by name and plots key points by name: two runs' ``final`` folders, or a
+    run named like a preset, must not share one (the baseline would be the last of them)."""
+    from blockloop.bench.suite import add_ratios, checkpoint_name, load_models
+
+    a, b = tmp_path / "expA" / "final", tmp_path / "expB" / "final"
+    assert checkpoint_name(str(a), set()) == "final"
+    assert checkpoint_name(str(b), {"final"}) == "expB/final"
+    assert checkpoint_name(str(tmp_path / "tiny"), {"tiny"}) == f"{tmp_path.name}/tiny"
+    every_suffix = {"/".join(a.resolve().parts[-k:]) for k in range(1, len(a.resolve().parts) + 1)}
+    with pytest.raises(BlockloopError, match="given more than once"):
+        checkpoint_name(str(a), every_suffix)
+    with pytest.raises(BlockloopError, match="--presets names tiny more than once"):
+        load_models("tiny,tiny", [], "cpu", torch.float32)
+    rows = [{"name": name, "batch": 1, "tok_s": tok_s} for name, tok_s in (("final", 10.0), ("expB/final", 20.0))]
+    add_ratios(rows, "final")
+    assert [r["ratio_vs_baseline"] for r in rows] == [1.0, 2.0]

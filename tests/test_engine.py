@@ -517,6 +517,9 @@ def test_pareto_plot_from_records(tmp_path):
     record.write_text("\n".join(map(json.dumps, rows)))
     assert main(["bench", "--plot", str(tmp_path / "p.png"), "--record", str(record)]) == 0
     assert (tmp_path / "p.png").stat().st_size > 0
+    for out in (tmp_path / "p.xyz", tmp_path / "p", tmp_path):  # matplotlib would refuse, or write p.png
+        assert main(["bench", "--plot", str(out), "--record", str(record)]) == 2
+    assert not (tmp_path / "p.xyz").exists() and not (tmp_path / "p.png.png").exists()
 
 
 @pytest.mark.gpu

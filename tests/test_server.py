@@ -191,6 +191,13 @@ def test_64_concurrent_requests_from_16_threads_all_succeed_with_exact_counts(va
             assert text == tok.decode(expected) and usage.completion_tokens == len(expected)
 
 
+def test_bench_over_http_reports_a_server_error_in_one_line(vanilla, capsys):
+    """``--url`` with ``/v1`` added: the server answers 404 at ``/v1/v1/models``; httpx words it in two lines."""
+    assert main(["bench", "--url", vanilla.url + "/v1", "--requests", "2"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "404 Not Found" in err, err
+
+
 def test_metrics_count_tokens_requests_and_latencies(vanilla):
     before = httpx.get(vanilla.url + "/metrics").text
     replies = [vanilla.client.completions.create(model="tiny", prompt=p, max_tokens=5, temperature=0)

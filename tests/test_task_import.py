@@ -106,6 +106,7 @@ def test_given_split_files_and_a_reused_vocabulary(tmp_path):
         ([{"tokens": [], "labels": []}], "data.jsonl:1: the sequence has no tokens"),
         ([{"tokens": ["a b"], "labels": [None]}], "holds whitespace"),
         ([{"tokens": ["END"], "labels": [None]}], "'END' is reserved"),
+        ([{"tokens": ["\ud800"], "labels": [None]}], "is not valid UTF-8 text"),  # JSON's escape of a lone surrogate
         ([{"tokens": [1.5], "labels": [None]}], "1.5 is not a string or a whole number"),
         ([{"tokens": ["a"], "labels": ["p0"]}] * 2, "holds 2 sequences, too few for train, valid and test splits"),
     ],

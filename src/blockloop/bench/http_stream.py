@@ -25,6 +25,11 @@ def _bad_url(url: str, why: str) -> BlockloopError:
     return BlockloopError(f"--url {url!r} is not a valid URL ({why}); give one like http://127.0.0.1:8000")
 
 
+def _first_line(exc: Exception) -> str:
+    """An httpx error in one line: a status error goes on with a second line pointing to MDN."""
+    return str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+
+
 def _check_url(url: str) -> None:
     """Refuse an address no server could answer at (another scheme, no host, a port out of range) as a bad
     address, rather than reporting it as a server that does not answer."""
@@ -45,7 +50,8 @@ def model_card(url: str) -> dict[str, Any]:
     except httpx.InvalidURL as exc:
         raise _bad_url(url, str(exc)) from None
     except (httpx.HTTPError, KeyError, ValueError) as exc:
-        raise BlockloopError(f"no OpenAI-compatible server answers at {url} ({exc}); start `blockloop serve` first") from None
+        raise BlockloopError(f"no OpenAI-compatible server answers at {url} ({_first_line(exc)}); start `blockloop serve` "
+                             "first") from None
     if not cards or "id" not in cards[0]:
         raise BlockloopError(f"the server at {url} lists no model; bench --url drives `blockloop serve`")
     return cards[0]
@@ -57,7 +63,7 @@ def server_tokens(url: str, model: str, text: str) -> list[int]:
     try:
         return httpx.post(url.rstrip("/") + "/tokenize", json=body, timeout=300).raise_for_status().json()["tokens"]
     except (httpx.HTTPError, KeyError, ValueError) as exc:
-        raise BlockloopError(f"the server at {url} did not tokenize the corpus ({exc}); bench --url drives "
+        raise BlockloopError(f"the server at {url} did not tokenize the corpus ({_first_line(exc)}); bench --url drives "
                              "`blockloop serve`") from None
 
 

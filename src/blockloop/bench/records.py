@@ -194,6 +194,11 @@ def plot_pareto(records: list[dict[str, Any]], out: Path) -> int:
         import matplotlib.pyplot as plt
     except ImportError as exc:
         raise BlockloopError("--plot needs matplotlib: pip install 'blockloop[plot]'") from exc
+    formats = plt.figure().canvas.get_supported_filetypes()  # matplotlib writes FILE.png for a FILE without one
+    plt.close("all")
+    if out.suffix.lstrip(".").lower() not in formats or out.is_dir():
+        raise BlockloopError(f"--plot {out} is not an image file name; end it in "
+                             f"{', '.join('.' + f for f in ('png', 'pdf', 'svg') if f in formats)}")
     best: dict[str, dict[str, Any]] = {}
     for r in records:
         if r.get("val_loss") is not None and r.get("kind") == "throughput":

@@ -53,15 +53,31 @@ def load_models(
     the Block Transformer paper's pair."""
     models = []
     names = presets if presets is not None else ("" if checkpoints else DEFAULT_PRESETS)
-    for name in [n.strip() for n in names.split(",") if n.strip()]:
+    names = [n.strip() for n in names.split(",") if n.strip()]
+    twice = next((n for i, n in enumerate(names) if n in names[:i]), None)
+    if twice is not None:
+        raise BlockloopError(f"--presets names {twice} more than once; name each model once")
+    for name in names:
         torch.manual_seed(seed)
         models.append(BenchModel(name, build_model(from_name(name)).to(device=device, dtype=dtype).eval(), None))
     for path in checkpoints:
         trained = load_trained(path, device)
-        models.append(BenchModel(Path(path).name, trained.model.to(dtype), last_val_loss(Path(path)), trained.tokenizer))
+        name = checkpoint_name(path, {m.name for m in models})
+        models.append(BenchModel(name, trained.model.to(dtype), last_val_loss(Path(path)), trained.tokenizer))
     if not models:
         raise BlockloopError("nothing to bench: give --presets or --checkpoint")
     return models
+
+
+def checkpoint_name(path: str, taken: set[str]) -> str:
+    """A checkpoint's name in tables, ratios and plots: its folder's name, with as many parent folders as it takes
+    to tell it from the models before it (two runs' ``final`` folders, a run named like a preset)."""
+    parts = Path(path).resolve().parts
+    for k in range(1, len(parts) + 1):
+        name = "/".join(parts[-k:])
+        if name not in taken:
+            return name
+    raise BlockloopError(f"--checkpoint {path} is given more than once; name each model once")
 
 
 def measure_bandwidth(device: torch.device) -> float:

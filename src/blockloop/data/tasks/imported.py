@@ -28,7 +28,7 @@ import numpy as np
 from blockloop.data.tasks.base import IGNORE_INDEX, NO_LABEL, SPLITS, TaskStream, TaskVocab
 from blockloop.data.tasks.files import load_task, write_splits
 from blockloop.data.tasks.registry import TASKS
-from blockloop.errors import BlockloopError
+from blockloop.errors import BlockloopError, utf8_problem
 from blockloop.files import check_new_folder
 
 END = "END"
@@ -81,6 +81,8 @@ def _word(where: str, value: object, kind: str) -> str:
     if isinstance(value, bool) or not isinstance(value, (str, int)):
         raise BlockloopError(f"{where}: {kind} {json.dumps(value)} is not a string or a whole number")
     word = str(value)
+    if utf8_problem(word) is not None:  # JSON can escape a lone surrogate, which no output can print
+        raise BlockloopError(f"{where}: {kind} {json.dumps(value)} {utf8_problem(word)}; write it in UTF-8")
     if not word or any(char.isspace() for char in word):
         raise BlockloopError(f"{where}: {kind} {json.dumps(value)} is empty or holds whitespace; words are space-separated")
     if word in (NO_LABEL, END):
