@@ -52,8 +52,8 @@ def run(args: argparse.Namespace) -> int:
 
     trained, options = load(args, n_slots=args.slots)
     worker = EngineWorker(serving_engine(trained.model, **options))
-    session = ChatSession(worker, trained.tokenizer, chat_template_for(trained.tokenizer, trained.directory, args.chat_template),
-                          max_new_tokens=args.max_new_tokens, system=args.system,
+    template = chat_template_for(trained.tokenizer, trained.directory, args.chat_template)
+    session = ChatSession(worker, trained.tokenizer, template, max_new_tokens=args.max_new_tokens, system=args.system,
                           sampling=SamplingParams(args.temperature, args.top_k, args.top_p, seed=args.seed))
     worker.start()
     try:

@@ -81,8 +81,9 @@ def _word(where: str, value: object, kind: str) -> str:
     if isinstance(value, bool) or not isinstance(value, (str, int)):
         raise BlockloopError(f"{where}: {kind} {json.dumps(value)} is not a string or a whole number")
     word = str(value)
-    if utf8_problem(word) is not None:  # JSON can escape a lone surrogate, which no output can print
-        raise BlockloopError(f"{where}: {kind} {json.dumps(value)} {utf8_problem(word)}; write it in UTF-8")
+    problem = utf8_problem(word)  # JSON can escape a lone surrogate, which no output can print
+    if problem is not None:
+        raise BlockloopError(f"{where}: {kind} {json.dumps(value)} {problem}; write it in UTF-8")
     if not word or any(char.isspace() for char in word):
         raise BlockloopError(f"{where}: {kind} {json.dumps(value)} is empty or holds whitespace; words are space-separated")
     if word in (NO_LABEL, END):

@@ -44,7 +44,7 @@ from blockloop.serve.http.worker import EngineWorker, Event, Job
 from blockloop.serve.requests import SamplingParams
 
 if TYPE_CHECKING:
-    from jinja2 import Environment  # imported only by chats with a Jinja template
+    from jinja2 import Environment, Template  # imported only by chats with a Jinja template
 
 END_OF_TURN = ("<|im_end|>", "<|eot_id|>", "<end_of_turn>", "</s>")
 PLAIN_NAMES = {"system": "System", "developer": "System", "user": "User", "assistant": "Assistant"}
@@ -59,6 +59,18 @@ class ChatTemplate:
     stop: list[str] = field(default_factory=list)  # stop strings every chat request gets
     stop_ids: list[int] = field(default_factory=list)  # end-of-turn token ids
     special_tokens: dict[str, str] = field(default_factory=dict)  # bos_token, eos_token, pad_token: their text
+    compiled: Template | None = field(init=False, repr=False, compare=False)  # the source, compiled once
+
+    def __post_init__(self) -> None:
+        """Compile a Jinja source once, here: a template that does not compile is refused when the server or chat
+        starts, not at every request."""
+        from jinja2 import TemplateError
+
+        try:
+            self.compiled = None if self.source is None else _environment().from_string(self.source)
+        except TemplateError as exc:
+            raise BlockloopError(f"the chat template does not compile ({type(exc).__name__}: {exc}); fix it, or "
+                                 "give another with --chat-template") from None
 
     def render(self, messages: list[Message]) -> str:
         if self.source is None:
@@ -68,8 +80,7 @@ class ChatTemplate:
 
         messages = [{**m, "role": "system"} if m["role"] == "developer" else m for m in messages]
         try:
-            return _environment().from_string(self.source).render(messages=messages, add_generation_prompt=True,
-                                                                  **self.special_tokens)
+            return self.compiled.render(messages=messages, add_generation_prompt=True, **self.special_tokens)
         except BlockloopError:
             raise  # the template's own raise_exception: its message is for the client
         except (TemplateError, ArithmeticError, LookupError, TypeError, ValueError) as exc:  # what template code raises
@@ -96,15 +107,7 @@ def plain_template() -> ChatTemplate:
 
 
 def jinja_template(source: str, tokenizer: Tokenizer) -> ChatTemplate:
-    """A Jinja chat template; its end-of-turn tokens that ``tokenizer`` has as single special ids stop generation.
-    A template that does not compile is refused here, when the server or chat starts, not at every request."""
-    from jinja2 import TemplateError
-
-    try:
-        _environment().from_string(source)
-    except TemplateError as exc:
-        raise BlockloopError(f"the chat template does not compile ({type(exc).__name__}: {exc}); fix it, or give "
-                             "another with --chat-template") from None
+    """A Jinja chat template; its end-of-turn tokens that ``tokenizer`` has as single special ids stop generation."""
     ids = []
     for marker in END_OF_TURN:
         encoded = tokenizer.encode(marker) if marker in source else []
