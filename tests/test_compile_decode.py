@@ -38,7 +38,7 @@ CASES = {
     "tiny-block": {}, "tiny-double": {}, "tiny-encdec": {},
     "tiny-staircase": {}, "tiny-cached-staircase": {}, "tiny-global-staircase": {}, "tiny-feedback": {},
 }
-PAGED = {"tiny paged": {"paging": Paging(tokens=128, page_size=8)}}
+PAGED = {"tiny paged": {"paging": Paging(tokens=128, page_size=16)}}  # CUDA's Flex pages: a multiple of 16
 STEPS = 9  # past two Block Transformer blocks and two staircase chunks
 
 
