@@ -17,6 +17,15 @@ Three parts, one device call (about two minutes on an H100/H200), the record wri
 3. **Grouped-query attention under the mask**: part 1's shapes with a third as many key/value heads (SmolLM2's
    grouping; ``--grouped-kv-heads``), SDPA's own ``enable_gqa`` against blockloop's path, which on a GPU folds each
    key/value head's query heads into query rows, since SDPA's GPU kernels take no mask with grouped K/V.
+4. **Reading live keys only**, at part 1's shapes: what could replace FlexAttention's paged read, which the H200 run of
+   2026-11-28 found at about half the bandwidth of cuDNN's SDPA kernel (``results/gpu-2026-11-28-nvidia-h200.md``).
+   FlashAttention's variable-length path (``torch.nn.attention.varlen.varlen_attn``) over a token-major static cache
+   with each row's used-key count (``seqused_k``), and over a page pool through a page table (``block_table``);
+   FlexAttention over :class:`~blockloop.nn.paged_cache.KVPages` (the engine's paged read) at several page sizes.
+   A path this torch lacks (``varlen_attn``'s paged arguments are newer than some releases) is a row saying so.
+
+Every timed path on CUDA also names the kernel that took most of its device time (one profiled call), so a row that
+is fast or slow says which kernel SDPA chose.
 
     .venv/bin/python benchmarks/decode_profile.py --record     # on one H100/H200 (through the device kit: --out-dir "$OUT")
 
@@ -52,12 +61,13 @@ from blockloop.bench.suite import bench_dtype
 from blockloop.bench.throughput import full_batch_paging
 from blockloop.bench.timing import timed
 from blockloop.cli.common import device as device_name
-from blockloop.cli.common import nonnegative_int, positive_int
+from blockloop.cli.common import nonnegative_int, positive_int, positive_ints
 from blockloop.device import resolve_device
 from blockloop.errors import BlockloopError
 from blockloop.families import build_model, from_name
 from blockloop.nn.attention import attention
 from blockloop.nn.masks import cache_mask
+from blockloop.nn.paged_cache import KVPages
 from blockloop.serve.engine import Engine
 from blockloop.serve.requests import SamplingParams
 from blockloop.serve.runners import runner_for
@@ -73,6 +83,35 @@ def median_seconds(fn: Callable[[], object], device: torch.device, repeats: int)
             fn()
         times.append(t.seconds)
     return statistics.median(times)
+
+
+def top_kernel(fn: Callable[[], object], device: torch.device) -> str | None:
+    """The device kernel that takes most of one call's time (CUDA only): which kernel a path ran, read off the
+    profiler rather than inferred from SDPA's selection rules."""
+    if device.type != "cuda":
+        return None
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    kernels = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
+    return max(kernels, key=lambda e: e.self_device_time_total).key[:90] if kernels else None
+
+
+def timed_row(name: str, compiled: bool, run: Callable[[], Tensor], reference: Tensor | None, device: torch.device,
+              repeats: int, live_bytes: int, all_bytes: int) -> dict[str, Any]:
+    """One path's row: median time, GB/s of live and of all slots, error against the float64 reference, top
+    kernel; a path this torch or device lacks is a row saying why, not the end of the call."""
+    try:
+        seconds = median_seconds(run, device, repeats)
+        out = run()
+        error = None if reference is None else float((out.double() - reference).abs().max())
+        kernel = top_kernel(run, device)
+    except Exception as exc:  # noqa: BLE001
+        return {"path": name, "compiled": compiled, "error": f"{type(exc).__name__}: {exc}".splitlines()[0][:200]}
+    return {"path": name, "compiled": compiled, "ms": 1e3 * seconds, "live_gb_s": live_bytes / seconds / 1e9,
+            "all_slots_gb_s": all_bytes / seconds / 1e9, "max_abs_error_vs_float64": error, "kernel": kernel}
 
 
 def attention_rows(model: torch.nn.Module, batch: int, context: int, device: torch.device, dtype: torch.dtype,
@@ -121,18 +160,83 @@ def attention_rows(model: torch.nn.Module, batch: int, context: int, device: tor
             if name.startswith("flex") and compiled != (device.type == "cuda"):
                 continue  # compiled on CUDA by blockloop already; on CPU inductor cannot return its log-sum-exp
             run = torch.compile(fn) if compiled else fn
-            try:
-                seconds = median_seconds(run, device, repeats)
-                out = run()
-                error = None if name.startswith("sdpa, no mask") else float((out.double() - reference).abs().max())
-            except Exception as exc:  # noqa: BLE001  (a path this torch or device lacks is a row, not the end)
-                rows.append({"path": name, "compiled": compiled, "error": f"{type(exc).__name__}: {exc}".splitlines()[0][:200]})
-                continue
-            rows.append({"path": name, "compiled": compiled, "ms": 1e3 * seconds,
-                         "live_gb_s": live_bytes / seconds / 1e9, "all_slots_gb_s": all_bytes / seconds / 1e9,
-                         "max_abs_error_vs_float64": error})
+            rows.append(timed_row(name, compiled, run, None if name.startswith("sdpa, no mask") else reference,
+                                  device, repeats, live_bytes, all_bytes))
         torch._dynamo.reset()
     return rows + build
+
+
+def live_read_rows(model: torch.nn.Module, batch: int, context: int, device: torch.device, dtype: torch.dtype,
+                   repeats: int, page_sizes: list[int]) -> list[dict[str, Any]]:
+    """Part 4: part 1's decode step (same seed, so the same lengths and values) through reads of live keys only."""
+    c = model.config
+    heads = c.n_kv_head
+    generator = torch.Generator().manual_seed(0)
+    q = torch.randn(batch, c.n_head, 1, c.head_dim, generator=generator).to(device, dtype)
+    k, v = (torch.randn(batch, heads, context, c.head_dim, generator=generator).to(device, dtype) for _ in range(2))
+    lengths = torch.randint(context // 2, context + 1, (batch,), generator=generator).to(device)
+    key_valid = torch.arange(context, device=device)[None] < lengths[:, None]
+    reference = attention(q.double(), k.double(), v.double(), mask=cache_mask(key_valid, (lengths - 1)[:, None]),
+                          backend="eager")
+    per_key = 2 * heads * c.head_dim * torch.finfo(dtype).bits // 8
+    live_bytes, all_bytes = per_key * int(lengths.sum()), per_key * batch * context
+    rows: list[dict[str, Any]] = []
+
+    def row(name: str, compiled: bool, run: Callable[[], Tensor]) -> None:
+        rows.append(timed_row(name, compiled, run, reference, device, repeats, live_bytes, all_bytes))
+
+    # FlashAttention's variable-length layout: tokens first, (rows x slots, heads, dim); one query per row.
+    tokens_k, tokens_v = (t.transpose(1, 2).reshape(batch * context, heads, c.head_dim) for t in (k, v))
+    q_rows = q.transpose(1, 2).reshape(batch, c.n_head, c.head_dim)
+    cu_q = torch.arange(batch + 1, device=device, dtype=torch.int32)
+    used = lengths.to(torch.int32)
+    grouped = {"enable_gqa": True} if c.n_head != heads else {}  # passed only when needed: older releases lack it
+
+    def varlen_attn(*args: Any, **kwargs: Any) -> Tensor:
+        from torch.nn.attention.varlen import varlen_attn  # absent from older releases: that row says so
+
+        return varlen_attn(*args, **kwargs, **grouped)[:, :, None]
+
+    def varlen_static() -> Tensor:
+        return varlen_attn(q_rows, tokens_k, tokens_v, cu_q, cu_q * context, 1, context, seqused_k=used)
+
+    row("flash varlen over the static cache (seqused_k), token-major", False, varlen_static)
+    for size in page_sizes:
+        if context % size:
+            continue
+        n_pages = batch * context // size
+        order = torch.randperm(n_pages, generator=generator).to(device)  # pages scattered over the pool, as in use
+        table = order.view(batch, context // size).to(torch.int32)
+        pool_k, pool_v = (torch.empty(n_pages, size, heads, c.head_dim, device=device, dtype=dtype) for _ in range(2))
+        pool_k[order], pool_v[order] = (t.view(n_pages, size, heads, c.head_dim) for t in (tokens_k, tokens_v))
+
+        def varlen_pages(pool_k: Tensor = pool_k, pool_v: Tensor = pool_v, table: Tensor = table) -> Tensor:
+            return varlen_attn(q_rows, pool_k, pool_v, cu_q, None, 1, context, seqused_k=used, block_table=table)
+
+        row(f"flash varlen over {size}-token pages (block_table)", False, varlen_pages)
+    for size in page_sizes:
+        if context % size:
+            continue
+        pages = KVPages(batch, context, 1 + batch * context // size, size, device=device, read="pages")
+        for start in range(0, context, size):  # one page per row in turn: each row's pages interleave in the pool
+            for b in range(batch):
+                if start < int(lengths[b]):
+                    pages.reserve(b, start + size)
+        slots = torch.arange(context, device=device)
+        where = pages.positions(slots)  # (batch, context) pool positions
+        pool_k, pool_v = (torch.zeros(1, heads, pages.n_pages * size, c.head_dim, device=device, dtype=dtype)
+                          for _ in range(2))
+        for pool, t in ((pool_k, k), (pool_v, v)):
+            live = key_valid.flatten()
+            pool[0, :, where.flatten()[live]] = t.transpose(0, 1).reshape(heads, batch * context, c.head_dim)[:, live]
+        block_mask = pages.block_mask(key_valid, (lengths - 1)[:, None])
+
+        def flex_pages(pool_k: Tensor = pool_k, pool_v: Tensor = pool_v, block_mask: Any = block_mask) -> Tensor:
+            return attention(q, pool_k, pool_v, mask=block_mask)
+
+        row(f"flex over {size}-token pages (KVPages, the engine's paged read)", device.type == "cuda", flex_pages)
+        torch._dynamo.reset()
+    return rows
 
 
 def step_profile(model: torch.nn.Module, batch: int, prompt_len: int, steps: int, device: torch.device, *,
@@ -187,20 +291,21 @@ def profile_or_error(model: torch.nn.Module, args: argparse.Namespace, device: t
         return {**setting, "error": f"{type(exc).__name__}: {exc}"}
 
 
-def attention_table(a: dict[str, Any]) -> list[str]:
-    lines = ["", f"## Attention alone: batch {a['batch']}, {a['context']} cache slots, live lengths in [{a['context'] // 2}, "
+def attention_table(a: dict[str, Any], title: str = "Attention alone") -> list[str]:
+    lines = ["", f"## {title}: batch {a['batch']}, {a['context']} cache slots, live lengths in [{a['context'] // 2}, "
                  f"{a['context']}], {a['kv_heads']} key/value head{'s' * (a['kv_heads'] != 1)}", "",
-             "| path | compiled | ms | GB/s of live K/V | GB/s of every slot | max abs error vs float64 |",
-             "|---|---|---:|---:|---:|---:|"]
+             "| path | compiled | ms | GB/s of live K/V | GB/s of every slot | max abs error vs float64 | top kernel |",
+             "|---|---|---:|---:|---:|---:|---|"]
     for row in a["rows"]:
         if "error" in row:
-            lines.append(f"| {row['path']} | {row['compiled']} | failed: {row['error']} | | | |")
+            lines.append(f"| {row['path']} | {row['compiled']} | failed: {row['error']} | | | | |")
         elif "live_gb_s" not in row:
-            lines.append(f"| {row['path']} | | {row['ms']:.3f} | | | |")
+            lines.append(f"| {row['path']} | | {row['ms']:.3f} | | | | |")
         else:
             err = "-" if row["max_abs_error_vs_float64"] is None else f"{row['max_abs_error_vs_float64']:.1e}"
+            kernel = f"`{row['kernel']}`" if row.get("kernel") else "-"
             lines.append(f"| {row['path']} | {row['compiled']} | {row['ms']:.3f} | {row['live_gb_s']:.0f} | "
-                         f"{row['all_slots_gb_s']:.0f} | {err} |")
+                         f"{row['all_slots_gb_s']:.0f} | {err} | {kernel} |")
     return lines
 
 
@@ -212,6 +317,8 @@ def write(out: Path, record: dict[str, Any]) -> Path:
              "", f"- {environment_line(record)}"]
     for a in record["attention"]:
         lines += attention_table(a)
+    if record.get("live_reads"):
+        lines += attention_table(record["live_reads"], "Reading live keys only (part 4)")
     for s in record["steps"]:
         lines += ["", f"## The engine's compiled decode step, {s['cache']} cache: batch {s['batch']}, prompt {s['prompt_len']}",
                   ""]
@@ -238,6 +345,8 @@ def main() -> None:
     parser.add_argument("--grouped-kv-heads", type=nonnegative_int, default=None,
                         help="part 1 again with this many key/value heads (default: a third of the query heads, "
                              "SmolLM2's grouping, where that divides them; 0: not again)")
+    parser.add_argument("--page-sizes", type=positive_ints, default=[16, 64, 128, 256],
+                        help="page sizes of part 4's paged reads (default: 16,64,128,256)")
     parser.add_argument("--device", type=device_name, default="auto", help="auto (CUDA if present), cuda, cpu")
     add_output_arguments(parser)
     args = parser.parse_args()
@@ -245,6 +354,7 @@ def main() -> None:
         args.preset, args.batch, args.context, args.step_batch, args.prompt_len, args.steps, args.repeats = (
             "tiny", 2, 64, 2, 16, 4, 3)
         args.grouped_kv_heads = 1 if args.grouped_kv_heads is None else args.grouped_kv_heads
+        args.page_sizes = [16, 32]
     device = torch.device("cpu" if args.smoke else resolve_device(args.device))
     dtype = bench_dtype("auto", str(device))
     torch.manual_seed(0)
@@ -263,10 +373,15 @@ def main() -> None:
                 "rows": attention_rows(model, args.batch, args.context, device, dtype, args.repeats, kv_heads,
                                        grouping_only=kv_heads != config.n_kv_head)}
 
-    # Written after each part, the grouped-query comparison last: a call stopped at its time cap keeps what it ran.
+    # Written after each part, the live-key reads second (the most wanted since the 2026-11-28 run) and the
+    # grouped-query comparison last: a call stopped at its time cap keeps what it ran.
     out = output_dir(args)
     with torch.no_grad():
         record["attention"].append(attention_section(config.n_kv_head))
+        write(out, record)
+        record["live_reads"] = {"batch": args.batch, "context": args.context, "kv_heads": config.n_kv_head,
+                                "rows": live_read_rows(model, args.batch, args.context, device, dtype, args.repeats,
+                                                       args.page_sizes)}
         write(out, record)
         record["steps"] = [profile_or_error(model, args, device, paged=paged) for paged in (False, True)]
         path = write(out, record)

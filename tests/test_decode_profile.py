@@ -29,6 +29,13 @@ def test_smoke_profile_times_every_attention_path_and_the_engine_step(tmp_path):
         assert len(masked) == ways and max(r["max_abs_error_vs_float64"] for r in masked) < 1e-5
         assert sum("enable_gqa" in r["path"] for r in masked) == 2
         assert all(r["all_slots_gb_s"] >= r["live_gb_s"] > 0 for r in timed)  # live keys are a part of every slot
+    # Part 4: FlashAttention's variable-length reads need CUDA (on CPU each is a row saying why); the engine's paged
+    # read through FlexAttention, over pages scattered in the pool, computes the same attention at each page size.
+    live = record["live_reads"]["rows"]
+    flash, flex = ([r for r in live if r["path"].startswith(kind)] for kind in ("flash", "flex"))
+    assert len(flash) == 3 and all("CPU" in r["error"] for r in flash)
+    assert [r["path"].split()[2] for r in flex] == ["16-token", "32-token"]
+    assert all(r["max_abs_error_vs_float64"] < 1e-5 and r["all_slots_gb_s"] >= r["live_gb_s"] > 0 for r in flex)
     assert [step["cache"] for step in record["steps"]] == ["static", "paged"]
     for step in record["steps"]:
         assert "error" not in step, step.get("error")
@@ -37,3 +44,4 @@ def test_smoke_profile_times_every_attention_path_and_the_engine_step(tmp_path):
     report = (tmp_path / "decode_profile-cpu-smoke.md").read_text()
     assert "| sdpa, dense (B,1,1,S) mask" in report and "decode step, paged cache" in report
     assert "2 key/value heads" in report and "1 key/value head\n" in report
+    assert "## Reading live keys only (part 4)" in report and "| flex over 32-token pages" in report
