@@ -679,6 +679,27 @@ def test_the_paper_scenarios_are_shortened_to_fit_the_model_context():
     tiny = build_model(from_name("tiny"))
     with pytest.raises(BlockloopError, match="does not fit a model context of 128 tokens; give --prompt-len"):
         scenario_lengths("decode-heavy", [tiny])
+    # A given length is kept; only the paper's other one gives way (it used to refuse, or shorten the given one).
+    assert scenario_lengths("decode-heavy", [tiny], prompt_len=8) == (8, 120)
+    assert scenario_lengths("decode-heavy", [vanilla], gen_len=100) == (128, 100)
+    assert scenario_lengths("prefill-heavy", [vanilla, block], gen_len=1000) == (1048, 1000)  # the context exactly
+    assert scenario_lengths("decode-heavy", [tiny], prompt_len=100, gen_len=100) == (100, 100)  # check_lengths refuses
+    with pytest.raises(BlockloopError, match="128 tokens with --gen-len 200; give --prompt-len and --gen-len"):
+        scenario_lengths("prefill-heavy", [tiny], gen_len=200)
+
+
+def test_bench_keeps_a_given_length_and_refuses_a_model_it_cannot_fit_before_timing_any(capsys):
+    from blockloop.cli import main
+
+    assert main(["bench", "--presets", "tiny", "--device", "cpu", "--prompt-len", "8", "--batch-sizes", "1",
+                 "--repeats", "1", "--warmup", "0", "--threads", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "the paper's 2048 tokens (--gen-len) shortened to 120" in out and "prompt 8, generate 120" in out
+    # demo (256-token context) fits 100 + 100, tiny (128) does not: refused before demo is timed.
+    assert main(["bench", "--presets", "demo,tiny", "--device", "cpu", "--prompt-len", "100", "--gen-len", "100"]) == 2
+    captured = capsys.readouterr()
+    assert "tiny: prompt 100 + generation 100 tokens exceed the model context of 128" in captured.err
+    assert "measured copy bandwidth" not in captured.out
 
 
 def test_a_compiled_stream_compiles_before_its_clock_starts(monkeypatch):

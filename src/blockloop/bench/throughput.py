@@ -29,24 +29,30 @@ from blockloop.serve.runners import Paging, runner_for
 SCENARIOS = {"prefill-heavy": (2048, 128), "decode-heavy": (128, 2048)}
 
 
-def scenario_lengths(scenario: str, models: list[nn.Module]) -> tuple[int, int]:
-    """The paper's (prompt, generated) lengths of ``scenario``, the longer part shortened to fit every model.
+def scenario_lengths(scenario: str, models: list[nn.Module], *, prompt_len: int | None = None,
+                     gen_len: int | None = None) -> tuple[int, int]:
+    """The paper's (prompt, generated) lengths of ``scenario`` in place of those not given, the longer of those
+    shortened to fit every model; given lengths are kept as they are (:func:`check_lengths` refuses them if they
+    cannot fit).
 
     Both of the paper's scenarios add up to 2176 tokens, one block of 128 past the 2048-token context of its
     own models; the engine keeps every token of a request in its cache, so the long part gives way.
     """
-    prompt_len, gen_len = SCENARIOS[scenario]
+    paper_prompt, paper_gen = SCENARIOS[scenario]
+    prompt, gen = prompt_len or paper_prompt, gen_len or paper_gen
     multiple = max(runner_for(model).prompt_multiple for model in models)
     room = min(model.config.context_length for model in models)
-    over = -(-prompt_len // multiple) * multiple + gen_len - room
-    if over > 0 and prompt_len >= gen_len:
-        prompt_len = (prompt_len - over) // multiple * multiple
-    elif over > 0:
-        gen_len -= over
-    if prompt_len < 1 or gen_len < 1:
-        raise BlockloopError(f"the {scenario} scenario does not fit a model context of {room} tokens; "
-                             "give --prompt-len and --gen-len")
-    return prompt_len, gen_len
+    over = -(-prompt // multiple) * multiple + gen - room
+    if over > 0 and prompt_len is None and (gen_len is not None or prompt >= gen):
+        prompt = (prompt - over) // multiple * multiple
+    elif over > 0 and gen_len is None:
+        gen -= over
+    if prompt < 1 or gen < 1:
+        given = "".join(f" with {flag} {value}" for flag, value in (("--prompt-len", prompt_len), ("--gen-len", gen_len))
+                        if value is not None)
+        raise BlockloopError(f"the {scenario} scenario does not fit a model context of {room} tokens{given}; "
+                             "give --prompt-len and --gen-len that add up to at most the context")
+    return prompt, gen
 
 
 @dataclass

@@ -47,8 +47,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     t = p.add_argument_group("throughput protocol (Block Transformer section 3.2)")
     t.add_argument("--scenario", choices=["prefill-heavy", "decode-heavy"],
                    help="prompt/gen lengths 2048/128 or 128/2048 (default: decode-heavy)")
-    t.add_argument("--prompt-len", type=positive_int, help="override the scenario's prompt length (e.g. 32 on CPU)")
-    t.add_argument("--gen-len", type=positive_int, help="override the scenario's generated tokens (e.g. 64 on CPU)")
+    t.add_argument("--prompt-len", type=positive_int, help="the prompt length, kept as given (default: the scenario's; a length not given is "
+                   "shortened to fit the model context; e.g. 32 on CPU)")
+    t.add_argument("--gen-len", type=positive_int, help="the generated tokens, kept as given (default: the scenario's, shortened like the prompt; "
+                   "e.g. 64 on CPU)")
     t.add_argument("--batch-sizes", type=positive_ints, help="comma-separated batch sizes (default: 1,16,64)")
     t.add_argument("--search", action="store_true", help="keep doubling the batch past the list until out of memory")
     t.add_argument("--max-batch", type=positive_int, help="upper bound for --search (default: 4096)")
@@ -160,16 +162,19 @@ def _settle_modes(args: argparse.Namespace) -> None:
 def _throughput(args: argparse.Namespace, models: list, device: Any) -> list[dict[str, Any]]:
     from blockloop.bench.hf_baseline import hf_available
     from blockloop.bench.suite import ThroughputSettings, measure_bandwidth, throughput_rows
-    from blockloop.bench.throughput import SCENARIOS, scenario_lengths
+    from blockloop.bench.throughput import SCENARIOS, check_lengths, scenario_lengths
 
-    if args.prompt_len and args.gen_len:
-        prompt_len, gen_len = args.prompt_len, args.gen_len
-    else:
-        prompt_len, gen_len = scenario_lengths(args.scenario, [m.model for m in models])
-        if (prompt_len, gen_len) != SCENARIOS[args.scenario]:
-            paper = "/".join(map(str, SCENARIOS[args.scenario]))
-            print(f"{args.scenario}: the paper's {paper} tokens shortened to {prompt_len}/{gen_len} to fit the model "
-                  "context")
+    prompt_len, gen_len = scenario_lengths(args.scenario, [m.model for m in models], prompt_len=args.prompt_len,
+                                           gen_len=args.gen_len)
+    for flag, given, used, paper in zip(("--prompt-len", "--gen-len"), (args.prompt_len, args.gen_len),
+                                        (prompt_len, gen_len), SCENARIOS[args.scenario]):
+        if given is None and used != paper:
+            print(f"{args.scenario}: the paper's {paper} tokens ({flag}) shortened to {used} to fit the model context")
+    for m in models:  # every model before any is timed: a later one that cannot fit would waste the earlier runs
+        try:
+            check_lengths(m.model, prompt_len, gen_len)
+        except BlockloopError as exc:
+            raise BlockloopError(f"{m.name}: {exc}") from None
     hf_missing = hf_available() if args.hf else None  # why the HF baseline cannot run, if asked for
     if args.hf and hf_missing is None:
         from blockloop.convert.hf import export_architecture
@@ -179,7 +184,7 @@ def _throughput(args: argparse.Namespace, models: list, device: Any) -> list[dic
         except BlockloopError as exc:
             raise BlockloopError(f"--hf times HF generate() on the first model, {models[0].name}: {exc}") from None
     settings = ThroughputSettings(
-        args.prompt_len or prompt_len, args.gen_len or gen_len, args.batch_sizes,
+        prompt_len, gen_len, args.batch_sizes,
         repeats=args.repeats, warmup=args.warmup, sync_every=args.sync_every, compile=args.compile,
         search=args.search, max_batch=args.max_batch, seed=args.seed, hf=args.hf and hf_missing is None,
         caches=("static", "paged") if args.paged else ("static",),
