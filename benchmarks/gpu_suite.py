@@ -48,6 +48,7 @@ from blockloop.bench.records import (
     environment_line,
     output_dir,
     run_script,
+    strict_json,
 )
 from blockloop.bench.suite import (
     StreamSettings,
@@ -340,7 +341,7 @@ def write(out: Path, record: dict[str, Any], smoke: bool) -> Path:
     slug = re.sub(r"[^a-z0-9]+", "-", device.lower().split(" (")[0]).strip("-") + ("-smoke" if smoke else "")
     subset = "" if record["rows_asked"] == list(ROWS) else "-" + "-".join(record["rows_asked"])
     stem = f"gpu-{record['date'][:10]}-{slug}{subset}"
-    (out / f"{stem}.json").write_text(json.dumps(record, indent=2, default=str) + "\n")
+    (out / f"{stem}.json").write_text(json.dumps(strict_json(record), indent=2, default=str) + "\n")
     status = "smoke (CPU): no claim" if smoke else None
     missing = [name for name in record["rows_asked"] if name not in record["rows_done"]]
     lines = [f"# Issue 12 GPU suite{' (smoke: tiny presets, not a measurement)' if smoke else ''}", "",

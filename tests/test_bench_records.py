@@ -222,3 +222,33 @@ def test_models_that_share_a_folder_name_get_names_that_tell_them_apart(tmp_path
     rows = [{"name": name, "batch": 1, "tok_s": tok_s} for name, tok_s in (("final", 10.0), ("expB/final", 20.0))]
     add_ratios(rows, "final")
     assert [r["ratio_vs_baseline"] for r in rows] == [1.0, 2.0]
+
+
+def test_records_are_strict_json_and_a_failed_write_leaves_the_file_whole(tmp_path, monkeypatch):
+    """HF ``generate()`` rows carry no first-token time (NaN) and a stream with every request queued at once an
+    unbounded rate (inf): Python writes those as ``NaN``/``Infinity``, which no strict JSON reader takes. Records
+    were also appended in place, so a full disk left a cut line behind."""
+    import json
+
+    from blockloop.bench import records
+
+    path = tmp_path / "runs.jsonl"
+    path.write_text('{"kind": "throughput", "tok_s": 1.0}')  # an earlier record, its newline missing
+    records.append_records(path, [{"kind": "throughput", "ttft_s": float("nan"), "rows": [float("inf"), 2.0],
+                                   "nested": {"rate": float("-inf")}}])
+
+    def refuse(constant: str) -> None:
+        raise ValueError(constant)
+
+    lines = [json.loads(line, parse_constant=refuse) for line in path.read_text().splitlines()]
+    assert lines == [{"kind": "throughput", "tok_s": 1.0},
+                     {"kind": "throughput", "ttft_s": None, "rows": [None, 2.0], "nested": {"rate": None}}]
+    before = path.read_bytes()
+
+    def full_disk(src, target):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr("blockloop.files.copy_into_place", full_disk)
+    with pytest.raises(BlockloopError, match=rf"could not add the results to {re.escape(str(path))} \(No space left"):
+        records.append_records(path, [{"kind": "throughput"}])
+    assert path.read_bytes() == before

@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import io
 import json
+import math
 import os
 import platform
 import shlex
@@ -137,10 +139,32 @@ def environment_line(env: dict[str, Any]) -> str:
     return "; ".join(parts) + (f"; command: `{env['command']}`" if env.get("command") else "")
 
 
+def strict_json(value: Any) -> Any:
+    """``value`` with every float that is not finite made ``None``: JSON has no NaN or infinity, and other readers
+    (``jq``, JavaScript, Go) refuse the ``NaN`` and ``Infinity`` Python writes for them. They stand for what was not
+    measured (HF ``generate()`` exposes no first-token time) or has no bound (a stream whose requests all queue at
+    once)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {key: strict_json(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [strict_json(item) for item in value]
+    return value
+
+
 def append_records(path: Path, records: list[dict[str, Any]]) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "a") as f:
-        f.writelines(json.dumps(record) + "\n" for record in records)
+    """Add ``records`` to the JSON-lines file ``path`` as strict JSON. The file is rewritten aside and renamed into
+    place, so a full disk or a killed run leaves the records already there whole, never a cut line."""
+    from blockloop.files import copy_into_place
+
+    try:
+        old = path.read_bytes() if path.exists() else b""
+        new = "".join(json.dumps(strict_json(record), allow_nan=False) + "\n" for record in records).encode()
+        copy_into_place(io.BytesIO(old + (b"\n" if old and not old.endswith(b"\n") else b"") + new), path)
+    except OSError as exc:
+        raise BlockloopError(f"could not add the results to {path} ({exc.strerror or exc}); the file is as it was: "
+                             "free some space or give --record another file") from None
 
 
 def read_records(path: Path) -> list[dict[str, Any]]:
