@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import random
+import re
 
 import numpy as np
 import pytest
@@ -139,6 +140,9 @@ def test_import_refuses_bad_choices(tmp_path):
     for kwargs, match in cases:
         with pytest.raises(BlockloopError, match=match):
             import_task(data, tmp_path / "out", **kwargs)
+    for source, what in ((tmp_path, "is a directory"), (tmp_path / "missing.jsonl", "does not exist")):
+        with pytest.raises(BlockloopError, match=f"{re.escape(str(source))} {what}; give a .jsonl file"):
+            import_task(source, tmp_path / "out")
     (tmp_path / "full").mkdir()
     (tmp_path / "full" / "x").write_text("")
     with pytest.raises(BlockloopError, match="already exists and is not empty"):

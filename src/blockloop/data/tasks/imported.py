@@ -42,7 +42,8 @@ def read_sequences(path: Path) -> list[ParsedSequence]:
     """The sequences of one JSON-lines file; blank lines are skipped, anything malformed names its line."""
     path = Path(path)
     if not path.is_file():
-        raise BlockloopError(f"{path} does not exist; give a .jsonl file with one sequence per line")
+        what = "is a directory" if path.is_dir() else "is not a file" if path.exists() else "does not exist"
+        raise BlockloopError(f"{path} {what}; give a .jsonl file with one sequence per line")
     sequences = []
     with path.open("rb") as handle:  # decoded line by line, so a byte that is not UTF-8 is named by its line
         for number, raw in enumerate(handle, start=1):
