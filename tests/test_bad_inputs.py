@@ -55,6 +55,7 @@ def base(tmp_path_factory):
                                                                                                "epoch": 2**64}}))
     variant("state_seq_len", lambda d: _edit_json(d / "train_state.json", lambda s: {
         **s, "train_config": {**s["train_config"], "seq_len": "abc"}}))
+    variant("state_step", lambda d: _edit_json(d / "train_state.json", lambda s: {**s, "step": "x"}))
     variant("state_data", lambda d: _edit_json(d / "train_state.json", lambda s: {**s, "run": {**s["run"], "data": 5}}))
     variant("rng_keys", lambda d: save_file({"state": torch.zeros(3)}, str(d / "rng_rank0.safetensors")))
     variant("optimizer_groups", lambda d: _edit_json(d / "optimizer.json", lambda o: {**o, "param_groups": o["param_groups"][:1]}))
@@ -194,6 +195,7 @@ CASES = [
     (["eval", "--checkpoint", "{base}/state_list", "--device", "cpu"], "train_state.json is not an object"),
     (["eval", "--checkpoint", "{base}/state_seq_len", "--device", "cpu"], "train_config.seq_len must be a positive integer, got 'abc'"),
     (["eval", "--checkpoint", "{base}/state_data", "--device", "cpu"], "run.data must be a string, got 5"),
+    (["info", "{base}/state_step"], "step must be a non-negative integer, got 'x'"),
     # generate and chat
     (["generate", "--checkpoint", R, "--prompt", "a", "--temperature", "nan"], "--temperature: must be a finite"),
     (["generate", "--checkpoint", R, "--prompt", "a", "--temperature", "inf"], "--temperature: must be a finite"),

@@ -422,6 +422,11 @@ def read_saved_state(directory: Path) -> dict[str, Any]:
     seq_len = state.get("train_config", {}).get("seq_len")
     if seq_len is not None and (not isinstance(seq_len, int) or isinstance(seq_len, bool) or seq_len < 1):
         bad.append(f"train_config.seq_len must be a positive integer, got {seq_len!r}")
+    step = state.get("step")  # shown by info, recorded by eval
+    if step is not None and (not isinstance(step, int) or isinstance(step, bool) or step < 0):
+        bad.append(f"step must be a non-negative integer, got {step!r}")
+    if state.get("converted_from") is not None and not isinstance(state["converted_from"], str):
+        bad.append(f"converted_from must be a string, got {state['converted_from']!r}")
     if bad:
         raise BlockloopError(f"{path}: {bad[0]}; the checkpoint is corrupt: use an earlier one")
     return state
