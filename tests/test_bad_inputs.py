@@ -233,6 +233,12 @@ CASES = [
     (["bench", "--plot", "{base}/plot.png", "--record", "{base}/records.jsonl"], "records.jsonl line 2 is not a JSON"),
     (["bench", "--presets", "tiny", "--exit", "max_prob:0.9", "--rate", "2"], "--rate, --exit do not apply to the throughput"),
     (["bench", "--stream", "--presets", "tiny", "--paged"], "--paged does not apply to --stream"),
+    # flags that only shape another, which is missing; --exit/--speculate with no looped model among those given
+    (["bench", "--stream", "--presets", "tiny", "--draft-loops", "2", "--adaptive-k"],
+     "--draft-loops, --adaptive-k do not apply to a stream without --speculate; add --speculate K"),
+    (["bench", "--presets", "tiny", "--max-batch", "64"], "--max-batch does not apply to a run without --search"),
+    (["bench", "--stream", "--presets", "tiny,tiny-block", "--exit", "max_prob:0.9", "--speculate", "2"],
+     "--exit and --speculate serve looped models only, and none of tiny, tiny-block is looped"),
     (["bench", "--stream", "--presets", "tiny-recursive", "--exit", "max_prob:nan"], "max_prob exit threshold is a probability in [0, 1], got nan"),
     (["bench", "--stream", "--presets", "tiny-recursive", "--exit", "entropy:inf"], "entropy exit threshold is a finite number"),
     (["bench", "--stream", "--presets", "tiny-recursive", "--exit", "max_prob"], "--exit takes RULE:THRESHOLD"),

@@ -207,6 +207,10 @@ def stream_rows(models: list[BenchModel], settings: StreamSettings) -> Iterator[
     Every runner and prompt is made, and every request checked against its model's context, before this returns:
     a bad setting fails before the first model runs, not after it."""
     s = settings
+    if (s.exits or s.speculations) and not any(isinstance(runner_for(m.model), RecursiveRunner) for m in models):
+        flags = " and ".join(flag for flag, given in (("--exit", s.exits), ("--speculate", s.speculations)) if given)
+        raise BlockloopError(f"{flags} serve looped models only, and none of {', '.join(m.name for m in models)} is "
+                             "looped; add one (e.g. --presets demo-recursive) or leave them out")
     served: list[tuple[str, Runner, BenchModel, str | None, list[list[int]]]] = []
     for m in models:
         runners = [(m.name, runner_for(m.model), None)]

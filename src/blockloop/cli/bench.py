@@ -154,6 +154,13 @@ def _settle_modes(args: argparse.Namespace) -> None:
     given = [name for name in ignored if getattr(args, name) not in (None, False, [], LOCAL.get(name))]
     if given:
         refuse_flags(given, mode, or_else=" or add --stream" if mode == "the throughput protocol" else "")
+    # Flags that only shape another flag of the same mode.
+    if mode == "--stream" and not args.speculate:
+        shaping = [name for name in ("draft_loops", "adaptive_k") if getattr(args, name) not in (None, False)]
+        if shaping:
+            refuse_flags(shaping, "a stream without --speculate", fix="add --speculate K or leave them out")
+    if mode == "the throughput protocol" and args.max_batch is not None and not args.search:
+        refuse_flags(["max_batch"], "a run without --search (it bounds the search)", fix="add --search or leave it out")
     for name, default in {**THROUGHPUT, **STREAM, **ENGINE_STREAM, **LOCAL, "seed": 0}.items():
         if getattr(args, name) is None:
             setattr(args, name, default)
