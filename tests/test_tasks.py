@@ -220,6 +220,25 @@ def test_write_refuses_bad_input(tmp_path):
     assert load_task(write_task("algorithm-3", tmp_path / "empty", seed=0, sizes=(2, 1, 1))).meta["sizes"]["test"] == 1
 
 
+def test_a_task_larger_than_memory_is_refused_before_and_during_generation(tmp_path, monkeypatch):
+    """The generators grow Python lists (algorithm) or allocate numpy arrays (random walk): sizes past the machine's
+    memory ran for hours, or ended in numpy's allocation traceback."""
+    from blockloop.data.tasks import files
+
+    too_big = r"needs at least [\d,.]+ GiB of memory, more than this machine has; use smaller sizes or shorter"
+    for name in ("algorithm-3", "random-walk"):
+        with pytest.raises(BlockloopError, match=f"task {name} at sizes 100000000000/1/1 {too_big}"):
+            write_task(name, tmp_path / "a", seed=0, sizes=(10**11, 1, 1))
+    with pytest.raises(BlockloopError, match=f"task algorithm-3:999999999 at sizes 1/1/1 {too_big}"):
+        write_task("algorithm-3:999999999", tmp_path / "a", seed=0, sizes=(1, 1, 1))
+    # Within the machine's memory by that count, refused by the allocation itself: the same message.
+    monkeypatch.setattr(files, "physical_memory", lambda: float("inf"))
+    monkeypatch.setattr(np, "empty", lambda *a, **k: (_ for _ in ()).throw(MemoryError()))
+    with pytest.raises(BlockloopError, match=f"task random-walk at sizes 2/1/1 {too_big}"):
+        write_task("random-walk", tmp_path / "a", seed=0, sizes=(2, 1, 1))
+    assert not (tmp_path / "a").exists()
+
+
 @pytest.mark.parametrize(
     "damage, match",
     [

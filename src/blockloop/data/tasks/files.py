@@ -16,6 +16,8 @@ leaves a half-written dataset under the real name.
 from __future__ import annotations
 
 import json
+import math
+import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -52,7 +54,24 @@ def generate_splits(
     Each split draws from its own seed (:func:`split_seed`), so a split depends only on ``seed``, its
     name and its own size.
     """
-    return {split: task.generate(size, split_seed(seed, split), progress) for split, size in zip(SPLITS, sizes)}
+    need = sum(sizes) * task.min_tokens * 4  # a uint16 input and an int16 label per token, at the least
+    too_big = BlockloopError(
+        f"task {task.name} at sizes {'/'.join(map(str, sizes))} needs at least {need / 2**30:,.1f} GiB of memory, "
+        f"more than this machine has; use smaller sizes or shorter sequences ({task.name.partition(':')[0]}:N)")
+    if need > physical_memory():  # refused now: the generators would fill memory for hours before failing
+        raise too_big
+    try:
+        return {split: task.generate(size, split_seed(seed, split), progress) for split, size in zip(SPLITS, sizes)}
+    except MemoryError:  # numpy refuses an array it cannot allocate before writing any of it
+        raise too_big from None
+
+
+def physical_memory() -> float:
+    """This machine's memory in bytes (infinite where the system does not say)."""
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (AttributeError, ValueError, OSError):
+        return math.inf
 
 
 def write_task(
