@@ -144,6 +144,25 @@ def test_owed_reports_each_step_and_skips_what_the_budget_cannot_hold(tmp_path):
     assert summary[1].startswith("decode-heavy: not run")  # under 30 s of the budget left after the first step
 
 
+
+def test_owed_packs_more_results_than_a_device_call_brings_back(tmp_path):
+    """A device call returns at most 8 files from $OUT: the default steps write more (a log, JSON and Markdown each)."""
+    import tarfile
+
+    (tmp_path / "kit" / "cache").mkdir(parents=True)
+    out = tmp_path / "out"
+    out.mkdir()
+    for i in range(8):
+        (out / f"result-{i}.json").write_text(str(i))
+    ran = owed("staircase", KIT=str(tmp_path / "kit"), OUT=str(out), SECONDS_BUDGET="60", CUDA_VISIBLE_DEVICES="")
+    assert ran.returncode == 0, ran.stderr
+    assert "results: 9 files packed into" in ran.stdout
+    assert [p.name for p in out.iterdir()] == ["owed.tgz"]
+    with tarfile.open(out / "owed.tgz") as archive:
+        names = sorted(Path(name).name for name in archive.getnames() if name not in (".", "./"))
+    assert names == ["owed-staircase.log", *(f"result-{i}.json" for i in range(8))]
+
+
 def test_device_env_installs_the_kit_wheels_once_per_machine(tmp_path):
     """owed.sh runs several commands through env.sh on one machine: the second must not reinstall the wheels
     (seconds of device time each), and a kit with other wheels must."""

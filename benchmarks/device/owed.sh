@@ -4,7 +4,8 @@
 # not several hand-written ones. Each step runs through env.sh with its own time cap, cut to what is left of the
 # call's budget (SECONDS_BUDGET, default 560 s: the device tool's 600 s limit less a margin), and a step stopped at its
 # cap keeps what it wrote (the scripts write their results after every row). Each step's output goes to
-# $OUT/owed-<step>.log and its results under $OUT; the last lines say how each step ended.
+# $OUT/owed-<step>.log and its results under $OUT (packed into $OUT/owed.tgz when more than the 8 files a call brings
+# back); the last lines say how each step ended.
 #
 #   bash benchmarks/device/owed.sh                            # the default steps, in this order
 #   SECONDS_BUDGET=250 bash benchmarks/device/owed.sh pytest-in-place decode-profile decode-search
@@ -78,5 +79,11 @@ for name in "${ORDER[@]}"; do
   SUMMARY+=("$name: $how in $((SECONDS - began)) s")
 done
 [ -n "${DRY_RUN:-}" ] && exit 0
+# A device call brings back at most 8 files from $OUT: past that, all of them travel as one archive.
+count=$(find "$OUT" -type f | wc -l)
+if [ "$count" -gt 8 ]; then
+  tar -czf "$OUT.tgz" -C "$OUT" . && find "$OUT" -mindepth 1 -delete && mv "$OUT.tgz" "$OUT/owed.tgz"
+  SUMMARY+=("results: $count files packed into $OUT/owed.tgz (a device call brings back at most 8)")
+fi
 echo "== summary (log of each step: $OUT/owed-<step>.log)"
 printf '%s\n' "${SUMMARY[@]}"
