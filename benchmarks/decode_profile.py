@@ -43,6 +43,7 @@ import re
 import statistics
 import traceback
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -114,29 +115,54 @@ def timed_row(name: str, compiled: bool, run: Callable[[], Tensor], reference: T
             "all_slots_gb_s": all_bytes / seconds / 1e9, "max_abs_error_vs_float64": error, "kernel": kernel}
 
 
-def attention_rows(model: torch.nn.Module, batch: int, context: int, device: torch.device, dtype: torch.dtype,
-                   repeats: int, kv_heads: int, *, grouping_only: bool = False) -> list[dict[str, Any]]:
-    """Part 1: each attention path at one decode step's shapes, with ``kv_heads`` key/value heads. Grouped (fewer
-    than the query heads), SDPA's own ``enable_gqa`` under the mask is timed beside blockloop's: on a GPU SDPA
-    serves it with its math kernel, which copies K/V per query head, where blockloop folds query heads into rows.
-    ``grouping_only``: just those two."""
-    from torch.nn.attention.flex_attention import create_block_mask
+@dataclass
+class DecodeCase:
+    """One decode step's attention inputs: a query per row and head over ``context`` cached slots, each row holding
+    a random live length between half and all of them; the same for a given seed in every part."""
 
+    q: Tensor
+    k: Tensor
+    v: Tensor
+    lengths: Tensor
+    key_valid: Tensor
+    mask: Tensor  # the static decode step's (B, 1, 1, S) mask
+    reference: Tensor  # float64, eager
+    live_bytes: int  # K and V bytes of the live slots, and of every slot
+    all_bytes: int
+
+
+def decode_case(model: torch.nn.Module, batch: int, context: int, kv_heads: int, device: torch.device,
+                dtype: torch.dtype) -> DecodeCase:
     c = model.config
     generator = torch.Generator().manual_seed(0)
     q = torch.randn(batch, c.n_head, 1, c.head_dim, generator=generator).to(device, dtype)
     k, v = (torch.randn(batch, kv_heads, context, c.head_dim, generator=generator).to(device, dtype) for _ in range(2))
     lengths = torch.randint(context // 2, context + 1, (batch,), generator=generator).to(device)
     key_valid = torch.arange(context, device=device)[None] < lengths[:, None]
-    mask = cache_mask(key_valid, (lengths - 1)[:, None])  # the static decode step's (B, 1, 1, S) mask
+    mask = cache_mask(key_valid, (lengths - 1)[:, None])
     per_key = 2 * kv_heads * c.head_dim * torch.finfo(dtype).bits // 8  # K and V bytes of one cached token
-    live_bytes, all_bytes = per_key * int(lengths.sum()), per_key * batch * context
     reference = attention(q.double(), k.double(), v.double(), mask=mask, backend="eager")
+    return DecodeCase(q, k, v, lengths, key_valid, mask, reference, per_key * int(lengths.sum()),
+                      per_key * batch * context)
+
+
+def attention_rows(model: torch.nn.Module, batch: int, context: int, device: torch.device, dtype: torch.dtype,
+                   repeats: int, kv_heads: int, *, grouping_only: bool = False) -> list[dict[str, Any]]:
+    """Part 1: each attention path at one decode step's shapes, with ``kv_heads`` key/value heads. Grouped (fewer
+    than the query heads), SDPA's own ``enable_gqa`` under the mask is timed beside blockloop's fold of query heads
+    into rows (written on the reading that SDPA's GPU kernels take no mask with grouped K/V; on the H200 with torch
+    2.11 SDPA's own was faster at these shapes, and the top-kernel column says which kernel it ran).
+    ``grouping_only``: just those two."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    case = decode_case(model, batch, context, kv_heads, device, dtype)
+    q, k, v, lengths, mask, reference = case.q, case.k, case.v, case.lengths, case.mask, case.reference
+    live_bytes, all_bytes = case.live_bytes, case.all_bytes
 
     variants: dict[str, Callable[..., Tensor]] = {
         "sdpa, dense (B,1,1,S) mask (the static decode step)": lambda: attention(q, k, v, mask=mask, backend="sdpa"),
     }
-    if kv_heads < c.n_head:
+    if kv_heads < model.config.n_head:
         variants["sdpa, dense mask, SDPA's own enable_gqa (what blockloop replaces on a GPU)"] = (
             lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True))
     build: list[dict[str, Any]] = []  # the block mask's build time, under the table
@@ -171,15 +197,10 @@ def live_read_rows(model: torch.nn.Module, batch: int, context: int, device: tor
     """Part 4: part 1's decode step (same seed, so the same lengths and values) through reads of live keys only."""
     c = model.config
     heads = c.n_kv_head
-    generator = torch.Generator().manual_seed(0)
-    q = torch.randn(batch, c.n_head, 1, c.head_dim, generator=generator).to(device, dtype)
-    k, v = (torch.randn(batch, heads, context, c.head_dim, generator=generator).to(device, dtype) for _ in range(2))
-    lengths = torch.randint(context // 2, context + 1, (batch,), generator=generator).to(device)
-    key_valid = torch.arange(context, device=device)[None] < lengths[:, None]
-    reference = attention(q.double(), k.double(), v.double(), mask=cache_mask(key_valid, (lengths - 1)[:, None]),
-                          backend="eager")
-    per_key = 2 * heads * c.head_dim * torch.finfo(dtype).bits // 8
-    live_bytes, all_bytes = per_key * int(lengths.sum()), per_key * batch * context
+    case = decode_case(model, batch, context, heads, device, dtype)
+    q, k, v, lengths, key_valid, reference = case.q, case.k, case.v, case.lengths, case.key_valid, case.reference
+    live_bytes, all_bytes = case.live_bytes, case.all_bytes
+    generator = torch.Generator().manual_seed(1)  # the page order
     rows: list[dict[str, Any]] = []
 
     def row(name: str, compiled: bool, run: Callable[[], Tensor]) -> None:
