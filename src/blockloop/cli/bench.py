@@ -47,10 +47,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     t = p.add_argument_group("throughput protocol (Block Transformer section 3.2)")
     t.add_argument("--scenario", choices=["prefill-heavy", "decode-heavy"],
                    help="prompt/gen lengths 2048/128 or 128/2048 (default: decode-heavy)")
-    t.add_argument("--prompt-len", type=positive_int, help="the prompt length, kept as given (default: the scenario's; a length not given is "
-                   "shortened to fit the model context; e.g. 32 on CPU)")
-    t.add_argument("--gen-len", type=positive_int, help="the generated tokens, kept as given (default: the scenario's, shortened like the prompt; "
-                   "e.g. 64 on CPU)")
+    t.add_argument("--prompt-len", type=positive_int,
+                   help="the prompt length, kept as given (default: the scenario's; a length not given is shortened "
+                        "to fit the model context; e.g. 32 on CPU)")
+    t.add_argument("--gen-len", type=positive_int,
+                   help="the generated tokens, kept as given (default: the scenario's, shortened like the prompt; "
+                        "e.g. 64 on CPU)")
     t.add_argument("--batch-sizes", type=positive_ints, help="comma-separated batch sizes (default: 1,16,64)")
     t.add_argument("--search", action="store_true", help="keep doubling the batch past the list until out of memory")
     t.add_argument("--max-batch", type=positive_int, help="upper bound for --search (default: 4096)")
