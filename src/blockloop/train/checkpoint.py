@@ -404,6 +404,11 @@ def read_metrics(path: Path) -> list[dict[str, Any]]:
     return records
 
 
+def _is_count(value: Any, least: int = 0) -> bool:
+    """Whether a JSON value is an integer of at least ``least`` (JSON's true and false are not integers)."""
+    return isinstance(value, int) and not isinstance(value, bool) and value >= least
+
+
 # What inference and ``--init-from`` read from a checkpoint's train_state.json without rebuilding the run from it:
 # the run's names (data, tokenizer, task) and the training window; a conversion writes only part of them.
 _SAVED_NAMES = {"run": ("preset", "data", "tokenizer", "task", "task_dir"), "train_config": ("objective",)}
@@ -420,10 +425,10 @@ def read_saved_state(directory: Path) -> dict[str, Any]:
     bad = [f"{part}.{key} must be a string, got {state[part][key]!r}" for part, keys in _SAVED_NAMES.items()
            for key in keys if state.get(part, {}).get(key) is not None and not isinstance(state[part][key], str)]
     seq_len = state.get("train_config", {}).get("seq_len")
-    if seq_len is not None and (not isinstance(seq_len, int) or isinstance(seq_len, bool) or seq_len < 1):
+    if seq_len is not None and not _is_count(seq_len, least=1):
         bad.append(f"train_config.seq_len must be a positive integer, got {seq_len!r}")
     step = state.get("step")  # shown by info, recorded by eval
-    if step is not None and (not isinstance(step, int) or isinstance(step, bool) or step < 0):
+    if step is not None and not _is_count(step):
         bad.append(f"step must be a non-negative integer, got {step!r}")
     if state.get("converted_from") is not None and not isinstance(state["converted_from"], str):
         bad.append(f"converted_from must be a string, got {state['converted_from']!r}")
@@ -442,7 +447,7 @@ def read_train_state(directory: Path) -> dict[str, Any]:
     if missing:
         raise BlockloopError(f"{path} lacks {', '.join(missing)}; the checkpoint is incomplete or was not written by "
                              "`blockloop train`: resume from an earlier one, or start a new run from it with --init-from")
-    if not isinstance(state["step"], int) or isinstance(state["step"], bool) or state["step"] < 0:
+    if not _is_count(state["step"]):
         raise BlockloopError(f"{path}: step must be a non-negative integer, got {state['step']!r}; the checkpoint is corrupt")
     for key in ("data", "train_config", "run"):
         if not isinstance(state[key], dict):
@@ -451,7 +456,7 @@ def read_train_state(directory: Path) -> dict[str, Any]:
     data = state["data"]
     bad = [key for key in ("epoch", "index") if key not in data] + [
         key for key, value in data.items()
-        if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value < 2**62]  # + a seed: int64
+        if not _is_count(value) or value >= 2**62]  # + a seed: int64
     if bad:
         raise BlockloopError(f"{path}: data must hold the non-negative integers epoch and index, got {data!r}; the "
                              "checkpoint is corrupt: use an earlier one")
