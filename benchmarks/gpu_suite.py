@@ -9,7 +9,8 @@ CUDA events, batch search; tok/s, TTFT, TPOT, peak memory and static cache per s
 memory roofline = bytes read per step / measured copy bandwidth):
 
 * vanilla and block, decode-heavy (128 / 2048) and prefill-heavy (2048 / 128) in one run each, with the vanilla
-  model over a paged KV cache beside its static one and, last, Hugging Face ``generate()`` on the vanilla weights
+  model over a paged KV cache beside its static one, decode-heavy also at its best batch with every step reading
+  the whole static cache (no key lengths), and, last, Hugging Face ``generate()`` on the vanilla weights
   (:func:`blockloop.bench.suite.throughput_rows`);
 * recursive: a vanilla model trained briefly, converted to 2 loops and uptrained with the early-exit loss
   (the ``blockloop`` commands are recorded), then a Poisson request stream served by the vanilla model
@@ -188,7 +189,8 @@ def lengths_of(suite: Suite, scenario: str) -> tuple[int, int]:
 
 
 def scenario_rows(suite: Suite, scenario: str) -> list[dict[str, Any]]:
-    """Vanilla and block in one throughput run, then the vanilla model over a paged KV cache, then HF ``generate()``
+    """Vanilla and block in one throughput run, then the vanilla model over a paged KV cache, decode-heavy also
+    reading its whole static cache at each step (its best batch: what the key lengths gain), then HF ``generate()``
     on the vanilla weights (slowest, so last); every row's ratio is to the vanilla engine's at the same batch."""
     p = suite.plan
     lengths = lengths_of(suite, scenario)
@@ -204,6 +206,12 @@ def scenario_rows(suite: Suite, scenario: str) -> list[dict[str, Any]]:
         traceback.print_exc()
         paged = {"tok_s": float("nan"), "batch": None, "roofline_fraction": None, "cache_bytes_per_sample": 0,
                  "error": f"{type(exc).__name__}: {exc}"}
+    whole = {}
+    if decode:
+        rows += suite.throughput(p.vanilla, lengths, [vanilla["batch"]], search=False, caches=("whole-keys",))
+        whole = best(rows, f"{p.vanilla} whole-keys")
+        whole = {"whole_keys_tok_s": whole["tok_s"], "whole_keys_roofline_fraction": whole["roofline_fraction"],
+                 "vs_whole_keys": vanilla["tok_s"] / whole["tok_s"]}
     if hf_missing is None:
         rows += suite.hf_generate(p.vanilla, lengths, batches)
     add_ratios(rows, p.vanilla)
@@ -215,7 +223,8 @@ def scenario_rows(suite: Suite, scenario: str) -> list[dict[str, Any]]:
          "measured": {**vanilla, "hf_generate_tok_s": hf["tok_s"], "hf_batch": hf["batch"],
                       "vs_hf": vanilla["tok_s"] / hf["tok_s"], "paged_tok_s": paged["tok_s"], "paged_batch": paged["batch"],
                       "paged_roofline_fraction": paged["roofline_fraction"],
-                      "paged_cache_bytes_per_sample": paged["cache_bytes_per_sample"], "paged_error": paged.get("error")},
+                      "paged_cache_bytes_per_sample": paged["cache_bytes_per_sample"], "paged_error": paged.get("error"),
+                      **whole},
          "met": max(vanilla["roofline_fraction"] or 0, paged["roofline_fraction"] or 0) >= 0.85 if decode
          else max(vanilla["tok_s"], paged["tok_s"]) >= 18_000},
         {"row": f"block {scenario}", "setting": f"`{p.block}` vs `{p.vanilla}`, {setting}, batch {block['batch']}",
@@ -310,6 +319,11 @@ def summary(row: dict[str, Any]) -> str:
         parts += [f"{m[k]:.2f}x {k[3:]}" for k in ("vs_hf", "vs_vanilla") if k in m]
         if "hf_generate_tok_s" in m:
             parts.append(f"HF generate() {m['hf_generate_tok_s']:,.0f} tok/s (batch {m['hf_batch']})")
+        if "whole_keys_tok_s" in m:
+            roof = m["whole_keys_roofline_fraction"]
+            parts.append(f"reading every static slot each step {m['whole_keys_tok_s']:,.0f} tok/s"
+                         + (f" ({100 * roof:.0f}% of roofline)" if roof is not None else "")
+                         + f", so {m['vs_whole_keys']:.2f}x from the key lengths")
         if m.get("paged_error"):
             parts.append(f"paged KV failed: {m['paged_error']}")
         elif "paged_tok_s" in m:

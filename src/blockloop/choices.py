@@ -14,3 +14,4 @@ TYING_STRATEGIES = ("cycle", "sequence", "cycle_rev")  # families/recursive: whi
 LOOP_INITS = ("stepwise", "average", "lower", "upper", "random")  # convert/to_recursive: shared-layer init
 LORA_INITS = ("svd", "zero")  # convert/to_recursive: per-loop LoRA init
 SAVE_DTYPES = ("float32", "bfloat16")  # train/checkpoint: the dtype exported weights are written in
+KEY_BUCKETS = 8  # serve/engine.Engine: the key lengths a decode step's keys may be cut to (runners/base.key_lengths)

@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from blockloop.bench.metrics import Timing, serving_metrics
+from blockloop.choices import KEY_BUCKETS
 from blockloop.data.tokenizers import Tokenizer
 from blockloop.errors import BlockloopError
 from blockloop.nn.linear import packed_linears
@@ -92,18 +93,19 @@ def check_stream_fits(name: str, runner: Runner, prompts: list[list[int]], min_t
 
 def run_stream(
     served: nn.Module | Runner, prompts: list[list[int]], *, n_slots: int, min_tokens: int, max_tokens: int,
-    rate: float = float("inf"), sync_every: int = 8, seed: int = 0, compile: bool = False,
+    rate: float = float("inf"), sync_every: int = 8, seed: int = 0, compile: bool = False, key_buckets: int = KEY_BUCKETS,
 ) -> dict[str, Any]:
     """Serve ``prompts`` arriving at ``rate`` requests/s (inf: all at t=0); metrics of the whole stream,
     and each request's ``outputs`` (in submission order). ``served`` is a model or its runner (a recursive
-    model's depth-wise runner also reports its exits, a speculative one its acceptance)."""
+    model's depth-wise runner also reports its exits, a speculative one its acceptance); ``key_buckets``: the
+    engine's."""
     offsets, budgets = schedule(len(prompts), rate, min_tokens, max_tokens, seed)
     runner = served if isinstance(served, Runner) else runner_for(served)
     # Slots as long as the stream's longest request, not the model's whole context.
     max_len = min(longest_request(runner, prompts, budgets), runner.model.config.context_length)
+    engine = Engine(runner, n_slots, max_len=max_len, sync_every=sync_every, compile=compile, key_buckets=key_buckets)
     if compile:  # before the clock starts: compiling a step inside the stream would be timed as serving
-        warm_up(runner, n_slots, max_len, sync_every, prompts[0])
-    engine = Engine(runner, n_slots, max_len=max_len, sync_every=sync_every, compile=compile)
+        engine.compile_steps(shortest=min(map(len, prompts)))
     depthwise = isinstance(runner, RecursiveRunner) and runner.exit_rule is not None
     speculator = runner.speculator if isinstance(runner, RecursiveRunner) else None
     greedy = SamplingParams(temperature=0.0)
@@ -138,19 +140,6 @@ def run_stream(
                                            [len(r.output) - 1 + (r.finish_reason == "eos") for r in requests]))
     metrics["outputs"] = [r.output for r in requests]
     return metrics
-
-
-def warm_up(runner: Runner, n_slots: int, max_len: int, sync_every: int, prompt: list[int]) -> None:
-    """Compile every static step a compiled engine of this size runs (one per row count, each tens of seconds on a
-    GPU) on a throwaway engine over ``runner``: 1, 2, 4, ... requests at once. The timed engine, allocated afresh over
-    the same runner, reuses the compiled graphs, and its statistics (exits, drafts) start from zero."""
-    engine = Engine(runner, n_slots, max_len=max_len, sync_every=sync_every, compile=True)
-    tokens = max(1, min(engine.room(len(prompt)), 2 * engine.sync_every))
-    with torch.no_grad(), packed_linears(runner.model, engine.step_rows):
-        for rows in [count for count in engine.row_counts if count] or [n_slots]:
-            for _ in range(rows):
-                engine.submit(prompt, tokens, sampling=SamplingParams(temperature=0.0))
-            engine.run()
 
 
 def speculation_metrics(rounds: list[list[tuple[int, int]]], decoded: list[int]) -> dict[str, float]:

@@ -20,6 +20,7 @@ from torch import Tensor, nn
 
 from blockloop.bench.roofline import bytes_per_step
 from blockloop.bench.timing import timed
+from blockloop.choices import KEY_BUCKETS
 from blockloop.errors import BlockloopError
 from blockloop.nn.linear import packed_linears
 from blockloop.serve.engine import Engine
@@ -138,13 +139,14 @@ def run_tokens(run: int, warmup: int, gen_len: int, warmup_tokens: int | None) -
 def engine_throughput(
     model: nn.Module, name: str, batch: int, prompt_len: int, gen_len: int, *,
     repeats: int = 3, warmup: int = 1, sync_every: int = 16, compile: bool = False, bandwidth: float | None = None,
-    seed: int = 0, paged: bool = False, warmup_tokens: int | None = None,
+    seed: int = 0, paged: bool = False, warmup_tokens: int | None = None, key_buckets: int = KEY_BUCKETS,
 ) -> ThroughputResult:
     """Time ``repeats`` runs of the protocol on one engine (after ``warmup`` untimed ones); ``paged``: over a
-    paged KV cache holding the whole batch at full length (:func:`full_batch_paging`), so nothing is preempted.
-    ``warmup_tokens``: what a warm-up run generates (default all ``gen_len``). The steps' graphs depend on the row
-    count, not the length, so a few windows compile and capture them all; on a GPU a full-length warm-up of the
-    decode-heavy scenario costs as much as the timed run."""
+    paged KV cache holding the whole batch at full length (:func:`full_batch_paging`), so nothing is preempted;
+    ``key_buckets``: the engine's (0: each step reads every slot of a static cache).
+    ``warmup_tokens``: what a warm-up run generates (default all ``gen_len``); a compiled engine compiles all its
+    steps before it (:meth:`Engine.compile_steps`), so a short one suffices, while on a GPU a full-length warm-up of
+    the decode-heavy scenario costs as much as the timed run."""
     if batch < 1:
         raise BlockloopError(f"batch sizes must be >= 1, got {batch}")
     check_repeats(repeats)
@@ -155,7 +157,10 @@ def engine_throughput(
     paging = full_batch_paging(model, batch, max_len) if paged else None
     if compile:
         fresh_compile_caches()
-    engine = Engine(runner_for(model, paging=paging), batch, max_len=max_len, sync_every=sync_every, compile=compile)
+    engine = Engine(runner_for(model, paging=paging), batch, max_len=max_len, sync_every=sync_every, compile=compile,
+                    key_buckets=key_buckets)
+    if compile:  # every graph the runs take, now: a short warm-up leaves none to compile inside a timed run
+        engine.compile_steps(rows=[batch], shortest=prompt_len)
     generator = torch.Generator().manual_seed(seed)
     greedy = SamplingParams(temperature=0.0)
     seconds, ttft = [], []

@@ -10,8 +10,10 @@ import math
 from pathlib import Path
 from typing import Any
 
+from blockloop.choices import KEY_BUCKETS
 from blockloop.cli.common import (
     add_device,
+    add_key_buckets,
     add_no_pack,
     add_no_progress,
     add_threads,
@@ -43,6 +45,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     m.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
                    help="weights/cache dtype (default: bfloat16 on CUDA, float32 on CPU)")
     m.add_argument("--compile", action="store_true", help="torch.compile the decode step (CUDA graphs on CUDA)")
+    add_key_buckets(m, default=None)
     add_threads(m)
     t = p.add_argument_group("throughput protocol (Block Transformer section 3.2)")
     t.add_argument("--scenario", choices=["prefill-heavy", "decode-heavy"],
@@ -60,6 +63,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     t.add_argument("--warmup", type=nonnegative_int, help="untimed runs first (default: 1)")
     t.add_argument("--sync-every", type=positive_int, help="decode steps between host syncs (default: 16)")
     t.add_argument("--hf", action="store_true", help="also time HF generate() on the first (vanilla) model")
+    t.add_argument("--whole-keys", action="store_true",
+                   help="also time each model with every step reading its whole static cache (--key-buckets 0): "
+                        "the baseline of the key lengths")
     t.add_argument("--paged", action="store_true",
                    help="also time each model whose runner pages (vanilla, ladder, looped, block, double decoder, encoder-decoder) "
                         "over a paged KV cache")
@@ -135,12 +141,12 @@ def run(args: argparse.Namespace) -> int:
 # The flags of one mode, and their defaults (None in the parser, so that a flag given to a mode that ignores it
 # is told apart from one left alone). ENGINE_STREAM are stream flags that --url leaves to the server.
 THROUGHPUT = {"scenario": "decode-heavy", "batch_sizes": [1, 16, 64], "max_batch": 4096, "repeats": 3, "warmup": 1,
-              "prompt_len": None, "gen_len": None, "search": False, "hf": False, "paged": False}
+              "prompt_len": None, "gen_len": None, "search": False, "hf": False, "paged": False, "whole_keys": False}
 STREAM = {"requests": 64, "rate": math.inf, "prompt_range": (16, 64), "tokens_range": (16, 64), "corpus": "shakespeare"}
 ENGINE_STREAM = {"slots": 16, "draft_loops": 1, "exit": [], "speculate": [], "adaptive_k": False}
 # The flags of the engine blockloop runs here (not --url's server), and their defaults.
 LOCAL = {"presets": None, "checkpoint": [], "device": "auto", "dtype": "auto", "compile": False, "threads": None,
-         "no_pack": False, "sync_every": 16}
+         "no_pack": False, "sync_every": 16, "key_buckets": KEY_BUCKETS}
 
 
 def _settle_modes(args: argparse.Namespace) -> None:
@@ -196,7 +202,8 @@ def _throughput(args: argparse.Namespace, models: list, device: Any) -> list[dic
         prompt_len, gen_len, args.batch_sizes,
         repeats=args.repeats, warmup=args.warmup, sync_every=args.sync_every, compile=args.compile,
         search=args.search, max_batch=args.max_batch, seed=args.seed, hf=args.hf and hf_missing is None,
-        caches=("static", "paged") if args.paged else ("static",),
+        caches=("static", *(["whole-keys"] if args.whole_keys else []), *(["paged"] if args.paged else [])),
+        key_buckets=args.key_buckets,
     )
     bandwidth = measure_bandwidth(device)
     print(f"measured copy bandwidth: {bandwidth / 1e9:.1f} GB/s; prompt {settings.prompt_len}, generate {settings.gen_len}")
@@ -223,7 +230,8 @@ def _stream(args: argparse.Namespace, models: list) -> list[dict[str, Any]]:
     settings = StreamSettings(
         requests=args.requests, slots=args.slots, prompt_range=args.prompt_range, tokens_range=args.tokens_range,
         rate=args.rate,
-        corpus=args.corpus, sync_every=args.sync_every, compile=args.compile, seed=args.seed,
+        corpus=args.corpus, sync_every=args.sync_every, compile=args.compile, key_buckets=args.key_buckets,
+        seed=args.seed,
         exits=[parse_exit_rule(text) for text in args.exit],
         speculations=[Speculation(k, args.draft_loops, args.adaptive_k) for k in args.speculate],
     )

@@ -15,6 +15,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import NoReturn, TypeVar
 
+from blockloop.choices import KEY_BUCKETS
 from blockloop.errors import BlockloopError, utf8_problem
 
 _T = TypeVar("_T")
@@ -196,6 +197,14 @@ def add_no_pack(p: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
     p.add_argument("--no-pack", action="store_true",
                    help="on CPU, multiply by the weights as stored instead of oneDNN-packed copies: saves a second "
                         "copy of every linear weight, at about 1.5x the decode time")
+
+
+def add_key_buckets(p: argparse.ArgumentParser | argparse._ArgumentGroup, default: int | None = KEY_BUCKETS) -> None:
+    """``--key-buckets``, the engine's ``key_buckets`` (:class:`blockloop.serve.engine.Engine`)."""
+    p.add_argument("--key-buckets", type=nonnegative_int, default=default,
+                   help=f"key lengths a decode step over a static cache may read, each about 1.4x the next (default: "
+                        f"{KEY_BUCKETS}; 0: every slot of the cache each step); with --compile each is one more "
+                        "compiled graph per row count")
 
 
 def add_device(p: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 from blockloop.cli.common import (
     add_device,
+    add_key_buckets,
     add_no_pack,
     add_threads,
     integer,
@@ -57,6 +58,7 @@ def add_engine_arguments(p: argparse.ArgumentParser, slots: int = 8) -> None:
                    help="looped models only: batch depth-wise and leave the loops early by this rule, e.g. "
                    "max_prob:0.9 or entropy:2.0 (none:0 batches depth-wise without early exits)")
     p.add_argument("--compile", action="store_true", help="torch.compile the decode step (CUDA graphs on CUDA)")
+    add_key_buckets(p)
     p.add_argument("--prefill-chunk", type=positive_int, default=512,
                    help="most prompt tokens a request caches per decode window, so long prompts do not stall the "
                    "running ones (default: 512)")
@@ -135,4 +137,5 @@ def load(args: argparse.Namespace, n_slots: int) -> tuple[TrainedModel, dict[str
     trained = load_trained(args.checkpoint, resolve_device(args.device))
     paging = Paging(args.kv_tokens, args.page_size) if args.kv_tokens else None
     return trained, dict(n_slots=n_slots, max_len=args.max_len, sync_every=args.sync_every, exit_rule=exit_rule,
-                         compile=args.compile, prefill_chunk=args.prefill_chunk, paging=paging)
+                         compile=args.compile, prefill_chunk=args.prefill_chunk, paging=paging,
+                         key_buckets=args.key_buckets)

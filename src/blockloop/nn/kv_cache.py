@@ -137,6 +137,7 @@ class DecoderCache(nn.Module):
         if rolling and window < 1:
             raise ValueError(f"rolling layers need a positive window, got {window}")
         self.batch_size, self.max_len, self.pages = batch_size, max_len, pages
+        self.limit = max_len  # the leading slots a step's queries may see (:meth:`visible`); a serving engine cuts it
         if pages is not None and (pages.table.shape[0], pages.max_len) != (batch_size, max_len):
             raise ValueError(f"a page table of {tuple(pages.table.shape)} rows/pages for max_len {pages.max_len} "
                              f"does not fit a cache of {batch_size} rows x {max_len} slots")
@@ -181,7 +182,7 @@ class DecoderCache(nn.Module):
         ``S'`` is :meth:`visible`: on an eager CPU step, only the slots up to the furthest query's (no query sees
         a later one), so attention, which reads the keys a narrower mask covers (:func:`~blockloop.nn.attention.
         attention`), reads what the rows hold rather than the whole static cache (a server's slots are the
-        model's context long); ``S`` everywhere else."""
+        model's context long); :attr:`limit` everywhere else."""
         if self.pages is not None and self.pages.reads_pool(slots):
             if span is None:
                 return self.pages.block_mask(self.key_valid, slots)
@@ -191,12 +192,22 @@ class DecoderCache(nn.Module):
         return mask if span is None else mask & within_span(slots, mask.shape[-1], span)
 
     def visible(self, slots: Tensor) -> int:
-        """How many leading slots queries at ``slots`` may see: one past the furthest of them where reading that
-        is free (eager, on CPU), else every slot (a CUDA step would wait for the device; a compiled one has
-        static shapes)."""
+        """How many leading slots queries at ``slots`` may see: :attr:`limit`, or one past the furthest query where
+        that is fewer and reading it is free (eager, on CPU; a CUDA step would wait for the device to learn the
+        furthest slot, a compiled one has static shapes).
+
+        :attr:`limit` is every slot unless whoever steps the cache knows, on the host, that no query of the coming
+        steps sits at or past a shorter one (:meth:`limit_keys`): a serving engine knows each request's length and
+        cuts the keys a step reads to one of a few lengths (a static shape each), so a static cache's step reads
+        about what its rows hold, not ``max_len`` slots per row. A query at or past the limit would silently miss
+        its newest keys: the limit is a promise of the caller's."""
         if slots.is_cpu and not torch.compiler.is_compiling():
-            return min(int(slots.max()) + 1, self.max_len)
-        return self.max_len
+            return min(int(slots.max()) + 1, self.limit)
+        return self.limit
+
+    def limit_keys(self, slots: int) -> None:
+        """Let steps read the first ``slots`` slots only (at most ``max_len``; see :meth:`visible`)."""
+        self.limit = min(slots, self.max_len)
 
     def rolling_mask(self, slots: Tensor, token_valid: Tensor | None = None) -> Tensor:
         """The rolling layers' ``(B, 1, T, ring + 1 + T)`` mask of a step at ``slots`` (see :func:`ring_mask`):
@@ -232,7 +243,7 @@ class DecoderCache(nn.Module):
         the other rows keep their state). A subclass's view is of its own class: it adds its own attributes."""
         view = type(self).__new__(type(self))
         nn.Module.__init__(view)
-        view.batch_size, view.max_len = stop - start, self.max_len
+        view.batch_size, view.max_len, view.limit = stop - start, self.max_len, self.limit
         view.pages = self.pages.rows(start, stop) if self.pages is not None else None
         view.rolling, view.window = self.rolling, self.window
         view.layers = nn.ModuleList(layer.rows(start, stop) for layer in self.layers)

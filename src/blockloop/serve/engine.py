@@ -25,7 +25,11 @@ a window keep stepping until its end (their extra tokens are discarded): the pri
 A window steps a fixed number of rows, busy or not, so the decode step has static shapes (``torch.compile``,
 CUDA graphs): every slot, or, where the runner can (``prefix_steps``), the first ``n`` slots, ``n`` the
 smallest of a few sizes (:func:`~blockloop.serve.runners.base.row_buckets`) that covers every busy slot, so a
-lightly loaded engine does not pay for its idle slots (requests take the lowest free slots).
+lightly loaded engine does not pay for its idle slots (requests take the lowest free slots). Likewise along the keys:
+before each window the engine tells the runner the most tokens any running request can hold by its end
+(:meth:`Runner.limit_keys`), rounded up to the smallest of a few lengths
+(:func:`~blockloop.serve.runners.base.key_lengths`), and a step over a static cache reads only those leading slots of
+each row, not the whole ``max_len`` a slot reserves.
 
 A runner that cannot prefill one slot at a time (``per_slot = False``: a double decoder given a shared
 cached prefix) is served in static batches instead: waiting requests are admitted together, left-padded,
@@ -36,17 +40,18 @@ from __future__ import annotations
 
 import operator
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import torch
-from torch import nn
+from torch import Tensor, nn
 
+from blockloop.choices import KEY_BUCKETS
 from blockloop.errors import BlockloopError
 from blockloop.nn.linear import packed_linears
 from blockloop.serve.batching import left_pad
 from blockloop.serve.requests import Request, RequestStatus, SamplingParams, TokenCallback, whole_number
 from blockloop.serve.runners import Runner, runner_for
-from blockloop.serve.runners.base import StepOutput, keep_rebound_state, row_buckets
+from blockloop.serve.runners.base import StepOutput, keep_rebound_state, key_lengths, row_buckets
 from blockloop.serve.sampling import SlotSampling
 from blockloop.serve.scheduler import Scheduler
 
@@ -60,14 +65,30 @@ def default_sync_every(device: torch.device) -> int:
     return 1 if device.type == "cpu" else 8
 
 
+def within_recompile_limit(step: Callable[[Tensor], object], graphs_per_shape: int) -> Callable[[Tensor], object]:
+    """``step`` (compiled) allowed ``graphs_per_shape`` times dynamo's recompile limit: past the limit dynamo runs a
+    frame eagerly, and an engine cutting its keys compiles a graph per key length for each row count (which
+    :func:`row_buckets` keeps within the limit by themselves)."""
+    if graphs_per_shape <= 1:
+        return step
+
+    def run(tokens: Tensor) -> object:
+        with torch._dynamo.config.patch(recompile_limit=torch._dynamo.config.recompile_limit * graphs_per_shape):
+            return step(tokens)
+
+    return run
+
+
 class Engine:
     """Batching over ``n_slots`` rows for one model (see the module docstring).
 
     ``served`` is a runner, or a model served by its family's default runner (:func:`runner_for`).
     ``compile=True`` wraps the decode step in ``torch.compile`` (``mode="reduce-overhead"``, i.e. CUDA
     graphs, on CUDA). ``prefill_chunk``: the most prompt tokens a request caches per window (runners with
-    ``chunked_prefill``). ``sync_every``: decode steps per window (:func:`default_sync_every` when None). The
-    model is used as given: cast it (e.g. ``model.to(torch.bfloat16)``) first.
+    ``chunked_prefill``). ``sync_every``: decode steps per window (:func:`default_sync_every` when None).
+    ``key_buckets``: how many key lengths a decode step may be cut to (:func:`key_lengths`; 0 or 1: every step reads
+    all ``max_len`` slots); each is one more compiled graph per row count. The model is used as given: cast it
+    (e.g. ``model.to(torch.bfloat16)``) first.
     """
 
     def __init__(
@@ -79,6 +100,7 @@ class Engine:
         sync_every: int | None = None,
         compile: bool = False,
         prefill_chunk: int = 512,
+        key_buckets: int = KEY_BUCKETS,
     ) -> None:
         runner = served if isinstance(served, Runner) else runner_for(served)
         model = runner.model
@@ -93,6 +115,8 @@ class Engine:
             raise BlockloopError(f"sync_every must be at least 1, got {sync_every}")
         if prefill_chunk < 1:
             raise BlockloopError(f"prefill_chunk must be at least 1, got {prefill_chunk}")
+        if not (whole_number(key_buckets) and key_buckets >= 0):
+            raise BlockloopError(f"key_buckets must be a whole number, at least 0 (0: read every slot); got {key_buckets!r}")
         self.prefill_chunk = prefill_chunk
         self.prefilling: dict[int, int] = {}  # slot -> prompt tokens cached so far (chunked prefill)
         self.admitted: list[int] = []  # running slots, oldest request first (the newest is preempted first)
@@ -113,6 +137,7 @@ class Engine:
             runner.allocate(n_slots, self.max_len)
         self.rows = n_slots if self.continuous else 0  # rows the current decode state has
         self.row_counts = row_buckets(n_slots) if self.continuous and runner.prefix_steps else [self.rows]
+        self.key_lengths = key_lengths(self.max_len, key_buckets if self.continuous else 0)
         self.scheduler = Scheduler(n_slots)
         self.logits = torch.zeros(n_slots, model.config.padded_vocab_size, dtype=weight.dtype, device=self.device)
         # Per step and row: the token the engine sampled, then those the runner emitted itself (-1: none).
@@ -125,8 +150,8 @@ class Engine:
         if compile:
             mode = "reduce-overhead" if self.device.type == "cuda" else None
             # static shapes: one graph per row count of a prefix step, not a dynamic one
-            compiled = runner.compiled_step(lambda step: torch.compile(step, mode=mode, dynamic=False))
-            self._decode = keep_rebound_state(runner, compiled)
+            compiled = keep_rebound_state(runner, runner.compiled_step(lambda step: torch.compile(step, mode=mode, dynamic=False)))
+            self._decode = within_recompile_limit(compiled, len(self.key_lengths))
         self.steps = 0
         self.last_window: list[tuple[Request, list[int]]] = []
 
@@ -224,6 +249,8 @@ class Engine:
             for slot, request in admitted:
                 self.runner.reserve(slot, self._horizon(request))
                 self.admitted.append(slot)
+            if self.scheduler.running:  # before the prefills: on a GPU they read the limited keys too
+                self.runner.limit_keys(self._key_length())
             if self.runner.chunked_prefill:
                 self.prefilling.update((slot, 0) for slot, _ in admitted)
                 for slot, _ in admitted:  # fed no token (-1) until its prompt is cached: its steps write nothing real
@@ -279,6 +306,16 @@ class Engine:
             return self.rows
         busy = max(self.scheduler.running) + 1
         return next(n for n in self.row_counts if n >= busy)
+
+    def _key_length(self) -> int:
+        """The shortest of :attr:`key_lengths` that holds every running request's tokens to the end of this window:
+        what it has cached (its padded prompt and output; a preempted request is prefilled again with its output,
+        which only runners that pad nothing do, :attr:`Runner.resumable`) plus what a window of steps adds (a
+        speculative step writes its drafts and bonus token too)."""
+        per_step = max(1, self.runner.emits)
+        most = max(self.reserved + self._padded(len(r.prompt)) + len(r.output) + self.sync_every * per_step
+                   for r in self.scheduler.running.values())
+        return next((n for n in self.key_lengths if n >= most), self.max_len)
 
     def _prefill_groups(self, admitted: list[tuple[int, Request]]) -> list[tuple[int, list[Request]]]:
         """Requests admitted together in consecutive slots with prompts of one padded length, as
@@ -406,6 +443,28 @@ class Engine:
                     break
             self.last_window.append((request, request.output[start:]))
         return finished
+
+    @torch.no_grad()
+    def compile_steps(self, rows: Sequence[int] | None = None, shortest: int = 1) -> None:
+        """Compile (and on CUDA capture: three calls each) the static decode steps this engine will run, before any
+        request: compiled on first use instead, a step stalls the requests running then for its compile (tens of
+        seconds a graph on a GPU). ``rows``: the row counts to compile (default every one of :attr:`row_counts`; a batch
+        that keeps every slot busy runs only ``n_slots``); ``shortest``: no request holds fewer tokens (shorter
+        key lengths are skipped). The steps run idle rows; the runner's state is allocated afresh afterwards, and
+        the graphs are kept (they depend on shapes, not on the buffers)."""
+        if not self.idle or not self.continuous:
+            raise BlockloopError("compile an engine's steps before submitting requests, on a continuously batching one")
+        if rows is not None and not set(rows) <= set(self.row_counts):
+            raise BlockloopError(f"this engine steps {self.row_counts} rows at a time, not {sorted(set(rows))}")
+        first = next((i for i, n in enumerate(self.key_lengths) if n >= shortest), len(self.key_lengths) - 1)
+        tokens = torch.zeros(self.n_slots, dtype=torch.long, device=self.device)
+        with packed_linears(self.model, self.step_rows):  # the weights as the steps will see them (CPU)
+            for count in self.row_counts if rows is None else rows:
+                for length in self.key_lengths[first:]:
+                    self.runner.limit_keys(length)
+                    for _ in range(3 * self.admit_every):  # a Block Transformer's step is a block's worth of steps
+                        self._decode(tokens[:count])
+        self.runner.allocate(self.n_slots, self.max_len)
 
     def run(self) -> None:
         """Step until every submitted request has finished, on CPU over oneDNN-packed weights

@@ -23,6 +23,7 @@ from typing import Protocol
 
 from torch import nn
 
+from blockloop.choices import KEY_BUCKETS
 from blockloop.errors import BlockloopError
 from blockloop.nn.linear import packed_linears
 from blockloop.serve.engine import Engine
@@ -39,6 +40,7 @@ FINISH_REASONS = {"eos": "stop", "stop": "stop", "length": "length", "abort": "a
 def serving_engine(
     model: nn.Module, n_slots: int, *, max_len: int | None = None, sync_every: int | None = None,
     exit_rule: ExitRule | None = None, compile: bool = False, prefill_chunk: int = 512, paging: Paging | None = None,
+    key_buckets: int = KEY_BUCKETS,
 ) -> Engine:
     """The engine a server or chat runs: ``model``'s runner over ``n_slots`` slots; with ``exit_rule``, a looped
     model is batched depth-wise and leaves its loops early by that rule; with ``paging``, over a paged KV cache."""
@@ -49,7 +51,7 @@ def serving_engine(
                                  "leave it out")
         options["exit_rule"] = exit_rule
     return Engine(runner_for(model, **options), n_slots, max_len=max_len, sync_every=sync_every, compile=compile,
-                  prefill_chunk=prefill_chunk)
+                  prefill_chunk=prefill_chunk, key_buckets=key_buckets)
 
 
 class QueueFull(BlockloopError):

@@ -9,6 +9,7 @@ one slot at a time (``per_slot = False``) is given a static batch through :meth:
 
 from __future__ import annotations
 
+import math
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from typing import NamedTuple
@@ -107,6 +108,12 @@ class Runner(ABC):
     def release(self, slot: int) -> None:
         """Row ``slot``'s request has finished: give back what :meth:`reserve` took."""
 
+    def limit_keys(self, n_tokens: int) -> None:
+        """Until told otherwise, no row that matters holds more than its first ``n_tokens`` tokens: a runner whose
+        steps read a static cache reads only what they cover (:meth:`DecoderCache.visible
+        <blockloop.nn.kv_cache.DecoderCache.visible>`); the others read what they read. The engine calls it before
+        each window with one of :func:`key_lengths` (a static shape each)."""
+
     def prefill_slot(self, slot: int, prompt: Tensor) -> Tensor:
         """Take over row ``slot`` for ``prompt (P,)`` (the other rows keep their state); next-token logits ``(V,)``."""
         return self.prefill_rows(slot, prompt[None])[0]
@@ -153,6 +160,19 @@ def row_buckets(n_slots: int) -> list[int]:
     while a lightly loaded engine steps at most twice the rows it has busy."""
     sizes = sorted({n_slots, *(1 << i for i in range(n_slots.bit_length()) if 1 << i < n_slots)})
     return sizes[-8:]
+
+
+def key_lengths(max_len: int, count: int) -> list[int]:
+    """The lengths a decode step's keys are cut to (:meth:`Runner.limit_keys`): ``max_len`` and up to ``count - 1``
+    below it, each about 1/sqrt(2) of the next, rounded up to a multiple of 16 (whole tiles of the attention
+    kernels). A step then reads at most about 1.4x the keys its longest row holds, in ``count`` static shapes
+    (a compiled graph, a CUDA graph each). Ascending; ``count`` 0 or 1: ``[max_len]`` (every slot, always)."""
+    lengths = {max_len}
+    for i in range(1, count):
+        length = -(-math.ceil(max_len / 2 ** (i / 2)) // 16) * 16
+        if length < max_len:
+            lengths.add(length)
+    return sorted(lengths)
 
 
 def static_state(*tensors: Tensor) -> None:

@@ -88,6 +88,12 @@ class BlockRunner(PagedRows, Runner):
     def _pages(self) -> KVPages | None:
         return self.state.block_cache.pages
 
+    def limit_keys(self, n_tokens: int) -> None:
+        """The block decoder's cache keeps an entry per block; the token decoder's is a block long already."""
+        entries = -(-n_tokens // self.model.config.block_len)
+        for cache in {id(c): c for c in (self.state.block_cache, *(b for b, _ in self.state.prefixes.values()))}.values():
+            cache.limit_keys(entries)
+
     @torch.no_grad()
     def prefill_rows(self, start: int, prompts: Tensor) -> Tensor:
         """Cache ``prompts (n, P)`` (whole blocks, one length) in rows ``start .. start + n - 1`` in one block-decoder

@@ -45,6 +45,12 @@ class DecodeState:
         writes them in place)."""
         return DecodeState(self.cache.rows(start, stop), self.next_slot[start:stop], self.next_position[start:stop])
 
+    def limit_keys(self, slots: int) -> None:
+        """Steps over any of the cache's row counts read its first ``slots`` slots only
+        (:meth:`DecoderCache.limit_keys`)."""
+        for cache in {id(c): c for c in (self.cache, *self.prefixes.values())}.values():
+            cache.limit_keys(slots)
+
     def step_slots(self, rows: int, context_length: int) -> tuple[DecoderCache, Tensor, Tensor]:
         """The first ``rows`` rows' cache (from ``prefixes``) and the ``(rows, 1)`` slots and
         positions of their next token; then advance every row (the rows past ``rows`` are idle: a prefill sets
@@ -74,6 +80,9 @@ class DecoderRunner(PagedRows, Runner):
         device = self.model.embed.weight.device
         pages = None if self.paging is None else self._checked(self.paging.pages(n_slots, max_len, device))
         self.state = DecodeState.of(self._allocate_cache(n_slots, max_len, pages), prefixes=self.prefix_steps)
+
+    def limit_keys(self, n_tokens: int) -> None:
+        self.state.limit_keys(n_tokens)  # a slot per token
 
     def _checked(self, pages: KVPages) -> KVPages:
         """Refuse what a decode step reading pages cannot do: a relaxed model's learned prefix K/V sit in front

@@ -49,6 +49,9 @@ class DoubleDecoderRunner(PagedRows, Runner):
         if self.per_slot:
             self.state = self._state(n_slots, max_len, self.paging)
 
+    def limit_keys(self, n_tokens: int) -> None:
+        self.state.limit_keys(n_tokens)  # a slot per prompt token but the last (its cross K/V), then per new token
+
     def _state(self, rows: int, length: int, paging: Paging | None = None) -> DecodeState:
         device = self.model.embed.weight.device
         pages = None if paging is None else paging.pages(rows, length, device)
