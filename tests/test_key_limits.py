@@ -63,6 +63,7 @@ def served(name, options, key_buckets, sync_every):
 
 @pytest.mark.parametrize("name,options,sync_every", [
     ("tiny", {}, 3), ("tiny", {}, 1), ("tiny-ladder", {}, 2), ("tiny-block", {}, 4), ("tiny-double", {}, 3),
+    ("tiny-encdec", {}, 2),
     ("tiny-recursive", {"speculation": Speculation(k=2)}, 2),
     ("tiny-recursive", {"exit_rule": ExitRule("none")}, 3),
     ("tiny", {"paging": Paging(48, page_size=4)}, 2),  # too few pages for both: the newest request is preempted

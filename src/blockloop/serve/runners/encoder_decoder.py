@@ -35,6 +35,7 @@ class EncDecState:
     cross_valid: Tensor  # (rows, cross length)
     next_slot: Tensor
     prefixes: dict[int, DecoderCache] = field(repr=False)  # the cache of a step over the first n rows (prefix_views)
+    cross_limit: int | None = None  # how many leading cross keys a step reads (None: all; see Runner.limit_keys)
 
 
 class EncoderDecoderRunner(PagedRows, Runner):
@@ -60,6 +61,13 @@ class EncoderDecoderRunner(PagedRows, Runner):
         zeros = torch.zeros(n_slots, dtype=torch.long, device=weight.device)
         cache = self.model.allocate_cache(n_slots, max_len, pages=pages)
         self.state = EncDecState(cache, cross, valid, zeros, prefix_views(cache))
+
+    def limit_keys(self, n_tokens: int) -> None:
+        """A request of ``n_tokens`` tokens holds fewer encoded prompt tokens (its cross keys) and fewer decoder
+        tokens (its self-attention cache) than that."""
+        for cache in {id(c): c for c in (self.state.cache, *self.state.prefixes.values())}.values():
+            cache.limit_keys(n_tokens)
+        self.state.cross_limit = n_tokens
 
     @torch.no_grad()
     def prefill_rows(self, start: int, prompts: Tensor) -> Tensor:
@@ -111,7 +119,8 @@ class EncoderDecoderRunner(PagedRows, Runner):
         pools with a block mask over each row's pages, or the rows' gathered logical views."""
         state, pages = self.state, self.state.cache.pages  # a lock-step batch's cache (and cross K/V) is static
         valid = state.cross_valid[rows]
-        if pages is None:
+        if pages is None:  # a mask narrower than the keys: attention reads the keys it covers only
+            valid = valid[:, : state.cross_limit]
             return [(k[rows], v[rows]) for k, v in state.cross], valid[:, None, None, :]
         pages = pages.rows(rows.start, rows.stop)
         if pages.read == "pages":
