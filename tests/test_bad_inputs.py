@@ -255,6 +255,11 @@ CASES = [
     (["bench", "--url", "http://127.0.0.1:9", "--threads", "2", "--sync-every", "4"],
      "--threads, --sync-every do not apply to --url"),
     (["bench", "--plot", "{base}/p.png", "--url", "http://127.0.0.1:9"], "--url does not apply to --plot"),
+    # a flag given at its default value is given all the same
+    (["bench", "--url", "http://127.0.0.1:9", "--sync-every", "16", "--device", "auto", "--key-buckets", "8"],
+     "--device, --sync-every, --key-buckets do not apply to --url"),
+    (["bench", "--plot", "{base}/p.png", "--no-progress"], "--no-progress does not apply to --plot"),
+    (["bench", "--stream", "--presets", "tiny", "--whole-keys"], "--whole-keys does not apply to --stream"),
     (["bench", "--stream", "--presets", "tiny,tiny-block", "--prompt-range", "100,120", "--tokens-range", "20,40"],
      "tiny: the stream's longest request takes"),  # refused before the first model runs
     (["bench", "--presets", "tiny-block", "--hf", "--prompt-len", "8", "--gen-len", "8"], "--hf times HF generate() on the first model"),

@@ -39,10 +39,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="comma-separated presets, randomly initialised (default without --checkpoint: pythia-85m,block-85m)")
     m.add_argument("--checkpoint", action="append", default=[], type=nonempty,
                    help="a trained run to bench, after the --presets (repeatable; its validation loss is recorded for --plot)")
-    add_device(m)
+    add_device(m, default=None)
     add_no_pack(m)
     add_no_progress(m)
-    m.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
+    m.add_argument("--dtype", choices=["auto", "float32", "bfloat16"],
                    help="weights/cache dtype (default: bfloat16 on CUDA, float32 on CPU)")
     m.add_argument("--compile", action="store_true", help="torch.compile the decode step (CUDA graphs on CUDA)")
     add_key_buckets(m, default=None)
@@ -153,13 +153,13 @@ def _settle_modes(args: argparse.Namespace) -> None:
     """Refuse a flag the chosen mode would ignore, then fill in the defaults of the flags left alone."""
     if args.plot is not None:  # it draws recorded runs and runs nothing
         mode, ignored = "--plot", {**THROUGHPUT, **STREAM, **ENGINE_STREAM, **LOCAL, "stream": False, "url": None,
-                                   "seed": None}
+                                   "seed": None, "no_progress": False}
     else:
         mode = "--url" if args.url is not None else "--stream" if args.stream else "the throughput protocol"
         ignored = {**STREAM, **ENGINE_STREAM} if mode == "the throughput protocol" else {**THROUGHPUT}
         if mode == "--url":  # the server's model and engine serve the stream
             ignored.update({**ENGINE_STREAM, **LOCAL})
-    given = [name for name in ignored if getattr(args, name) not in (None, False, [], LOCAL.get(name))]
+    given = [name for name in ignored if getattr(args, name) not in (None, False, [])]  # every default is one of these
     if given:
         refuse_flags(given, mode, or_else=" or add --stream" if mode == "the throughput protocol" else "")
     # Flags that only shape another flag of the same mode.

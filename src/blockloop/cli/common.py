@@ -207,9 +207,10 @@ def add_key_buckets(p: argparse.ArgumentParser | argparse._ArgumentGroup, defaul
                         "compiled graph per row count")
 
 
-def add_device(p: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
-    """``--device``, read with :func:`blockloop.device.resolve_device`."""
-    p.add_argument("--device", default="auto", type=device, help="auto, cpu, cuda, cuda:N or mps (default: auto)")
+def add_device(p: argparse.ArgumentParser | argparse._ArgumentGroup, default: str | None = "auto") -> None:
+    """``--device``, read with :func:`blockloop.device.resolve_device` (``default=None``: a command that must tell a
+    flag given as ``auto`` from one left out fills in ``auto`` itself)."""
+    p.add_argument("--device", default=default, type=device, help="auto, cpu, cuda, cuda:N or mps (default: auto)")
 
 
 def add_threads(p: argparse.ArgumentParser | argparse._ArgumentGroup, default: int | None = None) -> None:
