@@ -218,3 +218,26 @@ def test_a_compiled_cuda_engine_cut_to_key_lengths_decodes_like_one_reading_ever
     assert counters["inductor"]["cudagraph_skips"] == 0
     agree = sum(a == b for x, y in zip(*outs) for a, b in zip(x, y)) / sum(budgets)
     assert agree > 0.95
+
+
+@pytest.mark.parametrize("name,options", [
+    ("tiny", {"paging": Paging(256, page_size=8)}), ("tiny-block", {}), ("tiny-double", {}), ("tiny-encdec", {}),
+    ("tiny-recursive", {"exit_rule": ExitRule("max_prob", 0.5)}), ("tiny-recursive", {"speculation": Speculation(k=2)}),
+    ("tiny-staircase", {}),
+])
+def test_compile_steps_leaves_every_runner_as_freshly_allocated(name, options):
+    """``compile_steps`` runs every static step over idle rows (writing their caches, counters and phases) and then
+    allocates the runner afresh: the requests after it decode exactly as on an engine that never ran it (here eager:
+    what is checked is the state, not the compiler)."""
+    model = tiny(name)
+    prompts, budgets = prompts_of((5, 11, 7)), [9, 6, 12]
+    outputs = []
+    for warm in (True, False):
+        engine = Engine(runner_for(model, **options), 4, max_len=64, sync_every=4)
+        if warm:
+            engine.compile_steps()
+        requests = [engine.submit(p, n, sampling=GREEDY) for p, n in zip(prompts, budgets)]
+        engine.run()
+        exits = engine.runner.depth.exits.tolist() if "exit_rule" in options else None  # counted since allocation
+        outputs.append(([r.output for r in requests], exits))
+    assert outputs[0] == outputs[1]
