@@ -155,7 +155,7 @@ class Engine:
         self._decode = runner.decode_step
         if compile:
             mode = "reduce-overhead" if self.device.type == "cuda" else None
-            # static shapes: one graph per row count of a prefix step, not a dynamic one
+            # static shapes: one graph per row count of a prefix step and key length, not a dynamic one
             compiled = keep_rebound_state(runner, runner.compiled_step(lambda step: torch.compile(step, mode=mode, dynamic=False)))
             self._decode = within_recompile_limit(compiled, len(self.key_lengths))
         self.steps = 0
