@@ -139,10 +139,8 @@ def test_a_compiled_step_compiles_again_for_a_new_limit_rather_than_reading_a_st
     torch._dynamo.reset()
 
 
-def test_a_compiled_engine_compiles_a_graph_per_key_length_past_dynamos_own_limit(monkeypatch):
-    """Each key length is one more graph per row count; past dynamo's recompile limit a step would run eagerly
-    (here: raise), so the engine allows its steps the limit times its number of key lengths."""
-    model = tiny("tiny")
+def counted_graphs(monkeypatch) -> list:
+    """The graphs the engine's ``torch.compile`` traces from now on (dynamo only, ``backend`` counting them)."""
     graphs, compile = [], torch.compile
 
     def counting(gm, example_inputs):
@@ -150,6 +148,14 @@ def test_a_compiled_engine_compiles_a_graph_per_key_length_past_dynamos_own_limi
         return gm.forward
 
     monkeypatch.setattr(torch, "compile", lambda f, **kw: compile(f, backend=counting, dynamic=False))
+    return graphs
+
+
+def test_a_compiled_engine_compiles_a_graph_per_key_length_past_dynamos_own_limit(monkeypatch):
+    """Each key length is one more graph per row count; past dynamo's recompile limit a step would run eagerly
+    (here: raise), so the engine allows its steps the limit times its number of key lengths."""
+    model = tiny("tiny")
+    graphs = counted_graphs(monkeypatch)
     prompts, budgets = prompts_of((5, 9)), [60, 40]
     outputs = []
     with torch._dynamo.config.patch(recompile_limit=2, fail_on_recompile_limit_hit=True):
@@ -168,13 +174,7 @@ def test_compile_steps_compiles_every_graph_a_run_then_takes(monkeypatch):
     run), and the outputs are the eager engine's; it refuses an engine already serving and a row count it never
     steps."""
     model = tiny("tiny")
-    graphs, compile = [], torch.compile
-
-    def counting(gm, example_inputs):
-        graphs.append(gm)
-        return gm.forward
-
-    monkeypatch.setattr(torch, "compile", lambda f, **kw: compile(f, backend=counting, dynamic=False))
+    graphs = counted_graphs(monkeypatch)
     prompts, budgets = prompts_of((5, 40, 9)), [50, 30, 8]
     with torch._dynamo.config.patch(recompile_limit=8):
         engine = Engine(model, 4, max_len=96, sync_every=4, compile=True)
