@@ -91,7 +91,7 @@ class BlockRunner(PagedRows, Runner):
     def limit_keys(self, n_tokens: int) -> None:
         """The block decoder's cache keeps an entry per block; the token decoder's is a block long already."""
         entries = -(-n_tokens // self.model.config.block_len)
-        for cache in {id(c): c for c in (self.state.block_cache, *(b for b, _ in self.state.prefixes.values()))}.values():
+        for cache in (self.state.block_cache, *(block for block, _ in self.state.prefixes.values())):
             cache.limit_keys(entries)
 
     @torch.no_grad()

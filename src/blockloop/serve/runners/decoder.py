@@ -48,7 +48,7 @@ class DecodeState:
     def limit_keys(self, slots: int) -> None:
         """Steps over any of the cache's row counts read its first ``slots`` slots only
         (:meth:`DecoderCache.limit_keys`)."""
-        for cache in {id(c): c for c in (self.cache, *self.prefixes.values())}.values():
+        for cache in (self.cache, *self.prefixes.values()):  # the full count's view is the cache: set twice, harmless
             cache.limit_keys(slots)
 
     def step_slots(self, rows: int, context_length: int) -> tuple[DecoderCache, Tensor, Tensor]:

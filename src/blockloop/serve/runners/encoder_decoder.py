@@ -65,7 +65,7 @@ class EncoderDecoderRunner(PagedRows, Runner):
     def limit_keys(self, n_tokens: int) -> None:
         """A request of ``n_tokens`` tokens holds fewer encoded prompt tokens (its cross keys) and fewer decoder
         tokens (its self-attention cache) than that."""
-        for cache in {id(c): c for c in (self.state.cache, *self.state.prefixes.values())}.values():
+        for cache in (self.state.cache, *self.state.prefixes.values()):
             cache.limit_keys(n_tokens)
         self.state.cross_limit = n_tokens
 
