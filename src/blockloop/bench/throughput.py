@@ -69,6 +69,7 @@ class ThroughputResult:
     cache_bytes_per_sample: int | None
     roofline_tok_s: float | None
     roofline_fraction: float | None
+    compile_s: float | None = None  # compiling (and capturing) every graph of the runs, before them: not in tok/s
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -159,8 +160,11 @@ def engine_throughput(
         fresh_compile_caches()
     engine = Engine(runner_for(model, paging=paging), batch, max_len=max_len, sync_every=sync_every, compile=compile,
                     key_buckets=key_buckets)
+    compile_s = None
     if compile:  # every graph the runs take, now: a short warm-up leaves none to compile inside a timed run
-        engine.compile_steps(rows=[batch], shortest=prompt_len)
+        with timed(device) as compiling:
+            engine.compile_steps(rows=[batch], shortest=prompt_len)
+        compile_s = compiling.seconds
     generator = torch.Generator().manual_seed(seed)
     greedy = SamplingParams(temperature=0.0)
     seconds, ttft = [], []
@@ -190,7 +194,7 @@ def engine_throughput(
     peak = torch.cuda.max_memory_allocated(device) // batch if device.type == "cuda" else None
     return ThroughputResult(
         name, batch, prompt_len, gen_len, tok_s, mean_ttft, max(mean - mean_ttft, 0.0) / max(gen_len - 1, 1), peak,
-        state_bytes(engine.runner.state) // batch, roofline, tok_s / roofline if roofline else None,
+        state_bytes(engine.runner.state) // batch, roofline, tok_s / roofline if roofline else None, compile_s,
     )
 
 
