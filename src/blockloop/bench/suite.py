@@ -201,7 +201,7 @@ class StreamSettings:
     corpus: str = "shakespeare"
     sync_every: int = 16
     compile: bool = False
-    key_buckets: int = KEY_BUCKETS  # compiled: one graph per key length and row count, all before the stream
+    key_buckets: int = KEY_BUCKETS  # compiled: one graph per row count and per key length, all before the stream
     seed: int = 0
     exits: list[ExitRule] = field(default_factory=list)  # depth-wise early-exit rules for looped models
     speculations: list[Speculation] = field(default_factory=list)  # self-speculative decoding of looped models

@@ -202,9 +202,9 @@ def add_no_pack(p: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
 def add_key_buckets(p: argparse.ArgumentParser | argparse._ArgumentGroup, default: int | None = KEY_BUCKETS) -> None:
     """``--key-buckets``, the engine's ``key_buckets`` (:class:`blockloop.serve.engine.Engine`)."""
     p.add_argument("--key-buckets", type=nonnegative_int, default=default,
-                   help=f"key lengths a decode step over a static cache may read, each about 1.4x the next (default: "
-                        f"{KEY_BUCKETS}; 0: every slot of the cache each step); with --compile each is one more "
-                        "compiled graph per row count")
+                   help=f"key lengths a decode step over every slot of a static cache may read, each about 1.4x the "
+                        f"next (default: {KEY_BUCKETS}; 0: every slot of the cache each step); with --compile each "
+                        "is one more compiled graph")
 
 
 def add_device(p: argparse.ArgumentParser | argparse._ArgumentGroup, default: str | None = "auto") -> None:

@@ -28,8 +28,10 @@ smallest of a few sizes (:func:`~blockloop.serve.runners.base.row_buckets`) that
 lightly loaded engine does not pay for its idle slots (requests take the lowest free slots). Likewise along the keys:
 before each window the engine tells the runner the most tokens any running request can hold by its end
 (:meth:`Runner.limit_keys`), rounded up to the smallest of a few lengths
-(:func:`~blockloop.serve.runners.base.key_lengths`), and a step over a static cache reads only those leading slots of
-each row, not the whole ``max_len`` a slot reserves.
+(:func:`~blockloop.serve.runners.base.key_lengths`), and a step over every slot of a static cache reads only those
+leading slots of each row, not the whole ``max_len`` a slot reserves. A prefix step (a lighter load) reads every slot:
+a compiled step is one graph per row count plus one per key length, not one per pair (each graph is a compile of its
+own: about 60% of the first one's time, pythia-5m on CPU).
 
 A runner that cannot prefill one slot at a time (``per_slot = False``: a double decoder given a shared
 cached prefix) is served in static batches instead: waiting requests are admitted together, left-padded,
@@ -65,18 +67,18 @@ def default_sync_every(device: torch.device) -> int:
     return 1 if device.type == "cpu" else 8
 
 
-def within_recompile_limit(step: Callable[[Tensor], object], graphs_per_shape: int) -> Callable[[Tensor], object]:
-    """``step`` (compiled) allowed ``graphs_per_shape`` times dynamo's recompile limit: past the limit dynamo runs a
-    frame eagerly, and an engine cutting its keys compiles a graph per key length for each row count (which
-    :func:`row_buckets` keeps within the limit by themselves)."""
-    if graphs_per_shape <= 1:
+def within_recompile_limit(step: Callable[[Tensor], object], extra_graphs: int) -> Callable[[Tensor], object]:
+    """``step`` (compiled) allowed ``extra_graphs`` more than dynamo's recompile limit: past the limit dynamo runs a
+    frame eagerly, and an engine cutting its keys compiles one more graph per key length besides its row counts
+    (which :func:`row_buckets` keeps within the limit by themselves)."""
+    if extra_graphs < 1:
         return step
 
     config = torch._dynamo.config
 
     def run(tokens: Tensor) -> object:  # set and reset by hand: config.patch costs ~140 us a step, this ~5
         limit = config.recompile_limit
-        config.recompile_limit = limit * graphs_per_shape
+        config.recompile_limit = limit + extra_graphs
         try:
             return step(tokens)
         finally:
@@ -92,8 +94,8 @@ class Engine:
     ``compile=True`` wraps the decode step in ``torch.compile`` (``mode="reduce-overhead"``, i.e. CUDA
     graphs, on CUDA). ``prefill_chunk``: the most prompt tokens a request caches per window (runners with
     ``chunked_prefill``). ``sync_every``: decode steps per window (:func:`default_sync_every` when None).
-    ``key_buckets``: how many key lengths a decode step may be cut to (:func:`key_lengths`; 0 or 1: every step reads
-    all ``max_len`` slots); each is one more compiled graph per row count. The model is used as given: cast it
+    ``key_buckets``: how many key lengths a step over every slot may be cut to (:func:`key_lengths`; 0 or 1: every
+    step reads all ``max_len`` slots); each is one more compiled graph. The model is used as given: cast it
     (e.g. ``model.to(torch.bfloat16)``) first.
     """
 
@@ -155,9 +157,9 @@ class Engine:
         self._decode = runner.decode_step
         if compile:
             mode = "reduce-overhead" if self.device.type == "cuda" else None
-            # static shapes: one graph per row count of a prefix step and key length, not a dynamic one
+            # static shapes: one graph per row count of a prefix step, one per key length of a full one; not dynamic
             compiled = keep_rebound_state(runner, runner.compiled_step(lambda step: torch.compile(step, mode=mode, dynamic=False)))
-            self._decode = within_recompile_limit(compiled, len(self.key_lengths))
+            self._decode = within_recompile_limit(compiled, len(self.key_lengths) - 1)
         self.steps = 0
         self.last_window: list[tuple[Request, list[int]]] = []
 
@@ -317,7 +319,10 @@ class Engine:
         """The shortest of :attr:`key_lengths` that holds every running request's tokens to the end of this window:
         what it has cached (its padded prompt and output; a preempted request is prefilled again with its output,
         which only runners that pad nothing do, :attr:`Runner.resumable`) plus what a window of steps adds (a
-        speculative step writes its drafts and bonus token too)."""
+        speculative step writes its drafts and bonus token too). ``max_len`` for a prefix step (see the module
+        docstring): the keys are cut where the most rows read them."""
+        if self._stepped_rows() < self.n_slots:
+            return self.max_len
         per_step = max(1, self.runner.emits)
         most = max(self.reserved + self._padded(len(r.prompt)) + len(r.output) + self.sync_every * per_step
                    for r in self.scheduler.running.values())
@@ -466,7 +471,7 @@ class Engine:
         tokens = torch.zeros(self.n_slots, dtype=torch.long, device=self.device)
         with packed_linears(self.model, self.step_rows):  # the weights as the steps will see them (CPU)
             for count in self.row_counts if rows is None else rows:
-                for length in self.key_lengths[first:]:
+                for length in self.key_lengths[first:] if count == self.n_slots else [self.max_len]:
                     self.runner.limit_keys(length)
                     for _ in range(3 * self.admit_every):  # a Block Transformer's step is a block's worth of steps
                         self._decode(tokens[:count])
