@@ -319,6 +319,8 @@ def summary(row: dict[str, Any]) -> str:
         if m["peak_mem_per_sample"] is not None:
             parts.append(f"peak {m['peak_mem_per_sample'] / 2**20:.1f} MiB/sample")
         parts.append(f"cache {m['cache_bytes_per_sample'] / 2**20:.2f} MiB/sample")
+        if m.get("compile_s") is not None:
+            parts.append(f"compiled in {m['compile_s']:.0f} s before the runs")
         parts += [f"{m[k]:.2f}x {k[3:]}" for k in ("vs_hf", "vs_vanilla") if k in m]
         if "hf_generate_tok_s" in m:
             parts.append(f"HF generate() {m['hf_generate_tok_s']:,.0f} tok/s (batch {m['hf_batch']})")
