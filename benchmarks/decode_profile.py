@@ -12,8 +12,9 @@ Three parts, one device call (about two minutes on an H100/H200), the record wri
 2. **The engine's compiled decode step** (``--step-batch`` rows of ``--prompt-len`` prompts, as the throughput
    protocol runs it) under ``torch.profiler``, over the static cache and over a paged one (the read that can reach
    the live-bytes roofline: the static step reads every slot): wall time per step against device-busy time per
-   step (a step that takes much longer than its kernels waits on the host), and the operators that take the device
-   time.
+   step (a step that takes much longer than its kernels waits on the host), the kernels that take the device's time
+   and the operators that take the host's. Then the same for ``--block-preset``'s step (the suite's decode-heavy
+   block row: 1.11 ms per step on the H200 against a 0.13 ms roofline, unprofiled there).
 3. **Grouped-query attention under the mask**: part 1's shapes with a third as many key/value heads (SmolLM2's
    grouping; ``--grouped-kv-heads``), SDPA's own ``enable_gqa`` against blockloop's path, which on a GPU folds each
    key/value head's query heads into query rows, since SDPA's GPU kernels take no mask with grouped K/V.
@@ -263,7 +264,9 @@ def live_read_rows(model: torch.nn.Module, batch: int, context: int, device: tor
 def step_profile(model: torch.nn.Module, batch: int, prompt_len: int, steps: int, device: torch.device, *,
                  paged: bool) -> dict[str, Any]:
     """Part 2: ``steps`` decode steps of the compiled engine under the profiler, after a compiling warm-up; ``paged``:
-    over a paged cache holding the whole batch (as the suite's paged rows run it), else the static one."""
+    over a paged cache holding the whole batch (as the suite's paged rows run it), else the static one. Two tables:
+    the device's time by kernel, and the host's by operator (a step whose wall time is well above its device-busy
+    time waits on the host, which the second table shows)."""
     from torch.profiler import ProfilerActivity, profile
 
     warmup, window = 32, 16
@@ -271,12 +274,13 @@ def step_profile(model: torch.nn.Module, batch: int, prompt_len: int, steps: int
     max_len = prompt_len + tokens
     runner = runner_for(model, paging=full_batch_paging(model, batch, max_len) if paged else None)
     engine = Engine(runner, batch, max_len=max_len, sync_every=window, compile=True)
+    engine.compile_steps(rows=[batch], shortest=prompt_len)  # every key length the rows will reach: none inside the profile
     generator = torch.Generator().manual_seed(0)
     prompts = torch.randint(0, model.config.vocab_size, (batch, prompt_len), generator=generator).tolist()
     greedy = SamplingParams(temperature=0.0)
     for p in prompts:
         engine.submit(p, tokens, sampling=greedy)
-    while engine.steps < warmup:  # prefill, then windows that compile and capture the step
+    while engine.steps < warmup:  # prefill, then windows that warm the captured steps
         engine.step()
     with timed(device) as wall:
         done = engine.steps
@@ -297,16 +301,20 @@ def step_profile(model: torch.nn.Module, batch: int, prompt_len: int, steps: int
         sort = "self_cpu_time_total"
         busy_us = sum(e.self_cpu_time_total for e in events)
     table = events.table(sort_by=sort, row_limit=20, max_name_column_width=70)
+    host_table = events.table(sort_by="self_cpu_time_total", row_limit=15, max_name_column_width=70)
     return {"steps": timed_steps, "wall_ms_per_step": 1e3 * wall.seconds / timed_steps,
-            "busy_ms_per_step": busy_us / 1e3 / profiled_steps, "busy_is": sort, "table": table}
+            "busy_ms_per_step": busy_us / 1e3 / profiled_steps, "busy_is": sort, "table": table,
+            "host_ms_per_step": sum(e.self_cpu_time_total for e in events) / 1e3 / profiled_steps,
+            "host_table": host_table}
 
 
-def profile_or_error(model: torch.nn.Module, args: argparse.Namespace, device: torch.device, *, paged: bool
-                     ) -> dict[str, Any]:
-    """One cache's step profile; a failure is recorded rather than allowed to cost the other's (one device call)."""
-    setting = {"cache": "paged" if paged else "static", "batch": args.step_batch, "prompt_len": args.prompt_len}
+def profile_or_error(model: torch.nn.Module, preset: str, batch: int, prompt_len: int, steps: int,
+                     device: torch.device, *, paged: bool) -> dict[str, Any]:
+    """One model's and cache's step profile; a failure is recorded rather than allowed to cost the others' (one
+    device call)."""
+    setting = {"preset": preset, "cache": "paged" if paged else "static", "batch": batch, "prompt_len": prompt_len}
     try:
-        return {**setting, **step_profile(model, args.step_batch, args.prompt_len, args.steps, device, paged=paged)}
+        return {**setting, **step_profile(model, batch, prompt_len, steps, device, paged=paged)}
     except Exception as exc:  # noqa: BLE001
         traceback.print_exc()
         return {**setting, "error": f"{type(exc).__name__}: {exc}"}
@@ -341,13 +349,15 @@ def write(out: Path, record: dict[str, Any]) -> Path:
     if record.get("live_reads"):
         lines += attention_table(record["live_reads"], "Reading live keys only (part 4)")
     for s in record["steps"]:
-        lines += ["", f"## The engine's compiled decode step, {s['cache']} cache: batch {s['batch']}, prompt {s['prompt_len']}",
-                  ""]
+        lines += ["", f"## The engine's compiled decode step, `{s['preset']}`, {s['cache']} cache: batch {s['batch']}, "
+                      f"prompt {s['prompt_len']}", ""]
         if "error" in s:
             lines += [f"failed: {s['error']}"]
             continue
         lines += [f"{s['wall_ms_per_step']:.3f} ms per step wall time ({s['steps']} steps), {s['busy_ms_per_step']:.3f} ms "
-                  f"of it busy ({s['busy_is']}, profiled separately)", "", "```", s["table"], "```"]
+                  f"of it busy ({s['busy_is']}, profiled separately); the host's operators "
+                  f"{s['host_ms_per_step']:.3f} ms per step (self CPU time, under the profiler)", "",
+                  "```", s["table"], "```", "", "The host's time by operator:", "", "```", s["host_table"], "```"]
     lines.append("")
     (out / f"{stem}.md").write_text("\n".join(lines))
     return out / f"{stem}.md"
@@ -362,6 +372,13 @@ def main() -> None:
     parser.add_argument("--step-batch", type=positive_int, default=64, help="rows of the profiled engine (default: 64)")
     parser.add_argument("--prompt-len", type=positive_int, default=1024, help="prompt of each profiled row (default: 1024)")
     parser.add_argument("--steps", type=positive_int, default=32, help="profiled decode steps (default: 32)")
+    parser.add_argument("--block-preset", default="block-85m",
+                        help="a Block Transformer whose compiled step part 2 profiles too (default: block-85m, the "
+                             "suite's; '' for none)")
+    parser.add_argument("--block-batch", type=positive_int, default=256,
+                        help="its rows (default: 256, the suite's decode-heavy batch)")
+    parser.add_argument("--block-prompt-len", type=positive_int, default=128,
+                        help="its prompts (default: 128, the suite's decode-heavy prompt)")
     parser.add_argument("--repeats", type=positive_int, default=50, help="timed calls per attention path (default: 50)")
     parser.add_argument("--grouped-kv-heads", type=nonnegative_int, default=None,
                         help="part 1 again with this many key/value heads (default: a third of the query heads, "
@@ -374,6 +391,8 @@ def main() -> None:
     if args.smoke:
         args.preset, args.batch, args.context, args.step_batch, args.prompt_len, args.steps, args.repeats = (
             "tiny", 2, 64, 2, 16, 4, 3)
+        args.block_preset = args.block_preset and "tiny-block"
+        args.block_batch, args.block_prompt_len = 2, 16
         args.grouped_kv_heads = 1 if args.grouped_kv_heads is None else args.grouped_kv_heads
         args.page_sizes = [16, 32]
     device = torch.device("cpu" if args.smoke else resolve_device(args.device))
@@ -404,8 +423,14 @@ def main() -> None:
                                 "rows": live_read_rows(model, args.batch, args.context, device, dtype, args.repeats,
                                                        args.page_sizes)}
         write(out, record)
-        record["steps"] = [profile_or_error(model, args, device, paged=paged) for paged in (False, True)]
+        record["steps"] = [profile_or_error(model, args.preset, args.step_batch, args.prompt_len, args.steps, device,
+                                            paged=paged) for paged in (False, True)]
         path = write(out, record)
+        if args.block_preset:  # the H200's block step took 1.11 ms against a 0.13 ms roofline (2026-11-28), unprofiled
+            block = build_model(from_name(args.block_preset)).to(device=device, dtype=dtype).eval()
+            record["steps"].append(profile_or_error(block, args.block_preset, args.block_batch, args.block_prompt_len,
+                                                    args.steps, device, paged=False))
+            path = write(out, record)
         if grouped and grouped != config.n_kv_head:
             record["attention"].append(attention_section(grouped))
             path = write(out, record)

@@ -36,12 +36,14 @@ def test_smoke_profile_times_every_attention_path_and_the_engine_step(tmp_path):
     assert len(flash) == 3 and all("CPU" in r["error"] for r in flash)
     assert [r["path"].split()[2] for r in flex] == ["16-token", "32-token"]
     assert all(r["max_abs_error_vs_float64"] < 1e-5 and r["all_slots_gb_s"] >= r["live_gb_s"] > 0 for r in flex)
-    assert [step["cache"] for step in record["steps"]] == ["static", "paged"]
+    assert [(step["preset"], step["cache"]) for step in record["steps"]] == [
+        ("tiny", "static"), ("tiny", "paged"), ("tiny-block", "static")]  # the Block Transformer's step too
     for step in record["steps"]:
         assert "error" not in step, step.get("error")
         assert step["steps"] == 4 and step["wall_ms_per_step"] > 0 and step["busy_ms_per_step"] > 0
-        assert "aten::" in step["table"]
+        assert step["host_ms_per_step"] > 0 and "aten::" in step["table"] and "aten::" in step["host_table"]
     report = (tmp_path / "decode_profile-cpu-smoke.md").read_text()
-    assert "| sdpa, dense (B,1,1,S) mask" in report and "decode step, paged cache" in report
+    assert "| sdpa, dense (B,1,1,S) mask" in report and "decode step, `tiny`, paged cache" in report
+    assert "decode step, `tiny-block`, static cache" in report and "The host's time by operator" in report
     assert "2 key/value heads" in report and "1 key/value head\n" in report
     assert "## Reading live keys only (part 4)" in report and "| flex over 32-token pages" in report
