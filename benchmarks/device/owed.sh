@@ -15,7 +15,8 @@
 # most wanted first: decode-heavy again (the static step now reads only its key length of each row, timed beside the
 # step reading every slot: the 85% roofline target; its compiles take most of the step), the paged in-place check on
 # CUDA and the profile's live-length reads; then, in a later call or session, issue 12's recursive and training rows
-# (recursive-training fills a call on its own) and the batch search. prefill-double, pytest-gpu, staircase and http
+# (recursive fills a call on its own: it trains, converts and uptrains a model first; training is the 302M MFU row)
+# and the batch search. prefill-double, pytest-gpu, staircase and http
 # were measured there and stay as steps.
 #   DRY_RUN=1 bash benchmarks/device/owed.sh                  # print each step's cap and command, run nothing
 #
@@ -34,17 +35,18 @@ PYTEST="-q -p no:cacheprovider --durations=20 -o log_level=WARNING"
 # step name -> "cap-in-seconds|command" (the command is run by bash -c after env.sh, in the repository root)
 declare -A STEPS=(
   [decode-heavy]="400|${PY[*]} benchmarks/gpu_suite.py --rows decode-heavy --repeats 1 --decode-batches 256 --max-batch 256 --out-dir $OUT"
-  [decode-profile]="130|${PY[*]} benchmarks/decode_profile.py --out-dir $OUT"
+  [decode-profile]="180|${PY[*]} benchmarks/decode_profile.py --out-dir $OUT"
   [pytest-gpu]="240|${PY[*]} -m pytest -m gpu -k 'not compiled_cuda_graph_decode' $PYTEST; first=\$?; ${PY[*]} -m pytest -m gpu -k compiled_cuda_graph_decode $PYTEST && exit \$first"
   [pytest-in-place]="150|${PY[*]} -m pytest -m gpu -k "'"compiled_cuda_step_writes or key_lengths"'" $PYTEST"
   [decode-search]="560|${PY[*]} benchmarks/gpu_suite.py --rows decode-heavy --repeats 1 --decode-batches 512 --max-batch 4096 --out-dir $OUT"
   [prefill-double]="220|${PY[*]} benchmarks/gpu_suite.py --rows prefill-heavy,double-decoder --repeats 1 --out-dir $OUT"
   [staircase]="90|${PY[*]} benchmarks/staircase_speed.py --device cuda --out-dir $OUT"
   [http]="200|DEVICE=cuda REC=$OUT/http_serving_cuda.jsonl bash benchmarks/http_serving.sh"
-  [recursive-training]="560|${PY[*]} benchmarks/gpu_suite.py --rows recursive,training --out-dir $OUT"
+  [recursive]="560|${PY[*]} benchmarks/gpu_suite.py --rows recursive --out-dir $OUT"
+  [training]="300|${PY[*]} benchmarks/gpu_suite.py --rows training --out-dir $OUT"
   [smollm2]="400|.venv/bin/blockloop convert --from-hf smollm2 --out runs/smollm2 --no-progress && ${PY[*]} benchmarks/zero_shot_speed.py --checkpoint runs/smollm2 --device cuda --out-dir $OUT && ${PY[*]} benchmarks/recursive_uptrain.py --source smollm2 --device cuda --out-dir $OUT"
 )
-DEFAULT=(decode-heavy pytest-in-place decode-profile recursive-training decode-search)
+DEFAULT=(decode-heavy pytest-in-place decode-profile recursive training decode-search)
 ORDER=("$@")
 [ ${#ORDER[@]} -gt 0 ] || ORDER=("${DEFAULT[@]}")
 for name in "${ORDER[@]}"; do
