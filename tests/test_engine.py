@@ -522,6 +522,34 @@ def test_pareto_plot_from_records(tmp_path):
     assert not (tmp_path / "p.xyz").exists() and not (tmp_path / "p.png.png").exists()
 
 
+@pytest.mark.parametrize("name,options", [
+    ("tiny", {}), ("tiny-block", {}), ("tiny-recursive", {"exit_rule": ExitRule("max_prob", 0.5)}),
+    ("tiny-recursive", {"speculation": Speculation(k=2)}),
+])
+def test_no_output_of_a_decode_step_is_alive_when_the_next_one_runs(name, options):
+    """cudagraph trees replay the graph captured first only when no output of the last replay is alive (else they
+    capture one more graph per step of a window, in a timed run too); the engine must have let go of a step's logits,
+    readiness and emitted tokens by the time it calls the next. The step here returns copies only the engine holds."""
+    import weakref
+
+    runner = runner_for(tiny(name), **options)
+    step, outputs, alive = runner.decode_step, [], []
+
+    def step_of_copies(tokens):
+        alive.append(sum(ref() is not None for ref in outputs))
+        out = step(tokens)
+        tensors = [out] if isinstance(out, torch.Tensor) else [t for t in out if t is not None]
+        copies = [t.clone() for t in tensors]
+        outputs[:] = [weakref.ref(t) for t in copies]
+        return copies[0] if isinstance(out, torch.Tensor) else type(out)(*copies, *[None] * (len(out) - len(copies)))
+
+    runner.decode_step = step_of_copies
+    engine = Engine(runner, 2, sync_every=4)
+    requests = [engine.submit(p, n, sampling=GREEDY) for p, n in zip(random_prompts((5, 9)), (12, 7))]
+    engine.run()
+    assert all(r.finished for r in requests) and len(alive) >= 4 and not any(alive)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("name,options", [

@@ -206,11 +206,17 @@ def test_compile_steps_compiles_every_graph_a_run_then_takes(monkeypatch):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("name", ["tiny", "tiny-block", "tiny-double"])
-def test_a_compiled_cuda_engine_cut_to_key_lengths_decodes_like_one_reading_every_slot(name):
-    """Under CUDA graphs, one graph per row count and key length, every one replayed as a graph (none skipped), and
-    the tokens of the compiled engine reading every slot (fp32: kernels over fewer keys may round differently)."""
+def test_a_compiled_cuda_engine_cut_to_key_lengths_decodes_like_one_reading_every_slot(name, monkeypatch):
+    """Under CUDA graphs, one graph per row count and per key length, every one replayed as a graph (none skipped),
+    all captured by ``compile_steps`` (none during the requests: no step's output is alive at the next, so cudagraph
+    trees replay what they captured first, and the state keeps its tensors), and the tokens of the compiled engine
+    reading every slot (fp32: kernels over fewer keys may round differently)."""
     from torch._dynamo.utils import counters
+    from torch._inductor import cudagraph_trees
 
+    captured, record = [], cudagraph_trees.CUDAGraphTreeManager.record_function
+    monkeypatch.setattr(cudagraph_trees.CUDAGraphTreeManager, "record_function",
+                        lambda self, *args: captured.append(1) or record(self, *args))
     model = tiny(name).to(device="cuda", dtype=torch.float32)
     prompts, budgets = prompts_of((5, 30, 9, 12)), [60, 20, 40, 8]
     outs = []
@@ -219,8 +225,10 @@ def test_a_compiled_cuda_engine_cut_to_key_lengths_decodes_like_one_reading_ever
         torch._dynamo.reset()
         engine = Engine(runner_for(model), 4, sync_every=8, compile=True, key_buckets=key_buckets)
         engine.compile_steps()
+        before = len(captured)
         requests = [engine.submit(p, n, sampling=GREEDY) for p, n in zip(prompts, budgets)]
         engine.run()
+        assert before > 0 and len(captured) == before  # nothing captured while requests ran
         outs.append([r.output for r in requests])
     torch._dynamo.reset()
     assert counters["inductor"]["cudagraph_skips"] == 0
@@ -235,15 +243,20 @@ def test_a_compiled_cuda_engine_cut_to_key_lengths_decodes_like_one_reading_ever
 ])
 def test_compile_steps_leaves_every_runner_as_freshly_allocated(name, options):
     """``compile_steps`` runs every static step over idle rows (writing their caches, counters and phases) and then
-    allocates the runner afresh: the requests after it decode exactly as on an engine that never ran it (here eager:
-    what is checked is the state, not the compiler)."""
+    puts the state back: the requests after it decode exactly as on an engine that never ran it (here eager: what is
+    checked is the state, not the compiler), and over the same tensors (a CUDA graph captured over them stays valid;
+    new ones would have every graph captured again inside the first run)."""
+    from blockloop.bench.throughput import state_tensors
+
     model = tiny(name)
     prompts, budgets = prompts_of((5, 11, 7)), [9, 6, 12]
     outputs = []
     for warm in (True, False):
         engine = Engine(runner_for(model, **options), 4, max_len=64, sync_every=4)
         if warm:
+            addresses = [t.data_ptr() for t in state_tensors(engine.runner.step_states())]
             engine.compile_steps()
+            assert [t.data_ptr() for t in state_tensors(engine.runner.step_states())] == addresses
         requests = [engine.submit(p, n, sampling=GREEDY) for p, n in zip(prompts, budgets)]
         engine.run()
         exits = engine.runner.depth.exits.tolist() if "exit_rule" in options else None  # counted since allocation

@@ -43,6 +43,7 @@ from __future__ import annotations
 import operator
 import time
 from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 
 import torch
 from torch import Tensor, nn
@@ -294,6 +295,13 @@ class Engine:
             self.ring[i, :rows, 0] = tokens
             self.sampling.counter[:rows] += ready
             if not (last and i == steps - 1):
+                # No reference to the last step's outputs lives through the next step (they are consumed above), so
+                # under CUDA graphs cudagraph trees replay the graph they captured first rather than capturing one
+                # more for every step of a window (a device sync and an allocator checkpoint each, in a timed run
+                # for every key length it first reaches, and a copy of the outputs kept for each).
+                out = logits = None
+                if not self.token_per_step:
+                    ready = None
                 out = self._decode(tokens)
                 if isinstance(out, StepOutput):
                     logits, ready = out.logits, out.ready
@@ -461,21 +469,39 @@ class Engine:
         request: compiled on first use instead, a step stalls the requests running then for its compile (tens of
         seconds a graph on a GPU). ``rows``: the row counts to compile (default every one of :attr:`row_counts`; a batch
         that keeps every slot busy runs only ``n_slots``); ``shortest``: no request holds fewer tokens (shorter
-        key lengths are skipped). The steps run idle rows; the runner's state is allocated afresh afterwards, and
-        the graphs are kept (they depend on shapes, not on the buffers)."""
+        key lengths are skipped). The steps run idle rows; afterwards the runner's decode state is put back as it
+        was, in place (:meth:`_restored_state`), so the CUDA graphs captured over its tensors stay valid: allocated
+        afresh instead, every graph would be captured again at its first use, inside whatever runs then."""
         if not self.idle or not self.continuous:
             raise BlockloopError("compile an engine's steps before submitting requests, on a continuously batching one")
         if rows is not None and not set(rows) <= set(self.row_counts):
             raise BlockloopError(f"this engine steps {self.row_counts} rows at a time, not {sorted(set(rows))}")
         first = next((i for i, n in enumerate(self.key_lengths) if n >= shortest), len(self.key_lengths) - 1)
         tokens = torch.zeros(self.n_slots, dtype=torch.long, device=self.device)
-        with packed_linears(self.model, self.step_rows):  # the weights as the steps will see them (CPU)
+        with packed_linears(self.model, self.step_rows), self._restored_state():  # packed: the weights the steps see (CPU)
             for count in self.row_counts if rows is None else rows:
                 for length in self.key_lengths[first:] if count == self.n_slots else [self.max_len]:
                     self.runner.limit_keys(length)
                     for _ in range(3 * self.admit_every):  # a Block Transformer's step is a block's worth of steps
                         self._decode(tokens[:count])
-        self.runner.allocate(self.n_slots, self.max_len)
+
+    @contextmanager
+    def _restored_state(self) -> Iterator[None]:
+        """Put the runner's decode state back as it was on leaving: the fields a step rebinds, and the values of the
+        tensors it updates in place (counters, logs, phases: what admission does not reset). The caches are not
+        copied: admission clears a request's rows, and idle rows write into theirs at every step anyway."""
+        holders = self.runner.step_states()
+        fields = [dict(vars(holder)) for holder in holders]
+        tensors = [t for f in fields for t in f.values() if isinstance(t, Tensor)]
+        saved = [t.clone() for t in tensors]
+        try:
+            yield
+        finally:
+            for holder, f in zip(holders, fields):
+                for name, value in f.items():
+                    setattr(holder, name, value)
+            for tensor, value in zip(tensors, saved):
+                tensor.copy_(value)
 
     def run(self) -> None:
         """Step until every submitted request has finished, on CPU over oneDNN-packed weights
