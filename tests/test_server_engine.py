@@ -119,3 +119,33 @@ def test_a_job_queued_while_the_engine_fails_is_answered_with_the_error():
         assert event.finish_reason == "error" and "out of memory (simulated)" in event.tail
     with pytest.raises(BlockloopError, match="the engine is not running"):
         worker.submit(Job([1, 2, 3], 4, GREEDY, Text(), first.put))
+
+
+def test_a_compiling_server_engine_compiles_every_decode_graph_before_its_first_request(monkeypatch, capsys):
+    """``serve --compile`` / ``chat --compile``: no request waits for a compile (on a GPU, tens of seconds a graph);
+    the graphs (one per row count, one more per key length of a full step) are all made when the engine is built,
+    and the tokens are the eager engine's."""
+    from blockloop import progress
+    from blockloop.serve.http.worker import serving_engine
+
+    graphs, compile = [], torch.compile
+
+    def counting(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    monkeypatch.setattr(torch, "compile", lambda f, **kw: compile(f, backend=counting, dynamic=False))
+    model, prompts = tiny(), [[5, 6, 7], [9, 10, 11, 12, 13], [3]]
+    outputs = []
+    monkeypatch.setattr(progress, "_enabled", True)  # a CLI test's --no-progress may have turned bars off
+    for compiled in (True, False):
+        engine = serving_engine(model, 2, max_len=64, sync_every=2, compile=compiled)
+        made = len(graphs)
+        requests = [engine.submit(p, 20, sampling=GREEDY) for p in prompts]
+        engine.run()
+        assert len(graphs) == made
+        outputs.append([r.output for r in requests])
+    torch._dynamo.reset()
+    assert made == len(engine.row_counts) + len(engine.key_lengths) - 1 == 1 + 4  # 1 row; 2 rows at 16, 32, 48, 64
+    assert outputs[0] == outputs[1]
+    assert "compiling decode steps: 5/5 graph" in capsys.readouterr().err  # a plain line where no bar is drawn

@@ -51,6 +51,7 @@ from torch import Tensor, nn
 from blockloop.choices import KEY_BUCKETS
 from blockloop.errors import BlockloopError
 from blockloop.nn.linear import packed_linears
+from blockloop.progress import bar
 from blockloop.serve.batching import left_pad
 from blockloop.serve.requests import Request, RequestStatus, SamplingParams, TokenCallback, whole_number
 from blockloop.serve.runners import Runner, runner_for
@@ -464,26 +465,31 @@ class Engine:
         return finished
 
     @torch.no_grad()
-    def compile_steps(self, rows: Sequence[int] | None = None, shortest: int = 1) -> None:
+    def compile_steps(self, rows: Sequence[int] | None = None, shortest: int = 1, *, progress: bool = False) -> None:
         """Compile (and on CUDA capture: three calls each) the static decode steps this engine will run, before any
         request: compiled on first use instead, a step stalls the requests running then for its compile (tens of
         seconds a graph on a GPU). ``rows``: the row counts to compile (default every one of :attr:`row_counts`; a batch
         that keeps every slot busy runs only ``n_slots``); ``shortest``: no request holds fewer tokens (shorter
         key lengths are skipped). The steps run idle rows; afterwards the runner's decode state is put back as it
         was, in place (:meth:`_restored_state`), so the CUDA graphs captured over its tensors stay valid: allocated
-        afresh instead, every graph would be captured again at its first use, inside whatever runs then."""
+        afresh instead, every graph would be captured again at its first use, inside whatever runs then.
+        ``progress``: a bar over the graphs (a plain line every 30 s where no bar is drawn)."""
         if not self.idle or not self.continuous:
             raise BlockloopError("compile an engine's steps before submitting requests, on a continuously batching one")
         if rows is not None and not set(rows) <= set(self.row_counts):
             raise BlockloopError(f"this engine steps {self.row_counts} rows at a time, not {sorted(set(rows))}")
         first = next((i for i, n in enumerate(self.key_lengths) if n >= shortest), len(self.key_lengths) - 1)
         tokens = torch.zeros(self.n_slots, dtype=torch.long, device=self.device)
-        with packed_linears(self.model, self.step_rows), self._restored_state():  # packed: the weights the steps see (CPU)
-            for count in self.row_counts if rows is None else rows:
-                for length in self.key_lengths[first:] if count == self.n_slots else [self.max_len]:
-                    self.runner.limit_keys(length)
-                    for _ in range(3 * self.admit_every):  # a Block Transformer's step is a block's worth of steps
-                        self._decode(tokens[:count])
+        shapes = [(count, length) for count in (self.row_counts if rows is None else rows)
+                  for length in (self.key_lengths[first:] if count == self.n_slots else [self.max_len])]
+        with (packed_linears(self.model, self.step_rows), self._restored_state(),  # packed: the weights the steps see
+              bar(total=len(shapes), desc="compiling decode steps", unit="graph", disable=not progress,
+                  log_every=30) as graphs):
+            for count, length in shapes:
+                self.runner.limit_keys(length)
+                for _ in range(3 * self.admit_every):  # a Block Transformer's step is a block's worth of steps
+                    self._decode(tokens[:count])
+                graphs.update()
 
     @contextmanager
     def _restored_state(self) -> Iterator[None]:

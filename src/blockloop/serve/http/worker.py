@@ -43,15 +43,20 @@ def serving_engine(
     key_buckets: int = KEY_BUCKETS,
 ) -> Engine:
     """The engine a server or chat runs: ``model``'s runner over ``n_slots`` slots; with ``exit_rule``, a looped
-    model is batched depth-wise and leaves its loops early by that rule; with ``paging``, over a paged KV cache."""
+    model is batched depth-wise and leaves its loops early by that rule; with ``paging``, over a paged KV cache.
+    ``compile``: every decode graph is compiled (and on CUDA captured) here, before the first request
+    (:meth:`Engine.compile_steps`), rather than one at a time while requests wait for it."""
     options: dict[str, object] = {"paging": paging}
     if exit_rule is not None:
         if not issubclass(RUNNERS.get(model.config.family, Runner), RecursiveRunner):
             raise BlockloopError(f"--exit applies to looped (recursive) models, not a {model.config.family} model; "
                                  "leave it out")
         options["exit_rule"] = exit_rule
-    return Engine(runner_for(model, **options), n_slots, max_len=max_len, sync_every=sync_every, compile=compile,
-                  prefill_chunk=prefill_chunk, key_buckets=key_buckets)
+    engine = Engine(runner_for(model, **options), n_slots, max_len=max_len, sync_every=sync_every, compile=compile,
+                    prefill_chunk=prefill_chunk, key_buckets=key_buckets)
+    if compile:
+        engine.compile_steps(progress=True)
+    return engine
 
 
 class QueueFull(BlockloopError):
