@@ -31,7 +31,7 @@ before each window the engine tells the runner the most tokens any running reque
 (:func:`~blockloop.serve.runners.base.key_lengths`), and a step over every slot of a static cache reads only those
 leading slots of each row, not the whole ``max_len`` a slot reserves. A prefix step (a lighter load) reads every slot:
 a compiled step is one graph per row count plus one per key length, not one per pair (each graph is a compile of its
-own: about 60% of the first one's time, pythia-5m on CPU).
+own: about half the first one's time, pythia-5m on CPU, ``benchmarks/results/compile_time_cpu.md``).
 
 A runner that cannot prefill one slot at a time (``per_slot = False``: a double decoder given a shared
 cached prefix) is served in static batches instead: waiting requests are admitted together, left-padded,
