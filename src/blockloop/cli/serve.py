@@ -57,7 +57,8 @@ def add_engine_arguments(p: argparse.ArgumentParser, slots: int = 8) -> None:
     p.add_argument("--exit", metavar="RULE:THRESHOLD",
                    help="looped models only: batch depth-wise and leave the loops early by this rule, e.g. "
                    "max_prob:0.9 or entropy:2.0 (none:0 batches depth-wise without early exits)")
-    p.add_argument("--compile", action="store_true", help="torch.compile the decode step (CUDA graphs on CUDA), every graph before the first request")
+    p.add_argument("--compile", action="store_true",
+                   help="torch.compile the decode step (CUDA graphs on CUDA), every graph before the first request")
     add_key_buckets(p)
     p.add_argument("--prefill-chunk", type=positive_int, default=512,
                    help="most prompt tokens a request caches per decode window, so long prompts do not stall the "
