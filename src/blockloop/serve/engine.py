@@ -328,14 +328,17 @@ class Engine:
         """The shortest of :attr:`key_lengths` that holds every running request's tokens to the end of this window:
         what it has cached (its padded prompt and output; a preempted request is prefilled again with its output,
         which only runners that pad nothing do, :attr:`Runner.resumable`) plus what a window of steps adds (a
-        speculative step writes its drafts and bonus token too). ``max_len`` for a prefix step (see the module
-        docstring): the keys are cut where the most rows read them."""
-        if self._stepped_rows() < self.n_slots:
-            return self.max_len
+        speculative step writes its drafts and bonus token too); of :meth:`_lengths_for` this window's rows."""
         per_step = max(1, self.runner.emits)
         most = max(self.reserved + self._padded(len(r.prompt)) + len(r.output) + self.sync_every * per_step
                    for r in self.scheduler.running.values())
-        return next((n for n in self.key_lengths if n >= most), self.max_len)
+        return next((n for n in self._lengths_for(self._stepped_rows()) if n >= most), self.max_len)
+
+    def _lengths_for(self, rows: int) -> list[int]:
+        """The key lengths a step over the first ``rows`` rows may read: every one of :attr:`key_lengths` for a step
+        over every slot, ``max_len`` alone for a prefix step (see the module docstring): the keys are cut where the
+        most rows read them."""
+        return self.key_lengths if rows == self.n_slots else [self.max_len]
 
     def _prefill_groups(self, admitted: list[tuple[int, Request]]) -> list[tuple[int, list[Request]]]:
         """Requests admitted together in consecutive slots with prompts of one padded length, as
@@ -478,10 +481,9 @@ class Engine:
             raise BlockloopError("compile an engine's steps before submitting requests, on a continuously batching one")
         if rows is not None and not set(rows) <= set(self.row_counts):
             raise BlockloopError(f"this engine steps {self.row_counts} rows at a time, not {sorted(set(rows))}")
-        first = next((i for i, n in enumerate(self.key_lengths) if n >= shortest), len(self.key_lengths) - 1)
         tokens = torch.zeros(self.n_slots, dtype=torch.long, device=self.device)
         shapes = [(count, length) for count in (self.row_counts if rows is None else rows)
-                  for length in (self.key_lengths[first:] if count == self.n_slots else [self.max_len])]
+                  for length in [n for n in self._lengths_for(count) if n >= shortest] or [self.max_len]]
         with (packed_linears(self.model, self.step_rows), self._restored_state(),  # packed: the weights the steps see
               bar(total=len(shapes), desc="compiling decode steps", unit="graph", disable=not progress,
                   log_every=30) as graphs):
