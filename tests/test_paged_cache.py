@@ -8,7 +8,7 @@ import torch
 
 from blockloop.errors import BlockloopError
 from blockloop.families import build_model, from_name
-from blockloop.nn.paged_cache import KVPages
+from blockloop.nn.paged_cache import KVPages, PagedKVCache
 from blockloop.serve.engine import Engine
 from blockloop.serve.requests import SamplingParams
 from blockloop.serve.runners import ExitRule, Paging, Speculation, runner_for
@@ -47,6 +47,23 @@ def test_pages_are_reserved_grown_released_and_reused():
     assert pages.rows(1, 2).positions(slots).tolist() == [[pages.held[1][0] * 4, pages.held[1][1] * 4 + 1,
                                                            pages.held[1][4] * 4 + 3]]
     assert pages.rows(0, 1).positions(slots).tolist() == [[0, 1, 3]]
+
+
+def test_an_eager_cpu_step_gathers_the_slots_its_queries_may_see_and_no_more(monkeypatch):
+    """The gathered read copies each row's keys out of the pool every layer, every step: a row's first ``max_len``
+    slots (a server's are the model's context long) would be copied for a mask that covers the slots up to the
+    furthest query's only. A compiled step keeps its static shape (every slot)."""
+    pages = KVPages(2, 64, n_pages=12, page_size=4, device="cpu", read="gather")
+    assert pages.reserve(0, 10) and pages.reserve(1, 13)
+    cache = PagedKVCache(pages, n_kv_head=2, head_dim=3, dtype=torch.float64)
+    k, v = torch.randn(2, 2, 1, 3, dtype=torch.float64), torch.randn(2, 2, 1, 3, dtype=torch.float64)
+    gathered_k, gathered_v = cache.write(torch.tensor([[9], [12]]), k, v)
+    assert gathered_k.shape == gathered_v.shape == (2, 2, 13, 3)
+    assert torch.equal(gathered_k[0, :, 9], k[0, :, 0]) and torch.equal(gathered_v[1, :, 12], v[1, :, 0])
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    assert cache.write(torch.tensor([[9], [12]]), k, v)[0].shape[2] == 64
+    pages.read = "pages"
+    assert cache.write(torch.tensor([[9], [12]]), k, v)[0] is cache.k  # a step reading pages attends over the pool
 
 
 @pytest.mark.parametrize("read", ["gather", "pages"])

@@ -32,7 +32,7 @@ from typing import Protocol
 import torch
 from torch import Tensor, nn
 
-from blockloop.nn.masks import cache_mask, ring_mask, within_span
+from blockloop.nn.masks import cache_mask, ring_mask, visible_slots, within_span
 from blockloop.nn.paged_cache import KVPages, PagedKVCache
 
 
@@ -193,17 +193,14 @@ class DecoderCache(nn.Module):
 
     def visible(self, slots: Tensor) -> int:
         """How many leading slots queries at ``slots`` may see: :attr:`limit`, or one past the furthest query where
-        that is fewer and reading it is free (eager, on CPU; a CUDA step would wait for the device to learn the
-        furthest slot, a compiled one has static shapes).
+        that is fewer on an eager CPU step (:func:`~blockloop.nn.masks.visible_slots`).
 
         :attr:`limit` is every slot unless whoever steps the cache knows, on the host, that no query of the coming
         steps sits at or past a shorter one (:meth:`limit_keys`): a serving engine knows each request's length and
         cuts the keys a step reads to one of a few lengths (a static shape each), so a static cache's step reads
         about what its rows hold, not ``max_len`` slots per row. A query at or past the limit would silently miss
         its newest keys: the limit is a promise of the caller's."""
-        if slots.is_cpu and not torch.compiler.is_compiling():
-            return min(int(slots.max()) + 1, self.limit)
-        return self.limit
+        return visible_slots(slots, self.limit)
 
     def limit_keys(self, slots: int) -> None:
         """Let steps read the first ``slots`` slots only (at most ``max_len``; see :meth:`visible`)."""

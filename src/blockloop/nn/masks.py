@@ -92,6 +92,16 @@ def sees_cached(key_slot: Tensor, query_slot: Tensor, key_valid: Tensor) -> Tens
     return (key_slot <= query_slot) & key_valid | (key_slot == query_slot)
 
 
+def visible_slots(slots: Tensor, limit: int) -> int:
+    """How many leading cache slots queries at ``slots`` may need: ``limit``, or one past the furthest query where
+    that is fewer and learning it is free (eager, on CPU: a CUDA step would wait for the device, a compiled one has
+    static shapes). No query sees a later slot than its own (:func:`sees_cached`), so a mask, and the keys read
+    under it, need go no further."""
+    if slots.is_cpu and not torch.compiler.is_compiling():
+        return min(int(slots.max()) + 1, limit)
+    return limit
+
+
 def cache_mask(key_valid: Tensor, slots: Tensor) -> Tensor:
     """``(B, 1, T, S)`` mask of queries at cache ``slots`` (``(T,)`` shared or ``(B, T)`` per row) over a
     cache whose written, real slots are ``key_valid (B, S)`` (:func:`sees_cached`).

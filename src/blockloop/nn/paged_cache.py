@@ -32,7 +32,7 @@ import torch
 from torch import Tensor, nn
 
 from blockloop.errors import BlockloopError
-from blockloop.nn.masks import decode_block_mask, sees_cached
+from blockloop.nn.masks import decode_block_mask, sees_cached, visible_slots
 
 if TYPE_CHECKING:
     from torch.nn.attention.flex_attention import BlockMask
@@ -192,7 +192,7 @@ class PagedKVCache(nn.Module):
             pool.index_copy_(2, where, new.to(pool.dtype).transpose(0, 1).flatten(1, 2)[None])
         if pages.reads_pool(slots):
             return self.k, self.v
-        return gather_rows(self.k, self.v, pages)
+        return gather_rows(self.k, self.v, pages, slots=visible_slots(slots, pages.max_len))
 
     def rows(self, start: int, stop: int) -> PagedKVCache:
         """Rows ``start .. stop - 1``: the same pool under a view of the page table."""
@@ -204,8 +204,13 @@ class PagedKVCache(nn.Module):
         return view
 
 
-def gather_rows(k: Tensor, v: Tensor, pages: KVPages, rows: Tensor | None = None) -> tuple[Tensor, Tensor]:
-    """Each row's logical view ``(B, H_kv, max_len, D)`` gathered from pools ``k, v (1, H_kv, positions, D)``: the
-    reference read (CPU), for a step whose mask is over logical slots. ``rows`` as in :meth:`KVPages.positions`."""
-    every = pages.positions(torch.arange(pages.max_len, device=pages.table.device), rows)  # (B, max_len)
+def gather_rows(k: Tensor, v: Tensor, pages: KVPages, rows: Tensor | None = None, *, slots: int | None = None
+                ) -> tuple[Tensor, Tensor]:
+    """Each row's logical view ``(B, H_kv, S, D)`` of its first ``slots`` slots (all ``max_len`` by default)
+    gathered from pools ``k, v (1, H_kv, positions, D)``: the reference read (CPU), for a step whose mask is over
+    logical slots. ``rows`` as in :meth:`KVPages.positions`. A step's mask covers no more slots than
+    :func:`~blockloop.nn.masks.visible_slots` gives for its queries, so gathering more copies keys nobody reads
+    (on CPU, ``max_len`` per row per layer each step: a server's slots are the model's context long)."""
+    count = pages.max_len if slots is None else slots
+    every = pages.positions(torch.arange(count, device=pages.table.device), rows)  # (B, count)
     return k[0][:, every].transpose(0, 1), v[0][:, every].transpose(0, 1)

@@ -126,4 +126,5 @@ class EncoderDecoderRunner(PagedRows, Runner):
         if pages.read == "pages":
             beyond = torch.full((len(valid), 1), valid.shape[1], device=valid.device)  # a query after every key
             return state.cross, pages.block_mask(valid, beyond)
-        return [gather_rows(k, v, pages) for k, v in state.cross], valid[:, None, None, :]
+        valid = valid[:, : state.cross_limit]  # gathered as far as the mask covers
+        return [gather_rows(k, v, pages, slots=valid.shape[1]) for k, v in state.cross], valid[:, None, None, :]

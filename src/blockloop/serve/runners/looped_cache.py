@@ -23,7 +23,7 @@ from torch import Tensor, nn
 from blockloop.errors import BlockloopError
 from blockloop.models.decoder import LayerInputs
 from blockloop.nn.kv_cache import DecoderCache, KVCache, RollingKVCache
-from blockloop.nn.masks import decode_block_mask, sees_cached
+from blockloop.nn.masks import decode_block_mask, sees_cached, visible_slots
 from blockloop.nn.paged_cache import KVPages, PagedKVCache, gather_rows
 
 if TYPE_CHECKING:
@@ -203,7 +203,7 @@ class PagedRowLoopKV:
         self.v[0][:, at] = v[:, :, 0].transpose(0, 1).to(self.v.dtype)
         if pages.read == "pages":
             return self.k, self.v
-        return gather_rows(self.k, self.v, pages, self.table_rows)
+        return gather_rows(self.k, self.v, pages, self.table_rows, slots=visible_slots(slots, pages.max_len))
 
 
 class PagedLoopedCache(DecoderCache):
