@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import shutil
 from types import SimpleNamespace
 
 import pytest
@@ -372,6 +373,46 @@ def test_cli_runs_the_shipped_benchmarks_writes_json_and_compares(tiny_run, tmp_
     assert main(["eval", "--compare", str(a), str(b)]) == 0
     rows = capsys.readouterr().out.splitlines()
     assert len(rows) == 2 + 1 + 3 and "B - A" in rows[2]
+
+
+def test_tasks_scored_one_command_at_a_time_all_stay_in_the_checkpoints_results(tiny_run, tmp_path, capsys,
+                                                                                monkeypatch):
+    """The default results file is the checkpoint's: a second command scoring other tasks keeps the first's (with
+    the date and command that scored them), a task scored again is replaced, and another checkpoint's record at an
+    --out path is replaced, not mixed in."""
+    pytest.importorskip("pyarrow")
+    from blockloop.evals import harness
+
+    commands = iter(f"command {i}" for i in range(1, 9))  # in process every run has pytest's command line
+    environment = harness.environment
+    monkeypatch.setattr(harness, "environment", lambda device: {**environment(device), "command": next(commands)})
+    run = tmp_path / "run"
+    shutil.copytree(tiny_run, run)
+    base = ["eval", "--checkpoint", str(run), "--limit", "2", "--device", "cpu"]
+
+    def scored(*argv: str) -> dict:
+        assert main([*base, *argv]) == 0
+        return json.loads((run / "benchmarks.json").read_text())
+
+    first = scored("--tasks", "copa,arc_easy")
+    second = scored("--tasks", "arc_easy", "--shots", "1")
+    assert "beside the earlier results of copa kept there" in capsys.readouterr().out
+    assert [(r["task"], r["metric"], r["shots"]) for r in second["results"]] == [
+        ("arc_easy", "acc", 1), ("arc_easy", "acc_norm", 1), ("copa", "acc", 0)]
+    copa = [r for r in first["results"] if r["task"] == "copa"]
+    assert second["results"][2:] == copa and second["seconds"]["copa"] == first["seconds"]["copa"]
+    assert second["command"] == "command 2" and second["earlier"] == {"copa": {"date": first["date"], "command": "command 1"}}
+    third = scored("--tasks", "openbookqa")
+    assert third["earlier"] == {"arc_easy": {"date": second["date"], "command": "command 2"},
+                                "copa": {"date": first["date"], "command": "command 1"}}
+    assert main(["eval", "--compare", str(run), str(run)]) == 0  # still a results file
+    elsewhere = tmp_path / "shared.json"
+    assert main(["eval", "--checkpoint", str(tiny_run), "--tasks", "copa", "--limit", "2", "--device", "cpu",
+                 "--out", str(elsewhere)]) == 0
+    capsys.readouterr()
+    assert main([*base, "--tasks", "openbookqa", "--out", str(elsewhere)]) == 0
+    assert "kept" not in capsys.readouterr().out
+    assert {r["task"] for r in json.loads(elsewhere.read_text())["results"]} == {"openbookqa"}
 
 
 @pytest.mark.parametrize("argv, match", [

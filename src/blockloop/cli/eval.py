@@ -126,7 +126,7 @@ def benchmarks(args: argparse.Namespace) -> int:
 
     from blockloop import progress as progress_bars
     from blockloop.evals.harness import BenchmarkRequest, evaluate_benchmarks
-    from blockloop.evals.results import RESULTS_FILE, table_rows, write_record
+    from blockloop.evals.results import RESULTS_FILE, merge_earlier, table_rows, write_record
     from blockloop.evals.tasks import parse_tasks
     from blockloop.files import check_writable
 
@@ -153,12 +153,14 @@ def benchmarks(args: argparse.Namespace) -> int:
     finally:
         for bar in bars:
             bar.close()
-    write_record(record, out)
+    stored, kept = merge_earlier(record, out)
+    write_record(stored, out)
     if args.json:
         print(json.dumps(record, allow_nan=False))
     else:
         subset = f", at most {args.limit} question{'s' if args.limit > 1 else ''} per task" if args.limit else ""
-        print(f"{args.checkpoint}: {request.shots}-shot{subset} (value ± standard error, %); written to {out}")
+        print(f"{args.checkpoint}: {request.shots}-shot{subset} (value ± standard error, %); written to {out}"
+              + (f", beside the earlier results of {', '.join(kept)} kept there" if kept else ""))
         print_table(table_rows(record))
     return 0
 

@@ -39,6 +39,32 @@ def write_record(record: dict[str, Any], path: Path) -> None:
     atomic_write_text(path, json.dumps(record, indent=1, allow_nan=False) + "\n")
 
 
+def merge_earlier(record: dict[str, Any], path: Path) -> tuple[dict[str, Any], list[str]]:
+    """``record`` with the results that an earlier run of the same checkpoint left at ``path`` for tasks this one did
+    not score, and those tasks: scoring a checkpoint's tasks one command at a time (into its default
+    ``benchmarks.json``) keeps them all, where writing the file afresh would drop all but the last command's. A
+    task scored again is replaced whole. The record's date and command are this run's; ``earlier`` says, per kept
+    task, the date and command of the run that scored it. A file that holds no results of this checkpoint (another
+    checkpoint's, one retrained since, not a results file) is replaced."""
+    try:
+        old = read_record(path) if path.is_file() else None
+    except BlockloopError:
+        old = None
+    if old is None or old.get("checkpoint") != record.get("checkpoint"):
+        return record, []
+    scored = {r["task"] for r in record["results"]}
+    kept = [r for r in old["results"] if r["task"] not in scored]
+    tasks = list(dict.fromkeys(r["task"] for r in kept))
+    if not tasks:
+        return record, []
+    earlier_of = old.get("earlier") or {}
+    earlier = {task: earlier_of.get(task) or {"date": old.get("date"), "command": old.get("command")} for task in tasks}
+    seconds = {task: (old.get("seconds") or {}).get(task) for task in tasks}
+    merged = {**record, "results": [*record["results"], *kept], "seconds": {**record["seconds"], **seconds},
+              "earlier": earlier}
+    return merged, tasks
+
+
 def read_record(path: str | Path) -> dict[str, Any]:
     """A record from its JSON file, or from ``benchmarks.json`` in a run directory, checked to hold results."""
     path = Path(path)
