@@ -209,8 +209,8 @@ def gather_rows(k: Tensor, v: Tensor, pages: KVPages, rows: Tensor | None = None
     """Each row's logical view ``(B, H_kv, S, D)`` of its first ``slots`` slots (all ``max_len`` by default)
     gathered from pools ``k, v (1, H_kv, positions, D)``: the reference read (CPU), for a step whose mask is over
     logical slots. ``rows`` as in :meth:`KVPages.positions`. A step's mask covers no more slots than
-    :func:`~blockloop.nn.masks.visible_slots` gives for its queries, so gathering more copies keys nobody reads
-    (on CPU, ``max_len`` per row per layer each step: a server's slots are the model's context long)."""
+    :func:`~blockloop.nn.masks.visible_slots` gives for its queries, so gathering more copies keys nobody reads:
+    all ``max_len`` of each row, every layer and step, where a server's rows are the model's context long."""
     count = pages.max_len if slots is None else slots
     every = pages.positions(torch.arange(count, device=pages.table.device), rows)  # (B, count)
     return k[0][:, every].transpose(0, 1), v[0][:, every].transpose(0, 1)
