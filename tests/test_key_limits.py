@@ -262,3 +262,32 @@ def test_compile_steps_leaves_every_runner_as_freshly_allocated(name, options):
         exits = engine.runner.depth.exits.tolist() if "exit_rule" in options else None  # counted since allocation
         outputs.append(([r.output for r in requests], exits))
     assert outputs[0] == outputs[1]
+
+
+@pytest.mark.parametrize("name,options", [
+    ("tiny", {"paging": Paging(192, page_size=4)}),
+    ("tiny-recursive", {"paging": Paging(192, page_size=4), "exit_rule": ExitRule("none")}),  # depth-wise
+    ("tiny-encdec", {"paging": Paging(192, page_size=4)}),
+])
+def test_a_static_shape_step_gathers_its_key_length_of_a_paged_pool(name, options, monkeypatch):
+    """A compiled (or CUDA) step cannot learn its furthest query on the host, so it reads the engine's key length:
+    its gathered read of a paged pool too (the CPU read; a server's rows are the model's context long), else every
+    step copies each row's ``max_len`` slots out of the pool. Here eager steps take the static-shape branch, and the
+    tokens must still be uncached greedy decoding's."""
+    from blockloop.nn import paged_cache
+    from blockloop.serve.runners import looped_cache
+
+    widths = []
+    for module in (paged_cache, looped_cache):
+        gather = module.gather_rows
+        monkeypatch.setattr(module, "gather_rows", lambda *a, gather=gather, **kw: widths.append(kw.get("slots"))
+                            or gather(*a, **kw))
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    engine = Engine(runner_for(tiny(name), **options), 2, sync_every=2, max_len=96)
+    prompts, budgets = prompts_of((6, 9)), [12, 10]
+    requests = [engine.submit(p, n, sampling=GREEDY) for p, n in zip(prompts, budgets)]
+    engine.run()
+    model = engine.runner.model
+    assert [r.output for r in requests] == [generate(model, [p], n, temperature=0)[0] for p, n in zip(prompts, budgets)]
+    # Both rows stepping, a window's bound in 16 or 32 slots; alone, the last row's is a prefix step (every slot).
+    assert set(widths) <= set(engine.key_lengths) and widths.count(16) >= 8 and widths.count(32) >= 4

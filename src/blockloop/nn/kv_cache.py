@@ -203,8 +203,12 @@ class DecoderCache(nn.Module):
         return visible_slots(slots, self.limit)
 
     def limit_keys(self, slots: int) -> None:
-        """Let steps read the first ``slots`` slots only (at most ``max_len``; see :meth:`visible`)."""
+        """Let steps read the first ``slots`` slots only (at most ``max_len``; see :meth:`visible`), the paged layers'
+        gathered reads included."""
         self.limit = min(slots, self.max_len)
+        for layer in self.layers:
+            if isinstance(layer, PagedKVCache):
+                layer.pages.limit = self.limit
 
     def rolling_mask(self, slots: Tensor, token_valid: Tensor | None = None) -> Tensor:
         """The rolling layers' ``(B, 1, T, ring + 1 + T)`` mask of a step at ``slots`` (see :func:`ring_mask`):

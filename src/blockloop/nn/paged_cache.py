@@ -64,6 +64,7 @@ class KVPages:
             # FlexAttention's CUDA kernels tile the keys of a block by at least 16.
             raise BlockloopError(f"on CUDA the page size must be a multiple of 16, got {page_size}")
         self.page_size, self.n_pages, self.max_len, self.read = page_size, n_pages, max_len, read
+        self.limit = max_len  # the leading slots a step may read: its cache's (DecoderCache.limit_keys), for the gathers
         self.table = torch.full((n_rows, width), SCRATCH, dtype=torch.long, device=device)
         self.reserved = torch.zeros(n_rows, dtype=torch.long, device=device)  # pages held per row
         self.owner = torch.full((n_pages,), -1, dtype=torch.long, device=device)
@@ -130,6 +131,7 @@ class KVPages:
         """Rows ``start .. stop - 1`` as a view: same pool pages and free list, the table's rows sliced."""
         view = KVPages.__new__(KVPages)  # attribute by attribute: a compiled step may take a view (dynamo traces it)
         view.page_size, view.n_pages, view.max_len, view.read = self.page_size, self.n_pages, self.max_len, self.read
+        view.limit = self.limit
         view.owner, view.logical, view.free, view.held = self.owner, self.logical, self.free, self.held
         view.table, view.reserved, view.first_row = self.table[start:stop], self.reserved[start:stop], self.first_row + start
         return view
@@ -192,7 +194,7 @@ class PagedKVCache(nn.Module):
             pool.index_copy_(2, where, new.to(pool.dtype).transpose(0, 1).flatten(1, 2)[None])
         if pages.reads_pool(slots):
             return self.k, self.v
-        return gather_rows(self.k, self.v, pages, slots=visible_slots(slots, pages.max_len))
+        return gather_rows(self.k, self.v, pages, slots=visible_slots(slots, pages.limit))
 
     def rows(self, start: int, stop: int) -> PagedKVCache:
         """Rows ``start .. stop - 1``: the same pool under a view of the page table."""
@@ -209,8 +211,9 @@ def gather_rows(k: Tensor, v: Tensor, pages: KVPages, rows: Tensor | None = None
     """Each row's logical view ``(B, H_kv, S, D)`` of its first ``slots`` slots (all ``max_len`` by default)
     gathered from pools ``k, v (1, H_kv, positions, D)``: the reference read (CPU), for a step whose mask is over
     logical slots. ``rows`` as in :meth:`KVPages.positions`. A step's mask covers no more slots than
-    :func:`~blockloop.nn.masks.visible_slots` gives for its queries, so gathering more copies keys nobody reads:
-    all ``max_len`` of each row, every layer and step, where a server's rows are the model's context long."""
+    :func:`~blockloop.nn.masks.visible_slots` gives for its queries (under the cache's limit, :attr:`KVPages.limit`,
+    on a compiled or CUDA step), so gathering more copies keys nobody reads: all ``max_len`` of each row, every
+    layer and step, where a server's rows are the model's context long."""
     count = pages.max_len if slots is None else slots
     every = pages.positions(torch.arange(count, device=pages.table.device), rows)  # (B, count)
     return k[0][:, every].transpose(0, 1), v[0][:, every].transpose(0, 1)

@@ -203,7 +203,7 @@ class PagedRowLoopKV:
         self.v[0][:, at] = v[:, :, 0].transpose(0, 1).to(self.v.dtype)
         if pages.read == "pages":
             return self.k, self.v
-        return gather_rows(self.k, self.v, pages, self.table_rows, slots=visible_slots(slots, pages.max_len))
+        return gather_rows(self.k, self.v, pages, self.table_rows, slots=visible_slots(slots, pages.limit))
 
 
 class PagedLoopedCache(DecoderCache):
@@ -251,6 +251,10 @@ class PagedLoopedCache(DecoderCache):
         view.stores = [tuple(t[start:stop] for t in store) if j in self.rolling_layers else store
                        for j, store in enumerate(self.stores)]
         return view
+
+    def limit_keys(self, slots: int) -> None:
+        super().limit_keys(slots)
+        self.loop_pages.limit = self.limit  # the depth-wise step's gathered read
 
     def loop_layer(self, layer: int, loop: Tensor) -> PagedRowLoopKV | RowLoopKV:
         """Shared layer ``layer`` with row ``b`` at loop ``loop[b]``."""
