@@ -119,12 +119,11 @@ class EncoderDecoderRunner(PagedRows, Runner):
         pools with a block mask over each row's pages, or the rows' gathered logical views."""
         state, pages = self.state, self.state.cache.pages  # a lock-step batch's cache (and cross K/V) is static
         valid = state.cross_valid[rows]
-        if pages is None:  # a mask narrower than the keys: attention reads the keys it covers only
-            valid = valid[:, : state.cross_limit]
-            return [(k[rows], v[rows]) for k, v in state.cross], valid[:, None, None, :]
-        pages = pages.rows(rows.start, rows.stop)
-        if pages.read == "pages":
+        pages = pages.rows(rows.start, rows.stop) if pages is not None else None
+        if pages is not None and pages.read == "pages":
             beyond = torch.full((len(valid), 1), valid.shape[1], device=valid.device)  # a query after every key
             return state.cross, pages.block_mask(valid, beyond)
-        valid = valid[:, : state.cross_limit]  # gathered as far as the mask covers
+        valid = valid[:, : state.cross_limit]  # a mask narrower than the keys: attention reads the keys it covers only
+        if pages is None:
+            return [(k[rows], v[rows]) for k, v in state.cross], valid[:, None, None, :]
         return [gather_rows(k, v, pages, slots=valid.shape[1]) for k, v in state.cross], valid[:, None, None, :]
