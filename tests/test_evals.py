@@ -529,7 +529,26 @@ def test_results_files_are_strict_json_and_malformed_ones_are_refused(tiny_run, 
     import blockloop.evals.harness as harness
 
     monkeypatch.setattr(harness, "evaluate_benchmarks", lambda *a, **k: pytest.fail("scored before --out was checked"))
-    assert main(["eval", "--checkpoint", str(tiny_run), "--tasks", "copa", "--device", "cpu", "--out", str(tmp_path)]) \
+    blocked = tmp_path / "blocked"
+    (blocked / "benchmarks.json").mkdir(parents=True)  # a folder --out writes into, where a folder takes the name
+    assert main(["eval", "--checkpoint", str(tiny_run), "--tasks", "copa", "--device", "cpu", "--out", str(blocked)]) \
         == EXIT_USER_ERROR
     err = capsys.readouterr().err.strip()
-    assert f"{tmp_path}; a folder stands where a file belongs" in err and ".tmp-" not in err, err
+    assert f"{blocked / 'benchmarks.json'}; a folder stands where a file belongs" in err and ".tmp-" not in err, err
+    # a file that holds something else is refused, not overwritten
+    notes = tmp_path / "notes.txt"
+    notes.write_text("precious notes\n")
+    assert main(["eval", "--checkpoint", str(tiny_run), "--tasks", "copa", "--device", "cpu", "--out", str(notes)]) \
+        == EXIT_USER_ERROR
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "eval would overwrite it" in err and notes.read_text() == "precious notes\n"
+
+
+def test_an_out_folder_gets_a_results_file_inside_it(tiny_run, tmp_path, capsys):
+    pytest.importorskip("pyarrow")
+    argv = ["eval", "--checkpoint", str(tiny_run), "--tasks", "copa", "--limit", "1", "--device", "cpu"]
+    assert main([*argv, "--out", f"{tmp_path / 'new'}/"]) == 0  # a folder by its slash, made
+    assert main([*argv, "--out", str(tmp_path)]) == 0  # an existing folder
+    for folder in (tmp_path / "new", tmp_path):
+        assert json.loads((folder / "benchmarks.json").read_text())["results"][0]["task"] == "copa"
+    assert main(["eval", "--compare", str(tmp_path / "new"), str(tmp_path)]) == 0

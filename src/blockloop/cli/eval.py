@@ -61,7 +61,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     bench.add_argument("--limit", type=positive_int, help="score the first N questions of each task (default: all)")
     bench.add_argument("--seed", type=nonnegative_int, help="seed of the few-shot examples (default: 1234)")
     bench.add_argument("--loops", type=positive_int, metavar="K", help="looped models: score the static exit after loop K")
-    bench.add_argument("--out", metavar="FILE", type=nonempty, help="write the results as JSON here (default: CHECKPOINT/benchmarks.json)")
+    bench.add_argument("--out", metavar="FILE", type=nonempty,
+                       help="write the results as JSON here (a folder: FOLDER/benchmarks.json; default: "
+                            "CHECKPOINT/benchmarks.json); a file that holds anything but earlier results is refused")
     bench.add_argument("--compare", nargs=2, metavar=("A", "B"),
                        help="print two stored results (JSON files or run directories) side by side and exit")
 
@@ -122,15 +124,19 @@ def run(args: argparse.Namespace) -> int:
 
 
 def benchmarks(args: argparse.Namespace) -> int:
-    from pathlib import Path
-
     from blockloop import progress as progress_bars
     from blockloop.evals.harness import BenchmarkRequest, evaluate_benchmarks
-    from blockloop.evals.results import RESULTS_FILE, merge_earlier, table_rows, write_record
+    from blockloop.evals.results import (
+        check_replaceable,
+        merge_earlier,
+        results_path,
+        table_rows,
+        write_record,
+    )
     from blockloop.evals.tasks import parse_tasks
     from blockloop.files import check_writable
 
-    out = Path(args.out) if args.out else Path(args.checkpoint) / RESULTS_FILE
+    out = results_path(args.out, args.checkpoint)
     given = {name: getattr(args, name) for name in ("shots", "seed") if getattr(args, name) is not None}
     request = BenchmarkRequest(parse_tasks(args.tasks), limit=args.limit, batch_size=args.batch_size,
                                loops=args.loops, per_loop=args.per_loop, **given)
@@ -147,6 +153,7 @@ def benchmarks(args: argparse.Namespace) -> int:
         return done
 
     if out.parent.is_dir() or args.out:  # a long run's results must not be lost to a path that cannot be written
+        check_replaceable(out)
         check_writable(out)
     try:
         record = evaluate_benchmarks(args.checkpoint, request, args.device, progress=progress)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from pathlib import Path
 from typing import Any
 
@@ -44,12 +45,9 @@ def merge_earlier(record: dict[str, Any], path: Path) -> tuple[dict[str, Any], l
     not score, and those tasks: scoring a checkpoint's tasks one command at a time (into its default
     ``benchmarks.json``) keeps them all, where writing the file afresh would drop all but the last command's. A
     task scored again is replaced whole. The record's date and command are this run's; ``earlier`` says, per kept
-    task, the date and command of the run that scored it. A file that holds no results of this checkpoint (another
-    checkpoint's, one retrained since, not a results file) is replaced."""
-    try:
-        old = read_record(path) if path.is_file() else None
-    except BlockloopError:
-        old = None
+    task, the date and command of the run that scored it. Another checkpoint's results (or those of one retrained
+    since) are replaced; anything else at ``path`` is refused before scoring (:func:`check_replaceable`)."""
+    old = read_record(path) if path.is_file() else None
     if old is None or old.get("checkpoint") != record.get("checkpoint"):
         return record, []
     scored = {r["task"] for r in record["results"]}
@@ -63,6 +61,24 @@ def merge_earlier(record: dict[str, Any], path: Path) -> tuple[dict[str, Any], l
     merged = {**record, "results": [*record["results"], *kept], "seconds": {**record["seconds"], **seconds},
               "earlier": earlier}
     return merged, tasks
+
+
+def results_path(out: str | None, checkpoint: str) -> Path:
+    """Where eval writes its record: ``--out`` (``RESULTS_FILE`` inside it when it names a folder, as
+    :func:`read_record` reads one), else the checkpoint's own ``RESULTS_FILE``."""
+    if not out:
+        return Path(checkpoint) / RESULTS_FILE
+    return Path(out) / RESULTS_FILE if out.endswith(("/", os.sep)) or Path(out).is_dir() else Path(out)
+
+
+def check_replaceable(path: Path) -> None:
+    """Refuse, before any scoring, to write results over a file that holds something else (a user's notes, a
+    dataset): only an earlier results file is merged or replaced (:func:`merge_earlier`)."""
+    if path.is_file():
+        try:
+            read_record(path)
+        except BlockloopError as exc:
+            raise BlockloopError(f"{exc}; eval would overwrite it: give --out a new file, or remove this one") from None
 
 
 def read_record(path: str | Path) -> dict[str, Any]:
