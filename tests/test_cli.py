@@ -184,6 +184,36 @@ def test_tokens_budget_sets_the_step_count(tmp_path):
     assert (tmp_path / "run" / "checkpoints" / "latest").read_text().strip() == "step_0000003"
 
 
+def test_a_token_budget_on_resume_counts_the_tokens_already_trained_at_their_own_batch_shape(tmp_path, capsys):
+    run = tmp_path / "run"
+    argv = [*TINY_TRAIN, "--out", str(run), "--tokens", "200"]
+    del argv[argv.index("--steps") : argv.index("--steps") + 2]
+    assert main(argv) == 0  # 3 steps of 2 x 32 tokens: 192
+    resume = ["train", "--out", str(run), "--resume", "--no-progress"]
+    # 4 x 32 = 128 tokens per step now: (400 - 192) // 128 = 1 more step, not 400 // 128 = 3 steps in all
+    assert main([*resume, "--tokens", "400", "--batch-size", "4"]) == 0
+    assert (run / "checkpoints" / "latest").read_text().strip() == "step_0000004"
+    state = json.loads((run / "checkpoints" / "step_0000004" / "train_state.json").read_text())
+    assert state["tokens"] == 192 + 128
+    capsys.readouterr()
+    one_line_error(capsys, [*resume, "--tokens", "300"], "has already trained on 320 tokens, past --tokens 300")
+
+
+def test_resume_refuses_a_corpus_that_changed_since_the_checkpoint(tmp_path, capsys):
+    corpus = tmp_path / "notes.txt"
+    corpus.write_text("".join(f"line {i} of some text here.\n\n" for i in range(400)))
+    run = tmp_path / "run"
+    assert main([*TINY_TRAIN, "--data", str(corpus), "--steps", "2", "--out", str(run)]) == 0
+    resume = ["train", "--out", str(run), "--resume", "--steps", "4", "--no-progress"]
+    corpus.write_text("".join(f"other {i} words.\n\n" for i in range(400)))
+    assert main(resume) == EXIT_USER_ERROR  # (the new text is tokenized first, with its progress line)
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and "is not the data" in err.strip().splitlines()[-1]
+    corpus.write_text("".join(f"line {i} of some text here.\n\n" for i in range(400)))  # restored: resumes
+    assert main(resume) == 0
+    assert (run / "checkpoints" / "latest").read_text().strip() == "step_0000004"
+
+
 def test_convert_to_block_then_uptrain_and_generate(trained_run, tmp_path, capsys):
     block = tmp_path / "block"
     assert main(["convert", "--to", "block", "--checkpoint", str(trained_run), "--out", str(block)]) == 0

@@ -153,8 +153,9 @@ def train(args: argparse.Namespace) -> int:
                                  f"give --steps above {trainer.step} to train further")
         if trainer.step == trainer.config.steps:  # a finished run resumed (again): nothing to do, nothing to fail
             if info.is_main:
+                budget = "--tokens" if plan.tokens is not None else "--steps"
                 print(f"{plan.out} is already at step {trainer.step} of {trainer.config.steps}; nothing to train "
-                      "(give a larger --steps to train further)")
+                      f"(give a larger {budget} to train further)")
             return 0
         if info.is_main:
             config = trainer.config

@@ -21,7 +21,7 @@ import numpy as np
 from blockloop import progress
 from blockloop.data.corpora import hash_documents, load_documents
 from blockloop.data.packages import cache_dir
-from blockloop.data.tokenizers import Tokenizer
+from blockloop.data.tokenizers import RAW_BYTES, ByteTokenizer, Tokenizer
 from blockloop.errors import BlockloopError
 from blockloop.files import folder_in_place
 
@@ -42,6 +42,7 @@ class TokenSplits:
 
     train: np.ndarray
     val: np.ndarray
+    fingerprint: str  # the corpus text, its split and the tokenizer (the cache key): what --resume checks
 
 
 def prepare_tokens(
@@ -56,6 +57,8 @@ def prepare_tokens(
     An empty split raises :class:`BlockloopError`.
     """
     documents = load_documents(source)
+    if not isinstance(tokenizer, ByteTokenizer) and any(isinstance(doc, bytes) for doc in documents):
+        raise BlockloopError(f"tokenizer {tokenizer.name!r} cannot encode {RAW_BYTES}")  # before any progress line
     key = hashlib.sha256(
         json.dumps([_FORMAT, tokenizer.name, tokenizer.fingerprint(), repr(val_fraction)]).encode()
         + hash_documents(documents).encode()
@@ -93,6 +96,7 @@ def prepare_tokens(
     return TokenSplits(
         train=np.memmap(folder / "train.bin", dtype=meta["dtype"], mode="r", shape=(meta["train_tokens"],)),
         val=np.memmap(folder / "val.bin", dtype=meta["dtype"], mode="r", shape=(meta["val_tokens"],)),
+        fingerprint=key,
     )
 
 

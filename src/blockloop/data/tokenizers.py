@@ -50,7 +50,7 @@ PAD_TOKEN = "<|pad|>"
 DEFAULT_BPE_VOCAB = 4096
 # End-of-text tokens looked for, in order, in a tokenizer.json whose folder names no EOS.
 _EOS_CANDIDATES = (EOS_TOKEN, "</s>", "<|end_of_text|>", "<eos>", "<|im_end|>")
-_RAW_BYTES = "raw bytes (bytes:PATH) need --tokenizer byte"
+RAW_BYTES = "raw bytes (bytes:PATH); they need --tokenizer byte"
 
 
 class Tokenizer(ABC):
@@ -161,14 +161,14 @@ class HFTokenizer(Tokenizer):
 
     def encode(self, text: str | bytes) -> list[int]:
         if isinstance(text, bytes):
-            raise BlockloopError(f"tokenizer {self.name!r} cannot encode {_RAW_BYTES}")
+            raise BlockloopError(f"tokenizer {self.name!r} cannot encode {RAW_BYTES}")
         # encode_batch, unlike encode, releases the GIL while it works (and is no slower for one text): a server
         # encoding a long prompt keeps streaming the others' tokens meanwhile.
         return self._tokenizer.encode_batch([text], add_special_tokens=False)[0].ids
 
     def encode_batch(self, texts: Sequence[str | bytes]) -> list[np.ndarray]:
         if any(isinstance(text, bytes) for text in texts):
-            raise BlockloopError(f"tokenizer {self.name!r} cannot encode {_RAW_BYTES}")
+            raise BlockloopError(f"tokenizer {self.name!r} cannot encode {RAW_BYTES}")
         encodings = self._tokenizer.encode_batch(list(texts), add_special_tokens=False)
         return [np.array(encoding.ids, dtype=np.uint32) for encoding in encodings]
 
@@ -358,7 +358,7 @@ def _trained_bpe(vocab_size: int, documents: Sequence[str | bytes] | None) -> To
     if vocab_size <= 257:
         raise BlockloopError(f"bpe:{vocab_size} is too small; BPE needs more than 257 ids (256 bytes + EOS)")
     if any(isinstance(doc, bytes) for doc in documents):
-        raise BlockloopError(f"tokenizer bpe cannot encode {_RAW_BYTES}")
+        raise BlockloopError(f"tokenizer bpe cannot encode {RAW_BYTES}")
     name = f"bpe:{vocab_size}"
     cached = cache_dir() / "tokenizers" / f"bpe-{vocab_size}-{hash_documents(documents)[:32]}"
     if (cached / "tokenizer_meta.json").is_file():

@@ -8,6 +8,8 @@ lets ``--resume`` and ``eval`` rebuild the same data without being told again.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -148,6 +150,15 @@ def sequences(
         return task_sequences(splits, "train", seq_len), task_sequences(splits, "valid", seq_len)
     return tuple(PackedSequences(getattr(splits, split), seq_len, start_id, description=f"the {split} split of the corpus")
                  for split in ("train", "val"))
+
+
+def data_fingerprint(splits: TokenSplits | TaskData) -> str:
+    """What identifies a run's training data, saved with each checkpoint so that ``--resume`` refuses data that
+    changed under its saved position: a corpus's cache key, or a task's ``meta.json`` (generator, seed, sizes and
+    token counts; for imported data, its source's)."""
+    if isinstance(splits, TaskData):
+        return hashlib.sha256(json.dumps(splits.meta, sort_keys=True).encode()).hexdigest()[:32]
+    return splits.fingerprint
 
 
 def task_sequences(data: TaskData, split: str, seq_len: int) -> TaskSequences:

@@ -23,7 +23,7 @@ from blockloop.train import checkpoint as ckpt
 from blockloop.train.config import TrainConfig
 from blockloop.train.distill import build_distillation
 from blockloop.train.distributed import DistInfo
-from blockloop.train.run import PreparedRun, RunSpec, prepare_run, sequences
+from blockloop.train.run import PreparedRun, RunSpec, data_fingerprint, prepare_run, sequences
 from blockloop.train.trainer import Trainer
 
 
@@ -220,6 +220,18 @@ def apply_early_exit(config: ModelConfig, options: EarlyExit) -> ModelConfig:
     return config.replace(**changes)
 
 
+def steps_for_tokens(plan: RunPlan, trainer: Trainer) -> int:
+    """The step count that trains ``--tokens`` in all: whole steps of this run's batch shape after the tokens a
+    resumed run has already trained (which an earlier shape may have counted differently)."""
+    budget, seen = int(plan.tokens), trainer.tokens_seen
+    if not plan.resume:
+        return max(1, budget // trainer.tokens_per_step)
+    if budget < seen:
+        raise BlockloopError(f"{plan.out} has already trained on {seen:,} tokens, past --tokens {plan.tokens:g}; "
+                             f"give --tokens above {seen} to train further")
+    return trainer.step + (budget - seen) // trainer.tokens_per_step
+
+
 def start_training(plan: RunPlan, info: DistInfo = DistInfo()) -> tuple[PreparedRun, Trainer]:
     """Model, data and a trainer for ``plan`` (resumed from its last checkpoint on ``--resume``)."""
     config = plan.config
@@ -233,20 +245,21 @@ def start_training(plan: RunPlan, info: DistInfo = DistInfo()) -> tuple[Prepared
     if plan.fit_seq_len:  # the largest whole number of blocks / chunks the context holds, at most the default
         unit = spec_of(model_config).sequence_multiple(model_config)
         config.seq_len = min(config.seq_len, model_config.context_length // unit * unit)
-    if plan.tokens is not None:
-        per_step = config.batch_size * config.grad_accum * config.seq_len * info.world_size
-        config.steps = max(1, int(plan.tokens // per_step))
-    if config.steps < config.warmup_steps and info.is_main:  # a note, not an error: tiny runs do this on purpose
-        length = f"--tokens {plan.tokens:g} ({config.steps} steps)" if plan.tokens is not None else f"--steps {config.steps}"
-        print(f"warning: {length} ends inside the {config.warmup_steps}-step warm-up: the learning rate peaks at "
-              f"{config.lr * config.steps / config.warmup_steps:.3g}, not --lr {config.lr:g}; lower --warmup-steps",
-              file=sys.stderr)
     train_seqs, val_seqs = sequences(run.splits, config.seq_len, run.tokenizer.start_id)
     trainer = Trainer(
         run.model, run.model_config, run.tokenizer, train_seqs, val_seqs, config, plan.out,
         run_info=plan.spec.to_dict(), dist_info=info,
         loss_hook=build_distillation(config.extra, run.model_config, run.tokenizer, config.seq_len, config.resolved_device()),
+        data_fingerprint=data_fingerprint(run.splits),
     )
     if plan.resume:
         trainer.resume(plan.out)
+    if plan.tokens is not None:
+        config.steps = steps_for_tokens(plan, trainer)
+    if config.steps < config.warmup_steps and trainer.step < config.steps and info.is_main:
+        # a note, not an error: tiny runs do this on purpose
+        length = f"--tokens {plan.tokens:g} ({config.steps} steps)" if plan.tokens is not None else f"--steps {config.steps}"
+        print(f"warning: {length} ends inside the {config.warmup_steps}-step warm-up: the learning rate peaks at "
+              f"{config.lr * config.steps / config.warmup_steps:.3g}, not --lr {config.lr:g}; lower --warmup-steps",
+              file=sys.stderr)
     return run, trainer

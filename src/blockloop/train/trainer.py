@@ -66,6 +66,7 @@ class Trainer:
         run_info: dict[str, Any] | None = None,
         dist_info: DistInfo = DistInfo(),
         loss_hook: LossHook | None = None,
+        data_fingerprint: str | None = None,
     ) -> None:
         if config.seq_len > model_config.context_length:
             raise ConfigError(
@@ -82,6 +83,7 @@ class Trainer:
         self.config, self.model_config, self.tokenizer = config, model_config, tokenizer
         self.loss_hook = loss_hook
         self.out_dir, self.run_info, self.dist = Path(out_dir), run_info or {}, dist_info
+        self.data_fingerprint = data_fingerprint
         self.device = torch.device(config.resolved_device())
         if self.device.type == "cuda" and self.device.index is None:
             self.device = torch.device("cuda", dist_info.local_rank)
@@ -122,6 +124,7 @@ class Trainer:
         self.step = 0
         self.size_reported = False  # the first checkpoint written says how big checkpoints are
         self.tokens_per_step = config.batch_size * config.grad_accum * config.seq_len * dist_info.world_size
+        self.tokens_seen = 0  # summed step by step: a resumed run may change its batch shape (what --tokens counts)
         self.flops_per_token = spec.training_flops_per_token(model_config, config.seq_len)
 
     # ----------------------------------------------------------------- resume
@@ -130,6 +133,7 @@ class Trainer:
         directory = ckpt.resolve_checkpoint(checkpoint_dir)
         ckpt.check_process_count(directory, self.dist.world_size)
         state = ckpt.read_train_state(directory)
+        self._check_same_data(directory, state)
         # The saved param_groups carry the hyperparameters the run was written with (weight decay, betas): loading
         # them would silently undo a flag given with --resume, which wins, as for every other training setting.
         settings = [{k: v for k, v in group.items() if k != "params"} for group in self.optimizer.param_groups]
@@ -146,9 +150,21 @@ class Trainer:
             group.update(setting)
         self.batches.load_state_dict(state["data"])
         self.step = state["step"]
+        self.tokens_seen = ckpt.tokens_trained(state)
         ckpt.load_rng(directory, self.dist.rank)
         if self.dist.is_main:
             self._truncate_metrics(self.step)
+
+    def _check_same_data(self, directory: Path, state: dict[str, Any]) -> None:
+        """Refuse to resume on training data other than the run's: the saved data position (epoch, index) would go
+        on in other text, silently. Checkpoints written before fingerprints were saved are not checked."""
+        saved = state.get("data_fingerprint")
+        if saved is None or self.data_fingerprint is None or saved == self.data_fingerprint:
+            return
+        data = self.run_info.get("task") or self.run_info.get("data") or "the training data"
+        raise BlockloopError(f"{data} is not the data {directory} was trained on (it changed since, or the tokenizer "
+                             "reads it differently), so its saved position would continue in other text; restore that "
+                             "data to --resume, or start a new run from the checkpoint with --init-from")
 
     def _truncate_metrics(self, step: int) -> None:
         """Drop metrics logged after the checkpoint, so the resumed log reads like an uninterrupted one, and a
@@ -178,6 +194,7 @@ class Trainer:
                     group["lr"] = lr * group.get("lr_scale", 1.0)
                 loss = self._train_step()
                 self.step += 1
+                self.tokens_seen += self.tokens_per_step
                 window_tokens += self.tokens_per_step
                 if not math.isfinite(loss):
                     raise self._diverged(f"loss became {loss} at step {self.step}")
@@ -303,7 +320,9 @@ class Trainer:
                     tmp / "train_state.json",
                     {
                         "step": self.step,
+                        "tokens": self.tokens_seen,
                         "data": self.batches.state_dict(),
+                        "data_fingerprint": self.data_fingerprint,
                         "world_size": self.dist.world_size,
                         "train_config": dataclasses.asdict(self.config),
                         "run": self.run_info,
