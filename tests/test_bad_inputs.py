@@ -218,6 +218,10 @@ CASES = [
     (["serve", "--checkpoint", R, "--sync-every", "0"], "--sync-every: must be an integer >= 1"),
     (["serve", "--checkpoint", R, "--threads", "-1"], "--threads: must be an integer >= 1"),
     (["serve", "--checkpoint", R, "--max-len", "100000"], "max_len (--max-len) 100000 is outside the model context of"),
+    (["serve", "--checkpoint", R, "--max-len", "1"], "a context of 1 tokens leaves no room for a prompt and an answer"),
+    (["serve", "--checkpoint", R, "--page-size", "16"], "--page-size shapes the paged cache of --kv-tokens; add"),
+    (["serve", "--checkpoint", R, "--kv-tokens", "8", "--page-size", "16"], "--kv-tokens 8 is less than one page of 16"),
+    (["serve", "--checkpoint", R, "--kv-tokens", "1", "--page-size", "1"], "the paged KV cache holds less than a one-token"),
     # bench
     (["bench", "--stream", "--prompt-range", "64,16"], "--prompt-range: takes MIN,MAX with MIN <= MAX"),
     (["bench", "--stream", "--tokens-range", "8"], "--tokens-range: takes MIN,MAX"),

@@ -113,22 +113,15 @@ def test_a_system_message_that_leaves_no_room_is_refused_up_front(session):
         ChatSession(session.worker, session.tokenizer, session.template, system="s" * 200)
 
 
-def test_a_context_with_no_room_to_chat_is_refused_without_blaming_a_system_message(run):
+def test_a_context_with_no_room_to_chat_is_refused_as_the_engine_starts_without_blaming_a_system_message(run):
     trained = load_trained(run)
-    worker = EngineWorker(serving_engine(trained.model, 1, max_len=1))
-    with pytest.raises(BlockloopError, match="a context of 1 tokens leaves no room for a message and an answer; "
-                                             "raise --max-len"):
-        ChatSession(worker, trained.tokenizer, plain_template())
-
-
-def test_a_model_context_with_no_room_to_chat_does_not_ask_for_a_longer_max_len(run):
-    """Where --max-len is already the model context, raising it is refused: the fix is another model."""
-    trained = load_trained(run)
+    with pytest.raises(BlockloopError, match=r"a context of 1 tokens leaves no room for a prompt and an answer; "
+                                             r"raise max_len \(--max-len; at most the model context of"):
+        serving_engine(trained.model, 1, max_len=1)
+    # where --max-len is already the model context, raising it is no fix: another model is
     trained.model.config = trained.model.config.replace(context_length=1)
-    worker = EngineWorker(serving_engine(trained.model, 1))
-    with pytest.raises(BlockloopError, match="leaves no room for a message and an answer; chat with a model that "
-                                             "has a longer context"):
-        ChatSession(worker, trained.tokenizer, plain_template())
+    with pytest.raises(BlockloopError, match="leaves no room for a prompt and an answer; use a model with a longer"):
+        serving_engine(trained.model, 1)
 
 
 def test_a_task_model_is_refused_up_front_not_on_every_line(session):
@@ -224,6 +217,16 @@ def test_a_template_that_fails_to_render_is_one_error_not_a_traceback(source):
     template = jinja_template(source, ByteTokenizer())
     with pytest.raises(BlockloopError, match="the chat template failed on these messages"):
         template.render([{"role": "user", "content": "hi"}])
+
+
+def test_template_errors_name_the_template_to_fix_and_an_empty_one_is_refused_when_loaded():
+    given = chat_template_for(ByteTokenizer(), source="{{ messages[0].content + 1 }}")
+    with pytest.raises(BlockloopError, match="fix the --chat-template file$"):
+        given.render([{"role": "user", "content": "hi"}])
+    with pytest.raises(BlockloopError, match="fix the checkpoint's chat template$"):
+        jinja_template("{{ messages[0].content + 1 }}", ByteTokenizer()).render([{"role": "user", "content": "hi"}])
+    with pytest.raises(BlockloopError, match="the --chat-template file is empty"):
+        chat_template_for(ByteTokenizer(), source=" \n")
 
 
 def test_a_seeded_chat_counts_its_turns_past_the_largest_seed():

@@ -63,6 +63,10 @@ def test_prompt_longer_than_context_is_a_clear_error(model):
         generate(model, [[1] * 120], 10)
     with pytest.raises(BlockloopError, match="non-empty"):
         generate(model, [[]], 10)
+    # a block model counts its padded prompt against the context, and says so beside the prompt's own length
+    block = build_model(from_name("tiny-block")).eval()
+    with pytest.raises(BlockloopError, match=r"prompt of 122 tokens \(124 once left-padded to whole blocks\) plus 8"):
+        generate(block, [[1] * 122], 8)
 
 
 def test_generate_sizes_the_cache_to_its_requests_not_the_context(model, monkeypatch):

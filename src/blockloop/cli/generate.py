@@ -44,7 +44,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from blockloop.device import resolve_device
-    from blockloop.serve.batching import padded_prompt_length
+    from blockloop.serve.batching import padded_prompt_length, prompt_size
     from blockloop.serve.generate import generate
     from blockloop.serve.http.text import TextStream, continuation
     from blockloop.serve.runners import Speculation
@@ -57,10 +57,11 @@ def run(args: argparse.Namespace) -> int:
     prompt = tok.encode_prompt(args.prompt)
     max_new = args.max_new_tokens
     if max_new is None:  # what the context leaves after the prompt as the model reads it (a block model pads it)
-        max_new = min(200, trained.config.context_length - padded_prompt_length(trained.model, [prompt]))
+        padded = padded_prompt_length(trained.model, [prompt])
+        max_new = min(200, trained.config.context_length - padded)
         if max_new < 1:
             raise BlockloopError(
-                f"prompt of {len(prompt)} tokens fills the model context of {trained.config.context_length}; shorten it"
+                f"{prompt_size(len(prompt), padded)} fills the model context of {trained.config.context_length}; shorten it"
             )
     kwargs = dict(
         temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,

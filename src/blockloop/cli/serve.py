@@ -65,9 +65,9 @@ def add_engine_arguments(p: argparse.ArgumentParser, slots: int = 8) -> None:
                    "running ones (default: 512)")
     p.add_argument("--kv-tokens", type=positive_int,
                    help="keep keys/values in a paged cache of this many tokens shared by the slots, each request "
-                   "holding only its own length (vanilla, looped, block, double-decoder and encoder-decoder models; default: every slot "
-                   "holds --max-len)")
-    p.add_argument("--page-size", type=positive_int, default=128,
+                   "holding only its own length, rounded up to whole pages (vanilla, looped, block, double-decoder "
+                   "and encoder-decoder models; default: every slot holds --max-len)")
+    p.add_argument("--page-size", type=positive_int,
                    help="cache entries per page of --kv-tokens (tokens; a Block Transformer's blocks) (default: 128)")
     add_threads(p)
 
@@ -131,12 +131,19 @@ def load(args: argparse.Namespace, n_slots: int) -> tuple[TrainedModel, dict[str
     from blockloop.bench.suite import parse_exit_rule
     from blockloop.device import resolve_device
     from blockloop.serve.runners import Paging
+    from blockloop.serve.runners.paging import DEFAULT_PAGE_SIZE
     from blockloop.train.run import load_trained
 
     set_threads(args.threads)  # before the engine thread starts: it inherits the setting
     exit_rule = parse_exit_rule(args.exit) if args.exit else None
     trained = load_trained(args.checkpoint, resolve_device(args.device))
-    paging = Paging(args.kv_tokens, args.page_size) if args.kv_tokens else None
+    if args.page_size is not None and not args.kv_tokens:
+        raise BlockloopError("--page-size shapes the paged cache of --kv-tokens; add --kv-tokens N or leave it out")
+    page_size = args.page_size or DEFAULT_PAGE_SIZE
+    if args.kv_tokens and args.kv_tokens < page_size:
+        raise BlockloopError(f"--kv-tokens {args.kv_tokens} is less than one page of {page_size}; raise it or lower "
+                             "--page-size")
+    paging = Paging(args.kv_tokens, page_size) if args.kv_tokens else None
     return trained, dict(n_slots=n_slots, max_len=args.max_len, sync_every=args.sync_every, exit_rule=exit_rule,
                          compile=args.compile, prefill_chunk=args.prefill_chunk, paging=paging,
                          key_buckets=args.key_buckets)

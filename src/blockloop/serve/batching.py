@@ -15,6 +15,12 @@ def padded_prompt_length(model: nn.Module, prompts: Sequence[Sequence[int]]) -> 
     return runner_for(model).padded(max(len(p) for p in prompts))
 
 
+def prompt_size(tokens: int, padded: int, noun: str = "prompt") -> str:
+    """A prompt's length for an error message: its own tokens, and, where the model reads it padded (a block
+    model's whole blocks), the length that counts against the context."""
+    return f"{noun} of {tokens} tokens" + (f" ({padded} once left-padded to whole blocks)" if padded != tokens else "")
+
+
 def left_pad(prompts: Sequence[Sequence[int]], length: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """``(B, length)`` ids with each prompt right-aligned, and the mask of real (non-padding) tokens."""
     idx = torch.zeros(len(prompts), length, dtype=torch.long, device=device)

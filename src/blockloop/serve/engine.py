@@ -145,6 +145,13 @@ class Engine:
         self.vocab_size = model.config.vocab_size
         if self.continuous:
             runner.allocate(n_slots, self.max_len)
+        if self.room(1) < 1:  # every request would be refused: say so as the engine starts, not at each request
+            if self._context_room(1) >= 1:
+                raise BlockloopError("the paged KV cache holds less than a one-token prompt and its answer; give it more "
+                                     "tokens (--kv-tokens)")
+            fix = (f"raise max_len (--max-len; at most the model context of {context})" if self.max_len < context
+                   else "use a model with a longer context")
+            raise BlockloopError(f"a context of {self.max_len} tokens leaves no room for a prompt and an answer; {fix}")
         self.rows = n_slots if self.continuous else 0  # rows the current decode state has
         self.row_counts = row_buckets(n_slots) if self.continuous and runner.prefix_steps else [self.rows]
         self.key_lengths = key_lengths(self.max_len, key_buckets if self.continuous else 0)

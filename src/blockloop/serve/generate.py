@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from blockloop.errors import BlockloopError, check_context
-from blockloop.serve.batching import padded_prompt_length
+from blockloop.serve.batching import padded_prompt_length, prompt_size
 from blockloop.serve.engine import Engine
 from blockloop.serve.requests import Request, SamplingParams, whole_number
 from blockloop.serve.runners import Speculation, runner_for
@@ -52,7 +52,8 @@ def generate(
         raise BlockloopError(f"max_new_tokens must be a whole number, at least 1; got {max_new_tokens!r}")
     longest = padded_prompt_length(model, prompts)
     need = (len(prefix) if prefix is not None else 0) + longest + max_new_tokens
-    check_context(need, model.config.context_length, f"prompt of {longest} plus {max_new_tokens} new tokens, in all",
+    size = prompt_size(max(len(p) for p in prompts), longest)
+    check_context(need, model.config.context_length, f"{size} plus {max_new_tokens} new tokens, in all",
                   "shorten the prompt or lower --max-new-tokens")
     # Any integer seeds: a request's stream reads only its seed's low 32 bits (sampling.counter_uniform).
     base = seed if seed is not None else int(torch.randint(2**31, ()).item())

@@ -31,6 +31,7 @@ from torch import nn
 
 from blockloop.data.tokenizers import Tokenizer
 from blockloop.errors import BlockloopError
+from blockloop.serve.batching import prompt_size
 from blockloop.serve.http.chat import ChatTemplate, chat_template_for
 from blockloop.serve.http.metrics import CONTENT_TYPE, ServerMetrics
 from blockloop.serve.http.protocol import (
@@ -168,14 +169,14 @@ def create_app(served: ServedModel) -> FastAPI:
     async def _serve(request: Request, params: Sampling, prompt: list[int], field: str, max_tokens: int | None,
                      text: TextStream, reply: Reply) -> Response:
         room = engine.room(len(prompt))
+        size = prompt_size(len(prompt), engine.runner.padded(len(prompt)), field)
         if room < 1:
-            raise ApiError(400, f"{field} of {len(prompt)} tokens leaves no room for an answer in the model context "
-                           f"of {engine.max_len} tokens (or in the server's KV cache); shorten it", param=field,
-                           code="context_length_exceeded")
+            raise ApiError(400, f"{size} leaves no room for an answer in the server's context of {engine.max_len} "
+                           "tokens (or in its KV cache); shorten it", param=field, code="context_length_exceeded")
         name = "max_completion_tokens" if getattr(params, "max_completion_tokens", None) is not None else "max_tokens"
         if max_tokens is not None and max_tokens > room:
-            raise ApiError(400, f"{name} of {max_tokens} is more than the {room} tokens the model context and KV "
-                           f"cache leave after this {len(prompt)}-token {field}; lower it", param=name,
+            raise ApiError(400, f"{name} of {max_tokens} is more than the {room} tokens the server's context of "
+                           f"{engine.max_len} (and its KV cache) leaves after a {size}; lower it", param=name,
                            code="context_length_exceeded")
         if max_tokens is None:
             max_tokens = room if reply.chat else min(DEFAULT_COMPLETION_TOKENS, room)

@@ -59,6 +59,7 @@ class ChatTemplate:
     stop: list[str] = field(default_factory=list)  # stop strings every chat request gets
     stop_ids: list[int] = field(default_factory=list)  # end-of-turn token ids
     special_tokens: dict[str, str] = field(default_factory=dict)  # bos_token, eos_token, pad_token: their text
+    origin: str = "the checkpoint's chat template"  # what an error tells the user to fix
     compiled: Template | None = field(init=False, repr=False, compare=False)  # the source, compiled once
 
     def __post_init__(self) -> None:
@@ -66,11 +67,13 @@ class ChatTemplate:
         starts, not at every request."""
         from jinja2 import TemplateError
 
+        if self.source is not None and not self.source.strip():  # every conversation would be an empty prompt
+            raise BlockloopError(f"{self.origin} is empty; give a Jinja chat template with --chat-template")
         try:
             self.compiled = None if self.source is None else _environment().from_string(self.source)
         except TemplateError as exc:
-            raise BlockloopError(f"the chat template does not compile ({type(exc).__name__}: {exc}); fix it, or "
-                                 "give another with --chat-template") from None
+            raise BlockloopError(f"the chat template does not compile ({type(exc).__name__}: {exc}); fix {self.origin}, "
+                                 "or give another with --chat-template") from None
 
     def render(self, messages: list[Message]) -> str:
         if self.source is None:
@@ -85,7 +88,7 @@ class ChatTemplate:
             raise  # the template's own raise_exception: its message is for the client
         except (TemplateError, ArithmeticError, LookupError, TypeError, ValueError) as exc:  # what template code raises
             raise BlockloopError(f"the chat template failed on these messages ({type(exc).__name__}: {exc}); "
-                                 "fix the checkpoint's chat template") from None
+                                 f"fix {self.origin}") from None
 
 
 def _environment() -> Environment:
@@ -106,7 +109,7 @@ def plain_template() -> ChatTemplate:
     return ChatTemplate(None, stop=["\nUser:"])
 
 
-def jinja_template(source: str, tokenizer: Tokenizer) -> ChatTemplate:
+def jinja_template(source: str, tokenizer: Tokenizer, origin: str = ChatTemplate.origin) -> ChatTemplate:
     """A Jinja chat template; its end-of-turn tokens that ``tokenizer`` has as single special ids stop generation."""
     ids = []
     for marker in END_OF_TURN:
@@ -119,14 +122,15 @@ def jinja_template(source: str, tokenizer: Tokenizer) -> ChatTemplate:
         vocabulary = None
     ids_of = {"bos_token": tokenizer.bos_id, "eos_token": tokenizer.eos_id, "pad_token": tokenizer.pad_id}
     texts = {name: vocabulary.id_to_token(i) for name, i in ids_of.items() if i is not None} if vocabulary else {}
-    return ChatTemplate(source, stop_ids=ids, special_tokens={k: v for k, v in texts.items() if v is not None})
+    return ChatTemplate(source, stop_ids=ids, special_tokens={k: v for k, v in texts.items() if v is not None},
+                        origin=origin)
 
 
 def chat_template_for(tokenizer: Tokenizer, directory: Path | None = None, source: str | None = None) -> ChatTemplate:
     """The template a checkpoint's chats use: ``source`` (``--chat-template``) where given, else the first found in
     the module docstring's order."""
     if source is not None:
-        return jinja_template(source, tokenizer)
+        return jinja_template(source, tokenizer, origin="the --chat-template file")
     if tokenizer.chat_template is not None:
         return jinja_template(tokenizer.chat_template, tokenizer)
     source = folder_chat_template(directory) if directory is not None else None
@@ -176,16 +180,11 @@ class ChatSession:
         self.worker, self.tokenizer, self.template = worker, tokenizer, template
         self.max_new_tokens, self.sampling, self.system = max_new_tokens, sampling, system
         self.reset()
+        # (an engine without room for a one-token prompt and its answer is refused as it starts)
         taken = len(self.prompt(self.history)) if self.history else 0
-        if worker.engine.room(taken) < 2:  # a user turn and an answer
-            if self.history:
-                raise BlockloopError(f"the system message takes {taken} of the model's {worker.engine.max_len} "
-                                     "context tokens, leaving no room to chat; shorten it")
-            context = worker.engine.model.config.context_length  # a context too short for any conversation
-            fix = ("raise --max-len (at most the model context of {context})" if worker.engine.max_len < context
-                   else "chat with a model that has a longer context").format(context=context)
-            raise BlockloopError(f"a context of {worker.engine.max_len} tokens leaves no room for a message and "
-                                 f"an answer; {fix}")
+        if self.history and worker.engine.room(taken) < 2:  # a user turn and an answer
+            raise BlockloopError(f"the system message takes {taken} of the model's {worker.engine.max_len} "
+                                 "context tokens, leaving no room to chat; shorten it")
 
     def reset(self) -> None:
         self.history: list[Message] = [{"role": "system", "content": self.system}] if self.system else []

@@ -158,7 +158,8 @@ class EngineWorker:
             # less free slots = in flight less running less (slots less running) = in flight less slots).
             beyond = self.in_flight - self.engine.n_slots
             if beyond >= self.max_waiting:
-                raise QueueFull(f"{beyond} requests are already waiting for a slot; retry shortly")
+                raise QueueFull(f"the queue is full: every slot is busy and {beyond} requests already wait for one "
+                                f"(--max-waiting {self.max_waiting}); retry shortly")
             self.in_flight += 1
             self.inbox.put(("submit", job))
 

@@ -33,6 +33,9 @@ RUNNERS: dict[str, type[Runner]] = {
 }
 
 
+OPTION_FLAGS = {"exit_rule": "--exit", "speculation": "--speculate", "paging": "--kv-tokens"}  # the CLI's names
+
+
 def runner_for(model: nn.Module, **options: Any) -> Runner:
     """The runner serving ``model``'s family; ``options`` go to its constructor (a recursive model's
     ``exit_rule`` or ``speculation``, a double decoder's cached ``prefix``, a single-stack model's ``paging``); an option left ``None`` is
@@ -43,8 +46,13 @@ def runner_for(model: nn.Module, **options: Any) -> Runner:
     known = inspect.signature(RUNNERS[family]).parameters
     unknown = sorted(name for name, value in options.items() if value is not None and name not in known)
     if unknown:
-        raise BlockloopError(f"the {family} family's runner has no option {', '.join(unknown)} (a looped model's has "
-                             "exit_rule and speculation); drop it or serve a model that supports it")
+        def option(name: str) -> str:  # its CLI flag and the families that take it
+            takers = [f for f, runner in RUNNERS.items() if name in inspect.signature(runner).parameters]
+            flag = f"{OPTION_FLAGS[name]}; " if name in OPTION_FLAGS else ""
+            takes = "family takes" if len(takers) == 1 else "families take"
+            return f"{name} ({flag}{'the ' + ', '.join(takers) + f' {takes} it' if takers else 'no family takes it'})"
+        raise BlockloopError(f"the {family} family's runner has no option {', '.join(map(option, unknown))}: drop it or "
+                             "use a model that supports it")
     return RUNNERS[family](model, **{name: value for name, value in options.items() if name in known})
 
 

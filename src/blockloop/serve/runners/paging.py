@@ -17,6 +17,8 @@ from blockloop.errors import BlockloopError
 from blockloop.nn.kv_cache import DecoderCache
 from blockloop.nn.paged_cache import READS, KVPages
 
+DEFAULT_PAGE_SIZE = 128  # cache entries per page, unless asked otherwise (serve --page-size)
+
 
 @dataclass(frozen=True)
 class Paging:
@@ -24,7 +26,7 @@ class Paging:
     "pages" (decode reads live pages through FlexAttention; the CUDA default) or "gather" (the CPU default)."""
 
     tokens: int
-    page_size: int = 128
+    page_size: int = DEFAULT_PAGE_SIZE
     read: str | None = None
 
     def __post_init__(self) -> None:
