@@ -191,11 +191,24 @@ def test_64_concurrent_requests_from_16_threads_all_succeed_with_exact_counts(va
             assert text == tok.decode(expected) and usage.completion_tokens == len(expected)
 
 
-def test_bench_over_http_reports_a_server_error_in_one_line(vanilla, capsys):
-    """``--url`` with ``/v1`` added: the server answers 404 at ``/v1/v1/models``; httpx words it in two lines."""
-    assert main(["bench", "--url", vanilla.url + "/v1", "--requests", "2"]) == 2
+def test_bench_over_http_reports_a_server_error_in_one_line_and_takes_the_v1_address_serve_prints(vanilla, capsys):
+    """A path the server does not serve: it answers 404 at ``/nope/v1/models``; httpx words it in two lines. The
+    address ``serve`` prints, ending in ``/v1`` (the ``openai`` client's base URL), is the server's own."""
+    assert main(["bench", "--url", vanilla.url + "/nope", "--requests", "2"]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "404 Not Found" in err, err
+    assert main(["bench", "--url", vanilla.url + "/v1/", "--requests", "2", "--prompt-range", "4,8",
+                 "--tokens-range", "2,3"]) == 0
+    assert "2 requests" in capsys.readouterr().out
+
+
+def test_bench_over_http_refuses_a_stream_past_the_servers_context_before_sending_it(vanilla, capsys):
+    before = metric(httpx.get(vanilla.url + "/metrics").text, "blockloop_prompt_tokens_total")
+    assert main(["bench", "--url", vanilla.url, "--requests", "4", "--prompt-range", "100,120",
+                 "--tokens-range", "20,30"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "more than the server's context of 128; lower --prompt-range" in err, err
+    assert metric(httpx.get(vanilla.url + "/metrics").text, "blockloop_prompt_tokens_total") == before
 
 
 def test_metrics_count_tokens_requests_and_latencies(vanilla):

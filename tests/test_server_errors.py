@@ -217,6 +217,18 @@ def test_a_full_waiting_queue_answers_503_with_retry_after(run):
         assert metric(httpx.get(url + "/metrics").text, "blockloop_requests_rejected_total") == 1
 
 
+def test_bench_over_http_counts_requests_a_full_queue_turns_away_and_measures_the_rest(run):
+    from blockloop.bench.http_stream import run_http_stream
+
+    application = app(run, n_slots=1, max_waiting=0)
+    slowed(application, 0.02)  # the first request holds the only slot while the others arrive
+    with running(application) as url:
+        metrics = run_http_stream(url, requests=6, rate=float("inf"), prompt_range=(4, 8), tokens_range=(5, 6))
+        text = httpx.get(url + "/metrics").text
+    assert metrics["requests"] >= 1 and metrics["rejected"] >= 1 and metrics["requests"] + metrics["rejected"] == 6
+    assert metric(text, "blockloop_requests_rejected_total") == metrics["rejected"]
+
+
 def test_a_request_admitted_in_this_window_is_not_counted_as_waiting(run):
     """A request the engine admitted was counted as waiting until its first window ended, and as taking a slot
     too: with a free slot and no waiting allowed, a second request got a 503."""

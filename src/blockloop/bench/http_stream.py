@@ -42,11 +42,18 @@ def _check_url(url: str) -> None:
         raise _bad_url(url, "not an http:// or https:// address with a host")
 
 
+def base_url(url: str) -> str:
+    """The server's root: the address ``serve`` prints (and the ``openai`` client takes) ends in ``/v1``, which the
+    routes below already name."""
+    url = url.rstrip("/")
+    return url[: -len("/v1")] if url.endswith("/v1") else url
+
+
 def model_card(url: str) -> dict[str, Any]:
     """The served model's entry of ``GET /v1/models`` (its id names the model in every request)."""
     _check_url(url)
     try:
-        cards = httpx.get(url.rstrip("/") + "/v1/models", timeout=30).raise_for_status().json()["data"]
+        cards = httpx.get(url + "/v1/models", timeout=30).raise_for_status().json()["data"]
     except httpx.InvalidURL as exc:
         raise _bad_url(url, str(exc)) from None
     except (httpx.HTTPError, KeyError, ValueError) as exc:
@@ -61,7 +68,7 @@ def server_tokens(url: str, model: str, text: str) -> list[int]:
     """``text`` as the served model's tokenizer reads it (no BOS: prompts are slices of one long text)."""
     body = {"model": model, "prompt": text, "add_special_tokens": False}
     try:
-        return httpx.post(url.rstrip("/") + "/tokenize", json=body, timeout=300).raise_for_status().json()["tokens"]
+        return httpx.post(url + "/tokenize", json=body, timeout=300).raise_for_status().json()["tokens"]
     except (httpx.HTTPError, KeyError, ValueError) as exc:
         raise BlockloopError(f"the server at {url} did not tokenize the corpus ({_first_line(exc)}); bench --url drives "
                              "`blockloop serve`") from None
@@ -74,16 +81,28 @@ def run_http_stream(
     """Send the stream to ``url`` and measure it: TTFT, TPOT, ITL and E2E percentiles, tokens/s and requests/s."""
     if requests < 1:
         raise BlockloopError(f"--requests must be >= 1, got {requests}")
-    card = model_card(url)
-    prompts = cut_prompts(server_tokens(url, card["id"], corpus_text(corpus)), requests, *prompt_range, seed=seed)
+    _check_url(url)
+    root = base_url(url)
+    card = model_card(root)
+    prompts = cut_prompts(server_tokens(root, card["id"], corpus_text(corpus)), requests, *prompt_range, seed=seed)
     offsets, budgets = schedule(requests, rate, *tokens_range, seed=seed)
-    timings = asyncio.run(_send_all(url.rstrip("/"), card["id"], prompts, offsets.tolist(), budgets.tolist()))
+    need, context = max(len(p) + int(n) for p, n in zip(prompts, budgets)), card.get("max_model_len")
+    if isinstance(context, int) and need > context:  # refused now, not as a 400 partway through the run
+        raise BlockloopError(f"the stream's longest request takes {need} tokens (prompt and new tokens), more than the "
+                             f"server's context of {context}; lower --prompt-range or --tokens-range")
+    answers = asyncio.run(_send_all(root, card["id"], prompts, offsets.tolist(), budgets.tolist()))
+    timings = [timing for timing in answers if timing is not None]
+    if not timings:
+        raise BlockloopError(f"the server at {url} turned every request away (503: its queue was full); raise its "
+                             "--max-waiting or --slots, or lower --rate")
     metrics = serving_metrics(timings)
-    metrics.update(url=url, model=card["id"], rate=rate, requests_per_s=requests / metrics["duration_s"])
+    metrics.update(url=url, model=card["id"], rate=rate, requests_per_s=len(timings) / metrics["duration_s"],
+                   rejected=len(answers) - len(timings))
     return metrics
 
 
-async def _send_all(url: str, model: str, prompts: list[list[int]], offsets: list[float], budgets: list[int]) -> list[Timing]:
+async def _send_all(url: str, model: str, prompts: list[list[int]], offsets: list[float], budgets: list[int]
+                    ) -> list[Timing | None]:
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
     async with httpx.AsyncClient(base_url=url, timeout=None, limits=limits) as client:
         start = time.perf_counter()
@@ -95,14 +114,19 @@ async def _send_all(url: str, model: str, prompts: list[list[int]], offsets: lis
                                  "check that it is still running, then bench again") from None
 
 
-async def _one(client: httpx.AsyncClient, model: str, prompt: list[int], max_tokens: int, arrival: float) -> Timing:
-    """One streamed request sent at ``arrival``; the time each token's event reached the client."""
+async def _one(client: httpx.AsyncClient, model: str, prompt: list[int], max_tokens: int, arrival: float
+               ) -> Timing | None:
+    """One streamed request sent at ``arrival``; the time each token's event reached the client. None: the server
+    turned it away with a full queue (503), which a load test counts (``rejected``) rather than stops at, as
+    ``vllm bench serve`` counts failed requests."""
     await asyncio.sleep(max(0.0, arrival - time.perf_counter()))
     body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
             "stream": True, "stream_options": {"include_usage": True}}
     times: list[float] = []
     usage: dict[str, int] = {}
     async with client.stream("POST", "/v1/completions", json=body) as reply:
+        if reply.status_code == 503 and b'"queue_full"' in await reply.aread():
+            return None
         if reply.status_code != 200:
             raise BlockloopError(f"the server answered {reply.status_code}: {(await reply.aread()).decode()[:300]}")
         async for line in reply.aiter_lines():

@@ -276,8 +276,9 @@ def _http(args: argparse.Namespace) -> int:
 
     m = run_http_stream(args.url, requests=args.requests, rate=args.rate, corpus=args.corpus, seed=args.seed,
                         prompt_range=args.prompt_range, tokens_range=args.tokens_range)
-    print(f"{m['model']} at {args.url}: {m['requests']} requests at {args.rate}/s, {m['output_tokens']} tokens in "
-          f"{m['duration_s']:.2f} s: {m['requests_per_s']:.2f} req/s, {m['throughput_tok_s']:.1f} tok/s")
+    turned_away = f" ({m['rejected']} more turned away by its full queue, 503)" if m["rejected"] else ""
+    print(f"{m['model']} at {args.url}: {m['requests']} requests at {args.rate}/s{turned_away}, {m['output_tokens']} "
+          f"tokens in {m['duration_s']:.2f} s: {m['requests_per_s']:.2f} req/s, {m['throughput_tok_s']:.1f} tok/s")
     print("| metric | mean ms | median ms | p90 ms | p99 ms |\n|---|---|---|---|---|")
     for key in ("ttft_s", "tpot_s", "itl_s", "e2e_s"):
         print(f"| {key[:-2].upper()} | {_ms(m[key], 'mean', 'median', 'p90', 'p99').replace('/', ' | ')} |")
