@@ -499,8 +499,8 @@ def test_bench_cli_runs_throughput_and_stream_end_to_end(tmp_path, capsys):
 
 
 def test_bench_cli_errors_are_one_line(tmp_path, capsys):
-    assert main(["bench", "--presets", "tiny", "--device", "cpu"]) == 2  # decode-heavy 128 + 2048 > 128
-    assert "does not fit a model context of 128 tokens" in capsys.readouterr().err
+    assert main(["bench", "--presets", "tiny", "--device", "cpu", "--prompt-len", "200"]) == 2  # 200 + 1 > 128
+    assert "does not fit a model context of 128 tokens with --prompt-len 200" in capsys.readouterr().err
     assert main(["bench", "--presets", "tiny", "--device", "cpu", "--prompt-len", "100", "--gen-len", "100"]) == 2
     assert "exceed the model context of 128" in capsys.readouterr().err
     assert main(["bench", "--presets", "tiny", "--batch-sizes", "0", "--prompt-len", "4", "--gen-len", "4"]) == 2
@@ -520,6 +520,9 @@ def test_pareto_plot_from_records(tmp_path):
     for out in (tmp_path / "p.xyz", tmp_path / "p", tmp_path):  # matplotlib would refuse, or write p.png
         assert main(["bench", "--plot", str(out), "--record", str(record)]) == 2
     assert not (tmp_path / "p.xyz").exists() and not (tmp_path / "p.png.png").exists()
+    edited = tmp_path / "edited.jsonl"  # a loss written as text by hand: one line, not a TypeError
+    edited.write_text("\n".join(map(json.dumps, [*rows, {**rows[0], "name": "c", "val_loss": "NaN"}])))
+    assert main(["bench", "--plot", str(tmp_path / "e.png"), "--record", str(edited)]) == 2
 
 
 @pytest.mark.parametrize("name,options", [
@@ -704,9 +707,9 @@ def test_the_paper_scenarios_are_shortened_to_fit_the_model_context():
     block = build_model(from_name("block-5m"))
     assert scenario_lengths("decode-heavy", [vanilla]) == (128, 1920)
     assert scenario_lengths("prefill-heavy", [vanilla, block]) == (1920, 128)
-    tiny = build_model(from_name("tiny"))
-    with pytest.raises(BlockloopError, match="does not fit a model context of 128 tokens; give --prompt-len"):
-        scenario_lengths("decode-heavy", [tiny])
+    tiny = build_model(from_name("tiny"))  # a context of 128: the paper's 128-token part cannot stay whole
+    assert scenario_lengths("decode-heavy", [tiny]) == (7, 121)  # 128 x 128 / 2176 = 7.5
+    assert scenario_lengths("prefill-heavy", [tiny, build_model(from_name("tiny-block"))]) == (120, 8)  # whole blocks
     # A given length is kept; only the paper's other one gives way (it used to refuse, or shorten the given one).
     assert scenario_lengths("decode-heavy", [tiny], prompt_len=8) == (8, 120)
     assert scenario_lengths("decode-heavy", [vanilla], gen_len=100) == (128, 100)

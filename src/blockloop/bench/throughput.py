@@ -33,7 +33,7 @@ SCENARIOS = {"prefill-heavy": (2048, 128), "decode-heavy": (128, 2048)}
 def scenario_lengths(scenario: str, models: list[nn.Module], *, prompt_len: int | None = None,
                      gen_len: int | None = None) -> tuple[int, int]:
     """The paper's (prompt, generated) lengths of ``scenario`` in place of those not given, the longer of those
-    shortened to fit every model; given lengths are kept as they are (:func:`check_lengths` refuses them if they
+    shortened to fit every model (both, in proportion, where that alone cannot fit); given lengths are kept as they are (:func:`check_lengths` refuses them if they
     cannot fit).
 
     Both of the paper's scenarios add up to 2176 tokens, one block of 128 past the 2048-token context of its
@@ -48,6 +48,10 @@ def scenario_lengths(scenario: str, models: list[nn.Module], *, prompt_len: int 
         prompt = (prompt - over) // multiple * multiple
     elif over > 0 and gen_len is None:
         gen -= over
+    if (prompt < 1 or gen < 1) and prompt_len is None and gen_len is None:
+        # a context hardly longer than the short part (a tiny model's): both give way, in the scenario's proportion
+        prompt = max(multiple, room * paper_prompt // (paper_prompt + paper_gen) // multiple * multiple)
+        gen = room - prompt
     if prompt < 1 or gen < 1:
         given = "".join(f" with {flag} {value}" for flag, value in (("--prompt-len", prompt_len), ("--gen-len", gen_len))
                         if value is not None)
