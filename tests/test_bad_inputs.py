@@ -22,6 +22,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from blockloop.cli import EXIT_USER_ERROR, main
+from blockloop.errors import BlockloopError
 
 TINY = ["--preset", "tiny", "--batch-size", "2", "--seq-len", "32", "--warmup-steps", "1", "--log-interval", "1",
         "--eval-interval", "100", "--eval-batches", "1", "--device", "cpu", "--no-progress"]
@@ -500,6 +501,17 @@ def test_os_errors_are_one_line_naming_the_path_and_debug_shows_the_traceback(mo
     monkeypatch.setenv("BLOCKLOOP_DEBUG", "1")
     with pytest.raises(OSError):
         main(["presets"])
+
+
+def test_debug_after_a_nested_verb_shows_the_traceback_and_before_it_still_does(tmp_path, capsys):
+    """``tasks make ... --debug`` as README says of every command, not only ``tasks --debug make ...``."""
+    out = str(tmp_path / "t")
+    assert main(["tasks", "make", "no-such-task", "--out", out]) == EXIT_USER_ERROR
+    capsys.readouterr()
+    for argv in (["tasks", "make", "no-such-task", "--out", out, "--debug"],
+                 ["tasks", "--debug", "make", "no-such-task", "--out", out]):
+        with pytest.raises(BlockloopError, match="no-such-task"):
+            main(argv)
 
 
 @pytest.mark.parametrize("home", ["/proc/no-such-home", "/dev/null"])

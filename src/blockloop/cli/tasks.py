@@ -16,7 +16,7 @@ share = number(0, 1, low_open=True, high_open=True)  # of an imported file's seq
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     verbs = p.add_subparsers(dest="tasks_command", required=True, metavar="VERB")
-    verbs.add_parser("list", help="the task names, default sizes and descriptions")
+    listing = verbs.add_parser("list", help="the task names, default sizes and descriptions")
     m = verbs.add_parser("make", help="generate a task and write its splits to --out")
     m.add_argument("name", help="task name (see `blockloop tasks list`)")
     m.add_argument("--out", required=True, type=nonempty, help="directory to create (must not exist, or be empty)")
@@ -36,6 +36,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     i.add_argument("--test-fraction", type=share, default=0.1, help="share of DATA's sequences for test (default: 0.1)")
     i.add_argument("--vocab-from", metavar="TASK_DIR",
                    help="reuse an imported task's vocabulary (new evaluation data for a trained model)")
+    for verb in (listing, m, i):  # --debug after any command, as every other verb takes it; unset, the parser's holds
+        verb.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
+                          help="show the full traceback of any error (or BLOCKLOOP_DEBUG=1)")
 
 
 def run(args: argparse.Namespace) -> int:
