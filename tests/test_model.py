@@ -207,3 +207,15 @@ def test_cuda_bf16_cached_decode_matches_the_full_forward():
             pieces.append(model(idx[:, t : t + 1], step=StepContext(cache, torch.tensor([t], device="cuda")))[0])
     cached = torch.cat(pieces, 1).float()
     assert ((cached - full.float()).norm() / full.float().norm()).item() < 2e-2
+
+
+def test_model_files_saved_into_a_new_folder_load_back_exactly(tmp_path):
+    """The library's save (README, Library) makes its folder, as torch.save's callers and save_pretrained expect."""
+    from blockloop.train.checkpoint import load_checkpoint_config, load_model_state, save_model_files
+
+    model = build_model(from_name("tiny"))
+    folder = tmp_path / "not" / "yet"
+    save_model_files(folder, model, model.config)
+    copy = build_model(load_checkpoint_config(folder))
+    load_model_state(folder, copy)
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), copy.state_dict().values()))

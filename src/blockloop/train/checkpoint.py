@@ -224,6 +224,7 @@ def save_model_files(
         name: (t.to(dtype) if dtype is not None and t.is_floating_point() else t).detach().cpu().contiguous()
         for name, t in state_dict.items() if name not in tied
     }
+    directory.mkdir(parents=True, exist_ok=True)  # as torch.save or save_pretrained would: a new folder is fine
     save_config(config, directory / "config.json")
     save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})
 
