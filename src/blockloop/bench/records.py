@@ -229,7 +229,8 @@ def plot_pareto(records: list[dict[str, Any]], out: Path) -> int:
             missing = sorted({"name", "prompt_len", "gen_len", "tok_s"} - set(r))
             if missing:
                 raise BlockloopError(f"a recorded throughput run lacks {', '.join(missing)}; the --record file was edited")
-            numbers = [field for field in ("tok_s", "val_loss") if isinstance(r[field], bool) or not isinstance(r[field], int | float)]
+            numbers = [field for field in ("tok_s", "val_loss")
+                       if isinstance(r[field], bool) or not isinstance(r[field], int | float)]
             if numbers:
                 raise BlockloopError(f"a recorded throughput run's {', '.join(numbers)} is not a number; the --record "
                                      "file was edited")

@@ -33,8 +33,8 @@ SCENARIOS = {"prefill-heavy": (2048, 128), "decode-heavy": (128, 2048)}
 def scenario_lengths(scenario: str, models: list[nn.Module], *, prompt_len: int | None = None,
                      gen_len: int | None = None) -> tuple[int, int]:
     """The paper's (prompt, generated) lengths of ``scenario`` in place of those not given, the longer of those
-    shortened to fit every model (both, in proportion, where that alone cannot fit); given lengths are kept as they are (:func:`check_lengths` refuses them if they
-    cannot fit).
+    shortened to fit every model (both, in proportion, where that alone cannot fit); given lengths are kept as they
+    are (:func:`check_lengths` refuses them if they cannot fit).
 
     Both of the paper's scenarios add up to 2176 tokens, one block of 128 past the 2048-token context of its
     own models; the engine keeps every token of a request in its cache, so the long part gives way.
