@@ -109,7 +109,8 @@ def test_given_split_files_and_a_reused_vocabulary(tmp_path):
         ([{"tokens": ["END"], "labels": [None]}], "'END' is reserved"),
         ([{"tokens": ["\ud800"], "labels": [None]}], "is not valid UTF-8 text"),  # JSON's escape of a lone surrogate
         ([{"tokens": [1.5], "labels": [None]}], "1.5 is not a string or a whole number"),
-        ([{"tokens": ["a"], "labels": ["p0"]}] * 2, "holds 2 sequences, too few for train, valid and test splits"),
+        ([{"tokens": ["a"], "labels": ["p0"]}] * 2,
+         r"holds 2 sequences: valid takes 1 \(--valid-fraction 0.1\) and test 1 \(--test-fraction 0.1\), leaving none"),
     ],
 )
 def test_import_errors_name_the_problem(tmp_path, lines, match):
@@ -127,6 +128,17 @@ def test_import_names_a_line_that_is_not_utf8(tmp_path):
     assert not (tmp_path / "out").exists()
 
 
+def test_import_skips_a_byte_order_mark(tmp_path):
+    """Some editors start a UTF-8 file with a byte-order mark, which JSON does not allow."""
+    plain = tmp_path / "plain.jsonl"
+    write_jsonl(plain, parity_sequences(20))
+    data = tmp_path / "data.jsonl"
+    data.write_bytes("\ufeff".encode() + plain.read_bytes())
+    marked, plain = (load_task(import_task(path, tmp_path / path.stem)) for path in (data, plain))
+    assert marked.vocab.words == plain.vocab.words
+    assert all(np.array_equal(marked.splits[s].inputs, plain.splits[s].inputs) for s in ("train", "valid", "test"))
+
+
 def test_import_refuses_bad_choices(tmp_path):
     data = write_jsonl(tmp_path / "data.jsonl", parity_sequences(20))
     unlabelled = write_jsonl(tmp_path / "none.jsonl", [{"tokens": ["a"], "labels": [None]}])
@@ -135,6 +147,11 @@ def test_import_refuses_bad_choices(tmp_path):
         (dict(valid=data), "give both --valid and --test"),
         (dict(valid_fraction=1.5), "--valid-fraction must be between 0 and 1"),
         (dict(valid_fraction=0.6, test_fraction=0.6), "leave nothing to train on; keep their sum below 1"),
+        # Sums below 1 that still round every sequence into valid and test blame the fractions, not the file.
+        (dict(valid_fraction=0.5, test_fraction=0.49), r"valid takes 10 \(--valid-fraction 0.5\) and test 10"),
+        (dict(valid=data, test=data, seed=3), "--seed draw the splits from DATA, but --valid and --test give them"),
+        (dict(valid=data, test=data, valid_fraction=0.2, test_fraction=0.2),
+         "--valid-fraction and --test-fraction draw the splits"),
         (dict(valid=data, test=unlabelled), r"the test split \(.*none.jsonl\) has no labelled positions"),
     ]
     for kwargs, match in cases:

@@ -283,6 +283,10 @@ def test_cli_tasks_list_and_make(tmp_path, capsys):
         (["tasks", "make", "random-walk", "--out", "{tmp}/x", "--sizes", "10,a,1"], "--sizes expects"),
         (["tasks", "make", "random-walk", "--out", "{tmp}/x", "--seed", "-1", "--sizes", "1,1,1"], "--seed: must be an integer >= 0"),
         (["tasks", "make", "random-walk", "--out", "{tmp}"], "not empty"),
+        (["tasks", "make", "random-walk", "--out", "{tmp}/occupied"], "occupied is a file, not a folder"),
+        # The first statement of a program always assigns, so one-statement programs never print: nothing to learn.
+        (["tasks", "make", "algorithm-3:1", "--out", "{tmp}/x", "--sizes", "3,2,2"],
+         "task algorithm-3:1 (seed 0) drew no labelled position in its train split of 3; give longer sequences"),
     ],
 )
 def test_cli_tasks_errors_are_one_line(tmp_path, capsys, argv, match):

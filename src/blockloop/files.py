@@ -129,7 +129,9 @@ def check_new_folder(target: Path | str) -> Path:
     """``target`` as a Path, refused if something is there already other than an empty folder: a result written
     whole never merges with, or writes over, what a user put there."""
     target = Path(target)
-    if target.exists() and (not target.is_dir() or any(target.iterdir())):
+    if target.exists() and not target.is_dir():
+        raise BlockloopError(f"{target} is a file, not a folder; choose a new folder name")
+    if target.exists() and any(target.iterdir()):
         raise BlockloopError(f"{target} already exists and is not empty; choose another directory or delete it")
     return target
 

@@ -31,9 +31,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     i.add_argument("--name", type=nonempty, help="the task's name, recorded by runs (default: the --out directory's name)")
     i.add_argument("--valid", help="a file of validation sequences (with --test; default: drawn from DATA)")
     i.add_argument("--test", help="a file of test sequences (with --valid)")
-    i.add_argument("--seed", type=nonnegative_int, default=0, help="seed of the split drawn from DATA (default: 0)")
-    i.add_argument("--valid-fraction", type=share, default=0.1, help="share of DATA's sequences for valid (default: 0.1)")
-    i.add_argument("--test-fraction", type=share, default=0.1, help="share of DATA's sequences for test (default: 0.1)")
+    i.add_argument("--seed", type=nonnegative_int, help="seed of the split drawn from DATA (default: 0)")
+    i.add_argument("--valid-fraction", type=share, help="share of DATA's sequences for valid (default: 0.1)")
+    i.add_argument("--test-fraction", type=share, help="share of DATA's sequences for test (default: 0.1)")
     i.add_argument("--vocab-from", metavar="TASK_DIR",
                    help="reuse an imported task's vocabulary (new evaluation data for a trained model)")
     for verb in (listing, m, i):  # --debug after any command, as every other verb takes it; unset, the parser's holds

@@ -92,6 +92,11 @@ def write_task(
     bar = progress.bar(total=sum(sizes), desc=f"generating {task.name}", unit="seq", delay=1.0, disable=not show_progress)
     with bar:
         streams = generate_splits(task, seed=seed, sizes=sizes, progress=bar.update)
+    for split, stream in streams.items():  # a split that asks nothing would train and score on nothing
+        if not (stream.labels != IGNORE_INDEX).any():
+            raise BlockloopError(f"task {task.name} (seed {seed}) drew no labelled position in its {split} split of "
+                                 f"{sizes[SPLITS.index(split)]}; give longer sequences ({task.name.partition(':')[0]}:N) "
+                                 "or larger --sizes")
     meta = {"task": task.name, "description": task.description, "seed": seed, "sizes": dict(zip(SPLITS, sizes)),
             "details": task.details}
     return write_splits(out_dir, streams, task.vocab, meta)

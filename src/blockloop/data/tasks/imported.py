@@ -47,8 +47,8 @@ def read_sequences(path: Path) -> list[ParsedSequence]:
     sequences = []
     with path.open("rb") as handle:  # decoded line by line, so a byte that is not UTF-8 is named by its line
         for number, raw in enumerate(handle, start=1):
-            try:
-                line = raw.decode("utf-8")
+            try:  # a byte-order mark, as some editors write first, is not part of the JSON
+                line = raw.decode("utf-8-sig" if number == 1 else "utf-8")
             except UnicodeDecodeError as exc:
                 raise BlockloopError(f"{path}:{number}: not UTF-8 text (byte {exc.start} of the line); "
                                      "save the file as UTF-8") from None
@@ -107,8 +107,9 @@ def split_sequences(
     n_valid, n_test = (max(1, round(n * fraction)) for fraction in (valid_fraction, test_fraction))
     if n - n_valid - n_test < 1:
         raise BlockloopError(
-            f"{source} holds {n} sequences, too few for train, valid and test splits; add sequences or give "
-            "--valid and --test files"
+            f"{source} holds {n} sequences: valid takes {n_valid} (--valid-fraction {valid_fraction:g}) and test "
+            f"{n_test} (--test-fraction {test_fraction:g}), leaving none to train on; lower the fractions, add "
+            "sequences or give --valid and --test files"
         )
     order = np.random.default_rng(seed).permutation(n)
     chosen = {"valid": order[:n_valid], "test": order[n_valid : n_valid + n_test], "train": order[n_valid + n_test :]}
@@ -152,16 +153,17 @@ def import_task(
     name: str | None = None,
     valid: Path | str | None = None,
     test: Path | str | None = None,
-    seed: int = 0,
-    valid_fraction: float = 0.1,
-    test_fraction: float = 0.1,
+    seed: int | None = None,
+    valid_fraction: float | None = None,
+    test_fraction: float | None = None,
     vocab_from: Path | str | None = None,
 ) -> Path:
     """Write the sequences of ``data`` (JSON lines, see the module docstring) as a task directory ``out_dir``.
 
     With ``valid`` and ``test`` files, ``data`` is the train split; without them the three splits are drawn
-    from ``data`` by :func:`split_sequences`. ``name`` (default: the directory's name) is what runs record;
-    it may not be a built-in task's. ``vocab_from`` reuses the vocabulary of a task directory.
+    from ``data`` by :func:`split_sequences` with ``seed`` (default 0) and the fractions (default 0.1 each),
+    which are refused next to the files rather than ignored. ``name`` (default: the directory's name) is what
+    runs record; it may not be a built-in task's. ``vocab_from`` reuses the vocabulary of a task directory.
     """
     out_dir = check_new_folder(out_dir)
     name = name or out_dir.name
@@ -169,6 +171,13 @@ def import_task(
         raise BlockloopError(f"task name {name!r} is empty, holds whitespace or is a built-in task's; choose another with --name")
     if (valid is None) != (test is None):
         raise BlockloopError("give both --valid and --test files (DATA is then the train split), or neither")
+    drawing = {"--seed": seed, "--valid-fraction": valid_fraction, "--test-fraction": test_fraction}
+    if valid is not None and any(value is not None for value in drawing.values()):
+        given = " and ".join(flag for flag, value in drawing.items() if value is not None)
+        raise BlockloopError(f"{given} draw the splits from DATA, but --valid and --test give them; drop one or the other")
+    seed = 0 if seed is None else seed
+    valid_fraction = 0.1 if valid_fraction is None else valid_fraction
+    test_fraction = 0.1 if test_fraction is None else test_fraction
     if seed < 0:
         raise BlockloopError(f"seed must be zero or positive, got {seed}")
     data = Path(data)
