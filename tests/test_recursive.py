@@ -378,7 +378,8 @@ def test_flops_count_the_looped_depth(capsys):
     config = from_name("tiny-recursive", loops=3)
     assert spec_of(config).training_flops(config, 64) == spec_of(config.stack(3)).training_flops(config.stack(3), 64)
     assert main(["flops", "--preset", "tiny-recursive"]) == 0
-    assert "2-layer looped depth" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "2-layer looped depth" in out and "recursive (tiny-recursive)" in out  # named as itself, not "decoder"
 
 
 def test_a_config_json_written_before_the_unread_weight_refusals_still_loads():

@@ -73,14 +73,14 @@ def flops_report(
         raise BlockloopError(f"--seq-len {T} is not a multiple of the {spec.sequence_unit} {unit}")
     if spec.unrolled is None and spec.paper_training_flops is None:
         return _own_count_report(preset, config, T, out_len, bytes_per_value, measure)
-    note = None
+    note, family = None, config.family  # a looped model is counted as its unrolled decoder, but named as itself
     if spec.unrolled is not None:
         config, looped = spec.unrolled(config), config
         note = f"{preset}: {looped.summary()}; FLOPs and KV cache are those of its {config.n_layer}-layer looped depth"
     baseline = config.stack(config.n_layer)
     rows = [("model", "paper formula FLOPs/token", "config FLOPs/token", "measured FLOPs/token", f"KV cache T={T}+{out_len}",
              "serving state per slot")]
-    for label, c in ((f"{config.family} ({preset})", config), ("decoder-only, same width/depth", baseline)):
+    for label, c in ((f"{family} ({preset})", config), ("decoder-only, same width/depth", baseline)):
         s = spec_of(c)
         paper = s.paper_training_flops(*s.paper_lengths(c, T)[:1], c.d_model, c.n_layer, *s.paper_lengths(c, T)[1:]) / T
         measured = "-"
