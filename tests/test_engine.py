@@ -495,7 +495,14 @@ def test_bench_cli_runs_throughput_and_stream_end_to_end(tmp_path, capsys):
     assert sequence_wise["requests"] == 5 and 10 <= sequence_wise["output_tokens"] <= 30
     assert depth_wise["output_tokens"] == sequence_wise["output_tokens"]
     assert depth_wise["agreement_vs_no_exit"] == 1.0 and depth_wise["mean_exit_loop"] == 2.0
-    assert "| tiny-recursive depth-wise exit none:0 | 2 |" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "| tiny-recursive depth-wise exit none:0 | 2 |" in out
+    # The stream runs the engine as `serve` does (on CPU every step reaches the host), so short requests get a TPOT.
+    assert sequence_wise["sync_every"] == 1 and sequence_wise["tpot_s"]["median"] > 0 and "(--sync-every)" not in out
+    assert main(["bench", "--stream", "--presets", "tiny", "--requests", "3", "--slots", "2", "--prompt-range", "4,9",
+                 "--tokens-range", "2,6", "--sync-every", "8", *common]) == 0
+    assert json.loads(record.read_text().splitlines()[-1])["sync_every"] == 8
+    assert "tokens reach the host every 8 steps (--sync-every)" in capsys.readouterr().out
 
 
 def test_bench_cli_errors_are_one_line(tmp_path, capsys):

@@ -93,7 +93,7 @@ def check_stream_fits(name: str, runner: Runner, prompts: list[list[int]], min_t
 
 def run_stream(
     served: nn.Module | Runner, prompts: list[list[int]], *, n_slots: int, min_tokens: int, max_tokens: int,
-    rate: float = float("inf"), sync_every: int = 8, seed: int = 0, compile: bool = False, key_buckets: int = KEY_BUCKETS,
+    rate: float = float("inf"), sync_every: int | None = None, seed: int = 0, compile: bool = False, key_buckets: int = KEY_BUCKETS,
 ) -> dict[str, Any]:
     """Serve ``prompts`` arriving at ``rate`` requests/s (inf: all at t=0); metrics of the whole stream,
     and each request's ``outputs`` (in submission order). ``served`` is a model or its runner (a recursive
@@ -131,7 +131,7 @@ def run_stream(
                 if speculator is not None:
                     rounds[request.id] = speculator.rounds_of(request.slot, len(request.prompt), decoded)
     metrics = serving_metrics([Timing(r.arrival_time, r.token_times) for r in requests])
-    metrics.update(n_slots=n_slots, rate=rate, steps=engine.steps)
+    metrics.update(n_slots=n_slots, rate=rate, steps=engine.steps, sync_every=engine.sync_every)
     if depthwise:
         metrics["mean_exit_loop"] = runner.mean_exit_loop()
         metrics["exit_trajectories"] = [trajectories[r.id] for r in requests]

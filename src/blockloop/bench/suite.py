@@ -199,7 +199,7 @@ class StreamSettings:
     tokens_range: tuple[int, int] = (16, 64)
     rate: float = float("inf")  # Poisson arrivals per second; inf = a fixed queue
     corpus: str = "shakespeare"
-    sync_every: int = 16
+    sync_every: int | None = None  # the engine's default for the device, as `serve` runs
     compile: bool = False
     key_buckets: int = KEY_BUCKETS  # compiled: one graph per row count and per key length, all before the stream
     seed: int = 0

@@ -61,7 +61,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     t.add_argument("--max-batch", type=positive_int, help="upper bound for --search (default: 4096)")
     t.add_argument("--repeats", type=positive_int, help="timed runs per batch size (default: 3)")
     t.add_argument("--warmup", type=nonnegative_int, help="untimed runs first (default: 1)")
-    t.add_argument("--sync-every", type=positive_int, help="decode steps between host syncs (default: 16)")
+    t.add_argument("--sync-every", type=positive_int,
+                   help="decode steps between host syncs (default: 16 for the throughput protocol; --stream: the "
+                        "engine's, as `serve` runs it: 1 on CPU, 8 on an accelerator)")
     t.add_argument("--hf", action="store_true", help="also time HF generate() on the first (vanilla) model")
     t.add_argument("--whole-keys", action="store_true",
                    help="also time each model with every step reading its whole static cache (--key-buckets 0): "
@@ -146,7 +148,7 @@ STREAM = {"requests": 64, "rate": math.inf, "prompt_range": (16, 64), "tokens_ra
 ENGINE_STREAM = {"slots": 16, "draft_loops": 1, "exit": [], "speculate": [], "adaptive_k": False}
 # The flags of the engine blockloop runs here (not --url's server), and their defaults.
 LOCAL = {"presets": None, "checkpoint": [], "device": "auto", "dtype": "auto", "compile": False, "threads": None,
-         "no_pack": False, "sync_every": 16, "key_buckets": KEY_BUCKETS}
+         "no_pack": False, "sync_every": None, "key_buckets": KEY_BUCKETS}
 
 
 def _settle_modes(args: argparse.Namespace) -> None:
@@ -200,7 +202,8 @@ def _throughput(args: argparse.Namespace, models: list, device: Any) -> list[dic
             raise BlockloopError(f"--hf times HF generate() on the first model, {models[0].name}: {exc}") from None
     settings = ThroughputSettings(
         prompt_len, gen_len, args.batch_sizes,
-        repeats=args.repeats, warmup=args.warmup, sync_every=args.sync_every, compile=args.compile,
+        repeats=args.repeats, warmup=args.warmup, sync_every=args.sync_every or ThroughputSettings.sync_every,
+        compile=args.compile,
         search=args.search, max_batch=args.max_batch, seed=args.seed, hf=args.hf and hf_missing is None,
         caches=("static", *(["whole-keys"] if args.whole_keys else []), *(["paged"] if args.paged else [])),
         key_buckets=args.key_buckets,
@@ -251,9 +254,10 @@ def _stream(args: argparse.Namespace, models: list) -> list[dict[str, Any]]:
               f"{same} | {_ms(m['ttft_s'], 'median', 'p90', 'p99')} | {_ms(m['tpot_s'], 'median', 'p90', 'p99')} | "
               f"{_ms(m['itl_s'], 'median', 'p99')} | {_ms(m['e2e_s'], 'median', 'p99')} | {loops} | {agree} | {kept} | "
               f"{per_pass} |")
-    if args.tokens_range[0] <= args.sync_every:
-        print(f"note: tokens reach the host every --sync-every {args.sync_every} steps, so a request that finishes "
-              "within one window reads a TPOT and ITL of 0; lower --sync-every to resolve short requests")
+    window = max((r.get("sync_every", 0) for r in rows), default=0)  # the engine's, when --sync-every was left alone
+    if args.tokens_range[0] <= window:
+        print(f"note: tokens reach the host every {window} steps (--sync-every), so a request that finishes within "
+              "one window reads a TPOT and ITL of 0; lower --sync-every to resolve short requests")
     simulated = [r for r in rows if "simulated" in r]
     if simulated:
         print(f"\nsimulated schedules of the recorded exits ({args.slots} slots, steps = block passes over the batch; "
