@@ -57,6 +57,9 @@ def base(tmp_path_factory):
     variant("state_seq_len", lambda d: _edit_json(d / "train_state.json", lambda s: {
         **s, "train_config": {**s["train_config"], "seq_len": "abc"}}))
     variant("state_step", lambda d: _edit_json(d / "train_state.json", lambda s: {**s, "step": "x"}))
+    variant("state_tokens", lambda d: _edit_json(d / "train_state.json", lambda s: {**s, "tokens": -3}))
+    variant("state_old_shape", lambda d: _edit_json(d / "train_state.json", lambda s: {  # before tokens were saved
+        **{k: v for k, v in s.items() if k != "tokens"}, "train_config": {**s["train_config"], "batch_size": 0}}))
     variant("state_data", lambda d: _edit_json(d / "train_state.json", lambda s: {**s, "run": {**s["run"], "data": 5}}))
     variant("rng_keys", lambda d: save_file({"state": torch.zeros(3)}, str(d / "rng_rank0.safetensors")))
     variant("optimizer_groups", lambda d: _edit_json(d / "optimizer.json", lambda o: {**o, "param_groups": o["param_groups"][:1]}))
@@ -180,6 +183,10 @@ CASES = [
     (["train", "--init-from", "{base}/state_list", "--steps", "1", "--out", NEW], "train_state.json is not an object"),
     (["train", "--init-from", "{base}/state_data", "--steps", "1", "--out", NEW], "run.data must be a string, got 5"),
     (["train", "--resume", "--out", "{base}/state_epoch"], "data must hold the non-negative integers epoch and index"),
+    (["train", "--resume", "--out", "{base}/state_tokens"],
+     "step_0000004/train_state.json: tokens must be a non-negative integer, got -3"),
+    (["train", "--resume", "--out", "{base}/state_old_shape"],
+     "step_0000004/train_state.json: the saved batch shape [0, 1, 32, 1] is not positive integers"),
     (["train", "--resume", "--out", "{base}/latest_escape"], "not a checkpoint directory inside {base}/latest_escape"),
     (["train", "--resume", "--steps", "0", "--out", R], "--steps: must be an integer >= 1"),
     # eval

@@ -462,23 +462,25 @@ def read_train_state(directory: Path) -> dict[str, Any]:
     if bad:
         raise BlockloopError(f"{path}: data must hold the non-negative integers epoch and index, got {data!r}; the "
                              "checkpoint is corrupt: use an earlier one")
+    if "tokens" in state and not _is_count(state["tokens"]):
+        raise BlockloopError(f"{path}: tokens must be a non-negative integer, got {state['tokens']!r}; the checkpoint "
+                             "is corrupt: use an earlier one")
+    if "tokens" not in state and not all(_is_count(n, least=1) for n in _batch_shape(state)):
+        raise BlockloopError(f"{path}: the saved batch shape {_batch_shape(state)} is not positive integers; the "
+                             "checkpoint is corrupt: use an earlier one")
     return state
 
 
 def tokens_trained(state: dict[str, Any]) -> int:
     """The tokens a run has trained on, from a checkpoint's train state (:func:`read_train_state`): saved since
     runs could change their batch shape on resume; for an older checkpoint, its steps times its own step size."""
-    if "tokens" in state:
-        if not _is_count(state["tokens"]):
-            raise BlockloopError(f"train_state.json: tokens must be a non-negative integer, got {state['tokens']!r}; "
-                                 "the checkpoint is corrupt: use an earlier one")
-        return state["tokens"]
+    return state["tokens"] if "tokens" in state else state["step"] * math.prod(_batch_shape(state))
+
+
+def _batch_shape(state: dict[str, Any]) -> list[Any]:
+    """Batch size, accumulation, window and world size of a train state, as saved (1 where not saved)."""
     config = state["train_config"]
-    shape = [config.get(key, 1) for key in ("batch_size", "grad_accum", "seq_len")] + [state.get("world_size", 1)]
-    if not all(_is_count(n, least=1) for n in shape):
-        raise BlockloopError(f"train_state.json: the saved batch shape {shape} is not positive integers; the "
-                             "checkpoint is corrupt: use an earlier one")
-    return state["step"] * math.prod(shape)
+    return [config.get(key, 1) for key in ("batch_size", "grad_accum", "seq_len")] + [state.get("world_size", 1)]
 
 
 def _write_json(path: Path, data: Any) -> None:
