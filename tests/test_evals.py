@@ -421,6 +421,7 @@ def test_tasks_scored_one_command_at_a_time_all_stay_in_the_checkpoints_results(
     (["--tasks", "piqa", "--loops", "2"], "no loops"),
     (["--loops", "2"], "--loops does not apply to the loss evaluation; add --tasks"),
     (["--shots", "3", "--limit", "5"], "--shots, --limit do not apply to the loss evaluation"),
+    (["--no-pack"], "--no-pack does not apply to the loss evaluation; add --tasks"),  # only scoring packs weights
     (["--tasks", "copa", "--data", "kjv", "--max-batches", "1"], "--data, --max-batches do not apply to --tasks"),
     (["--tasks", "all,copa"], "give all alone"),
     (["--tasks", "copa,piqa,copa"], "names copa more than once"),

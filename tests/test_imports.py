@@ -25,7 +25,8 @@ FORBIDDEN = {
     "serve": ("train", "convert", "bench", "cli", "demo"),
     "train": ("serve", "bench", "cli", "demo"),
     "convert": ("serve", "bench", "cli", "demo"),
-    "bench": ("cli", "demo"),
+    "bench": ("evals", "cli", "demo"),
+    "evals": ("cli", "demo"),
 }
 
 

@@ -1,4 +1,4 @@
-"""``make demo`` / ``blockloop demo``: every model family trained briefly on Shakespeare, side by side.
+"""``make demo`` / ``blockloop demo``: five model families trained briefly on Shakespeare, side by side.
 
 Each family is one :class:`DemoEntry`; the demo trains it on CPU-sized settings with the shared trainer,
 then reports parameters, validation loss before and after, and generation speed through the same

@@ -1,4 +1,4 @@
-"""``blockloop demo``: every family trained briefly on Shakespeare and compared (:mod:`blockloop.demo`)."""
+"""``blockloop demo``: five families trained briefly on Shakespeare and compared (:mod:`blockloop.demo`)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,8 @@ from pathlib import Path
 
 from blockloop.cli.common import add_device, add_no_progress, nonempty, positive_int
 
-HELP = "train every model family briefly on Shakespeare and compare them (CPU, minutes)"
+HELP = ("train five model families (vanilla, block, double decoder, recursive, staircase) briefly on Shakespeare "
+        "and compare them (CPU, minutes)")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

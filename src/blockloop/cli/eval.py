@@ -46,7 +46,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="what to score: lm or prefix_lm (the suffix after a breakpoint; default: the run's training objective)",
     )
     add_device(p)
-    add_no_pack(p)
     add_no_progress(p)
     p.add_argument("--json", action="store_true", help="print the metrics as one JSON object")
     p.add_argument(
@@ -61,6 +60,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     bench.add_argument("--limit", type=positive_int, help="score the first N questions of each task (default: all)")
     bench.add_argument("--seed", type=nonnegative_int, help="seed of the few-shot examples (default: 1234)")
     bench.add_argument("--loops", type=positive_int, metavar="K", help="looped models: score the static exit after loop K")
+    add_no_pack(bench)  # the scoring's short continuation passes pack; the loss evaluation's whole windows do not
     bench.add_argument("--out", metavar="FILE", type=nonempty,
                        help="write the results as JSON here (a folder: FOLDER/benchmarks.json; default: "
                             "CHECKPOINT/benchmarks.json); a file that holds anything but earlier results is refused")
@@ -78,7 +78,7 @@ def run(args: argparse.Namespace) -> int:
 
     if args.compare:
         unread = [name for name in ("checkpoint", "tasks", *LOSS_ONLY, *BENCHMARK_ONLY) if getattr(args, name) is not None]
-        unread += [name for name in ("per_loop", "json") if getattr(args, name)]
+        unread += [name for name in ("per_loop", "json", "no_pack") if getattr(args, name)]
         if unread:
             refuse_flags(unread, "--compare (it only reads the two stored results)")
         return compare(args.compare)
@@ -89,6 +89,7 @@ def run(args: argparse.Namespace) -> int:
     benchmark_mode = args.tasks is not None  # an empty list is a mistake, not a request for the loss evaluation
     ignored = LOSS_ONLY if benchmark_mode else BENCHMARK_ONLY
     given = [name for name in ignored if getattr(args, name) is not None]
+    given += ["no_pack"] if args.no_pack and not benchmark_mode else []  # the loss evaluation never packs weights
     if given and benchmark_mode:
         refuse_flags(given, "--tasks (the benchmarks bring their own data)")
     if given:

@@ -54,11 +54,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--task", metavar="NAME", type=nonempty,
         help="train on a labelled-position task instead of text (algorithm-3, algorithm-5, random-walk, or NAME:LENGTH "
-        "for shorter sequences); its vocabulary becomes the tokenizer and validation reports the task error",
+        "for shorter or longer sequences); its vocabulary becomes the tokenizer and validation reports the task error",
     )
     g.add_argument(
         "--task-dir", metavar="DIR", type=nonempty,
-        help="the task dataset to use, written by `blockloop tasks make` (default: generated with seed 0 into the cache)",
+        help="the task dataset to use, written by `blockloop tasks make` or `tasks import` (default, with --task: "
+        "generated with seed 0 into the cache)",
     )
     g.add_argument("--dropout", type=number(0, 1, high_open=True), help="dropout on embeddings, attention and residuals (default: preset's)")
     g.add_argument(
