@@ -134,4 +134,5 @@ SPEC = FamilySpec(
     paper_training_flops=paper_training_flops,
     paper_kv_bytes=paper_kv_bytes_of_decoder_layers,
     paper_lengths=window_lengths,
+    shard_per_layer=lambda config: False,  # the decoder layers' cross K/V are projected before they run
 )

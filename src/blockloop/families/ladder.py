@@ -90,6 +90,7 @@ SPEC = FamilySpec(
     presets=PRESETS,
     training_flops_per_token=training_flops_per_token,
     recurrent=lambda config: config.memory_len > 0,
+    shard_per_layer=lambda config: not config.memory_len,  # the memory's K/V come from each layer's projections
     core=lambda config: config.stack(),
     cost_note="the core once per step over the segment and its memory",
 )

@@ -46,6 +46,10 @@ def _stateless(config: ModelConfig) -> bool:
     return False
 
 
+def _always(config: ModelConfig) -> bool:
+    return True
+
+
 def _whole_window(config: ModelConfig, seq_len: int) -> tuple[int, ...]:
     return (seq_len,)
 
@@ -79,6 +83,10 @@ class FamilySpec:
       of the logits predicts ``idx[t + 1]``: a labelled-position task trains and scores its labels, and a
       teacher's next-token distribution lines up for distillation (False where the batch is rebuilt from the
       inputs: block targets, span corruption; such a family is refused for both rather than misaligned).
+    * ``shard_per_layer(config)``: ``--distributed fsdp`` may make each layer its own FSDP unit, gathered only
+      around the layer's forward. False where the model calls a layer's weights outside that forward (the
+      double decoder's and encoder-decoder's cross K/V projections, a recurrent core's K/V of carried states):
+      FSDP then shards the model as one unit, gathered around the whole forward.
     """
 
     name: str
@@ -102,6 +110,7 @@ class FamilySpec:
     pad_with_eos: bool = False
     scoring: str | None = None
     next_token_windows: bool = True
+    shard_per_layer: Callable[[Any], bool] = _always
 
     def __post_init__(self) -> None:
         # A family counted over whole windows (appendix A) has its per-token count derived, not restated.

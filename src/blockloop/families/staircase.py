@@ -188,6 +188,7 @@ SPEC = FamilySpec(
     sequence_multiple=lambda config: config.chunk_size,
     sequence_unit="chunk size",
     recurrent=lambda config: True,
+    shard_per_layer=lambda config: not config.cache_after,  # the cache's K/V come from each layer's projections
     core=lambda config: config.stack(),
     cost_note=("the core once per pass, full windows, cache/memory projections; a staircase's generation state is "
                "bounded by S and the cache"),

@@ -46,8 +46,11 @@ def init_distributed(device: str) -> DistInfo:
     return info
 
 
-def parallelize(model: nn.Module, strategy: str, info: DistInfo, device: torch.device) -> nn.Module:
-    """The model to train: itself alone, DDP-wrapped, or FSDP2-sharded per block."""
+def parallelize(
+    model: nn.Module, strategy: str, info: DistInfo, device: torch.device, *, per_layer: bool = True
+) -> nn.Module:
+    """The model to train: itself alone, DDP-wrapped, or FSDP2-sharded: per block when ``per_layer`` (the
+    family's ``shard_per_layer``: no layer weight is used outside its block's forward), else as one unit."""
     if not info.enabled:
         return model
     if strategy == "ddp":
@@ -58,7 +61,7 @@ def parallelize(model: nn.Module, strategy: str, info: DistInfo, device: torch.d
 
         from blockloop.models.decoder import Block
 
-        for block in [m for m in model.modules() if isinstance(m, Block)]:
+        for block in [m for m in model.modules() if isinstance(m, Block)] if per_layer else []:
             fully_shard(block)
         fully_shard(model)
         return model

@@ -91,7 +91,8 @@ class Trainer:
         self.autocast_dtype = torch.bfloat16 if bf16 else None
 
         self.model = model.to(self.device)
-        self.train_model = parallelize(self.model, config.distributed, dist_info, self.device)
+        self.train_model = parallelize(self.model, config.distributed, dist_info, self.device,
+                                       per_layer=spec.shard_per_layer(model_config))
         if dist_info.rank > 0:  # every rank built the same weights from one seed; its dropout masks are its own
             torch.manual_seed(config.seed + dist_info.rank)
         self.forward = torch.compile(self.train_model) if config.compile else self.train_model
