@@ -115,7 +115,7 @@ def test_bad_input_is_one_line_and_exit_code_2(tmp_path, capsys, argv, match):
 
 def test_errors_on_an_existing_run(trained_run, tmp_path, capsys):
     one_line_error(capsys, [*TINY_TRAIN, "--out", str(trained_run)], "already holds a run")
-    one_line_error(capsys, ["train", "--out", str(tmp_path / "empty"), "--resume"], "checkpoint not found")
+    one_line_error(capsys, ["train", "--out", str(tmp_path / "empty"), "--resume"], "empty holds no run to resume; drop --resume to start one there")
     one_line_error(
         capsys, ["generate", "--checkpoint", str(trained_run), "--prompt", "x" * 120, "--max-new-tokens", "20"],
         "exceeds the model context of 128",

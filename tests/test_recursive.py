@@ -335,6 +335,34 @@ def test_convert_uptrain_with_distillation_and_evaluate_per_loop(teacher_run, tm
     assert 1.0 <= metrics["mean_exit_loop"] <= 2.0
 
 
+def test_a_distilling_run_whose_pinned_teacher_is_gone_names_it_again_on_resume(teacher_run, tmp_path, capsys):
+    """The teacher's run keeps only its newest checkpoints: training it on removes the folder a student pinned,
+    and the student could not be resumed at all (the teacher was "not found", --distill-from refused)."""
+    import shutil
+
+    teacher = shutil.copytree(teacher_run, tmp_path / "teacher")
+    short = [*TRAIN, "--steps", "2", "--eval-interval", "2", "--ckpt-interval", "2"]
+    run = tmp_path / "student"
+    assert main(["train", "--preset", "tiny", "--distill-from", str(teacher), *short, "--out", str(run)]) == 0
+    moved = teacher.rename(tmp_path / "teacher-moved")
+    capsys.readouterr()
+    assert main(["train", "--resume", "--steps", "4", "--no-progress", "--out", str(run)]) == 2
+    err = capsys.readouterr().err
+    assert f"the teacher this run distils from, {teacher.resolve()}/checkpoints/step_0000016, is gone" in err
+    assert "train --resume --distill-from TEACHER_RUN" in err
+    assert main(["train", "--resume", "--steps", "4", "--no-progress", "--distill-from", str(moved), "--out", str(run)]) == 0
+    state = json.loads((run / "checkpoints" / "step_0000004" / "train_state.json").read_text())
+    assert state["train_config"]["extra"]["distill_from"] == str((moved / "checkpoints" / "step_0000016").resolve())
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert any(r.get("step") == 4 and "loss" in r for r in rows)  # the resumed steps trained
+    # a run that does not distill is not turned into one on resume
+    assert main(["train", "--resume", "--steps", "6", "--no-progress", "--distill-from", str(moved),
+                 "--out", str(teacher_run)]) == 2
+    assert "--resume continues the saved run; drop --distill-from" in capsys.readouterr().err
+    assert main(["train", "--resume", "--out", str(tmp_path / "nothing-here")]) == 2
+    assert "--out " + str(tmp_path / "nothing-here") + " holds no run to resume; drop --resume" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("argv, says", [
     (["--preset", "tiny-block"], "the student (block family) does not predict the next token at each position"),
     (["--preset", "tiny-encdec"], "the student (encoder_decoder family) does not predict the next token"),

@@ -81,7 +81,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     e = p.add_argument_group("distillation and early exit of looped models (RRT section 3.7, appendices L, M)")
     e.add_argument("--distill-from", metavar="RUN", type=nonempty,
                    help="add forward-KL distillation from this frozen teacher (e.g. the model a looped one was "
-                   "converted from); the teacher is never saved with the student")
+                   "converted from); the teacher is never saved with the student. With --resume: the distilling run's teacher "
+                   "named again, when its pinned checkpoint is gone")
     e.add_argument("--distill-weight", type=positive_float, help="weight of the KL term (default: 1.0)")
     e.add_argument("--early-exit", choices=EXIT_LOSSES,
                    help="train every loop's exit: weighted (alpha_i = i / sum i) or aggressive (intermediate loops "

@@ -8,6 +8,7 @@ and weight in ``TrainConfig.extra`` so ``--resume`` rebuilds the same hook.
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -45,6 +46,9 @@ def build_distillation(extra: dict[str, Any], student_config: Any, tokenizer: To
     from blockloop.families import spec_of
     from blockloop.train.run import load_trained
 
+    if not Path(source).exists():  # pinned when the run started; the teacher's run keeps only its newest checkpoints
+        raise BlockloopError(f"the teacher this run distils from, {source}, is gone (its run has trained on and removed "
+                             "it, or it moved); name the teacher again: train --resume --distill-from TEACHER_RUN")
     teacher = load_trained(source, str(device))
     for role, config in (("student", student_config), ("teacher", teacher.config)):
         if not spec_of(config).next_token_windows:

@@ -98,6 +98,8 @@ def plan_run(request: TrainRequest) -> RunPlan:
         raise BlockloopError(f"--out {r.out} is the checkpoints folder of the run {r.out.parent}, not a run folder; "
                              f"name its run, {r.out.parent}, instead")
     if r.resume:
+        if not r.out.exists():
+            raise BlockloopError(f"--out {r.out} holds no run to resume; drop --resume to start one there")
         directory = ckpt.resolve_checkpoint(r.out)
         state = ckpt.read_json(directory / "train_state.json")
         if isinstance(state, dict) and "converted_from" in state:  # every conversion and export says so
@@ -108,8 +110,10 @@ def plan_run(request: TrainRequest) -> RunPlan:
         named = (("preset", r.preset), ("data", r.data), ("tokenizer", r.tokenizer), ("task", r.task),
                  ("task_dir", r.task_dir), ("dropout", r.dropout), ("mup_base_width", r.mup_base_width))
         clashes = [name for name, value in named if value is not None] + (["set"] if r.model_overrides else [])
+        # A distilling run may name its teacher again: the checkpoint it pinned goes when the teacher's run trains on.
+        repin = "distill_from" in state["train_config"].get("extra", {}) and r.distill_from is not None
         exits = (("early_exit", r.early_exit.exit_loss), ("exit_coefficient", r.early_exit.exit_coefficient),
-                 ("exit_kd_weight", r.early_exit.exit_kd_weight), ("distill_from", r.distill_from),
+                 ("exit_kd_weight", r.early_exit.exit_kd_weight), ("distill_from", None if repin else r.distill_from),
                  ("distill_weight", r.distill_weight))
         clashes += [name for name, value in exits if value is not None]
         if clashes:
@@ -119,6 +123,8 @@ def plan_run(request: TrainRequest) -> RunPlan:
         # The flags passed argparse's checks, so a value refused here is the file's.
         config = from_fields(TrainConfig, {**state["train_config"], **r.train_overrides},
                              f"{directory / 'train_state.json'}: train_config")
+        if repin:
+            config.extra = {**config.extra, "distill_from": str(ckpt.resolve_checkpoint(Path(r.distill_from)).resolve())}
         return RunPlan(spec, source, config, r.out, True, r.early_exit, r.tokens)
     if r.out.exists() and not r.out.is_dir():
         raise BlockloopError(f"--out {r.out} is a file; name a directory for the run")
