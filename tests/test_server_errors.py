@@ -252,7 +252,7 @@ def test_a_request_admitted_in_this_window_is_not_counted_as_waiting(run):
 
 
 def test_serve_rejects_an_exit_rule_for_a_model_without_loops(run, capsys):
-    assert main(["serve", "--checkpoint", str(run), "--exit", "max_prob:0.9", "--device", "cpu"]) == 2
+    assert main(["serve", "--checkpoint", str(run), "--exit", "max_prob:0.9", "--device", "cpu", "--port", "0"]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "--exit applies to looped" in err
 
