@@ -220,6 +220,7 @@ def test_rank_zero_and_zero_init_lora_equal_the_plain_recursive_model():
     "kwargs, message",
     [
         ({"loops": 3}, "--loops 3 does not divide the model's 4 layers"),
+        ({"loops": 0}, r"--loops 0 is not a loop count; choose one of \[1, 2, 4\]"),
         ({"loops": 2, "lora_rank": 65}, "exceeds the rank"),
         ({"loops": 2, "init": "middle"}, "unknown looped-layer init 'middle'"),
         ({"loops": 2, "tying": "zigzag"}, "tying strategy 'zigzag' is unknown"),

@@ -68,9 +68,8 @@ def recursive_config_from_vanilla(
     """The recursive config of ``config``'s shape with L / ``loops`` shared layers; impossible requests fail here."""
     if loops < 1 or config.n_layer % loops:
         divisors = [b for b in range(1, config.n_layer + 1) if config.n_layer % b == 0]
-        raise BlockloopError(
-            f"--loops {loops} does not divide the model's {config.n_layer} layers; choose one of {divisors}"
-        )
+        problem = "is not a loop count" if loops < 1 else f"does not divide the model's {config.n_layer} layers"
+        raise BlockloopError(f"--loops {loops} {problem}; choose one of {divisors}")
     widest = max(linear_shapes(config).items(), key=lambda item: min(item[1]))
     max_rank = min(widest[1])  # full rank of every linear (a narrower one takes its own full rank)
     if lora_rank > max_rank:
