@@ -430,7 +430,10 @@ def test_tasks_scored_one_command_at_a_time_all_stay_in_the_checkpoints_results(
      "--checkpoint, --tasks, --shots do not apply to --compare"),
     (["--compare", "a.json", "b.json", "--json"], "--checkpoint, --json do not apply to --compare (it only reads the two stored results)"),
 ])
-def test_cli_benchmark_errors_are_one_line(tiny_run, capsys, argv, match):
+def test_cli_benchmark_errors_are_one_line(tiny_run, capsys, monkeypatch, argv, match):
+    from blockloop.nn import linear
+
+    monkeypatch.setattr(linear, "_packing", True)  # --no-pack turns packing off for the process: restored after
     code = main(["eval", "--checkpoint", str(tiny_run), "--device", "cpu", *argv])
     err = capsys.readouterr().err.strip()
     assert code == EXIT_USER_ERROR and len(err.splitlines()) == 1 and match in err, err
