@@ -99,6 +99,8 @@ def snapshot(folder: Path) -> dict[str, tuple[int, int]]:
 
 R = "{base}/run"
 NEW = "{new}"  # a run folder that does not exist yet, and must not exist afterwards
+# serve on any free port: a refusal that comes after the bind must not collide with another worker's on 8000
+SERVE = ["serve", "--checkpoint", R, "--port", "0"]
 CASES = [
     # train: model config overrides, typed from the config dataclasses
     (["train", *TINY, "--set", "d_model=-64", "--out", NEW], "d_model=-64"),
@@ -219,17 +221,17 @@ CASES = [
     (["chat", "--checkpoint", R, "--slots", "0"], "--slots: must be an integer >= 1"),
     (["chat", "--checkpoint", R, "--system", "\udcff"], "--system: is not valid UTF-8"),
     (["chat", "--checkpoint", R, "--chat-template", "{base}/none.jinja"], "--chat-template: cannot read {base}/none.jinja"),
-    (["serve", "--checkpoint", R, "--port", "0", "--chat-template", "{base}/broken.jinja"], "the chat template does not"),
+    ([*SERVE, "--chat-template", "{base}/broken.jinja"], "the chat template does not"),
     # serve
     (["serve", "--checkpoint", R, "--port", "70000"], "--port: must be an integer in [0, 65535]"),
-    (["serve", "--checkpoint", R, "--port", "0", "--max-waiting", "-1"], "--max-waiting: must be an integer >= 0"),
-    (["serve", "--checkpoint", R, "--port", "0", "--sync-every", "0"], "--sync-every: must be an integer >= 1"),
-    (["serve", "--checkpoint", R, "--port", "0", "--threads", "-1"], "--threads: must be an integer >= 1"),
-    (["serve", "--checkpoint", R, "--port", "0", "--max-len", "100000"], "max_len (--max-len) 100000 is outside the model context of"),
-    (["serve", "--checkpoint", R, "--port", "0", "--max-len", "1"], "a context of 1 tokens leaves no room for a prompt and an answer"),
-    (["serve", "--checkpoint", R, "--port", "0", "--page-size", "16"], "--page-size shapes the paged cache of --kv-tokens; add"),
-    (["serve", "--checkpoint", R, "--port", "0", "--kv-tokens", "8", "--page-size", "16"], "--kv-tokens 8 is less than one page of 16"),
-    (["serve", "--checkpoint", R, "--port", "0", "--kv-tokens", "1", "--page-size", "1"], "the paged KV cache holds less than a one-token"),
+    ([*SERVE, "--max-waiting", "-1"], "--max-waiting: must be an integer >= 0"),
+    ([*SERVE, "--sync-every", "0"], "--sync-every: must be an integer >= 1"),
+    ([*SERVE, "--threads", "-1"], "--threads: must be an integer >= 1"),
+    ([*SERVE, "--max-len", "100000"], "max_len (--max-len) 100000 is outside the model context of"),
+    ([*SERVE, "--max-len", "1"], "a context of 1 tokens leaves no room for a prompt and an answer"),
+    ([*SERVE, "--page-size", "16"], "--page-size shapes the paged cache of --kv-tokens; add"),
+    ([*SERVE, "--kv-tokens", "8", "--page-size", "16"], "--kv-tokens 8 is less than one page of 16"),
+    ([*SERVE, "--kv-tokens", "1", "--page-size", "1"], "the paged KV cache holds less than a one-token"),
     # bench
     (["bench", "--stream", "--prompt-range", "64,16"], "--prompt-range: takes MIN,MAX with MIN <= MAX"),
     (["bench", "--stream", "--tokens-range", "8"], "--tokens-range: takes MIN,MAX"),

@@ -293,7 +293,7 @@ def test_torchrun_resume_matches_single_process_resume(tmp_path, strategy, capsy
 # spec shards it, two windows (recurrent models carry their state into the second); prints, per preset, whether
 # sharding as the spec says kept loss and gradients equal to the plain model's, and whether per-layer units fail.
 FSDP_FAMILIES = """
-import copy, os, sys, torch, torch.distributed as dist
+import copy, sys, torch, torch.distributed as dist
 from blockloop.data.collate import step_generator
 from blockloop.families import PRESETS, build_model, collate_for, from_name, spec_of
 from blockloop.train.distributed import DistInfo, parallelize
