@@ -73,6 +73,8 @@ MALFORMED = [
     ("/tokenize", {"model": "gpt-4"}, 404, "model"),
     ("/tokenize", {"add_special_tokens": "no"}, 400, "add_special_tokens"),
     ("/tokenize", {"max_tokens": 3}, 400, "max_tokens"),
+    ("/v1/completions", json.dumps({**GOOD, "temperature": float("nan")}).encode(), 400, "temperature"),
+    ("/v1/completions", json.dumps({**GOOD, "top_p": float("inf")}).encode(), 400, "top_p"),
     ("/v1/completions", {"top_k": 2**64}, 400, "top_k"),  # past what a slot's int64 holds
     ("/v1/completions", {"seed": -(2**63) - 1}, 400, "seed"),
     # JSON may escape a lone surrogate, which is no UTF-8 text (sent as bytes: a client cannot encode it)
@@ -104,8 +106,12 @@ def test_malformed_requests_each_get_a_4xx_naming_the_field_and_the_server_keeps
             error = reply.json()["error"]
             assert (reply.status_code, error["param"]) == (status, param), (change, error)
             assert error["type"] == "invalid_request_error" and error["message"]
+            assert "Value error" not in error["message"], error  # pydantic's prefix on a validator's own words
             if param is not None:
                 assert param.split("[")[0] in error["message"], error
+        nan = httpx.post(url + "/v1/completions", content=json.dumps({**GOOD, "temperature": float("nan")}),
+                         headers={"content-type": "application/json"})
+        assert "finite" in nan.json()["error"]["message"], nan.text  # not "should be less than or equal to 2"
         assert httpx.get(url + "/v1/nowhere").status_code == 404
         wrong_method = httpx.get(url + "/v1/completions")
         assert wrong_method.status_code == 405 and "error" in wrong_method.json()
@@ -138,7 +144,10 @@ def test_null_optional_fields_mean_their_defaults_and_the_lesser_endpoints_answe
         assert httpx.post(url + "/v1/completions", json={**GOOD, "prompt": None}).json()["error"]["param"] == "prompt"
         unknown = httpx.post(url + "/tokenize", json={**TOKENIZE, "colour": "red"}).json()["error"]
         assert unknown["param"] == "colour" and "colour" in unknown["message"]
-        assert httpx.get(url + "/v1/models/tiny").json()["id"] == "tiny"
+        card = httpx.get(url + "/v1/models/tiny").json()
+        assert card["id"] == "tiny"
+        time.sleep(1.1)  # a model's ``created`` is when the server started serving it, not when it is asked
+        assert httpx.get(url + "/v1/models").json()["data"] == [card]
         missing = httpx.get(url + "/v1/models/gpt-4")
         assert missing.status_code == 404 and missing.json()["error"]["code"] == "model_not_found"
         assert httpx.head(url + "/health").status_code == 200
@@ -275,6 +284,12 @@ def test_a_paged_cache_smaller_than_the_context_bounds_max_tokens_with_a_400(run
         assert httpx.post(url + "/v1/completions", json=body).json()["usage"]["completion_tokens"] == room
         chat = httpx.post(url + "/v1/chat/completions", json={**CHAT, "max_tokens": None, "ignore_eos": True})
         assert chat.status_code == 200, chat.text
+        # /v1/models says what one request can take (bench --url checks its stream by it): the pool, not the context
+        longest = httpx.get(url + "/v1/models").json()["data"][0]["max_model_len"]
+        assert longest < 128
+        body = {**GOOD, "prompt": [7], "max_tokens": longest - 1, "ignore_eos": True}
+        assert httpx.post(url + "/v1/completions", json=body).json()["usage"]["completion_tokens"] == longest - 1
+        assert httpx.post(url + "/v1/completions", json={**body, "max_tokens": longest}).status_code == 400
 
 
 def test_prefill_only_windows_add_no_generated_tokens_to_the_metrics(run):

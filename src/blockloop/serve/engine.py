@@ -224,6 +224,13 @@ class Engine:
             low, high = (mid, high) if self.runner.can_hold([padded + mid], alone=True) else (low, mid - 1)
         return low
 
+    @property
+    def longest_request(self) -> int:
+        """The most tokens, prompt and answer together, one request can take: its slot's share of the context, and
+        no more than the empty paged KV cache holds (``max_model_len`` to a client, which checks requests by it)."""
+        prompt = self._padded(1)
+        return prompt + self.room(prompt)
+
     def cancel(self, request: Request) -> None:
         """Finish ``request`` now with reason ``"abort"`` (its client went away): a waiting request leaves the
         queue, a running one frees its slot for the next window's admissions. Call it between steps, from the

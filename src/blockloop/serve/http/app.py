@@ -95,18 +95,19 @@ def create_app(served: ServedModel) -> FastAPI:
     async def prometheus() -> Response:
         return Response(metrics.exposition(), media_type=CONTENT_TYPE)
 
-    def card() -> dict[str, Any]:
-        return {"id": served.name, "object": "model", "created": int(time.time()), "owned_by": "blockloop",
-                "max_model_len": engine.max_len, "vocab_size": engine.vocab_size}
+    # One card for the server's life: what a client may ask of it, and when it started serving (as OpenAI's
+    # ``created`` is fixed per model).
+    card = {"id": served.name, "object": "model", "created": int(time.time()), "owned_by": "blockloop",
+            "max_model_len": engine.longest_request, "vocab_size": engine.vocab_size}
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
-        return {"object": "list", "data": [card()]}
+        return {"object": "list", "data": [dict(card)]}
 
     @app.get("/v1/models/{name:path}")
     async def model(name: str) -> dict[str, Any]:
         _check_model(name)
-        return card()
+        return dict(card)
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
@@ -146,7 +147,7 @@ def create_app(served: ServedModel) -> FastAPI:
             _check_model(params.model)
         encode = tokenizer.encode_prompt if params.add_special_tokens else tokenizer.encode
         tokens = await _encode(encode, params.prompt, "prompt")
-        return {"tokens": tokens, "count": len(tokens), "max_model_len": engine.max_len}
+        return {"tokens": tokens, "count": len(tokens), "max_model_len": card["max_model_len"]}
 
     async def _encode(encode: Callable[[str], list[int]], text: str, field: str) -> list[int]:
         """``text``'s ids, encoded off the event loop (a long text must not hold up the streams); text the
@@ -233,7 +234,7 @@ def create_app(served: ServedModel) -> FastAPI:
                 yield _sse(reply.chunk("", first=True))
             while not done:
                 event = await events.get()
-                out = [_sse(reply.chunk(piece)) for piece in event.pieces]
+                out = [_sse(reply.chunk(piece)) for piece in event.pieces if piece]  # held back: nothing to send yet
                 if event.finish_reason == "error":
                     out.append(_sse(ApiError(500, f"generation failed: {event.tail}", kind="server_error").body()))
                 elif event.finish_reason is not None:
@@ -243,7 +244,8 @@ def create_app(served: ServedModel) -> FastAPI:
                 done = event.finish_reason is not None
                 if done:
                     out.append("data: [DONE]\n\n")
-                yield "".join(out)
+                if out:
+                    yield "".join(out)
         finally:
             if not done:
                 served.worker.cancel(job)

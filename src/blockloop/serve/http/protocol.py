@@ -57,8 +57,8 @@ class Sampling(BaseModel):
 
     model: str
     max_tokens: int | None = Field(None, ge=1)
-    temperature: float = Field(1.0, ge=0.0, le=2.0)
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    temperature: float = Field(1.0, ge=0.0, le=2.0, allow_inf_nan=False)
+    top_p: float = Field(1.0, gt=0.0, le=1.0, allow_inf_nan=False)
     top_k: int | None = Field(None, ge=-1, le=INT64_MAX)  # -1 or 0: off (as vLLM)
     seed: int | None = Field(None, ge=-INT64_MAX - 1, le=INT64_MAX)
     n: int = 1
@@ -176,7 +176,9 @@ def parse(model: type[BaseModel], body: Any) -> Any:
     except ValidationError as exc:
         error = exc.errors()[0]
         param = _param(error["loc"], unknown_ok=error["type"] == "extra_forbidden")
-        raise ApiError(400, f"{param}: {error['msg']}", param=param) from None
+        # A validator's own message reads as it was written, without pydantic's "Value error, " in front.
+        message = str(error["ctx"]["error"]) if error["type"] == "value_error" else error["msg"]
+        raise ApiError(400, f"{param}: {message}", param=param) from None
 
 
 def _same_json(value: Any, other: Any) -> bool:
