@@ -39,7 +39,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--task-dir", metavar="DIR", type=nonempty, help="the task dataset to score (default: the run's, or generated into the cache)")
     p.add_argument("--seq-len", type=positive_int, help="window length (default: the run's training --seq-len)")
     p.add_argument("--batch-size", type=positive_int, default=8,
-                   help="sequences per forward pass; with --tasks, questions per forward pass (default: 8)")
+                   help="sequences per forward pass; with --tasks, questions per forward pass (default: 8). A model "
+                   "that carries state (cached staircase, Transformer-XL) reads the split as this many side-by-side "
+                   "streams, so compare its losses at one batch size")
     p.add_argument("--max-batches", type=positive_int, help="stop after this many batches (default: the whole split)")
     p.add_argument(
         "--objective", choices=OBJECTIVES,
