@@ -72,6 +72,10 @@ def base(tmp_path_factory):
     variant("latest_escape", lambda d: (d.parent / "latest").write_text("../../run/checkpoints/step_0000004\n"))
     variant("latest_absolute", lambda d: (d.parent / "latest").write_text(f"{step}\n"))
     variant("latest_gone", lambda d: (d.parent / "latest").write_text("step_0000009\n"))
+    variant("latest_folder", lambda d: ((d.parent / "latest").unlink(), (d.parent / "latest").mkdir()))
+    variant("state_index", lambda d: _edit_json(d / "train_state.json", lambda s: {**s, "data": {**s["data"],
+                                                                                               "index": 10**9}}))
+    variant("state_world", lambda d: _edit_json(d / "train_state.json", lambda s: {**s, "world_size": 0}))
     (base / "lock_only").mkdir()  # a run killed before its first checkpoint: only its (stale) lock is left
     (base / "lock_only" / "lock").write_text('{"pid": 999999999, "host": "elsewhere"}')
     partial = base / "partial_first" / "checkpoints" / ".tmp_step_0000002"
@@ -190,6 +194,12 @@ CASES = [
     (["train", "--resume", "--out", "{base}/state_old_shape"],
      "step_0000004/train_state.json: the saved batch shape [0, 1, 32, 1] is not positive integers"),
     (["train", "--resume", "--out", "{base}/latest_escape"], "not a checkpoint directory inside {base}/latest_escape"),
+    (["train", "--resume", "--out", "{base}/latest_folder"], "checkpoints/latest is a folder, not the file naming"),
+    (["eval", "--checkpoint", "{base}/latest_folder", "--device", "cpu"], "checkpoints/latest is a folder"),
+    (["train", "--resume", "--out", "{base}/state_index"], "the saved data position 1000000000 lies past the 150869"),
+    (["train", "--resume", "--out", "{base}/state_world"], "world_size must be a positive integer, got 0"),
+    (["train", *TINY, "--grad-accum", "100000", "--out", NEW], "fewer than one global batch of 200000 (batch size 2 x 1 "
+     "ranks x 100000 accumulation steps)"),
     (["train", "--resume", "--steps", "0", "--out", R], "--steps: must be an integer >= 1"),
     # eval
     (["eval", "--checkpoint", R, "--max-batches", "0"], "--max-batches: must be an integer >= 1"),

@@ -67,7 +67,7 @@ def test_resume_continues_the_saved_run_and_refuses_new_model_choices(trained):
     assert plan.source.init_from is not None and plan.source.init_from.endswith("step_0000002")
     _, trainer = start_training(plan)
     assert trainer.step == 2
-    with pytest.raises(BlockloopError, match="--resume continues the saved run; drop --preset, --set, --early-exit"):
+    with pytest.raises(BlockloopError, match="--resume continues the saved run with its own model, data and loss; drop --preset, --set, --early-exit"):
         plan_run(TrainRequest(trained, resume=True, preset="tiny", model_overrides={"n_layer": 1},
                               early_exit=EarlyExit(exit_loss="weighted")))
     with pytest.raises(BlockloopError, match="give one of them"):

@@ -116,7 +116,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--log-interval", type=positive_int, help=f"log every N steps (default: {d.log_interval})")
     g.add_argument("--ckpt-interval", type=positive_int, help=f"checkpoint every N steps and at the end (default: {d.ckpt_interval})")
     g.add_argument("--out", type=nonempty, default="runs/latest", help="run directory for checkpoints and metrics.jsonl (default: runs/latest)")
-    g.add_argument("--resume", action="store_true", help="continue the run in --out from its latest checkpoint")
+    g.add_argument("--resume", action="store_true",
+                   help="continue the run in --out from its latest checkpoint, with the run's own model, data and loss "
+                   "(give none of the flags that choose them, even with the same value); training flags such as "
+                   "--steps or --lr may change")
     add_no_progress(g)
     g = p.add_argument_group("hardware")
     g.add_argument("--device", type=device, help="auto, cpu, cuda, cuda:N or mps (default: auto)")

@@ -73,18 +73,22 @@ class TrainBatches:
     """
 
     def __init__(
-        self, sequences: PackedSequences, batch_size: int, *, seed: int, rank: int = 0, world_size: int = 1
+        self, sequences: PackedSequences, batch_size: int, *, seed: int, groups: int = 1, rank: int = 0,
+        world_size: int = 1,
     ) -> None:
-        if batch_size < 1 or world_size < 1 or not 0 <= rank < world_size:
+        if batch_size < 1 or groups < 1 or world_size < 1 or not 0 <= rank < world_size:
             raise BlockloopError(
-                f"invalid batch layout: batch_size={batch_size}, rank={rank}, world_size={world_size}"
+                f"invalid batch layout: batch_size={batch_size}, groups={groups}, rank={rank}, world_size={world_size}"
             )
-        global_batch = batch_size * world_size
-        if len(sequences) < global_batch:
+        # An optimizer step takes ``groups`` (gradient-accumulation) calls: fewer sequences than that would repeat
+        # some within one step.
+        step_batch = batch_size * world_size * groups
+        if len(sequences) < step_batch:
             raise BlockloopError(
                 f"the training data holds {len(sequences)} sequences of {sequences.seq_len} tokens, "
-                f"fewer than one global batch of {global_batch} (batch size {batch_size} x {world_size} "
-                "ranks); use a smaller --batch-size or --seq-len, or more data"
+                f"fewer than one global batch of {step_batch} (batch size {batch_size} x {world_size} "
+                f"ranks x {groups} accumulation steps); use a smaller --batch-size, --grad-accum or --seq-len, "
+                "or more data"
             )
         self.sequences = sequences
         self.batch_size = batch_size
@@ -116,6 +120,12 @@ class TrainBatches:
         return {"epoch": self._epoch, "index": self._index}
 
     def load_state_dict(self, state: dict[str, int]) -> None:
+        """Continue where the saved position was; a position past the data is no place in it (next_batch would
+        quietly start a new epoch, reading other text than the run would have)."""
+        if int(state["index"]) > len(self.sequences):
+            raise BlockloopError(
+                f"the saved data position {state['index']} lies past the {len(self.sequences)} training sequences; "
+                "the checkpoint is corrupt: use an earlier one")
         self._epoch = int(state["epoch"])
         self._index = int(state["index"])
         self._order = self._permutation(self._epoch)

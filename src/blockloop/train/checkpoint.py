@@ -167,6 +167,9 @@ def resolve_checkpoint(path: Path) -> Path:
         raise BlockloopError(f"checkpoint not found: {path}; pass the --out directory of a training run")
     for root in (checkpoint_root(path), path):
         latest = root / LATEST
+        if latest.exists() and not latest.is_file():
+            raise BlockloopError(f"{latest} is a folder, not the file naming the newest checkpoint; the run is corrupt: "
+                                 "remove it and write the name of one of its step_* directories into a file of that name")
         if latest.is_file():
             name = _latest_name(root) or ""
             target = root / name
@@ -465,6 +468,9 @@ def read_train_state(directory: Path) -> dict[str, Any]:
     if "tokens" in state and not _is_count(state["tokens"]):
         raise BlockloopError(f"{path}: tokens must be a non-negative integer, got {state['tokens']!r}; the checkpoint "
                              "is corrupt: use an earlier one")
+    if not _is_count(state.get("world_size", 1), least=1):
+        raise BlockloopError(f"{path}: world_size must be a positive integer, got {state['world_size']!r}; the "
+                             "checkpoint is corrupt: use an earlier one")
     if "tokens" not in state and not all(_is_count(n, least=1) for n in _batch_shape(state)):
         raise BlockloopError(f"{path}: the saved batch shape {_batch_shape(state)} is not positive integers; the "
                              "checkpoint is corrupt: use an earlier one")

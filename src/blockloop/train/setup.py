@@ -117,7 +117,8 @@ def plan_run(request: TrainRequest) -> RunPlan:
                  ("distill_weight", r.distill_weight))
         clashes += [name for name, value in exits if value is not None]
         if clashes:
-            raise BlockloopError(f"--resume continues the saved run; drop --{', --'.join(f.replace('_', '-') for f in clashes)}")
+            raise BlockloopError("--resume continues the saved run with its own model, data and loss; drop "
+                                 f"--{', --'.join(f.replace('_', '-') for f in clashes)}")
         # The model, config and tokenizer come from the run's own checkpoint, whatever it started from.
         source = dataclasses.replace(spec, init_from=str(directory))
         # The flags passed argparse's checks, so a value refused here is the file's.

@@ -119,7 +119,8 @@ class Trainer:
             )
         else:
             self.batches = TrainBatches(
-                train_data, config.batch_size, seed=config.seed, rank=dist_info.rank, world_size=dist_info.world_size
+                train_data, config.batch_size, seed=config.seed, groups=config.grad_accum, rank=dist_info.rank,
+                world_size=dist_info.world_size,
             )
         self.stream_states: list[Any] = [None] * config.grad_accum
         self.step = 0
