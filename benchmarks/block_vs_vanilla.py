@@ -38,6 +38,7 @@ from blockloop.bench.records import (
     output_dir,
     run_script,
 )
+from blockloop.cli import Parser
 from blockloop.cli.common import names, positive_float, positive_int, positive_ints
 from blockloop.families import build_model, from_name
 from blockloop.serve.generate import generate
@@ -102,7 +103,7 @@ def time_generation(model: torch.nn.Module, batch: int, prompt: int, generated: 
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = Parser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--parts", type=names(("quality", "kv", "speed", "sweep")), default="quality,kv,speed", help="any of quality, kv, speed, sweep (comma-separated)")
     parser.add_argument("--vanilla", default="demo")
     parser.add_argument("--block", default="demo-block")

@@ -20,7 +20,6 @@ benchmarks/results/) and prints it.
 
 from __future__ import annotations
 
-import argparse
 import json
 import time
 from collections.abc import Callable
@@ -36,6 +35,7 @@ from blockloop.bench.records import (
     output_dir,
     run_script,
 )
+from blockloop.cli import Parser
 from blockloop.cli.common import add_threads, positive_int, positive_ints, set_threads
 from blockloop.convert.smollm2 import import_smollm2
 from blockloop.data.pretrained import SMOLLM2_GGUF
@@ -108,7 +108,7 @@ def ops_per_token(model: torch.nn.Module, hf: torch.nn.Module, prompt_len: int) 
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = Parser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--batch-sizes", type=positive_ints, default="1,8", help="comma-separated batch sizes")
     parser.add_argument("--prompt-len", type=positive_int, default=64)
     parser.add_argument("--gen-len", type=positive_int, default=64)

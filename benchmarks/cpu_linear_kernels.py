@@ -14,7 +14,6 @@ benchmarks/results/) and prints a table.
 
 from __future__ import annotations
 
-import argparse
 import json
 import time
 
@@ -28,6 +27,7 @@ from blockloop.bench.records import (
     output_dir,
     run_script,
 )
+from blockloop.cli import Parser
 from blockloop.cli.common import add_threads, positive_int, positive_ints, set_threads
 
 # SmolLM2-135M (d = 576, 9 + 2 x 3 heads of 64, d_ff = 1536, vocab 49152): qkv, attention out, gate / up,
@@ -44,7 +44,7 @@ def per_product_us(multiply, weights: list, x: torch.Tensor, calls: int) -> floa
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = Parser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rows", type=positive_ints, default="1,8,64,512", help="comma-separated numbers of input rows")
     parser.add_argument("--copies", type=positive_int, default=24, help="distinct weights per shape (the LM head: 3)")
     parser.add_argument("--repeats", type=positive_int, default=3)

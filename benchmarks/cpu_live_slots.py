@@ -21,7 +21,6 @@ Writes ``cpu_live_slots.json`` (``cpu_live_slots_paged.json`` with ``--kv-tokens
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import json
 import time
@@ -36,6 +35,7 @@ from blockloop.bench.records import (
     output_dir,
     run_script,
 )
+from blockloop.cli import Parser
 from blockloop.cli.common import add_threads, positive_int, positive_ints, set_threads
 from blockloop.convert.smollm2 import import_smollm2
 from blockloop.data.pretrained import SMOLLM2_GGUF
@@ -84,7 +84,7 @@ def compare(model: torch.nn.Module, slots: int, prompt_len: int, gen_len: int, r
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = Parser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--slots", type=positive_ints, default="1,4", help="comma-separated numbers of requests served at once")
     parser.add_argument("--prompt-len", type=positive_int, default=64)
     parser.add_argument("--gen-len", type=positive_int, default=32)

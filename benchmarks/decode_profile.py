@@ -38,7 +38,6 @@ benchmarks/results/).
 
 from __future__ import annotations
 
-import argparse
 import json
 import re
 import statistics
@@ -62,6 +61,7 @@ from blockloop.bench.records import (
 from blockloop.bench.suite import bench_dtype
 from blockloop.bench.throughput import full_batch_paging
 from blockloop.bench.timing import timed
+from blockloop.cli import Parser
 from blockloop.cli.common import device as device_name
 from blockloop.cli.common import nonnegative_int, positive_int, positive_ints
 from blockloop.device import resolve_device
@@ -364,7 +364,7 @@ def write(out: Path, record: dict[str, Any]) -> Path:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = Parser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--smoke", action="store_true", help="tiny sizes on CPU (seconds): checks the script runs")
     parser.add_argument("--preset", default="pythia-85m", help="model whose decode shapes are timed (default: pythia-85m)")
     parser.add_argument("--batch", type=positive_int, default=256, help="rows of part 1 (default: 256, the suite's decode batch)")

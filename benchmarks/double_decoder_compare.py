@@ -33,6 +33,7 @@ from blockloop.bench.records import (
     run_script,
 )
 from blockloop.bench.throughput import state_bytes
+from blockloop.cli import Parser
 from blockloop.cli.common import device as device_name
 from blockloop.cli.common import nonnegative_int, positive_float, positive_int
 from blockloop.serve.generate import generate
@@ -132,7 +133,7 @@ def markdown(record: dict[str, object]) -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = Parser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=positive_int, default=250)
     parser.add_argument("--batch-size", type=positive_int, default=8)
     parser.add_argument("--seq-len", type=positive_int, default=256)

@@ -16,7 +16,6 @@ benchmarks/results/).
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import time
@@ -30,6 +29,7 @@ from blockloop.bench.records import (
     output_dir,
     run_script,
 )
+from blockloop.cli import Parser
 from blockloop.cli.common import positive_int
 from blockloop.nn.attention import attention, merge_attention
 from blockloop.nn.masks import block_masks, dual_block_mask, dual_mask_mod
@@ -72,7 +72,7 @@ def mask_build_ms(length: int, boundaries: torch.Tensor, repeats: int) -> dict[s
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = Parser(description=__doc__.split("\n")[0])
     parser.add_argument("--batch", type=positive_int, default=4)
     parser.add_argument("--heads", type=positive_int, default=4)
     parser.add_argument("--head-dim", type=positive_int, default=64)

@@ -63,6 +63,7 @@ from blockloop.bench.suite import (
     throughput_rows,
 )
 from blockloop.bench.throughput import scenario_lengths
+from blockloop.cli import Parser
 from blockloop.cli import main as blockloop
 from blockloop.cli.common import add_threads, names, positive_int, positive_ints, set_threads
 from blockloop.cli.common import device as device_name
@@ -379,7 +380,7 @@ def write(out: Path, record: dict[str, Any], smoke: bool) -> Path:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = Parser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--smoke", action="store_true", help="tiny presets on CPU (about a minute): checks the suite runs")
     parser.add_argument("--rows", type=names(ROWS), default=",".join(ROWS), help=f"comma-separated subset of {','.join(ROWS)}")
     parser.add_argument("--device", type=device_name, default="auto", help="auto (CUDA if present), cuda, cpu (--smoke: cpu)")

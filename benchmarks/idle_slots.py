@@ -37,6 +37,7 @@ from blockloop.bench.records import (
     run_script,
 )
 from blockloop.bench.suite import bench_dtype
+from blockloop.cli import Parser
 from blockloop.cli.common import add_threads, positive_int, positive_ints, set_threads
 from blockloop.cli.common import device as device_name
 from blockloop.convert.smollm2 import import_smollm2
@@ -62,7 +63,7 @@ def run_engine(engine: Engine, prompts: list[list[int]], gen_len: int) -> tuple[
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = Parser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--models", default="smollm2,demo-block,demo-recursive:depthwise,demo-recursive:speculative,demo-staircase",
                         help="comma-separated: smollm2 and/or presets, each optionally NAME:RUNNER "
                              f"(RUNNER one of {', '.join(RUNNERS)})")

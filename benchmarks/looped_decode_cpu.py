@@ -13,7 +13,6 @@ same command on the same machine::
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import time
 
@@ -27,6 +26,7 @@ from blockloop.bench.records import (
     output_dir,
     run_script,
 )
+from blockloop.cli import Parser
 from blockloop.cli.common import positive_int
 from blockloop.families import build_model, from_name
 from blockloop.serve.runners import ExitRule, runner_for
@@ -34,7 +34,7 @@ from blockloop.serve.sampling import SlotSampling
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = Parser(description=__doc__.splitlines()[0])
     parser.add_argument("--d-model", type=positive_int, default=512)
     parser.add_argument("--layers", type=positive_int, default=4, help="shared layers")
     parser.add_argument("--loops", type=positive_int, default=2)

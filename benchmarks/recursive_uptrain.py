@@ -15,7 +15,6 @@ tells apart the recorded configurations (source model, steps, LoRA init).
 
 from __future__ import annotations
 
-import argparse
 import copy
 import json
 import tempfile
@@ -32,6 +31,7 @@ from blockloop.bench.records import (
     run_script,
 )
 from blockloop.choices import LOOP_INITS, LORA_INITS
+from blockloop.cli import Parser
 from blockloop.cli.common import (
     add_threads,
     names,
@@ -55,7 +55,7 @@ from blockloop.train.trainer import TrainConfig, Trainer
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = Parser(description=__doc__.split("\n")[0])
     p.add_argument("--source", required=True, help="checkpoint of the full-size model, or smollm2 (SmolLM2-135M imported "
                    "from its GGUF with the smollm2 tokenizer)")
     p.add_argument("--name", default="recursive_uptrain_cpu", help="file name without extension (.json and .md are "

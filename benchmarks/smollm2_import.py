@@ -14,7 +14,6 @@ benchmarks/results/, beside the hand-written reading of it, ``smollm2_import_cpu
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import time
@@ -29,6 +28,7 @@ from blockloop.bench.records import (
     output_dir,
     run_script,
 )
+from blockloop.cli import Parser
 from blockloop.cli.common import positive_int
 from blockloop.convert.hf import from_hf_model, load_hf_model
 from blockloop.data.dataset import prepare_tokens
@@ -38,7 +38,7 @@ from blockloop.data.tokenizers import build_tokenizer
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = Parser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--data", default="shakespeare", help="built-in corpus whose val split is scored")
     parser.add_argument("--windows", type=positive_int, default=8, help="validation windows to score")
     parser.add_argument("--seq-len", type=positive_int, default=512, help="tokens per window")

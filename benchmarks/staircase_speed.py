@@ -14,7 +14,6 @@ benchmarks/results/).
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 
@@ -28,6 +27,7 @@ from blockloop.bench.records import (
     run_script,
 )
 from blockloop.bench.timing import timed
+from blockloop.cli import Parser
 from blockloop.cli.common import add_threads, positive_int, set_threads
 from blockloop.cli.common import device as device_name
 from blockloop.device import resolve_device
@@ -77,7 +77,7 @@ def time_train_step(preset: str, overrides: dict, batch: int, seq_len: int, repe
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = Parser(description=__doc__.splitlines()[0])
     parser.add_argument("--batch-size", type=positive_int, default=8)
     parser.add_argument("--seq-len", type=positive_int, default=128)
     parser.add_argument("--repeats", type=positive_int, default=5, help="timed steps per model (median reported)")

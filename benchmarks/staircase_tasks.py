@@ -46,6 +46,7 @@ from blockloop.bench.records import (
     output_dir,
     run_script,
 )
+from blockloop.cli import Parser
 from blockloop.cli.common import add_threads, nonnegative_int, positive_float, positive_int, set_threads
 from blockloop.cli.common import device as device_name
 from blockloop.families import from_name
@@ -361,7 +362,7 @@ def markdown(record: dict[str, dict[str, object]], results: str, seeds: bool = F
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = Parser(description=__doc__.split("\n")[0])
     parser.add_argument("part", choices=["tasks", "seeds", "lm"])
     parser.add_argument("--task", default="random-walk:16", help="task for `tasks` and `seeds` (NAME or NAME:LENGTH)")
     parser.add_argument("--data", default="shakespeare", help="corpus for `lm` (byte tokenizer)")

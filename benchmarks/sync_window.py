@@ -18,7 +18,6 @@ benchmarks/results/) and prints it.
 
 from __future__ import annotations
 
-import argparse
 import json
 import time
 
@@ -32,6 +31,7 @@ from blockloop.bench.records import (
     run_script,
 )
 from blockloop.bench.stream import corpus_prompts, run_stream
+from blockloop.cli import Parser
 from blockloop.cli.common import add_threads, int_range, number, positive_int, set_threads
 from blockloop.convert.smollm2 import import_smollm2
 from blockloop.data.pretrained import SMOLLM2_GGUF
@@ -51,7 +51,7 @@ QUESTIONS = [
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = Parser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--repeats", type=positive_int, default=3, help="timed runs per window size (after one warm-up)")
     parser.add_argument("--slots", type=positive_int, default=8, help="engine slots of the stream (blockloop serve's default: 8)")
     parser.add_argument("--requests", type=positive_int, default=24, help="requests in the stream")

@@ -28,6 +28,7 @@ from blockloop.bench.records import (
     output_dir,
     run_script,
 )
+from blockloop.cli import Parser
 from blockloop.cli.common import device as device_name
 from blockloop.cli.common import names, positive_int
 from blockloop.device import resolve_device
@@ -75,7 +76,7 @@ def run_variant(args: argparse.Namespace, compile_model: bool, out: Path) -> dic
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = Parser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--preset", default="pythia-85m")
     parser.add_argument("--data", default="shakespeare")
     parser.add_argument("--tokenizer", default="gpt2")

@@ -10,13 +10,13 @@ DIR`` elsewhere, ``--record`` into benchmarks/results/).
 
 from __future__ import annotations
 
-import argparse
 import json
 
 import torch
 
 from blockloop.bench.records import add_output_arguments, append_records, environment, output_dir, run_script
 from blockloop.bench.timing import timed
+from blockloop.cli import Parser
 from blockloop.cli.common import add_threads, positive_int, set_threads
 from blockloop.cli.common import device as device_name
 from blockloop.device import resolve_device
@@ -28,7 +28,7 @@ from blockloop.train.run import load_trained
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = Parser(description=__doc__.split("\n\n")[0])
     p.add_argument("--checkpoint", required=True)
     p.add_argument("--tasks", default="hellaswag,piqa,arc_easy")
     p.add_argument("--limit", type=positive_int, default=40)

@@ -381,6 +381,17 @@ def test_the_lock_is_released_when_training_fails(tmp_path):
     assert sorted(p.name for p in run.iterdir()) == ["kept"]
 
 
+def test_a_refused_run_leaves_none_of_the_folders_its_out_would_have_made(tmp_path, capsys):
+    """The lock made --out's missing parents too; a run refused for bad input left them behind, empty."""
+    assert main(["train", "--preset", "nosuch", "--out", str(tmp_path / "a" / "b" / "run")]) == EXIT_USER_ERROR
+    assert "unknown preset 'nosuch'" in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == []
+    (tmp_path / "a").mkdir()
+    (tmp_path / "a" / "mine").write_text("x")  # a folder that holds something else stays
+    assert main(["train", "--preset", "nosuch", "--out", str(tmp_path / "a" / "b" / "run")]) == EXIT_USER_ERROR
+    assert [p.name for p in (tmp_path / "a").iterdir()] == ["mine"]
+
+
 # -------------------------------------------------------------------------------------------- disk full, resume
 def test_a_full_disk_ends_in_one_line_keeps_the_last_checkpoint_and_resume_continues(base, tmp_path, capsys,
                                                                                       monkeypatch):

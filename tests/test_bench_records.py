@@ -110,6 +110,7 @@ def test_scripts_choose_output_one_way_and_describe_no_machine_by_hand(script):
 def test_a_script_refuses_a_bad_number_in_one_line_before_any_work(argv, message):
     result = subprocess.run([sys.executable, *argv], cwd=ROOT, capture_output=True, text=True)
     assert result.returncode == 2 and message in result.stderr and "Traceback" not in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1, result.stderr  # no screenful of usage, as the verbs
 
 
 def test_set_threads_applies_a_count_and_none_keeps_torchs_own():

@@ -192,7 +192,8 @@ def run_lock(directory: Path, enabled: bool = True) -> Iterator[None]:
 
     The lock file (pid and host) appears complete or not at all: it is written aside and hard-linked into
     place, which fails if a lock is there. A lock whose process is gone on this host is stale and replaced.
-    The directory is created if needed, and removed again on release if the lock was all it ever held.
+    The directory is created if needed, and removed again on release, with the parents this call created, if
+    the lock was all it ever held (a run refused for bad input leaves no empty folders behind).
     """
     if not enabled:
         yield
@@ -200,7 +201,7 @@ def run_lock(directory: Path, enabled: bool = True) -> Iterator[None]:
     directory = Path(directory)
     if directory.exists() and not directory.is_dir():
         raise BlockloopError(f"{directory} is a file; name a directory for the run")
-    created = not directory.exists()
+    created = [folder for folder in (directory, *directory.parents) if not folder.exists()]  # deepest first
     directory.mkdir(parents=True, exist_ok=True)
     lock = directory / LOCK_FILE
     _acquire(lock)
@@ -208,8 +209,10 @@ def run_lock(directory: Path, enabled: bool = True) -> Iterator[None]:
         yield
     finally:
         lock.unlink(missing_ok=True)
-        if created and not any(directory.iterdir()):
-            directory.rmdir()
+        for folder in created:
+            if any(folder.iterdir()):
+                break
+            folder.rmdir()
 
 
 def _acquire(lock: Path) -> None:
