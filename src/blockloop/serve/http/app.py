@@ -234,7 +234,7 @@ def create_app(served: ServedModel) -> FastAPI:
                 yield _sse(reply.chunk("", first=True))
             while not done:
                 event = await events.get()
-                out = [_sse(reply.chunk(piece)) for piece in event.pieces if piece]  # held back: nothing to send yet
+                out = [_sse(reply.chunk(piece)) for piece in event.pieces]  # one per token, empty while text is held back
                 if event.finish_reason == "error":
                     out.append(_sse(ApiError(500, f"generation failed: {event.tail}", kind="server_error").body()))
                 elif event.finish_reason is not None:
