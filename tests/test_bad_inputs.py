@@ -243,6 +243,7 @@ CASES = [
     ([*SERVE, "--kv-tokens", "8", "--page-size", "16"], "--kv-tokens 8 is less than one page of 16"),
     ([*SERVE, "--kv-tokens", "1", "--page-size", "1"], "the paged KV cache holds less than a one-token"),
     # bench
+    (["bench", "--presets", "tiny", "--batch-sizes", "2,4,2"], "--batch-sizes: repeats 2; give each value once"),
     (["bench", "--stream", "--prompt-range", "64,16"], "--prompt-range: takes MIN,MAX with MIN <= MAX"),
     (["bench", "--stream", "--tokens-range", "8"], "--tokens-range: takes MIN,MAX"),
     (["bench", "--batch-sizes", "0,4"], "--batch-sizes: needs positive integers"),

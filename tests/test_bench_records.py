@@ -253,3 +253,14 @@ def test_records_are_strict_json_and_a_failed_write_leaves_the_file_whole(tmp_pa
     with pytest.raises(BlockloopError, match=rf"could not add the results to {re.escape(str(path))} \(No space left"):
         records.append_records(path, [{"kind": "throughput"}])
     assert path.read_bytes() == before
+
+
+def test_a_batch_search_doubles_past_the_largest_size_given_in_any_order():
+    """Doubling from the last size given (4,1 -> 2, 4) timed batch 4 twice; its second row then stood as the
+    baseline of the first."""
+    from blockloop.bench.throughput import search_batches
+    from blockloop.cli.common import int_range
+
+    assert search_batches(lambda batch: batch, [4, 1], search=True, max_batch=16) == [4, 1, 8, 16]
+    assert search_batches(lambda batch: batch, [4, 1], search=False, max_batch=16) == [4, 1]
+    assert int_range("16,16") == (16, 16)  # a range may be one value; a list of sizes may not repeat one

@@ -211,10 +211,10 @@ def fresh_compile_caches() -> None:
 
 
 def search_batches(run: Any, batches: list[int], *, search: bool, max_batch: int) -> list[ThroughputResult]:
-    """Run ``run(batch)`` for each batch size; with ``search``, keep doubling past the last until the
+    """Run ``run(batch)`` for each batch size; with ``search``, keep doubling past the largest until the
     device runs out of memory or ``max_batch``. Out-of-memory ends the list (the largest that fits)."""
     results = []
-    sizes = list(batches)
+    sizes, largest = list(batches), max(batches)
     while sizes:
         batch = sizes.pop(0)
         try:
@@ -222,6 +222,7 @@ def search_batches(run: Any, batches: list[int], *, search: bool, max_batch: int
         except torch.OutOfMemoryError:
             torch.cuda.empty_cache()
             break
-        if search and not sizes and batch * 2 <= max_batch:
-            sizes.append(batch * 2)
+        if search and not sizes and largest * 2 <= max_batch:
+            largest *= 2
+            sizes.append(largest)
     return results

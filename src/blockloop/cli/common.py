@@ -143,7 +143,17 @@ def text_file(value: str) -> str:
 
 
 def positive_ints(text: str) -> list[int]:
-    """An argparse type: comma-separated positive integers (an empty item is a typo, not a separator)."""
+    """An argparse type: comma-separated distinct positive integers, such as batch sizes (a size given twice would
+    be timed twice, and its second row taken for the first's baseline)."""
+    values = _positive_ints(text)
+    repeated = sorted({v for v in values if values.count(v) > 1})
+    if repeated:
+        raise argparse.ArgumentTypeError(f"repeats {','.join(map(str, repeated))}; give each value once, got {text!r}")
+    return values
+
+
+def _positive_ints(text: str) -> list[int]:
+    """Comma-separated positive integers (an empty item is a typo, not a separator)."""
     try:
         values = [int(x) for x in text.split(",")]
     except ValueError:
@@ -180,7 +190,7 @@ def or_none(parse: Callable[[str], list[_T]]) -> Callable[[str], list[_T]]:
 
 def int_range(text: str) -> tuple[int, int]:
     """An argparse type: ``MIN,MAX`` of positive integers with MIN <= MAX."""
-    values = positive_ints(text)
+    values = _positive_ints(text)
     if len(values) != 2 or values[0] > values[1]:
         raise argparse.ArgumentTypeError(f"takes MIN,MAX with MIN <= MAX, got {text!r}")
     return values[0], values[1]
