@@ -489,6 +489,13 @@ def test_bench_cli_runs_throughput_and_stream_end_to_end(tmp_path, capsys):
     assert [(r["name"], r["batch"]) for r in rows] == [("tiny", 1), ("tiny", 2), ("tiny-block", 1), ("tiny-block", 2)]
     assert all(r["tok_s"] > 0 and 0 < r["roofline_fraction"] for r in rows)
     assert rows[0]["ratio_vs_baseline"] == 1.0 and rows[0]["device"].startswith("cpu")
+    capsys.readouterr()
+    # A one-token answer has no time per output token after the first: none is printed or recorded.
+    assert main(["bench", "--presets", "tiny", "--prompt-len", "8", "--gen-len", "1", "--batch-sizes", "1",
+                 "--repeats", "1", *common]) == 0
+    assert json.loads(record.read_text().splitlines()[-1])["tpot_s"] is None
+    (row,) = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| tiny | 1 |")]
+    assert row.split(" | ")[5] == "-", row  # the TPOT column
     assert main(["bench", "--stream", "--presets", "tiny-recursive", "--requests", "5", "--slots", "2",
                  "--prompt-range", "4,9", "--tokens-range", "2,6", "--exit", "none:0", *common]) == 0
     sequence_wise, depth_wise = map(json.loads, record.read_text().splitlines()[-2:])
@@ -503,6 +510,12 @@ def test_bench_cli_runs_throughput_and_stream_end_to_end(tmp_path, capsys):
                  "--tokens-range", "2,6", "--sync-every", "8", *common]) == 0
     assert json.loads(record.read_text().splitlines()[-1])["sync_every"] == 8
     assert "tokens reach the host every 8 steps (--sync-every)" in capsys.readouterr().out
+    # A Block Transformer's window is its block length (4) even at --sync-every 1: the note says no lower one helps.
+    assert main(["bench", "--stream", "--presets", "tiny-block", "--requests", "3", "--slots", "2", "--prompt-range",
+                 "4,8", "--tokens-range", "2,6", "--sync-every", "1", *common]) == 0
+    block = json.loads(record.read_text().splitlines()[-1])
+    assert (block["sync_every"], block["admit_every"]) == (4, 4)
+    assert "block length (4), so --sync-every cannot lower it" in capsys.readouterr().out
 
 
 def test_bench_cli_errors_are_one_line(tmp_path, capsys):

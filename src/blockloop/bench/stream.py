@@ -131,7 +131,8 @@ def run_stream(
                 if speculator is not None:
                     rounds[request.id] = speculator.rounds_of(request.slot, len(request.prompt), decoded)
     metrics = serving_metrics([Timing(r.arrival_time, r.token_times) for r in requests])
-    metrics.update(n_slots=n_slots, rate=rate, steps=engine.steps, sync_every=engine.sync_every)
+    metrics.update(n_slots=n_slots, rate=rate, steps=engine.steps, sync_every=engine.sync_every,
+                   admit_every=engine.admit_every)
     if depthwise:
         metrics["mean_exit_loop"] = runner.mean_exit_loop()
         metrics["exit_trajectories"] = [trajectories[r.id] for r in requests]

@@ -196,8 +196,10 @@ def engine_throughput(
     step_bytes = bytes_per_step(model, batch, prompt_len, gen_len)
     roofline = batch * bandwidth / step_bytes if bandwidth and step_bytes else None
     peak = torch.cuda.max_memory_allocated(device) // batch if device.type == "cuda" else None
+    # No token comes after the first of a one-token answer: its TPOT is no number (recorded as null).
+    tpot = max(mean - mean_ttft, 0.0) / (gen_len - 1) if gen_len > 1 else float("nan")
     return ThroughputResult(
-        name, batch, prompt_len, gen_len, tok_s, mean_ttft, max(mean - mean_ttft, 0.0) / max(gen_len - 1, 1), peak,
+        name, batch, prompt_len, gen_len, tok_s, mean_ttft, tpot, peak,
         state_bytes(engine.runner.state) // batch, roofline, tok_s / roofline if roofline else None, compile_s,
     )
 

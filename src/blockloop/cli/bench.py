@@ -218,8 +218,10 @@ def _throughput(args: argparse.Namespace, models: list, device: Any) -> list[dic
     for r in rows:
         frac = f"{100 * r['roofline_fraction']:.1f}%" if r["roofline_fraction"] else "-"
         ratio = f"{r['ratio_vs_baseline']:.2f}x" if r["ratio_vs_baseline"] else "-"
-        print(f"| {r['name']} | {r['batch']} | {r['tok_s']:.0f} | {ratio} | {1e3 * r['ttft_s']:.1f} | "
-              f"{1e3 * r['tpot_s']:.2f} | {r['cache_bytes_per_sample'] or '-'} | {r['peak_mem_per_sample'] or '-'} | {frac} |")
+        ttft, tpot = (f"{1e3 * r[key]:.{digits}f}" if math.isfinite(r[key]) else "-"  # HF rows, one-token answers
+                      for key, digits in (("ttft_s", 1), ("tpot_s", 2)))
+        print(f"| {r['name']} | {r['batch']} | {r['tok_s']:.0f} | {ratio} | {ttft} | {tpot} | "
+              f"{r['cache_bytes_per_sample'] or '-'} | {r['peak_mem_per_sample'] or '-'} | {frac} |")
     if args.warmup == 0 and any(r["tpot_s"] == 0 for r in rows):
         print("note: a TPOT of 0 means the first token, timed on its own, took as long as the whole cold run; "
               "time with --warmup 1 or more")
@@ -255,9 +257,12 @@ def _stream(args: argparse.Namespace, models: list) -> list[dict[str, Any]]:
               f"{_ms(m['itl_s'], 'median', 'p99')} | {_ms(m['e2e_s'], 'median', 'p99')} | {loops} | {agree} | {kept} | "
               f"{per_pass} |")
     window = max((r.get("sync_every", 0) for r in rows), default=0)  # the engine's, when --sync-every was left alone
+    floor = max((r.get("admit_every", 1) for r in rows), default=1)  # a block model's window holds whole blocks
     if args.tokens_range[0] <= window:
+        fix = ("lower --sync-every to resolve short requests" if window > floor else
+               f"a Block Transformer's window is at least its block length ({floor}), so --sync-every cannot lower it")
         print(f"note: tokens reach the host every {window} steps (--sync-every), so a request that finishes within "
-              "one window reads a TPOT and ITL of 0; lower --sync-every to resolve short requests")
+              f"one window reads a TPOT and ITL of 0; {fix}")
     simulated = [r for r in rows if "simulated" in r]
     if simulated:
         print(f"\nsimulated schedules of the recorded exits ({args.slots} slots, steps = block passes over the batch; "
