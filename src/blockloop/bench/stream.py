@@ -94,11 +94,12 @@ def check_stream_fits(name: str, runner: Runner, prompts: list[list[int]], min_t
 def run_stream(
     served: nn.Module | Runner, prompts: list[list[int]], *, n_slots: int, min_tokens: int, max_tokens: int,
     rate: float = float("inf"), sync_every: int | None = None, seed: int = 0, compile: bool = False, key_buckets: int = KEY_BUCKETS,
+    warmup: int = 1,
 ) -> dict[str, Any]:
     """Serve ``prompts`` arriving at ``rate`` requests/s (inf: all at t=0); metrics of the whole stream,
     and each request's ``outputs`` (in submission order). ``served`` is a model or its runner (a recursive
     model's depth-wise runner also reports its exits, a speculative one its acceptance); ``key_buckets``: the
-    engine's."""
+    engine's; ``warmup``: untimed rounds first (see :func:`warm_up`)."""
     offsets, budgets = schedule(len(prompts), rate, min_tokens, max_tokens, seed)
     runner = served if isinstance(served, Runner) else runner_for(served)
     # Slots as long as the stream's longest request, not the model's whole context.
@@ -106,14 +107,15 @@ def run_stream(
     engine = Engine(runner, n_slots, max_len=max_len, sync_every=sync_every, compile=compile, key_buckets=key_buckets)
     if compile:  # before the clock starts: compiling a step inside the stream would be timed as serving
         engine.compile_steps(shortest=min(map(len, prompts)))
+    warm_steps = warm_up(engine, prompts, warmup, min_tokens)
     depthwise = isinstance(runner, RecursiveRunner) and runner.exit_rule is not None
     speculator = runner.speculator if isinstance(runner, RecursiveRunner) else None
     greedy = SamplingParams(temperature=0.0)
     requests, pending = [], list(zip(offsets, prompts, budgets))
     trajectories: dict[int, list[int]] = {}  # exit loops per request (depth-wise serving), read as each finishes
     rounds: dict[int, list[tuple[int, int]]] = {}  # (emitted, drafted) per verification round (speculation)
-    start = time.perf_counter()
     with torch.no_grad(), packed_linears(runner.model, engine.step_rows):
+        start = time.perf_counter()
         while pending or not engine.idle:
             now = time.perf_counter() - start
             while pending and pending[0][0] <= now:
@@ -131,8 +133,8 @@ def run_stream(
                 if speculator is not None:
                     rounds[request.id] = speculator.rounds_of(request.slot, len(request.prompt), decoded)
     metrics = serving_metrics([Timing(r.arrival_time, r.token_times) for r in requests])
-    metrics.update(n_slots=n_slots, rate=rate, steps=engine.steps, sync_every=engine.sync_every,
-                   admit_every=engine.admit_every)
+    metrics.update(n_slots=n_slots, rate=rate, steps=engine.steps - warm_steps, sync_every=engine.sync_every,
+                   admit_every=engine.admit_every, warmup=warmup)
     if depthwise:
         metrics["mean_exit_loop"] = runner.mean_exit_loop()
         metrics["exit_trajectories"] = [trajectories[r.id] for r in requests]
@@ -141,6 +143,22 @@ def run_stream(
                                            [len(r.output) - 1 + (r.finish_reason == "eos") for r in requests]))
     metrics["outputs"] = [r.output for r in requests]
     return metrics
+
+
+def warm_up(engine: Engine, prompts: list[list[int]], rounds: int, max_tokens: int) -> int:
+    """Serve ``rounds`` batches of the stream's first prompts (one per slot, ``max_tokens`` each) before the clock
+    starts, so that the first model of a run is not timed cold (allocator, kernel and library start-up) against
+    warm later ones; the decode steps this took, and a depth-wise runner's exit counts are then cleared."""
+    first = engine.steps
+    with torch.no_grad(), packed_linears(engine.runner.model, engine.step_rows):
+        for _ in range(rounds):
+            for prompt in prompts[: engine.n_slots]:
+                engine.submit(prompt, max_tokens, sampling=SamplingParams(temperature=0.0))
+            while not engine.idle:
+                engine.step()
+    if isinstance(engine.runner, RecursiveRunner) and engine.runner.exit_rule is not None:
+        engine.runner.forget_exits()
+    return engine.steps - first
 
 
 def speculation_metrics(rounds: list[list[tuple[int, int]]], decoded: list[int]) -> dict[str, float]:

@@ -60,7 +60,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     t.add_argument("--search", action="store_true", help="keep doubling the batch past the list until out of memory")
     t.add_argument("--max-batch", type=positive_int, help="upper bound for --search (default: 4096)")
     t.add_argument("--repeats", type=positive_int, help="timed runs per batch size (default: 3)")
-    t.add_argument("--warmup", type=nonnegative_int, help="untimed runs first (default: 1)")
+    t.add_argument("--warmup", type=nonnegative_int,
+                   help="untimed runs first (default: 1; --stream: rounds of one short request per slot, per model)")
     t.add_argument("--sync-every", type=positive_int,
                    help="decode steps between host syncs (default: 16 for the throughput protocol; --stream: the "
                         "engine's, as `serve` runs it: 1 on CPU, 8 on an accelerator)")
@@ -142,13 +143,13 @@ def run(args: argparse.Namespace) -> int:
 
 # The flags of one mode, and their defaults (None in the parser, so that a flag given to a mode that ignores it
 # is told apart from one left alone). ENGINE_STREAM are stream flags that --url leaves to the server.
-THROUGHPUT = {"scenario": "decode-heavy", "batch_sizes": [1, 16, 64], "max_batch": 4096, "repeats": 3, "warmup": 1,
+THROUGHPUT = {"scenario": "decode-heavy", "batch_sizes": [1, 16, 64], "max_batch": 4096, "repeats": 3,
               "prompt_len": None, "gen_len": None, "search": False, "hf": False, "paged": False, "whole_keys": False}
 STREAM = {"requests": 64, "rate": math.inf, "prompt_range": (16, 64), "tokens_range": (16, 64), "corpus": "shakespeare"}
 ENGINE_STREAM = {"slots": 16, "draft_loops": 1, "exit": [], "speculate": [], "adaptive_k": False}
 # The flags of the engine blockloop runs here (not --url's server), and their defaults.
 LOCAL = {"presets": None, "checkpoint": [], "device": "auto", "dtype": "auto", "compile": False, "threads": None,
-         "no_pack": False, "sync_every": None, "key_buckets": KEY_BUCKETS}
+         "no_pack": False, "sync_every": None, "key_buckets": KEY_BUCKETS, "warmup": 1}
 
 
 def _settle_modes(args: argparse.Namespace) -> None:
@@ -236,7 +237,7 @@ def _stream(args: argparse.Namespace, models: list) -> list[dict[str, Any]]:
         requests=args.requests, slots=args.slots, prompt_range=args.prompt_range, tokens_range=args.tokens_range,
         rate=args.rate,
         corpus=args.corpus, sync_every=args.sync_every, compile=args.compile, key_buckets=args.key_buckets,
-        seed=args.seed,
+        seed=args.seed, warmup=args.warmup,
         exits=[parse_exit_rule(text) for text in args.exit],
         speculations=[Speculation(k, args.draft_loops, args.adaptive_k) for k in args.speculate],
     )

@@ -273,6 +273,11 @@ class RecursiveRunner(DecoderRunner):
         Read it once the request has finished, before its row is prefilled again (a host sync)."""
         return self.depth.exit_log[row, start : start + n_tokens].tolist()
 
+    def forget_exits(self) -> None:
+        """Clear the exit counts :meth:`mean_exit_loop` reads, in place (a captured step keeps counting into
+        them): what follows, e.g. a benchmark's timed part after its warm-up, is counted alone."""
+        self.depth.exits.zero_()
+
     def mean_exit_loop(self) -> float:
         """Average loops per emitted token so far (a host sync: for reports, not inside the loop)."""
         counts = self.depth.exits.double()
