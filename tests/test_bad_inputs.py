@@ -267,6 +267,10 @@ CASES = [
     (["bench", "--stream", "--presets", "tiny-recursive", "--exit", "max_prob:nan"], "max_prob exit threshold is a probability in [0, 1], got nan"),
     (["bench", "--stream", "--presets", "tiny-recursive", "--exit", "entropy:inf"], "entropy exit threshold is a finite number"),
     (["bench", "--stream", "--presets", "tiny-recursive", "--exit", "max_prob"], "--exit takes RULE:THRESHOLD"),
+    (["bench", "--stream", "--presets", "tiny-recursive", "--exit", "max_prob:0.9", "--exit", "max_prob:0.90"],
+     "--exit names max_prob:0.9 more than once; give each rule once"),
+    (["bench", "--stream", "--presets", "tiny-recursive", "--speculate", "2", "--speculate", "2"],
+     "--speculate names 2 more than once; give each K once"),
     # a flag no verb knows is blamed on the verb's help, not the top-level one
     (["train", *TINY, "--bogus", "--out", NEW], "blockloop train: error: unrecognized arguments: --bogus; see blockloop train --help"),
     (["tasks", "import", "{base}/x.jsonl", "--out", NEW, "--no-progress"], "see blockloop tasks import --help"),

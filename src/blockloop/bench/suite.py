@@ -210,6 +210,12 @@ class StreamSettings:
     def __post_init__(self) -> None:
         if self.requests < 1:
             raise BlockloopError(f"--requests must be >= 1, got {self.requests}")
+        # a repeated setting would serve the same runner twice, under one row name
+        for flag, names, what in (("--exit", [rule_name(r) for r in self.exits], "rule"),
+                                  ("--speculate", [str(sp.k) for sp in self.speculations], "K")):
+            twice = next((name for name in names if names.count(name) > 1), None)
+            if twice is not None:
+                raise BlockloopError(f"{flag} names {twice} more than once; give each {what} once")
 
 
 def stream_rows(models: list[BenchModel], settings: StreamSettings) -> Iterator[dict[str, Any]]:
