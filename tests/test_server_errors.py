@@ -238,6 +238,31 @@ def test_bench_over_http_counts_requests_a_full_queue_turns_away_and_measures_th
     assert metric(text, "blockloop_requests_rejected_total") == metrics["rejected"]
 
 
+def test_bench_over_http_warms_the_server_before_its_clock_starts(run):
+    """A server's first request pays its start-up costs (imitated by a one-second first window): timed, they made
+    the run look slower than the server serves. ``warmup`` requests of the stream go first, untimed."""
+    from blockloop.bench.http_stream import run_http_stream
+
+    for warmup in (0, 1):
+        application = app(run, n_slots=4)
+        engine = application.state.served.worker.engine
+        step, calls = engine.step, []
+
+        def cold_step(*args, step=step, calls=calls, **kwargs):
+            if not calls:
+                time.sleep(1.0)
+            calls.append(1)
+            return step(*args, **kwargs)
+
+        engine.step = cold_step
+        with running(application) as url:
+            metrics = run_http_stream(url, requests=4, rate=float("inf"), prompt_range=(4, 8), tokens_range=(3, 4),
+                                      warmup=warmup)
+            finished = metric(httpx.get(url + "/metrics").text, 'blockloop_requests_finished_total{finish_reason="length"}')
+        assert metrics["requests"] == 4 and metrics["warmup"] == warmup and finished == 4 + warmup
+        assert (metrics["e2e_s"]["p99"] >= 1.0) == (warmup == 0), metrics["e2e_s"]
+
+
 def test_a_request_admitted_in_this_window_is_not_counted_as_waiting(run):
     """A request the engine admitted was counted as waiting until its first window ended, and as taking a slot
     too: with a free slot and no waiting allowed, a second request got a 503."""

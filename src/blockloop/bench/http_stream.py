@@ -75,9 +75,12 @@ def server_tokens(url: str, model: str, text: str) -> list[int]:
 
 def run_http_stream(
     url: str, *, requests: int, rate: float, prompt_range: tuple[int, int], tokens_range: tuple[int, int],
-    corpus: str = "shakespeare", seed: int = 0,
+    corpus: str = "shakespeare", seed: int = 0, warmup: int = 1,
 ) -> dict[str, Any]:
-    """Send the stream to ``url`` and measure it: TTFT, TPOT, ITL and E2E percentiles, tokens/s and requests/s."""
+    """Send the stream to ``url`` and measure it: TTFT, TPOT, ITL and E2E percentiles, tokens/s and requests/s.
+    ``warmup`` requests of the stream are sent first, one at a time and untimed, as ``vllm bench serve``'s test
+    request: a server's first requests pay its start-up costs, and a request it cannot serve fails the run
+    before the stream starts."""
     if requests < 1:
         raise BlockloopError(f"--requests must be >= 1, got {requests}")
     _check_url(url)
@@ -89,23 +92,25 @@ def run_http_stream(
     if isinstance(context, int) and need > context:  # refused now, not as a 400 partway through the run
         raise BlockloopError(f"the stream's longest request takes {need} tokens (prompt and new tokens), more than the "
                              f"server's context of {context}; lower --prompt-range or --tokens-range")
-    answers = asyncio.run(_send_all(root, card["id"], prompts, offsets.tolist(), budgets.tolist()))
+    answers = asyncio.run(_send_all(root, card["id"], prompts, offsets.tolist(), budgets.tolist(), warmup))
     timings = [timing for timing in answers if timing is not None]
     if not timings:
         raise BlockloopError(f"the server at {url} turned every request away (503: its queue was full); raise its "
                              "--max-waiting or --slots, or lower --rate")
     metrics = serving_metrics(timings)
     metrics.update(url=url, model=card["id"], rate=rate, requests_per_s=len(timings) / metrics["duration_s"],
-                   rejected=len(answers) - len(timings))
+                   rejected=len(answers) - len(timings), warmup=warmup)
     return metrics
 
 
-async def _send_all(url: str, model: str, prompts: list[list[int]], offsets: list[float], budgets: list[int]
-                    ) -> list[Timing | None]:
+async def _send_all(url: str, model: str, prompts: list[list[int]], offsets: list[float], budgets: list[int],
+                    warmup: int) -> list[Timing | None]:
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
     async with httpx.AsyncClient(base_url=url, timeout=None, limits=limits) as client:
-        start = time.perf_counter()
         try:
+            for i in range(warmup):
+                await _one(client, model, prompts[i % len(prompts)], budgets[i % len(prompts)], time.perf_counter())
+            start = time.perf_counter()
             return await asyncio.gather(*(_one(client, model, p, n, start + t)
                                           for p, n, t in zip(prompts, budgets, offsets)))
         except httpx.HTTPError as exc:  # the server went away (or broke a stream) mid-run

@@ -61,7 +61,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     t.add_argument("--max-batch", type=positive_int, help="upper bound for --search (default: 4096)")
     t.add_argument("--repeats", type=positive_int, help="timed runs per batch size (default: 3)")
     t.add_argument("--warmup", type=nonnegative_int,
-                   help="untimed runs first (default: 1; --stream: rounds of one short request per slot, per model)")
+                   help="untimed runs first (default: 1; --stream: rounds of one short request per slot, per model; "
+                        "--url: requests sent one at a time)")
     t.add_argument("--sync-every", type=positive_int,
                    help="decode steps between host syncs (default: 16 for the throughput protocol; --stream: the "
                         "engine's, as `serve` runs it: 1 on CPU, 8 on an accelerator)")
@@ -149,13 +150,15 @@ STREAM = {"requests": 64, "rate": math.inf, "prompt_range": (16, 64), "tokens_ra
 ENGINE_STREAM = {"slots": 16, "draft_loops": 1, "exit": [], "speculate": [], "adaptive_k": False}
 # The flags of the engine blockloop runs here (not --url's server), and their defaults.
 LOCAL = {"presets": None, "checkpoint": [], "device": "auto", "dtype": "auto", "compile": False, "threads": None,
-         "no_pack": False, "sync_every": None, "key_buckets": KEY_BUCKETS, "warmup": 1}
+         "no_pack": False, "sync_every": None, "key_buckets": KEY_BUCKETS}
+# Untimed work before the clock, in every mode that times.
+WARMUP = {"warmup": 1}
 
 
 def _settle_modes(args: argparse.Namespace) -> None:
     """Refuse a flag the chosen mode would ignore, then fill in the defaults of the flags left alone."""
     if args.plot is not None:  # it draws recorded runs and runs nothing
-        mode, ignored = "--plot", {**THROUGHPUT, **STREAM, **ENGINE_STREAM, **LOCAL, "stream": False, "url": None,
+        mode, ignored = "--plot", {**THROUGHPUT, **STREAM, **ENGINE_STREAM, **LOCAL, **WARMUP, "stream": False, "url": None,
                                    "seed": None, "no_progress": False}
     else:
         mode = "--url" if args.url is not None else "--stream" if args.stream else "the throughput protocol"
@@ -172,7 +175,7 @@ def _settle_modes(args: argparse.Namespace) -> None:
             refuse_flags(shaping, "a stream without --speculate", fix="add --speculate K or leave them out")
     if mode == "the throughput protocol" and args.max_batch is not None and not args.search:
         refuse_flags(["max_batch"], "a run without --search (it bounds the search)", fix="add --search or leave it out")
-    for name, default in {**THROUGHPUT, **STREAM, **ENGINE_STREAM, **LOCAL, "seed": 0}.items():
+    for name, default in {**THROUGHPUT, **STREAM, **ENGINE_STREAM, **LOCAL, **WARMUP, "seed": 0}.items():
         if getattr(args, name) is None:
             setattr(args, name, default)
 
@@ -285,7 +288,7 @@ def _http(args: argparse.Namespace) -> int:
     from blockloop.bench.http_stream import run_http_stream
 
     m = run_http_stream(args.url, requests=args.requests, rate=args.rate, corpus=args.corpus, seed=args.seed,
-                        prompt_range=args.prompt_range, tokens_range=args.tokens_range)
+                        prompt_range=args.prompt_range, tokens_range=args.tokens_range, warmup=args.warmup)
     turned_away = f" ({m['rejected']} more turned away by its full queue, 503)" if m["rejected"] else ""
     print(f"{m['model']} at {args.url}: {m['requests']} requests at {args.rate}/s{turned_away}, {m['output_tokens']} "
           f"tokens in {m['duration_s']:.2f} s: {m['requests_per_s']:.2f} req/s, {m['throughput_tok_s']:.1f} tok/s")
