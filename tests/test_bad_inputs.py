@@ -110,6 +110,10 @@ CASES = [
     (["train", *TINY, "--set", "d_model=-64", "--out", NEW], "d_model=-64"),
     (["train", *TINY, "--set", "init_std=-1", "--out", NEW], "init_std=-1: no size, count, id, rate or scale is negative"),
     (["train", *TINY, "--set", "rope_base=0", "--out", NEW], "rope_base must be positive"),
+    # zero is no value for these either: a norm divided by zero, all-zero weights, a local RoPE base read as unset
+    (["train", *TINY, "--set", "norm_eps=0", "--out", NEW], "norm_eps must be positive"),
+    (["train", *TINY, "--set", "init_std=0", "--out", NEW], "init_std must be positive"),
+    (["train", *TINY, "--set", "local_rope_base=0", "--out", NEW], "local_rope_base must be positive"),
     (["train", *TINY, "--set", "name=5", "--out", NEW], "name must be a string, got 5"),
     (["train", *TINY, "--set", "d_model=0", "--out", NEW], "d_model must be positive"),
     (["train", *TINY, "--set", "n_layer=abc", "--out", NEW], "n_layer must be an integer, got 'abc'"),

@@ -456,6 +456,15 @@ def test_bad_requests_and_engines_are_clear_errors():
             engine.submit([1], bad_budget)
     with pytest.raises(BlockloopError, match="slots"):
         Engine(model, 1.5)
+    for bad in ({"sync_every": 1.5}, {"prefill_chunk": 2.5}, {"max_len": 8.5}):  # a raw TypeError, or kept silently
+        with pytest.raises(BlockloopError, match=next(iter(bad))):
+            Engine(model, 1, **bad)
+    with pytest.raises(BlockloopError, match="sampling is a SamplingParams, got dict"):
+        engine.submit([1], 2, sampling={"temperature": 0})
+    # the engine serves in eval mode and says so: no moment to restore a training model's mode
+    model.train()
+    Engine(model, 1)
+    assert not model.training and "left so" in Engine.__doc__
     # generate takes any integer seed, however large (it overflowed int64 from 2**47), and it still replays
     assert generate(model, [[1, 2]], 3, seed=2**70) == generate(model, [[1, 2]], 3, seed=2**70)
     for bad in ({"temperature": float("nan")}, {"temperature": float("inf")}, {"top_k": 2.5}, {"top_k": 2**64},

@@ -124,3 +124,19 @@ def test_block_embedder_shapes_are_checked_not_replaced(fields, says):
 def test_a_local_layer_named_twice_is_refused():
     with pytest.raises(ConfigError, match=re.escape("local_layers=[1, 1] names a layer twice")):
         DecoderConfig(n_layer=2, n_head=4, d_model=64, local_layers=[1, 1], sliding_window=4)
+
+
+def test_the_library_entry_points_refuse_a_wrong_kind_of_argument_in_one_line():
+    """From Python as from the command line: a wrong kind of argument is a ConfigError naming it, not a TypeError
+    from deep inside (difflib on a None name, dict() of a list, a block model's window cut mid-block)."""
+    import torch
+
+    from blockloop.families import build_model
+
+    with pytest.raises(ConfigError, match="a preset name is a string, got None"):
+        from_name(None)
+    with pytest.raises(ConfigError, match="a config is a mapping .* got list"):
+        config_from_dict([1, 2])
+    block = build_model(from_name("tiny-block"))
+    with pytest.raises(ConfigError, match="sequence length 6 is not a multiple of block_len=4; pad or cut"):
+        block(torch.zeros(1, 6, dtype=torch.long))

@@ -63,6 +63,10 @@ def test_prompt_longer_than_context_is_a_clear_error(model):
         generate(model, [[1] * 120], 10)
     with pytest.raises(BlockloopError, match="non-empty"):
         generate(model, [[]], 10)
+    with pytest.raises(BlockloopError, match="no prompts given"):
+        generate(model, [], 10)
+    with pytest.raises(BlockloopError, match="seed must be an integer, got 'a'"):
+        generate(model, [[1, 2]], 3, seed="a")
     # a block model counts its padded prompt against the context, and says so beside the prompt's own length
     block = build_model(from_name("tiny-block")).eval()
     with pytest.raises(BlockloopError, match=r"prompt of 122 tokens \(124 once left-padded to whole blocks\) plus 8"):

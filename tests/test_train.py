@@ -372,3 +372,21 @@ def test_cuda_bf16_training_loss_falls(tmp_path, compile_model):
     assert trainer.autocast_dtype == torch.bfloat16
     before = trainer.validate()["val_loss"]
     assert trainer.fit()["val_loss"] < before - 1.0
+
+
+def test_model_files_take_string_paths_and_load_trained_checks_its_device(tmp_path):
+    """The library's checkpoint functions take a str as load_config and load_trained do (they called .mkdir and
+    / on it), and load_trained checks a device name as --device does, before reading anything."""
+    from blockloop.families import build_model, from_name
+    from blockloop.train.checkpoint import load_model_state, save_model_files
+
+    config = from_name("tiny")
+    model, copy = build_model(config), build_model(config)
+    save_model_files(str(tmp_path / "weights"), model, config)
+    load_model_state(str(tmp_path / "weights"), copy)
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), copy.state_dict().values()))
+    with pytest.raises(BlockloopError, match="'tpu7' is not a device"):
+        load_trained(tmp_path / "no-run", device="tpu7")
+    if not torch.cuda.is_available():
+        with pytest.raises(BlockloopError, match="CUDA is not available"):
+            load_trained(tmp_path / "no-run", device="cuda")

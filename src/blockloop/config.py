@@ -95,6 +95,8 @@ class ModelConfig:
             (self.context_length > 0, f"context_length must be positive, got {self.context_length}"),
             (0.0 <= self.rotary_pct <= 1.0, f"rotary_pct must be in [0, 1], got {self.rotary_pct}"),
             (self.rope_base > 0, f"rope_base must be positive, got {self.rope_base}"),
+            (self.norm_eps > 0, f"norm_eps must be positive (it keeps a norm's division finite), got {self.norm_eps}"),
+            (self.init_std > 0, f"init_std must be positive (0 starts every weight at zero), got {self.init_std}"),
             (self.norm in NORMS, f"norm={self.norm!r} is not one of {NORMS}"),
             (self.mlp in MLPS, f"mlp={self.mlp!r} is not one of {MLPS}"),
             (0.0 <= self.dropout < 1.0, f"dropout must be in [0, 1), got {self.dropout}"),
@@ -347,6 +349,11 @@ class LocalAttention:
             (
                 not self.local_layers or (self.sliding_window or 0) > 0,
                 "local_layers need a positive sliding_window (how many recent positions they see)",
+            ),
+            (
+                self.local_rope_base is None or self.local_rope_base > 0,
+                f"local_rope_base must be positive (or left out: the local layers then use rope_base), got "
+                f"{self.local_rope_base}",
             ),
         )
 

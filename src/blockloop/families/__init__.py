@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -67,6 +68,8 @@ def collate_for(config: ModelConfig, objective: str = "lm") -> Collate:
 
 def from_name(name: str, /, **overrides: Any) -> ModelConfig:
     """The preset's config with ``overrides`` applied (e.g. ``vocab_size`` from the tokenizer)."""
+    if not isinstance(name, str):
+        raise ConfigError(f"a preset name is a string, got {name!r}; run `blockloop presets` to list them")
     preset = PRESETS.get(name)
     if preset is None:
         close = difflib.get_close_matches(name, PRESETS, n=3)
@@ -83,6 +86,8 @@ def config_from_dict(data: dict[str, Any]) -> ModelConfig:
     A field the family does not have is refused by name, except a shared field at its default value: a
     ``config.json`` written before the family's config dropped that field group holds those.
     """
+    if not isinstance(data, Mapping):
+        raise ConfigError(f"a config is a mapping of field names to values (as to_dict gives), got {type(data).__name__}")
     data = dict(data)
     cls = family(data.pop("family", "decoder")).config_class
     known = {f.name for f in dataclasses.fields(cls)}

@@ -173,7 +173,8 @@ def make_batch(config: BlockTransformerConfig, inputs: Tensor, targets: Tensor, 
     c = config
     breakpoint = sample_breakpoint(inputs.shape[1], generator) if objective == "prefix_lm" else 0
     if inputs.shape[1] % c.block_len:
-        raise ValueError(f"sequence length {inputs.shape[1]} is not a multiple of block_len={c.block_len}")
+        raise ConfigError(f"sequence length {inputs.shape[1]} is not a multiple of block_len={c.block_len}; pad or cut it to "
+                              "whole blocks")
     if inputs.shape[1] < 2 * c.block_len:
         raise ConfigError(f"a window of {inputs.shape[1]} tokens is one block, and the first block is never predicted: "
                           f"nothing would be scored; use a sequence length of at least {2 * c.block_len} (two blocks)")

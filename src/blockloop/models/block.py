@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor, nn
 
-from blockloop.errors import check_context
+from blockloop.errors import ConfigError, check_context
 from blockloop.models.decoder import LanguageModel, TransformerStack, count_parameters
 from blockloop.nn.init import init_weights
 from blockloop.nn.kv_cache import DecoderCache, StepContext
@@ -153,7 +153,8 @@ class BlockTransformer(nn.Module):
         c = self.config
         batch, length = idx.shape
         if length % c.block_len:
-            raise ValueError(f"sequence length {length} is not a multiple of block_len={c.block_len}")
+            raise ConfigError(f"sequence length {length} is not a multiple of block_len={c.block_len}; pad or cut it to "
+                              "whole blocks")
         check_context(length, c.context_length, "sequence")
         blocks = idx.view(batch, -1, c.block_len)
         context = self.block_decoder(self.drop(self.embedder(blocks)))

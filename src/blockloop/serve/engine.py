@@ -98,7 +98,9 @@ class Engine:
     ``chunked_prefill``). ``sync_every``: decode steps per window (:func:`default_sync_every` when None).
     ``key_buckets``: how many key lengths a step over every slot may be cut to (:func:`key_lengths`; 0 or 1: every
     step reads all ``max_len`` slots); each is one more compiled graph. The model is used as given: cast it
-    (e.g. ``model.to(torch.bfloat16)``) first.
+    (e.g. ``model.to(torch.bfloat16)``) first. It is put in eval mode (no dropout) and left so: an engine lives
+    across many calls, so, unlike :func:`~blockloop.serve.generate.generate`, it has no moment to restore the
+    mode; call ``model.train()`` to go on training after sampling with it.
     """
 
     def __init__(
@@ -121,10 +123,9 @@ class Engine:
         self.device = weight.device
         if sync_every is None:
             sync_every = default_sync_every(self.device)
-        if sync_every < 1:
-            raise BlockloopError(f"sync_every must be at least 1, got {sync_every}")
-        if prefill_chunk < 1:
-            raise BlockloopError(f"prefill_chunk must be at least 1, got {prefill_chunk}")
+        for name, value in (("sync_every", sync_every), ("prefill_chunk", prefill_chunk)):
+            if not (whole_number(value) and value >= 1):
+                raise BlockloopError(f"{name} must be a whole number, at least 1; got {value!r}")
         if not (whole_number(key_buckets) and key_buckets >= 0):
             raise BlockloopError(f"key_buckets must be a whole number, at least 0 (0: read every slot); got {key_buckets!r}")
         self.prefill_chunk = prefill_chunk
@@ -132,7 +133,7 @@ class Engine:
         self.admitted: list[int] = []  # running slots, oldest request first (the newest is preempted first)
         context = model.config.context_length
         self.max_len = context if max_len is None else max_len
-        if not 1 <= self.max_len <= context:
+        if not (whole_number(self.max_len) and 1 <= self.max_len <= context):
             raise BlockloopError(f"max_len (--max-len) {self.max_len} is outside the model context of {context} tokens; "
                                  f"give 1 to {context}")
         model.eval()
@@ -206,7 +207,10 @@ class Engine:
             raise BlockloopError(
                 f"prompt of {self._padded(len(prompt))} tokens plus {max_tokens} new tokens is more than the whole "
                 "paged KV cache holds; give the engine more kv tokens, shorten the prompt or lower max_tokens")
-        sampling = sampling or SamplingParams()
+        sampling = SamplingParams() if sampling is None else sampling
+        if not isinstance(sampling, SamplingParams):
+            raise BlockloopError(f"sampling is a SamplingParams, got {type(sampling).__name__}; e.g. "
+                                 "SamplingParams(temperature=0.0)")
         self.runner.check_request(sampling)
         request = Request(prompt, max_tokens, sampling, eos_id, on_token, arrival_time=time.perf_counter())
         self.scheduler.add(request)

@@ -46,8 +46,12 @@ def generate(
     sampling distribution (other samples for a seed), fewer full-depth passes.
     """
     prompts = _prompt_rows(prompts)
-    if not prompts or any(len(p) == 0 for p in prompts):
+    if not prompts:
+        raise BlockloopError("no prompts given; pass a list of token-id lists, one per row")
+    if any(len(p) == 0 for p in prompts):
         raise BlockloopError("every prompt needs at least one token; give a non-empty --prompt")
+    if seed is not None and not whole_number(seed):  # it is mixed into each row's seed before any request checks it
+        raise BlockloopError(f"seed must be an integer, got {seed!r}")
     if not (whole_number(max_new_tokens) and max_new_tokens >= 1):
         raise BlockloopError(f"max_new_tokens must be a whole number, at least 1; got {max_new_tokens!r}")
     longest = padded_prompt_length(model, prompts)

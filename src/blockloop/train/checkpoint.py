@@ -212,7 +212,7 @@ def _is_hf_folder(path: Path) -> bool:
 
 
 def save_model_files(
-    directory: Path, model: nn.Module, config: ModelConfig, state_dict: dict[str, torch.Tensor] | None = None,
+    directory: Path | str, model: nn.Module, config: ModelConfig, state_dict: dict[str, torch.Tensor] | None = None,
     *, dtype: torch.dtype | None = None,
 ) -> None:
     """config.json + model.safetensors; a tied tensor is stored once, under its first name.
@@ -221,6 +221,7 @@ def save_model_files(
     holds separate copies of tied weights. ``dtype`` (see :func:`save_dtype`) casts floating-point tensors,
     for exports; loading casts them back into the model's own dtype.
     """
+    directory = Path(directory)
     state_dict = state_dict if state_dict is not None else model.state_dict()
     tied = _tied_names(model)
     tensors = {
@@ -256,9 +257,10 @@ def _size(size: int) -> str:
     return f"{size / 1e9:.2f} GB" if size >= 1e8 else f"{size / 1e6:.1f} MB"
 
 
-def read_model_tensors(directory: Path, model: nn.Module) -> dict[str, torch.Tensor]:
+def read_model_tensors(directory: Path | str, model: nn.Module) -> dict[str, torch.Tensor]:
     """model.safetensors, checked to hold exactly ``model``'s parameters (tied aliases stored once), each of the
     shape ``model`` (built from the checkpoint's config.json) expects."""
+    directory = Path(directory)
     tensors = _read_safetensors(directory / "model.safetensors")
     expected = {name: t.shape for name, t in model.state_dict().items() if name not in _tied_names(model)}
     missing, unexpected = sorted(set(expected) - set(tensors)), sorted(set(tensors) - set(expected))
@@ -281,7 +283,7 @@ def read_model_tensors(directory: Path, model: nn.Module) -> dict[str, torch.Ten
     return tensors
 
 
-def load_model_state(directory: Path, model: nn.Module) -> None:
+def load_model_state(directory: Path | str, model: nn.Module) -> None:
     """Load model.safetensors into a plain (unwrapped) ``model``."""
     model.load_state_dict(read_model_tensors(directory, model), strict=False)
 

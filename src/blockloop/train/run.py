@@ -23,6 +23,7 @@ from blockloop.data.dataset import TokenSplits, prepare_tokens, split_documents
 from blockloop.data.loader import PackedSequences
 from blockloop.data.tasks import TaskData, TaskSequences, TaskTokenizer, TaskVocab, get_task, open_task
 from blockloop.data.tokenizers import Tokenizer, build_tokenizer, load_tokenizer
+from blockloop.device import resolve_device
 from blockloop.errors import BlockloopError
 from blockloop.families import build_model, from_name, spec_of
 from blockloop.train import checkpoint as ckpt
@@ -177,7 +178,9 @@ class TrainedModel:
 
 
 def load_trained(path: Path | str, device: str = "cpu") -> TrainedModel:
-    """A model ready for inference from a run directory or checkpoint directory."""
+    """A model ready for inference from a run directory or checkpoint directory, on ``device`` (a name as
+    ``--device`` takes: ``auto``, ``cpu``, ``cuda``, ``cuda:N``; checked before anything is read)."""
+    device = resolve_device(str(device))
     directory = ckpt.resolve_checkpoint(Path(path))
     config = ckpt.load_checkpoint_config(directory)
     model = build_model(config)
