@@ -263,6 +263,14 @@ def test_flops_reports_every_family(preset, capsys):
     assert "FLOPs/token" in out and "MiB" in out
 
 
+def test_flops_says_when_the_cache_it_prices_is_longer_than_the_model_serves(capsys):
+    """The default prices the whole context as the prompt plus 256 more tokens: a slot no engine of the model holds."""
+    assert main(["flops", "--preset", "tiny"]) == 0
+    assert "T + T_out = 384 tokens is more than tiny's context of 128" in capsys.readouterr().out
+    assert main(["flops", "--preset", "tiny", "--seq-len", "64", "--out-len", "64"]) == 0
+    assert "more than tiny's context" not in capsys.readouterr().out
+
+
 def test_flops_rejects_a_window_that_splits_a_block(capsys):
     one_line_error(capsys, ["flops", "--preset", "tiny-block", "--seq-len", "30"], "not a multiple of the block length 4")
 

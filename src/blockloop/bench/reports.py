@@ -8,7 +8,7 @@ and depth; families the appendix does not cover get their own rows.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -71,6 +71,17 @@ def flops_report(
     unit = spec.sequence_multiple(config)
     if T % unit:
         raise BlockloopError(f"--seq-len {T} is not a multiple of the {spec.sequence_unit} {unit}")
+    report = _report(preset, config, T, out_len, bytes_per_value, measure)
+    if T + out_len > config.context_length:  # priced all the same: the paper's A.1 prices 2048 + 256 on 2048-token models
+        past = (f" T + T_out = {T + out_len} tokens is more than {preset}'s context of {config.context_length}: the "
+                "cache columns price a longer sequence than one of its slots holds; lower --seq-len or --out-len to "
+                "price one it serves.")
+        report = replace(report, footnote=report.footnote + past)
+    return report
+
+
+def _report(preset: str, config: ModelConfig, T: int, out_len: int, bytes_per_value: int, measure: bool) -> Report:
+    spec = spec_of(config)
     if spec.unrolled is None and spec.paper_training_flops is None:
         return _own_count_report(preset, config, T, out_len, bytes_per_value, measure)
     note, family = None, config.family  # a looped model is counted as its unrolled decoder, but named as itself
