@@ -298,6 +298,9 @@ CASES = [
     (["bench", "--presets", "tiny-block", "--hf", "--prompt-len", "8", "--gen-len", "8"], "--hf times HF generate() on the first model"),
     # convert, tasks, flops, demo, info
     (["convert", "--to", "block", "--checkpoint", R, "--out", NEW, "--block-len", "-1"], "--block-len: must be an"),
+    (["convert", "--to", "block", "--checkpoint", R, "--out", NEW, "--block-len", "0"],
+     "--block-len of a Block Transformer must be at least 1, got 0"),
+    (["convert", "--from-hf", R, "--out", NEW], "is a blockloop run or checkpoint, not a Hugging Face folder"),
     (["convert", "--to", "recursive", "--checkpoint", R, "--out", NEW, "--lora-alpha", "nan"], "--lora-alpha: must"),
     (["convert", "--to", "recursive", "--checkpoint", R, "--out", NEW, "--loops", "two"], "--loops: must be an"),
     (["convert", "--to", "hf", "--checkpoint", R, "--out", NEW, "--loops", "3", "--tokenizer", "gpt2"],

@@ -51,8 +51,9 @@ def _write_uptraining(out: Path, model: nn.Module, source: TrainedModel, what: s
 def to_block_checkpoint(checkpoint: str | Path, out: Path, *, block_len: int = 4, prefix_len: int | None = None) -> Converted:
     """A Block Transformer initialised from a trained vanilla decoder (Ho et al. 2024, uptraining)."""
     prefix_len = 2 if prefix_len is None else prefix_len
-    if block_len < 1 or prefix_len < 1:
-        raise BlockloopError("--block-len and --prefix-len must be at least 1")
+    for flag, value in (("--block-len", block_len), ("--prefix-len", prefix_len)):
+        if value < 1:
+            raise BlockloopError(f"{flag} of a Block Transformer must be at least 1, got {value}")
     out = ckpt.check_new_model_folder(out)
     source = load_trained(checkpoint)
     model = vanilla_to_block(source.model, block_len=block_len, prefix_len=prefix_len, pad_id=source.tokenizer.eos_id)
