@@ -149,7 +149,7 @@ def test_import_refuses_bad_choices(tmp_path):
         (dict(valid_fraction=0.6, test_fraction=0.6), "leave nothing to train on; keep their sum below 1"),
         # Sums below 1 that still round every sequence into valid and test blame the fractions, not the file.
         (dict(valid_fraction=0.5, test_fraction=0.49), r"valid takes 10 \(--valid-fraction 0.5\) and test 10"),
-        (dict(valid=data, test=data, seed=3), "--seed draw the splits from DATA, but --valid and --test give them"),
+        (dict(valid=data, test=data, seed=3), "--seed draws the splits from DATA, but --valid and --test give them"),
         (dict(valid=data, test=data, valid_fraction=0.2, test_fraction=0.2),
          "--valid-fraction and --test-fraction draw the splits"),
         (dict(valid=data, test=unlabelled), r"the test split \(.*none.jsonl\) has no labelled positions"),

@@ -119,7 +119,7 @@ def refuse_flags(names: Sequence[str], mode: str, *, fix: str | None = None, or_
 def nonempty(value: str) -> str:
     """An argparse type: a name or path that is not empty (``--out ""`` would be the current folder)."""
     if not value.strip():
-        raise argparse.ArgumentTypeError("is empty; give a name or path, or leave the flag out for its default")
+        raise argparse.ArgumentTypeError("is empty; give a name or path")
     return value
 
 

@@ -112,7 +112,7 @@ class RecursiveConfig(LocalAttention, InputEmbedding, PretrainedFeatures, Transf
         relax += f", prefix {self.prefix_len}" if self.prefix_len else ""
         relax += ", per-loop norms" if self.loop_norms else ""
         layers = f"{self.n_layer} shared layer{'s' if self.n_layer > 1 else ''}"
-        return f"{layers} x {self.loops} loops ({self.tying}), d={self.d_model}{relax}"
+        return f"{layers} x {self.loops} loop{'s' * (self.loops > 1)} ({self.tying}), d={self.d_model}{relax}"
 
 
 PRESETS = (

@@ -107,7 +107,7 @@ class StaircaseConfig(PretrainedFeatures, TransformerShape, ModelConfig):
     def summary(self) -> str:
         kind = "feedback" if self.memory_mix else "global cached" if self.global_cache else (
             "cached" if self.cache_after else "staircase")
-        return f"{kind}: core {self.n_layer} layers x {self.passes} passes, d={self.d_model}, S={self.step_size}, C={self.chunk_size}"
+        return f"{kind}: core {self.n_layer} layer{'s' * (self.n_layer > 1)} x {self.passes} pass{'es' * (self.passes > 1)}, d={self.d_model}, S={self.step_size}, C={self.chunk_size}"
 
 
 def _paper_presets(task: str, best: dict[str, Any]) -> tuple[Preset, ...]:

@@ -174,7 +174,8 @@ def import_task(
     drawing = {"--seed": seed, "--valid-fraction": valid_fraction, "--test-fraction": test_fraction}
     if valid is not None and any(value is not None for value in drawing.values()):
         given = " and ".join(flag for flag, value in drawing.items() if value is not None)
-        raise BlockloopError(f"{given} draw the splits from DATA, but --valid and --test give them; drop one or the other")
+        verb = "draws" if " and " not in given else "draw"
+        raise BlockloopError(f"{given} {verb} the splits from DATA, but --valid and --test give them; drop one or the other")
     seed = 0 if seed is None else seed
     valid_fraction = 0.1 if valid_fraction is None else valid_fraction
     test_fraction = 0.1 if test_fraction is None else test_fraction
