@@ -320,6 +320,7 @@ CASES = [
     (["convert", "--to", "hf", "--checkpoint", R, "--out", "{base}/list_config"], "holds a training run"),
     (["convert", "--to", "weights", "--checkpoint", R, "--out", "{base}/state_list"], "holds a training run"),
     (["tasks", "make", "algorithm-3", "--out", NEW, "--seed", "-1"], "--seed: must be an integer >= 0"),
+    (["tasks", "make", "random-walk:99999999", "--out", NEW], "its sequences take at least 100000000 tokens, past the limit"),
     (["tasks", "import", "{base}/a_file", "--out", NEW, "--valid-fraction", "nan"], "--valid-fraction: must be a finite"),
     (["flops", "--preset", "tiny", "--seq-len", "0"], "--seq-len: must be an integer >= 1"),
     (["flops", "--preset", "tiny", "--bytes", "0"], "--bytes: must be an integer >= 1"),

@@ -126,7 +126,7 @@ def check_requests(model: nn.Module, groups: Sequence[Sequence[Request]]) -> Non
     if layout == "blocks":
         if -(-longest // c.block_len) * c.block_len > c.context_length - c.block_len:
             raise BlockloopError(f"a continuation of {longest} tokens leaves no whole block of context "
-                                 f"in the model context of {c.context_length}")
+                                 f"in the model context of {c.context_length}; evaluate a model with a longer context")
     elif longest > c.context_length:
         raise BlockloopError(f"a continuation of {longest} tokens does not fit the model "
                              f"context of {c.context_length}; evaluate a model with a longer context")

@@ -52,6 +52,10 @@ def _random_walk(length: int = random_walk.ACTIONS_PER_SEQUENCE) -> Task:
 
 
 TASKS: dict[str, Task] = {task.name: task for task in (_algorithm(3), _algorithm(5), _random_walk())}
+# The longest sequence a length variant may have: past it no model trains on whole sequences (the presets' contexts
+# reach 2048), and writing the task only fills the disk.
+MAX_TOKENS = 1 << 16
+
 # How to build a task at another length (statements per program, actions per walk), for NAME:N.
 _VARIANTS = {
     "algorithm-3": lambda n: _algorithm(3, n),
@@ -69,4 +73,8 @@ def get_task(name: str) -> Task:
         return TASKS[name]
     if not length.isdigit() or int(length) < 1:
         raise BlockloopError(f"task {name!r}: the length after ':' must be a positive whole number, e.g. {base}:50")
-    return dataclasses.replace(_VARIANTS[base](int(length)), name=name)
+    task = _VARIANTS[base](int(length))
+    if task.min_tokens > MAX_TOKENS:
+        raise BlockloopError(f"task {name!r}: its sequences take at least {task.min_tokens} tokens, past the limit of "
+                             f"{MAX_TOKENS} per sequence (far beyond any preset's context); give a shorter length")
+    return dataclasses.replace(task, name=name)
