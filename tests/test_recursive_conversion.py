@@ -176,3 +176,14 @@ def test_calibrated_svd_is_the_best_fit_on_inputs_of_the_measured_scale():
     best = torch.linalg.svdvals(residual)[4:].pow(2).sum().sqrt()  # Eckart-Young on E diag(s)
     torch.testing.assert_close(error.norm(), best, atol=1e-10, rtol=1e-8)
     assert scale.shape == (32,) and scale.min() > 0 and scale.std() > 0
+    # read a few windows at a time (thousands in one forward held every activation at once), the same scales
+    for key, value in input_scales(full, calibration, batch_size=3).items():
+        torch.testing.assert_close(value, scales[key], atol=0, rtol=1e-12)
+    one_pass = {}
+    hooks = [linear.register_forward_hook(lambda m, i, o, key=(p, n): one_pass.__setitem__(key, i[0].double().flatten(0, -2)))
+             for p, block in enumerate(full.body.blocks) for n, linear in block.named_modules()
+             if isinstance(linear, torch.nn.Linear)]
+    full(calibration)
+    for hook in hooks:
+        hook.remove()
+    torch.testing.assert_close(scales[(3, "mlp.up")], one_pass[(3, "mlp.up")].pow(2).mean(0).sqrt(), atol=0, rtol=1e-12)

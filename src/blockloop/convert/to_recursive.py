@@ -45,6 +45,7 @@ from functools import partial
 import torch
 from torch import nn
 
+from blockloop import progress
 from blockloop.choices import LOOP_INITS, LORA_INITS, TYING_STRATEGIES
 from blockloop.config import DecoderConfig
 from blockloop.errors import BlockloopError
@@ -177,24 +178,29 @@ def vanilla_to_recursive(
 
 
 @torch.no_grad()
-def input_scales(vanilla: Decoder, calibration: torch.Tensor) -> dict[tuple[int, str], torch.Tensor]:
-    """(depth position, linear name) -> the RMS of each input channel of that linear over ``calibration``."""
-    scales: dict[tuple[int, str], torch.Tensor] = {}
+def input_scales(vanilla: Decoder, calibration: torch.Tensor, batch_size: int = 8) -> dict[tuple[int, str], torch.Tensor]:
+    """(depth position, linear name) -> the RMS of each input channel of that linear over ``calibration``, read
+    ``batch_size`` windows at a time (thousands of windows in one forward held every activation at once)."""
+    squares: dict[tuple[int, str], torch.Tensor] = {}
 
     def record(key: tuple[int, str], module: nn.Module, inputs: tuple[torch.Tensor, ...], output: torch.Tensor) -> None:
-        scales[key] = inputs[0].double().flatten(0, -2).pow(2).mean(0).sqrt()
+        total = inputs[0].double().flatten(0, -2).pow(2).sum(0)
+        squares[key] = squares[key] + total if key in squares else total
 
     hooks = [linear.register_forward_hook(partial(record, (position, name)))
              for position, block in enumerate(vanilla.body.blocks)
              for name, linear in block.named_modules() if isinstance(linear, nn.Linear)]
     was_training = vanilla.training
+    batches = calibration.to(vanilla.embed.weight.device).split(batch_size)
     try:
-        vanilla.eval()(calibration.to(vanilla.embed.weight.device))
+        vanilla.eval()
+        for batch in progress.bar(iterable=batches, desc="calibrating", unit="batch", leave=False, log_every=30):
+            vanilla(batch)
     finally:
         vanilla.train(was_training)
         for hook in hooks:
             hook.remove()
-    return scales
+    return {key: (total / calibration.numel()).sqrt() for key, total in squares.items()}  # one row per token
 
 
 def _init_loop_norms(model: RecursiveDecoder, full: nn.ModuleList) -> None:
