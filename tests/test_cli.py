@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
@@ -69,6 +70,17 @@ def test_generate_is_seeded_and_streams_the_prompt_first(trained_run, capsys):
     assert main(argv) == 0
     assert capsys.readouterr().out == first
     assert first.startswith("ROMEO:") and len(first.encode()) > len("ROMEO:")
+
+
+def test_train_says_how_many_ids_a_bpe_learned_from_a_small_corpus(tmp_path, capsys, monkeypatch):
+    """bpe:N on a corpus with fewer merges to learn gives fewer than N ids, under the name bpe:N: say so."""
+    monkeypatch.setenv("BLOCKLOOP_CACHE", str(tmp_path / "cache"))
+    text = tmp_path / "notes.txt"
+    text.write_text("the cat sat on the mat. " * 200, encoding="utf-8")
+    argv = [arg if arg != "4" else "2" for arg in TINY_TRAIN]
+    assert main([*argv, "--data", str(text), "--tokenizer", "bpe:4096", "--out", str(tmp_path / "run")]) == 0
+    ids = int(re.search(r"with the bpe:4096 tokenizer \((\d+) ids\)", capsys.readouterr().out).group(1))
+    assert 257 < ids < 4096
 
 
 def test_info_and_presets(trained_run, capsys):

@@ -193,6 +193,9 @@ def test_tokenizer_errors(gpt2: Tokenizer, cache: Path, tmp_path: Path) -> None:
         build_tokenizer("bpe:1000")
     with pytest.raises(BlockloopError, match="too small"):
         build_tokenizer("bpe:100", ["some text"])
+    for huge in (5_000_000_000, 10**23):  # the trainer's own allocation aborted the process, or overflowed
+        with pytest.raises(BlockloopError, match=f"bpe:{huge} is larger than any pretrained model's vocabulary"):
+            build_tokenizer(f"bpe:{huge}", ["some text"])
     with pytest.raises(BlockloopError, match="--tokenizer byte"):
         build_tokenizer("bpe", [b"raw"])
     with pytest.raises(BlockloopError, match="--tokenizer byte"):
@@ -284,10 +287,24 @@ def test_user_text_directory_and_jsonl(tmp_path: Path) -> None:
     (folder / "empty.txt").write_text("  \n", encoding="utf-8")
     (folder / "notes.md").write_text("not a txt file", encoding="utf-8")
     assert load_documents(str(folder)) == ["bee", "ay"]  # sorted by path: b.txt < sub/a.txt
+    # hidden files and folders (a .git inside the corpus) are no documents; a .TXT suffix is one
+    (folder / ".git").mkdir()
+    (folder / ".git" / "x.txt").write_text("git internals", encoding="utf-8")
+    (folder / ".hidden.txt").write_text("hidden", encoding="utf-8")
+    (folder / "sub" / "UPPER.TXT").write_text("upper", encoding="utf-8")
+    assert load_documents(str(folder)) == ["bee", "upper", "ay"]
 
     lines = tmp_path / "docs.jsonl"
     lines.write_text('{"text": "first"}\n\n{"text": "second", "id": 2}\n', encoding="utf-8")
     assert load_documents(str(lines)) == ["first", "second"]
+    # a line ends at "\n" only: U+2028, U+2029 and U+0085 inside a JSON string (json.dumps(ensure_ascii=False)
+    # writes them raw) are text; a byte-order mark before the first line is not, in a .jsonl or a .txt
+    odd = tmp_path / "odd.JSONL"
+    texts = ["a\u2028b", "c\u2029d\x85e"]
+    odd.write_text("\ufeff" + "\r\n".join(json.dumps({"text": t}, ensure_ascii=False) for t in texts), encoding="utf-8")
+    assert load_documents(str(odd)) == texts
+    (tmp_path / "bom.txt").write_text("\ufeffhello", encoding="utf-8")
+    assert load_documents(str(tmp_path / "bom.txt")) == ["hello"]
 
 
 def test_bytes_source_is_one_raw_document(tmp_path: Path) -> None:

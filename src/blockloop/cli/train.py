@@ -166,7 +166,8 @@ def train(args: argparse.Namespace) -> int:
             config = trainer.config
             print(
                 f"training {run.model_config.name} ({run.model.num_parameters() / 1e6:.2f}M parameters) on "
-                f"{plan.spec.data} with the {run.tokenizer.name} tokenizer: {len(trainer.train_data)} train / "
+                f"{plan.spec.data} with the {run.tokenizer.name} tokenizer ({run.tokenizer.vocab_size} ids): "
+                f"{len(trainer.train_data)} train / "
                 f"{len(trainer.val_data)} val sequences of {config.seq_len} tokens; step {trainer.step} of "
                 f"{config.steps} on {trainer.device}"
             )

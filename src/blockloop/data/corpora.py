@@ -111,7 +111,8 @@ def load_documents(source: str) -> list[str | bytes]:
     """The documents of ``source``, which is one of:
 
     * a builtin name (see :data:`BUILTIN_CORPORA`), fetched once and cached as JSON;
-    * a directory: every ``*.txt`` below it, in sorted path order, one document each;
+    * a directory: every ``.txt`` file below it (any case of the suffix; hidden files and folders such as
+      ``.git`` skipped), in sorted path order, one document each;
     * a ``.jsonl`` file: one document per line, from the line's ``"text"`` field;
     * any other file: UTF-8 text, one document;
     * ``bytes:PATH``: the file's raw bytes as a single ``bytes`` document (enwik8-style byte-level
@@ -132,12 +133,13 @@ def load_documents(source: str) -> list[str | bytes]:
     else:
         path = Path(source).expanduser()
         if path.is_dir():
-            files = [file for file in sorted(path.rglob("*.txt")) if file.is_file()]
+            files = [file for file in sorted(path.rglob("*")) if file.is_file() and file.suffix.lower() == ".txt"
+                     and not any(part.startswith(".") for part in file.relative_to(path).parts)]  # no .git, no dotfiles
             if not files:
                 raise BlockloopError(f"corpus folder {path} holds no .txt files (a folder is read as its .txt files); "
                                      "add some, or name a .txt or .jsonl file")
             documents = [_read_text(file) for file in files]
-        elif path.is_file() and path.suffix == ".jsonl":
+        elif path.is_file() and path.suffix.lower() == ".jsonl":
             documents = list(_read_jsonl(path))
         elif path.is_file():
             documents = [_read_text(path)]
@@ -182,8 +184,9 @@ def _builtin_documents(name: str) -> list[str]:
 
 
 def _read_text(path: Path) -> str:
+    """The file's UTF-8 text, without the byte-order mark some editors write first (it is no text)."""
     try:
-        return path.read_text(encoding="utf-8")
+        return path.read_text(encoding="utf-8-sig")
     except UnicodeDecodeError as err:
         raise BlockloopError(
             f"{path} is not UTF-8 text (byte {err.start}); convert it, or train on its raw bytes with "
@@ -193,7 +196,8 @@ def _read_text(path: Path) -> str:
 
 def _read_jsonl(path: Path) -> list[str]:
     documents = []
-    for number, line in enumerate(_read_text(path).splitlines(), start=1):
+    # Lines end at "\n" only: str.splitlines() also breaks at U+2028, U+2029 and U+0085, which JSON strings may hold
+    for number, line in enumerate(_read_text(path).split("\n"), start=1):
         if not line.strip():
             continue
         try:

@@ -346,17 +346,24 @@ def _neox() -> HFTokenizer:
     return _from_file(path, name="neox", specials=SpecialTokens(eos_id=0))
 
 
+MAX_BPE_VOCAB = 1 << 18  # Gemma-3's 262,144 ids, the largest vocabulary of a common pretrained model
+
+
 def _trained_bpe(vocab_size: int, documents: Sequence[str | bytes] | None) -> Tokenizer:
     """Byte-level BPE trained on ``documents``, cached under ``<cache>/tokenizers/`` by corpus hash.
 
     The trainer starts from all 256 byte symbols, so any text can be encoded, and puts EOS at id 0.
     Training is deterministic for the same documents (checked by the tests), and the cache makes a
-    second run on the same corpus skip training entirely.
+    second run on the same corpus skip training entirely. A corpus with fewer merges to learn than asked gives a
+    smaller vocabulary (``vocab_size``; ``train`` prints it beside the name).
     """
     if documents is None:
         raise BlockloopError("tokenizer bpe is trained on the corpus, but no documents were given")
     if vocab_size <= 257:
         raise BlockloopError(f"bpe:{vocab_size} is too small; BPE needs more than 257 ids (256 bytes + EOS)")
+    if vocab_size > MAX_BPE_VOCAB:  # the trainer allocates for the size asked: past this it aborts the process
+        raise BlockloopError(f"bpe:{vocab_size} is larger than any pretrained model's vocabulary; give at most "
+                             f"bpe:{MAX_BPE_VOCAB}")
     if any(isinstance(doc, bytes) for doc in documents):
         raise BlockloopError(f"tokenizer bpe cannot encode {RAW_BYTES}")
     name = f"bpe:{vocab_size}"

@@ -133,10 +133,12 @@ def plan_run(request: TrainRequest) -> RunPlan:
         raise BlockloopError(f"{r.out} already holds a run; pass --resume to continue it or choose another --out")
     data = absolute_source(r.data) if r.data else None
     if r.init_from is not None:
-        if r.preset or r.tokenizer or overrides:
-            raise BlockloopError(
-                "--init-from keeps the saved model and tokenizer; drop --preset/--tokenizer/--set/--dropout/--mup-base-width"
-            )
+        named = (("preset", r.preset), ("tokenizer", r.tokenizer), ("dropout", r.dropout),
+                 ("mup_base_width", r.mup_base_width))
+        clashes = [name for name, value in named if value is not None] + (["set"] if r.model_overrides else [])
+        if clashes:
+            raise BlockloopError("--init-from keeps the saved model and tokenizer; drop "
+                                 f"--{', --'.join(f.replace('_', '-') for f in clashes)}")
         spec = init_from_spec(r.init_from, data=data, task=r.task, task_dir=r.task_dir)
     elif r.task or r.task_dir:
         if r.data or r.tokenizer:
