@@ -107,7 +107,6 @@ def run_stream(
     engine = Engine(runner, n_slots, max_len=max_len, sync_every=sync_every, compile=compile, key_buckets=key_buckets)
     if compile:  # before the clock starts: compiling a step inside the stream would be timed as serving
         engine.compile_steps(shortest=min(map(len, prompts)))
-    warm_steps = warm_up(engine, prompts, warmup, min_tokens)
     depthwise = isinstance(runner, RecursiveRunner) and runner.exit_rule is not None
     speculator = runner.speculator if isinstance(runner, RecursiveRunner) else None
     greedy = SamplingParams(temperature=0.0)
@@ -115,6 +114,7 @@ def run_stream(
     trajectories: dict[int, list[int]] = {}  # exit loops per request (depth-wise serving), read as each finishes
     rounds: dict[int, list[tuple[int, int]]] = {}  # (emitted, drafted) per verification round (speculation)
     with torch.no_grad(), packed_linears(runner.model, engine.step_rows):
+        warm_steps = warm_up(engine, prompts, warmup, min_tokens)
         start = time.perf_counter()
         while pending or not engine.idle:
             now = time.perf_counter() - start
@@ -148,14 +148,14 @@ def run_stream(
 def warm_up(engine: Engine, prompts: list[list[int]], rounds: int, max_tokens: int) -> int:
     """Serve ``rounds`` batches of the stream's first prompts (one per slot, ``max_tokens`` each) before the clock
     starts, so that the first model of a run is not timed cold (allocator, kernel and library start-up) against
-    warm later ones; the decode steps this took, and a depth-wise runner's exit counts are then cleared."""
+    warm later ones; the decode steps this took, and a depth-wise runner's exit counts are then cleared. Called
+    with the stream's packed weights held, so that the timed part does not pack them again."""
     first = engine.steps
-    with torch.no_grad(), packed_linears(engine.runner.model, engine.step_rows):
-        for _ in range(rounds):
-            for prompt in prompts[: engine.n_slots]:
-                engine.submit(prompt, max_tokens, sampling=SamplingParams(temperature=0.0))
-            while not engine.idle:
-                engine.step()
+    for _ in range(rounds):
+        for prompt in prompts[: engine.n_slots]:
+            engine.submit(prompt, max_tokens, sampling=SamplingParams(temperature=0.0))
+        while not engine.idle:
+            engine.step()
     if isinstance(engine.runner, RecursiveRunner) and engine.runner.exit_rule is not None:
         engine.runner.forget_exits()
     return engine.steps - first

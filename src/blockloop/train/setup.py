@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import shutil
 import sys
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -109,7 +110,7 @@ def plan_run(request: TrainRequest) -> RunPlan:
         spec = from_fields(RunSpec, state["run"], f"{directory / 'train_state.json'}: run")
         named = (("preset", r.preset), ("data", r.data), ("tokenizer", r.tokenizer), ("task", r.task),
                  ("task_dir", r.task_dir), ("dropout", r.dropout), ("mup_base_width", r.mup_base_width))
-        clashes = [name for name, value in named if value is not None] + (["set"] if r.model_overrides else [])
+        clashes = _given(named, r.model_overrides)
         # A distilling run may name its teacher again: the checkpoint it pinned goes when the teacher's run trains on.
         repin = "distill_from" in state["train_config"].get("extra", {}) and r.distill_from is not None
         exits = (("early_exit", r.early_exit.exit_loss), ("exit_coefficient", r.early_exit.exit_coefficient),
@@ -117,8 +118,7 @@ def plan_run(request: TrainRequest) -> RunPlan:
                  ("distill_weight", r.distill_weight))
         clashes += [name for name, value in exits if value is not None]
         if clashes:
-            raise BlockloopError("--resume continues the saved run with its own model, data and loss; drop "
-                                 f"--{', --'.join(f.replace('_', '-') for f in clashes)}")
+            raise BlockloopError(f"--resume continues the saved run with its own model, data and loss; drop {_flags(clashes)}")
         # The model, config and tokenizer come from the run's own checkpoint, whatever it started from.
         source = dataclasses.replace(spec, init_from=str(directory))
         # The flags passed argparse's checks, so a value refused here is the file's.
@@ -133,12 +133,10 @@ def plan_run(request: TrainRequest) -> RunPlan:
         raise BlockloopError(f"{r.out} already holds a run; pass --resume to continue it or choose another --out")
     data = absolute_source(r.data) if r.data else None
     if r.init_from is not None:
-        named = (("preset", r.preset), ("tokenizer", r.tokenizer), ("dropout", r.dropout),
-                 ("mup_base_width", r.mup_base_width))
-        clashes = [name for name, value in named if value is not None] + (["set"] if r.model_overrides else [])
+        clashes = _given((("preset", r.preset), ("tokenizer", r.tokenizer), ("dropout", r.dropout),
+                          ("mup_base_width", r.mup_base_width)), r.model_overrides)
         if clashes:
-            raise BlockloopError("--init-from keeps the saved model and tokenizer; drop "
-                                 f"--{', --'.join(f.replace('_', '-') for f in clashes)}")
+            raise BlockloopError(f"--init-from keeps the saved model and tokenizer; drop {_flags(clashes)}")
         spec = init_from_spec(r.init_from, data=data, task=r.task, task_dir=r.task_dir)
     elif r.task or r.task_dir:
         if r.data or r.tokenizer:
@@ -156,6 +154,16 @@ def plan_run(request: TrainRequest) -> RunPlan:
         teacher = ckpt.resolve_checkpoint(Path(r.distill_from)).resolve()
         config.extra.update(distill_from=str(teacher), distill_weight=1.0 if r.distill_weight is None else r.distill_weight)
     return RunPlan(spec, spec, config, r.out, False, r.early_exit, r.tokens, fit_seq_len="seq_len" not in r.train_overrides)
+
+
+def _given(named: Sequence[tuple[str, Any]], model_overrides: dict[str, Any]) -> list[str]:
+    """The fields among ``named`` (field, flag value) that were given, and ``set`` if ``--set`` was."""
+    return [name for name, value in named if value is not None] + (["set"] if model_overrides else [])
+
+
+def _flags(fields: Sequence[str]) -> str:
+    """Fields as the flags that set them: ``--exit-coefficient, --set``."""
+    return ", ".join(f"--{field.replace('_', '-')}" for field in fields)
 
 
 def init_from_spec(
