@@ -12,6 +12,7 @@ import pytest
 from blockloop.cli import EXIT_USER_ERROR, main
 from blockloop.data.tasks import IGNORE_INDEX, TaskSequences, import_task, load_task
 from blockloop.errors import BlockloopError
+from blockloop.train import checkpoint as ckpt
 
 TRAIN = ["--preset", "tiny", "--seq-len", "16", "--steps", "3", "--batch-size", "4", "--eval-interval", "3",
          "--eval-batches", "2", "--log-interval", "3", "--warmup-steps", "1", "--device", "cpu", "--no-progress"]
@@ -207,6 +208,7 @@ def test_cli_import_train_and_eval_without_repeating_the_directory(tmp_path, cap
         (["train", "--task", "parity", "--out", str(tmp_path / "r2"), *TRAIN], "unknown task 'parity'"),
         (["train", "--task", "random-walk", "--task-dir", str(task_dir), "--out", str(tmp_path / "r2"), *TRAIN],
          "holds task parity, not random-walk"),
+        (["eval", "--checkpoint", str(run), "--split", "all", "--device", "cpu"], "a task is scored one split at a time"),
     ]
     for argv, match in cases:
         code = main(argv)
@@ -217,3 +219,11 @@ def test_cli_import_train_and_eval_without_repeating_the_directory(tmp_path, cap
     assert main(["eval", "--checkpoint", str(run), "--device", "cpu"]) == EXIT_USER_ERROR
     assert "which is gone; pass --task-dir" in capsys.readouterr().err
     assert main(["eval", "--checkpoint", str(run), "--task-dir", str(tmp_path / "moved"), "--device", "cpu"]) == 0
+    # --resume too: the gone folder is named with its fix, and --task-dir gives the new place of the same task.
+    resume = ["train", "--resume", "--out", str(run), "--steps", "4", "--no-progress"]
+    assert main(resume) == EXIT_USER_ERROR
+    assert "task folder " + str(task_dir) + " is gone; if it moved, name it with --task-dir" in capsys.readouterr().err
+    assert main([*resume, "--task-dir", str(tmp_path / "fresh")]) == EXIT_USER_ERROR  # same words, other sequences
+    assert "is not the data" in capsys.readouterr().err
+    assert main([*resume, "--task-dir", str(tmp_path / "moved")]) == 0
+    assert ckpt.read_metrics(run / "metrics.jsonl")[-1]["step"] == 4

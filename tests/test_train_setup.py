@@ -82,6 +82,48 @@ def test_a_corpus_path_is_saved_absolute_so_the_run_reads_it_from_anywhere(tmp_p
     assert plan_run(TrainRequest(tmp_path / "r2", data="shakespeare")).spec.data == "shakespeare"  # a builtin name
 
 
+def test_a_resume_reads_a_moved_corpus_from_data_and_checks_it_is_the_same_text(tmp_path):
+    """The run saves its corpus by path; after the file moved, --resume names the gap and the fix, --data gives the
+    new place (the checkpoint's fingerprint refuses other text), and the resumed run ends as an uninterrupted one."""
+    text = "".join(f"line {i} of a corpus that moves between two folders\n" for i in range(400))
+    for name in ("old", "whole"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "corpus.txt").write_text(text)
+    whole = tmp_path / "whole-run"
+    start_training(plan_run(TrainRequest(whole, preset="tiny", data=str(tmp_path / "whole" / "corpus.txt"),
+                                         train_overrides={**TINY, "steps": 4})))[1].fit()
+    run = tmp_path / "run"
+
+    def killed(step: int, metrics: dict) -> None:
+        if step == 3:
+            raise KeyboardInterrupt  # after step 3; the last checkpoint is step 2
+
+    with pytest.raises(KeyboardInterrupt):
+        start_training(plan_run(TrainRequest(run, preset="tiny", data=str(tmp_path / "old" / "corpus.txt"),
+                                             train_overrides={**TINY, "steps": 4})))[1].fit(on_step=killed)
+    (tmp_path / "new").mkdir()
+    (tmp_path / "old" / "corpus.txt").rename(tmp_path / "new" / "corpus.txt")
+    with pytest.raises(BlockloopError, match=r"corpus .*old/corpus.txt is gone; if it moved, name it with --data"):
+        plan_run(TrainRequest(run, resume=True, train_overrides={"steps": 4}))
+    with pytest.raises(BlockloopError, match="not a task; drop --task-dir"):
+        plan_run(TrainRequest(run, resume=True, task_dir=str(tmp_path)))
+    (tmp_path / "other.txt").write_text(text.replace("corpus", "CORPUS"))
+    with pytest.raises(BlockloopError, match="other.txt is not the data .* was trained on"):
+        start_training(plan_run(TrainRequest(run, resume=True, data=str(tmp_path / "other.txt"))))
+    plan = plan_run(TrainRequest(run, resume=True, data=str(tmp_path / "new" / "corpus.txt")))
+    assert plan.spec.data == str(tmp_path / "new" / "corpus.txt")
+    _, trainer = start_training(plan)
+    assert trainer.step == 2
+    trainer.fit()
+
+    def losses(out: Path) -> list[float]:
+        return [m.get("loss", m.get("val_loss")) for m in ckpt.read_metrics(out / "metrics.jsonl")]
+
+    assert [m["step"] for m in ckpt.read_metrics(run / "metrics.jsonl")] == [1, 2, 2, 3, 4, 4]  # train, val lines
+    assert losses(run) == pytest.approx(losses(whole), abs=1e-6)
+    assert ckpt.read_saved_state(ckpt.resolve_checkpoint(run))["run"]["data"] == plan.spec.data  # the next resume
+
+
 def test_init_from_starts_a_new_run_from_the_saved_model(trained, tmp_path):
     plan = plan_run(TrainRequest(tmp_path / "fine", init_from=str(trained), train_overrides={"lr": 1e-4}))
     assert (plan.spec.preset, plan.spec.data) == ("tiny", "shakespeare") and not plan.resume
@@ -147,6 +189,17 @@ def test_evaluate_checkpoint_defaults_to_the_runs_data(trained):
         evaluate_checkpoint(trained, EvalRequest(batch_size=0), "cpu")
     with pytest.raises(BlockloopError, match="--split test is for tasks"):
         evaluate_checkpoint(trained, EvalRequest(split="test"), "cpu")
+
+
+def test_split_all_scores_a_held_out_file_whole(trained, tmp_path):
+    """A text file that is one document is split 95/5 by position; --split all scores every one of its tokens
+    (windows of the run's 32, the file's bytes and its end token), val only the last twentieth."""
+    held_out = tmp_path / "held-out.txt"
+    held_out.write_text("".join(f"a sentence the model never trained on, number {i}.\n" for i in range(50)))
+    length = len(held_out.read_bytes()) + 1  # byte tokens and the end of the document
+    whole = evaluate_checkpoint(trained, EvalRequest(data=str(held_out), split="all"), "cpu")
+    assert (whole["split"], whole["tokens"]) == ("all", (length - 1) // 32 * 32)
+    assert evaluate_checkpoint(trained, EvalRequest(data=str(held_out)), "cpu")["tokens"] < length // 10
 
 
 def test_a_weights_export_evaluates_like_its_run(trained, tmp_path):

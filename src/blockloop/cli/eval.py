@@ -28,8 +28,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--checkpoint", type=nonempty, help="run directory or checkpoint directory (required except with --compare)")
     p.add_argument("--data", type=nonempty, help="corpus name or path (default: the data the run trained on)")
     p.add_argument(
-        "--split", choices=["train", "val", "valid", "test"],
-        help="which split to score: train or val of a corpus; train, valid (= val) or test of a task (default: val)",
+        "--split", choices=["train", "val", "valid", "test", "all"],
+        help="which split to score: train, val or all of a corpus (all: a held-out file scored whole); train, "
+        "valid (= val) or test of a task (default: val)",
     )
     p.add_argument(
         "--task", metavar="NAME", type=nonempty,

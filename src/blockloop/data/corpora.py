@@ -107,6 +107,14 @@ def absolute_source(source: str) -> str:
     return str(Path(source).expanduser().resolve())
 
 
+def corpus_is_there(source: str) -> bool:
+    """Whether ``source`` still names something to read: a run saves its corpus by path, and a resume from a
+    moved file would otherwise be told the path is no corpus at all."""
+    if source in _BUILTINS:
+        return True
+    return Path(source.removeprefix("bytes:")).expanduser().exists()
+
+
 def load_documents(source: str) -> list[str | bytes]:
     """The documents of ``source``, which is one of:
 

@@ -11,6 +11,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from blockloop.data.dataset import prepare_tokens
 from blockloop.data.loader import PackedSequences
 from blockloop.data.tasks import get_task, open_task
@@ -33,7 +35,7 @@ class EvalRequest:
     """What to score; None means "what the run trained on" (its data or task, window length and objective)."""
 
     data: str | None = None
-    split: str | None = None  # train or val of a corpus; train, valid (= val) or test of a task
+    split: str | None = None  # train, val or all of a corpus; train, valid (= val) or test of a task
     task: str | None = None
     task_dir: str | None = None
     seq_len: int | None = None
@@ -54,7 +56,7 @@ def evaluate_checkpoint(checkpoint: str | Path, request: EvalRequest, device: st
     if request.task or request.task_dir or (request.data is None and (run.get("task") or run.get("task_dir"))):
         return evaluate_task(trained, request, device)
     if request.split == "test":
-        raise BlockloopError("a corpus has train and val splits only; --split test is for tasks (--task)")
+        raise BlockloopError("a corpus has train and val splits only (or all of it); --split test is for tasks (--task)")
     split = "val" if request.split in (None, "valid") else request.split
     data = request.data or run.get("data")
     if data is None:
@@ -64,8 +66,11 @@ def evaluate_checkpoint(checkpoint: str | Path, request: EvalRequest, device: st
     if seq_len % unit:
         raise BlockloopError(f"--seq-len {seq_len} is not a multiple of the model's {spec.sequence_unit} {unit}")
     objective = request.objective or trained.state.get("train_config", {}).get("objective", "lm")
-    seqs = PackedSequences(getattr(prepare_tokens(data, trained.tokenizer), split), seq_len, trained.tokenizer.start_id,
-                           description=f"the {split} split of {data}")
+    splits = prepare_tokens(data, trained.tokenizer)
+    # all: a held-out corpus is scored whole (train before val is the text's order when one document was cut in two)
+    tokens = np.concatenate([splits.train, splits.val]) if split == "all" else getattr(splits, split)
+    seqs = PackedSequences(tokens, seq_len, trained.tokenizer.start_id,
+                           description=f"all of {data}" if split == "all" else f"the {split} split of {data}")
     if request.per_loop:
         metrics = evaluate_loops(
             trained.model, seqs, batch_size=request.batch_size, max_batches=request.max_batches, device=device
@@ -95,6 +100,8 @@ def evaluate_task(trained: TrainedModel, request: EvalRequest, device: str) -> d
     data = open_task(name, directory, context=trained.config.context_length)
     check_task_vocabulary(trained.tokenizer, data.name, data.vocab)
     split = {None: "valid", "val": "valid"}.get(request.split, request.split)
+    if split == "all":
+        raise BlockloopError("a task is scored one split at a time; give --split train, valid or test")
     metrics = evaluate(
         trained.model, task_sequences(data, split, _seq_len(trained, request)), batch_size=request.batch_size,
         max_batches=request.max_batches, device=device, show_progress=True,

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from blockloop.config import ModelConfig, from_fields
-from blockloop.data.corpora import absolute_source
+from blockloop.data.corpora import absolute_source, corpus_is_there
 from blockloop.errors import BlockloopError
 from blockloop.families import spec_of
 from blockloop.train import checkpoint as ckpt
@@ -108,8 +108,9 @@ def plan_run(request: TrainRequest) -> RunPlan:
                                  "start a new run from it with --init-from")
         state = ckpt.read_train_state(directory)  # a damaged state is named as such, not taken for a conversion
         spec = from_fields(RunSpec, state["run"], f"{directory / 'train_state.json'}: run")
-        named = (("preset", r.preset), ("data", r.data), ("tokenizer", r.tokenizer), ("task", r.task),
-                 ("task_dir", r.task_dir), ("dropout", r.dropout), ("mup_base_width", r.mup_base_width))
+        spec = _moved_data(spec, r.data, r.task_dir)
+        named = (("preset", r.preset), ("tokenizer", r.tokenizer), ("task", r.task), ("dropout", r.dropout),
+                 ("mup_base_width", r.mup_base_width))
         clashes = _given(named, r.model_overrides)
         # A distilling run may name its teacher again: the checkpoint it pinned goes when the teacher's run trains on.
         repin = "distill_from" in state["train_config"].get("extra", {}) and r.distill_from is not None
@@ -154,6 +155,30 @@ def plan_run(request: TrainRequest) -> RunPlan:
         teacher = ckpt.resolve_checkpoint(Path(r.distill_from)).resolve()
         config.extra.update(distill_from=str(teacher), distill_weight=1.0 if r.distill_weight is None else r.distill_weight)
     return RunPlan(spec, spec, config, r.out, False, r.early_exit, r.tokens, fit_seq_len="seq_len" not in r.train_overrides)
+
+
+def _moved_data(spec: RunSpec, data: str | None, task_dir: str | None) -> RunSpec:
+    """``spec`` reading its data from where it is now: ``--data`` (a corpus run) or ``--task-dir`` (an imported
+    task) name the new place of the same data, which the checkpoint's data fingerprint then confirms."""
+    if spec.task is not None:
+        if data is not None:
+            raise BlockloopError(f"the run trains on task {spec.task}, not a corpus; drop --data (a moved task folder "
+                                 "is named with --task-dir)")
+        if task_dir is not None:
+            return dataclasses.replace(spec, **task_fields(spec.task, task_dir))
+        if spec.task_dir is not None and not Path(spec.task_dir).is_dir():
+            raise BlockloopError(f"the run's task folder {spec.task_dir} is gone; if it moved, name it with --task-dir "
+                                 "(the resume checks it holds the same task)")
+        return spec
+    if task_dir is not None:
+        raise BlockloopError(f"the run trains on the corpus {spec.data}, not a task; drop --task-dir (a moved corpus "
+                             "is named with --data)")
+    if data is not None:
+        return dataclasses.replace(spec, data=absolute_source(data))
+    if not corpus_is_there(spec.data):
+        raise BlockloopError(f"the run's corpus {spec.data} is gone; if it moved, name it with --data (the resume "
+                             "checks it is the same text)")
+    return spec
 
 
 def _given(named: Sequence[tuple[str, Any]], model_overrides: dict[str, Any]) -> list[str]:
