@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from blockloop.cli import EXIT_USER_ERROR, main
@@ -415,13 +416,15 @@ def test_a_full_disk_ends_in_one_line_keeps_the_last_checkpoint_and_resume_conti
 
     run = tmp_path / "run"
     shutil.copytree(base / "run", run)
-    real = ckpt.save_optimizer
+    real = ckpt.save_file
 
-    def full(directory, state):
-        (directory / "optimizer.safetensors").write_bytes(b"partial")
-        raise OSError(errno.ENOSPC, "No space left on device", str(directory / "optimizer.safetensors"))
+    def full(tensors, filename, metadata=None):  # safetensors' own error, as its writer raises it on a full disk
+        if not filename.endswith("optimizer.safetensors"):
+            return real(tensors, filename, metadata=metadata)
+        Path(filename).write_bytes(b"partial")
+        raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
 
-    monkeypatch.setattr(ckpt, "save_optimizer", full)
+    monkeypatch.setattr(ckpt, "save_file", full)
     assert main(["train", "--resume", "--steps", "6", "--out", str(run), "--no-progress"]) == EXIT_USER_ERROR
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "no space left" in err[0] and "needs about" in err[0] and "is free" in err[0], err
@@ -429,9 +432,14 @@ def test_a_full_disk_ends_in_one_line_keeps_the_last_checkpoint_and_resume_conti
     assert not list(root.glob(".tmp*"))  # the partial directory is gone
     assert (root / "latest").read_text().strip() == "step_0000004"
     assert [p.name for p in root.glob("step_*")] == ["step_0000004"]  # older ones pruned before the write
-    monkeypatch.setattr(ckpt, "save_optimizer", real)
+    monkeypatch.setattr(ckpt, "save_file", real)
     assert main(["train", "--resume", "--steps", "6", "--out", str(run), "--no-progress"]) == 0
     assert (root / "latest").read_text().strip() == "step_0000006"
+    umask = os.umask(0o022)
+    os.umask(umask)
+    for name in ("model.safetensors", "optimizer.safetensors", "rng_rank0.safetensors", "config.json"):
+        # readable as the JSON beside it by whoever shares the run (safetensors' writer alone leaves 0600)
+        assert (root / "step_0000006" / name).stat().st_mode & 0o777 == 0o666 & ~umask, name
 
 
 def test_a_run_killed_in_its_first_checkpoint_starts_afresh_without_its_old_log(tmp_path, capsys):

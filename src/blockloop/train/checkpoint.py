@@ -19,6 +19,7 @@ import errno
 import json
 import math
 import os
+import re
 import shutil
 from pathlib import Path
 from typing import Any
@@ -117,6 +118,26 @@ def _latest_name(root: Path) -> str | None:
         return (root / LATEST).read_text(encoding="utf-8").strip()
     except (OSError, UnicodeDecodeError):
         return None
+
+
+def save_tensors(tensors: dict[str, torch.Tensor], path: Path, metadata: dict[str, str] | None = None) -> None:
+    """safetensors' writer, made to fail and to land as every other file here does: its I/O errors (a full disk, a
+    folder another rank cannot see) are raised as the OSError they are, for :func:`write_failed` and the CLI to
+    name, and the file gets the umask's permissions, not the 0600 of the writer's own temporary file."""
+    try:
+        save_file(tensors, str(path), metadata=metadata)
+    except SafetensorError as exc:
+        code = re.search(r"os error (\d+)", str(exc))
+        if code is None:
+            raise
+        raise OSError(int(code.group(1)), os.strerror(int(code.group(1))), str(path)) from exc
+    os.chmod(path, 0o666 & ~_umask())
+
+
+def _umask() -> int:
+    mask = os.umask(0o022)  # reading it means setting it: put it straight back
+    os.umask(mask)
+    return mask
 
 
 def write_failed(tmp: Path, exc: OSError, *states: dict[str, torch.Tensor] | dict[str, Any]) -> Exception:
@@ -230,7 +251,7 @@ def save_model_files(
     }
     directory.mkdir(parents=True, exist_ok=True)  # as torch.save or save_pretrained would: a new folder is fine
     save_config(config, directory / "config.json")
-    save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})
+    save_tensors(tensors, directory / "model.safetensors", metadata={"format": "pt"})
 
 
 def save_dtype(name: str) -> torch.dtype:
@@ -297,7 +318,7 @@ def save_optimizer(directory: Path, optimizer_state: dict[str, Any]) -> None:
                 tensors[f"{name}/{key}"] = value.detach().cpu().contiguous()
             else:
                 scalars[f"{name}/{key}"] = value
-    save_file(tensors, str(directory / "optimizer.safetensors"))
+    save_tensors(tensors, directory / "optimizer.safetensors")
     _write_json(directory / "optimizer.json", {"param_groups": optimizer_state["param_groups"], "scalars": scalars})
 
 
@@ -345,12 +366,12 @@ def save_rng(directory: Path, rank: int) -> None:
     tensors = {"torch_cpu": torch.get_rng_state()}
     if torch.cuda.is_available():
         tensors["torch_cuda"] = torch.cuda.get_rng_state()
-    save_file(tensors, str(directory / f"rng_rank{rank}.safetensors"))
+    save_tensors(tensors, directory / f"rng_rank{rank}.safetensors")
 
 
 def check_process_count(directory: Path, world_size: int) -> None:
     """Refuse, on every rank alike, to resume a checkpoint written by another number of processes (one random
-    state per rank, and data positions that are each rank's own). Called before any collective: a rank that went
+    state per rank, drawn on in each rank's own order). Called before any collective: a rank that went
     on while another stopped would wait on it forever, or die with the transport's traceback."""
     written = len(list(directory.glob("rng_rank*.safetensors")))
     ranks = [directory / f"rng_rank{rank}.safetensors" for rank in range(max(written, 1))]
