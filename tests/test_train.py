@@ -121,10 +121,12 @@ def test_accumulated_micro_batches_that_score_different_numbers_of_targets_weigh
         torch.testing.assert_close(grads[name], param.grad, rtol=1e-4, atol=1e-6)
 
 
-def test_ranks_share_validation_batches_and_a_rank_without_rows_counts_nothing(tmp_path):
+@pytest.mark.parametrize("preset", ["tiny", "tiny-block", "tiny-encdec", "tiny-double"])
+def test_ranks_share_validation_batches_and_a_rank_without_rows_counts_nothing(tmp_path, preset):
     """Five windows, two ranks of batch 2: the global batches are windows 0-3 and 4, so rank 1 has no row in the
-    second and runs a stand-in that must not count; the two ranks' sums are one process's at batch 4. (A process
-    group of one: the all-reduce leaves each rank's own sums, which are added here.)"""
+    second and runs a stand-in that must not count; the two ranks' sums are one process's at batch 4, also where
+    the batch is reshaped with noise drawn row by row (block padding, span corruption) or for the whole batch (a
+    block partition). (A process group of one: the all-reduce leaves each rank's own sums, added here.)"""
     import numpy as np
     import torch.distributed as torch_dist
 
@@ -134,8 +136,8 @@ def test_ranks_share_validation_batches_and_a_rank_without_rows_counts_nothing(t
     from blockloop.train.evaluate import evaluate
 
     torch.manual_seed(0)
-    model = build_model(from_name("tiny"))
-    windows = PackedSequences(np.random.default_rng(0).integers(0, 256, 5 * 16 + 1).astype(np.uint16), 16)
+    model = build_model(from_name(preset))
+    windows = PackedSequences(np.random.default_rng(0).integers(0, 256, 5 * 64 + 1).astype(np.uint16), 64)
     assert len(windows) == 5
     whole = evaluate(model, windows, batch_size=4)
     torch_dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'group'}", rank=0, world_size=1)
@@ -143,7 +145,9 @@ def test_ranks_share_validation_batches_and_a_rank_without_rows_counts_nothing(t
         parts = [evaluate(model, windows, batch_size=2, dist=DistInfo(rank=r, world_size=2)) for r in (0, 1)]
     finally:
         torch_dist.destroy_process_group()
-    assert [part["tokens"] for part in parts] == [3 * 16, 2 * 16]
+    assert sum(part["tokens"] for part in parts) == whole["tokens"]
+    if preset == "tiny":
+        assert [part["tokens"] for part in parts] == [3 * 64, 2 * 64]
     assert sum(p["loss"] * p["tokens"] for p in parts) == pytest.approx(whole["loss"] * whole["tokens"], rel=1e-6)
 
 

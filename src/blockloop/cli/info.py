@@ -53,7 +53,7 @@ def training_line(state: dict) -> str:
         line += f" (weights copied from {origin}; no optimizer state)"
     if run.get("init_from"):
         line += f", initialised from {run['init_from']}"
-    processes = state.get("world_size", 1)  # --resume needs as many: each rank's data position is saved
+    processes = state.get("world_size", 1)  # --resume needs as many: each rank's random state is its own
     if origin is None and isinstance(processes, int) and processes > 1:
         line += f", by {processes} processes (torchrun --nproc-per-node {processes} to resume)"
     return line

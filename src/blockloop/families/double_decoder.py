@@ -127,4 +127,5 @@ SPEC = FamilySpec(
     paper_training_flops=paper_training_flops,
     paper_kv_bytes=paper_kv_bytes_of_decoder_layers,
     shard_per_layer=lambda config: False,  # the generation layers' cross K/V are projected before they run
+    batch_wide_keys=("boundaries",),
 )

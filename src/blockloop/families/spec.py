@@ -87,6 +87,8 @@ class FamilySpec:
       around the layer's forward. False where the model calls a layer's weights outside that forward (the
       double decoder's and encoder-decoder's cross K/V projections, a recurrent core's K/V of carried states):
       FSDP then shards the model as one unit, gathered around the whole forward.
+    * ``batch_wide_keys``: ``make_batch`` outputs that describe the whole batch rather than one row each (the double
+      decoder's block partition); kept whole where a batch is cut into ranks' rows, every other output is cut.
     """
 
     name: str
@@ -111,6 +113,7 @@ class FamilySpec:
     scoring: str | None = None
     next_token_windows: bool = True
     shard_per_layer: Callable[[Any], bool] = _always
+    batch_wide_keys: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         # A family counted over whole windows (appendix A) has its per-token count derived, not restated.

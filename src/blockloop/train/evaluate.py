@@ -93,7 +93,10 @@ def evaluate(
         for i, (inputs, targets) in enumerate(batches):
             counted = inputs[mine].shape[0] > 0
             share = mine if counted else slice(0, 1)
-            batch = {k: v.to(device) for k, v in collate(inputs[share], targets[share], step_generator(0, i)).items()}
+            # The whole batch is shaped, then cut: random padding and span corruption draw row by row, so a rank's
+            # rows get the noise they get in one process.
+            whole = collate(inputs, targets, step_generator(0, i))
+            batch = {k: (v if k in spec.batch_wide_keys else v[share]).to(device) for k, v in whole.items()}
             targets = batch.pop("targets")
             with autocast:
                 if recurrent:
