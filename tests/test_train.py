@@ -293,6 +293,71 @@ def test_torchrun_resume_matches_single_process_resume(tmp_path, strategy, capsy
     assert main(["info", str(tmp_path / "single")]) == 0 and "processes" not in capsys.readouterr().out
 
 
+def _torchrun(cwd: Path, *args: str, node: tuple[int, int] | None = None) -> subprocess.Popen:
+    """The CLI under torchrun in ``cwd``: two processes of one standalone launch, or one node (rank, port) of a
+    two-node launch on this host."""
+    launch = ["--standalone", "--nproc-per-node=2"] if node is None else [
+        "--nnodes=2", f"--node-rank={node[0]}", "--nproc-per-node=1", "--master-addr=127.0.0.1", f"--master-port={node[1]}"]
+    env = {**os.environ, "PYTHONPATH": str(SRC), "OMP_NUM_THREADS": "1"}
+    return subprocess.Popen([sys.executable, "-m", "torch.distributed.run", *launch, "-m", "blockloop.cli", *args],
+                            cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+@pytest.mark.slow
+def test_ranks_that_write_to_different_folders_are_refused_before_training(tmp_path):
+    """Two nodes whose relative --out are different folders (other working directories): every rank stops with
+    the one-line reason before a step, instead of failing in the first checkpoint with a transport traceback."""
+    import socket
+
+    with socket.socket() as free:
+        free.bind(("127.0.0.1", 0))
+        port = free.getsockname()[1]
+    nodes = []
+    for rank in (0, 1):
+        (tmp_path / f"node{rank}").mkdir()
+        nodes.append(_torchrun(tmp_path / f"node{rank}", *TORCHRUN_TRAIN, "--out", "run", node=(rank, port)))
+    for rank, node in enumerate(nodes):
+        _, err = node.communicate(timeout=300)
+        assert node.returncode != 0
+        # (the launcher's own report of a failed worker follows, as for any failing worker; no blockloop frame)
+        assert "error: not every rank sees the run folder run that rank 0 locked" in err and str(SRC) not in err, err
+        assert not (tmp_path / f"node{rank}" / "run" / "checkpoints").exists()
+
+
+HOLD_LOCK = """
+import sys, time
+from pathlib import Path
+from blockloop.files import run_lock
+with run_lock(Path(sys.argv[1])):
+    print("held", flush=True)
+    time.sleep(60)
+"""
+
+
+def test_a_rank_does_not_take_its_own_launchs_lock_for_another_run(tmp_path):
+    """Rank 0 holds the run's lock for the whole launch (the workers of one torchrun agent): to rank 1 resuming a
+    run killed before its first checkpoint, that lock is not another run still training; to a process of another
+    launch it is."""
+    from blockloop.files import held_by_this_job, running_here
+
+    (tmp_path / "run" / "checkpoints").mkdir(parents=True)
+    launch = {**os.environ, "PYTHONPATH": str(SRC), "TORCHELASTIC_RUN_ID": "launch-1"}
+    # "rank 0": a child of this process, as rank 1's checks below run in this process's child too
+    holder = subprocess.Popen([sys.executable, "-c", HOLD_LOCK, str(tmp_path / "run")], env=launch,
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        ask = ("import sys; from pathlib import Path; from blockloop.files import held_by_this_job, running_here; "
+               "print(held_by_this_job(Path(sys.argv[1])), running_here(Path(sys.argv[1])))")
+        rank1 = subprocess.run([sys.executable, "-c", ask, str(tmp_path / "run")], env=launch, capture_output=True,
+                               text=True, check=True).stdout.split()
+        assert rank1 == ["True", "None"]
+        assert (held_by_this_job(tmp_path / "run"), running_here(tmp_path / "run")) == (False, holder.pid)
+    finally:
+        holder.kill()
+        holder.wait()
+
+
 # Each tiny preset through FSDP on a one-rank process group (its weights are DTensors all the same), as the family
 # spec shards it, two windows (recurrent models carry their state into the second); prints, per preset, whether
 # sharding as the spec says kept loss and gradients equal to the plain model's, and whether per-layer units fail.

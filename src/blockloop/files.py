@@ -219,7 +219,7 @@ def _acquire(lock: Path) -> None:
     fd, tmp = _new_file(lock.parent)
     try:
         with os.fdopen(fd, "w") as f:
-            json.dump({"pid": os.getpid(), "host": socket.gethostname()}, f)
+            json.dump({"pid": os.getpid(), "host": socket.gethostname(), **_torchrun_job()}, f)
         for _ in range(2):
             try:
                 os.link(tmp, lock)
@@ -239,12 +239,34 @@ def _acquire(lock: Path) -> None:
 
 def running_here(directory: Path) -> int | None:
     """The pid of another live process on this host that holds ``directory``'s run lock (a run still being written),
-    or None."""
+    or None. Rank 0 of this torchrun job holds it for every rank, so to the others it is not another run."""
     lock = Path(directory) / LOCK_FILE
     holder = _holder(lock) if lock.is_file() else None
-    if holder is None or holder["host"] != socket.gethostname() or holder["pid"] == os.getpid():
+    if holder is None or holder["host"] != socket.gethostname() or holder["pid"] == os.getpid() or held_by_this_job(directory):
         return None
     return holder["pid"]
+
+
+def held_by_this_job(directory: Path) -> bool | None:
+    """Whether ``directory``'s run lock was taken by (rank 0 of) the torchrun launch this process belongs to; None
+    when that cannot be told (a multi-node launch without ``--rdzv-id``, seen from another host)."""
+    mine = _torchrun_job()
+    if not mine:
+        return False
+    try:
+        lock = json.loads((Path(directory) / LOCK_FILE).read_text(encoding="utf-8"))
+        if lock.get("host") == socket.gethostname() and lock.get("agent") is not None:
+            return lock.get("agent") == mine["agent"]  # the same torchrun agent started both
+        return None if mine["job"] == "none" else lock.get("job") == mine["job"]
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
+def _torchrun_job() -> dict[str, Any]:
+    """Who launched this process: torchrun's id for the launch (fresh per ``--standalone`` launch, ``none`` for
+    a multi-node one without ``--rdzv-id``) and its agent on this host, the workers' parent; empty outside it."""
+    job = os.environ.get("TORCHELASTIC_RUN_ID")
+    return {} if job is None else {"job": job, "agent": os.getppid()}
 
 
 def _holder(lock: Path) -> dict[str, Any] | None:

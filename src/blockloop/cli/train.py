@@ -139,7 +139,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 def train(args: argparse.Namespace) -> int:
-    from blockloop.train.distributed import init_distributed, shutdown
+    from blockloop.files import held_by_this_job
+    from blockloop.train.distributed import init_distributed, on_any_rank, shutdown
     from blockloop.train.setup import EarlyExit, TrainRequest, plan_run, start_training
 
     given = {k: getattr(args, k) for k in TRAIN_FLAGS if getattr(args, k) is not None}
@@ -152,6 +153,11 @@ def train(args: argparse.Namespace) -> int:
     ))
     info = init_distributed(plan.config.resolved_device())
     try:
+        # Rank 0 took the run's lock before the group formed: a rank that cannot read it writes somewhere else.
+        if on_any_rank(not info.is_main and held_by_this_job(plan.out) is False, info):
+            raise BlockloopError(f"not every rank sees the run folder {plan.out} that rank 0 locked (a relative --out "
+                                 "from other working directories, or a folder not on a shared filesystem); give every "
+                                 "rank the same --out on a filesystem they share")
         run, trainer = start_training(plan, info)
         if trainer.step > trainer.config.steps:
             raise BlockloopError(f"{plan.out} is already at step {trainer.step}, past --steps {trainer.config.steps}; "

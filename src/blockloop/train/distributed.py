@@ -79,6 +79,15 @@ def mean_across_ranks(value: torch.Tensor, info: DistInfo) -> torch.Tensor:
     return sum_across_ranks(value, info) / info.world_size
 
 
+def on_any_rank(flag: bool, info: DistInfo) -> bool:
+    """Whether ``flag`` holds on some rank. Every rank gets the same answer, so all of them refuse together
+    rather than one exiting while the others wait for it in their next collective."""
+    if not info.enabled:
+        return flag
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+    return sum_across_ranks(torch.tensor([float(flag)], device=device), info).item() > 0
+
+
 def barrier(info: DistInfo) -> None:
     if info.enabled:
         dist.barrier()
