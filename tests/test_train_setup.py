@@ -182,6 +182,28 @@ def test_convert_to_block_writes_an_uptraining_checkpoint(trained, tmp_path):
     assert plan_run(TrainRequest(tmp_path / "up", init_from=str(done.out))).spec.preset == "tiny"
 
 
+def test_a_conversion_is_scored_on_its_sources_windows_and_an_import_on_the_default_one(trained, tmp_path):
+    """A one-loop recursive conversion is the source's model, so plain `eval` gives the same numbers on the same
+    windows (the run's 32 tokens); a model that never trained here (no window saved) is scored on the default
+    256-token window, not its whole context (8192 tokens for SmolLM2: gigabytes of logits)."""
+    converted = to_recursive_checkpoint(trained, tmp_path / "rec", loops=1).out
+    request = EvalRequest(max_batches=2)
+    source = evaluate_checkpoint(trained, request, "cpu")
+    same = evaluate_checkpoint(converted, request, "cpu")
+    assert same["tokens"] == source["tokens"] == 2 * 8 * 32 and same["loss"] == pytest.approx(source["loss"], abs=1e-5)
+    state = ckpt.read_json(converted / "train_state.json")
+    del state["train_config"]  # as an import writes it
+    ckpt.write_json_atomic(converted / "train_state.json", state)
+    assert evaluate_checkpoint(converted, EvalRequest(max_batches=1), "cpu")["tokens"] == 8 * 128  # tiny's context
+    wide = tmp_path / "wide"
+    start_training(plan_run(TrainRequest(wide, preset="tiny", model_overrides={"context_length": 1024},
+                                         train_overrides={**TINY, "steps": 1, "ckpt_interval": 1})))[1].fit()
+    for step in (wide / "checkpoints").glob("step_*"):
+        state = ckpt.read_json(step / "train_state.json")
+        ckpt.write_json_atomic(step / "train_state.json", {"run": state["run"], "step": 1})
+    assert evaluate_checkpoint(wide, EvalRequest(max_batches=1), "cpu")["tokens"] == 8 * 256
+
+
 def test_evaluate_checkpoint_defaults_to_the_runs_data(trained):
     result = evaluate_checkpoint(trained, EvalRequest(max_batches=1), "cpu")
     assert (result["data"], result["split"], result["objective"]) == ("shakespeare", "val", "lm")

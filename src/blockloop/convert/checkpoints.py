@@ -23,6 +23,7 @@ from blockloop.convert.to_recursive import vanilla_to_recursive
 from blockloop.data.dataset import prepare_tokens
 from blockloop.data.loader import PackedSequences
 from blockloop.errors import BlockloopError
+from blockloop.families import spec_of
 from blockloop.files import folder_in_place
 from blockloop.train import checkpoint as ckpt
 from blockloop.train.run import TrainedModel, load_trained
@@ -38,13 +39,18 @@ class Converted:
 
 
 def _write_uptraining(out: Path, model: nn.Module, source: TrainedModel, what: str) -> Converted:
-    """Write ``model`` as a step-0 checkpoint with the source's tokenizer and run names, all at once."""
+    """Write ``model`` as a step-0 checkpoint with the source's tokenizer and run names, all at once, and the
+    source's training window where the new model takes it: ``eval`` scores both on the same windows."""
+    window = source.state.get("train_config", {}).get("seq_len")
+    unit = spec_of(model.config).sequence_multiple(model.config)
+    fits = window is not None and window % unit == 0 and window <= model.config.context_length
     with folder_in_place(out) as tmp:
         ckpt.save_model_files(tmp, model, model.config)
         source.tokenizer.save(tmp)
-        ckpt.write_json_atomic(
-            tmp / "train_state.json", {"step": 0, "run": source.state.get("run", {}), "converted_from": str(source.directory)}
-        )
+        ckpt.write_json_atomic(tmp / "train_state.json", {
+            "step": 0, "run": source.state.get("run", {}), **({"train_config": {"seq_len": window}} if fits else {}),
+            "converted_from": str(source.directory),
+        })
     return Converted(out, what, f"uptrain with: blockloop train --init-from {out} --out RUN")
 
 

@@ -25,6 +25,7 @@ from blockloop.train.run import (
     TrainedModel,
     check_learns_tasks,
     check_task_vocabulary,
+    default_seq_len,
     load_trained,
     task_sequences,
 )
@@ -110,7 +111,8 @@ def evaluate_task(trained: TrainedModel, request: EvalRequest, device: str) -> d
 
 
 def _seq_len(trained: TrainedModel, request: EvalRequest) -> int:
-    """The window: as asked, else the run's training ``seq_len``, else the model context (never more)."""
-    seq_len = request.seq_len or trained.state.get("train_config", {}).get("seq_len") or trained.config.context_length
+    """The window: as asked, else the run's training ``seq_len``, else (an imported model) the default training
+    window: the whole context of a large model would hold gigabytes of logits at once."""
+    seq_len = request.seq_len or trained.state.get("train_config", {}).get("seq_len") or default_seq_len(trained.config)
     check_context(seq_len, trained.config.context_length, "--seq-len window", "lower --seq-len")
     return seq_len

@@ -27,6 +27,7 @@ from blockloop.device import resolve_device
 from blockloop.errors import BlockloopError
 from blockloop.families import build_model, from_name, spec_of
 from blockloop.train import checkpoint as ckpt
+from blockloop.train.config import TrainConfig
 
 
 @dataclass
@@ -140,6 +141,13 @@ def check_task_vocabulary(tokenizer: Tokenizer, task: str, vocab: TaskVocab) -> 
         else:
             problem += ": the same words under other ids; `blockloop tasks import ... --vocab-from` the training data"
     raise BlockloopError(f"{problem}; use a model trained on {task} (or a variant of it)")
+
+
+def default_seq_len(config: ModelConfig) -> int:
+    """The window a model trains on and is scored on when none is given: the default ``--seq-len``, or the
+    longest whole number of blocks / chunks the context holds when that is shorter."""
+    unit = spec_of(config).sequence_multiple(config)
+    return min(TrainConfig.seq_len, config.context_length // unit * unit)
 
 
 def sequences(

@@ -19,12 +19,18 @@ from typing import Any
 from blockloop.config import ModelConfig, from_fields
 from blockloop.data.corpora import absolute_source, corpus_is_there
 from blockloop.errors import BlockloopError
-from blockloop.families import spec_of
 from blockloop.train import checkpoint as ckpt
 from blockloop.train.config import TrainConfig
 from blockloop.train.distill import build_distillation
 from blockloop.train.distributed import DistInfo
-from blockloop.train.run import PreparedRun, RunSpec, data_fingerprint, prepare_run, sequences
+from blockloop.train.run import (
+    PreparedRun,
+    RunSpec,
+    data_fingerprint,
+    default_seq_len,
+    prepare_run,
+    sequences,
+)
 from blockloop.train.trainer import Trainer
 
 
@@ -284,9 +290,8 @@ def start_training(plan: RunPlan, info: DistInfo = DistInfo()) -> tuple[Prepared
     model_config = apply_early_exit(run.model_config, plan.early_exit)
     if model_config is not run.model_config:
         run.model_config = run.model.config = model_config
-    if plan.fit_seq_len:  # the largest whole number of blocks / chunks the context holds, at most the default
-        unit = spec_of(model_config).sequence_multiple(model_config)
-        config.seq_len = min(config.seq_len, model_config.context_length // unit * unit)
+    if plan.fit_seq_len:
+        config.seq_len = default_seq_len(model_config)
     train_seqs, val_seqs = sequences(run.splits, config.seq_len, run.tokenizer.start_id)
     trainer = Trainer(
         run.model, run.model_config, run.tokenizer, train_seqs, val_seqs, config, plan.out,
