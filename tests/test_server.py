@@ -12,6 +12,7 @@ import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 
@@ -303,23 +304,28 @@ def test_bench_over_http_says_when_no_server_answers(capsys):
     assert len(err.splitlines()) == 1 and "is not a valid URL" in err, err
 
 
-def test_the_serve_verb_answers_over_http_and_stops_on_ctrl_c(tmp_path_factory):
-    run = tiny_run(tmp_path_factory.getbasetemp() / "serve-runs", "tiny")
+def _serve_verb(run: Path, *flags: str) -> tuple[subprocess.Popen, str]:
+    """`blockloop serve` on ``run`` as its own process on a free port, answering /health; with its base URL."""
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
     proc = subprocess.Popen([sys.executable, "-m", "blockloop.cli", "serve", "--checkpoint", str(run), "--port",
-                             str(port), "--slots", "2", "--log-level", "warning", "--device", "cpu"],
+                             str(port), "--log-level", "warning", "--device", "cpu", *flags],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    url, deadline = f"http://127.0.0.1:{port}", time.monotonic() + 120
+    while True:
+        assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read() if proc.poll() else "no start"
+        try:
+            if httpx.get(url + "/health").status_code == 200:
+                return proc, url
+        except httpx.TransportError:
+            time.sleep(0.2)
+
+
+def test_the_serve_verb_answers_over_http_and_stops_on_ctrl_c(tmp_path_factory):
+    run = tiny_run(tmp_path_factory.getbasetemp() / "serve-runs", "tiny")
+    proc, url = _serve_verb(run, "--slots", "2")
     try:
-        url, deadline = f"http://127.0.0.1:{port}", time.monotonic() + 120
-        while True:
-            assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read() if proc.poll() else "no start"
-            try:
-                if httpx.get(url + "/health").status_code == 200:
-                    break
-            except httpx.TransportError:
-                time.sleep(0.2)
         client = openai.OpenAI(base_url=url + "/v1", api_key="-", max_retries=0)
         reply = client.completions.create(model=run.name, prompt="ROMEO:", max_tokens=5, temperature=0)
         assert reply.usage.prompt_tokens == 6
@@ -327,4 +333,44 @@ def test_the_serve_verb_answers_over_http_and_stops_on_ctrl_c(tmp_path_factory):
         proc.send_signal(signal.SIGINT)
         out, err = proc.communicate(timeout=60)
     assert proc.returncode == 0, err
+    port = url.rsplit(":", 1)[1]
     assert f"serving {run.name}" in out and f"http://127.0.0.1:{port}/v1" in out
+
+
+@pytest.mark.parametrize("signals, wait", [(["SIGTERM"], "0"), (["SIGINT", "SIGINT"], "600")])
+def test_a_stop_gives_requests_in_flight_the_shutdown_timeout_then_a_503(tmp_path_factory, signals, wait):
+    """On SIGTERM (or Ctrl-C) the server lets the requests in flight run for --shutdown-timeout, then ends those
+    left with a 503 that each client reads (a stream: as its last event), and exits 0 without a traceback; a
+    second Ctrl-C ends them at once. Before, it waited for as long as they took, and a second Ctrl-C aborted it."""
+    run = tiny_run(tmp_path_factory.getbasetemp() / "serve-runs", "tiny")
+    proc, url = _serve_verb(run, "--slots", "1", "--shutdown-timeout", wait)
+
+    def ask(stream: bool) -> tuple[int, str]:
+        body = {"model": run.name, "prompt": "ROMEO:", "max_tokens": 120, "ignore_eos": True, "stream": stream}
+        reply = httpx.post(url + "/v1/completions", json=body, timeout=120)
+        return reply.status_code, reply.text
+
+    try:
+        with ThreadPoolExecutor(16) as pool:
+            replies = [pool.submit(ask, stream) for stream in (False, True) * 8]
+            deadline = time.monotonic() + 60
+            while True:  # all sixteen in: one runs, the others wait for the slot (or are done)
+                state = httpx.get(url + "/metrics").text
+                held = metric(state, "blockloop_requests_running") + metric(state, "blockloop_requests_waiting")
+                if held + sum(reply.done() for reply in replies) >= 16:
+                    break
+                assert time.monotonic() < deadline
+                time.sleep(0.05)
+            started = time.monotonic()
+            for name in signals:
+                proc.send_signal(getattr(signal, name))
+                time.sleep(0.5)
+            out, err = proc.communicate(timeout=120)
+            answers = [reply.result() for reply in replies]
+    finally:
+        proc.kill()
+    assert proc.returncode == 0 and "Traceback" not in err, err
+    assert time.monotonic() - started < 60
+    cut = [text for status, text in answers if "shutting_down" in text]
+    assert cut and all(text.endswith("data: [DONE]\n\n") for text in cut if text.startswith("data:"))
+    assert all(status == 503 for status, text in answers if text in cut and not text.startswith("data:"))

@@ -41,6 +41,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-waiting", type=nonnegative_int, default=256,
                    help="requests that may wait for a slot (beyond those free slots will take); past it the server answers "
                    "503 (default: 256)")
+    p.add_argument("--shutdown-timeout", type=nonnegative_int, default=10, metavar="SECONDS",
+                   help="on SIGINT/SIGTERM, how long requests in flight may take to finish before they are cut off "
+                   "(new connections are refused at once; a second Ctrl-C cuts them off now) (default: 10)")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
                    help="uvicorn's log level (default: info, one line per request)")
     add_device(p)
@@ -78,9 +81,8 @@ def add_chat_template(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    import uvicorn
-
     from blockloop.serve.http.app import app_for
+    from blockloop.serve.http.server import serve
 
     sock = bind(args.host, args.port)  # before the model loads: a taken port or a wrong host fails at once, in one line
     try:
@@ -91,10 +93,7 @@ def run(args: argparse.Namespace) -> int:
         port = sock.getsockname()[1]  # --port 0: the one the system chose
         host = f"[{args.host}]" if ":" in args.host else args.host  # an IPv6 address in a URL
         print(f"serving {name} ({trained.config.family}, {args.slots} slots) at http://{host}:{port}/v1")
-        try:
-            uvicorn.Server(uvicorn.Config(app, log_level=args.log_level)).run(sockets=[sock])
-        except KeyboardInterrupt:  # uvicorn shut down gracefully, then raised the signal again: a normal stop
-            pass
+        serve(app, sock, log_level=args.log_level, shutdown_timeout=args.shutdown_timeout)
     finally:
         sock.close()
     return 0

@@ -222,9 +222,15 @@ def create_app(served: ServedModel) -> FastAPI:
             if event.finish_reason is None:  # the client went away, or the handler was cancelled
                 served.worker.cancel(job)
         if event.finish_reason == "error":
-            raise ApiError(500, f"generation failed: {event.tail}", kind="server_error")
+            raise _failed(event)
         return JSONResponse(reply.completion("".join(pieces) + event.tail, event.finish_reason,
                                              event.prompt_tokens, event.completion_tokens))
+
+    def _failed(event: Event) -> ApiError:
+        """The error of a job that ended in one: 503 when the server stopped it (it is shutting down), else 500."""
+        if served.worker.stopping is not None:
+            return ApiError(503, event.tail, kind="server_error", code="shutting_down")
+        return ApiError(500, f"generation failed: {event.tail}", kind="server_error")
 
     async def _stream(job: Job, events: asyncio.Queue, reply: Reply, usage: bool) -> AsyncIterator[str]:
         """Server-sent events of one job; leaving early (the client went away) cancels it."""
@@ -236,7 +242,7 @@ def create_app(served: ServedModel) -> FastAPI:
                 event = await events.get()
                 out = [_sse(reply.chunk(piece)) for piece in event.pieces]  # one per token, empty while text is held back
                 if event.finish_reason == "error":
-                    out.append(_sse(ApiError(500, f"generation failed: {event.tail}", kind="server_error").body()))
+                    out.append(_sse(_failed(event).body()))
                 elif event.finish_reason is not None:
                     out.append(_sse(reply.chunk(event.tail, event.finish_reason)))
                     if usage:

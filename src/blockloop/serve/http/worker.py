@@ -125,15 +125,25 @@ class EngineWorker:
         self.in_flight = 0
         self.active: list[Job] = []  # jobs the engine holds (engine thread only)
         self.error: BaseException | None = None
+        self.stopping: str | None = None  # why new jobs are refused and running ones were ended (see ``stop``)
         self.thread = threading.Thread(target=self._run, name="blockloop-engine", daemon=True)
 
     # ------------------------------------------------------------- any thread
     def start(self) -> None:
         self.thread.start()
 
+    def stop(self, message: str) -> None:
+        """End every job, running or queued, with ``message`` as its error, and refuse new ones (a server
+        shutting down); the engine thread keeps running until ``close``."""
+        with self.lock:
+            self.stopping = message
+        self.inbox.put(("stop", None))
+
     def close(self) -> None:
-        self.inbox.put(("close", None))
-        self.thread.join()
+        """Stop the engine thread after its window; again, or before ``start``, nothing."""
+        if self.thread.is_alive():
+            self.inbox.put(("close", None))
+            self.thread.join()
 
     @property
     def healthy(self) -> bool:
@@ -152,6 +162,8 @@ class EngineWorker:
         """Queue ``job``; :class:`QueueFull` when ``max_waiting`` requests already wait for a slot. Under the lock
         the engine thread takes to fail everything, so no job slips into the inbox after it gave up."""
         with self.lock:
+            if self.stopping is not None:
+                raise BlockloopError(self.stopping)
             if not self.healthy:
                 raise BlockloopError(f"the engine is not running ({self.error!r}); restart the server")
             # Jobs not running yet fill the free slots first; only those beyond them wait for a slot (waiting
@@ -199,7 +211,12 @@ class EngineWorker:
         while True:
             if command == "close":
                 return False
-            if command == "submit":
+            if command == "stop":
+                for held in self.active:
+                    self.engine.cancel(held.request)
+                with self.lock:
+                    self._fail_all(self.stopping)
+            elif command == "submit":
                 self._submit(job)
             elif job.request is not None:
                 self.engine.cancel(job.request)
