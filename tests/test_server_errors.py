@@ -81,6 +81,7 @@ MALFORMED = [
     ("/v1/completions", json.dumps({**GOOD, "prompt": "\ud800abc"}).encode(), 400, "prompt"),
     ("/v1/chat/completions", json.dumps({**CHAT, "messages": [{"role": "user", "content": "\udfff"}]}).encode(), 400,
      "messages[0].content"),
+    ("/v1/completions", json.dumps({**GOOD, "stop": ["ok", "\ud800"]}).encode(), 400, "stop"),  # could never match
     ("/v1/completions", b'{"prompt": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", 400, None),  # too deep to parse
 ]
 
@@ -112,6 +113,8 @@ def test_malformed_requests_each_get_a_4xx_naming_the_field_and_the_server_keeps
         nan = httpx.post(url + "/v1/completions", content=json.dumps({**GOOD, "temperature": float("nan")}),
                          headers={"content-type": "application/json"})
         assert "finite" in nan.json()["error"]["message"], nan.text  # not "should be less than or equal to 2"
+        empty = httpx.post(url + "/v1/completions", json={**GOOD, "stop": [""]}).json()["error"]["message"]
+        assert "empty stop string" in empty, empty  # not "give at most 4 non-empty stop strings"
         assert httpx.get(url + "/v1/nowhere").status_code == 404
         wrong_method = httpx.get(url + "/v1/completions")
         assert wrong_method.status_code == 405 and "error" in wrong_method.json()

@@ -86,9 +86,11 @@ class Sampling(BaseModel):
     @classmethod
     def _stops(cls, stop: str | list[str] | None) -> list[str]:
         stops = [] if stop is None else [stop] if isinstance(stop, str) else stop
-        if len(stops) > MAX_STOP or any(s == "" for s in stops):
-            raise ValueError(f"give at most {MAX_STOP} non-empty stop strings")
-        return stops
+        if len(stops) > MAX_STOP:
+            raise ValueError(f"give at most {MAX_STOP} stop strings, got {len(stops)}")
+        if any(s == "" for s in stops):
+            raise ValueError("an empty stop string would end every answer before it starts; leave it out")
+        return [_utf8(s) for s in stops]  # one that is not UTF-8 could never match the text
 
     def stops(self) -> list[str]:
         return list(self.stop or [])
