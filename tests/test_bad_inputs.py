@@ -317,6 +317,9 @@ CASES = [
      "--relax lora --lora-rank R"),
     (["convert", "--to", "recursive", "--checkpoint", R, "--out", NEW, "--lora-rank", "2", "--lora-init", "zero",
       "--calibration", "4"], "--calibration does not apply to --lora-init zero"),
+    (["convert", "--to", "recursive", "--checkpoint", R, "--out", NEW, "--init", "random", "--lora-rank", "2"],
+     "--init random takes nothing from the full model, so its LoRA cannot start from the full layers' residuals; add "
+     "--lora-init zero"),
     (["convert", "--from-hf", "{base}/hf_pickle", "--checkpoint", R, "--out", NEW], "--checkpoint does not apply to --from-hf"),
     (["convert", "--from-hf", "{base}/hf_pickle", "--tokenizer", "bpe:300", "--out", NEW], "leave --tokenizer out to keep the source's own"),
     (["convert", "--from-hf", "{base}/hf_pickle", "--tokenizer", "byte", "--out", NEW], "only pickle weights (pytorch_model.bin)"),

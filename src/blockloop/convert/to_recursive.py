@@ -150,6 +150,10 @@ def vanilla_to_recursive(
         raise BlockloopError(f"unknown looped-layer init {init!r}; choose one of {LOOP_INITS}")
     if lora_init not in LORA_INITS:
         raise BlockloopError(f"unknown LoRA init {lora_init!r}; choose one of {LORA_INITS}")
+    if init == "random" and lora_rank and lora_init == "svd":
+        # The SVD would fit the full layers' differences from random ones: neither the baseline nor the model.
+        raise BlockloopError("--init random takes nothing from the full model, so its LoRA cannot start from the "
+                             "full layers' residuals; add --lora-init zero, or choose another --init")
     config = recursive_config_from_vanilla(
         vanilla.config, loops=loops, tying=tying, lora_rank=lora_rank, lora_alpha=lora_alpha, prefix_len=prefix_len,
         loop_norms=loop_norms,
@@ -219,7 +223,10 @@ def _init_lora(
 ) -> None:
     """Equation 4 per depth position: the LoRA of its shared layer's occurrence approximates W_ℓ - W' (weighted
     by the input channels' ``scales`` where given), and its bias delta is b_ℓ - b'."""
-    for position, (layer, occurrence) in enumerate(zip(model.order, model.occurrence)):
+    positions = list(enumerate(zip(model.order, model.occurrence)))
+    # One SVD per linear and depth position, in float64: minutes for a real model, so on a bar.
+    for position, (layer, occurrence) in progress.bar(iterable=positions, desc="fitting LoRA", unit="layer",
+                                                      leave=False, log_every=30, disable=lora_init == "zero"):
         source, shared = full[position], model.body.blocks[layer]
         for name, lora in shared.named_modules():
             if not isinstance(lora, LoopLoRALinear):
