@@ -646,6 +646,14 @@ def test_a_short_warm_up_generates_warmup_tokens_and_the_timed_runs_the_whole_le
         assert lengths == [3, 9, 9]
 
 
+def test_depthwise_batching_refuses_loops_that_do_not_share_layers_and_a_minimum_past_the_last_loop():
+    model = build_model(from_name("tiny-recursive", tying="sequence", n_layer=2)).eval()
+    with pytest.raises(BlockloopError, match="needs cycle tying .* not 'sequence'; drop --exit .* --strategy cycle"):
+        runner_for(model, exit_rule=ExitRule("none"))
+    with pytest.raises(BlockloopError, match="min_loops=3 is more loops than the model's 2"):
+        runner_for(tiny("tiny-recursive"), exit_rule=ExitRule("max_prob", 0.9, min_loops=3))
+
+
 def test_depthwise_batching_without_exits_equals_sequence_wise_greedy():
     model = tiny("tiny-recursive")
     prompts, budgets = random_prompts((3, 11, 7, 5, 9)), [9, 4, 7, 6, 2]

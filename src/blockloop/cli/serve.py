@@ -92,7 +92,8 @@ def run(args: argparse.Namespace) -> int:
                       chat_template=args.chat_template, max_waiting=args.max_waiting, **options)
         port = sock.getsockname()[1]  # --port 0: the one the system chose
         host = f"[{args.host}]" if ":" in args.host else args.host  # an IPv6 address in a URL
-        print(f"serving {name} ({trained.config.family}, {args.slots} slots) at http://{host}:{port}/v1")
+        depth = f", depth-wise with exit {args.exit}" if args.exit else ""
+        print(f"serving {name} ({trained.config.family}, {args.slots} slots{depth}) at http://{host}:{port}/v1")
         serve(app, sock, log_level=args.log_level, shutdown_timeout=args.shutdown_timeout)
     finally:
         sock.close()

@@ -134,10 +134,13 @@ class RecursiveRunner(DecoderRunner):
             self.token_per_step = False  # speculating rows emit their own tokens (see the engine)
             self.emits = speculation.k + 1
         if exit_rule is not None:
+            if exit_rule.min_loops > model.config.loops:
+                raise BlockloopError(f"min_loops={exit_rule.min_loops} is more loops than the model's "
+                                     f"{model.config.loops}: no token could leave early; lower it")
             if model.config.tying != "cycle":
                 raise BlockloopError(
-                    f"depth-wise batching needs cycle tying (rows share layers per loop), not {model.config.tying!r}"
-                )
+                    f"depth-wise batching needs cycle tying (rows share layers per loop), not {model.config.tying!r}; "
+                    "drop --exit to decode it at full depth, or convert with --strategy cycle")
             self.token_per_step = False  # rows emit a token only when they leave a loop (see the engine)
         plain = not any(model.local) and not model.config.prefix_len  # every layer reads a full-length, prefix-free cache
         if loop_read == "blocks" and not plain:
