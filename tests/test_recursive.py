@@ -315,6 +315,8 @@ def test_convert_uptrain_with_distillation_and_evaluate_per_loop(teacher_run, tm
     assert main(["train", "--init-from", str(converted), *TRAIN, "--distill-from", str(teacher_run),
                  "--distill-weight", "0.5", "--early-exit", "aggressive", "--exit-kd-weight", "1.0",
                  "--out", str(run)]) == 0
+    started = capsys.readouterr().out
+    assert f"parameters, aggressive early-exit loss, distilling from {teacher_run.resolve()}" in started, started
     curve = losses(run)
     assert curve[-1] < curve[0]
     saved = json.loads((run / "checkpoints" / "step_0000016" / "config.json").read_text())

@@ -170,8 +170,12 @@ def train(args: argparse.Namespace) -> int:
             return 0
         if info.is_main:
             config = trainer.config
+            exit_loss = getattr(run.model_config, "exit_loss", "none")
+            teacher = config.extra.get("distill_from")
             print(
-                f"training {run.model_config.name} ({run.model.num_parameters() / 1e6:.2f}M parameters) on "
+                f"training {run.model_config.name} ({run.model.num_parameters() / 1e6:.2f}M parameters"
+                f"{f', {exit_loss} early-exit loss' if exit_loss != 'none' else ''}"
+                f"{f', distilling from {teacher}' if teacher else ''}) on "
                 f"{plan.spec.data} with the {run.tokenizer.name} tokenizer ({run.tokenizer.vocab_size} ids): "
                 f"{len(trainer.train_data)} train / "
                 f"{len(trainer.val_data)} val sequences of {config.seq_len} tokens; step {trainer.step} of "
