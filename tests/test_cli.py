@@ -43,8 +43,10 @@ def test_resume_extends_a_finished_run(trained_run, tmp_path, capsys):
 
     run = tmp_path / "run"
     shutil.copytree(trained_run, run)
-    assert main(["train", "--steps", "6", "--out", str(run), "--resume", "--no-progress"]) == 0
-    assert "step 4 of 6" in capsys.readouterr().out
+    assert main(["train", "--steps", "6", "--out", str(run), "--resume", "--no-progress", "--distributed", "fsdp"]) == 0
+    printed = capsys.readouterr()
+    assert "step 4 of 6" in printed.out
+    assert "warning: --distributed fsdp applies across torchrun's processes; this one process trains the whole" in printed.err
     assert (run / "checkpoints" / "latest").read_text().strip() == "step_0000006"
     # resumed once finished: nothing to train (no NaN loss); asked for fewer steps than it has: an error
     assert main(["train", "--steps", "6", "--out", str(run), "--resume", "--no-progress"]) == 0
@@ -339,6 +341,33 @@ def test_ctrl_c_in_training_says_whether_a_checkpoint_is_there_to_resume_from(mo
     assert main(argv) == 130
     run = tmp_path / "run"
     assert capsys.readouterr().err.strip() == f"blockloop train: interrupted; the last checkpoint in {run} is kept: --resume goes on from it"
+
+
+def test_a_stop_signal_in_training_says_which_checkpoint_is_kept(tmp_path):
+    """SIGTERM (a scheduler's stop) takes Ctrl-C's way out: the kept checkpoint named, exit 130; it ended the
+    process on the spot, silently."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+
+    run = tmp_path / "run"
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1] / "src"), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen([sys.executable, "-m", "blockloop.cli", *TINY_TRAIN, "--steps", "100000", "--out", str(run)],
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not (run / "checkpoints" / "latest").is_file():
+            assert proc.poll() is None and time.monotonic() < deadline
+            time.sleep(0.1)
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == 130
+    assert err.strip().splitlines()[-1] == f"blockloop train: interrupted; the last checkpoint in {run} is kept: --resume goes on from it"
 
 
 def test_an_unrelated_missing_module_is_still_a_bug_with_its_traceback(monkeypatch):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 from pathlib import Path
 
 from blockloop.cli.common import (
@@ -130,12 +131,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from blockloop.files import run_lock
+    from blockloop.signals import terminate_as_interrupt
 
     # One process writes a run at a time; under torchrun, rank 0 holds the lock for all ranks. (--resume of a run
     # that is not there fails in plan_run, without creating it.)
     out = Path(args.out)
     with run_lock(out, enabled=os.environ.get("RANK", "0") == "0" and (out.exists() or not args.resume)):
-        return train(args)
+        with terminate_as_interrupt():  # a scheduler's stop says which checkpoint is kept, as Ctrl-C does
+            return train(args)
 
 
 def train(args: argparse.Namespace) -> int:
@@ -152,6 +155,9 @@ def train(args: argparse.Namespace) -> int:
         distill_from=args.distill_from, distill_weight=args.distill_weight,
     ))
     info = init_distributed(plan.config.resolved_device())
+    if args.distributed is not None and not info.enabled:
+        print(f"warning: --distributed {args.distributed} applies across torchrun's processes; this one process "
+              "trains the whole model (launch with torchrun --nproc-per-node N to shard it)", file=sys.stderr)
     try:
         # Rank 0 took the run's lock before the group formed: a rank that cannot read it writes somewhere else.
         if on_any_rank(not info.is_main and held_by_this_job(plan.out) is False, info):

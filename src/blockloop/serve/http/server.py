@@ -19,6 +19,8 @@ from types import FrameType
 import uvicorn
 from fastapi import FastAPI
 
+from blockloop.signals import terminate_as_interrupt
+
 SHUTTING_DOWN = "the server is shutting down; send the request to another one, or again once it is back"
 # What the handlers get, past the drain, to answer their clients before uvicorn cancels them.
 ANSWER_S = 5.0
@@ -60,15 +62,10 @@ def serve(app: FastAPI, sock: socket.socket, *, log_level: str, shutdown_timeout
     """Serve ``app`` on ``sock`` until SIGINT or SIGTERM (either a normal stop: this returns)."""
     config = uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=shutdown_timeout + ANSWER_S)
     # uvicorn raises the signal that stopped it again once it is done: SIGTERM then ends here as SIGINT does.
-    previous = signal.signal(signal.SIGTERM, _interrupt)
     try:
-        DrainingServer(config, app, shutdown_timeout).run(sockets=[sock])
+        with terminate_as_interrupt():
+            DrainingServer(config, app, shutdown_timeout).run(sockets=[sock])
     except KeyboardInterrupt:
         pass
     finally:
-        signal.signal(signal.SIGTERM, previous)
         app.state.served.worker.close()
-
-
-def _interrupt(signum: int, frame: object) -> None:
-    raise KeyboardInterrupt
