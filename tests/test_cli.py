@@ -343,6 +343,14 @@ def test_ctrl_c_in_training_says_whether_a_checkpoint_is_there_to_resume_from(mo
     assert capsys.readouterr().err.strip() == f"blockloop train: interrupted; the last checkpoint in {run} is kept: --resume goes on from it"
 
 
+def test_verbs_other_than_train_refuse_to_run_under_torchrun(trained_run, capsys, monkeypatch):
+    """Under torchrun every rank ran eval (or generate...) whole and printed it again."""
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    one_line_error(capsys, ["eval", "--checkpoint", str(trained_run)],
+                   "blockloop eval: error: only train runs across torchrun's processes; run blockloop eval as one "
+                   "process, without torchrun")
+
+
 def test_a_stop_signal_in_training_says_which_checkpoint_is_kept(tmp_path):
     """SIGTERM (a scheduler's stop) takes Ctrl-C's way out: the kept checkpoint named, exit 130; it ended the
     process on the spot, silently."""

@@ -57,6 +57,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         if exc.code in (0, None):
             raise
         return int(exc.code)
+    if args.command != "train" and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        # Every rank would do the whole job and print it again, or two servers would fight over one port.
+        print(f"blockloop {args.command}: error: only train runs across torchrun's processes; run "
+              f"blockloop {args.command} as one process, without torchrun", file=sys.stderr)
+        return EXIT_USER_ERROR
     if unknown:  # argparse would blame the top-level parser; the help that lists the flags is the verb's
         prog = " ".join(filter(None, ("blockloop", args.command, getattr(args, f"{args.command}_command", None))))
         print(f"{prog}: error: unrecognized arguments: {' '.join(unknown)}; see {prog} --help", file=sys.stderr)
