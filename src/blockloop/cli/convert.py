@@ -6,7 +6,14 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from blockloop.cli.common import add_no_progress, nonempty, nonnegative_float, nonnegative_int, refuse_flags
+from blockloop.cli.common import (
+    add_no_progress,
+    nonempty,
+    nonnegative_float,
+    nonnegative_int,
+    positive_float,
+    refuse_flags,
+)
 from blockloop.errors import BlockloopError
 
 HELP = ("turn a trained model into another family for uptraining (then `train --init-from`); import or export "
@@ -46,11 +53,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                 continue
             added.add(option.name)
             # default None: a flag given to a target that ignores it is told apart from one left alone (run)
-            g.add_argument(f"--{option.name.replace('_', '-')}", type=CHECKED.get(option.type, option.type),
+            kind = positive_float if option.positive else CHECKED.get(option.type, option.type)
+            g.add_argument(f"--{option.name.replace('_', '-')}", type=kind,
                            choices=option.choices, help=_merged_help(helps[option.name]))
 
 
-# Every numeric option of a target counts or scales something: none is negative, NaN or infinite.
+# Every numeric option of a target counts or scales something: none is negative, NaN or infinite (nor 0 where
+# the option says it is positive).
 CHECKED = {int: nonnegative_int, float: nonnegative_float}
 
 
