@@ -16,6 +16,7 @@ from blockloop.errors import BlockloopError
 from blockloop.families import from_name
 from blockloop.train import checkpoint as ckpt
 from blockloop.train.eval_checkpoint import EvalRequest, evaluate_checkpoint
+from blockloop.train.run import load_trained
 from blockloop.train.setup import EarlyExit, TrainRequest, apply_early_exit, plan_run, start_training
 
 TINY = dict(steps=2, batch_size=2, seq_len=32, warmup_steps=1, log_interval=1, eval_interval=2, eval_batches=1,
@@ -170,6 +171,8 @@ def test_conversion_targets_check_their_options_before_loading(tmp_path):
         to_recursive_checkpoint("/no/such/run", tmp_path / "x", relax="prefix")
     with pytest.raises(BlockloopError, match="--lora-rank is for --relax lora"):
         to_recursive_checkpoint("/no/such/run", tmp_path / "x", relax="none", lora_rank=4)
+    with pytest.raises(BlockloopError, match="--prefix-len is for --relax prefix, not --relax lora"):
+        to_recursive_checkpoint("/no/such/run", tmp_path / "x", lora_rank=4, prefix_len=2)
     with pytest.raises(BlockloopError, match="unknown conversion target 'gguf'"):
         convert_checkpoint("gguf", "/no/such/run", tmp_path / "x")
     with pytest.raises(BlockloopError, match="conversion to block takes no option loops; its options: block_len, "):
@@ -180,6 +183,14 @@ def test_convert_to_block_writes_an_uptraining_checkpoint(trained, tmp_path):
     done = convert_checkpoint("block", trained, tmp_path / "block", block_len=4)
     assert (done.out / "model.safetensors").is_file() and "train --init-from" in done.hint
     assert plan_run(TrainRequest(tmp_path / "up", init_from=str(done.out))).spec.preset == "tiny"
+
+
+def test_a_size_given_alone_chooses_its_relaxation(trained, tmp_path):
+    """As --lora-rank alone means --relax lora, --prefix-len alone means --relax prefix (it was refused)."""
+    prefixed = load_trained(to_recursive_checkpoint(trained, tmp_path / "prefix", prefix_len=2).out).config
+    assert (prefixed.prefix_len, prefixed.lora_rank) == (2, 0)
+    lora = load_trained(to_recursive_checkpoint(trained, tmp_path / "lora", lora_rank=2).out).config
+    assert (lora.prefix_len, lora.lora_rank) == (0, 2)
 
 
 def test_a_conversion_is_scored_on_its_sources_windows_and_an_import_on_the_default_one(trained, tmp_path):

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from blockloop.convert.hf import export_hf
-from blockloop.convert.targets import TARGETS
+from blockloop.convert.targets import TARGETS, implied_relaxation
 from blockloop.convert.to_block import vanilla_to_block
 from blockloop.convert.to_recursive import vanilla_to_recursive
 from blockloop.data.dataset import prepare_tokens
@@ -75,12 +75,12 @@ def to_recursive_checkpoint(
     """A (Relaxed) Recursive Transformer from a trained vanilla decoder (Bae et al. 2024, sections 2.2-2.3).
 
     The relaxation is per-loop LoRA (``lora_rank``) or per-position prefixes (``prefix_len``), never both:
-    ``relax`` defaults to ``lora`` when a rank is given, else ``none``. ``norms``: ``per-loop`` gives every
+    ``relax`` defaults to ``lora`` when a rank is given, ``prefix`` when a prefix length is, else ``none``. ``norms``: ``per-loop`` gives every
     norm of a shared layer one gain per loop (exact at full LoRA rank), ``tied`` shares them as the paper does.
     ``calibration``: windows of the source run's training data that make the SVD init activation-aware
     (0: the SVD of the weights alone).
     """
-    relax = relax or ("lora" if lora_rank else "none")
+    relax = relax or implied_relaxation(lora_rank, prefix_len)
     if norms not in ("per-loop", "tied"):
         raise BlockloopError(f"--norms {norms} is unknown; choose per-loop or tied")
     prefix_len = prefix_len or 0

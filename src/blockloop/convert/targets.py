@@ -34,9 +34,14 @@ class Target:
     unread: Callable[[dict[str, Any]], tuple[list[str], str, str]] | None = None
 
 
+def implied_relaxation(lora_rank: int | None, prefix_len: int | None) -> str:
+    """The relaxation a conversion without ``--relax`` gets: the one whose size was given."""
+    return "lora" if lora_rank else "prefix" if prefix_len else "none"
+
+
 def _recursive_unread(given: dict[str, Any]) -> tuple[list[str], str, str]:
     """The LoRA init's options shape nothing without LoRA modules; calibration weights only the SVD init."""
-    relax = given.get("relax") or ("lora" if given.get("lora_rank") else "none")
+    relax = given.get("relax") or implied_relaxation(given.get("lora_rank"), given.get("prefix_len"))
     if relax != "lora":
         lora = [name for name in ("lora_alpha", "lora_init", "calibration") if name in given]
         # --lora-rank alone is refused beside --relax none/prefix: name the relaxation too where one was given
@@ -59,7 +64,7 @@ TARGETS: dict[str, Target] = {
         Option("init", str, "stepwise", f"shared-layer init: {', '.join(LOOP_INITS)} (default: stepwise)"),
         Option("strategy", str, "cycle", f"layer tying: {', '.join(TYING_STRATEGIES)} (default: cycle; only cycle serves depth-wise, --exit)"),
         Option("relax", str, None, "relaxation: per-loop LoRA (--lora-rank) or per-position prefix (--prefix-len); "
-               "default: lora when --lora-rank is given, else none", choices=("none", "lora", "prefix")),
+               "default: lora when --lora-rank is given, prefix when --prefix-len is, else none", choices=("none", "lora", "prefix")),
         Option("lora_rank", int, 0, "LoRA rank r per shared linear and loop (default: 0, none)"),
         Option("lora_alpha", float, None, "LoRA alpha; scaling alpha/r (default: r, scaling 1)", positive=True),
         Option("lora_init", str, "svd", f"LoRA init: {', '.join(LORA_INITS)} (default: svd, equation 4)"),
