@@ -556,3 +556,14 @@ def test_an_out_folder_gets_a_results_file_inside_it(tiny_run, tmp_path, capsys)
     for folder in (tmp_path / "new", tmp_path):
         assert json.loads((folder / "benchmarks.json").read_text())["results"][0]["task"] == "copa"
     assert main(["eval", "--compare", str(tmp_path / "new"), str(tmp_path)]) == 0
+
+
+def test_the_table_gives_a_tasks_seconds_once():
+    """One pass scores all of a task's metrics and loops: its time stands on its first row, not on each."""
+    from blockloop.evals.results import table_rows
+
+    row = {"task": "copa", "value": 0.5, "stderr": 0.05, "n": 100, "shots": 0}
+    record = {"results": [{**row, "metric": metric, "loop": loop} for loop in (1, 2) for metric in ("acc", "acc_norm")]
+              + [{**row, "task": "piqa", "metric": "acc", "loop": 2}], "seconds": {"copa": 5.25, "piqa": 1.0}}
+    header, *rows = table_rows(record)
+    assert header[-1] == "seconds" and [r[-1] for r in rows] == ["5.2", "", "", "", "1.0"]

@@ -26,12 +26,16 @@ def _key(result: dict[str, Any], final_loop: int | None = None) -> tuple:
 
 
 def table_rows(record: dict[str, Any]) -> list[tuple[str, ...]]:
-    """Header + one row per (task, metric[, loop]): value ± stderr in percent, questions, shots, seconds."""
+    """Header + one row per (task, metric[, loop]): value ± stderr in percent, questions, shots, and the task's
+    seconds on its first row (one pass scores all its metrics and loops)."""
     loops = any("loop" in r for r in record["results"])
     rows = [("task", "metric") + (("loop",) if loops else ()) + ("value (%)", "n", "shots", "seconds")]
+    timed: set[str] = set()
     for r in record["results"]:
+        seconds = "" if r["task"] in timed else f"{record['seconds'][r['task']]:.1f}"
+        timed.add(r["task"])
         rows.append((r["task"], r["metric"]) + ((str(r["loop"]),) if loops else ())
-                    + (_cell(r["value"], r["stderr"]), str(r["n"]), str(r["shots"]), f"{record['seconds'][r['task']]:.1f}"))
+                    + (_cell(r["value"], r["stderr"]), str(r["n"]), str(r["shots"]), seconds))
     return rows
 
 
