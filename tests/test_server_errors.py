@@ -426,3 +426,23 @@ def test_a_task_models_unknown_words_empty_prompts_and_chats_are_400s(tmp_path):
         good = httpx.post(url + "/v1/completions", json={"model": "walk", "prompt": "r0c0 L", "max_tokens": 2})
         assert good.status_code == 200 and good.json()["usage"] == {"prompt_tokens": 2, "completion_tokens": 2,
                                                                      "total_tokens": 4}
+
+
+def test_a_text_too_long_for_any_tokenization_is_refused_before_the_tokenizer_reads_it(run):
+    """No id of the byte tokenizer covers more than a byte: a prompt of more than twice the context's 128 in
+    characters cannot fit, and is refused unread (a 50 MB prompt held every stream up while it was tokenized)."""
+    application = app(run, n_slots=1)
+    tokenizer = application.state.served.tokenizer
+    read: list[int] = []
+    original = tokenizer.encode  # encode_prompt reads through it too
+    tokenizer.encode = lambda text: read.append(len(text)) or original(text)
+    with running(application) as url:
+        for path, field, body in (("/v1/completions", "prompt", {**GOOD, "prompt": "x" * 257}),
+                                  ("/v1/chat/completions", "messages",
+                                   {**CHAT, "messages": [{"role": "user", "content": "x" * 257}]})):
+            error = httpx.post(url + path, json=body).json()["error"]
+            assert (error["param"], error["code"]) == (field, "context_length_exceeded"), error
+            assert "characters is more than the server's context of 128 tokens could hold" in error["message"]
+        assert read == []
+        long = httpx.post(url + "/v1/completions", json={**GOOD, "prompt": "x" * 200}).json()["error"]
+        assert read == [200] and long["code"] == "context_length_exceeded"  # read, then refused by its tokens

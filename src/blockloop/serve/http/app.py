@@ -109,11 +109,22 @@ def create_app(served: ServedModel) -> FastAPI:
         _check_model(name)
         return dict(card)
 
+    # No id stands for more than ``longest`` bytes (nor a character for fewer than one): a text longer than the
+    # context times that (twice, for the decoded lengths of a non-byte-level vocabulary) cannot fit, and is refused
+    # before the tokenizer spends seconds on it while the streams wait. A task's words are not bytes: not checked.
+    longest = None if getattr(tokenizer, "task", None) else 2 * max(1, int(tokenizer.token_byte_lengths().max()))
+
+    def _check_length(text: str, field: str) -> None:
+        if longest is not None and len(text) > engine.max_len * longest:
+            raise ApiError(400, f"{field} of {len(text)} characters is more than the server's context of "
+                           f"{engine.max_len} tokens could hold; shorten it", param=field, code="context_length_exceeded")
+
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
         params = parse(CompletionRequest, await _body(request))
         _check_model(params.model)
         if isinstance(params.prompt, str):
+            _check_length(params.prompt, "prompt")
             prompt = await _encode(tokenizer.encode_prompt, params.prompt, "prompt")
         else:
             prompt = params.prompt
@@ -134,6 +145,7 @@ def create_app(served: ServedModel) -> FastAPI:
             text = served.template.render([{"role": m.role, "content": m.content} for m in params.messages])
         except BlockloopError as exc:
             raise ApiError(400, str(exc), param="messages") from None
+        _check_length(text, "messages")
         prompt = await _encode(tokenizer.encode, text, "messages")
         # ignore_eos also runs past the template's end-of-turn token (vLLM: generation config EOS ids included).
         turn_ends = [] if params.ignore_eos else served.template.stop_ids
