@@ -242,7 +242,9 @@ def running_here(directory: Path) -> int | None:
     or None. Rank 0 of this torchrun job holds it for every rank, so to the others it is not another run."""
     lock = Path(directory) / LOCK_FILE
     holder = _holder(lock) if lock.is_file() else None
-    if holder is None or holder["host"] != socket.gethostname() or holder["pid"] == os.getpid() or held_by_this_job(directory):
+    if holder is None or holder["host"] != socket.gethostname() or holder["pid"] == os.getpid():
+        return None
+    if held_by_this_job(directory):
         return None
     return holder["pid"]
 

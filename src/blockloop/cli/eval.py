@@ -38,8 +38,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "on, if any); a NAME:LENGTH variant tests other sequence lengths. Not the benchmarks: see --tasks",
     )
     p.add_argument("--task-dir", metavar="DIR", type=nonempty, help="the task dataset to score (default: the run's, or generated into the cache)")
-    p.add_argument("--seq-len", type=positive_int, help="window length (default: the run's training --seq-len; for an imported model, "
-                   "256 tokens or the longest whole number of blocks its context holds)")
+    p.add_argument("--seq-len", type=positive_int,
+                   help="window length (default: the run's training --seq-len; for an imported model, 256 tokens or "
+                   "the longest whole number of blocks its context holds)")
     p.add_argument("--batch-size", type=positive_int, default=8,
                    help="sequences per forward pass; with --tasks, questions per forward pass (default: 8). A model "
                    "that carries state (cached staircase, Transformer-XL) reads the split as this many side-by-side "

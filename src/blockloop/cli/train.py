@@ -120,7 +120,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--resume", action="store_true",
                    help="continue the run in --out from its latest checkpoint, with the run's own model, data and loss "
                    "(give none of the flags that choose them, even with the same value, except --data or --task-dir "
-                   "for the new place of a moved corpus or task folder); training flags such as --steps or --lr may change")
+                   "for the new place of a moved corpus or task folder); training flags such as --steps or --lr may "
+                   "change")
     add_no_progress(g)
     g = p.add_argument_group("hardware")
     g.add_argument("--device", type=device, help="auto, cpu, cuda, cuda:N or mps (default: auto)")

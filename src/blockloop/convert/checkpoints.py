@@ -75,8 +75,9 @@ def to_recursive_checkpoint(
     """A (Relaxed) Recursive Transformer from a trained vanilla decoder (Bae et al. 2024, sections 2.2-2.3).
 
     The relaxation is per-loop LoRA (``lora_rank``) or per-position prefixes (``prefix_len``), never both:
-    ``relax`` defaults to ``lora`` when a rank is given, ``prefix`` when a prefix length is, else ``none``. ``norms``: ``per-loop`` gives every
-    norm of a shared layer one gain per loop (exact at full LoRA rank), ``tied`` shares them as the paper does.
+    ``relax`` defaults to ``lora`` when a rank is given, ``prefix`` when a prefix length is, else ``none``.
+    ``norms``: ``per-loop`` gives every norm of a shared layer one gain per loop (exact at full LoRA rank),
+    ``tied`` shares them as the paper does.
     ``calibration``: windows of the source run's training data that make the SVD init activation-aware
     (0: the SVD of the weights alone).
     """

@@ -57,7 +57,7 @@ def evaluate_checkpoint(checkpoint: str | Path, request: EvalRequest, device: st
     if request.task or request.task_dir or (request.data is None and (run.get("task") or run.get("task_dir"))):
         return evaluate_task(trained, request, device)
     if request.split == "test":
-        raise BlockloopError("a corpus has train and val splits only (or all of it); --split test is for tasks (--task)")
+        raise BlockloopError("a corpus is scored on its train or val split, or all of it; --split test is for tasks (--task)")
     split = "val" if request.split in (None, "valid") else request.split
     data = request.data or run.get("data")
     if data is None:
