@@ -334,7 +334,16 @@ def test_the_serve_verb_answers_over_http_and_stops_on_ctrl_c(tmp_path_factory):
         out, err = proc.communicate(timeout=60)
     assert proc.returncode == 0, err
     port = url.rsplit(":", 1)[1]
-    assert f"serving {run.name}" in out and f"http://127.0.0.1:{port}/v1" in out
+    assert f"serving {run.name} (decoder, 2 slots) at http://127.0.0.1:{port}/v1" in out
+
+
+def test_the_serve_verb_says_when_it_batches_depth_wise(tmp_path_factory):
+    run = tiny_run(tmp_path_factory.getbasetemp() / "serve-runs", "tiny-recursive")
+    proc, url = _serve_verb(run, "--slots", "2", "--exit", "max_prob:0.9")
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 0, err
+    assert f"serving {run.name} (recursive, 2 slots, depth-wise with exit max_prob:0.9) at {url}/v1" in out
 
 
 @pytest.mark.parametrize("signals, wait", [(["SIGTERM"], "0"), (["SIGINT", "SIGINT"], "600")])
