@@ -40,6 +40,17 @@ def copy_into_place(src: IO[bytes], target: Path) -> None:
         raise
 
 
+def new_file_mode(folder: Path) -> int:
+    """The permissions a file created in ``folder`` gets (the umask, or the folder's default ACL), found by creating
+    one: for a file another writer made private, as safetensors' temporary file is (0600)."""
+    fd, probe = _new_file(folder)
+    try:
+        return os.fstat(fd).st_mode & 0o7777
+    finally:
+        os.close(fd)
+        probe.unlink()
+
+
 def check_writable(target: Path) -> None:
     """Fail now, with the error a write would give, if ``target`` cannot be written (a folder stands there, its
     folder is read-only): before long work whose result goes there, not after it."""
@@ -244,24 +255,24 @@ def running_here(directory: Path) -> int | None:
     holder = _holder(lock) if lock.is_file() else None
     if holder is None or holder["host"] != socket.gethostname() or holder["pid"] == os.getpid():
         return None
-    if held_by_this_job(directory):
-        return None
-    return holder["pid"]
+    return None if _same_launch(holder) else holder["pid"]
 
 
 def held_by_this_job(directory: Path) -> bool | None:
     """Whether ``directory``'s run lock was taken by (rank 0 of) the torchrun launch this process belongs to; None
     when that cannot be told (a multi-node launch without ``--rdzv-id``, seen from another host)."""
+    holder = _holder(Path(directory) / LOCK_FILE)
+    return False if holder is None else _same_launch(holder)
+
+
+def _same_launch(holder: dict[str, Any]) -> bool | None:
+    """Whether the lock ``holder`` and this process were started by one torchrun launch (None: cannot be told)."""
     mine = _torchrun_job()
     if not mine:
         return False
-    try:
-        lock = json.loads((Path(directory) / LOCK_FILE).read_text(encoding="utf-8"))
-        if lock.get("host") == socket.gethostname() and lock.get("agent") is not None:
-            return lock.get("agent") == mine["agent"]  # the same torchrun agent started both
-        return None if mine["job"] == "none" else lock.get("job") == mine["job"]
-    except (OSError, ValueError, AttributeError):
-        return False
+    if holder["host"] == socket.gethostname() and holder.get("agent") is not None:
+        return holder["agent"] == mine["agent"]  # the same torchrun agent started both
+    return None if mine["job"] == "none" else holder.get("job") == mine["job"]
 
 
 def _torchrun_job() -> dict[str, Any]:
@@ -272,17 +283,18 @@ def _torchrun_job() -> dict[str, Any]:
 
 
 def _holder(lock: Path) -> dict[str, Any] | None:
-    """Who holds ``lock``, or None when it is stale (its process is gone from this host, or it is unreadable)."""
+    """What the holder of ``lock`` wrote (pid, host and torchrun launch), or None when it is stale (its process is
+    gone from this host, or it is unreadable)."""
     try:
         holder = json.loads(lock.read_text(encoding="utf-8"))
-        pid, host = int(holder["pid"]), str(holder["host"])
+        holder.update(pid=int(holder["pid"]), host=str(holder["host"]))
     except FileNotFoundError:
         return None
-    except (ValueError, KeyError, TypeError, UnicodeDecodeError):
+    except (ValueError, KeyError, TypeError, AttributeError, UnicodeDecodeError):
         return None  # never written whole: links are atomic, so this is not a live holder's file
-    if host != socket.gethostname():
-        return {"pid": pid, "host": host}  # cannot tell whether it is alive: assume it is
-    return None if _gone(pid) else {"pid": pid, "host": host}
+    if holder["host"] != socket.gethostname():
+        return holder  # cannot tell whether it is alive: assume it is
+    return None if _gone(holder["pid"]) else holder
 
 
 def _gone(pid: int) -> bool:

@@ -33,7 +33,7 @@ from blockloop.choices import SAVE_DTYPES
 from blockloop.config import ModelConfig, save_config
 from blockloop.errors import BlockloopError
 from blockloop.families import load_config
-from blockloop.files import LOCK_FILE, atomic_write_text, check_new_folder, running_here
+from blockloop.files import LOCK_FILE, atomic_write_text, check_new_folder, new_file_mode, running_here
 
 LATEST = "latest"
 KEEP_LAST = 2
@@ -123,7 +123,8 @@ def _latest_name(root: Path) -> str | None:
 def save_tensors(tensors: dict[str, torch.Tensor], path: Path, metadata: dict[str, str] | None = None) -> None:
     """safetensors' writer, made to fail and to land as every other file here does: its I/O errors (a full disk, a
     folder another rank cannot see) are raised as the OSError they are, for :func:`write_failed` and the CLI to
-    name, and the file gets the umask's permissions, not the 0600 of the writer's own temporary file."""
+    name, and the file gets the permissions any new file there gets, not the 0600 of the writer's own temporary
+    file."""
     try:
         save_file(tensors, str(path), metadata=metadata)
     except SafetensorError as exc:
@@ -131,13 +132,7 @@ def save_tensors(tensors: dict[str, torch.Tensor], path: Path, metadata: dict[st
         if code is None:
             raise
         raise OSError(int(code.group(1)), os.strerror(int(code.group(1))), str(path)) from exc
-    os.chmod(path, 0o666 & ~_umask())
-
-
-def _umask() -> int:
-    mask = os.umask(0o022)  # reading it means setting it: put it straight back
-    os.umask(mask)
-    return mask
+    os.chmod(path, new_file_mode(path.parent))
 
 
 def write_failed(tmp: Path, exc: OSError, *states: dict[str, torch.Tensor] | dict[str, Any]) -> Exception:
