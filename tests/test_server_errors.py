@@ -241,6 +241,41 @@ def test_bench_over_http_counts_requests_a_full_queue_turns_away_and_measures_th
     assert metric(text, "blockloop_requests_rejected_total") == metrics["rejected"]
 
 
+def test_bench_over_http_counts_the_requests_a_server_lost_mid_run_fails_and_reports_those_that_finished(run, capsys):
+    """The server stops partway (its shutdown ends what it holds with an error event and answers later requests 503
+    ``shutting_down``): the bench used to stop with an error and report nothing. The finished requests are measured;
+    the others are counted as failed, as ``vllm bench serve`` counts them."""
+    application = app(run, n_slots=1, sync_every=1)
+    worker = application.state.served.worker
+    step, windows = worker.engine.step, []
+
+    def step_then_stop(*args, **kwargs):
+        windows.append(1)
+        if len(windows) == 12:  # the warm-up request and about two of the stream's have finished
+            worker.stop("the server is shutting down")
+        time.sleep(0.01)
+        return step(*args, **kwargs)
+
+    worker.engine.step = step_then_stop
+    with running(application) as url:
+        assert main(["bench", "--url", url, "--requests", "6", "--rate", "inf", "--prompt-range", "4,8",
+                     "--tokens-range", "4,4", "--record", str(run.parent / "lost.jsonl")]) == 0
+    out, err = capsys.readouterr()
+    (row,) = [json.loads(line) for line in (run.parent / "lost.jsonl").read_text().splitlines()]
+    assert row["requests"] >= 1 and row["failed"] >= 1 and row["requests"] + row["failed"] + row["rejected"] == 6
+    assert row["output_tokens"] == 4 * row["requests"]  # the figures are the finished requests' own
+    assert f"{row['failed']} failed" in out
+    assert "requests failed (the first: " in err and "shutting down" in err, err
+
+    stopped = app(run, n_slots=1)
+    stopped.state.served.worker.stop("the server is shutting down")
+    with running(stopped) as url:
+        for warmup, says in (("0", "every request to"), ("1", "the warm-up request to")):
+            assert main(["bench", "--url", url, "--requests", "2", "--prompt-range", "4,8", "--warmup", warmup]) == 2
+            err = capsys.readouterr().err.strip()
+            assert len(err.splitlines()) == 1 and says in err and "shutting down" in err, err
+
+
 def test_bench_over_http_warms_the_server_before_its_clock_starts(run):
     """A server's first request pays its start-up costs (imitated by a one-second first window): timed, they made
     the run look slower than the server serves. ``warmup`` requests of the stream go first, untimed."""

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -93,55 +94,72 @@ def run_http_stream(
         raise BlockloopError(f"the stream's longest request takes {need} tokens (prompt and new tokens), more than the "
                              f"server's context of {context}; lower --prompt-range or --tokens-range")
     answers = asyncio.run(_send_all(root, card["id"], prompts, offsets.tolist(), budgets.tolist(), warmup))
-    timings = [timing for timing in answers if timing is not None]
+    timings = [answer for answer in answers if isinstance(answer, Timing)]
+    failures = [answer for answer in answers if isinstance(answer, Failure) and not answer.turned_away]
+    if not timings and failures:
+        raise BlockloopError(f"every request to {url} failed (the first: {failures[0].reason}); check that the "
+                             "server is still running, then bench again")
     if not timings:
         raise BlockloopError(f"the server at {url} turned every request away (503: its queue was full); raise its "
                              "--max-waiting or --slots, or lower --rate")
     metrics = serving_metrics(timings)
     metrics.update(url=url, model=card["id"], rate=rate, requests_per_s=len(timings) / metrics["duration_s"],
-                   rejected=len(answers) - len(timings), warmup=warmup)
+                   rejected=len(answers) - len(timings) - len(failures), failed=len(failures), warmup=warmup,
+                   first_failure=failures[0].reason if failures else None)
     return metrics
 
 
+@dataclass(frozen=True)
+class Failure:
+    """A request that did not finish: turned away by a full queue (503), or failed (the connection lost, the
+    server's error event, another status). A load test counts these beside the figures of the requests that
+    finished, as ``vllm bench serve`` counts failed requests, rather than stopping at the first."""
+
+    reason: str
+    turned_away: bool = False
+
+
 async def _send_all(url: str, model: str, prompts: list[list[int]], offsets: list[float], budgets: list[int],
-                    warmup: int) -> list[Timing | None]:
+                    warmup: int) -> list[Timing | Failure]:
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
     async with httpx.AsyncClient(base_url=url, timeout=None, limits=limits) as client:
-        try:
-            for i in range(warmup):
-                await _one(client, model, prompts[i % len(prompts)], budgets[i % len(prompts)], time.perf_counter())
-            start = time.perf_counter()
-            return await asyncio.gather(*(_one(client, model, p, n, start + t)
-                                          for p, n, t in zip(prompts, budgets, offsets)))
-        except httpx.HTTPError as exc:  # the server went away (or broke a stream) mid-run
-            raise BlockloopError(f"lost the server at {url} mid-run ({type(exc).__name__}: {exc}); "
-                                 "check that it is still running, then bench again") from None
+        for i in range(warmup):  # a request that fails here would fail the stream's too: stop before timing it
+            answer = await _one(client, model, prompts[i % len(prompts)], budgets[i % len(prompts)], time.perf_counter())
+            if isinstance(answer, Failure) and not answer.turned_away:
+                raise BlockloopError(f"the warm-up request to {url} failed ({answer.reason}); check the server, then "
+                                     "bench again")
+        start = time.perf_counter()
+        return await asyncio.gather(*(_one(client, model, p, n, start + t) for p, n, t in zip(prompts, budgets, offsets)))
 
 
 async def _one(client: httpx.AsyncClient, model: str, prompt: list[int], max_tokens: int, arrival: float
-               ) -> Timing | None:
-    """One streamed request sent at ``arrival``; the time each token's event reached the client. None: the server
-    turned it away with a full queue (503), which a load test counts (``rejected``) rather than stops at, as
-    ``vllm bench serve`` counts failed requests."""
+               ) -> Timing | Failure:
+    """One streamed request sent at ``arrival``: the time each token's event reached the client, or why it did not
+    finish."""
     await asyncio.sleep(max(0.0, arrival - time.perf_counter()))
     body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
             "stream": True, "stream_options": {"include_usage": True}}
     times: list[float] = []
     usage: dict[str, int] = {}
-    async with client.stream("POST", "/v1/completions", json=body) as reply:
-        if reply.status_code == 503 and b'"queue_full"' in await reply.aread():
-            return None
-        if reply.status_code != 200:
-            raise BlockloopError(f"the server answered {reply.status_code}: {(await reply.aread()).decode()[:300]}")
-        async for line in reply.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            chunk = json.loads(line[6:])
-            if "error" in chunk:
-                raise BlockloopError(f"the server failed a request: {chunk['error']['message']}")
-            if chunk["choices"] and chunk["choices"][0]["finish_reason"] is None:
-                times.append(time.perf_counter())
-            usage = chunk.get("usage") or usage
+    try:
+        async with client.stream("POST", "/v1/completions", json=body) as reply:
+            if reply.status_code != 200:
+                text = (await reply.aread()).decode(errors="replace")
+                return Failure(f"{reply.status_code}: {text[:300]}",
+                               turned_away=reply.status_code == 503 and '"queue_full"' in text)
+            async for line in reply.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[6:])
+                if "error" in chunk:
+                    return Failure(f"the server's error event: {chunk['error']['message']}")
+                if chunk["choices"] and chunk["choices"][0]["finish_reason"] is None:
+                    times.append(time.perf_counter())
+                usage = chunk.get("usage") or usage
+    except httpx.HTTPError as exc:  # the server went away, or broke the stream
+        return Failure(f"{type(exc).__name__}: {_first_line(exc)}")
+    if not usage:
+        return Failure("the stream ended without its usage event")
     if usage.get("completion_tokens") != len(times):
         raise BlockloopError(f"counted {len(times)} token events but the server reports {usage}; is this blockloop serve?")
     return Timing(arrival, times)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -289,9 +290,14 @@ def _http(args: argparse.Namespace) -> int:
 
     m = run_http_stream(args.url, requests=args.requests, rate=args.rate, corpus=args.corpus, seed=args.seed,
                         prompt_range=args.prompt_range, tokens_range=args.tokens_range, warmup=args.warmup)
-    turned_away = f" ({m['rejected']} more turned away by its full queue, 503)" if m["rejected"] else ""
-    print(f"{m['model']} at {args.url}: {m['requests']} requests at {args.rate}/s{turned_away}, {m['output_tokens']} "
+    others = [f"{m['rejected']} more turned away by its full queue, 503"] if m["rejected"] else []
+    others += [f"{m['failed']} failed"] if m["failed"] else []
+    others_text = f" ({'; '.join(others)})" if others else ""
+    print(f"{m['model']} at {args.url}: {m['requests']} requests at {args.rate}/s{others_text}, {m['output_tokens']} "
           f"tokens in {m['duration_s']:.2f} s: {m['requests_per_s']:.2f} req/s, {m['throughput_tok_s']:.1f} tok/s")
+    if m["failed"]:
+        print(f"warning: {m['failed']} of {args.requests} requests failed (the first: {m['first_failure']}); the "
+              f"figures are those of the {m['requests']} that finished", file=sys.stderr)
     print("| metric | mean ms | median ms | p90 ms | p99 ms |\n|---|---|---|---|---|")
     for key in ("ttft_s", "tpot_s", "itl_s", "e2e_s"):
         print(f"| {key[:-2].upper()} | {_ms(m[key], 'mean', 'median', 'p90', 'p99').replace('/', ' | ')} |")
