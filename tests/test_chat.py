@@ -176,6 +176,28 @@ def test_the_chat_verb_reads_stdin(run):
     assert "(conversation reset)" in proc.stdout and proc.stdout.count("\n") >= 3
 
 
+def test_control_characters_of_an_answer_reach_a_terminal_as_escapes(run, monkeypatch):
+    """An untrained byte-level model emits escape sequences (clear screen, cursor moves) and carriage returns; in a
+    terminal they are written as escapes, through a pipe as they are."""
+    import io
+
+    from blockloop.cli import main
+    from blockloop.cli.chat import shown
+
+    assert shown("a\x1b[2Jb\r\nc\td\x07\x7fé") == "a\\x1b[2Jb\\r\nc\td\\x07\\x7fé"
+
+    class Terminal(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    monkeypatch.setattr(ChatSession, "ask", lambda self, line, write: (write("\x1b[2Jhi\r"), ("hi", "stop"))[1])
+    for out, expected in ((Terminal(), "\\x1b[2Jhi\\r"), (io.StringIO(), "\x1b[2Jhi\r")):
+        monkeypatch.setattr(sys, "stdout", out)
+        monkeypatch.setattr("builtins.input", lines("hello"))
+        assert main(["chat", "--checkpoint", str(run), "--device", "cpu"]) == 0
+        assert expected + "\n" in out.getvalue()
+
+
 def test_plain_template_and_a_jinja_template_with_its_end_of_turn_token(tmp_path):
     messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"},
                 {"role": "user", "content": "and?"}]
