@@ -355,6 +355,29 @@ def test_a_paged_cache_smaller_than_the_context_bounds_max_tokens_with_a_400(run
         assert httpx.post(url + "/v1/completions", json={**body, "max_tokens": longest}).status_code == 400
 
 
+def test_metrics_show_the_share_of_a_paged_cache_held_and_no_such_gauge_without_one(run):
+    """What bounds admissions over a paged cache is its free pages: the gauge rises while a request holds pages and
+    falls to 0 when it finishes. A static cache has no such number."""
+    from blockloop.serve.runners import Paging
+
+    with running(app(run, n_slots=2)) as url:
+        assert "blockloop_kv_cache_usage" not in httpx.get(url + "/metrics").text
+    application = app(run, n_slots=2, paging=Paging(64, page_size=16))
+    engine = application.state.served.worker.engine
+    step = engine.step
+    engine.step = lambda *args, **kwargs: (step(*args, **kwargs), time.sleep(0.3))[0]  # long windows
+    with running(application) as url:
+        assert metric(httpx.get(url + "/metrics").text, "blockloop_kv_cache_usage") == 0
+        body = {**GOOD, "max_tokens": 20, "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", url + "/v1/completions", json=body) as reply:
+            lines = reply.iter_lines()
+            next(lines)  # the first token: the request holds its pages
+            held = metric(httpx.get(url + "/metrics").text, "blockloop_kv_cache_usage")
+            assert held in (1 / 4, 2 / 4)  # 6 prompt tokens and a window: one or two of the 4 pages of 16
+            assert [line for line in lines if line][-1] == "data: [DONE]"
+        assert metric(httpx.get(url + "/metrics").text, "blockloop_kv_cache_usage") == 0
+
+
 def test_prefill_only_windows_add_no_generated_tokens_to_the_metrics(run):
     """A prompt longer than the prefill chunk takes windows that generate nothing; the last window's tokens used
     to be counted again for each of them."""

@@ -1,8 +1,9 @@
 """Prometheus metrics of one server (``GET /metrics``), in a registry of its own.
 
-Gauges are read from the worker when scraped (requests waiting and running, slots in use); counters and
-histograms are fed by the engine thread as windows end and requests finish (tokens, time to first token,
-time per output token, end-to-end latency), with the engine's host times, as ``blockloop bench`` measures them.
+Gauges are read from the worker when scraped (requests waiting and running, slots in use, and with a paged KV
+cache the share of its pages held); counters and histograms are fed by the engine thread as windows end and
+requests finish (tokens, time to first token, time per output token, end-to-end latency), with the engine's host
+times, as ``blockloop bench`` measures them.
 """
 
 from __future__ import annotations
@@ -29,6 +30,10 @@ class ServerMetrics:
         Gauge("blockloop_slots", "engine slots (requests decoded together)", registry=r).set(n_slots)
         Gauge("blockloop_slot_usage", "share of the slots in use", registry=r).set_function(
             lambda: worker.running / n_slots)
+        runner = worker.engine.runner
+        if runner.kv_cache_usage() is not None:  # a paged cache (--kv-tokens): as vLLM's kv_cache_usage_perc
+            Gauge("blockloop_kv_cache_usage", "share of the paged KV cache's pages held", registry=r).set_function(
+                runner.kv_cache_usage)
         self.prompt_tokens = Counter("blockloop_prompt_tokens", "prompt tokens of finished requests", registry=r)
         self.generation_tokens = Counter("blockloop_generation_tokens", "tokens generated", registry=r)
         self.finished = Counter("blockloop_requests_finished", "finished requests by reason", ["finish_reason"],

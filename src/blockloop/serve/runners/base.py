@@ -99,6 +99,11 @@ class Runner(ABC):
         lengths, prompt plus new tokens. A static cache always has: every slot holds ``max_len``."""
         return True
 
+    def kv_cache_usage(self) -> float | None:
+        """The share of a paged KV cache's pages held now (what bounds admissions, so what an operator watches);
+        None for a static cache, where every slot holds ``max_len`` whatever it uses."""
+        return None
+
     def reserve(self, slot: int, n_tokens: int) -> bool:
         """Hold room in row ``slot`` for the first ``n_tokens`` tokens of its request, adding to what it holds
         (a paged cache takes pages here; a static one holds ``max_len`` already); False when the cache has no

@@ -72,6 +72,10 @@ class PagedRows:
         return self._pages is None or self._pages.can_hold(
             [self._entries(n) for n in token_counts for _ in range(copies)], alone=alone)
 
+    def kv_cache_usage(self) -> float | None:
+        pages = self._pages
+        return None if pages is None else 1 - len(pages.free) / (pages.n_pages - 1)
+
     def reserve(self, slot: int, n_tokens: int) -> bool:
         return self._pages is None or self._pages.reserve_all(self._table_rows(slot), self._entries(n_tokens))
 
