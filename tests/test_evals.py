@@ -406,6 +406,10 @@ def test_tasks_scored_one_command_at_a_time_all_stay_in_the_checkpoints_results(
     assert third["earlier"] == {"arc_easy": {"date": second["date"], "command": "command 2"},
                                 "copa": {"date": first["date"], "command": "command 1"}}
     assert main(["eval", "--compare", str(run), str(run)]) == 0  # still a results file
+    monkeypatch.chdir(tmp_path)  # the same checkpoint spelt otherwise: its results are still kept
+    assert main(["eval", "--checkpoint", "run", "--tasks", "copa", "--limit", "2", "--device", "cpu"]) == 0
+    assert {r["task"] for r in json.loads((run / "benchmarks.json").read_text())["results"]} == {
+        "copa", "arc_easy", "openbookqa"}
     elsewhere = tmp_path / "shared.json"
     assert main(["eval", "--checkpoint", str(tiny_run), "--tasks", "copa", "--limit", "2", "--device", "cpu",
                  "--out", str(elsewhere)]) == 0

@@ -52,7 +52,7 @@ def merge_earlier(record: dict[str, Any], path: Path) -> tuple[dict[str, Any], l
     task, the date and command of the run that scored it. Another checkpoint's results (or those of one retrained
     since) are replaced; anything else at ``path`` is refused before scoring (:func:`check_replaceable`)."""
     old = read_record(path) if path.is_file() else None
-    if old is None or old.get("checkpoint") != record.get("checkpoint"):
+    if old is None or not _same_checkpoint(old.get("checkpoint"), record.get("checkpoint")):
         return record, []
     scored = {r["task"] for r in record["results"]}
     kept = [r for r in old["results"] if r["task"] not in scored]
@@ -65,6 +65,12 @@ def merge_earlier(record: dict[str, Any], path: Path) -> tuple[dict[str, Any], l
     merged = {**record, "results": [*record["results"], *kept], "seconds": {**record["seconds"], **seconds},
               "earlier": earlier}
     return merged, tasks
+
+
+def _same_checkpoint(a: str | None, b: str | None) -> bool:
+    """Whether two records name one checkpoint however it was spelt (records name it absolutely; older ones as
+    given, relative to the folder eval ran in)."""
+    return a is not None and b is not None and Path(a).resolve() == Path(b).resolve()
 
 
 def results_path(out: str | None, checkpoint: str) -> Path:
