@@ -433,12 +433,15 @@ def test_tasks_scored_one_command_at_a_time_all_stay_in_the_checkpoints_results(
     (["--compare", "a.json", "b.json", "--tasks", "copa", "--shots", "3"],
      "--checkpoint, --tasks, --shots do not apply to --compare"),
     (["--compare", "a.json", "b.json", "--json"], "--checkpoint, --json do not apply to --compare (it only reads the two stored results)"),
+    (["--compare", "a.json", "b.json", "--batch-size", "2", "--device", "cpu"],
+     "--checkpoint, --batch-size, --device do not apply to --compare"),
 ])
 def test_cli_benchmark_errors_are_one_line(tiny_run, capsys, monkeypatch, argv, match):
     from blockloop.nn import linear
 
     monkeypatch.setattr(linear, "_packing", True)  # --no-pack turns packing off for the process: restored after
-    code = main(["eval", "--checkpoint", str(tiny_run), "--device", "cpu", *argv])
+    device = [] if "--compare" in argv else ["--device", "cpu"]  # --compare refuses it
+    code = main(["eval", "--checkpoint", str(tiny_run), *device, *argv])
     err = capsys.readouterr().err.strip()
     assert code == EXIT_USER_ERROR and len(err.splitlines()) == 1 and match in err, err
 

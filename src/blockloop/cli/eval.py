@@ -41,7 +41,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seq-len", type=positive_int,
                    help="window length (default: the run's training --seq-len; for an imported model, 256 tokens or "
                    "the longest whole number of blocks its context holds)")
-    p.add_argument("--batch-size", type=positive_int, default=8,
+    p.add_argument("--batch-size", type=positive_int,
                    help="sequences per forward pass; with --tasks, questions per forward pass (default: 8). A model "
                    "that carries state (cached staircase, Transformer-XL) reads the split as this many side-by-side "
                    "streams, so compare its losses at one batch size")
@@ -50,7 +50,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--objective", choices=OBJECTIVES,
         help="what to score: lm or prefix_lm (the suffix after a breakpoint; default: the run's training objective)",
     )
-    add_device(p)
+    add_device(p, default=None)  # None: left out, so --compare can refuse it
     add_no_progress(p)
     p.add_argument("--json", action="store_true", help="print the metrics as one JSON object")
     p.add_argument(
@@ -76,6 +76,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 # The flags of one mode (None in the parser when left alone), refused in the other instead of ignored.
 LOSS_ONLY = ("data", "split", "task", "task_dir", "seq_len", "max_batches", "objective")
 BENCHMARK_ONLY = ("shots", "limit", "seed", "loops", "out")
+BATCH_SIZE = 8  # --batch-size left out
 
 
 def run(args: argparse.Namespace) -> int:
@@ -83,6 +84,7 @@ def run(args: argparse.Namespace) -> int:
 
     if args.compare:
         unread = [name for name in ("checkpoint", "tasks", *LOSS_ONLY, *BENCHMARK_ONLY) if getattr(args, name) is not None]
+        unread += [name for name in ("batch_size", "device") if getattr(args, name) is not None]
         unread += [name for name in ("per_loop", "json", "no_pack") if getattr(args, name)]
         if unread:
             refuse_flags(unread, "--compare (it only reads the two stored results)")
@@ -105,9 +107,10 @@ def run(args: argparse.Namespace) -> int:
 
     request = EvalRequest(
         data=args.data, split=args.split, task=args.task, task_dir=args.task_dir, seq_len=args.seq_len,
-        batch_size=args.batch_size, max_batches=args.max_batches, objective=args.objective, per_loop=args.per_loop,
+        batch_size=args.batch_size or BATCH_SIZE, max_batches=args.max_batches, objective=args.objective,
+        per_loop=args.per_loop,
     )
-    result = evaluate_checkpoint(args.checkpoint, request, args.device)
+    result = evaluate_checkpoint(args.checkpoint, request, args.device or "auto")
     if args.json:
         print(json.dumps(result))
     elif "task" in result:
@@ -144,7 +147,7 @@ def benchmarks(args: argparse.Namespace) -> int:
 
     out = results_path(args.out, args.checkpoint)
     given = {name: getattr(args, name) for name in ("shots", "seed") if getattr(args, name) is not None}
-    request = BenchmarkRequest(parse_tasks(args.tasks), limit=args.limit, batch_size=args.batch_size,
+    request = BenchmarkRequest(parse_tasks(args.tasks), limit=args.limit, batch_size=args.batch_size or BATCH_SIZE,
                                loops=args.loops, per_loop=args.per_loop, **given)
     bars = []
 
@@ -162,7 +165,7 @@ def benchmarks(args: argparse.Namespace) -> int:
         check_replaceable(out)
         check_writable(out)
     try:
-        record = evaluate_benchmarks(args.checkpoint, request, args.device, progress=progress)
+        record = evaluate_benchmarks(args.checkpoint, request, args.device or "auto", progress=progress)
     finally:
         for bar in bars:
             bar.close()
