@@ -78,8 +78,8 @@ def test_the_loop_streams_answers_and_reset_forgets_the_conversation(session):
 
 def test_an_unknown_command_is_named_not_sent_to_the_model(session):
     out: list[str] = []
-    converse(session, lines("/help", "/clear"), out.append, interactive=False)
-    assert "".join(out).count("(no command /") == 2 and "/reset forgets the conversation" in "".join(out)
+    converse(session, lines("/help", "/clear", "/set-seed", "/"), out.append, interactive=False)
+    assert "".join(out).count("(no command /") == 4 and "/reset forgets the conversation" in "".join(out)
     assert [m["role"] for m in session.history] == ["system"]  # nothing was asked
 
 

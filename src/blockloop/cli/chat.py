@@ -94,7 +94,7 @@ def converse(session: ChatSession, read: Callable[[str], str], write: Callable[[
             continue
         if not line:
             continue
-        if line.startswith("/") and line[1:].isalpha():  # /help, /clear, ...: a command, not a message
+        if line.startswith("/") and not any(c.isspace() for c in line):  # /help, /set-seed, /: not a message
             write(f"(no command {line}: {COMMANDS_HELP})\n")
             continue
         problem = utf8_problem(line)
