@@ -164,9 +164,13 @@ def test_loops_are_checked_and_generation_refuses_a_fixed_exit():
     asked = [type("R", (), {"args": ("The cat", " sat")})()]
     first, last = (BlockloopLM(model=model, tokenizer=tok, loops=k).loglikelihood(asked) for k in (1, "2"))
     assert last == BlockloopLM(model=model, tokenizer=tok).loglikelihood(asked) and first != last
-    for loops, says in (("0", "outside"), ("3", "outside"), ("-1", "not a loop number"), ("x", "not a loop number")):
-        with pytest.raises(BlockloopError, match=says):
+    for loops, says in (("0", r"loops=0 is not one of the model's loops \(1..2\)"), ("3", r"loops=3 is not one of"),
+                        ("-1", "not a loop number"), ("x", "not a loop number")):
+        with pytest.raises(BlockloopError, match=says):  # model_args' words, not eval's --loops
             BlockloopLM(model=model, tokenizer=tok, loops=loops)
+    plain = build_model(small_variant("tiny").replace(vocab_size=tok.vocab_size, padded_vocab_size=320)).eval()
+    with pytest.raises(BlockloopError, match=r"loops=1 is not one of the model's loops \(it has none; leave loops out"):
+        BlockloopLM(model=plain, tokenizer=tok, loops=1)
     with pytest.raises(BlockloopError, match="needs checkpoint=RUN"):
         BlockloopLM(device="cpu", batch_size=4)  # lm_eval.simple_evaluate(model="blockloop") without model_args
     with pytest.raises(BlockloopError, match="batch_size=0 must be at least 1"):

@@ -26,7 +26,6 @@ from torch import nn
 from blockloop.data.tokenizers import Tokenizer
 from blockloop.device import resolve_device
 from blockloop.errors import BlockloopError
-from blockloop.evals.harness import BenchmarkRequest, exits_of
 from blockloop.evals.scoring import Request, encode_request, score
 from blockloop.families import spec_of
 from blockloop.nn.linear import packed_linears
@@ -58,8 +57,12 @@ class BlockloopLM(LM):
             self.exits = None
         elif not str(loops).isdigit():
             raise BlockloopError(f"loops={loops!r} is not a loop number; give loops=K, 1 <= K <= the model's loops")
-        else:
-            self.exits = exits_of(self.model, BenchmarkRequest([], loops=int(loops)))
+        else:  # exits_of's own checks, in the words of model_args rather than of eval's flags
+            most = getattr(self.model.config, "loops", None)
+            if most is None or not 1 <= int(loops) <= most:
+                raise BlockloopError(f"loops={loops} is not one of the model's loops (" +
+                                     ("it has none; leave loops out)" if most is None else f"1..{most})"))
+            self.exits = [int(loops)]
 
     def _score(self, requests: list[Request]) -> list[tuple[float, bool]]:
         """Requests with equal contexts form groups of at most ``batch_size`` (one prefix pass each: lm-eval's
