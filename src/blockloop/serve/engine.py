@@ -380,10 +380,10 @@ class Engine:
             return budget
         return min(budget, self._padded(len(request.prompt)) + len(request.output) + self.sync_every)
 
-    def _cache_holds(self, group: list[Request], candidate: Request) -> bool:
-        """Whether the runner's cache has room for ``candidate``'s first window beside the requests admitted
-        with it (a paged cache: free pages)."""
-        return self.runner.can_hold([self._horizon(r) for r in (*group, candidate)])
+    def _cache_holds(self, group: list[Request]) -> bool:
+        """Whether the runner's cache has room for the first windows of ``group``, admitted together (a paged
+        cache: free pages)."""
+        return self.runner.can_hold([self._horizon(r) for r in group])
 
     def _grow(self) -> None:
         """Give every decoding row room for the coming window, oldest request first. When the cache is full the
@@ -453,11 +453,10 @@ class Engine:
         for slot, request in enumerate(requests, start):
             self.sampling.set(slot, request.sampling, sampled=len(request.output))
 
-    def _fits_together(self, group: list[Request], candidate: Request) -> bool:
-        """Whether a static batch still fits the context with ``candidate``: all rows share one length."""
-        members = [*group, candidate]
-        longest = self._padded(max(len(r.prompt) for r in members))
-        return self.reserved + longest + max(r.max_tokens for r in members) <= self.max_len
+    def _fits_together(self, group: list[Request]) -> bool:
+        """Whether ``group`` fits the context as one static batch: all rows share one length."""
+        longest = self._padded(max(len(r.prompt) for r in group))
+        return self.reserved + longest + max(r.max_tokens for r in group) <= self.max_len
 
     def _prefill_batch(self, admitted: list[tuple[int, Request]]) -> None:
         prompts = [r.prompt for _, r in admitted]
