@@ -71,6 +71,8 @@ def test_resume_continues_the_saved_run_and_refuses_new_model_choices(trained):
     with pytest.raises(BlockloopError, match="--resume continues the saved run with its own model, data and loss; drop --preset, --set, --early-exit"):
         plan_run(TrainRequest(trained, resume=True, preset="tiny", model_overrides={"n_layer": 1},
                               early_exit=EarlyExit(exit_loss="weighted")))
+    with pytest.raises(BlockloopError, match="model, data and loss; drop --objective$"):  # even the run's own
+        plan_run(TrainRequest(trained, resume=True, train_overrides={"objective": "lm"}))
     with pytest.raises(BlockloopError, match="give one of them"):
         plan_run(TrainRequest(trained, resume=True, init_from=str(trained)))
     with pytest.raises(BlockloopError, match="already holds a run"):

@@ -124,6 +124,7 @@ def plan_run(request: TrainRequest) -> RunPlan:
                  ("exit_kd_weight", r.early_exit.exit_kd_weight), ("distill_from", None if repin else r.distill_from),
                  ("distill_weight", r.distill_weight))
         clashes += [name for name, value in exits if value is not None]
+        clashes += ["objective"] if "objective" in r.train_overrides else []  # the loss; the rest is how it trains
         if clashes:
             raise BlockloopError(f"--resume continues the saved run with its own model, data and loss; drop {_flags(clashes)}")
         # The model, config and tokenizer come from the run's own checkpoint, whatever it started from.
