@@ -66,6 +66,10 @@ class StaircaseState:
     passes: tuple[int, ...]
     cache: tuple[KV, ...]
     cache_valid: Tensor
+    # The embedded tokens of a segment's incomplete last chunk (B, p < C, d) and their validity: the stream's
+    # chunks are fixed by position, so the next segment reads them again at the head of its first chunk.
+    pending: Tensor | None = None
+    pending_valid: Tensor | None = None
 
     @property
     def tokens_in_flight(self) -> int:
@@ -77,6 +81,7 @@ class StaircaseState:
             self,
             chunks=tuple(c.detach() for c in self.chunks),
             cache=tuple((k.detach(), v.detach()) for k, v in self.cache),
+            pending=None if self.pending is None else self.pending.detach(),
         )
 
 
@@ -153,14 +158,20 @@ class Staircase(LanguageModel):
     def stream(
         self, x: Tensor, valid: Tensor, state: StaircaseState | None
     ) -> tuple[Tensor, StaircaseState]:
-        """Outputs ``(B, T, d)`` for embeddings ``x``, and the state after the last complete chunk.
+        """Outputs ``(B, T, d)`` for embeddings ``x``, and the state to continue the stream from: the one after
+        the last complete chunk, holding the tokens of an incomplete one as ``pending``.
 
-        Chunks still in flight from an earlier segment finish during the first steps; their outputs were
-        already given by that segment's flush and are dropped here.
+        Chunks still in flight from an earlier segment finish during the first steps, and its pending tokens
+        are read again at the head of the first chunk; their outputs were already given by that segment (by
+        its flush) and are dropped here. So a stream read in segments cut anywhere gives the logits of one
+        long forward.
         """
         C = self.config.chunk_size
         state = self.initial_state(x.shape[0], x.device) if state is None else state
         carried = state.tokens_in_flight
+        if state.pending is not None:
+            carried += state.pending.shape[1]
+            x, valid = torch.cat((state.pending, x), dim=1), torch.cat((state.pending_valid, valid), dim=1)
         outputs, committed = [], state
         for start in range(0, x.shape[1], C):
             state, done = self.step(state, x[:, start : start + C], valid[:, start : start + C])
@@ -170,7 +181,9 @@ class Staircase(LanguageModel):
         while state.chunks:  # flush: remaining passes for the chunks in flight, nothing new read
             state, done = self.step(state, x[:, :0], valid[:, :0])
             outputs.append(done)
-        return torch.cat(outputs, dim=1)[:, carried:], committed
+        tail = x.shape[1] % C
+        pending = (x[:, -tail:], valid[:, -tail:]) if tail else (None, None)
+        return torch.cat(outputs, dim=1)[:, carried:], replace(committed, pending=pending[0], pending_valid=pending[1])
 
     # ---------------------------------------------------------------- forward
     def forward(
@@ -185,8 +198,8 @@ class Staircase(LanguageModel):
         """Logits for ``idx (B, T)`` continuing ``state`` (None: a new stream); mean loss over targets != -100.
 
         ``token_valid (B, T)`` marks real tokens (left padding is never attended to). With
-        ``return_state`` the state after the last complete chunk comes third; pass it with the next
-        segment of the same streams.
+        ``return_state`` the state to continue from comes third (:meth:`stream`); pass it with the next
+        segment of the same streams, cut anywhere.
         """
         valid = torch.ones_like(idx, dtype=torch.bool) if token_valid is None else token_valid
         h, new_state = self.stream(self.drop(self.embed(idx)), valid, state)
