@@ -174,6 +174,11 @@ CASES = [
      "the block family builds its targets from the inputs"),
     (["train", "--preset", "tiny-encdec", "--task", "random-walk:16", "--seq-len", "68", "--out", NEW],
      "cannot learn or be scored on a labelled-position task"),
+    # a task scores its labelled positions: no PrefixLM suffix
+    (["train", "--preset", "tiny-staircase", "--task", "random-walk:16", "--seq-len", "68", "--objective", "prefix_lm",
+      "--out", NEW], "--objective prefix_lm scores a text's suffix; a task scores its labelled positions"),
+    (["eval", "--checkpoint", R, "--task", "random-walk:16", "--objective", "prefix_lm"],
+     "--objective chooses what of a text is scored; a task scores its labelled positions"),
     # train: where the run goes and what it continues
     (["train", *TINY, "--out", "{base}/a_file"], "a_file is a file"),
     (["train", *TINY, "--out", "{base}/a_file/run"], "Not a directory: {base}/a_file"),

@@ -43,7 +43,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "the longest whole number of blocks its context holds)")
     p.add_argument("--batch-size", type=positive_int,
                    help="sequences per forward pass; with --tasks, questions per forward pass (default: 8). A model "
-                   "that carries state (cached staircase, Transformer-XL) reads the split as this many side-by-side "
+                   "that carries state (every staircase, Transformer-XL) reads the split as this many side-by-side "
                    "streams, so compare its losses at one batch size")
     p.add_argument("--max-batches", type=positive_int, help="stop after this many batches (default: the whole split)")
     p.add_argument(

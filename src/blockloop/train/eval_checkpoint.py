@@ -88,6 +88,9 @@ def evaluate_task(trained: TrainedModel, request: EvalRequest, device: str) -> d
     """Loss and argmax error over the labelled positions of one split of a task (default: the run's, valid)."""
     if request.data:
         raise BlockloopError("--data names a corpus and --task a task; give one of them")
+    if request.objective is not None:
+        raise BlockloopError("--objective chooses what of a text is scored; a task scores its labelled positions: "
+                             "drop --objective")
     check_learns_tasks(trained.config)
     run = trained.state.get("run", {})
     if request.task or request.task_dir:

@@ -156,6 +156,9 @@ def plan_run(request: TrainRequest) -> RunPlan:
             model_overrides=overrides,
         )
     config = TrainConfig(**r.train_overrides)
+    if spec.task is not None and config.objective != "lm":
+        raise BlockloopError(f"--objective {config.objective} scores a text's suffix; a task scores its labelled "
+                             "positions: drop --objective")
     if r.distill_from is not None:
         # Pinned: the teacher's checkpoint as it is now, by absolute path, so a resume from elsewhere, or after the
         # teacher's run trained on, distils from the same teacher.
