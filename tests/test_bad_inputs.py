@@ -250,7 +250,7 @@ CASES = [
     ([*SERVE, "--max-waiting", "-1"], "--max-waiting: must be an integer >= 0"),
     ([*SERVE, "--sync-every", "0"], "--sync-every: must be an integer >= 1"),
     ([*SERVE, "--threads", "-1"], "--threads: must be an integer >= 1"),
-    ([*SERVE, "--max-len", "100000"], "max_len (--max-len) 100000 is outside the model context of"),
+    ([*SERVE, "--max-len", "100000"], "max_len (--max-len) 100000 is more than the model context of 128 tokens; give at most 128"),
     ([*SERVE, "--max-len", "1"], "a context of 1 tokens leaves no room for a prompt and an answer"),
     ([*SERVE, "--page-size", "16"], "--page-size shapes the paged cache of --kv-tokens; add"),
     ([*SERVE, "--kv-tokens", "8", "--page-size", "16"], "--kv-tokens 8 is less than one page of 16"),

@@ -133,9 +133,11 @@ class Engine:
         self.admitted: list[int] = []  # running slots, oldest request first (the newest is preempted first)
         context = model.config.context_length
         self.max_len = context if max_len is None else max_len
-        if not (whole_number(self.max_len) and 1 <= self.max_len <= context):
-            raise BlockloopError(f"max_len (--max-len) {self.max_len} is outside the model context of {context} tokens; "
-                                 f"give 1 to {context}")
+        if not (whole_number(self.max_len) and self.max_len >= 1):
+            raise BlockloopError(f"max_len (--max-len) must be a whole number, at least 1; got {self.max_len!r}")
+        if self.max_len > context:  # too short for a request is named below, with what a request needs
+            raise BlockloopError(f"max_len (--max-len) {self.max_len} is more than the model context of {context} "
+                                 f"tokens; give at most {context}")
         model.eval()
         self.runner, self.model, self.n_slots = runner, model, n_slots
         self.reserved = runner.reserved  # context taken by a shared prefix
