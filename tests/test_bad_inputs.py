@@ -257,6 +257,8 @@ CASES = [
     ([*SERVE, "--kv-tokens", "1", "--page-size", "1"], "the paged KV cache holds less than a one-token"),
     # bench
     (["bench", "--presets", "tiny", "--batch-sizes", "2,4,2"], "--batch-sizes: repeats 2; give each value once"),
+    (["bench", "--presets", "tiny-staircase", "--paged", "--batch-sizes", "1", "--prompt-len", "8", "--gen-len", "8",
+      "--device", "cpu"], "--paged times a paged KV cache, and no model here has one (tiny-staircase"),
     (["bench", "--stream", "--prompt-range", "64,16"], "--prompt-range: takes MIN,MAX with MIN <= MAX"),
     (["bench", "--stream", "--tokens-range", "8"], "--tokens-range: takes MIN,MAX"),
     (["bench", "--batch-sizes", "0,4"], "--batch-sizes: needs positive integers"),

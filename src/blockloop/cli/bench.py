@@ -183,7 +183,7 @@ def _settle_modes(args: argparse.Namespace) -> None:
 
 def _throughput(args: argparse.Namespace, models: list, device: Any) -> list[dict[str, Any]]:
     from blockloop.bench.hf_baseline import hf_available
-    from blockloop.bench.suite import ThroughputSettings, measure_bandwidth, throughput_rows
+    from blockloop.bench.suite import ThroughputSettings, measure_bandwidth, pages_kv, throughput_rows
     from blockloop.bench.throughput import SCENARIOS, check_lengths, scenario_lengths
 
     prompt_len, gen_len = scenario_lengths(args.scenario, [m.model for m in models], prompt_len=args.prompt_len,
@@ -197,6 +197,12 @@ def _throughput(args: argparse.Namespace, models: list, device: Any) -> list[dic
             check_lengths(m.model, prompt_len, gen_len)
         except BlockloopError as exc:
             raise BlockloopError(f"{m.name}: {exc}") from None
+    unpaged = [m.name for m in models if not pages_kv(m.model)] if args.paged else []
+    if unpaged and len(unpaged) == len(models):
+        raise BlockloopError(f"--paged times a paged KV cache, and no model here has one ({', '.join(unpaged)}: a "
+                             "fixed-size state); leave --paged out")
+    if unpaged:
+        print(f"--paged: no paged rows for {', '.join(unpaged)} (a fixed-size state)")
     hf_missing = hf_available() if args.hf else None  # why the HF baseline cannot run, if asked for
     if args.hf and hf_missing is None:
         from blockloop.convert.hf import export_architecture
