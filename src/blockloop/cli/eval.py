@@ -29,7 +29,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--data", type=nonempty, help="corpus name or path (default: the data the run trained on)")
     p.add_argument(
         "--split", choices=["train", "val", "valid", "test", "all"],
-        help="which split to score: train, val or all of a corpus (all: a held-out file scored whole); train, "
+        help="which split to score: train, val or all of a corpus (all: every whole --seq-len window of a held-out file); train, "
         "valid (= val) or test of a task (default: val)",
     )
     p.add_argument(

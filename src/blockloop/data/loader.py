@@ -19,11 +19,12 @@ from blockloop.errors import BlockloopError
 class PackedSequences:
     """Window ``i`` is ``tokens[i*seq_len : i*seq_len + seq_len + 1]``: inputs are its first ``seq_len``
     tokens, targets its last ``seq_len``. Consecutive windows share one boundary token (the last target
-    of one is the first input of the next), so the targets cover the stream exactly once.
+    of one is the first input of the next), so the targets cover the stream exactly once, up to the end of the
+    last whole window (a shorter tail is left out: every window has one shape).
 
     With ``start_id`` (the BOS of a model whose tokenizer starts every text with one) window ``i`` is
     ``[start_id] + tokens[i*seq_len : (i+1)*seq_len]`` instead: the model reads its BOS first, as it was
-    trained to, and the targets still cover the stream exactly once."""
+    trained to, and the targets still cover the stream exactly once (up to the last whole window)."""
 
     def __init__(self, tokens: np.ndarray, seq_len: int, start_id: int | None = None, *,
                  description: str = "the data") -> None:
