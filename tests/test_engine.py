@@ -582,6 +582,26 @@ def test_pareto_plot_from_records(tmp_path):
     assert main(["bench", "--plot", str(tmp_path / "e.png"), "--record", str(edited)]) == 2
 
 
+def test_losses_that_score_different_things_are_not_plotted_on_one_axis(tmp_path, capsys):
+    """An encoder-decoder's validation loss is span corruption's, a decoder's next-token: bench records what each
+    run's loss scores, and the plot refuses to put them on one axis."""
+    pytest.importorskip("matplotlib")
+    from server_helpers import tiny_run
+
+    runs = [str(tiny_run(tmp_path, preset)) for preset in ("tiny", "tiny-encdec")]
+    record = tmp_path / "r.jsonl"
+    assert main(["bench", "--checkpoint", runs[0], "--checkpoint", runs[1], "--batch-sizes", "1", "--prompt-len", "4",
+                 "--gen-len", "4", "--repeats", "1", "--device", "cpu", "--record", str(record)]) == 0
+    rows = [json.loads(line) for line in record.read_text().splitlines()]
+    assert [r["val_loss_measure"] for r in rows] == ["next token, byte tokens", "span corruption, byte tokens"]
+    assert all(r["val_loss"] is not None for r in rows)
+    capsys.readouterr()
+    assert main(["bench", "--plot", str(tmp_path / "p.png"), "--record", str(record)]) == 2
+    assert "validation losses score different things (next token, byte tokens; span corruption" in capsys.readouterr().err
+    record.write_text(json.dumps(rows[0]) + "\n")
+    assert main(["bench", "--plot", str(tmp_path / "p.png"), "--record", str(record)]) == 0
+
+
 @pytest.mark.parametrize("name,options", [
     ("tiny", {}), ("tiny-block", {}), ("tiny-recursive", {"exit_rule": ExitRule("max_prob", 0.5)}),
     ("tiny-recursive", {"speculation": Speculation(k=2)}),

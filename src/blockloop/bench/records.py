@@ -197,6 +197,14 @@ def last_val_loss(run_dir: Path) -> float | None:
     return None
 
 
+def loss_measure(family: str, objective: str, tokenizer: str) -> str:
+    """What a run's validation loss scores, in words: losses are compared (plotted on one axis) only when this is
+    equal. A Block Transformer's next-token loss leaves its first block out, as the paper's comparison does."""
+    scored = ("PrefixLM suffix" if objective == "prefix_lm"
+              else "span corruption" if family == "encoder_decoder" else "next token")
+    return f"{scored}, {tokenizer} tokens"
+
+
 def pareto_front(points: list[tuple[float, float]]) -> list[tuple[float, float]]:
     """Points (throughput, loss) not beaten by another with higher throughput and lower loss, by throughput."""
     front, best_loss = [], float("inf")
@@ -239,6 +247,10 @@ def plot_pareto(records: list[dict[str, Any]], out: Path) -> int:
                 best[key] = r
     if not best:
         raise BlockloopError("no recorded throughput runs with a validation loss; bench trained runs with --checkpoint")
+    measures = sorted({r["val_loss_measure"] for r in best.values() if r.get("val_loss_measure")})
+    if len(measures) > 1:  # one axis of loss: runs whose losses score other things (or other tokens) do not share it
+        raise BlockloopError(f"the recorded runs' validation losses score different things ({'; '.join(measures)}); "
+                             "plot runs of one objective and tokenizer (record the others in another file)")
     fig, ax = plt.subplots(figsize=(6, 4))
     for label, r in best.items():
         ax.scatter(r["tok_s"], r["val_loss"], label=label)

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from blockloop.bench.hf_baseline import hf_throughput
-from blockloop.bench.records import last_val_loss
+from blockloop.bench.records import last_val_loss, loss_measure
 from blockloop.bench.stream import agreement, check_stream_fits, corpus_prompts, run_stream
 from blockloop.bench.throughput import engine_throughput, fresh_compile_caches, search_batches
 from blockloop.bench.timing import copy_bandwidth
@@ -40,6 +40,7 @@ class BenchModel:
     model: nn.Module
     val_loss: float | None  # of a trained run, for the throughput-vs-loss plot
     tokenizer: Tokenizer | None = None  # a checkpoint's, so stream prompts are its real tokens
+    val_loss_measure: str | None = None  # what val_loss scores (records.loss_measure): plotted together only if equal
 
 
 def bench_dtype(name: str, device: str) -> torch.dtype:
@@ -65,7 +66,9 @@ def load_models(
     for path in checkpoints:
         trained = load_trained(path, device)
         name = checkpoint_name(path, {m.name for m in models})
-        models.append(BenchModel(name, trained.model.to(dtype), last_val_loss(Path(path)), trained.tokenizer))
+        objective = trained.state.get("train_config", {}).get("objective", "lm")
+        measure = loss_measure(trained.config.family, objective, trained.tokenizer.name)
+        models.append(BenchModel(name, trained.model.to(dtype), last_val_loss(Path(path)), trained.tokenizer, measure))
     if not models:
         raise BlockloopError("nothing to bench: give --presets or --checkpoint")
     return models
@@ -136,7 +139,8 @@ def throughput_rows(models: list[BenchModel], settings: ThroughputSettings, band
                                          paged=cache == "paged", warmup_tokens=s.warmup_tokens,
                                          key_buckets=0 if cache == "whole-keys" else s.key_buckets)
             for result in search_batches(one, s.batches, search=s.search, max_batch=s.max_batch):
-                add({"kind": "throughput", "val_loss": m.val_loss, **result.to_dict()})
+                add({"kind": "throughput", "val_loss": m.val_loss, "val_loss_measure": m.val_loss_measure,
+                     **result.to_dict()})
     if s.hf:
         for row in hf_rows(models[0].model, s):
             add(row)
@@ -266,4 +270,5 @@ def _serve_streams(served: list[tuple[str, Runner, BenchModel, str | None, list[
             m["ratio_vs_same_model"] = m["throughput_tok_s"] / throughput[reference]
         m["ratio_vs_baseline"] = m["throughput_tok_s"] / first if first is not None else 1.0
         first = m["throughput_tok_s"] if first is None else first
-        yield {"kind": "stream", "name": name, "val_loss": bench_model.val_loss, **m}
+        yield {"kind": "stream", "name": name, "val_loss": bench_model.val_loss,
+               "val_loss_measure": bench_model.val_loss_measure, **m}
