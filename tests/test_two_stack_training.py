@@ -47,6 +47,18 @@ def test_prefix_lm_phase_from_the_cli(tmp_path, capsys):
     assert code == EXIT_USER_ERROR and "drop --preset" in capsys.readouterr().err
 
 
+def test_eval_names_what_its_loss_scores_and_gives_span_corruption_no_bits_per_byte(tmp_path, capsys):
+    """An encoder-decoder's own loss is span corruption's: its targets are spans and sentinels, so dividing it by the
+    text's bytes gave a bits/byte (6.2 beside a decoder's 4.7 bits a token) that is no such thing."""
+    from server_helpers import tiny_run
+
+    for preset, says in (("tiny", "val, next token loss ("), ("tiny-encdec", "val, span corruption loss (")):
+        capsys.readouterr()
+        assert main(["eval", "--checkpoint", str(tiny_run(tmp_path, preset)), "--max-batches", "1", "--device", "cpu"]) == 0
+        line = capsys.readouterr().out.strip().splitlines()[-1]
+        assert says in line and ("bits/byte" in line) == (preset == "tiny"), line
+
+
 @pytest.mark.parametrize("argv, match", [
     (["flops", "--preset", "tiny-double", "--seq-len", "1"], "--seq-len must be in"),
     (["flops", "--preset", "nope"], "unknown preset"),

@@ -197,14 +197,6 @@ def last_val_loss(run_dir: Path) -> float | None:
     return None
 
 
-def loss_measure(family: str, objective: str, tokenizer: str) -> str:
-    """What a run's validation loss scores, in words: losses are compared (plotted on one axis) only when this is
-    equal. A Block Transformer's next-token loss leaves its first block out, as the paper's comparison does."""
-    scored = ("PrefixLM suffix" if objective == "prefix_lm"
-              else "span corruption" if family == "encoder_decoder" else "next token")
-    return f"{scored}, {tokenizer} tokens"
-
-
 def pareto_front(points: list[tuple[float, float]]) -> list[tuple[float, float]]:
     """Points (throughput, loss) not beaten by another with higher throughput and lower loss, by throughput."""
     front, best_loss = [], float("inf")

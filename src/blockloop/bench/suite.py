@@ -17,11 +17,12 @@ import torch
 from torch import nn
 
 from blockloop.bench.hf_baseline import hf_throughput
-from blockloop.bench.records import last_val_loss, loss_measure
+from blockloop.bench.records import last_val_loss
 from blockloop.bench.stream import agreement, check_stream_fits, corpus_prompts, run_stream
 from blockloop.bench.throughput import engine_throughput, fresh_compile_caches, search_batches
 from blockloop.bench.timing import copy_bandwidth
 from blockloop.choices import KEY_BUCKETS
+from blockloop.data.collate import loss_measure
 from blockloop.data.tokenizers import Tokenizer
 from blockloop.errors import BlockloopError
 from blockloop.families import build_model, from_name
@@ -40,7 +41,7 @@ class BenchModel:
     model: nn.Module
     val_loss: float | None  # of a trained run, for the throughput-vs-loss plot
     tokenizer: Tokenizer | None = None  # a checkpoint's, so stream prompts are its real tokens
-    val_loss_measure: str | None = None  # what val_loss scores (records.loss_measure): plotted together only if equal
+    val_loss_measure: str | None = None  # what val_loss scores (collate.loss_measure): plotted together only if equal
 
 
 def bench_dtype(name: str, device: str) -> torch.dtype:

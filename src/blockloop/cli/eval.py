@@ -127,7 +127,7 @@ def run(args: argparse.Namespace) -> int:
         parts = [f"loss {result['loss']:.4f}", f"perplexity {result['perplexity']:.3f}"]
         if "bits_per_byte" in result:
             parts.append(f"bits/byte {result['bits_per_byte']:.4f}")
-        print(f"{result['data']} {result['split']} {result['objective']} ({int(result['tokens'])} tokens): "
+        print(f"{result['data']} {result['split']}, {result['measure'].split(',')[0]} loss ({int(result['tokens'])} tokens): "
               + ", ".join(parts))
     return 0
 

@@ -25,6 +25,14 @@ from blockloop.errors import BlockloopError
 Collate = Callable[[Tensor, Tensor, torch.Generator], dict[str, Tensor]]
 
 
+def loss_measure(family: str, objective: str, tokenizer: str) -> str:
+    """What a run's validation loss scores, in words: losses are compared (plotted on one axis) only when this is
+    equal. A Block Transformer's next-token loss leaves its first block out, as the paper's comparison does."""
+    scored = ("PrefixLM suffix" if objective == "prefix_lm"
+              else "span corruption" if family == "encoder_decoder" else "next token")
+    return f"{scored}, {tokenizer} tokens"
+
+
 def sample_breakpoint(length: int, generator: torch.Generator) -> int:
     """The PrefixLM breakpoint: prefix = positions [0, b), scored suffix = [b, length), b uniform in 1..length-1."""
     if length < 2:
