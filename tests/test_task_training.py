@@ -192,6 +192,11 @@ def test_cli_task_errors_are_one_line(tmp_path, walk_dir, capsys):
         (["eval", "--checkpoint", str(run), "--task", "algorithm-3", "--device", "cpu"],
          "is not the vocabulary of task algorithm-3"),
         (["eval", "--checkpoint", str(run), "--task-dir", str(tmp_path / "nowhere"), "--device", "cpu"], "no meta.json"),
+        # a task model meets text: named as such, not as the first word of Shakespeare it does not know
+        (["eval", "--checkpoint", str(run), "--data", "shakespeare", "--device", "cpu"],
+         f"the model learned task {WALK} and reads its words, not text; leave --data out"),
+        (["bench", "--stream", "--checkpoint", str(run), "--requests", "2", "--device", "cpu"],
+         "reads its words, not text; a request stream is cut from a corpus (shakespeare): bench it without --stream"),
     ]
     for argv, match in cases:
         code = main(argv)

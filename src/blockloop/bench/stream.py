@@ -14,6 +14,7 @@ from torch import nn
 
 from blockloop.bench.metrics import Timing, serving_metrics
 from blockloop.choices import KEY_BUCKETS
+from blockloop.data.tasks.tokenizer import refuse_text
 from blockloop.data.tokenizers import Tokenizer
 from blockloop.errors import BlockloopError
 from blockloop.nn.linear import packed_linears
@@ -31,6 +32,8 @@ def corpus_prompts(
 ) -> list[list[int]]:
     """``n`` token slices of ``corpus`` with lengths uniform in ``[min_len, max_len]``: the model's own
     ``tokenizer``'s tokens (a trained or imported checkpoint's), or bytes (ids mod vocab) for a preset."""
+    if tokenizer is not None:
+        refuse_text(tokenizer, f"a request stream is cut from a corpus ({corpus}): bench it without --stream")
     text = corpus_text(corpus)
     if tokenizer is not None:
         tokens = tokenizer.encode(text)

@@ -17,6 +17,7 @@ from blockloop.data.collate import loss_measure
 from blockloop.data.dataset import prepare_tokens
 from blockloop.data.loader import PackedSequences
 from blockloop.data.tasks import get_task, open_task
+from blockloop.data.tasks.tokenizer import refuse_text
 from blockloop.device import resolve_device
 from blockloop.errors import BlockloopError, check_context
 from blockloop.families import spec_of
@@ -60,6 +61,7 @@ def evaluate_checkpoint(checkpoint: str | Path, request: EvalRequest, device: st
     if request.split == "test":
         raise BlockloopError("a corpus is scored on its train or val split, or all of it; --split test is for tasks (--task)")
     split = "val" if request.split in (None, "valid") else request.split
+    refuse_text(trained.tokenizer, "leave --data out to score it on its task")
     data = request.data or run.get("data")
     if data is None:
         raise BlockloopError("the checkpoint does not record its data; pass --data")

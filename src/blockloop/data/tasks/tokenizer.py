@@ -72,3 +72,10 @@ class TaskTokenizer(Tokenizer):
 
 
 register_saved_type(SAVED_TYPE, TaskTokenizer.from_saved)
+
+
+def refuse_text(tokenizer: Tokenizer, fix: str) -> None:
+    """A model that learned a task reads that task's words, not text: say so, rather than name the first word of
+    the text that is not one of them."""
+    if isinstance(tokenizer, TaskTokenizer):
+        raise BlockloopError(f"the model learned task {tokenizer.task} and reads its words, not text; {fix}")
