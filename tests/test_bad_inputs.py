@@ -253,7 +253,7 @@ CASES = [
     ([*SERVE, "--max-len", "100000"], "max_len (--max-len) 100000 is more than the model context of 128 tokens; give at most 128"),
     ([*SERVE, "--max-len", "1"], "a context of 1 tokens leaves no room for a prompt and an answer"),
     ([*SERVE, "--page-size", "16"], "--page-size shapes the paged cache of --kv-tokens; add"),
-    ([*SERVE, "--kv-tokens", "8", "--page-size", "16"], "--kv-tokens 8 is less than one page of 16"),
+    ([*SERVE, "--kv-tokens", "8", "--page-size", "16"], "a paged cache of 8 tokens (--kv-tokens) is less than one page of 16 tokens; raise it"),
     ([*SERVE, "--kv-tokens", "1", "--page-size", "1"], "the paged KV cache holds less than a one-token"),
     # bench
     (["bench", "--presets", "tiny", "--batch-sizes", "2,4,2"], "--batch-sizes: repeats 2; give each value once"),

@@ -348,3 +348,12 @@ def test_the_benchmarks_paged_pool_holds_the_whole_batch_at_full_length(name, ma
     runner.allocate(4, max_len)
     assert all(runner.reserve(slot, max_len) for slot in range(4))
     assert paging.tokens < 4 * max_len * 2  # and no page more than whole pages need
+
+
+def test_a_pool_smaller_than_one_page_is_refused_in_tokens_a_page_holds():
+    """A Block Transformer's page holds page_size blocks: 200 tokens were let through against a "page of 128" and
+    rounded up to a 512-token page."""
+    with pytest.raises(BlockloopError, match=r"of 200 tokens \(--kv-tokens\) is less than one page of 512 tokens: "
+                                             r"128 entries of 4 tokens"):
+        Paging(200, 128).pages(2, 64, "cpu", tokens_per_entry=4)
+    assert Paging(512, 128).pages(2, 64, "cpu", tokens_per_entry=4).capacity == 128

@@ -140,11 +140,7 @@ def load(args: argparse.Namespace, n_slots: int) -> tuple[TrainedModel, dict[str
     trained = load_trained(args.checkpoint, resolve_device(args.device))
     if args.page_size is not None and not args.kv_tokens:
         raise BlockloopError("--page-size shapes the paged cache of --kv-tokens; add --kv-tokens N or leave it out")
-    page_size = args.page_size or DEFAULT_PAGE_SIZE
-    if args.kv_tokens and args.kv_tokens < page_size:
-        raise BlockloopError(f"--kv-tokens {args.kv_tokens} is less than one page of {page_size}; raise it or lower "
-                             "--page-size")
-    paging = Paging(args.kv_tokens, page_size) if args.kv_tokens else None
+    paging = Paging(args.kv_tokens, args.page_size or DEFAULT_PAGE_SIZE) if args.kv_tokens else None
     return trained, dict(n_slots=n_slots, max_len=args.max_len, sync_every=args.sync_every, exit_rule=exit_rule,
                          compile=args.compile, prefill_chunk=args.prefill_chunk, paging=paging,
                          key_buckets=args.key_buckets)

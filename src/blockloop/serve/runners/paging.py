@@ -41,6 +41,11 @@ class Paging:
         """The page table of a cache of ``n_slots`` rows of up to ``max_len`` entries, each entry standing for
         ``tokens_per_entry`` tokens (a Block Transformer's block decoder keeps one entry per block); a looped
         cache keeps ``loops`` table rows per slot (one per loop of its shared layers) in ``loops`` times the pool."""
+        per_page = self.page_size * tokens_per_entry
+        if self.tokens < per_page:
+            entries = "" if tokens_per_entry == 1 else f": {self.page_size} entries of {tokens_per_entry} tokens"
+            raise BlockloopError(f"a paged cache of {self.tokens} tokens (--kv-tokens) is less than one page of "
+                                 f"{per_page} tokens{entries}; raise it or lower the page size (--page-size)")
         entries = -(-self.tokens // tokens_per_entry)
         per_loop = -(-entries // self.page_size) * self.page_size  # each loop's table row takes whole pages
         return KVPages.for_tokens(n_slots * loops, max_len, per_loop * loops, self.page_size, device=device,
