@@ -200,6 +200,9 @@ def test_reusing_a_cached_prompt_prefix_gives_identical_outputs(model):
     assert torch.allclose(got, want, atol=1e-12)
     with pytest.raises(BlockloopError, match="at least one token"):
         model.cache_prefix([])
+    context = model.config.context_length  # a request past the context names the prefix it counts
+    with pytest.raises(BlockloopError, match=f"new tokens after a shared prefix of 11 tokens, in all of {context + 1}"):
+        generate(model, suffixes[:1], context - 11 - 5 + 1, temperature=0, prefix=prefix)
 
 
 def test_generation_holds_one_buffer_per_generation_layer_and_the_kv_bytes_of_the_formula(model):

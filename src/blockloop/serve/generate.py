@@ -57,7 +57,8 @@ def generate(
     longest = padded_prompt_length(model, prompts)
     need = (len(prefix) if prefix is not None else 0) + longest + max_new_tokens
     size = prompt_size(max(len(p) for p in prompts), longest)
-    check_context(need, model.config.context_length, f"{size} plus {max_new_tokens} new tokens, in all",
+    shared = f" after a shared prefix of {len(prefix)} tokens" if prefix is not None else ""
+    check_context(need, model.config.context_length, f"{size} plus {max_new_tokens} new tokens{shared}, in all",
                   "shorten the prompt or lower --max-new-tokens")
     # Any integer seeds: a request's stream reads only its seed's low 32 bits (sampling.counter_uniform).
     base = seed if seed is not None else int(torch.randint(2**31, ()).item())
