@@ -29,8 +29,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--data", type=nonempty, help="corpus name or path (default: the data the run trained on)")
     p.add_argument(
         "--split", choices=["train", "val", "valid", "test", "all"],
-        help="which split to score: train, val or all of a corpus (all: every whole --seq-len window of a held-out file); train, "
-        "valid (= val) or test of a task (default: val)",
+        help="which split to score: train, val or all of a corpus (all: every whole --seq-len window of a held-out "
+        "file); train, valid (= val) or test of a task (default: val)",
     )
     p.add_argument(
         "--task", metavar="NAME", type=nonempty,
@@ -127,7 +127,7 @@ def run(args: argparse.Namespace) -> int:
         parts = [f"loss {result['loss']:.4f}", f"perplexity {result['perplexity']:.3f}"]
         if "bits_per_byte" in result:
             parts.append(f"bits/byte {result['bits_per_byte']:.4f}")
-        print(f"{result['data']} {result['split']}, {result['measure'].split(',')[0]} loss ({int(result['tokens'])} tokens): "
+        print(f"{result['data']} {result['split']}, {result['scored']} loss ({int(result['tokens'])} tokens): "
               + ", ".join(parts))
     return 0
 

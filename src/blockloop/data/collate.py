@@ -25,12 +25,17 @@ from blockloop.errors import BlockloopError
 Collate = Callable[[Tensor, Tensor, torch.Generator], dict[str, Tensor]]
 
 
+def scored_by(family: str, objective: str) -> str:
+    """What a family's loss under ``objective`` scores, in words (a Block Transformer's next-token loss leaves its
+    first block out, as the paper's comparison does)."""
+    if objective == "prefix_lm":
+        return "PrefixLM suffix"
+    return "span corruption" if family == "encoder_decoder" else "next token"
+
+
 def loss_measure(family: str, objective: str, tokenizer: str) -> str:
-    """What a run's validation loss scores, in words: losses are compared (plotted on one axis) only when this is
-    equal. A Block Transformer's next-token loss leaves its first block out, as the paper's comparison does."""
-    scored = ("PrefixLM suffix" if objective == "prefix_lm"
-              else "span corruption" if family == "encoder_decoder" else "next token")
-    return f"{scored}, {tokenizer} tokens"
+    """What a run's validation loss measures: losses are compared (plotted on one axis) only when this is equal."""
+    return f"{scored_by(family, objective)}, {tokenizer} tokens"
 
 
 def sample_breakpoint(length: int, generator: torch.Generator) -> int:

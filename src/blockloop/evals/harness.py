@@ -138,6 +138,7 @@ def evaluate_benchmarks(checkpoint: str | Path, request: BenchmarkRequest, devic
     return {
         "model": {"family": trained.config.family, "parameters": sum(p.numel() for p in trained.model.parameters()),
                   "loops": getattr(trained.config, "loops", None)},
-        "checkpoint": str(trained.directory.resolve()), "tokenizer": trained.tokenizer.name, "blockloop": blockloop.__version__,
+        "checkpoint": str(trained.directory.resolve()), "tokenizer": trained.tokenizer.name,
+        "blockloop": blockloop.__version__,
         **environment(device), **record,
     }

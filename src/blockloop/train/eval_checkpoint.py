@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from blockloop.data.collate import loss_measure
+from blockloop.data.collate import scored_by
 from blockloop.data.dataset import prepare_tokens
 from blockloop.data.loader import PackedSequences
 from blockloop.data.tasks import get_task, open_task
@@ -84,10 +84,10 @@ def evaluate_checkpoint(checkpoint: str | Path, request: EvalRequest, device: st
         trained.model, seqs, batch_size=request.batch_size, max_batches=request.max_batches,
         byte_lengths=trained.tokenizer.token_byte_lengths(), device=device, objective=objective, show_progress=True,
     )
-    measure = loss_measure(trained.config.family, objective, trained.tokenizer.name)
-    if measure.startswith("span corruption"):  # its targets are spans and sentinels, not the text's bytes in order
+    scored = scored_by(trained.config.family, objective)
+    if scored == "span corruption":  # its targets are spans and sentinels, not the text's bytes in order
         metrics.pop("bits_per_byte", None)
-    return {"data": data, "split": split, "objective": objective, "measure": measure, **metrics}
+    return {"data": data, "split": split, "objective": objective, "scored": scored, **metrics}
 
 
 def evaluate_task(trained: TrainedModel, request: EvalRequest, device: str) -> dict[str, Any]:
