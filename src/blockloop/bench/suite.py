@@ -22,10 +22,9 @@ from blockloop.bench.stream import agreement, check_stream_fits, corpus_prompts,
 from blockloop.bench.throughput import engine_throughput, fresh_compile_caches, search_batches
 from blockloop.bench.timing import copy_bandwidth
 from blockloop.choices import KEY_BUCKETS
-from blockloop.data.collate import loss_measure
 from blockloop.data.tokenizers import Tokenizer
 from blockloop.errors import BlockloopError
-from blockloop.families import build_model, from_name
+from blockloop.families import build_model, from_name, spec_of
 from blockloop.serve.exit_schedule import simulate
 from blockloop.serve.runners import RUNNERS, ExitRule, Runner, Speculation, runner_for
 from blockloop.serve.runners.recursive import RecursiveRunner
@@ -41,7 +40,7 @@ class BenchModel:
     model: nn.Module
     val_loss: float | None  # of a trained run, for the throughput-vs-loss plot
     tokenizer: Tokenizer | None = None  # a checkpoint's, so stream prompts are its real tokens
-    val_loss_measure: str | None = None  # what val_loss scores (collate.loss_measure): plotted together only if equal
+    val_loss_measure: str | None = None  # what val_loss scores, and in which tokens: plotted together only if equal
 
 
 def bench_dtype(name: str, device: str) -> torch.dtype:
@@ -68,7 +67,7 @@ def load_models(
         trained = load_trained(path, device)
         name = checkpoint_name(path, {m.name for m in models})
         objective = trained.state.get("train_config", {}).get("objective", "lm")
-        measure = loss_measure(trained.config.family, objective, trained.tokenizer.name)
+        measure = f"{spec_of(trained.config).loss_scores(objective)}, {trained.tokenizer.name} tokens"
         models.append(BenchModel(name, trained.model.to(dtype), last_val_loss(Path(path)), trained.tokenizer, measure))
     if not models:
         raise BlockloopError("nothing to bench: give --presets or --checkpoint")

@@ -25,19 +25,6 @@ from blockloop.errors import BlockloopError
 Collate = Callable[[Tensor, Tensor, torch.Generator], dict[str, Tensor]]
 
 
-def scored_by(family: str, objective: str) -> str:
-    """What a family's loss under ``objective`` scores, in words (a Block Transformer's next-token loss leaves its
-    first block out, as the paper's comparison does)."""
-    if objective == "prefix_lm":
-        return "PrefixLM suffix"
-    return "span corruption" if family == "encoder_decoder" else "next token"
-
-
-def loss_measure(family: str, objective: str, tokenizer: str) -> str:
-    """What a run's validation loss measures: losses are compared (plotted on one axis) only when this is equal."""
-    return f"{scored_by(family, objective)}, {tokenizer} tokens"
-
-
 def sample_breakpoint(length: int, generator: torch.Generator) -> int:
     """The PrefixLM breakpoint: prefix = positions [0, b), scored suffix = [b, length), b uniform in 1..length-1."""
     if length < 2:

@@ -127,6 +127,7 @@ SPEC = FamilySpec(
     model_class=EncoderDecoder,
     scoring="encoder",
     next_token_windows=False,
+    lm_scores="span corruption",
     presets=PRESETS,
     training_flops=training_flops,
     make_batch=make_batch,

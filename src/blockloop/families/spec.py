@@ -89,6 +89,7 @@ class FamilySpec:
       FSDP then shards the model as one unit, gathered around the whole forward.
     * ``batch_wide_keys``: ``make_batch`` outputs that describe the whole batch rather than one row each (the double
       decoder's block partition); kept whole where a batch is cut into ranks' rows, every other output is cut.
+    * ``lm_scores``: what the loss of the family's own ``lm`` objective scores, in words (:meth:`loss_scores`).
     """
 
     name: str
@@ -114,6 +115,13 @@ class FamilySpec:
     next_token_windows: bool = True
     shard_per_layer: Callable[[Any], bool] = _always
     batch_wide_keys: tuple[str, ...] = ()
+    lm_scores: str = "next token"
+
+    def loss_scores(self, objective: str) -> str:
+        """What a loss under ``objective`` scores, in words: losses are compared (printed as one kind, plotted on
+        one axis) only where equal. A Block Transformer's next-token loss leaves its first block out, as the paper's
+        comparison does."""
+        return "PrefixLM suffix" if objective == "prefix_lm" else self.lm_scores
 
     def __post_init__(self) -> None:
         # A family counted over whole windows (appendix A) has its per-token count derived, not restated.

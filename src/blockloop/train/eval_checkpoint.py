@@ -13,7 +13,6 @@ from typing import Any
 
 import numpy as np
 
-from blockloop.data.collate import scored_by
 from blockloop.data.dataset import prepare_tokens
 from blockloop.data.loader import PackedSequences
 from blockloop.data.tasks import get_task, open_task
@@ -84,7 +83,7 @@ def evaluate_checkpoint(checkpoint: str | Path, request: EvalRequest, device: st
         trained.model, seqs, batch_size=request.batch_size, max_batches=request.max_batches,
         byte_lengths=trained.tokenizer.token_byte_lengths(), device=device, objective=objective, show_progress=True,
     )
-    scored = scored_by(trained.config.family, objective)
+    scored = spec.loss_scores(objective)
     if scored == "span corruption":  # its targets are spans and sentinels, not the text's bytes in order
         metrics.pop("bits_per_byte", None)
     return {"data": data, "split": split, "objective": objective, "scored": scored, **metrics}
