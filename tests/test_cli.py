@@ -268,6 +268,13 @@ def test_set_overrides_model_fields_and_rejects_unknown_ones(tmp_path, capsys):
     one_line_error(capsys, [*argv, "--out", str(tmp_path / "z"), "--set", "oops"], "FIELD=VALUE")
     argv[argv.index("--seq-len") + 1] = "30"
     one_line_error(capsys, [*argv, "--out", str(tmp_path / "w")], "not a multiple of the model's block length 4")
+    # One block scores nothing (block 0 is never predicted): refused before the run's line, as eval refuses it.
+    argv[argv.index("--seq-len") + 1] = "4"
+    assert main([*argv, "--out", str(tmp_path / "v")]) == EXIT_USER_ERROR
+    printed = capsys.readouterr()
+    assert "training" not in printed.out and "would score nothing (the first block is never predicted" in printed.err
+    one_line_error(capsys, ["eval", "--checkpoint", str(out), "--seq-len", "4", "--device", "cpu", "--no-progress"],
+                   "--seq-len 4 would score nothing")
 
 
 @pytest.mark.parametrize("preset", ["tiny", "tiny-block", "tiny-double", "tiny-encdec", "tiny-staircase", "tiny-transformer-xl"])
@@ -286,7 +293,7 @@ def test_flops_says_when_the_cache_it_prices_is_longer_than_the_model_serves(cap
 
 
 def test_flops_rejects_a_window_that_splits_a_block(capsys):
-    one_line_error(capsys, ["flops", "--preset", "tiny-block", "--seq-len", "30"], "not a multiple of the block length 4")
+    one_line_error(capsys, ["flops", "--preset", "tiny-block", "--seq-len", "30"], "not a multiple of the model's block length 4")
 
 
 def test_the_cli_package_names_no_model_family():

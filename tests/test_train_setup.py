@@ -275,5 +275,5 @@ def test_reports_without_training():
     for preset, factor in (("tiny", 1), ("tiny-double", 1), ("tiny-recursive", 1), ("tiny-encdec", 2)):
         row = flops_report(preset, seq_len=64, out_len=64).rows[1]
         assert float(row[-1].split()[0]) == pytest.approx(factor * float(row[-2].split()[0]), rel=0.02)
-    with pytest.raises(BlockloopError, match="not a multiple of the block length 4"):
+    with pytest.raises(BlockloopError, match="not a multiple of the model.s block length 4"):
         flops_report("tiny-block", seq_len=30)

@@ -67,10 +67,7 @@ def flops_report(
         raise BlockloopError(f"--seq-len must be in 2..{config.context_length} (the model context), got {T}")
     if out_len < 1 or bytes_per_value < 1:
         raise BlockloopError("--out-len and --bytes must be at least 1")
-    spec = spec_of(config)
-    unit = spec.sequence_multiple(config)
-    if T % unit:
-        raise BlockloopError(f"--seq-len {T} is not a multiple of the {spec.sequence_unit} {unit}")
+    spec_of(config).check_seq_len(config, T)
     report = _report(preset, config, T, out_len, bytes_per_value, measure)
     if T + out_len > config.context_length:  # priced all the same: the paper's A.1 prices 2048 + 256 on 2048-token models
         past = (f" T + T_out = {T + out_len} tokens is more than {preset}'s context of {config.context_length}: the "

@@ -61,6 +61,8 @@ class FamilySpec:
     * ``make_batch(config, inputs, targets, generator, objective)``: a window's forward keyword arguments
       (random-length block padding, a sampled partition, span corruption...); see :mod:`blockloop.data.collate`.
     * ``sequence_multiple(config)``: what a training ``--seq-len`` must be a multiple of, named ``sequence_unit``.
+    * ``shortest_sequence(config)``: the shortest window in which anything is scored, for ``shortest_reason``
+      (a Block Transformer never predicts its first block); :meth:`check_seq_len` refuses both before a run starts.
     * ``recurrent(config)``: state crosses segments (truncated BPTT over contiguous streams).
     * ``training_flops_per_token(config, seq_len)``: steady-state training FLOPs per token (derived from
       ``training_flops(config, seq_len, ..., lm_head=True)`` for families counted over whole windows, appendix A).
@@ -101,6 +103,8 @@ class FamilySpec:
     make_batch: MakeBatch = plain_batch
     sequence_multiple: Callable[[Any], int] = _one
     sequence_unit: str = "sequence multiple"
+    shortest_sequence: Callable[[Any], int] = _one
+    shortest_reason: str = ""
     recurrent: Callable[[Any], bool] = _stateless
     kv_bytes: Callable[[Any, int, int, int], int] | None = None
     decode_bytes_per_step: Callable[[Any, int, int, int], float] | None = None
@@ -122,6 +126,16 @@ class FamilySpec:
         one axis) only where equal. A Block Transformer's next-token loss leaves its first block out, as the paper's
         comparison does."""
         return "PrefixLM suffix" if objective == "prefix_lm" else self.lm_scores
+
+    def check_seq_len(self, config: ModelConfig, seq_len: int) -> None:
+        """Refuse a window the family cannot batch or score, before any data is read or a run's line is printed."""
+        unit = self.sequence_multiple(config)
+        if seq_len % unit:
+            raise ConfigError(f"--seq-len {seq_len} is not a multiple of the model's {self.sequence_unit} {unit}; "
+                              f"choose a multiple of {unit}")
+        shortest = self.shortest_sequence(config)
+        if seq_len < shortest:
+            raise ConfigError(f"--seq-len {seq_len} would score nothing ({self.shortest_reason}); use at least {shortest}")
 
     def __post_init__(self) -> None:
         # A family counted over whole windows (appendix A) has its per-token count derived, not restated.

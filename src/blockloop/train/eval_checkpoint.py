@@ -65,9 +65,8 @@ def evaluate_checkpoint(checkpoint: str | Path, request: EvalRequest, device: st
     if data is None:
         raise BlockloopError("the checkpoint does not record its data; pass --data")
     seq_len = _seq_len(trained, request)
-    spec, unit = spec_of(trained.config), spec_of(trained.config).sequence_multiple(trained.config)
-    if seq_len % unit:
-        raise BlockloopError(f"--seq-len {seq_len} is not a multiple of the model's {spec.sequence_unit} {unit}")
+    spec = spec_of(trained.config)
+    spec.check_seq_len(trained.config, seq_len)
     objective = request.objective or trained.state.get("train_config", {}).get("objective", "lm")
     splits = prepare_tokens(data, trained.tokenizer)
     # all: a held-out corpus is scored whole (train before val is the text's order when one document was cut in two)

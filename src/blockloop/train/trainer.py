@@ -74,12 +74,7 @@ class Trainer:
                 "lower --seq-len or pick a preset with a longer context"
             )
         spec = spec_of(model_config)
-        multiple = spec.sequence_multiple(model_config)
-        if config.seq_len % multiple:
-            raise ConfigError(
-                f"--seq-len {config.seq_len} is not a multiple of the model's {spec.sequence_unit} {multiple}; "
-                f"choose a multiple of {multiple}"
-            )
+        spec.check_seq_len(model_config, config.seq_len)
         self.config, self.model_config, self.tokenizer = config, model_config, tokenizer
         self.loss_hook = loss_hook
         self.out_dir, self.run_info, self.dist = Path(out_dir), run_info or {}, dist_info
