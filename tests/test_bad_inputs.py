@@ -179,6 +179,11 @@ CASES = [
       "--out", NEW], "--objective prefix_lm scores a text's suffix; a task scores its labelled positions"),
     (["eval", "--checkpoint", R, "--task", "random-walk:16", "--objective", "prefix_lm"],
      "--objective chooses what of a text is scored; a task scores its labelled positions"),
+    # --per-loop scores a text's every next token: not a task, nor a PrefixLM suffix (it was silently ignored)
+    (["eval", "--checkpoint", R, "--task", "random-walk:16", "--per-loop"],
+     "--per-loop scores a corpus's text after every loop; a task is scored at the model's output"),
+    (["eval", "--checkpoint", R, "--per-loop", "--objective", "prefix_lm"],
+     "--per-loop scores every next token after each loop; drop --objective prefix_lm"),
     # train: where the run goes and what it continues
     (["train", *TINY, "--out", "{base}/a_file"], "a_file is a file"),
     (["train", *TINY, "--out", "{base}/a_file/run"], "Not a directory: {base}/a_file"),

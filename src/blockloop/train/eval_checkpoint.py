@@ -74,6 +74,9 @@ def evaluate_checkpoint(checkpoint: str | Path, request: EvalRequest, device: st
     seqs = PackedSequences(tokens, seq_len, trained.tokenizer.start_id,
                            description=f"all of {data}" if split == "all" else f"the {split} split of {data}")
     if request.per_loop:
+        if objective != "lm" and request.objective is not None:
+            raise BlockloopError("--per-loop scores every next token after each loop; drop --objective "
+                                 f"{request.objective}")
         metrics = evaluate_loops(
             trained.model, seqs, batch_size=request.batch_size, max_batches=request.max_batches, device=device
         )
@@ -95,6 +98,9 @@ def evaluate_task(trained: TrainedModel, request: EvalRequest, device: str) -> d
     if request.objective is not None:
         raise BlockloopError("--objective chooses what of a text is scored; a task scores its labelled positions: "
                              "drop --objective")
+    if request.per_loop:
+        raise BlockloopError("--per-loop scores a corpus's text after every loop; a task is scored at the model's "
+                             "output: drop --per-loop (or give --data to score text)")
     check_learns_tasks(trained.config)
     run = trained.state.get("run", {})
     if request.task or request.task_dir:
