@@ -253,6 +253,8 @@ CASES = [
     # serve
     (["serve", "--checkpoint", R, "--port", "70000"], "--port: must be an integer in [0, 65535]"),
     ([*SERVE, "--max-waiting", "-1"], "--max-waiting: must be an integer >= 0"),
+    ([*SERVE, "--allowed-origin", "localhost:3000"], "--allowed-origin: 'localhost:3000' is not an origin; give scheme:"),
+    ([*SERVE, "--allowed-origin", "http://localhost:3000/"], "with no path or trailing slash"),
     ([*SERVE, "--sync-every", "0"], "--sync-every: must be an integer >= 1"),
     ([*SERVE, "--threads", "-1"], "--threads: must be an integer >= 1"),
     ([*SERVE, "--max-len", "100000"], "max_len (--max-len) 100000 is more than the model context of 128 tokens; give at most 128"),

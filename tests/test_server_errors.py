@@ -96,6 +96,27 @@ def app(run, **options):
     return app_for(trained.model, trained.tokenizer, name="tiny", directory=trained.directory, **options)
 
 
+def test_browsers_may_call_the_api_only_from_the_allowed_origins(run):
+    """CORS: a web page from an allowed origin gets its preflight and every reply (answers, streams, errors) marked
+    for it; another origin, or a server that allows none, gets no CORS header, so the browser refuses the page."""
+    page = "http://localhost:3000"
+    preflight = {"origin": page, "access-control-request-method": "POST",
+                 "access-control-request-headers": "content-type, authorization"}
+    with running(app(run, n_slots=1, allowed_origins=[page])) as url:
+        answered = httpx.options(url + "/v1/chat/completions", headers=preflight)
+        assert answered.status_code == 200 and answered.headers["access-control-allow-origin"] == page
+        assert "POST" in answered.headers["access-control-allow-methods"]
+        for body, status in ((GOOD, 200), ({**GOOD, "stream": True}, 200), ({**GOOD, "max_tokens": -1}, 400)):
+            reply = httpx.post(url + "/v1/completions", json=body, headers={"origin": page})
+            assert reply.status_code == status and reply.headers["access-control-allow-origin"] == page, body
+        elsewhere = httpx.options(url + "/v1/chat/completions", headers={**preflight, "origin": "http://elsewhere.test"})
+        assert elsewhere.status_code == 400 and "access-control-allow-origin" not in elsewhere.headers
+    with running(app(run, n_slots=1)) as url:
+        reply = httpx.post(url + "/v1/completions", json=GOOD, headers={"origin": page})
+        assert reply.status_code == 200 and "access-control-allow-origin" not in reply.headers
+        assert httpx.options(url + "/v1/completions", headers=preflight).status_code == 405
+
+
 def test_malformed_requests_each_get_a_4xx_naming_the_field_and_the_server_keeps_serving(run):
     assert len(MALFORMED) >= 20
     with running(app(run, n_slots=2)) as url:

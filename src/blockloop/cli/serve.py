@@ -44,6 +44,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--shutdown-timeout", type=nonnegative_int, default=10, metavar="SECONDS",
                    help="on SIGINT/SIGTERM, how long requests in flight may take to finish before they are cut off "
                    "(new connections are refused at once; a second Ctrl-C cuts them off now) (default: 10)")
+    p.add_argument("--allowed-origin", type=origin, action="append", metavar="ORIGIN",
+                   help="let web pages served from ORIGIN (scheme://host[:port], as a browser sends it, e.g. "
+                   "http://localhost:3000) call the API from the browser (CORS); repeat for several, * for any page "
+                   "(default: none, browsers refuse pages from elsewhere)")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
                    help="uvicorn's log level (default: info, one line per request)")
     add_device(p)
@@ -90,7 +94,8 @@ def run(args: argparse.Namespace) -> int:
         trained, options = load(args, n_slots=args.slots)
         name = args.name or Path(args.checkpoint).resolve().name
         app = app_for(trained.model, trained.tokenizer, name=name, directory=trained.directory,
-                      chat_template=args.chat_template, max_waiting=args.max_waiting, **options)
+                      chat_template=args.chat_template, max_waiting=args.max_waiting,
+                      allowed_origins=args.allowed_origin or (), **options)
         port = sock.getsockname()[1]  # --port 0: the one the system chose
         host = f"[{args.host}]" if ":" in args.host else args.host  # an IPv6 address in a URL
         depth = f", depth-wise with exit {args.exit}" if args.exit else ""
@@ -99,6 +104,26 @@ def run(args: argparse.Namespace) -> int:
     finally:
         sock.close()
     return 0
+
+
+def origin(text: str) -> str:
+    """An origin as browsers send it in their ``Origin`` header, which CORS compares as text: one written any other
+    way (no scheme, a path, a trailing slash, a default port) would match no page, and every page would be refused."""
+    from urllib.parse import urlsplit
+
+    if text == "*":
+        return text
+    parts = urlsplit(text.lower())
+    try:
+        port = parts.port
+    except ValueError:  # not a number, or past 65535
+        port, parts = None, parts._replace(netloc="")
+    if (parts.scheme not in ("http", "https") or not parts.hostname or parts.username is not None or parts.path
+            or parts.query or parts.fragment):
+        raise argparse.ArgumentTypeError(f"{text!r} is not an origin; give scheme://host[:port] as the page's address "
+                                         "begins, e.g. http://localhost:3000, with no path or trailing slash (or * for any)")
+    default = {"http": 80, "https": 443}[parts.scheme]
+    return f"{parts.scheme}://{parts.netloc.rsplit(':', 1)[0] if port == default else parts.netloc}"
 
 
 def bind(host: str, port: int) -> socket.socket:

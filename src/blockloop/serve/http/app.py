@@ -7,8 +7,10 @@ whose events come back from the engine thread into an asyncio queue (``loop.call
 streamed answer is server-sent events, one chunk per token and ``data: [DONE]`` at the end. A client that
 goes away, mid-stream or while a whole answer is generated, cancels its job, and the engine frees the slot at
 the next window. Every error is an
-OpenAI-style JSON object (``{"error": {"message", "type", "param", "code"}}``) with a 4xx status, or 503
-with ``Retry-After`` when the waiting queue is full.
+OpenAI-style JSON object (``{"error": {"message", "type", "param", "code"}}``): 4xx for a bad request; 503 with
+``Retry-After`` when the waiting queue is full, and 503 without it while the server shuts down or its engine has
+stopped; 500 when generation itself failed. A whole answer whose client went away ends with an empty 499 that
+nobody reads.
 """
 
 from __future__ import annotations
@@ -17,13 +19,14 @@ import asyncio
 import json
 import secrets
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from fastapi import FastAPI, Request
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect
@@ -62,8 +65,12 @@ class ServedModel:
     worker: EngineWorker
 
 
-def create_app(served: ServedModel) -> FastAPI:
-    """The API for ``served``; the app starts the worker's thread on startup and stops it on shutdown."""
+def create_app(served: ServedModel, *, allowed_origins: Sequence[str] = ()) -> FastAPI:
+    """The API for ``served``; the app starts the worker's thread on startup and stops it on shutdown.
+
+    A browser page may call it from another origin only if that origin is in ``allowed_origins`` (``*``: any): a
+    web chat front end on its own port needs it, and without it the server sends no CORS headers at all, so a page
+    elsewhere cannot spend the server's slots through a visitor's browser."""
     metrics = ServerMetrics(served.worker)
     engine, tokenizer = served.worker.engine, served.tokenizer
 
@@ -74,6 +81,9 @@ def create_app(served: ServedModel) -> FastAPI:
         served.worker.close()
 
     app = FastAPI(title="blockloop", lifespan=lifespan)
+    if allowed_origins:  # preflights answered, and the API's replies (errors and streams too) carry the header
+        app.add_middleware(CORSMiddleware, allow_origins=list(allowed_origins), allow_methods=["GET", "HEAD", "POST"],
+                           allow_headers=["*"], expose_headers=["Retry-After"])
     app.state.served, app.state.metrics = served, metrics
 
     @app.exception_handler(ApiError)
@@ -288,12 +298,13 @@ def _sse(data: dict[str, Any]) -> str:
 
 def app_for(
     model: nn.Module, tokenizer: Tokenizer, *, name: str, directory: Path | None = None,
-    chat_template: str | None = None, n_slots: int = 8, max_waiting: int = 256, **engine_options: Any,
+    chat_template: str | None = None, n_slots: int = 8, max_waiting: int = 256, allowed_origins: Sequence[str] = (),
+    **engine_options: Any,
 ) -> FastAPI:
     """The API serving ``model`` (a checkpoint's model, tokenizer and folder, as ``blockloop serve`` loads them;
-    ``chat_template``, Jinja text, replaces the checkpoint's); ``engine_options`` go to
-    :func:`~blockloop.serve.http.worker.serving_engine`."""
+    ``chat_template``, Jinja text, replaces the checkpoint's; ``allowed_origins``: see :func:`create_app`);
+    ``engine_options`` go to :func:`~blockloop.serve.http.worker.serving_engine`."""
     template = chat_template_for(tokenizer, directory, chat_template)  # a broken template fails before the engine
     engine = serving_engine(model, n_slots, **engine_options)
     worker = EngineWorker(engine, max_waiting=max_waiting)
-    return create_app(ServedModel(name, tokenizer, template, worker))
+    return create_app(ServedModel(name, tokenizer, template, worker), allowed_origins=allowed_origins)
