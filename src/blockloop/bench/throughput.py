@@ -2,7 +2,7 @@
 
 A batch of ``B`` random-token prompts of ``prompt_len`` tokens, each continued by exactly ``gen_len``
 tokens (no EOS), after warm-up runs; every timed run reuses the same engine slots. Reported: generated
-tokens per second, time to first token and time per output token (means over requests), peak memory
+tokens per second, time to first token and time per output token (of the whole batch, mean over the timed runs), peak memory
 per sample (CUDA) and static cache bytes per sample, and the fraction of the memory-bandwidth roofline.
 TTFT is timed as the same batch asking for one token (all prompts prefilled, first tokens sampled; a
 Block Transformer's window is one block, so its TTFT also holds ``L_B - 1`` token-decoder steps);
@@ -208,7 +208,9 @@ def fresh_compile_caches() -> None:
     """Forget the compiled steps of the engines timed before: every decode step is one code object to dynamo (the
     runners' ``torch.no_grad`` steps even share one wrapper), and past its ``recompile_limit`` (8) graphs it runs the
     step eagerly, silently, so a benchmark that builds an engine per model, batch size and cache would time the later
-    ones uncompiled (no CUDA graphs). Each engine compiles at most 8 graphs (:func:`row_buckets`)."""
+    ones uncompiled (no CUDA graphs). Each engine compiles one graph per row count (at most 8, :func:`row_buckets`) and
+    one per key length past the first (``--key-buckets``), for which the engine raises the limit
+    (:func:`~blockloop.serve.engine.within_recompile_limit`)."""
     torch._dynamo.reset()
 
 

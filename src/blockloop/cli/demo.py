@@ -8,7 +8,7 @@ from pathlib import Path
 from blockloop.cli.common import add_device, add_no_progress, nonempty, positive_int
 
 HELP = ("train five model families (vanilla, block, double decoder, recursive, staircase) briefly on Shakespeare "
-        "and compare them (CPU, minutes)")
+        "and compare them (CPU-sized: minutes; --device auto uses a GPU where there is one)")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

@@ -42,7 +42,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="window length (default: the run's training --seq-len; for an imported model, 256 tokens or "
                    "the longest whole number of blocks its context holds)")
     p.add_argument("--batch-size", type=positive_int,
-                   help="sequences per forward pass; with --tasks, questions per forward pass (default: 8). A model "
+                   help="sequences per forward pass; with --tasks, questions per forward pass (one choice per forward for "
+                   "double decoders and encoder-decoders, whose split point is each choice's own) (default: 8). A model "
                    "that carries state (every staircase, Transformer-XL) reads the split as this many side-by-side "
                    "streams, so compare its losses at one batch size")
     p.add_argument("--max-batches", type=positive_int, help="stop after this many batches (default: the whole split)")

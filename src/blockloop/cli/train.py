@@ -102,7 +102,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--batch-size", type=positive_int, help=f"sequences per step per process (default: {d.batch_size})")
     g.add_argument("--grad-accum", type=positive_int, help=f"micro-batches accumulated per step (default: {d.grad_accum})")
     g.add_argument("--seq-len", type=positive_int, help=f"tokens per training sequence, at most the model context (default: {d.seq_len}, or the "
-                   "model context when that is shorter)")
+                   "longest whole number of blocks or chunks the model context holds when that is shorter)")
     g.add_argument("--lr", type=positive_float, help=f"peak learning rate (default: {d.lr})")
     g.add_argument("--min-lr-ratio", type=fraction, help=f"final LR as a fraction of the peak (default: {d.min_lr_ratio})")
     g.add_argument("--warmup-steps", type=nonnegative_int, help=f"linear warm-up steps (default: {d.warmup_steps})")

@@ -75,7 +75,7 @@ TARGETS: dict[str, Target] = {
                choices=("per-loop", "tied")),
         Option("calibration", int, 8, "windows of 128 tokens of the source run's training data whose input "
                "activations weight the SVD init (activation-aware; 0: SVD of the weights alone; default: 8)"),
-        Option("prefix_len", int, None, "learned prefix key/values per depth position with --relax prefix (default: 0)"),
+        Option("prefix_len", int, None, "learned prefix key/values per depth position; needed (at least 1) by --relax prefix"),
         Option("seed", int, 0, "seed of random and zero inits (default: 0)"),
     ), unread=_recursive_unread),
     "hf": Target("Hugging Face folder (export)", (SAVE_DTYPE,)),
