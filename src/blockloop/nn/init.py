@@ -16,6 +16,8 @@ from blockloop.nn.norm import LoopNorm, RMSNorm
 
 
 def init_weights(model: nn.Module, *, std: float, n_layer: int, scheme: str = "normal") -> None:
+    if all(p.is_meta for p in model.parameters()):
+        return  # shapes only (counting parameters, weights loaded later): nothing to draw, and drawing on meta is slow
     for name, module in model.named_modules():
         if isinstance(module, (nn.Linear, nn.Embedding)):
             if scheme == "xavier_uniform":
