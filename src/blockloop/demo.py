@@ -74,7 +74,8 @@ def _run_entry(entry: DemoEntry, run_dir: Path, steps: int, device: str) -> Demo
     run = prepare_run(spec, seed=0)
     config = TrainConfig(
         steps=steps, batch_size=entry.batch_size, seq_len=entry.seq_len, lr=entry.lr,
-        warmup_steps=max(1, steps // 20), eval_interval=max(1, steps // 6), eval_batches=8,
+        # about six validations over a full demo, but not one per step of a short --steps run (8 batches each)
+        warmup_steps=max(1, steps // 20), eval_interval=max(steps // 6, min(steps, 25)), eval_batches=8,
         log_interval=max(1, steps // 18), ckpt_interval=steps, device=device, seed=0,
     )
     train_seqs, val_seqs = sequences(run.splits, config.seq_len)
