@@ -15,6 +15,11 @@ in the README steer the run:
 The two set-up commands are :data:`ENTRY_POINTS`: ``make demo`` runs as the ``blockloop demo`` it wraps (the
 virtualenv it would set up is the one running this suite) and ``make test`` is this suite itself.
 
+A command that is one plain ``blockloop ...`` call (no pipe, redirection, variable or glob) runs in this process
+as its console script would, ``blockloop.cli.main(argv)``, in the scratch folder with the same environment: the
+interpreter and torch are loaded already, which is most of a small command's time. Everything else runs in its
+own process (``bash -e -c``, or ``python -c`` for a Python block).
+
 To keep ``make test`` short every command is *scaled down* by :data:`SMOKE`: the same command with fewer
 steps, requests, repeats and tokens. Everything else (presets, data, tokenizers, flags, paths) runs as
 written, so a renamed flag, a default that does not fit a preset, or a missing run folder fails here.
@@ -22,6 +27,8 @@ written, so a renamed flag, a default that does not fit a preset, or a missing r
 
 from __future__ import annotations
 
+import contextlib
+import io
 import os
 import re
 import shlex
@@ -165,6 +172,13 @@ def test_the_parser_reads_blocks_marks_and_continuations():
     assert smoke("make demo   # comment") == "blockloop demo --steps 2" and smoke("make test") is None
     assert smoke(".venv/bin/python benchmarks/staircase_speed.py") == (
         ".venv/bin/python benchmarks/staircase_speed.py --repeats 1 --batch-size 2 --seq-len 64")
+    # only a call the shell would merely split into words runs in-process
+    assert plain_blockloop_call('blockloop generate --prompt "Who art thou?" # c | d') == [
+        "generate", "--prompt", "Who art thou?"]
+    assert plain_blockloop_call(".venv/bin/blockloop info runs/x") == ["info", "runs/x"]
+    for shell in ("blockloop a | head", "blockloop a > f", 'blockloop a "$HOME"', "blockloop a *.txt", "X=1 blockloop a",
+                  "blockloop a && blockloop b", "python3 -c 'x'", "torchrun -m blockloop.cli train"):
+        assert plain_blockloop_call(shell) is None, shell
     assert smoke("blockloop bench --scenario prefill-heavy --hf") == (
         "blockloop bench --scenario prefill-heavy --gen-len 4 --prompt-len 128 --hf")
 
@@ -190,13 +204,73 @@ def test_every_readme_command_runs_as_written(tmp_path: Path):
                 name, _, value = assignment.partition("=")
                 env[name] = value
             continue
-        code, stderr = run_command(command, text, work, env)
+        argv = plain_blockloop_call(text) if not (command.python or command.script) else None
+        code, stderr = run_command(command, text, work, env) if argv is None else run_in_process(argv, work, env)
         where = f"README.md:{command.line}: {command.text}\n(ran: {text})\n--- stderr ---\n{stderr[-3000:]}"
         if command.expect_error:
             assert code != 0, f"expected an error, got success\n{where}"
             assert "Traceback" not in stderr and len(stderr.strip().splitlines()) == 1, where
         else:
             assert code == 0, f"exit status {code}\n{where}"
+
+
+SHELL_SYNTAX = set("|&;<>()$`*?[]{}~\\")  # outside quotes: the shell would read the command, not just split it
+
+
+def plain_blockloop_call(text: str) -> list[str] | None:
+    """The arguments of ``text`` if it is one call of the ``blockloop`` console script that the shell only splits
+    into words (quotes aside: no operator, redirection, expansion or glob), else None."""
+    quote = None
+    for i, char in enumerate(text):
+        if quote is not None:
+            if char == quote:
+                quote = None
+            elif quote == '"' and char in "$`\\":
+                return None
+        elif char in "'\"":
+            quote = char
+        elif char == "#" and (i == 0 or text[i - 1].isspace()):
+            break  # a comment: the rest of the line is not the command's
+        elif char in SHELL_SYNTAX:
+            return None
+    words = shlex.split(text, comments=True)
+    if not words or words[0] not in ("blockloop", ".venv/bin/blockloop") or "=" in words[0]:
+        return None
+    return words[1:]
+
+
+def run_in_process(argv: list[str], work: Path, env: dict[str, str]) -> tuple[int, str]:
+    """Exit status and stderr of ``blockloop ARGV`` run as the console script runs it (``sys.exit(main(argv))``) in
+    this process, in ``work`` with ``env``. What a command sets for the rest of its process (torch's threads and
+    random state, progress bars, packed linears) is put back for the next command and the tests after this one."""
+    import torch
+
+    from blockloop import progress
+    from blockloop.cli import main
+    from blockloop.nn import linear
+
+    saved_env, cwd = dict(os.environ), os.getcwd()
+    threads, rng = torch.get_num_threads(), torch.random.get_rng_state()
+    bars, packing = progress._enabled, linear._packing  # the flags --no-progress / --no-pack set for the process
+    err = io.StringIO()
+    try:
+        os.environ.clear()
+        os.environ.update(env)
+        os.chdir(work)
+        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(err):
+            try:
+                code = main(argv)
+            except SystemExit as exc:  # --help, or argparse's own exit
+                code = exc.code if isinstance(exc.code, int) else int(exc.code is not None)
+    finally:
+        os.chdir(cwd)
+        os.environ.clear()
+        os.environ.update(saved_env)
+        torch.set_num_threads(threads)
+        torch.random.set_rng_state(rng)
+        progress.set_enabled(bars)
+        linear.set_packing(packing)
+    return code, err.getvalue()
 
 
 def run_command(command: Command, text: str, work: Path, env: dict[str, str]) -> tuple[int, str]:
