@@ -47,7 +47,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--allowed-origin", type=origin, action="append", metavar="ORIGIN",
                    help="let web pages served from ORIGIN (scheme://host[:port], as a browser sends it, e.g. "
                    "http://localhost:3000) call the API from the browser (CORS); repeat for several, * for any page "
-                   "(default: none, browsers refuse pages from elsewhere)")
+                   "(default: none: browsers keep pages from elsewhere from reading the answers)")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
                    help="uvicorn's log level (default: info, one line per request)")
     add_device(p)

@@ -69,8 +69,8 @@ def create_app(served: ServedModel, *, allowed_origins: Sequence[str] = ()) -> F
     """The API for ``served``; the app starts the worker's thread on startup and stops it on shutdown.
 
     A browser page may call it from another origin only if that origin is in ``allowed_origins`` (``*``: any): a
-    web chat front end on its own port needs it, and without it the server sends no CORS headers at all, so a page
-    elsewhere cannot spend the server's slots through a visitor's browser."""
+    web chat front end on its own port needs it. Without it the server sends no CORS headers at all, so browsers keep
+    pages from elsewhere from reading its answers (or sending JSON with a preflight)."""
     metrics = ServerMetrics(served.worker)
     engine, tokenizer = served.worker.engine, served.tokenizer
 
