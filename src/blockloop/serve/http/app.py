@@ -70,7 +70,8 @@ def create_app(served: ServedModel, *, allowed_origins: Sequence[str] = ()) -> F
 
     A browser page may call it from another origin only if that origin is in ``allowed_origins`` (``*``: any): a
     web chat front end on its own port needs it. Without it the server sends no CORS headers at all, so browsers keep
-    pages from elsewhere from reading its answers (or sending JSON with a preflight)."""
+    pages from elsewhere from reading its answers, and from sending a request with a JSON content type at all (it
+    needs a preflight)."""
     metrics = ServerMetrics(served.worker)
     engine, tokenizer = served.worker.engine, served.tokenizer
 
