@@ -2,8 +2,9 @@
 
 A batch of ``B`` random-token prompts of ``prompt_len`` tokens, each continued by exactly ``gen_len``
 tokens (no EOS), after warm-up runs; every timed run reuses the same engine slots. Reported: generated
-tokens per second, time to first token and time per output token (of the whole batch, mean over the timed runs), peak memory
-per sample (CUDA) and static cache bytes per sample, and the fraction of the memory-bandwidth roofline.
+tokens per second, time to first token and time per output token (of the whole batch, mean over the timed
+runs), peak memory per sample (CUDA) and static cache bytes per sample, and the fraction of the
+memory-bandwidth roofline.
 TTFT is timed as the same batch asking for one token (all prompts prefilled, first tokens sampled; a
 Block Transformer's window is one block, so its TTFT also holds ``L_B - 1`` token-decoder steps);
 TPOT = (run time - TTFT) / (gen_len - 1).

@@ -80,7 +80,8 @@ def score(
     progress: Callable[[int], None] | None = None,
 ) -> Scores:
     """Score every request; ``groups`` (a question's choices) share their prefix work, ``batch_size`` groups
-    go through one forward (one request per forward for the ``partition`` and ``encoder`` layouts). ``progress(n)`` is told each time ``n`` more groups are done."""
+    go through one forward (one request per forward for the ``partition`` and ``encoder`` layouts). ``progress(n)``
+    is told each time ``n`` more groups are done."""
     check_requests(model, groups)
     if exits is not None and not hasattr(model, "loop_hiddens"):
         raise BlockloopError("--loops / --per-loop score a looped model's exits; this model has no loops")

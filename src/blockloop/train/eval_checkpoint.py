@@ -67,6 +67,8 @@ def evaluate_checkpoint(checkpoint: str | Path, request: EvalRequest, device: st
     seq_len = _seq_len(trained, request)
     spec = spec_of(trained.config)
     spec.check_seq_len(trained.config, seq_len)
+    if request.per_loop and request.objective not in (None, "lm"):
+        raise BlockloopError(f"--per-loop scores every next token after each loop; drop --objective {request.objective}")
     objective = request.objective or trained.state.get("train_config", {}).get("objective", "lm")
     splits = prepare_tokens(data, trained.tokenizer)
     # all: a held-out corpus is scored whole (train before val is the text's order when one document was cut in two)
@@ -74,9 +76,6 @@ def evaluate_checkpoint(checkpoint: str | Path, request: EvalRequest, device: st
     seqs = PackedSequences(tokens, seq_len, trained.tokenizer.start_id,
                            description=f"all of {data}" if split == "all" else f"the {split} split of {data}")
     if request.per_loop:
-        if objective != "lm" and request.objective is not None:
-            raise BlockloopError("--per-loop scores every next token after each loop; drop --objective "
-                                 f"{request.objective}")
         metrics = evaluate_loops(
             trained.model, seqs, batch_size=request.batch_size, max_batches=request.max_batches, device=device
         )
@@ -100,7 +99,7 @@ def evaluate_task(trained: TrainedModel, request: EvalRequest, device: str) -> d
                              "drop --objective")
     if request.per_loop:
         raise BlockloopError("--per-loop scores a corpus's text after every loop; a task is scored at the model's "
-                             "output: drop --per-loop (or give --data to score text)")
+                             "output: drop --per-loop")
     check_learns_tasks(trained.config)
     run = trained.state.get("run", {})
     if request.task or request.task_dir:
