@@ -234,7 +234,7 @@ def plain_blockloop_call(text: str) -> list[str] | None:
         elif char in SHELL_SYNTAX:
             return None
     words = shlex.split(text, comments=True)
-    if not words or words[0] not in ("blockloop", ".venv/bin/blockloop") or "=" in words[0]:
+    if not words or words[0] not in ("blockloop", ".venv/bin/blockloop"):
         return None
     return words[1:]
 
