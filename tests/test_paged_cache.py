@@ -357,3 +357,26 @@ def test_a_pool_smaller_than_one_page_is_refused_in_tokens_a_page_holds():
                                              r"128 entries of 4 tokens"):
         Paging(200, 128).pages(2, 64, "cpu", tokens_per_entry=4)
     assert Paging(512, 128).pages(2, 64, "cpu", tokens_per_entry=4).capacity == 128
+
+
+def test_a_query_at_the_last_slot_sees_no_key_past_the_context_on_a_partly_used_last_page():
+    """A 10-slot context on 4-token pages: a row's third page holds slots 8-11, and 10 and 11 lie past the context.
+    The pool's mask clamped them to slot 9 for its lookups, so a query at slot 9 (a request filling the context)
+    took them for itself and attended to two keys never written. Pool read = gathered read, there too."""
+    from blockloop.nn.attention import attention
+    from blockloop.nn.masks import cache_mask
+
+    torch.manual_seed(0)
+    pages = KVPages(1, 10, n_pages=4, page_size=4, device="cpu", read="pages")
+    assert pages.reserve(0, 10)
+    cache = PagedKVCache(pages, n_kv_head=1, head_dim=3, dtype=torch.float64)
+    k, v = torch.randn(2, 1, 1, 10, 3, dtype=torch.float64)
+    gathered_k, gathered_v = cache.write(torch.arange(10), k, v)
+    key_valid = torch.ones(1, 10, dtype=torch.bool)
+    key_valid[0, 2] = False
+    q = torch.randn(1, 2, 1, 3, dtype=torch.float64)
+    for query in range(10):
+        slots = torch.tensor([[query]])
+        pooled = attention(q, cache.k, cache.v, mask=pages.block_mask(key_valid, slots), backend="eager")
+        expected = attention(q, gathered_k, gathered_v, mask=cache_mask(key_valid, slots), backend="eager")
+        torch.testing.assert_close(pooled, expected, rtol=1e-12, atol=1e-12)

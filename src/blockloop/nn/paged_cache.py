@@ -164,11 +164,15 @@ class KVPages:
 
         def mask_mod(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
             page = kv_idx // size
-            slot = (logical[page] * size + kv_idx % size).clamp_max(last)
+            slot = logical[page] * size + kv_idx % size
+            # A last page may run past the context (max_len not a multiple of the page size): those slots are
+            # nobody's. Clamped for the lookup only, they would pass for the last slot, and for the query there.
+            in_context = slot <= last
+            slot = slot.clamp_max(last)
             seen = sees_cached(slot, query[b], key_valid[b, slot])
             if local is not None:
                 seen = seen & (~local[b] | (slot > query[b] - window))
-            return (owner[page] == table_row[b]) & seen
+            return (owner[page] == table_row[b]) & in_context & seen
 
         return decode_block_mask(self.reserved[rows], self.table[rows], size, self.n_pages * size, mask_mod)
 
