@@ -1,0 +1,126 @@
+"""A Triton kernel for one decode query per row over a paged KV pool, reading each row's live keys only.
+
+Why it exists: the H200 profile of 2026-11-28 (``benchmarks/results/decode_profile-nvidia-h200.md``) timed
+FlexAttention's kernel over the page table at about 1.5 TB/s of live bytes, where cuDNN's SDPA reads a static
+cache at 3.5 TB/s. Decode is a read of the cache, so the paged engine lost to the static one it was built to beat.
+Issue 12 asks for a kernel of our own exactly where a measurement shows that gap; this is it, and
+``benchmarks/decode_profile.py`` (part 4) times it beside Flex and the static read. It is not wired into the engine
+until a GPU measurement shows it wins.
+
+What it computes is what :meth:`~blockloop.nn.paged_cache.KVPages.block_mask` asks of FlexAttention, with the
+same pool layout (:mod:`blockloop.nn.paged_cache`): row ``b``'s logical slot ``s`` lives at pool position
+``table[b, s // page_size] * page_size + s % page_size``; its query at slot ``query[b]`` sees the slots
+``s <= query[b]`` whose ``key_valid[b, s]`` is set, and always itself (:func:`~blockloop.nn.masks.sees_cached`);
+with ``local[b]`` set, only the last ``window`` of them (a sliding-window layer).
+
+How: one program per (row, key/value head). It walks the row's slots ``0 .. query[b]`` in tiles of ``TILE`` keys,
+looks each key's page up in the table (so a tile may span pages of any size), and keeps the online softmax of
+FlashAttention (running maximum ``m``, normaliser ``denom``, accumulator) for the ``G`` query heads that share the
+key/value head, so grouped keys are read once, never copied per query head. Slots past ``query[b]`` are never
+loaded: bytes read per step are the sum of live lengths. On CPU the same kernel runs in Triton's interpreter
+(``TRITON_INTERPRET=1`` before triton is first imported; ``torch.compile`` imports it too), which is how the tests
+check it against the reference without a GPU.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+
+@triton.jit
+def _paged_decode(
+    Q, K, V, Out, Table, Query, Valid, Local,  # pointers
+    stride_qb, stride_qh, stride_kh, stride_kp, stride_ob, stride_oh, stride_tb, stride_vb,
+    scale, window,
+    GROUPS: tl.constexpr, GROUPS_POW2: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr,
+    TILE: tl.constexpr, HAS_WINDOW: tl.constexpr,
+):
+    row, kv_head = tl.program_id(0), tl.program_id(1)
+    query_slot = tl.load(Query + row)
+    heads = kv_head * GROUPS + tl.arange(0, GROUPS_POW2)  # the query heads that read this key/value head
+    head_ok = tl.arange(0, GROUPS_POW2) < GROUPS
+    dims = tl.arange(0, HEAD_DIM)
+    q = tl.load(Q + row * stride_qb + heads[:, None] * stride_qh + dims[None, :], mask=head_ok[:, None], other=0.0)
+    q = q.to(tl.float32) * scale
+    first = 0
+    if HAS_WINDOW:
+        local = tl.load(Local + row) != 0
+        first = tl.where(local, tl.maximum(query_slot - window + 1, 0), 0)
+    # A finite start for the running maximum: a tile whose keys are all masked leaves it as it is (exp(-inf) = 0)
+    # instead of subtracting -inf from -inf.
+    m = tl.full((GROUPS_POW2,), -1.0e30, tl.float32)
+    denom = tl.zeros((GROUPS_POW2,), tl.float32)
+    acc = tl.zeros((GROUPS_POW2, HEAD_DIM), tl.float32)
+    for start in range((first // TILE) * TILE, query_slot + 1, TILE):
+        slots = start + tl.arange(0, TILE)
+        live = slots <= query_slot
+        page = tl.load(Table + row * stride_tb + slots // PAGE, mask=live, other=0)
+        where = (page * PAGE + slots % PAGE)[:, None] * stride_kp + kv_head * stride_kh + dims[None, :]
+        k = tl.load(K + where, mask=live[:, None], other=0.0).to(tl.float32)
+        valid = tl.load(Valid + row * stride_vb + slots, mask=live, other=0) != 0
+        seen = (live & valid) | (slots == query_slot)
+        if HAS_WINDOW:
+            seen = seen & (slots >= first)
+        scores = tl.sum(q[:, None, :] * k[None, :, :], axis=2)  # (G, TILE)
+        scores = tl.where(seen[None, :], scores, float("-inf"))
+        m_new = tl.maximum(m, tl.max(scores, axis=1))
+        p = tl.exp(scores - m_new[:, None])
+        alpha = tl.exp(m - m_new)
+        v = tl.load(V + where, mask=live[:, None], other=0.0).to(tl.float32)
+        denom = denom * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], axis=1)
+        m = m_new
+    out = acc / denom[:, None]  # denom > 0: every query sees at least itself
+    tl.store(Out + row * stride_ob + heads[:, None] * stride_oh + dims[None, :], out.to(Out.dtype.element_ty),
+             mask=head_ok[:, None])
+
+
+def paged_decode_attention(
+    q: Tensor,
+    k_pool: Tensor,
+    v_pool: Tensor,
+    table: Tensor,
+    query: Tensor,
+    key_valid: Tensor,
+    *,
+    page_size: int,
+    scale: float | None = None,
+    local: Tensor | None = None,
+    window: int = 0,
+    tile: int = 64,
+) -> Tensor:
+    """Attention of one query per row, ``q (B, Hq, 1, D)``, over pools ``k_pool, v_pool (1, Hkv, positions, D)``
+    through page ``table (B, W)``, each row's query at slot ``query (B,)`` over its ``key_valid (B, S)`` slots;
+    ``local (B,)`` with ``window``: those rows see only their last ``window`` slots. Returns ``(B, Hq, 1, D)``."""
+    batch, heads, steps, dim = q.shape
+    kv_heads = k_pool.shape[1]
+    if steps != 1:
+        raise ValueError(f"the paged decode kernel takes one query per row, got {steps}")
+    if heads % kv_heads:
+        raise ValueError(f"{kv_heads} key/value heads do not divide {heads} query heads")
+    if dim & (dim - 1) or tile & (tile - 1):
+        raise ValueError(f"the kernel's head size ({dim}) and tile ({tile}) must be powers of two")
+    if not q.is_cuda and not triton.knobs.runtime.interpret:
+        raise ValueError("the paged decode kernel runs on CUDA, or on CPU in Triton's interpreter: set "
+                         "TRITON_INTERPRET=1 before triton is first imported")
+    groups = heads // kv_heads
+    q, k_pool, v_pool = q.contiguous(), k_pool.contiguous(), v_pool.contiguous()
+    table, query = table.contiguous(), query.contiguous()
+    valid = key_valid.contiguous().view(torch.uint8) if key_valid.dtype == torch.bool else key_valid.contiguous()
+    local_rows = (local if local is not None else torch.zeros(batch, dtype=torch.bool, device=q.device))
+    local_rows = local_rows.contiguous().view(torch.uint8)
+    out = torch.empty_like(q)
+    _paged_decode[(batch, kv_heads)](
+        q, k_pool, v_pool, out, table, query, valid, local_rows,
+        q.stride(0), q.stride(1), k_pool.stride(1), k_pool.stride(2), out.stride(0), out.stride(1),
+        table.stride(0), valid.stride(0),
+        1.0 / math.sqrt(dim) if scale is None else scale, window,
+        GROUPS=groups, GROUPS_POW2=triton.next_power_of_2(groups), HEAD_DIM=dim, PAGE=page_size, TILE=tile,
+        HAS_WINDOW=local is not None and window > 0,
+    )
+    return out

@@ -1,0 +1,64 @@
+"""The Triton paged decode kernel (issue 12: a kernel of our own where FlexAttention left half the bandwidth), checked
+on CPU in Triton's interpreter against the mask FlexAttention gets for the same step over a real paged cache."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+triton = pytest.importorskip("triton")
+
+from blockloop.nn.paged_decode import paged_decode_attention
+
+CHECKS = Path(__file__).with_name("paged_decode_checks.py")
+
+
+def test_the_kernel_equals_the_pools_reference_in_tritons_interpreter():
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    done = subprocess.run([sys.executable, str(CHECKS)], capture_output=True, text=True, env=env, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    errors = json.loads(done.stdout)
+    assert len(errors) == 6, errors
+    for name, error in errors.items():
+        assert error < (2e-3 if "float16" in name else 1e-5), (name, error)
+
+
+@pytest.mark.skipif(bool(triton.knobs.runtime.interpret), reason="this process runs Triton's interpreter")
+def test_the_kernel_says_where_it_runs_and_what_it_takes():
+    q, pool = torch.randn(2, 2, 1, 4), torch.randn(1, 1, 8, 4)
+    table, query, valid = torch.ones(2, 2, dtype=torch.long), torch.tensor([1, 2]), torch.ones(2, 8, dtype=torch.bool)
+    with pytest.raises(ValueError, match="TRITON_INTERPRET=1"):
+        paged_decode_attention(q, pool, pool, table, query, valid, page_size=4)
+    with pytest.raises(ValueError, match="one query per row, got 3"):
+        paged_decode_attention(torch.randn(2, 2, 3, 4), pool, pool, table, query, valid, page_size=4)
+    with pytest.raises(ValueError, match="3 key/value heads do not divide 2"):
+        paged_decode_attention(q, torch.randn(1, 3, 8, 4), torch.randn(1, 3, 8, 4), table, query, valid, page_size=4)
+    with pytest.raises(ValueError, match=r"head size \(6\)"):
+        paged_decode_attention(torch.randn(2, 2, 1, 6), torch.randn(1, 1, 8, 6), torch.randn(1, 1, 8, 6), table, query,
+                               valid, page_size=4)
+
+
+@pytest.mark.parametrize("dtype, groups, window", [("bf16", 1, False), ("fp16", 3, True)])
+def test_the_kernel_compiles_for_an_h100_without_one(dtype, groups, window):
+    """Triton's interpreter runs Python and forgives what its compiler refuses (types, shapes of loop-carried
+    values): the same kernel is compiled here to an H100's machine code (sm_90) with the compiler and assembler a
+    triton wheel ships, so a GPU session does not find a kernel that cannot build."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from blockloop.nn.paged_decode import _paged_decode
+
+    constants = {"GROUPS": groups, "GROUPS_POW2": triton.next_power_of_2(groups), "HEAD_DIM": 64, "PAGE": 16,
+                 "TILE": 64, "HAS_WINDOW": window}
+    kinds = {"Q": f"*{dtype}", "K": f"*{dtype}", "V": f"*{dtype}", "Out": f"*{dtype}", "Table": "*i64",
+             "Query": "*i64", "Valid": "*u8", "Local": "*u8", "scale": "fp32", **dict.fromkeys(constants, "constexpr")}
+    signature = {name: kinds.get(name, "i32") for name in _paged_decode.arg_names}  # the rest: strides, window
+    source = ASTSource(fn=_paged_decode, signature=signature, constexprs=constants)
+    kernel = triton.compile(source, target=GPUTarget("cuda", 90, 32))
+    assert kernel.asm["cubin"] and ".target sm_90" in kernel.asm["ptx"]
