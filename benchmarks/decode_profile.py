@@ -22,15 +22,17 @@ Three parts, one device call (about two minutes on an H100/H200), the record wri
    2026-11-28 found at about half the bandwidth of cuDNN's SDPA kernel (``results/gpu-2026-11-28-nvidia-h200.md``).
    FlashAttention's variable-length path (``torch.nn.attention.varlen.varlen_attn``) over a token-major static cache
    with each row's used-key count (``seqused_k``), and over a page pool through a page table (``block_table``);
-   FlexAttention over :class:`~blockloop.nn.paged_cache.KVPages` (the engine's paged read) at several page sizes.
-   A path this torch lacks (``varlen_attn``'s paged arguments are newer than some releases) is a row saying so.
+   FlexAttention over :class:`~blockloop.nn.paged_cache.KVPages` (the engine's paged read) at several page sizes,
+   and blockloop's own Triton kernel (:mod:`blockloop.nn.paged_decode`) over the same pool and table at a few key
+   tiles (on CPU its rows say it needs CUDA). A path this torch lacks (``varlen_attn``'s paged arguments are newer than some releases) is a row saying so.
 
 Every timed path on CUDA also names the kernel that took most of its device time (one profiled call), so a row that
 is fast or slow says which kernel SDPA chose.
 
     .venv/bin/python benchmarks/decode_profile.py --record     # on one H100/H200 (through the device kit: --out-dir "$OUT")
 
-``--smoke`` runs every part at tiny sizes on CPU in seconds, which checks the script, not the engine.
+``--smoke`` runs every part at tiny sizes on CPU in seconds, which checks the script, not the engine
+(``TRITON_INTERPRET=1`` runs the Triton kernel's rows in Triton's interpreter).
 
 Writes ``decode_profile-<device>.md`` and ``.json`` to runs/bench/ (``--out-dir DIR`` elsewhere, ``--record`` into
 benchmarks/results/).
@@ -258,6 +260,16 @@ def live_read_rows(model: torch.nn.Module, batch: int, context: int, device: tor
 
         row(f"flex over {size}-token pages (KVPages, the engine's paged read)", device.type == "cuda", flex_pages)
         torch._dynamo.reset()
+        for tile in (32, 64, 128) if device.type == "cuda" else (64,):
+            def triton_pages(pool_k: Tensor = pool_k, pool_v: Tensor = pool_v, table: Tensor = pages.table,
+                             tile: int = tile) -> Tensor:
+                # needs triton: without it, this row says so
+                from blockloop.nn.paged_decode import paged_decode_attention
+
+                return paged_decode_attention(q, pool_k, pool_v, table, lengths - 1, key_valid, page_size=size,
+                                              tile=tile)
+
+            row(f"triton over {size}-token pages, {tile}-key tiles (blockloop.nn.paged_decode)", False, triton_pages)
     return rows
 
 

@@ -4,7 +4,9 @@ the static cache and the paged one."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -13,8 +15,9 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_smoke_profile_times_every_attention_path_and_the_engine_step(tmp_path):
+    env = {**os.environ, "TRITON_INTERPRET": "1"}  # blockloop's Triton kernel runs too, in Triton's interpreter
     done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "decode_profile.py"), "--smoke",
-                           "--out-dir", str(tmp_path)], capture_output=True, text=True, cwd=ROOT, timeout=600)
+                           "--out-dir", str(tmp_path)], capture_output=True, text=True, cwd=ROOT, env=env, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     record = json.loads((tmp_path / "decode_profile-cpu-smoke.json").read_text())
     sections = record["attention"]
@@ -30,12 +33,20 @@ def test_smoke_profile_times_every_attention_path_and_the_engine_step(tmp_path):
         assert sum("enable_gqa" in r["path"] for r in masked) == 2
         assert all(r["all_slots_gb_s"] >= r["live_gb_s"] > 0 for r in timed)  # live keys are a part of every slot
     # Part 4: FlashAttention's variable-length reads need CUDA (on CPU each is a row saying why); the engine's paged
-    # read through FlexAttention, over pages scattered in the pool, computes the same attention at each page size.
+    # read through FlexAttention, over pages scattered in the pool, computes the same attention at each page size,
+    # and so does blockloop's Triton kernel.
     live = record["live_reads"]["rows"]
     flash, flex = ([r for r in live if r["path"].startswith(kind)] for kind in ("flash", "flex"))
     assert len(flash) == 3 and all("CPU" in r["error"] for r in flash)
     assert [r["path"].split()[2] for r in flex] == ["16-token", "32-token"]
     assert all(r["max_abs_error_vs_float64"] < 1e-5 and r["all_slots_gb_s"] >= r["live_gb_s"] > 0 for r in flex)
+    # blockloop's Triton kernel over the same pool and page table (one key tile on CPU)
+    kernel = [r for r in live if r["path"].startswith("triton")]
+    assert [r["path"].split()[2] for r in kernel] == ["16-token", "32-token"]
+    if importlib.util.find_spec("triton"):
+        assert all(r["max_abs_error_vs_float64"] < 1e-5 for r in kernel), kernel
+    else:
+        assert all("triton" in r["error"] for r in kernel), kernel
     assert [(step["preset"], step["cache"]) for step in record["steps"]] == [
         ("tiny", "static"), ("tiny", "paged"), ("tiny-block", "static")]  # the Block Transformer's step too
     for step in record["steps"]:
