@@ -253,7 +253,7 @@ def live_read_rows(model: torch.nn.Module, batch: int, context: int, device: tor
         for pool, t in ((pool_k, k), (pool_v, v)):
             live = key_valid.flatten()
             pool[0, :, where.flatten()[live]] = t.transpose(0, 1).reshape(heads, batch * context, c.head_dim)[:, live]
-        block_mask = pages.block_mask(key_valid, (lengths - 1)[:, None])
+        block_mask = pages.pool_mask(key_valid, (lengths - 1)[:, None])
 
         def flex_pages(pool_k: Tensor = pool_k, pool_v: Tensor = pool_v, block_mask: Any = block_mask) -> Tensor:
             return attention(q, pool_k, pool_v, mask=block_mask)

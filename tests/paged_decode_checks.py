@@ -1,10 +1,15 @@
 """Run by ``tests/test_paged_decode_kernel.py`` in a process of its own under ``TRITON_INTERPRET=1`` (Triton reads
 that when it is first imported, and the test process imports it early through ``torch.compile``).
 
-Fills a real :class:`~blockloop.nn.paged_cache.PagedKVCache` the way the engine does (rows reserving pages of
-different lengths, a row released and its pages reused, holes in ``key_valid``), then prints, as one JSON object,
-the largest difference of the Triton kernel from the reference for each case: the eager attention under the mask
-FlexAttention gets for the same step (:meth:`~blockloop.nn.paged_cache.KVPages.block_mask`).
+Prints one JSON object of two parts:
+
+* ``"attention"``: a real :class:`~blockloop.nn.paged_cache.PagedKVCache` filled the way the engine does (rows
+  reserving pages of different lengths, a row released and its pages reused, holes in ``key_valid``); for each
+  case the largest difference of the Triton kernel from the eager attention under the mask FlexAttention gets for
+  the same step (:meth:`~blockloop.nn.paged_cache.KVPages.pool_mask`);
+* ``"engine"``: for each family whose decode reads a pool, whether an engine whose pages are read by the kernel
+  (``Paging(..., read="kernel")``) serves the same greedy tokens as the static cache, through a pool small enough
+  that requests wait for pages.
 """
 
 from __future__ import annotations
@@ -13,9 +18,15 @@ import json
 
 import torch
 
+from blockloop.config import DecoderConfig
+from blockloop.families import build_model, from_name
+from blockloop.families.recursive import RecursiveConfig
 from blockloop.nn.attention import attention
 from blockloop.nn.paged_cache import KVPages, PagedKVCache
 from blockloop.nn.paged_decode import paged_decode_attention
+from blockloop.serve.engine import Engine
+from blockloop.serve.requests import SamplingParams
+from blockloop.serve.runners import ExitRule, Paging, runner_for
 
 
 def case(kv_heads: int, groups: int, page_size: int, tile: int, dtype: torch.dtype, window: int = 0) -> float:
@@ -37,15 +48,50 @@ def case(kv_heads: int, groups: int, page_size: int, tile: int, dtype: torch.dty
     query = torch.tensor([n - 1 for n in lengths])
     q = torch.randn(rows, kv_heads * groups, 1, dim, dtype=dtype)
     local = torch.tensor([False, True, True, False]) if window else None
-    mask = pages.block_mask(key_valid, query[:, None], local=local, window=window)
+    mask = pages.pool_mask(key_valid, query[:, None], local=local, window=window)
     expected = attention(q.double(), cache.k.double(), cache.v.double(), block_mask=mask, backend="eager")
     got = paged_decode_attention(q, cache.k, cache.v, pages.table, query, key_valid, page_size=page_size, tile=tile,
                                  local=local, window=window)
     return float((got.double() - expected).abs().max())
 
 
+def same_greedy_tokens(model: torch.nn.Module, tokens: int, page_size: int, **options: object) -> bool:
+    """Whether the kernel's paged read serves the static cache's greedy tokens (float64 weights: the kernel
+    accumulates in float32, far below any margin between two tokens' logits here)."""
+    generator = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(1, 60, (n,), generator=generator).tolist() for n in (5, 17, 2, 11, 9)]
+    outputs = []
+    for paging in (None, Paging(tokens, page_size, "kernel")):
+        engine = Engine(runner_for(model, paging=paging, **options), n_slots=3, max_len=40, sync_every=4)
+        requests = [engine.submit(p, 9, sampling=SamplingParams(temperature=0.0)) for p in prompts]
+        engine.run()
+        outputs.append([r.output for r in requests])
+    return outputs[0] == outputs[1]
+
+
+def model_of(config: object) -> torch.nn.Module:
+    torch.manual_seed(0)
+    model = (build_model(from_name(config)) if isinstance(config, str) else build_model(config)).double().eval()
+    with torch.no_grad():  # unequal weights: attention that differs between positions
+        for p in model.parameters():
+            p.add_(0.2 * torch.randn_like(p))
+    return model
+
+
 def main() -> None:
-    cases = {
+    shape = dict(vocab_size=61, context_length=96, n_head=4, n_kv_head=2, d_model=32, d_ff=48, norm="rmsnorm",
+                 mlp="swiglu", bias=False, sliding_window=4, local_rope_base=1000.0)
+    engine = {
+        "decoder": same_greedy_tokens(model_of("tiny"), 56, 4),
+        "encoder-decoder (cross attention over pages)": same_greedy_tokens(model_of("tiny-encdec"), 80, 4),
+        "Transformer-XL (an attention span: every row local)": same_greedy_tokens(model_of("tiny-transformer-xl"), 56, 4),
+        "recursive, depth-wise, a layer local at some loops": same_greedy_tokens(
+            model_of(RecursiveConfig(**shape, n_layer=3, lora_rank=2, loops=2, local_depths=[0, 1, 2, 3, 4])), 40, 4,
+            exit_rule=ExitRule("none")),
+        "decoder with sliding-window layers": same_greedy_tokens(
+            model_of(DecoderConfig(**shape, n_layer=3, local_layers=[0, 2])), 56, 4),
+    }
+    attention_cases = {
         "one head per group, 4-token pages": case(2, 1, 4, 8, torch.float32),
         "3 query heads per key head, 16-token pages": case(1, 3, 16, 16, torch.float32),
         "tile smaller than a page": case(2, 2, 16, 4, torch.float32),
@@ -53,7 +99,7 @@ def main() -> None:
         "sliding window on two rows": case(2, 2, 4, 8, torch.float32, window=6),
         "float16 pool": case(2, 3, 8, 8, torch.float16),
     }
-    print(json.dumps(cases))
+    print(json.dumps({"attention": attention_cases, "engine": engine}))
 
 
 if __name__ == "__main__":

@@ -303,10 +303,12 @@ def test_rows_grow_a_window_at_a_time_and_the_newest_is_preempted_when_pages_run
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_paged_decode_under_cuda_graphs_matches_the_static_cache():
-    """On CUDA the paged decode step reads pages through the FlexAttention kernel inside a CUDA graph."""
+    """On CUDA the paged decode step reads pages through the FlexAttention kernel, or blockloop's Triton kernel
+    (``read="kernel"``), eager and inside a CUDA graph."""
     model = model_of("tiny").float().cuda()
     outputs = []
-    for paging, compile in ((None, False), (Paging(256, 16), False), (Paging(256, 16), True)):
+    for paging, compile in ((None, False), (Paging(256, 16), False), (Paging(256, 16), True),
+                            (Paging(256, 16, "kernel"), False), (Paging(256, 16, "kernel"), True)):
         engine = Engine(runner_for(model, paging=paging), n_slots=3, max_len=64, sync_every=4, compile=compile)
         requests = [engine.submit(p, 12, sampling=SamplingParams(temperature=0.0)) for p in PROMPTS]
         engine.run()
@@ -377,6 +379,6 @@ def test_a_query_at_the_last_slot_sees_no_key_past_the_context_on_a_partly_used_
     q = torch.randn(1, 2, 1, 3, dtype=torch.float64)
     for query in range(10):
         slots = torch.tensor([[query]])
-        pooled = attention(q, cache.k, cache.v, mask=pages.block_mask(key_valid, slots), backend="eager")
+        pooled = attention(q, cache.k, cache.v, mask=pages.pool_mask(key_valid, slots), backend="eager")
         expected = attention(q, gathered_k, gathered_v, mask=cache_mask(key_valid, slots), backend="eager")
         torch.testing.assert_close(pooled, expected, rtol=1e-12, atol=1e-12)

@@ -1,5 +1,6 @@
 """The Triton paged decode kernel (issue 12: a kernel of our own where FlexAttention left half the bandwidth), checked
-on CPU in Triton's interpreter against the mask FlexAttention gets for the same step over a real paged cache."""
+on CPU in Triton's interpreter against the mask FlexAttention gets for the same step over a real paged cache, and
+as the engine's paged read (``Paging(..., read="kernel")``) against the static cache."""
 
 from __future__ import annotations
 
@@ -19,14 +20,15 @@ from blockloop.nn.paged_decode import paged_decode_attention
 CHECKS = Path(__file__).with_name("paged_decode_checks.py")
 
 
-def test_the_kernel_equals_the_pools_reference_in_tritons_interpreter():
+def test_the_kernel_equals_the_pools_reference_and_serves_every_paged_family_in_tritons_interpreter():
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     done = subprocess.run([sys.executable, str(CHECKS)], capture_output=True, text=True, env=env, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
-    errors = json.loads(done.stdout)
-    assert len(errors) == 6, errors
-    for name, error in errors.items():
+    checks = json.loads(done.stdout)
+    assert len(checks["attention"]) == 6 and len(checks["engine"]) == 5, checks
+    for name, error in checks["attention"].items():
         assert error < (2e-3 if "float16" in name else 1e-5), (name, error)
+    assert all(checks["engine"].values()), checks["engine"]
 
 
 @pytest.mark.skipif(bool(triton.knobs.runtime.interpret), reason="this process runs Triton's interpreter")
@@ -62,3 +64,12 @@ def test_the_kernel_compiles_for_an_h100_without_one(dtype, groups, window):
     source = ASTSource(fn=_paged_decode, signature=signature, constexprs=constants)
     kernel = triton.compile(source, target=GPUTarget("cuda", 90, 32))
     assert kernel.asm["cubin"] and ".target sm_90" in kernel.asm["ptx"]
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1", reason="this process runs Triton's interpreter")
+def test_the_kernel_read_is_refused_on_cpu_outside_the_interpreter():
+    from blockloop.errors import BlockloopError
+    from blockloop.nn.paged_cache import KVPages
+
+    with pytest.raises(BlockloopError, match="runs on CUDA .* use read 'gather' on CPU"):
+        KVPages(2, 16, 4, 4, device="cpu", read="kernel")

@@ -14,7 +14,9 @@ to ``(B, H, Tq, Tk)``, as a FlexAttention-style ``mask_mod(b, h, q_idx, kv_idx) 
 is, so it is not rebuilt by the eager ``create_block_mask`` at every call; the other backends evaluate its
 ``mask_mod`` densely); every backend accepts every form (the builders live in :mod:`blockloop.nn.masks`).
 A cache's mask for a decode step over a paged pool arrives as ``mask`` but is a ``BlockMask`` (the pool's
-keys have batch 1, shared by every row): it is used as ``block_mask``, and only FlexAttention reads a pool.
+keys have batch 1, shared by every row): it is used as ``block_mask``, and only FlexAttention reads a pool, unless
+the cache reads its pool with blockloop's Triton kernel (``read="kernel"``): then the mask is a
+:class:`~blockloop.nn.paged_cache.PoolRead` and the kernel (:mod:`blockloop.nn.paged_decode`) computes the step.
 A dense mask narrower than the keys covers the leading ones: no query sees the rest, which are not read (an
 eager CPU step over a static cache passes only the slots up to its furthest query's, see
 :meth:`~blockloop.nn.kv_cache.DecoderCache.mask`).
@@ -40,6 +42,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from blockloop.nn.masks import MaskMod, causal_mask_mod
+from blockloop.nn.paged_cache import PoolRead
 from blockloop.nn.precision import at_least_fp32
 
 if TYPE_CHECKING:
@@ -54,7 +57,7 @@ def attention(
     v: Tensor,
     *,
     causal: bool = False,
-    mask: Tensor | BlockMask | None = None,
+    mask: Tensor | BlockMask | PoolRead | None = None,
     mask_mod: MaskMod | None = None,
     block_mask: BlockMask | None = None,
     scale: float | None = None,
@@ -68,6 +71,9 @@ def attention(
     for (SDPA does not expose it); FlexAttention on CUDA for a ``block_mask`` too (its block sparsity is
     why it was built).
     """
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    if isinstance(mask, PoolRead):
+        return _pool_kernel(q, k, v, mask, scale, return_lse, dropout_p)
     pooled = mask is not None and not isinstance(mask, Tensor)  # a paged cache's BlockMask (see the module docstring)
     if pooled:
         mask, block_mask = None, mask
@@ -77,7 +83,6 @@ def attention(
         raise ValueError("give at most one of causal=True, mask, mask_mod, block_mask")
     if q.shape[1] % k.shape[1]:
         raise ValueError(f"{k.shape[1]} key/value heads do not divide {q.shape[1]} query heads")
-    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     if backend is None:
         flex = pooled or (q.is_cuda and (return_lse or block_mask is not None))
         backend = "flex" if flex else ("eager" if return_lse else "sdpa")
@@ -96,6 +101,19 @@ def attention(
     else:
         raise ValueError(f"unknown attention backend {backend!r}; choose one of {BACKENDS}")
     return (out, lse) if return_lse else out
+
+
+def _pool_kernel(q: Tensor, k: Tensor, v: Tensor, read: PoolRead, scale: float, return_lse: bool, dropout_p: float
+                 ) -> Tensor:
+    """A decode step over a paged pool read by the Triton kernel: the only backend that takes a :class:`PoolRead`."""
+    if return_lse or dropout_p:
+        raise ValueError("the paged decode kernel returns neither the log-sum-exp nor dropout; read the pages "
+                         "with read='pages' (FlexAttention) for those")
+    # imports triton: only when a cache reads this way
+    from blockloop.nn.paged_decode import paged_decode_attention
+
+    return paged_decode_attention(q, k, v, read.table, read.query, read.key_valid, page_size=read.page_size,
+                                  scale=scale, local=read.local, window=read.window)
 
 
 def merge_attention(out_a: Tensor, lse_a: Tensor, out_b: Tensor, lse_b: Tensor) -> tuple[Tensor, Tensor]:

@@ -185,9 +185,9 @@ class DecoderCache(nn.Module):
         model's context long); :attr:`limit` everywhere else."""
         if self.pages is not None and self.pages.reads_pool(slots):
             if span is None:
-                return self.pages.block_mask(self.key_valid, slots)
+                return self.pages.pool_mask(self.key_valid, slots)
             every_row = torch.ones(slots.shape[0], dtype=torch.bool, device=slots.device)
-            return self.pages.block_mask(self.key_valid, slots, local=every_row, window=span + 1)
+            return self.pages.pool_mask(self.key_valid, slots, local=every_row, window=span + 1)
         mask = cache_mask(self.key_valid[:, : self.visible(slots)], slots)
         return mask if span is None else mask & within_span(slots, mask.shape[-1], span)
 

@@ -16,9 +16,12 @@ harmlessly and no row ever reads it.
 Two ways to read, same numbers (tests check both against the static cache):
 
 * ``"pages"``: a decode step attends over the pool itself with a FlexAttention block mask built from the
-  page table (:meth:`KVPages.block_mask`): each row visits only its own live pages, so the bytes read
+  page table (:meth:`KVPages.pool_mask`): each row visits only its own live pages, so the bytes read
   per step are proportional to the sum of live lengths. The mask is made of device tensors updated in
   place, cheap enough to rebuild every step and capturable in a CUDA graph. The default on CUDA.
+* ``"kernel"``: the same read of the pool by blockloop's Triton kernel (:mod:`blockloop.nn.paged_decode`): the
+  step's mask is a :class:`PoolRead` (the page table, query slots and valid slots the kernel takes) rather than a
+  block mask. CUDA only (or Triton's interpreter, for the tests); not the default until a GPU run shows it faster.
 * ``"gather"``: every write returns the rows' logical ``(B, H_kv, S, D)`` views gathered from the pool,
   attended through the usual dense cache mask. The CPU reference, and what a prefill (many queries per
   row) always uses.
@@ -26,6 +29,8 @@ Two ways to read, same numbers (tests check both against the static cache):
 
 from __future__ import annotations
 
+import os
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -37,7 +42,7 @@ from blockloop.nn.masks import decode_block_mask, sees_cached, visible_slots
 if TYPE_CHECKING:
     from torch.nn.attention.flex_attention import BlockMask
 
-READS = ("pages", "gather")
+READS = ("pages", "kernel", "gather")
 SCRATCH = 0  # the page every unreserved table entry points at
 
 
@@ -60,6 +65,9 @@ class KVPages:
         read = read or ("pages" if cuda else "gather")
         if read not in READS:
             raise BlockloopError(f"unknown paged read {read!r}; choose one of {', '.join(READS)}")
+        if read == "kernel" and not cuda and os.environ.get("TRITON_INTERPRET") != "1":
+            raise BlockloopError("the paged read 'kernel' is a Triton kernel: it runs on CUDA (on CPU only in Triton's "
+                                 "interpreter, TRITON_INTERPRET=1); use read 'gather' on CPU")
         if cuda and read == "pages" and page_size % 16:
             # FlexAttention's CUDA kernels tile the keys of a block by at least 16.
             raise BlockloopError(f"on CUDA the page size must be a multiple of 16, got {page_size}")
@@ -144,18 +152,28 @@ class KVPages:
         pages = table.gather(1, torch.div(slots, self.page_size, rounding_mode="floor"))
         return pages * self.page_size + slots % self.page_size
 
-    def reads_pool(self, slots: Tensor) -> bool:
-        """Whether a step writing ``slots`` attends over the pool (a decode step under ``read="pages"``) rather
-        than over gathered logical views."""
-        return self.read == "pages" and slots.dim() == 2 and slots.shape[1] == 1
+    @property
+    def pooled(self) -> bool:
+        """Whether decode steps attend over the pool itself (``"pages"``, ``"kernel"``) rather than gathered views."""
+        return self.read != "gather"
 
-    def block_mask(self, key_valid: Tensor, slots: Tensor, rows: Tensor | None = None, *, local: Tensor | None = None,
-                   window: int = 0) -> BlockMask:
+    def reads_pool(self, slots: Tensor) -> bool:
+        """Whether a step writing ``slots`` attends over the pool (a decode step under a pooled read) rather
+        than over gathered logical views."""
+        return self.pooled and slots.dim() == 2 and slots.shape[1] == 1
+
+    def pool_mask(self, key_valid: Tensor, slots: Tensor, rows: Tensor | None = None, *, local: Tensor | None = None,
+                  window: int = 0) -> BlockMask | PoolRead:
         """The mask of one decode query per row (``slots (B, 1)``) over the pool: row ``b`` visits its own
         reserved pages only (those of table row ``rows[b]`` when given), and within them sees what
         :func:`~blockloop.nn.masks.sees_cached` says (valid keys up to its slot, and itself); a row with
         ``local[b]`` only the slots less than ``window`` before its own, as the band of
-        :func:`~blockloop.nn.masks.within_window` (a looped layer that is local at that row's loop)."""
+        :func:`~blockloop.nn.masks.within_window` (a looped layer that is local at that row's loop).
+
+        A FlexAttention block mask (``read="pages"``), or the same as the Triton kernel's inputs (``"kernel"``)."""
+        if self.read == "kernel":
+            table = self.table if rows is None else self.table[rows]
+            return PoolRead(table, slots[:, 0], key_valid, self.page_size, local, window)
         size = self.page_size
         owner, logical = self.owner, self.logical
         query, last = slots[:, 0], key_valid.shape[1] - 1
@@ -175,6 +193,20 @@ class KVPages:
             return (owner[page] == table_row[b]) & in_context & seen
 
         return decode_block_mask(self.reserved[rows], self.table[rows], size, self.n_pages * size, mask_mod)
+
+
+@dataclass(frozen=True)
+class PoolRead:
+    """A decode step's read of a paged pool by the Triton kernel (``read="kernel"``), where FlexAttention gets a
+    block mask: what :func:`~blockloop.nn.paged_decode.paged_decode_attention` takes besides the queries and pools.
+    :func:`~blockloop.nn.attention.attention` sends a mask of this type to the kernel."""
+
+    table: Tensor  # (B, W): each row's pages
+    query: Tensor  # (B,): each row's query slot
+    key_valid: Tensor  # (B, S)
+    page_size: int
+    local: Tensor | None = None  # (B,): rows that see only their last ``window`` slots
+    window: int = 0
 
 
 class PagedKVCache(nn.Module):

@@ -36,7 +36,7 @@ from torch import Tensor
 def _paged_decode(
     Q, K, V, Out, Table, Query, Valid, Local,  # pointers
     stride_qb, stride_qh, stride_kh, stride_kp, stride_ob, stride_oh, stride_tb, stride_vb,
-    scale, window,
+    scale, window, last,
     GROUPS: tl.constexpr, GROUPS_POW2: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr,
     TILE: tl.constexpr, HAS_WINDOW: tl.constexpr,
 ):
@@ -56,14 +56,15 @@ def _paged_decode(
     m = tl.full((GROUPS_POW2,), -1.0e30, tl.float32)
     denom = tl.zeros((GROUPS_POW2,), tl.float32)
     acc = tl.zeros((GROUPS_POW2, HEAD_DIM), tl.float32)
-    for start in range((first // TILE) * TILE, query_slot + 1, TILE):
+    top = tl.minimum(query_slot, last)  # a query past every key (cross attention's) reads them all, and not itself
+    for start in range((first // TILE) * TILE, top + 1, TILE):
         slots = start + tl.arange(0, TILE)
-        live = slots <= query_slot
+        live = slots <= top
         page = tl.load(Table + row * stride_tb + slots // PAGE, mask=live, other=0)
         where = (page * PAGE + slots % PAGE)[:, None] * stride_kp + kv_head * stride_kh + dims[None, :]
         k = tl.load(K + where, mask=live[:, None], other=0.0).to(tl.float32)
         valid = tl.load(Valid + row * stride_vb + slots, mask=live, other=0) != 0
-        seen = (live & valid) | (slots == query_slot)
+        seen = live & (valid | (slots == query_slot))
         if HAS_WINDOW:
             seen = seen & (slots >= first)
         scores = tl.sum(q[:, None, :] * k[None, :, :], axis=2)  # (G, TILE)
@@ -75,7 +76,7 @@ def _paged_decode(
         denom = denom * alpha + tl.sum(p, axis=1)
         acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], axis=1)
         m = m_new
-    out = acc / denom[:, None]  # denom > 0: every query sees at least itself
+    out = acc / tl.where(denom > 0, denom, 1.0)[:, None]  # a row that sees no key gets zeros, as Flex gives it
     tl.store(Out + row * stride_ob + heads[:, None] * stride_oh + dims[None, :], out.to(Out.dtype.element_ty),
              mask=head_ok[:, None])
 
@@ -95,8 +96,9 @@ def paged_decode_attention(
     tile: int = 64,
 ) -> Tensor:
     """Attention of one query per row, ``q (B, Hq, 1, D)``, over pools ``k_pool, v_pool (1, Hkv, positions, D)``
-    through page ``table (B, W)``, each row's query at slot ``query (B,)`` over its ``key_valid (B, S)`` slots;
-    ``local (B,)`` with ``window``: those rows see only their last ``window`` slots. Returns ``(B, Hq, 1, D)``."""
+    through page ``table (B, W)``, each row's query at slot ``query (B,)`` over its ``key_valid (B, S)`` slots
+    (a query at slot ``S`` or later sees every valid one: cross attention's); ``local (B,)`` with ``window``: those
+    rows see only their last ``window`` slots. Returns ``(B, Hq, 1, D)``; a row that sees no key, zeros."""
     batch, heads, steps, dim = q.shape
     kv_heads = k_pool.shape[1]
     if steps != 1:
@@ -119,7 +121,7 @@ def paged_decode_attention(
         q, k_pool, v_pool, out, table, query, valid, local_rows,
         q.stride(0), q.stride(1), k_pool.stride(1), k_pool.stride(2), out.stride(0), out.stride(1),
         table.stride(0), valid.stride(0),
-        1.0 / math.sqrt(dim) if scale is None else scale, window,
+        1.0 / math.sqrt(dim) if scale is None else scale, window, key_valid.shape[1] - 1,
         GROUPS=groups, GROUPS_POW2=triton.next_power_of_2(groups), HEAD_DIM=dim, PAGE=page_size, TILE=tile,
         HAS_WINDOW=local is not None and window > 0,
     )

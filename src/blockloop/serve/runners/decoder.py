@@ -87,7 +87,7 @@ class DecoderRunner(PagedRows, Runner):
     def _checked(self, pages: KVPages) -> KVPages:
         """Refuse what a decode step reading pages cannot do: a relaxed model's learned prefix K/V sit in front
         of every row's keys (appendix K), which a mask over the shared pool cannot place."""
-        if pages.read == "pages" and getattr(self.model.config, "prefix_len", 0):
+        if pages.pooled and getattr(self.model.config, "prefix_len", 0):
             raise BlockloopError("a model with a learned prefix (prefix_len) cannot read its paged cache through "
                                  "page masks; use Paging(..., read='gather') or serve it without paging")
         return pages

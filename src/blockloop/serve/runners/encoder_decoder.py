@@ -6,7 +6,7 @@ each row's encoded prompt; decoder positions count from 0 at each request's last
 ``paging`` (:mod:`blockloop.serve.runners.paging`) both the self-attention cache and the cross K/V live in
 pages under one page table: a request holds the pages of its budget (prompt plus new tokens, which covers
 its encoded prompt and its generated tokens alike) from admission and frees them when it finishes. A decode
-step then reads the cross pool through a block mask of the row's own pages ("pages") or through gathered
+step then reads the cross pool through a mask of the row's own pages ("pages", "kernel") or through gathered
 logical views ("gather", the CPU reference).
 """
 
@@ -120,9 +120,9 @@ class EncoderDecoderRunner(PagedRows, Runner):
         state, pages = self.state, self.state.cache.pages  # a lock-step batch's cache (and cross K/V) is static
         valid = state.cross_valid[rows]
         pages = pages.rows(rows.start, rows.stop) if pages is not None else None
-        if pages is not None and pages.read == "pages":
+        if pages is not None and pages.pooled:
             beyond = torch.full((len(valid), 1), valid.shape[1], device=valid.device)  # a query after every key
-            return state.cross, pages.block_mask(valid, beyond)
+            return state.cross, pages.pool_mask(valid, beyond)
         valid = valid[:, : state.cross_limit]  # a mask narrower than the keys: attention reads the keys it covers only
         if pages is None:
             return [(k[rows], v[rows]) for k, v in state.cross], valid[:, None, None, :]

@@ -201,7 +201,7 @@ class PagedRowLoopKV:
         at = pages.positions(slots, self.table_rows)[:, 0]
         self.k[0][:, at] = k[:, :, 0].transpose(0, 1).to(self.k.dtype)
         self.v[0][:, at] = v[:, :, 0].transpose(0, 1).to(self.v.dtype)
-        if pages.read == "pages":
+        if pages.pooled:
             return self.k, self.v
         return gather_rows(self.k, self.v, pages, self.table_rows, slots=visible_slots(slots, pages.limit))
 
@@ -211,7 +211,7 @@ class PagedLoopedCache(DecoderCache):
     :class:`KVPages` of ``loops * batch_size`` rows) gives slot ``b``'s loop ``l`` table row ``l * batch_size + b``,
     so a request holds pages for what it has cached at each loop (a view of rows ``start ..`` keeps the whole
     table: its row ``b`` is slot ``start + b``). The depth-wise step reads the pools as
-    ``loop_pages.read`` says (``"pages"``: a block mask over each row's own loop's pages; ``"gather"``: gathered
+    ``loop_pages.read`` says (``"pages"``, ``"kernel"``: a mask over each row's own loop's pages; ``"gather"``: gathered
     logical views); the sequence-wise prefill, through ``layers``, always gathers. Shared layers in ``rolling``
     (local at every loop) keep their window-sized rings stacked per loop, as in :class:`LoopedCache`: they hold
     no pages."""
@@ -270,14 +270,14 @@ class PagedLoopedCache(DecoderCache):
         """The step's mask over the pool (reading pages), or as it is (gathered logical views); rolling layers'
         ring masks stay as they are. Over the pool, a layer local at some loops only gets a block mask with a
         window band for the rows at its local loops."""
-        if self.loop_pages.read != "pages":
+        if not self.loop_pages.pooled:
             return inputs
         rows = self.table_rows(loop)
 
         def per_row_masks(local: Tensor) -> dict[str, object]:
-            return {"mask": self.loop_pages.block_mask(self.key_valid, slots, rows, local=local, window=self.window)}
+            return {"mask": self.loop_pages.pool_mask(self.key_valid, slots, rows, local=local, window=self.window)}
 
-        return replace(inputs, masks={"mask": self.loop_pages.block_mask(self.key_valid, slots, rows)},
+        return replace(inputs, masks={"mask": self.loop_pages.pool_mask(self.key_valid, slots, rows)},
                        per_row_masks=per_row_masks)
 
     def copy_exits(self, exited: Tensor, loop: Tensor, slot: Tensor) -> None:

@@ -23,7 +23,8 @@ DEFAULT_PAGE_SIZE = 128  # cache entries per page, unless asked otherwise (serve
 @dataclass(frozen=True)
 class Paging:
     """A paged KV cache of ``tokens`` tokens in all (every layer), in pages of ``page_size``; ``read``:
-    "pages" (decode reads live pages through FlexAttention; the CUDA default) or "gather" (the CPU default)."""
+    "pages" (decode reads live pages through FlexAttention; the CUDA default), "kernel" (the same through blockloop's
+    Triton kernel, :mod:`blockloop.nn.paged_decode`) or "gather" (the CPU default)."""
 
     tokens: int
     page_size: int = DEFAULT_PAGE_SIZE
