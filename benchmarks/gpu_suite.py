@@ -9,7 +9,8 @@ CUDA events, batch search; tok/s, TTFT, TPOT, peak memory and static cache per s
 memory roofline = bytes read per step / measured copy bandwidth):
 
 * vanilla and block, decode-heavy (128 / 2048) and prefill-heavy (2048 / 128) in one run each, with the vanilla
-  model over a paged KV cache beside its static one, decode-heavy also at its best batch with every step reading
+  model over a paged KV cache beside its static one (read by FlexAttention, and on CUDA by blockloop's Triton
+  kernel too: ``read="kernel"``), decode-heavy also at its best batch with every step reading
   the whole static cache (no key lengths), and, last, Hugging Face ``generate()`` on the vanilla weights
   (:func:`blockloop.bench.suite.throughput_rows`);
 * recursive: a vanilla model trained briefly, converted to 2 loops and uptrained with the early-exit loss
@@ -190,7 +191,8 @@ def lengths_of(suite: Suite, scenario: str) -> tuple[int, int]:
 
 
 def scenario_rows(suite: Suite, scenario: str) -> list[dict[str, Any]]:
-    """Vanilla and block in one throughput run, then the vanilla model over a paged KV cache, decode-heavy also
+    """Vanilla and block in one throughput run, then the vanilla model over a paged KV cache (read by FlexAttention,
+    then by blockloop's Triton kernel), decode-heavy also
     reading its whole static cache at each step (its best batch: what the key lengths gain), then HF ``generate()``
     on the vanilla weights (slowest, so last); every row's ratio is to the vanilla engine's at the same batch."""
     p = suite.plan
@@ -200,13 +202,15 @@ def scenario_rows(suite: Suite, scenario: str) -> list[dict[str, Any]]:
     hf_missing = hf_available()
     rows = suite.throughput(f"{p.vanilla},{p.block}", lengths, batches, search=decode and p.search)
     vanilla, block = best(rows, p.vanilla), best(rows, p.block)
-    try:  # the paged cache's first GPU run: a failure is recorded, not allowed to cost the rest of the suite
-        rows += suite.throughput(p.vanilla, lengths, batches, search=decode and p.search, caches=("paged",))
-        paged = best(rows, f"{p.vanilla} paged")
-    except Exception as exc:  # noqa: BLE001
-        traceback.print_exc()
-        paged = {"tok_s": float("nan"), "batch": None, "roofline_fraction": None, "cache_bytes_per_sample": 0,
-                 "error": f"{type(exc).__name__}: {exc}"}
+    paged: dict[str, dict[str, Any]] = {}
+    for cache in ("paged", "paged-kernel") if suite.device.type == "cuda" else ("paged",):  # the kernel: CUDA only
+        try:  # a paged read's first GPU run: a failure is recorded, not allowed to cost the rest of the suite
+            rows += suite.throughput(p.vanilla, lengths, batches, search=decode and p.search, caches=(cache,))
+            paged[cache] = best(rows, f"{p.vanilla} {cache}")
+        except Exception as exc:  # noqa: BLE001
+            traceback.print_exc()
+            paged[cache] = {"tok_s": float("nan"), "batch": None, "roofline_fraction": None,
+                            "cache_bytes_per_sample": 0, "error": f"{type(exc).__name__}: {exc}"}
     whole = {}
     if decode:
         rows += suite.throughput(p.vanilla, lengths, [vanilla["batch"]], search=False, caches=("whole-keys",))
@@ -222,18 +226,24 @@ def scenario_rows(suite: Suite, scenario: str) -> list[dict[str, Any]]:
         {"row": f"vanilla {scenario}", "setting": f"`{p.vanilla}`, {setting}, batch {vanilla['batch']}",
          "target": "≥ 85% of the memory roofline; HF generate() reported" if decode else "≥ 18K tok/s (batch 64)",
          "measured": {**vanilla, "hf_generate_tok_s": hf["tok_s"], "hf_batch": hf["batch"],
-                      "vs_hf": vanilla["tok_s"] / hf["tok_s"], "paged_tok_s": paged["tok_s"], "paged_batch": paged["batch"],
-                      "paged_roofline_fraction": paged["roofline_fraction"],
-                      "paged_cache_bytes_per_sample": paged["cache_bytes_per_sample"], "paged_error": paged.get("error"),
+                      "vs_hf": vanilla["tok_s"] / hf["tok_s"],
+                      **{k: v for cache, m in paged.items() for k, v in paged_fields(cache.replace("-", "_"), m).items()},
                       **whole},
-         "met": max(vanilla["roofline_fraction"] or 0, paged["roofline_fraction"] or 0) >= 0.85 if decode
-         else max(vanilla["tok_s"], paged["tok_s"]) >= 18_000},
+         "met": max(vanilla["roofline_fraction"] or 0, *(m["roofline_fraction"] or 0 for m in paged.values())) >= 0.85
+         if decode else max(vanilla["tok_s"], *(m["tok_s"] for m in paged.values())) >= 18_000},
         {"row": f"block {scenario}", "setting": f"`{p.block}` vs `{p.vanilla}`, {setting}, batch {block['batch']}",
          "target": "≥ 400K tok/s and ≥ 10x the vanilla engine" if decode else "> 59K tok/s",
          "measured": {**block, "vs_vanilla": block["tok_s"] / vanilla["tok_s"]},
          "met": block["tok_s"] >= 400_000 and block["tok_s"] >= 10 * vanilla["tok_s"] if decode else block["tok_s"] > 59_000},
         {"row": f"{scenario} throughput, every batch", "rows": rows},
     ]
+
+
+def paged_fields(prefix: str, row: dict[str, Any]) -> dict[str, Any]:
+    """A paged read's best row as the vanilla row's ``{prefix}_*`` fields."""
+    return {f"{prefix}_tok_s": row["tok_s"], f"{prefix}_batch": row["batch"],
+            f"{prefix}_roofline_fraction": row["roofline_fraction"],
+            f"{prefix}_cache_bytes_per_sample": row["cache_bytes_per_sample"], f"{prefix}_error": row.get("error")}
 
 
 def recursive_rows(suite: Suite) -> list[dict[str, Any]]:
@@ -330,13 +340,14 @@ def summary(row: dict[str, Any]) -> str:
             parts.append(f"reading every static slot each step {m['whole_keys_tok_s']:,.0f} tok/s"
                          + (f" ({100 * roof:.0f}% of roofline)" if roof is not None else "")
                          + f", so {m['vs_whole_keys']:.2f}x from the key lengths")
-        if m.get("paged_error"):
-            parts.append(f"paged KV failed: {m['paged_error']}")
-        elif "paged_tok_s" in m:
-            roof = m["paged_roofline_fraction"]
-            parts.append(f"paged KV {m['paged_tok_s']:,.0f} tok/s (batch {m['paged_batch']}"
-                         + (f", {100 * roof:.0f}% of roofline" if roof is not None else "")
-                         + f", cache {m['paged_cache_bytes_per_sample'] / 2**20:.2f} MiB/sample)")
+        for prefix, label in (("paged", "paged KV"), ("paged_kernel", "paged KV read by the Triton kernel")):
+            if m.get(f"{prefix}_error"):
+                parts.append(f"{label} failed: {m[f'{prefix}_error']}")
+            elif f"{prefix}_tok_s" in m:
+                roof = m[f"{prefix}_roofline_fraction"]
+                parts.append(f"{label} {m[f'{prefix}_tok_s']:,.0f} tok/s (batch {m[f'{prefix}_batch']}"
+                             + (f", {100 * roof:.0f}% of roofline" if roof is not None else "")
+                             + f", cache {m[f'{prefix}_cache_bytes_per_sample'] / 2**20:.2f} MiB/sample)")
         return "; ".join(parts)
     if "kv_bytes_ratio" in m:
         return (f"KV bytes {m['kv_bytes_ratio']:.3f}x, TTFT {m['ttft_ratio']:.2f}x, TPOT {m['tpot_ratio']:.2f}x, "

@@ -127,13 +127,14 @@ def check_repeats(repeats: int) -> None:
         raise BlockloopError(f"repeats must be >= 1 timed runs, got {repeats}")
 
 
-def full_batch_paging(model: nn.Module, batch: int, max_len: int) -> Paging:
+def full_batch_paging(model: nn.Module, batch: int, max_len: int, read: str | None = None) -> Paging:
     """The smallest paged pool in which every row of ``batch`` holds ``max_len`` tokens at once: each row takes
-    whole pages, of up to 128 cache entries (FlexAttention's block; a Block Transformer's entry is a block)."""
+    whole pages, of up to 128 cache entries (FlexAttention's block; a Block Transformer's entry is a block);
+    ``read``: how decode reads it (:class:`~blockloop.serve.runners.paging.Paging`)."""
     per_entry = getattr(runner_for(model), "tokens_per_entry", 1)
     entries = -(-max_len // per_entry)
     page = min(128, -(-entries // 16) * 16)
-    return Paging(batch * -(-entries // page) * page * per_entry, page_size=page)
+    return Paging(batch * -(-entries // page) * page * per_entry, page_size=page, read=read)
 
 
 def run_tokens(run: int, warmup: int, gen_len: int, warmup_tokens: int | None) -> int:
@@ -145,10 +146,12 @@ def run_tokens(run: int, warmup: int, gen_len: int, warmup_tokens: int | None) -
 def engine_throughput(
     model: nn.Module, name: str, batch: int, prompt_len: int, gen_len: int, *,
     repeats: int = 3, warmup: int = 1, sync_every: int = 16, compile: bool = False, bandwidth: float | None = None,
-    seed: int = 0, paged: bool = False, warmup_tokens: int | None = None, key_buckets: int = KEY_BUCKETS,
+    seed: int = 0, paged: bool = False, paged_read: str | None = None, warmup_tokens: int | None = None,
+    key_buckets: int = KEY_BUCKETS,
 ) -> ThroughputResult:
     """Time ``repeats`` runs of the protocol on one engine (after ``warmup`` untimed ones); ``paged``: over a
-    paged KV cache holding the whole batch at full length (:func:`full_batch_paging`), so nothing is preempted;
+    paged KV cache holding the whole batch at full length (:func:`full_batch_paging`), so nothing is preempted,
+    read as ``paged_read`` says (default: the device's);
     ``key_buckets``: the engine's (0: each step reads every slot of a static cache).
     ``warmup_tokens``: what a warm-up run generates (default all ``gen_len``); a compiled engine compiles all its
     steps before it (:meth:`Engine.compile_steps`), so a short one suffices, while on a GPU a full-length warm-up of
@@ -160,7 +163,7 @@ def engine_throughput(
     device = next(model.parameters()).device
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-    paging = full_batch_paging(model, batch, max_len) if paged else None
+    paging = full_batch_paging(model, batch, max_len, paged_read) if paged else None
     if compile:
         fresh_compile_caches()
     engine = Engine(runner_for(model, paging=paging), batch, max_len=max_len, sync_every=sync_every, compile=compile,

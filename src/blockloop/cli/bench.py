@@ -74,6 +74,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     t.add_argument("--paged", action="store_true",
                    help="also time each model whose runner pages (vanilla, ladder, looped, block, double decoder, encoder-decoder) "
                         "over a paged KV cache")
+    t.add_argument("--paged-kernel", action="store_true",
+                   help="also time those models over the same paged cache read by blockloop's Triton kernel "
+                        "(blockloop.nn.paged_decode) rather than FlexAttention; CUDA only")
     s = p.add_argument_group("request stream (continuous batching)")
     s.add_argument("--stream", action="store_true", help="run the request-stream benchmark instead")
     s.add_argument("--url", help="send the stream to a running `blockloop serve` at this address over HTTP instead "
@@ -146,7 +149,8 @@ def run(args: argparse.Namespace) -> int:
 # The flags of one mode, and their defaults (None in the parser, so that a flag given to a mode that ignores it
 # is told apart from one left alone). ENGINE_STREAM are stream flags that --url leaves to the server.
 THROUGHPUT = {"scenario": "decode-heavy", "batch_sizes": [1, 16, 64], "max_batch": 4096, "repeats": 3,
-              "prompt_len": None, "gen_len": None, "search": False, "hf": False, "paged": False, "whole_keys": False}
+              "prompt_len": None, "gen_len": None, "search": False, "hf": False, "paged": False, "paged_kernel": False,
+              "whole_keys": False}
 STREAM = {"requests": 64, "rate": math.inf, "prompt_range": (16, 64), "tokens_range": (16, 64), "corpus": "shakespeare"}
 ENGINE_STREAM = {"slots": 16, "draft_loops": 1, "exit": [], "speculate": [], "adaptive_k": False}
 # The flags of the engine blockloop runs here (not --url's server), and their defaults.
@@ -197,12 +201,16 @@ def _throughput(args: argparse.Namespace, models: list, device: Any) -> list[dic
             check_lengths(m.model, prompt_len, gen_len)
         except BlockloopError as exc:
             raise BlockloopError(f"{m.name}: {exc}") from None
-    unpaged = [m.name for m in models if not pages_kv(m.model)] if args.paged else []
+    paged_flag = "--paged" if args.paged else "--paged-kernel"
+    if args.paged_kernel and device.type != "cuda":
+        raise BlockloopError(f"--paged-kernel times a Triton kernel, which runs on CUDA, not on {device.type}; "
+                             "leave it out (--paged times the paged cache here)")
+    unpaged = [m.name for m in models if not pages_kv(m.model)] if args.paged or args.paged_kernel else []
     if unpaged and len(unpaged) == len(models):
-        raise BlockloopError(f"--paged times a paged KV cache, and no model here has one ({', '.join(unpaged)}: a "
-                             "fixed-size state); leave --paged out")
+        raise BlockloopError(f"{paged_flag} times a paged KV cache, and no model here has one ({', '.join(unpaged)}: a "
+                             f"fixed-size state); leave {paged_flag} out")
     if unpaged:
-        print(f"--paged: no paged rows for {', '.join(unpaged)} (a fixed-size state)")
+        print(f"{paged_flag}: no paged rows for {', '.join(unpaged)} (a fixed-size state)")
     hf_missing = hf_available() if args.hf else None  # why the HF baseline cannot run, if asked for
     if args.hf and hf_missing is None:
         from blockloop.convert.hf import export_architecture
@@ -216,7 +224,8 @@ def _throughput(args: argparse.Namespace, models: list, device: Any) -> list[dic
         repeats=args.repeats, warmup=args.warmup, sync_every=args.sync_every or ThroughputSettings.sync_every,
         compile=args.compile,
         search=args.search, max_batch=args.max_batch, seed=args.seed, hf=args.hf and hf_missing is None,
-        caches=("static", *(["whole-keys"] if args.whole_keys else []), *(["paged"] if args.paged else [])),
+        caches=("static", *(["whole-keys"] if args.whole_keys else []), *(["paged"] if args.paged else []),
+                *(["paged-kernel"] if args.paged_kernel else [])),
         key_buckets=args.key_buckets,
     )
     bandwidth = measure_bandwidth(device)
