@@ -4,10 +4,11 @@ Why it exists: the H200 profile of 2026-11-28 (``benchmarks/results/decode_profi
 FlexAttention's kernel over the page table at about 1.5 TB/s of live bytes, where cuDNN's SDPA reads a static
 cache at 3.5 TB/s. Decode is a read of the cache, so the paged engine lost to the static one it was built to beat.
 Issue 12 asks for a kernel of our own exactly where a measurement shows that gap; this is it, and
-``benchmarks/decode_profile.py`` (part 4) times it beside Flex and the static read. It is not wired into the engine
-until a GPU measurement shows it wins.
+``benchmarks/decode_profile.py`` (part 4) times it beside Flex and the static read. The engine reads its pages
+with it when asked (``Paging(..., read="kernel")``); it becomes the default only once a GPU measurement shows it
+wins.
 
-What it computes is what :meth:`~blockloop.nn.paged_cache.KVPages.block_mask` asks of FlexAttention, with the
+What it computes is what :meth:`~blockloop.nn.paged_cache.KVPages.pool_mask` asks of FlexAttention, with the
 same pool layout (:mod:`blockloop.nn.paged_cache`): row ``b``'s logical slot ``s`` lives at pool position
 ``table[b, s // page_size] * page_size + s % page_size``; its query at slot ``query[b]`` sees the slots
 ``s <= query[b]`` whose ``key_valid[b, s]`` is set, and always itself (:func:`~blockloop.nn.masks.sees_cached`);
