@@ -1,5 +1,6 @@
-"""Run by ``tests/test_paged_decode_kernel.py`` in a process of its own under ``TRITON_INTERPRET=1`` (Triton reads
-that when it is first imported, and the test process imports it early through ``torch.compile``).
+"""Run by ``tests/test_paged_decode_kernel.py`` in a process of its own: on CPU under ``TRITON_INTERPRET=1`` (Triton
+reads that when it is first imported, and the test process imports it early through ``torch.compile``), or with
+``--device cuda`` on a GPU, compiled.
 
 Prints one JSON object of two parts:
 
@@ -14,6 +15,7 @@ Prints one JSON object of two parts:
 
 from __future__ import annotations
 
+import argparse
 import json
 
 import torch
@@ -27,6 +29,8 @@ from blockloop.nn.paged_decode import paged_decode_attention
 from blockloop.serve.engine import Engine
 from blockloop.serve.requests import SamplingParams
 from blockloop.serve.runners import ExitRule, Paging, runner_for
+
+DEVICE = torch.device("cpu")  # where the kernel runs: the CPU (in Triton's interpreter) or, with --device cuda, a GPU
 
 
 def case(kv_heads: int, groups: int, page_size: int, tile: int, dtype: torch.dtype, window: int = 0) -> float:
@@ -50,9 +54,11 @@ def case(kv_heads: int, groups: int, page_size: int, tile: int, dtype: torch.dty
     local = torch.tensor([False, True, True, False]) if window else None
     mask = pages.pool_mask(key_valid, query[:, None], local=local, window=window)
     expected = attention(q.double(), cache.k.double(), cache.v.double(), block_mask=mask, backend="eager")
-    got = paged_decode_attention(q, cache.k, cache.v, pages.table, query, key_valid, page_size=page_size, tile=tile,
-                                 local=local, window=window)
-    return float((got.double() - expected).abs().max())
+    on = {name: t.to(DEVICE) if t is not None else None
+          for name, t in dict(q=q, k=cache.k, v=cache.v, table=pages.table, query=query, valid=key_valid, local=local).items()}
+    got = paged_decode_attention(on["q"], on["k"], on["v"], on["table"], on["query"], on["valid"], page_size=page_size,
+                                 tile=tile, local=on["local"], window=window)
+    return float((got.cpu().double() - expected).abs().max())
 
 
 def same_greedy_tokens(model: torch.nn.Module, tokens: int, page_size: int, **options: object) -> bool:
@@ -61,6 +67,7 @@ def same_greedy_tokens(model: torch.nn.Module, tokens: int, page_size: int, **op
     generator = torch.Generator().manual_seed(3)
     prompts = [torch.randint(1, 60, (n,), generator=generator).tolist() for n in (5, 17, 2, 11, 9)]
     outputs = []
+    model = model.to(DEVICE)
     for paging in (None, Paging(tokens, page_size, "kernel")):
         engine = Engine(runner_for(model, paging=paging, **options), n_slots=3, max_len=40, sync_every=4)
         requests = [engine.submit(p, 9, sampling=SamplingParams(temperature=0.0)) for p in prompts]
@@ -79,6 +86,10 @@ def model_of(config: object) -> torch.nn.Module:
 
 
 def main() -> None:
+    global DEVICE
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--device", default="cpu", help="where the kernel runs: cpu (Triton's interpreter) or cuda")
+    DEVICE = torch.device(parser.parse_args().device)
     shape = dict(vocab_size=61, context_length=96, n_head=4, n_kv_head=2, d_model=32, d_ff=48, norm="rmsnorm",
                  mlp="swiglu", bias=False, sliding_window=4, local_rope_base=1000.0)
     engine = {
@@ -98,6 +109,7 @@ def main() -> None:
         "1-token pages": case(2, 2, 1, 8, torch.float32),
         "sliding window on two rows": case(2, 2, 4, 8, torch.float32, window=6),
         "float16 pool": case(2, 3, 8, 8, torch.float16),
+        "bfloat16 pool": case(2, 3, 16, 64, torch.bfloat16),
     }
     print(json.dumps({"attention": attention_cases, "engine": engine}))
 

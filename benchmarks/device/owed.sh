@@ -13,8 +13,9 @@
 #
 # The default is what is still owed after the H200 runs of 2026-11-27/28 (benchmarks/results/gpu-2026-11-28-nvidia-h200.md),
 # most wanted first: decode-heavy again (the static step now reads only its key length of each row, timed beside the
-# step reading every slot: the 85% roofline target; its compiles take most of the step), the paged in-place check on
-# CUDA and the profile's live-length reads; then, in a later call or session, issue 12's recursive and training rows
+# step reading every slot: the 85% roofline target, and the paged cache read by Flex and by blockloop's Triton kernel;
+# its compiles take most of the step), the paged in-place check and the Triton kernel's CUDA tests, and the profile's
+# live-length reads (the kernel at three key tiles beside Flex); then, in a later call or session, issue 12's recursive and training rows
 # (recursive fills a call on its own: it trains, converts and uptrains a model first; training is the 302M MFU row)
 # and the batch search. prefill-double, pytest-gpu, staircase and http
 # were measured there and stay as steps.
@@ -37,7 +38,7 @@ declare -A STEPS=(
   [decode-heavy]="400|${PY[*]} benchmarks/gpu_suite.py --rows decode-heavy --repeats 1 --decode-batches 256 --max-batch 256 --out-dir $OUT"
   [decode-profile]="180|${PY[*]} benchmarks/decode_profile.py --out-dir $OUT"
   [pytest-gpu]="240|${PY[*]} -m pytest -m gpu -k 'not compiled_cuda_graph_decode' $PYTEST; first=\$?; ${PY[*]} -m pytest -m gpu -k compiled_cuda_graph_decode $PYTEST && exit \$first"
-  [pytest-in-place]="150|${PY[*]} -m pytest -m gpu -k "'"compiled_cuda_step_writes or key_lengths"'" $PYTEST"
+  [pytest-in-place]="180|${PY[*]} -m pytest -m gpu -k "'"compiled_cuda_step_writes or key_lengths or paged_decode_under_cuda_graphs or compiled_kernel"'" $PYTEST"
   [decode-search]="560|${PY[*]} benchmarks/gpu_suite.py --rows decode-heavy --repeats 1 --decode-batches 512 --max-batch 4096 --out-dir $OUT"
   [prefill-double]="220|${PY[*]} benchmarks/gpu_suite.py --rows prefill-heavy,double-decoder --repeats 1 --out-dir $OUT"
   [staircase]="90|${PY[*]} benchmarks/staircase_speed.py --device cuda --out-dir $OUT"
