@@ -63,7 +63,9 @@ def _paged_decode(
         live = slots <= top
         page = tl.load(Table + row * stride_tb + slots // PAGE, mask=live, other=0)
         where = (page * PAGE + slots % PAGE)[:, None] * stride_kp + kv_head * stride_kh + dims[None, :]
+        # both loads issued before any arithmetic: the step is a read of the cache, so keep the bytes in flight
         k = tl.load(K + where, mask=live[:, None], other=0.0).to(tl.float32)
+        v = tl.load(V + where, mask=live[:, None], other=0.0).to(tl.float32)
         valid = tl.load(Valid + row * stride_vb + slots, mask=live, other=0) != 0
         seen = live & (valid | (slots == query_slot))
         if HAS_WINDOW:
@@ -73,7 +75,6 @@ def _paged_decode(
         m_new = tl.maximum(m, tl.max(scores, axis=1))
         p = tl.exp(scores - m_new[:, None])
         alpha = tl.exp(m - m_new)
-        v = tl.load(V + where, mask=live[:, None], other=0.0).to(tl.float32)
         denom = denom * alpha + tl.sum(p, axis=1)
         acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], axis=1)
         m = m_new
