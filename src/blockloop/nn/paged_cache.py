@@ -13,7 +13,7 @@ Page 0 is a scratch page that belongs to nobody: every unreserved table entry po
 step past their reservation (idle slots, rows that finished inside an engine window) write there
 harmlessly and no row ever reads it.
 
-Two ways to read, same numbers (tests check both against the static cache):
+Three ways to read, same numbers (tests check each against the static cache):
 
 * ``"pages"``: a decode step attends over the pool itself with a FlexAttention block mask built from the
   page table (:meth:`KVPages.pool_mask`): each row visits only its own live pages, so the bytes read
