@@ -33,7 +33,8 @@ from blockloop.serve.runners import ExitRule, Paging, runner_for
 DEVICE = torch.device("cpu")  # where the kernel runs: the CPU (in Triton's interpreter) or, with --device cuda, a GPU
 
 
-def case(kv_heads: int, groups: int, page_size: int, tile: int, dtype: torch.dtype, window: int = 0) -> float:
+def case(kv_heads: int, groups: int, page_size: int, tile: int, dtype: torch.dtype, window: int = 0,
+         splits: int | None = None) -> float:
     torch.manual_seed(page_size * 10 + groups)
     rows, max_len, dim = 4, 40, 16
     lengths = [1, 17, 40, 9]
@@ -57,7 +58,7 @@ def case(kv_heads: int, groups: int, page_size: int, tile: int, dtype: torch.dty
     on = {name: t.to(DEVICE) if t is not None else None
           for name, t in dict(q=q, k=cache.k, v=cache.v, table=pages.table, query=query, valid=key_valid, local=local).items()}
     got = paged_decode_attention(on["q"], on["k"], on["v"], on["table"], on["query"], on["valid"], page_size=page_size,
-                                 tile=tile, local=on["local"], window=window)
+                                 tile=tile, local=on["local"], window=window, splits=splits)
     return float((got.cpu().double() - expected).abs().max())
 
 
@@ -112,6 +113,8 @@ def main() -> None:
         "sliding window on two rows": case(2, 2, 4, 8, torch.float32, window=6),
         "float16 pool": case(2, 3, 8, 8, torch.float16),
         "bfloat16 pool": case(2, 3, 16, 64, torch.bfloat16),
+        "3 splits per row (flash-decoding)": case(2, 2, 4, 4, torch.float32, splits=3),
+        "7 splits, more than a short row's tiles, with a window": case(1, 3, 4, 4, torch.float32, window=6, splits=7),
     }
     print(json.dumps({"attention": attention_cases, "engine": engine}))
 

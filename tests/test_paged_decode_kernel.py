@@ -15,7 +15,7 @@ import torch
 
 triton = pytest.importorskip("triton")
 
-from blockloop.nn.paged_decode import paged_decode_attention
+from blockloop.nn.paged_decode import default_splits, paged_decode_attention
 
 CHECKS = Path(__file__).with_name("paged_decode_checks.py")
 
@@ -28,7 +28,7 @@ def run_checks(device: str, env: dict[str, str]) -> dict[str, dict[str, object]]
                           timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     checks = json.loads(done.stdout)
-    assert len(checks["attention"]) == 7 and len(checks["engine"]) == 7, checks
+    assert len(checks["attention"]) == 9 and len(checks["engine"]) == 7, checks
     for name, error in checks["attention"].items():
         assert error < next((tol for kind, tol in TOLERANCE.items() if name.startswith(kind)), 1e-5), (name, error)
     assert all(checks["engine"].values()), checks["engine"]
@@ -61,8 +61,8 @@ def test_the_kernel_says_where_it_runs_and_what_it_takes():
 
 
 @pytest.mark.filterwarnings("ignore:TRITON_DEFAULT_FP_FUSION")  # triton 3.9's notice of a coming default
-@pytest.mark.parametrize("dtype, groups, window", [("bf16", 1, False), ("fp16", 3, True)])
-def test_the_kernel_compiles_for_an_h100_without_one(dtype, groups, window):
+@pytest.mark.parametrize("dtype, groups, window, splits", [("bf16", 1, False, 1), ("fp16", 3, True, 4)])
+def test_the_kernel_compiles_for_an_h100_without_one(dtype, groups, window, splits):
     """Triton's interpreter runs Python and forgives what its compiler refuses (types, shapes of loop-carried
     values): the same kernel is compiled here to an H100's machine code (sm_90) with the compiler and assembler a
     triton wheel ships, so a GPU session does not find a kernel that cannot build."""
@@ -72,8 +72,9 @@ def test_the_kernel_compiles_for_an_h100_without_one(dtype, groups, window):
     from blockloop.nn.paged_decode import _paged_decode
 
     constants = {"GROUPS": groups, "GROUPS_POW2": triton.next_power_of_2(groups), "HEAD_DIM": 64, "PAGE": 16,
-                 "TILE": 64, "HAS_WINDOW": window}
-    kinds = {"Q": f"*{dtype}", "K": f"*{dtype}", "V": f"*{dtype}", "Out": f"*{dtype}", "Table": "*i64",
+                 "TILE": 64, "HAS_WINDOW": window, "SPLITS": splits}
+    out = dtype if splits == 1 else "fp32"  # split: each split's output and log-sum-exp in float32
+    kinds = {"Q": f"*{dtype}", "K": f"*{dtype}", "V": f"*{dtype}", "Out": f"*{out}", "Lse": f"*{out}", "Table": "*i64",
              "Query": "*i64", "Valid": "*u8", "Local": "*u8", "scale": "fp32", **dict.fromkeys(constants, "constexpr")}
     signature = {name: kinds.get(name, "i32") for name in _paged_decode.arg_names}  # the rest: strides, window
     source = ASTSource(fn=_paged_decode, signature=signature, constexprs=constants)
@@ -88,3 +89,9 @@ def test_the_kernel_read_is_refused_on_cpu_outside_the_interpreter():
 
     with pytest.raises(BlockloopError, match="runs on CUDA .* use read 'gather' on CPU"):
         KVPages(2, 16, 4, 4, device="cpu", read="kernel")
+
+
+def test_rows_are_split_until_an_h100_has_about_two_programs_per_multiprocessor():
+    assert default_splits(256 * 12, 132) == 1  # pythia-85m at batch 256: the rows fill it
+    assert default_splits(8 * 12, 132) == 3 and default_splits(12, 132) == 16  # batch 1: capped
+    assert default_splits(12, 0) == 1  # no GPU

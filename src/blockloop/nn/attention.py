@@ -110,10 +110,11 @@ def _pool_kernel(q: Tensor, k: Tensor, v: Tensor, read: PoolRead, scale: float, 
         raise ValueError("the paged decode kernel returns neither the log-sum-exp nor dropout; read the pages "
                          "with read='pages' (FlexAttention) for those")
     # imports triton: only when a cache reads this way
-    from blockloop.nn.paged_decode import paged_decode_attention
+    from blockloop.nn.paged_decode import default_splits, paged_decode_attention
 
     return paged_decode_attention(q, k, v, read.table, read.query, read.key_valid, page_size=read.page_size,
-                                  scale=scale, local=read.local, window=read.window)
+                                  scale=scale, local=read.local, window=read.window,
+                                  splits=default_splits(q.shape[0] * k.shape[1], read.processors))
 
 
 def merge_attention(out_a: Tensor, lse_a: Tensor, out_b: Tensor, lse_b: Tensor) -> tuple[Tensor, Tensor]:

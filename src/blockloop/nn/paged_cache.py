@@ -73,6 +73,8 @@ class KVPages:
             raise BlockloopError(f"on CUDA the page size must be a multiple of 16, got {page_size}")
         self.page_size, self.n_pages, self.max_len, self.read = page_size, n_pages, max_len, read
         self.limit = max_len  # the leading slots a step may read: its cache's (DecoderCache.limit_keys), for the gathers
+        # the GPU's multiprocessors, for how the kernel read splits each row (asked here, never inside a step)
+        self.processors = torch.cuda.get_device_properties(device).multi_processor_count if read == "kernel" and cuda else 0
         self.table = torch.full((n_rows, width), SCRATCH, dtype=torch.long, device=device)
         self.reserved = torch.zeros(n_rows, dtype=torch.long, device=device)  # pages held per row
         self.owner = torch.full((n_pages,), -1, dtype=torch.long, device=device)
@@ -139,7 +141,7 @@ class KVPages:
         """Rows ``start .. stop - 1`` as a view: same pool pages and free list, the table's rows sliced."""
         view = KVPages.__new__(KVPages)  # attribute by attribute: a compiled step may take a view (dynamo traces it)
         view.page_size, view.n_pages, view.max_len, view.read = self.page_size, self.n_pages, self.max_len, self.read
-        view.limit = self.limit
+        view.limit, view.processors = self.limit, self.processors
         view.owner, view.logical, view.free, view.held = self.owner, self.logical, self.free, self.held
         view.table, view.reserved, view.first_row = self.table[start:stop], self.reserved[start:stop], self.first_row + start
         return view
@@ -173,7 +175,7 @@ class KVPages:
         A FlexAttention block mask (``read="pages"``), or the same as the Triton kernel's inputs (``"kernel"``)."""
         if self.read == "kernel":
             table = self.table if rows is None else self.table[rows]
-            return PoolRead(table, slots[:, 0], key_valid, self.page_size, local, window)
+            return PoolRead(table, slots[:, 0], key_valid, self.page_size, local, window, self.processors)
         size = self.page_size
         owner, logical = self.owner, self.logical
         query, last = slots[:, 0], key_valid.shape[1] - 1
@@ -207,6 +209,7 @@ class PoolRead:
     page_size: int
     local: Tensor | None = None  # (B,): rows that see only their last ``window`` slots
     window: int = 0
+    processors: int = 0  # the GPU's multiprocessors (0 off a GPU): how many programs keep it busy
 
 
 class PagedKVCache(nn.Module):

@@ -14,7 +14,9 @@ same pool layout (:mod:`blockloop.nn.paged_cache`): row ``b``'s logical slot ``s
 ``s <= query[b]`` whose ``key_valid[b, s]`` is set, and always itself (:func:`~blockloop.nn.masks.sees_cached`);
 with ``local[b]`` set, only the last ``window`` of them (a sliding-window layer).
 
-How: one program per (row, key/value head). It walks the row's slots ``0 .. query[b]`` in tiles of ``TILE`` keys,
+How: one program per (row, key/value head), or per (row, head, split) where too few rows would leave the GPU idle
+(each split takes a run of the row's tiles and the softmaxes are merged by their log-sum-exps, as FlashAttention's
+flash-decoding does). A program walks its slots of ``0 .. query[b]`` in tiles of ``TILE`` keys,
 looks each key's page up in the table (so a tile may span pages of any size), and keeps the online softmax of
 FlashAttention (running maximum ``m``, normaliser ``denom``, accumulator) for the ``G`` query heads that share the
 key/value head, so grouped keys are read once, never copied per query head. Slots past ``query[b]`` are never
@@ -25,6 +27,7 @@ check it against the reference without a GPU.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -35,13 +38,13 @@ from torch import Tensor
 
 @triton.jit
 def _paged_decode(
-    Q, K, V, Out, Table, Query, Valid, Local,  # pointers
-    stride_qb, stride_qh, stride_kh, stride_kp, stride_ob, stride_oh, stride_tb, stride_vb,
+    Q, K, V, Out, Lse, Table, Query, Valid, Local,  # pointers
+    stride_qb, stride_qh, stride_kh, stride_kp, stride_ob, stride_oh, stride_lb, stride_tb, stride_vb,
     scale, window, last,
     GROUPS: tl.constexpr, GROUPS_POW2: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr,
-    TILE: tl.constexpr, HAS_WINDOW: tl.constexpr,
+    TILE: tl.constexpr, HAS_WINDOW: tl.constexpr, SPLITS: tl.constexpr,
 ):
-    row, kv_head = tl.program_id(0), tl.program_id(1)
+    row, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     query_slot = tl.load(Query + row)
     heads = kv_head * GROUPS + tl.arange(0, GROUPS_POW2)  # the query heads that read this key/value head
     head_ok = tl.arange(0, GROUPS_POW2) < GROUPS
@@ -58,7 +61,11 @@ def _paged_decode(
     denom = tl.zeros((GROUPS_POW2,), tl.float32)
     acc = tl.zeros((GROUPS_POW2, HEAD_DIM), tl.float32)
     top = tl.minimum(query_slot, last)  # a query past every key (cross attention's) reads them all, and not itself
-    for start in range((first // TILE) * TILE, top + 1, TILE):
+    # This program's share of the row's tiles: all of them, or one of SPLITS consecutive runs (flash-decoding)
+    lowest = (first // TILE) * TILE
+    per_split = tl.cdiv(tl.maximum(top + 1 - lowest, 0), TILE * SPLITS) * TILE
+    begin = lowest + split * per_split
+    for start in range(begin, tl.minimum(begin + per_split, top + 1), TILE):
         slots = start + tl.arange(0, TILE)
         live = slots <= top
         page = tl.load(Table + row * stride_tb + slots // PAGE, mask=live, other=0)
@@ -78,9 +85,17 @@ def _paged_decode(
         denom = denom * alpha + tl.sum(p, axis=1)
         acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], axis=1)
         m = m_new
-    out = acc / tl.where(denom > 0, denom, 1.0)[:, None]  # a row that sees no key gets zeros, as Flex gives it
-    tl.store(Out + row * stride_ob + heads[:, None] * stride_oh + dims[None, :], out.to(Out.dtype.element_ty),
-             mask=head_ok[:, None])
+    seen_any = denom > 0
+    denom = tl.where(seen_any, denom, 1.0)
+    out = acc / denom[:, None]  # a row that sees no key gets zeros, as Flex gives it
+    if SPLITS == 1:
+        tl.store(Out + row * stride_ob + heads[:, None] * stride_oh + dims[None, :], out.to(Out.dtype.element_ty),
+                 mask=head_ok[:, None])
+    else:  # this split's softmax over its keys, Out (B, Hq, SPLITS, D), and their log-sum-exp, Lse (B, Hq, SPLITS)
+        tl.store(Out + row * stride_ob + heads[:, None] * stride_oh + split * HEAD_DIM + dims[None, :], out,
+                 mask=head_ok[:, None])
+        tl.store(Lse + row * stride_lb + heads * SPLITS + split, tl.where(seen_any, m + tl.log(denom), float("-inf")),
+                 mask=head_ok)
 
 
 def paged_decode_attention(
@@ -96,11 +111,16 @@ def paged_decode_attention(
     local: Tensor | None = None,
     window: int = 0,
     tile: int = 64,
+    splits: int | None = None,
 ) -> Tensor:
     """Attention of one query per row, ``q (B, Hq, 1, D)``, over pools ``k_pool, v_pool (1, Hkv, positions, D)``
     through page ``table (B, W)``, each row's query at slot ``query (B,)`` over its ``key_valid (B, S)`` slots
     (a query at slot ``S`` or later sees every valid one: cross attention's); ``local (B,)`` with ``window``: those
-    rows see only their last ``window`` slots. Returns ``(B, Hq, 1, D)``; a row that sees no key, zeros."""
+    rows see only their last ``window`` slots. Returns ``(B, Hq, 1, D)``; a row that sees no key, zeros.
+
+    ``splits``: how many programs share each row and key/value head, each over a run of its tiles, their softmaxes
+    then merged by their log-sum-exps (FlashAttention's "flash-decoding"). One program per row and head keeps a GPU
+    busy only with enough rows; the default splits each so there are about two programs per multiprocessor."""
     batch, heads, steps, dim = q.shape
     kv_heads = k_pool.shape[1]
     if steps != 1:
@@ -118,13 +138,34 @@ def paged_decode_attention(
     valid = key_valid.contiguous().view(torch.uint8) if key_valid.dtype == torch.bool else key_valid.contiguous()
     local_rows = (local if local is not None else torch.zeros(batch, dtype=torch.bool, device=q.device))
     local_rows = local_rows.contiguous().view(torch.uint8)
-    out = torch.empty_like(q)
-    _paged_decode[(batch, kv_heads)](
-        q, k_pool, v_pool, out, table, query, valid, local_rows,
-        q.stride(0), q.stride(1), k_pool.stride(1), k_pool.stride(2), out.stride(0), out.stride(1),
+    if splits is None:
+        splits = default_splits(batch * kv_heads, multiprocessors(q.device) if q.is_cuda else 0)
+    if splits == 1:
+        out, lse = torch.empty_like(q), q  # no log-sum-exp: the kernel writes the output itself
+    else:
+        out = torch.empty(batch, heads, splits, dim, dtype=torch.float32, device=q.device)
+        lse = torch.empty(batch, heads, splits, dtype=torch.float32, device=q.device)
+    _paged_decode[(batch, kv_heads, splits)](
+        q, k_pool, v_pool, out, lse, table, query, valid, local_rows,
+        q.stride(0), q.stride(1), k_pool.stride(1), k_pool.stride(2), out.stride(0), out.stride(1), lse.stride(0),
         table.stride(0), valid.stride(0),
         1.0 / math.sqrt(dim) if scale is None else scale, window, key_valid.shape[1] - 1,
         GROUPS=groups, GROUPS_POW2=triton.next_power_of_2(groups), HEAD_DIM=dim, PAGE=page_size, TILE=tile,
-        HAS_WINDOW=local is not None and window > 0,
+        HAS_WINDOW=local is not None and window > 0, SPLITS=splits,
     )
-    return out
+    if splits == 1:
+        return out
+    weights = torch.softmax(lse, dim=-1).nan_to_num(0.0)  # a split that saw no key weighs nothing; no key at all: 0
+    return (weights.unsqueeze(-1) * out).sum(2, keepdim=True).to(q.dtype)
+
+
+def default_splits(programs: int, processors: int) -> int:
+    """Splits per row and head that make about two programs per multiprocessor (at most 16; one without a GPU's
+    ``processors``, and where the rows alone fill it)."""
+    return max(1, min(16, -(-2 * processors // programs))) if processors else 1
+
+
+@functools.cache
+def multiprocessors(device: torch.device) -> int:
+    """The GPU's multiprocessor count, asked once per device (outside any compiled step: a cache records it)."""
+    return torch.cuda.get_device_properties(device).multi_processor_count
