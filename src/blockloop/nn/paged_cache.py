@@ -29,6 +29,7 @@ Three ways to read, same numbers (tests check each against the static cache):
 
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -74,7 +75,7 @@ class KVPages:
         self.page_size, self.n_pages, self.max_len, self.read = page_size, n_pages, max_len, read
         self.limit = max_len  # the leading slots a step may read: its cache's (DecoderCache.limit_keys), for the gathers
         # the GPU's multiprocessors, for how the kernel read splits each row (asked here, never inside a step)
-        self.processors = torch.cuda.get_device_properties(device).multi_processor_count if read == "kernel" and cuda else 0
+        self.processors = multiprocessors(torch.device(device)) if read == "kernel" and cuda else 0
         self.table = torch.full((n_rows, width), SCRATCH, dtype=torch.long, device=device)
         self.reserved = torch.zeros(n_rows, dtype=torch.long, device=device)  # pages held per row
         self.owner = torch.full((n_pages,), -1, dtype=torch.long, device=device)
@@ -195,6 +196,12 @@ class KVPages:
             return (owner[page] == table_row[b]) & in_context & seen
 
         return decode_block_mask(self.reserved[rows], self.table[rows], size, self.n_pages * size, mask_mod)
+
+
+@functools.cache
+def multiprocessors(device: torch.device) -> int:
+    """The GPU's multiprocessor count, asked once per device and never inside a compiled step."""
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 @dataclass(frozen=True)

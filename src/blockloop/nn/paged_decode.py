@@ -27,13 +27,14 @@ check it against the reference without a GPU.
 
 from __future__ import annotations
 
-import functools
 import math
 
 import torch
 import triton
 import triton.language as tl
 from torch import Tensor
+
+from blockloop.nn.paged_cache import multiprocessors
 
 
 @triton.jit
@@ -164,8 +165,3 @@ def default_splits(programs: int, processors: int) -> int:
     ``processors``, and where the rows alone fill it)."""
     return max(1, min(16, -(-2 * processors // programs))) if processors else 1
 
-
-@functools.cache
-def multiprocessors(device: torch.device) -> int:
-    """The GPU's multiprocessor count, asked once per device (outside any compiled step: a cache records it)."""
-    return torch.cuda.get_device_properties(device).multi_processor_count
