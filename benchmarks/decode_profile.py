@@ -24,7 +24,8 @@ Three parts, one device call (about two minutes on an H100/H200), the record wri
    with each row's used-key count (``seqused_k``), and over a page pool through a page table (``block_table``);
    FlexAttention over :class:`~blockloop.nn.paged_cache.KVPages` (the engine's paged read) at several page sizes,
    and blockloop's own Triton kernel (:mod:`blockloop.nn.paged_decode`) over the same pool and table at a few key
-   tiles (on CPU its rows say it needs CUDA). A path this torch lacks (``varlen_attn``'s paged arguments are newer than some releases) is a row saying so.
+   tiles (on CPU its rows say it needs CUDA, unless Triton's interpreter runs them). A path this torch lacks
+   (``varlen_attn``'s paged arguments are newer than some releases) is a row saying so.
 
 Every timed path on CUDA also names the kernel that took most of its device time (one profiled call), so a row that
 is fast or slow says which kernel SDPA chose.
