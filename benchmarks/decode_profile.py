@@ -263,11 +263,11 @@ def live_read_rows(model: torch.nn.Module, batch: int, context: int, device: tor
         torch._dynamo.reset()
         for tile in (32, 64, 128) if device.type == "cuda" else (64,):
             def triton_pages(pool_k: Tensor = pool_k, pool_v: Tensor = pool_v, table: Tensor = pages.table,
-                             tile: int = tile) -> Tensor:
+                             reserved: Tensor = pages.reserved, tile: int = tile) -> Tensor:
                 # needs triton: without it, this row says so
                 from blockloop.nn.paged_decode import paged_decode_attention
 
-                return paged_decode_attention(q, pool_k, pool_v, table, lengths - 1, key_valid, page_size=size,
+                return paged_decode_attention(q, pool_k, pool_v, table, reserved, lengths - 1, key_valid, page_size=size,
                                               tile=tile)
 
             row(f"triton over {size}-token pages, {tile}-key tiles (blockloop.nn.paged_decode)", False, triton_pages)

@@ -2,12 +2,14 @@
 reads that when it is first imported, and the test process imports it early through ``torch.compile``), or with
 ``--device cuda`` on a GPU, compiled.
 
-Prints one JSON object of two parts:
+Prints one JSON object:
 
 * ``"attention"``: a real :class:`~blockloop.nn.paged_cache.PagedKVCache` filled the way the engine does (rows
   reserving pages of different lengths, a row released and its pages reused, holes in ``key_valid``); for each
   case the largest difference of the Triton kernel from the eager attention under the mask FlexAttention gets for
   the same step (:meth:`~blockloop.nn.paged_cache.KVPages.pool_mask`);
+* ``"edges"``: the largest difference the kernel's output takes when every byte it must not read turns NaN or
+  infinite, and ``"pool past 2^31 elements"``: whether the heads of such a pool are told apart;
 * ``"engine"``: for each family whose decode reads a pool, whether an engine whose pages are read by the kernel
   (``Paging(..., read="kernel")``) serves the same greedy tokens as the static cache, through a pool small enough
   that requests wait for pages.
@@ -19,6 +21,7 @@ import argparse
 import json
 
 import torch
+from torch import Tensor
 
 from blockloop.config import DecoderConfig
 from blockloop.families import build_model, from_name
@@ -56,10 +59,61 @@ def case(kv_heads: int, groups: int, page_size: int, tile: int, dtype: torch.dty
     mask = pages.pool_mask(key_valid, query[:, None], local=local, window=window)
     expected = attention(q.double(), cache.k.double(), cache.v.double(), block_mask=mask, backend="eager")
     on = {name: t.to(DEVICE) if t is not None else None
-          for name, t in dict(q=q, k=cache.k, v=cache.v, table=pages.table, query=query, valid=key_valid, local=local).items()}
-    got = paged_decode_attention(on["q"], on["k"], on["v"], on["table"], on["query"], on["valid"], page_size=page_size,
-                                 tile=tile, local=on["local"], window=window, splits=splits)
+          for name, t in dict(q=q, k=cache.k, v=cache.v, table=pages.table, reserved=pages.reserved, query=query,
+                              valid=key_valid, local=local).items()}
+    got = paged_decode_attention(on["q"], on["k"], on["v"], on["table"], on["reserved"], on["query"], on["valid"],
+                                 page_size=page_size, tile=tile, local=on["local"], window=window, splits=splits)
     return float((got.cpu().double() - expected).abs().max())
+
+
+def stale_bytes_unread(splits: int) -> float:
+    """The kernel's largest difference from itself once every byte no query may see is NaN or infinite: the scratch
+    page (where idle rows write), a reused page's slots past a row's reservation, a hole in ``key_valid``. Cross
+    attention's query (past every key) included: it reads each row's reserved pages, never the scratch page."""
+    torch.manual_seed(5)
+    rows, max_len, dim, size = 3, 32, 16, 4
+    pages = KVPages.for_tokens(rows, max_len, 2 * max_len, size, device="cpu", read="pages")
+    cache = PagedKVCache(pages, 2, dim, dtype=torch.float32)
+    cache.k.normal_(), cache.v.normal_()
+    lengths = [6, 13, 1]
+    for row, n in enumerate(lengths):
+        assert pages.reserve(row, n)
+    key_valid = torch.zeros(rows, max_len, dtype=torch.bool)
+    for row, n in enumerate(lengths):
+        key_valid[row, :n] = True
+    key_valid[1, 4] = False  # a hole
+    q = torch.randn(rows, 4, 1, dim)
+    query = torch.tensor([5, max_len, 0])  # the middle row's query after every key: cross attention's
+
+    def read() -> Tensor:
+        on = [t.to(DEVICE) for t in (q, cache.k, cache.v, pages.table, pages.reserved, query, key_valid)]
+        return paged_decode_attention(*on, page_size=size, splits=splits).cpu()
+
+    clean = read()
+    unseen = torch.ones(cache.k.shape[2], dtype=torch.bool)
+    for row, n in enumerate(lengths):
+        unseen[pages.positions(torch.arange(n))[row]] = False
+    unseen[pages.positions(torch.tensor([4]))[1]] = True
+    cache.k[:, :, unseen], cache.v[:, :, unseen] = float("nan"), float("inf")
+    return float((read() - clean).abs().max())
+
+
+def pool_past_int32_offsets() -> bool:
+    """Whether a pool of more than 2^31 elements is read at the right head: with 32-bit offsets the third head's
+    start, 2^31 elements in, wraps negative. The pool is allocated and never filled but for one page per head
+    (6.4 GB of address space, a few kilobytes of memory)."""
+    heads, dim, size = 3, 16, 16
+    k = torch.empty(1, heads, 2**30 // dim, dim, dtype=torch.float16, device=DEVICE)
+    v = torch.empty_like(k)
+    k[0, :, size: 2 * size] = 0  # page 1 of each head: equal scores, and values naming the head
+    for head in range(heads):
+        v[0, head, size: 2 * size] = head
+    on = dict(device=DEVICE)
+    out = paged_decode_attention(torch.randn(1, heads, 1, dim, dtype=torch.float16, **on), k, v,
+                                 torch.ones(1, 1, dtype=torch.long, **on), torch.ones(1, dtype=torch.long, **on),
+                                 torch.tensor([size - 1], **on), torch.ones(1, size, dtype=torch.bool, **on),
+                                 page_size=size)
+    return out[0, :, 0, 0].float().cpu().tolist() == list(range(heads))
 
 
 def same_greedy_tokens(model: torch.nn.Module, tokens: int, page_size: int, **options: object) -> bool:
@@ -106,17 +160,22 @@ def main() -> None:
             model_of(DecoderConfig(**shape, n_layer=3, local_layers=[0, 2])), 56, 4),
     }
     attention_cases = {
-        "one head per group, 4-token pages": case(2, 1, 4, 8, torch.float32),
+        "one head per group, 4-token pages": case(2, 1, 4, 16, torch.float32),
         "3 query heads per key head, 16-token pages": case(1, 3, 16, 16, torch.float32),
-        "tile smaller than a page": case(2, 2, 16, 4, torch.float32),
-        "1-token pages": case(2, 2, 1, 8, torch.float32),
-        "sliding window on two rows": case(2, 2, 4, 8, torch.float32, window=6),
-        "float16 pool": case(2, 3, 8, 8, torch.float16),
+        "tile smaller than a page": case(2, 2, 32, 16, torch.float32),
+        "1-token pages": case(2, 2, 1, 16, torch.float32),
+        "sliding window on two rows": case(2, 2, 4, 16, torch.float32, window=6),
+        "float16 pool": case(2, 3, 8, 16, torch.float16),
         "bfloat16 pool": case(2, 3, 16, 64, torch.bfloat16),
-        "3 splits per row (flash-decoding)": case(2, 2, 4, 4, torch.float32, splits=3),
-        "7 splits, more than a short row's tiles, with a window": case(1, 3, 4, 4, torch.float32, window=6, splits=7),
+        "3 splits per row (flash-decoding)": case(2, 2, 4, 16, torch.float32, splits=3),
+        "7 splits, more than a short row's tiles, with a window": case(1, 3, 4, 16, torch.float32, window=6, splits=7),
     }
-    print(json.dumps({"attention": attention_cases, "engine": engine}))
+    edges = {
+        "stale NaN and inf where no query looks": stale_bytes_unread(1),
+        "the same, 3 splits": stale_bytes_unread(3),
+    }
+    print(json.dumps({"attention": attention_cases, "engine": engine, "edges": edges,
+                      "pool past 2^31 elements": pool_past_int32_offsets()}))
 
 
 if __name__ == "__main__":

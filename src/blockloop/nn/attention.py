@@ -112,8 +112,8 @@ def _pool_kernel(q: Tensor, k: Tensor, v: Tensor, read: PoolRead, scale: float, 
     # imports triton: only when a cache reads this way
     from blockloop.nn.paged_decode import default_splits, paged_decode_attention
 
-    return paged_decode_attention(q, k, v, read.table, read.query, read.key_valid, page_size=read.page_size,
-                                  scale=scale, local=read.local, window=read.window,
+    return paged_decode_attention(q, k, v, read.table, read.reserved, read.query, read.key_valid,
+                                  page_size=read.page_size, scale=scale, local=read.local, window=read.window,
                                   splits=default_splits(q.shape[0] * k.shape[1], read.processors))
 
 

@@ -175,8 +175,8 @@ class KVPages:
 
         A FlexAttention block mask (``read="pages"``), or the same as the Triton kernel's inputs (``"kernel"``)."""
         if self.read == "kernel":
-            table = self.table if rows is None else self.table[rows]
-            return PoolRead(table, slots[:, 0], key_valid, self.page_size, local, window, self.processors)
+            table, reserved = (self.table, self.reserved) if rows is None else (self.table[rows], self.reserved[rows])
+            return PoolRead(table, reserved, slots[:, 0], key_valid, self.page_size, local, window, self.processors)
         size = self.page_size
         owner, logical = self.owner, self.logical
         query, last = slots[:, 0], key_valid.shape[1] - 1
@@ -211,6 +211,7 @@ class PoolRead:
     :func:`~blockloop.nn.attention.attention` sends a mask of this type to the kernel."""
 
     table: Tensor  # (B, W): each row's pages
+    reserved: Tensor  # (B,): how many of them it holds (the rest point at the scratch page)
     query: Tensor  # (B,): each row's query slot
     key_valid: Tensor  # (B, S)
     page_size: int
