@@ -350,9 +350,14 @@ def test_the_serve_verb_says_when_it_batches_depth_wise(tmp_path_factory):
 def test_a_stop_gives_requests_in_flight_the_shutdown_timeout_then_a_503(tmp_path_factory, signals, wait):
     """On SIGTERM (or Ctrl-C) the server lets the requests in flight run for --shutdown-timeout, then ends those
     left with a 503 that each client reads (a stream: as its last event), and exits 0 without a traceback; a
-    second Ctrl-C ends them at once. Before, it waited for as long as they took, and a second Ctrl-C aborted it."""
+    second Ctrl-C ends them at once. Before, it waited for as long as they took, and a second Ctrl-C aborted it.
+    A client that stalls halfway through sending its request gets the same 503 (before: its handler was cancelled
+    5 s later, a bare 500 and a traceback)."""
     run = tiny_run(tmp_path_factory.getbasetemp() / "serve-runs", "tiny")
     proc, url = _serve_verb(run, "--slots", "1", "--shutdown-timeout", wait)
+    stalled = socket.create_connection(("127.0.0.1", int(url.rsplit(":", 1)[1])), timeout=120)
+    stalled.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                    b"Content-Length: 100\r\n\r\n{\"model\":")
 
     def ask(stream: bool) -> tuple[int, str]:
         body = {"model": run.name, "prompt": "ROMEO:", "max_tokens": 120, "ignore_eos": True, "stream": stream}
@@ -376,10 +381,13 @@ def test_a_stop_gives_requests_in_flight_the_shutdown_timeout_then_a_503(tmp_pat
                 time.sleep(0.5)
             out, err = proc.communicate(timeout=120)
             answers = [reply.result() for reply in replies]
+            stalled_answer = b"".join(iter(lambda: stalled.recv(65536), b""))
     finally:
         proc.kill()
+        stalled.close()
     assert proc.returncode == 0 and "Traceback" not in err, err
     assert time.monotonic() - started < 60
+    assert stalled_answer.startswith(b"HTTP/1.1 503") and b"shutting_down" in stalled_answer, stalled_answer
     cut = [text for status, text in answers if "shutting_down" in text]
     assert cut and all(text.endswith("data: [DONE]\n\n") for text in cut if text.startswith("data:"))
     assert all(status == 503 for status, text in answers if text in cut and not text.startswith("data:"))

@@ -86,6 +86,7 @@ def create_app(served: ServedModel, *, allowed_origins: Sequence[str] = ()) -> F
         app.add_middleware(CORSMiddleware, allow_origins=list(allowed_origins), allow_methods=["GET", "HEAD", "POST"],
                            allow_headers=["*"], expose_headers=["Retry-After"])
     app.state.served, app.state.metrics = served, metrics
+    app.state.stopping = asyncio.Event()  # set when the server ends the requests left in flight (it is stopping)
 
     @app.exception_handler(ApiError)
     async def api_error(request: Request, exc: ApiError) -> JSONResponse:
@@ -283,14 +284,29 @@ def create_app(served: ServedModel, *, allowed_origins: Sequence[str] = ()) -> F
 
 
 async def _body(request: Request) -> Any:
+    """The request's JSON body. A client still sending it when the server stops (``app.state.stopping``) gets the
+    503 the engine's requests get then, rather than a handler cancelled mid-read: a bare 500 and a traceback."""
+    reading = asyncio.ensure_future(request.body())
+    stopping = asyncio.ensure_future(request.app.state.stopping.wait())
     try:
-        return json.loads(await request.body())
+        await asyncio.wait((reading, stopping), return_when=asyncio.FIRST_COMPLETED)
+    finally:  # also when this handler is cancelled: no task left behind
+        stopping.cancel()
+        if not reading.done():
+            reading.cancel()
+    if not reading.done():  # the server stopped first (the read's cancel takes effect at its next step)
+        raise ApiError(503, SHUTTING_DOWN, kind="server_error", code="shutting_down")
+    try:
+        return json.loads(reading.result())
     except ClientDisconnect:  # gone before its whole body arrived: nobody reads the answer, and it is no bug
         raise ApiError(499, "the client closed the connection before sending its whole request") from None
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise ApiError(400, f"the request body is not valid JSON ({exc})") from None
     except RecursionError:
         raise ApiError(400, "the request body nests JSON too deeply to read; flatten it") from None
+
+
+SHUTTING_DOWN = "the server is shutting down; send the request to another one, or again once it is back"
 
 
 def _sse(data: dict[str, Any]) -> str:

@@ -4,7 +4,7 @@ On SIGINT or SIGTERM uvicorn stops accepting connections and waits for the reque
 waits for as long as they take (or a client holds its connection), and past ``timeout_graceful_shutdown`` it
 cancels their handlers: a bare 500 and a traceback per request. Here the requests in flight get
 ``shutdown_timeout`` seconds to finish; then the engine ends those left with a 503 the client can read, and
-the handlers answer it themselves. A second Ctrl-C does that at once (uvicorn would quit by force, cancelling
+the handlers answer it themselves, as do those still waiting for a slow client's request body. A second Ctrl-C does that at once (uvicorn would quit by force, cancelling
 the handlers); a third quits by force, which skips the app's shutdown, so the engine thread is stopped here too:
 one still inside torch when the interpreter exits aborts the process.
 """
@@ -19,9 +19,9 @@ from types import FrameType
 import uvicorn
 from fastapi import FastAPI
 
+from blockloop.serve.http.app import SHUTTING_DOWN
 from blockloop.signals import terminate_as_interrupt
 
-SHUTTING_DOWN = "the server is shutting down; send the request to another one, or again once it is back"
 # What the handlers get, past the drain, to answer their clients before uvicorn cancels them.
 ANSWER_S = 5.0
 
@@ -55,6 +55,7 @@ class DrainingServer(uvicorn.Server):
     def _cut_off(self) -> None:
         if not self.cut_off:
             self.cut_off = True
+            self.app.state.stopping.set()  # handlers still reading a request's body answer it now
             self.app.state.served.worker.stop(SHUTTING_DOWN)
 
 
