@@ -19,10 +19,9 @@ from blockloop.serve.http.chat import (
     jinja_template,
     plain_template,
     trim_history,
-    wrap_seed,
 )
 from blockloop.serve.http.worker import EngineWorker, serving_engine
-from blockloop.serve.requests import SamplingParams
+from blockloop.serve.requests import SamplingParams, wrap_seed
 from blockloop.train.run import load_trained
 from server_helpers import tiny_run
 

@@ -93,6 +93,21 @@ def test_greedy_completions_over_http_equal_blockloop_generate(served, capsys):
     assert by_ids.choices[0].text == choice.text
 
 
+def test_a_seed_samples_the_same_text_over_http_as_in_blockloop_generate(vanilla, capsys):
+    """One meaning of "seed N": `blockloop generate --seed N` (its first sample), a request with "seed": N and a
+    chat's first answer sample the same stream. Before, generate mixed the seed with the row first."""
+    texts = []
+    for seed in (5, -3):
+        assert main(["generate", "--checkpoint", vanilla.run, "--prompt", "ROMEO:", "--max-new-tokens", "16",
+                     "--temperature", "1", "--seed", str(seed), "--no-stop", "--device", "cpu"]) == 0
+        cli = capsys.readouterr().out
+        reply = vanilla.client.completions.create(model=vanilla.name, prompt="ROMEO:", max_tokens=16, temperature=1,
+                                                  seed=seed, extra_body={"ignore_eos": True})
+        assert cli == "ROMEO:" + reply.choices[0].text + "\n"
+        texts.append(cli)
+    assert texts[0] != texts[1]
+
+
 def test_greedy_chat_streamed_and_not_follows_the_plain_template(served):
     tok, template = served.reference.tokenizer, plain_template()
     messages = [{"role": "system", "content": "Speak verse."}, {"role": "user", "content": "Who is there?"}]

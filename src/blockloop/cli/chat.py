@@ -13,9 +13,9 @@ from blockloop.cli.common import (
     add_no_pack,
     nonempty,
     nonnegative_float,
-    nonnegative_int,
     number,
     positive_int,
+    sampling_seed,
     utf8_text,
 )
 from blockloop.cli.serve import add_chat_template, add_engine_arguments, load
@@ -40,7 +40,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--temperature", type=nonnegative_float, default=0.8, help="0 = greedy (default: 0.8)")
     p.add_argument("--top-k", type=positive_int, help="sample only among the k most likely tokens")
     p.add_argument("--top-p", type=number(0, 1, low_open=True), help="sample only from the smallest set with this total probability")
-    p.add_argument("--seed", type=nonnegative_int, default=0, help="seed of the first answer; answer i uses seed + i (default: 0)")
+    p.add_argument("--seed", type=sampling_seed, default=0, help="seed of the first answer; answer i uses seed + i (default: 0)")
     add_engine_arguments(p, slots=1)
     add_device(p)
     add_no_pack(p)

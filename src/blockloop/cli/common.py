@@ -102,6 +102,7 @@ def _range(kind: str, low: float | None, high: float | None, low_open: bool, hig
 
 positive_int = integer(1)
 nonnegative_int = integer(0)
+sampling_seed = integer(-(2**63), 2**63 - 1)  # what a request's seed takes, over HTTP too
 positive_float = number(0, low_open=True)
 nonnegative_float = number(0)
 fraction = number(0, 1)  # a share in [0, 1]

@@ -10,9 +10,9 @@ from blockloop.cli.common import (
     add_no_pack,
     nonempty,
     nonnegative_float,
-    nonnegative_int,
     number,
     positive_int,
+    sampling_seed,
     utf8_text,
 )
 from blockloop.errors import BlockloopError
@@ -30,7 +30,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--top-k", type=positive_int, help="sample only among the k most likely tokens")
     p.add_argument("--top-p", type=number(0, 1, low_open=True), help="sample only from the smallest set with this total probability (of what --top-k keeps)")
     p.add_argument("--num-samples", type=positive_int, default=1, help="independent continuations, generated as one batch")
-    p.add_argument("--seed", type=nonnegative_int, help="seed for sampling (same seed, same text)")
+    p.add_argument("--seed", type=sampling_seed,
+                   help="seed for sampling (same seed, same text; sample i uses seed + i, as a server request does)")
     p.add_argument("--no-stop", action="store_true", help="do not stop at the end-of-text token")
     s = p.add_argument_group("self-speculative decoding (looped models)")
     s.add_argument("--speculate", type=positive_int, metavar="K",

@@ -16,7 +16,7 @@ from torch import nn
 from blockloop.errors import BlockloopError, check_context
 from blockloop.serve.batching import padded_prompt_length, prompt_size
 from blockloop.serve.engine import Engine
-from blockloop.serve.requests import Request, SamplingParams, whole_number
+from blockloop.serve.requests import Request, SamplingParams, whole_number, wrap_seed
 from blockloop.serve.runners import Speculation, runner_for
 
 
@@ -39,8 +39,8 @@ def generate(
 
     ``prompts`` is a list of token-id lists (any lengths) or a ``(B, T)`` tensor of ids. Returns the new
     tokens of each row, without the EOS. ``on_token(row, token)`` is called as tokens
-    reach the host (streaming). The same ``seed`` gives the same samples; row ``i`` samples with its own
-    stream ``(seed, i)``. ``prefix`` is a prompt prefix the model cached once (e.g.
+    reach the host (streaming). The same ``seed`` gives the same samples: row ``i`` samples with seed
+    ``seed + i``, as the request the server gets with that seed and as a chat's answer ``i`` do. ``prefix`` is a prompt prefix the model cached once (e.g.
     :meth:`DoubleDecoder.cache_prefix`): every prompt continues it. ``speculation`` decodes a looped model
     self-speculatively (:mod:`blockloop.serve.runners.speculative`): the same greedy tokens, the same
     sampling distribution (other samples for a seed), fewer full-depth passes.
@@ -50,7 +50,7 @@ def generate(
         raise BlockloopError("no prompts given; pass a list of token-id lists, one per row")
     if any(len(p) == 0 for p in prompts):
         raise BlockloopError("every prompt needs at least one token; give a non-empty --prompt")
-    if seed is not None and not whole_number(seed):  # it is mixed into each row's seed before any request checks it
+    if seed is not None and not whole_number(seed):  # it is added to each row's index before any request checks it
         raise BlockloopError(f"seed must be an integer, got {seed!r}")
     if not (whole_number(max_new_tokens) and max_new_tokens >= 1):
         raise BlockloopError(f"max_new_tokens must be a whole number, at least 1; got {max_new_tokens!r}")
@@ -60,7 +60,6 @@ def generate(
     shared = f" after a shared prefix of {len(prefix)} tokens" if prefix is not None else ""
     check_context(need, model.config.context_length, f"{size} plus {max_new_tokens} new tokens{shared}, in all",
                   "shorten the prompt or lower --max-new-tokens")
-    # Any integer seeds: a request's stream reads only its seed's low 32 bits (sampling.counter_uniform).
     base = seed if seed is not None else int(torch.randint(2**31, ()).item())
     was_training = model.training
     try:
@@ -75,7 +74,7 @@ def generate(
 
         requests = [
             engine.submit(prompt, max_new_tokens, eos_id=eos_id, on_token=None if on_token is None else stream,
-                          sampling=SamplingParams(temperature, top_k, top_p, seed=(base * 65_537 + row) % 2**32))
+                          sampling=SamplingParams(temperature, top_k, top_p, seed=wrap_seed(base + row)))
             for row, prompt in enumerate(prompts)
         ]
         rows.update((r.id, row) for row, r in enumerate(requests))

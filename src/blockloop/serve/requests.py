@@ -21,6 +21,12 @@ class RequestStatus(enum.Enum):
 INT64_MAX = 2**63 - 1  # the sampling tensors' type bounds top_k and seed
 
 
+def wrap_seed(seed: int) -> int:
+    """``seed`` wrapped into the int64 range a request's seed takes, so counting requests (``seed + i``: a chat's
+    answers, ``generate``'s rows) past 2**63 - 1 goes on."""
+    return (seed + 2**63) % 2**64 - 2**63
+
+
 def whole_number(value: object) -> bool:
     """Whether ``value`` is an integer (a Python or NumPy int, a 0-d integer tensor), not a float or a bool."""
     if isinstance(value, bool):

@@ -41,7 +41,7 @@ from blockloop.data.tokenizers import Tokenizer, build_tokenizer, folder_chat_te
 from blockloop.errors import BlockloopError
 from blockloop.serve.http.text import TextStream
 from blockloop.serve.http.worker import EngineWorker, Event, Job
-from blockloop.serve.requests import SamplingParams
+from blockloop.serve.requests import SamplingParams, wrap_seed
 
 if TYPE_CHECKING:
     from jinja2 import Environment, Template  # imported only by chats with a Jinja template
@@ -157,11 +157,6 @@ def trim_history(messages: list[Message], fits: Callable[[list[Message]], bool])
         if fits(kept):
             return kept
     raise BlockloopError("the last message alone does not fit the model context; write a shorter one or /reset")
-
-
-def wrap_seed(seed: int) -> int:
-    """``seed`` wrapped into the int64 range a request's seed takes, so counting turns past 2**63 - 1 goes on."""
-    return (seed + 2**63) % 2**64 - 2**63
 
 
 class ChatSession:
