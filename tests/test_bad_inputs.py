@@ -243,7 +243,7 @@ CASES = [
     (["generate", "--checkpoint", R, "--prompt", "a", "--num-samples", "0"], "--num-samples: must be an integer"),
     (["generate", "--checkpoint", R, "--prompt", "a", "--max-new-tokens", "0"], "--max-new-tokens: must be an"),
     (["generate", "--checkpoint", R, "--prompt", "a", "--speculate", "0"], "--speculate: must be an integer >= 1"),
-    (["generate", "--checkpoint", R, "--prompt", "a\udcff"], "--prompt: is not valid UTF-8"),
+    (["generate", "--checkpoint", R, "--prompt", "a\udcff"], "--prompt: is not valid UTF-8 text (byte 0xFF at character 1)"),
     (["generate", "--checkpoint", "{base}/shape_mismatch", "--prompt", "a", "--device", "cpu"], "tensor shapes"),
     (["chat", "--checkpoint", R, "--max-new-tokens", "0"], "--max-new-tokens: must be an integer >= 1"),
     (["chat", "--checkpoint", R, "--slots", "0"], "--slots: must be an integer >= 1"),

@@ -15,6 +15,7 @@ from blockloop.errors import BlockloopError
 from blockloop.serve.generate import generate
 from blockloop.serve.http.chat import (
     ChatSession,
+    TemplateFailure,
     chat_template_for,
     jinja_template,
     plain_template,
@@ -103,13 +104,24 @@ def test_a_line_that_cannot_be_answered_is_reported_and_the_chat_goes_on(session
     out: list[str] = []
     converse(session, lines("a" * 500, "caf\udce9", "Who is there?"), out.append, interactive=False)
     text = "".join(out)
-    assert "does not fit the model context" in text and "not valid UTF-8" in text
+    assert "does not fit the 96 tokens a request may take here (the model context, --max-len" in text
+    assert "not valid UTF-8 text (byte 0xE9 at character 3)" in text
     assert [m["content"] for m in session.history if m["role"] == "user"] == ["Who is there?"]
 
 
 def test_a_system_message_that_leaves_no_room_is_refused_up_front(session):
-    with pytest.raises(BlockloopError, match="system message takes .* shorten it"):
+    with pytest.raises(BlockloopError, match="system message and the template take .* shorten it"):
         ChatSession(session.worker, session.tokenizer, session.template, system="s" * 200)
+
+
+def test_a_context_that_holds_no_turn_under_the_template_is_refused_up_front(run):
+    """--max-len 2 leaves room for a one-token prompt and its answer, but the template alone takes more: refused as
+    the chat starts, naming --max-len (before, every message was refused as if it were too long)."""
+    trained = load_trained(run)
+    worker = EngineWorker(serving_engine(trained.model, 1, max_len=2))
+    with pytest.raises(BlockloopError, match="the chat template takes .* tokens around a message, leaving no room to "
+                                             "chat in the 2 tokens a request may take here .*; raise --max-len"):
+        ChatSession(worker, trained.tokenizer, chat_template_for(trained.tokenizer, trained.directory))
 
 
 def test_a_context_with_no_room_to_chat_is_refused_as_the_engine_starts_without_blaming_a_system_message(run):
@@ -234,9 +246,10 @@ def test_a_template_that_does_not_compile_is_refused_when_it_is_loaded(source):
                                     "{{ 1 / (messages | length - 1) }}", "{{ range(10**9) | length }}"])
 def test_a_template_that_fails_to_render_is_one_error_not_a_traceback(source):
     """Jinja's own errors and the Python errors template code raises (a string plus a number, a division by
-    zero, the sandbox's refusal of a huge range) alike: the server answers 400, not 500."""
+    zero, the sandbox's refusal of a huge range) alike: one error naming the template to fix (the server answers it
+    as its own 500), not a traceback."""
     template = jinja_template(source, ByteTokenizer())
-    with pytest.raises(BlockloopError, match="the chat template failed on these messages"):
+    with pytest.raises(TemplateFailure, match="the chat template failed on these messages"):
         template.render([{"role": "user", "content": "hi"}])
 
 
@@ -248,6 +261,8 @@ def test_template_errors_name_the_template_to_fix_and_an_empty_one_is_refused_wh
         jinja_template("{{ messages[0].content + 1 }}", ByteTokenizer()).render([{"role": "user", "content": "hi"}])
     with pytest.raises(BlockloopError, match="the --chat-template file is empty"):
         chat_template_for(ByteTokenizer(), source=" \n")
+    with pytest.raises(BlockloopError, match="the --chat-template file writes no text for a conversation"):
+        chat_template_for(ByteTokenizer(), source="{# only a comment #}\n")
 
 
 def test_a_seeded_chat_counts_its_turns_past_the_largest_seed():

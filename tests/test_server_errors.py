@@ -151,6 +151,22 @@ def test_a_chat_template_given_to_the_server_replaces_the_checkpoints(run):
         assert reply.json()["usage"]["prompt_tokens"] == len("<hey>")
 
 
+def test_a_template_that_fails_is_the_servers_500_and_one_that_refuses_is_the_clients_400(run):
+    """A template that breaks on a well-formed conversation is the server's to fix (500, server_error); its own
+    raise_exception refusing a conversation is the client's (400 naming messages). Both were 400 before."""
+    source = ("{% if messages[0].role != 'user' %}{{ raise_exception('start with a user message') }}{% endif %}"
+              "{{ messages[1].content + 1 }}")
+    with running(app(run, n_slots=1, chat_template=source)) as url:
+        broken = httpx.post(url + "/v1/chat/completions", json={**CHAT, "messages": [{"role": "user", "content": "a"}]})
+        assert broken.status_code == 500 and broken.json()["error"]["type"] == "server_error", broken.text
+        assert "the chat template failed on these messages" in broken.json()["error"]["message"]
+        refused = httpx.post(url + "/v1/chat/completions",
+                             json={**CHAT, "messages": [{"role": "assistant", "content": "a"}]})
+        assert refused.status_code == 400 and refused.json()["error"]["param"] == "messages", refused.text
+        assert "start with a user message" in refused.json()["error"]["message"]
+        assert httpx.get(url + "/health").json() == {"status": "ok"}
+
+
 def test_null_optional_fields_mean_their_defaults_and_the_lesser_endpoints_answer(run):
     """Clients send ``null`` for fields they leave unset; ``/v1/models/{id}`` and ``HEAD /health`` are asked
     for by clients and health checkers."""
@@ -373,7 +389,11 @@ def test_a_paged_cache_smaller_than_the_context_bounds_max_tokens_with_a_400(run
         assert longest < 128
         body = {**GOOD, "prompt": [7], "max_tokens": longest - 1, "ignore_eos": True}
         assert httpx.post(url + "/v1/completions", json=body).json()["usage"]["completion_tokens"] == longest - 1
-        assert httpx.post(url + "/v1/completions", json={**body, "max_tokens": longest}).status_code == 400
+        refused = httpx.post(url + "/v1/completions", json={**body, "max_tokens": longest})
+        assert refused.status_code == 400
+        # the message names the limit the client knows (max_model_len), not the context the pool cuts short
+        assert f"{longest} tokens a request may take on this server (max_model_len)" in refused.json()["error"]["message"]
+        assert "128" not in refused.json()["error"]["message"]
 
 
 def test_metrics_show_the_share_of_a_paged_cache_held_and_no_such_gauge_without_one(run):

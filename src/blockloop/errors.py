@@ -34,5 +34,8 @@ def utf8_problem(text: str) -> str | None:
     try:
         text.encode("utf-8")
     except UnicodeEncodeError as exc:
+        code = ord(text[exc.start])
+        if 0xDC80 <= code <= 0xDCFF:  # how Python carries a byte it could not decode (the "surrogateescape" rule)
+            return f"is not valid UTF-8 text (byte 0x{code - 0xDC00:02X} at character {exc.start})"
         return f"is not valid UTF-8 text (a lone surrogate at character {exc.start})"
     return None

@@ -35,7 +35,8 @@ from torch import nn
 from blockloop.data.tokenizers import Tokenizer
 from blockloop.errors import BlockloopError
 from blockloop.serve.batching import prompt_size
-from blockloop.serve.http.chat import ChatTemplate, chat_template_for
+from blockloop.serve.engine import Engine
+from blockloop.serve.http.chat import ChatTemplate, TemplateFailure, chat_template_for
 from blockloop.serve.http.metrics import CONTENT_TYPE, ServerMetrics
 from blockloop.serve.http.protocol import (
     ApiError,
@@ -155,7 +156,9 @@ def create_app(served: ServedModel, *, allowed_origins: Sequence[str] = ()) -> F
                            "sequence of its words to /v1/completions", param="messages")
         try:
             text = served.template.render([{"role": m.role, "content": m.content} for m in params.messages])
-        except BlockloopError as exc:
+        except TemplateFailure as exc:  # the server's template is broken: no fault of the request
+            raise ApiError(500, str(exc), kind="server_error") from None
+        except BlockloopError as exc:  # the template refused these messages (its raise_exception)
             raise ApiError(400, str(exc), param="messages") from None
         _check_length(text, "messages")
         prompt = await _encode(tokenizer.encode, text, "messages")
@@ -196,13 +199,12 @@ def create_app(served: ServedModel, *, allowed_origins: Sequence[str] = ()) -> F
         room = engine.room(len(prompt))
         size = prompt_size(len(prompt), engine.runner.padded(len(prompt)), field)
         if room < 1:
-            raise ApiError(400, f"{size} leaves no room for an answer in the server's context of {engine.max_len} "
-                           "tokens (or in its KV cache); shorten it", param=field, code="context_length_exceeded")
+            raise ApiError(400, f"{size} leaves no room for an answer in {_limit(engine)}; shorten it", param=field,
+                           code="context_length_exceeded")
         name = "max_completion_tokens" if getattr(params, "max_completion_tokens", None) is not None else "max_tokens"
         if max_tokens is not None and max_tokens > room:
-            raise ApiError(400, f"{name} of {max_tokens} is more than the {room} tokens the server's context of "
-                           f"{engine.max_len} (and its KV cache) leaves after a {size}; lower it", param=name,
-                           code="context_length_exceeded")
+            raise ApiError(400, f"{name} of {max_tokens} is more than the {room} tokens left of {_limit(engine)} "
+                           f"after a {size}; lower it", param=name, code="context_length_exceeded")
         if max_tokens is None:
             max_tokens = room if reply.chat else min(DEFAULT_COMPLETION_TOKENS, room)
         loop, events = asyncio.get_running_loop(), asyncio.Queue()
@@ -281,6 +283,11 @@ def create_app(served: ServedModel, *, allowed_origins: Sequence[str] = ()) -> F
                 served.worker.cancel(job)
 
     return app
+
+
+def _limit(engine: Engine) -> str:
+    """The limit a client knows as ``max_model_len``: the context, or the paged KV cache where it holds less."""
+    return f"the {engine.longest_request} tokens a request may take on this server (max_model_len)"
 
 
 async def _body(request: Request) -> Any:

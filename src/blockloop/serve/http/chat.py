@@ -74,6 +74,13 @@ class ChatTemplate:
         except TemplateError as exc:
             raise BlockloopError(f"the chat template does not compile ({type(exc).__name__}: {exc}); fix {self.origin}, "
                                  "or give another with --chat-template") from None
+        try:  # one that compiles but writes nothing (all comments, say) would make every prompt empty
+            silent = self.source is not None and not self.render([{"role": "user", "content": "Hello"}]).strip()
+        except BlockloopError:  # one that refuses this conversation may take others: judged per request
+            silent = False
+        if silent:
+            raise BlockloopError(f"{self.origin} writes no text for a conversation; give a Jinja chat template that "
+                                 "renders the messages, with --chat-template")
 
     def render(self, messages: list[Message]) -> str:
         if self.source is None:
@@ -87,8 +94,13 @@ class ChatTemplate:
         except BlockloopError:
             raise  # the template's own raise_exception: its message is for the client
         except (TemplateError, ArithmeticError, LookupError, TypeError, ValueError) as exc:  # what template code raises
-            raise BlockloopError(f"the chat template failed on these messages ({type(exc).__name__}: {exc}); "
-                                 f"fix {self.origin}") from None
+            raise TemplateFailure(f"the chat template failed on these messages ({type(exc).__name__}: {exc}); "
+                                  f"fix {self.origin}") from None
+
+
+class TemplateFailure(BlockloopError):
+    """The chat template itself failed on a conversation (not its ``raise_exception`` refusing one): the server's
+    configuration to fix, not the client's request."""
 
 
 def _environment() -> Environment:
@@ -143,11 +155,12 @@ def chat_template_for(tokenizer: Tokenizer, directory: Path | None = None, sourc
     return plain_template()
 
 
-def trim_history(messages: list[Message], fits: Callable[[list[Message]], bool]) -> list[Message]:
+def trim_history(messages: list[Message], fits: Callable[[list[Message]], bool], limit: str = "the model context"
+                 ) -> list[Message]:
     """The longest recent part of a conversation that ``fits``: system messages stay, the oldest other turns go
     first, a user message with the answers to it, so the kept part starts with a user message as chat templates
     expect (many refuse a conversation that starts with the assistant). Raises when even the last message alone
-    does not fit."""
+    does not fit (in ``limit``, as the message says)."""
     system = [m for m in messages if m["role"] in ("system", "developer")]
     turns = [m for m in messages if m["role"] not in ("system", "developer")]
     for start in range(len(turns)):
@@ -156,7 +169,7 @@ def trim_history(messages: list[Message], fits: Callable[[list[Message]], bool])
         kept = system + turns[start:]
         if fits(kept):
             return kept
-    raise BlockloopError("the last message alone does not fit the model context; write a shorter one or /reset")
+    raise BlockloopError(f"the last message alone does not fit {limit}; write a shorter one or /reset")
 
 
 class ChatSession:
@@ -175,11 +188,21 @@ class ChatSession:
         self.worker, self.tokenizer, self.template = worker, tokenizer, template
         self.max_new_tokens, self.sampling, self.system = max_new_tokens, sampling, system
         self.reset()
-        # (an engine without room for a one-token prompt and its answer is refused as it starts)
-        taken = len(self.prompt(self.history)) if self.history else 0
-        if self.history and worker.engine.room(taken) < 2:  # a user turn and an answer
-            raise BlockloopError(f"the system message takes {taken} of the model's {worker.engine.max_len} "
-                                 "context tokens, leaving no room to chat; shorten it")
+        # The least a turn takes: the template around an empty user message (and the system message), then a
+        # word and an answer. Refused here rather than at every message.
+        taken = len(self.prompt([*self.history, {"role": "user", "content": ""}]))
+        if worker.engine.room(taken + 1) < 1:
+            limit = self.limit()
+            if self.history:
+                raise BlockloopError(f"the system message and the template take {taken} of {limit}, leaving no "
+                                     "room to chat; shorten it")
+            raise BlockloopError(f"the chat template takes {taken} tokens around a message, leaving no room to chat "
+                                 f"in {limit}; raise --max-len")
+
+    def limit(self) -> str:
+        """The most tokens a turn may take, as the messages that refuse one say it."""
+        return (f"the {self.worker.engine.longest_request} tokens a request may take here (the model context, "
+                "--max-len or --kv-tokens)")
 
     def reset(self) -> None:
         self.history: list[Message] = [{"role": "system", "content": self.system}] if self.system else []
@@ -197,7 +220,7 @@ class ChatSession:
         try:
             messages = trim_history(messages, lambda m: engine.room(len(self.prompt(m))) >= wanted)
         except BlockloopError:  # a long message: answer in whatever room is left
-            messages = trim_history(messages, lambda m: engine.room(len(self.prompt(m))) >= 1)
+            messages = trim_history(messages, lambda m: engine.room(len(self.prompt(m))) >= 1, self.limit())
         prompt = self.prompt(messages)
         s = self.sampling
         events: queue.Queue[Event] = queue.Queue()
