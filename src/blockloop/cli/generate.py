@@ -17,7 +17,7 @@ from blockloop.cli.common import (
 )
 from blockloop.errors import BlockloopError
 
-HELP = "print a continuation of --prompt from a checkpoint"
+HELP = "stream a continuation of --prompt from a checkpoint, token by token"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
