@@ -361,7 +361,7 @@ def test_a_distilling_run_whose_pinned_teacher_is_gone_names_it_again_on_resume(
     # a run that does not distill is not turned into one on resume
     assert main(["train", "--resume", "--steps", "6", "--no-progress", "--distill-from", str(moved),
                  "--out", str(teacher_run)]) == 2
-    assert "--resume continues the saved run with its own model, data and loss; drop --distill-from" in capsys.readouterr().err
+    assert "--resume continues the saved run with its own model, data, order and loss; drop --distill-from" in capsys.readouterr().err
     assert main(["train", "--resume", "--out", str(tmp_path / "nothing-here")]) == 2
     assert "--out " + str(tmp_path / "nothing-here") + " holds no run to resume; drop --resume" in capsys.readouterr().err
 

@@ -68,11 +68,16 @@ def test_resume_continues_the_saved_run_and_refuses_new_model_choices(trained):
     assert plan.source.init_from is not None and plan.source.init_from.endswith("step_0000002")
     _, trainer = start_training(plan)
     assert trainer.step == 2
-    with pytest.raises(BlockloopError, match="--resume continues the saved run with its own model, data and loss; drop --preset, --set, --early-exit"):
+    with pytest.raises(BlockloopError, match="--resume continues the saved run with its own model, data, order and loss; drop --preset, --set, --early-exit"):
         plan_run(TrainRequest(trained, resume=True, preset="tiny", model_overrides={"n_layer": 1},
                               early_exit=EarlyExit(exit_loss="weighted")))
-    with pytest.raises(BlockloopError, match="model, data and loss; drop --objective$"):  # even the run's own
+    with pytest.raises(BlockloopError, match="model, data, order and loss; drop --objective$"):  # even the run's own
         plan_run(TrainRequest(trained, resume=True, train_overrides={"objective": "lm"}))
+    # another seed would reshuffle the epoch the saved position points into: windows seen twice, others never
+    with pytest.raises(BlockloopError, match="order and loss; drop --seed$"):
+        plan_run(TrainRequest(trained, resume=True, train_overrides={"seed": 3}))
+    saved_seed = plan.config.seed
+    assert plan_run(TrainRequest(trained, resume=True, train_overrides={"seed": saved_seed})).config.seed == saved_seed
     with pytest.raises(BlockloopError, match="give one of them"):
         plan_run(TrainRequest(trained, resume=True, init_from=str(trained)))
     with pytest.raises(BlockloopError, match="already holds a run"):

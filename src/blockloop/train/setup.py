@@ -125,8 +125,12 @@ def plan_run(request: TrainRequest) -> RunPlan:
                  ("distill_weight", r.distill_weight))
         clashes += [name for name, value in exits if value is not None]
         clashes += ["objective"] if "objective" in r.train_overrides else []  # the loss; the rest is how it trains
+        # the seed orders the data: the saved position in this epoch's shuffle would point into another order
+        clashes += ["seed"] if r.train_overrides.get("seed", state["train_config"].get("seed")) != state[
+            "train_config"].get("seed") else []
         if clashes:
-            raise BlockloopError(f"--resume continues the saved run with its own model, data and loss; drop {_flags(clashes)}")
+            raise BlockloopError(f"--resume continues the saved run with its own model, data, order and loss; drop "
+                                 f"{_flags(clashes)}")
         # The model, config and tokenizer come from the run's own checkpoint, whatever it started from.
         source = dataclasses.replace(spec, init_from=str(directory))
         # The flags passed argparse's checks, so a value refused here is the file's.
