@@ -24,6 +24,7 @@ from safetensors.torch import load_file, save_file
 
 from blockloop.cli import EXIT_USER_ERROR, main
 from blockloop.errors import BlockloopError
+from blockloop.files import atomic_write_text
 
 TINY = ["--preset", "tiny", "--batch-size", "2", "--seq-len", "32", "--warmup-steps", "1", "--log-interval", "1",
         "--eval-interval", "100", "--eval-batches", "1", "--device", "cpu", "--no-progress"]
@@ -462,6 +463,31 @@ def test_a_full_disk_ends_in_one_line_keeps_the_last_checkpoint_and_resume_conti
     for name in ("model.safetensors", "optimizer.safetensors", "rng_rank0.safetensors", "config.json"):
         # readable as the JSON beside it by whoever shares the run (safetensors' writer alone leaves 0600)
         assert (root / "step_0000006" / name).stat().st_mode & 0o777 == 0o666 & ~umask, name
+
+
+def test_a_full_disk_in_an_export_or_a_plain_write_is_one_line_naming_the_file(base, tmp_path, capsys, monkeypatch):
+    """safetensors' writer inside transformers' save_pretrained (a traceback before), and a write whose OSError
+    carries no file name ("a file" before): the CLI's one line names the file the user asked for."""
+    transformers = pytest.importorskip("transformers")
+
+    def full(*args, **kwargs):
+        raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
+
+    monkeypatch.setattr(transformers.PreTrainedModel, "save_pretrained", full)
+    out = tmp_path / "hf"
+    assert main(["convert", "--to", "hf", "--checkpoint", str(base / "run"), "--out", str(out)]) == EXIT_USER_ERROR
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and f"No space left on device: {out / 'model.safetensors'}; free some space" in err[0], err
+    assert list(tmp_path.iterdir()) == []  # nothing half-written left behind
+
+    def full_sync(fd):
+        raise OSError(errno.ENOSPC, "No space left on device")  # as a write's error comes: no file name
+
+    monkeypatch.setattr(os, "fsync", full_sync)
+    target = tmp_path / "notes.json"
+    with pytest.raises(OSError) as caught:
+        atomic_write_text(target, "{}")
+    assert caught.value.filename == str(target) and list(tmp_path.iterdir()) == []
 
 
 def test_a_run_killed_in_its_first_checkpoint_starts_afresh_without_its_old_log(tmp_path, capsys):

@@ -29,7 +29,7 @@ from blockloop.data.tokenizers import Tokenizer
 from blockloop.errors import BlockloopError
 from blockloop.files import folder_in_place
 from blockloop.models.decoder import Decoder
-from blockloop.train.checkpoint import check_new_model_folder
+from blockloop.train.checkpoint import check_new_model_folder, os_error_of
 
 SUPPORTED = ", ".join(ARCHITECTURES)
 # Fields an exported model need not reproduce: naming, the vocabulary padding (exported as real rows),
@@ -286,7 +286,10 @@ def export_hf(model: Decoder, tokenizer: Tokenizer, out_dir: Path | str, *, dtyp
     padding_rows = list(range(config.vocab_size, config.padded_vocab_size))
     hf_model.generation_config.suppress_tokens = padding_rows or None
     with folder_in_place(out) as tmp, quiet_transformers():
-        hf_model.save_pretrained(tmp)
+        try:
+            hf_model.save_pretrained(tmp)
+        except SafetensorError as exc:  # a full disk: the CLI's one line, naming the file
+            raise os_error_of(exc, out / "model.safetensors") from exc
         for name, text in files.items():
             (tmp / name).write_text(text, encoding="utf-8")
     return out

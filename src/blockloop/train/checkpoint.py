@@ -128,11 +128,15 @@ def save_tensors(tensors: dict[str, torch.Tensor], path: Path, metadata: dict[st
     try:
         save_file(tensors, str(path), metadata=metadata)
     except SafetensorError as exc:
-        code = re.search(r"os error (\d+)", str(exc))
-        if code is None:
-            raise
-        raise OSError(int(code.group(1)), os.strerror(int(code.group(1))), str(path)) from exc
+        raise os_error_of(exc, path) from exc
     os.chmod(path, new_file_mode(path.parent))
+
+
+def os_error_of(exc: SafetensorError, path: Path) -> Exception:
+    """The OSError inside a safetensors write error (its Rust I/O error, "os error N"), naming ``path``; or the
+    error itself when it is not one."""
+    code = re.search(r"os error (\d+)", str(exc))
+    return exc if code is None else OSError(int(code.group(1)), os.strerror(int(code.group(1))), str(path))
 
 
 def write_failed(tmp: Path, exc: OSError, *states: dict[str, torch.Tensor] | dict[str, Any]) -> Exception:

@@ -339,8 +339,12 @@ class Trainer:
     def _log(self, metrics: dict[str, float]) -> None:
         if not self.dist.is_main:
             return
-        with open(self.out_dir / "metrics.jsonl", "a") as f:
-            f.write(json.dumps(metrics) + "\n")
+        log = self.out_dir / "metrics.jsonl"
+        try:
+            with open(log, "a") as f:
+                f.write(json.dumps(metrics) + "\n")
+        except OSError as exc:  # a full disk: a write's error names no file
+            raise OSError(exc.errno, exc.strerror, str(log)) from None
         shown = " | ".join(f"{k} {_fmt(v)}" for k, v in metrics.items())
         tqdm.write(shown)
 
