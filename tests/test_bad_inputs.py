@@ -342,6 +342,9 @@ CASES = [
      "--lora-init zero"),
     (["convert", "--from-hf", "{base}/hf_pickle", "--checkpoint", R, "--out", NEW], "--checkpoint does not apply to --from-hf"),
     (["convert", "--from-hf", "{base}/hf_pickle", "--tokenizer", "bpe:300", "--out", NEW], "leave --tokenizer out to keep the source's own"),
+    # a tokenizer the weights were not trained on, smaller than the vocabulary: an import that generates garbage
+    (["convert", "--from-hf", "smollm2", "--tokenizer", "byte", "--out", NEW],
+     "tokenizer 'byte' has 258 ids where the source's own has 49152: the weights were trained on its ids"),
     (["convert", "--from-hf", "{base}/hf_pickle", "--tokenizer", "byte", "--out", NEW], "only pickle weights (pytorch_model.bin)"),
     (["convert", "--to", "block", "--checkpoint", "{base}/latest_escape", "--out", NEW], "not a checkpoint directory"),
     (["convert", "--to", "hf", "--checkpoint", R, "--out", "{base}/list_config"], "holds a training run"),

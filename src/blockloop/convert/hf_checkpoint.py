@@ -65,6 +65,12 @@ def import_checkpoint(
         raise BlockloopError("--tokenizer bpe is trained on a corpus, so its ids would not be the ones the imported "
                              "weights were trained on; leave --tokenizer out to keep the source's own")
     tok = build_tokenizer(tokenizer) if tokenizer else _source_tokenizer(path, gguf_file)
+    if tokenizer and tokenizer != BUILTIN and ((path / "tokenizer.json").is_file() or gguf_file is not None):
+        # the weights were trained on the ids of the source's own: another numbering of another size is garbage
+        own = _source_tokenizer(path, gguf_file)
+        if tok.vocab_size != own.vocab_size:
+            raise BlockloopError(f"tokenizer {tok.name!r} has {tok.vocab_size} ids where the source's own has "
+                                 f"{own.vocab_size}: the weights were trained on its ids; leave --tokenizer out")
     model = import_hf(path, gguf_file=gguf_file, vocab_size=tok.vocab_size)
     if tok.vocab_size > model.config.padded_vocab_size:
         raise BlockloopError(
