@@ -207,13 +207,33 @@ def test_checkpoints_are_complete_rotated_and_corruption_is_reported(tmp_path):
 def test_checkpoints_past_ten_million_steps_rotate_and_resolve_in_step_order(tmp_path):
     """Step folders are zero-padded to seven digits, so past 9,999,999 their text order is not their step order."""
     for step in (9_999_999, 10_000_000, 10_000_001):
-        tmp = ckpt.begin_checkpoint(tmp_path, step)
-        (tmp / "model.safetensors").write_bytes(b"")
-        ckpt.commit_checkpoint(tmp_path, tmp, step)
+        write_checkpoint(tmp_path, step)
     root = ckpt.checkpoint_root(tmp_path)
     assert sorted(p.name for p in root.glob("step_*")) == ["step_10000000", "step_10000001"]
     (root / "latest").unlink()  # killed before ``latest`` was written: the newest complete checkpoint is taken
     assert ckpt.resolve_checkpoint(tmp_path).name == "step_10000001"
+
+
+def write_checkpoint(run: Path, step: int) -> None:
+    tmp = ckpt.begin_checkpoint(run, step)
+    (tmp / "model.safetensors").write_bytes(b"")
+    (tmp / "train_state.json").write_text("{}")  # what makes a checkpoint complete: its last file
+    ckpt.commit_checkpoint(run, tmp, step)
+
+
+def test_rotation_counts_only_the_complete_checkpoints_up_to_latest(tmp_path):
+    """A run rolled back (``latest`` pointed at an earlier step) keeps its two newest checkpoints as it goes on:
+    a later-numbered folder of the abandoned future, or an incomplete one, neither counts nor goes (counted, it
+    pushed out the live run's checkpoint before)."""
+    for step in (10, 15, 50):
+        write_checkpoint(tmp_path, step)
+    root = ckpt.checkpoint_root(tmp_path)
+    (root / "latest").write_text("step_0000015\n")
+    (root / "step_0000060").mkdir()  # incomplete: no train_state.json
+    write_checkpoint(tmp_path, 16)
+    write_checkpoint(tmp_path, 17)
+    assert sorted(p.name for p in root.glob("step_*")) == ["step_0000016", "step_0000017", "step_0000050",
+                                                           "step_0000060"]
 
 
 def test_schedule_warms_up_then_decays_to_the_floor():

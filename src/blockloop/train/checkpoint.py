@@ -88,10 +88,16 @@ def commit_checkpoint(run_dir: Path, tmp: Path, step: int) -> Path:
 
 
 def prune_checkpoints(run_dir: Path, keep: int) -> None:
-    """Delete all but the newest ``keep`` step directories, never the one ``latest`` names."""
+    """Delete all but the newest ``keep`` complete checkpoints up to the one ``latest`` names, never that one.
+
+    Folders numbered past ``latest`` (a run rolled back by pointing ``latest`` at an earlier step, as the errors
+    about a damaged checkpoint advise) and incomplete ones are neither counted nor deleted: counted, they would push
+    the live run's own earlier checkpoints out."""
     root = checkpoint_root(run_dir)
     latest = _latest_name(root)
-    steps = sorted((p for p in root.glob("step_*") if p.is_dir()), key=_step_number)
+    newest = _step_number(root / latest) if latest is not None else None
+    steps = sorted((p for p in root.glob("step_*") if (p / "train_state.json").is_file()
+                    and (newest is None or _step_number(p) <= newest)), key=_step_number)
     for old in steps[:-keep]:
         if old.name != latest:
             shutil.rmtree(old, ignore_errors=True)
