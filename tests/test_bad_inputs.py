@@ -493,6 +493,27 @@ def test_a_full_disk_in_an_export_or_a_plain_write_is_one_line_naming_the_file(b
     assert caught.value.filename == str(target) and list(tmp_path.iterdir()) == []
 
 
+def test_a_damaged_checkpoint_names_the_fix_that_works(base, tmp_path, capsys):
+    """--out refuses a checkpoint folder, so "use an earlier checkpoint" (as it said) was no fix: the run's
+    ``latest`` is what to point at another one, named; with none left, retrain."""
+    run = tmp_path / "run"
+    shutil.copytree(base / "run", run)
+    root = run / "checkpoints"
+    assert sorted(p.name for p in root.glob("step_*")) == ["step_0000002", "step_0000004"]
+    (root / "step_0000004" / "model.safetensors").write_bytes(b"\0" * 100)
+    assert main(["train", "--resume", "--steps", "6", "--out", str(run), "--no-progress"]) == EXIT_USER_ERROR
+    err = capsys.readouterr().err
+    assert "is corrupt (" in err and f"use another of its checkpoints: write step_0000002 into {root / 'latest'}, or " \
+        "retrain" in err, err
+    (root / "latest").write_text("step_0000002\n")  # the fix it names works
+    assert main(["train", "--resume", "--steps", "6", "--out", str(run), "--no-progress"]) == 0
+    (root / "step_0000006" / "model.safetensors").write_bytes(b"\0" * 100)
+    for step in ("step_0000002", "step_0000004"):  # pruned, or damaged: none to go back to
+        shutil.rmtree(root / step, ignore_errors=True)
+    assert main(["eval", "--checkpoint", str(run)]) == EXIT_USER_ERROR
+    assert "the run has no other checkpoint: retrain" in capsys.readouterr().err
+
+
 def test_a_run_killed_in_its_first_checkpoint_starts_afresh_without_its_old_log(tmp_path, capsys):
     run = tmp_path / "run"
     partial = run / "checkpoints" / ".tmp_step_0000002"

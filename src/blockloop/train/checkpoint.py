@@ -531,7 +531,19 @@ def _read_safetensors(path: Path) -> dict[str, torch.Tensor]:
     try:
         return load_file(str(path))
     except (SafetensorError, OSError, ValueError) as exc:
-        raise BlockloopError(f"{path} is corrupt ({exc}); use an earlier checkpoint or retrain") from exc
+        raise BlockloopError(f"{path} is corrupt ({exc}); {_fallback(path.parent)}") from exc
+
+
+def _fallback(step_dir: Path) -> str:
+    """What to do about a damaged checkpoint: point its run's ``latest`` at the newest other complete one (a
+    checkpoint folder itself is refused as ``--out`` or ``--resume``), or retrain."""
+    root = step_dir.parent
+    if root.name != checkpoint_root(Path()).name:
+        return "use another checkpoint or retrain"
+    earlier = [p for p in _complete_steps(root.parent) if p.name != step_dir.name]
+    if not earlier:
+        return "the run has no other checkpoint: retrain"
+    return f"use another of its checkpoints: write {earlier[-1].name} into {root / LATEST}, or retrain"
 
 
 def _tied_names(model: nn.Module) -> set[str]:
