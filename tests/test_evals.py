@@ -490,17 +490,26 @@ def test_every_task_is_checked_before_any_is_scored(monkeypatch):
 
 @pytest.mark.parametrize("preset", ["tiny", "tiny-block"])
 def test_a_continuation_longer_than_the_model_fails_before_any_task_is_scored(preset, monkeypatch):
-    """A later task's answer that cannot fit the context must not cost the earlier tasks' scoring."""
+    """A later task's answer that cannot fit the context must not cost the earlier tasks' scoring, and every task
+    that cannot be scored is named at once, with how many of its questions are too long (one run per task, before)."""
     import blockloop.evals.harness as harness
 
     tok = ByteTokenizer()
     model = build_model(small_variant(preset).replace(vocab_size=tok.vocab_size, padded_vocab_size=320)).eval()
-    long_piqa = [{**row, "sol1": "x" * (model.config.context_length + 1)} for row in PIQA_ROWS]
+    context = model.config.context_length
+    long_piqa = [{**row, "sol1": "x" * (context + 1)} if i < 3 else row for i, row in enumerate(PIQA_ROWS)]
     copa = [{"premise": f"P{i}.", "choice1": "Aa", "choice2": "Bb", "question": "cause", "label": i % 2} for i in range(3)]
+    long_copa = [{**copa[0], "choice2": "y" * (2 * context)}, *copa[1:]]
     monkeypatch.setattr(harness, "score", lambda *a, **k: pytest.fail("scored before every task was checked"))
-    with pytest.raises(BlockloopError, match="^piqa: a continuation of .* tokens (does not fit|leaves no whole block)"):
+    room = "leave a whole block of context in" if preset == "tiny-block" else "fit"
+    with pytest.raises(BlockloopError) as refused:
         run_benchmarks(model, tok, BenchmarkRequest(["copa", "piqa"]),
-                       rows=lambda dataset: copa if "copa" in dataset else long_piqa)
+                       rows=lambda dataset: long_copa if "copa" in dataset else long_piqa)
+    assert str(refused.value) == (
+        f"copa: 1 of its 3 questions have an answer too long to {room} the model context of {context} tokens (the "
+        f"longest: {2 * context + 2}); evaluate a model with a longer context, or leave the task out; "
+        f"piqa: 3 of its 12 questions have an answer too long to {room} the model context of {context} tokens (the "
+        f"longest: {context + 2}); evaluate a model with a longer context, or leave the task out")
 
 
 def test_a_task_model_is_refused_the_text_benchmarks():

@@ -96,7 +96,7 @@ def run_benchmarks(
     exits = exits_of(model, request)
     # Every task's questions first: a request one task cannot meet (too many --shots, a continuation longer
     # than the model context) fails before any scoring.
-    prepared = []
+    prepared, refused = [], []
     for name in request.tasks:
         questions = build_questions(TASKS[name], (rows or load_rows)(TASKS[name].dataset), shots=request.shots,
                                     limit=request.limit, seed=request.seed)
@@ -104,8 +104,10 @@ def run_benchmarks(
         try:
             check_requests(model, groups)
         except BlockloopError as exc:
-            raise BlockloopError(f"{name}: {exc}") from None
+            refused.append(f"{name}: {exc}")
         prepared.append((name, questions, groups))
+    if refused:  # every task that cannot be scored, in one line: not one per run
+        raise BlockloopError("; ".join(refused))
     results, seconds = [], {}
     for name, questions, groups in prepared:
         task = TASKS[name]

@@ -120,17 +120,20 @@ def check_requests(model: nn.Module, groups: Sequence[Sequence[Request]]) -> Non
     if layout is None:
         raise BlockloopError(f"the {c.family} family cannot score a continuation exactly "
                              "(its FamilySpec.scoring is None); evaluate another model")
-    lengths = [len(r.continuation) for g in groups for r in g]
-    if any(n == 0 for n in lengths):
+    if any(len(r.continuation) == 0 for g in groups for r in g):
         raise BlockloopError("a continuation tokenized to nothing; nothing to score")
-    longest = max(lengths, default=0)
-    if layout == "blocks":
-        if -(-longest // c.block_len) * c.block_len > c.context_length - c.block_len:
-            raise BlockloopError(f"a continuation of {longest} tokens leaves no whole block of context "
-                                 f"in the model context of {c.context_length}; evaluate a model with a longer context")
-    elif longest > c.context_length:
-        raise BlockloopError(f"a continuation of {longest} tokens does not fit the model "
-                             f"context of {c.context_length}; evaluate a model with a longer context")
+    def fits(n: int) -> bool:
+        if layout == "blocks":  # whole blocks, after at least one block of context
+            return -(-n // c.block_len) * c.block_len <= c.context_length - c.block_len
+        return n <= c.context_length
+
+    over = [g for g in groups if not all(fits(len(r.continuation)) for r in g)]
+    if over:
+        longest = max(len(r.continuation) for g in over for r in g)
+        room = "leave a whole block of context in" if layout == "blocks" else "fit"
+        raise BlockloopError(f"{len(over)} of its {len(groups)} questions have an answer too long to {room} the model "
+                             f"context of {c.context_length} tokens (the longest: {longest}); evaluate a model with a "
+                             "longer context, or leave the task out")
 
 
 def _window(request: Request, limit: int) -> tuple[list[int], list[int], int]:
