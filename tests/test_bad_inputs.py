@@ -324,6 +324,8 @@ CASES = [
      "--block-len of a Block Transformer must be at least 1, got 0"),
     (["convert", "--from-hf", R, "--out", NEW], "is a blockloop run or checkpoint, not a Hugging Face folder"),
     (["convert", "--to", "recursive", "--checkpoint", R, "--out", NEW, "--lora-alpha", "nan"], "--lora-alpha: must"),
+    (["convert", "--to", "recursive", "--checkpoint", R, "--out", NEW, "--seed", "5"],
+     "--seed does not apply to --init stepwise without a relaxation (nothing in it is random)"),
     (["convert", "--to", "recursive", "--checkpoint", R, "--out", NEW, "--lora-rank", "2", "--lora-alpha", "0"],
      "--lora-alpha: must be a finite number > 0, got '0'"),
     (["convert", "--to", "recursive", "--checkpoint", R, "--out", NEW, "--loops", "two"], "--loops: must be an"),

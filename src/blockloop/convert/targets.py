@@ -40,15 +40,19 @@ def implied_relaxation(lora_rank: int | None, prefix_len: int | None) -> str:
 
 
 def _recursive_unread(given: dict[str, Any]) -> tuple[list[str], str, str]:
-    """The LoRA init's options shape nothing without LoRA modules; calibration weights only the SVD init."""
+    """The LoRA init's options shape nothing without LoRA modules; calibration weights only the SVD init; the seed
+    draws nothing in an unrelaxed conversion from a full model's layers (every weight a copy or an average)."""
     relax = given.get("relax") or implied_relaxation(given.get("lora_rank"), given.get("prefix_len"))
     if relax != "lora":
         lora = [name for name in ("lora_alpha", "lora_init", "calibration") if name in given]
-        # --lora-rank alone is refused beside --relax none/prefix: name the relaxation too where one was given
-        add = "--relax lora --lora-rank R" if "relax" in given else "--lora-rank R"
-        return lora, f"--relax {relax} (no LoRA modules)", f", or add {add}"
-    if given.get("lora_init") == "zero" and "calibration" in given:
+        if lora:  # --lora-rank alone is refused beside --relax none/prefix: name the relaxation too where one was given
+            add = "--relax lora --lora-rank R" if "relax" in given else "--lora-rank R"
+            return lora, f"--relax {relax} (no LoRA modules)", f", or add {add}"
+    elif given.get("lora_init") == "zero" and "calibration" in given:
         return ["calibration"], "--lora-init zero (it weights the SVD init)", ""
+    init = given.get("init", "stepwise")
+    if "seed" in given and relax == "none" and init != "random":
+        return ["seed"], f"--init {init} without a relaxation (nothing in it is random)", ""
     return [], "", ""
 
 
