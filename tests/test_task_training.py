@@ -197,6 +197,13 @@ def test_cli_task_errors_are_one_line(tmp_path, walk_dir, capsys):
          f"the model learned task {WALK} and reads its words, not text; leave --data out"),
         (["bench", "--stream", "--checkpoint", str(run), "--requests", "2", "--device", "cpu"],
          "reads its words, not text; a request stream is cut from a corpus (shakespeare): bench it without --stream"),
+        (["train", "--init-from", str(run), "--data", "shakespeare", "--out", str(tmp_path / "c"), *TRAIN[2:]],
+         f"the model learned task {WALK} and reads its words, not text; leave --data out to train it on its task"),
+        # conversions whose result could not learn or be scored on the task, or that calibrate on a text corpus
+        (["convert", "--to", "block", "--checkpoint", str(run), "--out", str(tmp_path / "d")],
+         "the block family builds its targets from the inputs (block targets or span corruption), not from a task's"),
+        (["convert", "--to", "recursive", "--checkpoint", str(run), "--out", str(tmp_path / "e"), "--lora-rank", "2"],
+         f"the source learned task {WALK}, not a text corpus to calibrate the SVD on; pass --calibration 0"),
     ]
     for argv, match in cases:
         code = main(argv)

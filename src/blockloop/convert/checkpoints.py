@@ -26,7 +26,7 @@ from blockloop.errors import BlockloopError
 from blockloop.families import spec_of
 from blockloop.files import folder_in_place
 from blockloop.train import checkpoint as ckpt
-from blockloop.train.run import TrainedModel, load_trained
+from blockloop.train.run import TrainedModel, check_learns_tasks, load_trained
 
 
 @dataclass(frozen=True)
@@ -63,6 +63,8 @@ def to_block_checkpoint(checkpoint: str | Path, out: Path, *, block_len: int = 4
     out = ckpt.check_new_model_folder(out)
     source = load_trained(checkpoint)
     model = vanilla_to_block(source.model, block_len=block_len, prefix_len=prefix_len, pad_id=source.tokenizer.eos_id)
+    if source.state.get("run", {}).get("task") or source.state.get("run", {}).get("task_dir"):
+        check_learns_tasks(model.config)  # refused here, not by the train --init-from or eval that reads it next
     what = f"{model.config.name} ({model.num_parameters() / 1e6:.2f}M parameters, {model.config.summary()})"
     return _write_uptraining(out, model, source, what)
 
@@ -108,7 +110,11 @@ def to_recursive_checkpoint(
 
 def calibration_windows(source: TrainedModel, count: int, seq_len: int = 128) -> torch.Tensor:
     """``(count, seq_len)`` token ids spread over the source run's training data, to calibrate an SVD init."""
-    data = source.state.get("run", {}).get("data")
+    run = source.state.get("run", {})
+    if run.get("task") or run.get("task_dir"):
+        raise BlockloopError(f"the source learned task {run.get('task') or run.get('task_dir')}, not a text corpus to "
+                             "calibrate the SVD on; pass --calibration 0 (the SVD of the weights alone)")
+    data = run.get("data")
     if data is None:
         raise BlockloopError("the source checkpoint records no training data to calibrate on; pass --calibration 0")
     windows = PackedSequences(prepare_tokens(data, source.tokenizer, show_progress=False).train,

@@ -212,6 +212,10 @@ def init_from_spec(
     ``data`` or a task is given."""
     directory = ckpt.resolve_checkpoint(Path(checkpoint))
     saved = ckpt.read_saved_state(directory).get("run", {})
+    learned = saved.get("task") or saved.get("task_dir")
+    if data is not None and learned:  # its tokenizer reads the task's words: say so, not which word of the text it lacks
+        raise BlockloopError(f"the model learned task {learned} and reads its words, not text; leave --data out to "
+                             "train it on its task")
     spec = RunSpec(
         preset=saved.get("preset", "demo"), data=data or saved.get("data", "shakespeare"),
         tokenizer=saved.get("tokenizer", "byte"), init_from=str(directory),
