@@ -516,6 +516,17 @@ def test_a_damaged_checkpoint_names_the_fix_that_works(base, tmp_path, capsys):
     assert "the run has no other checkpoint: retrain" in capsys.readouterr().err
 
 
+def test_raw_bytes_with_another_tokenizer_are_refused_before_that_tokenizer_is_fetched(tmp_path, monkeypatch, capsys):
+    import blockloop.train.run as run
+
+    monkeypatch.setattr(run, "build_tokenizer", lambda *a, **k: pytest.fail("the tokenizer was built (its package fetched)"))
+    blob = tmp_path / "blob"
+    blob.write_bytes(b"\x00\xffraw" * 100)
+    argv = ["train", "--preset", "tiny", "--data", f"bytes:{blob}", "--tokenizer", "gpt2", "--out", str(tmp_path / "r")]
+    assert main(argv) == EXIT_USER_ERROR
+    assert "tokenizer 'gpt2' cannot encode raw bytes (bytes:PATH); they need --tokenizer byte" in capsys.readouterr().err
+
+
 def test_a_run_killed_in_its_first_checkpoint_starts_afresh_without_its_old_log(tmp_path, capsys):
     run = tmp_path / "run"
     partial = run / "checkpoints" / ".tmp_step_0000002"

@@ -22,7 +22,7 @@ from blockloop.data.corpora import load_documents
 from blockloop.data.dataset import TokenSplits, prepare_tokens, split_documents
 from blockloop.data.loader import PackedSequences
 from blockloop.data.tasks import TaskData, TaskSequences, TaskTokenizer, TaskVocab, get_task, open_task
-from blockloop.data.tokenizers import Tokenizer, build_tokenizer, load_tokenizer
+from blockloop.data.tokenizers import RAW_BYTES, Tokenizer, build_tokenizer, load_tokenizer
 from blockloop.device import resolve_device
 from blockloop.errors import BlockloopError
 from blockloop.families import build_model, from_name, spec_of
@@ -91,6 +91,8 @@ def prepare_run(
         # Only a tokenizer trained on the corpus needs its documents: those of the training side, so that no
         # validation text shapes the vocabulary.
         documents = split_documents(load_documents(spec.data)).train if spec.tokenizer.split(":")[0] == "bpe" else None
+        if spec.data.startswith("bytes:") and spec.tokenizer != "byte":  # before a tokenizer package is fetched
+            raise BlockloopError(f"tokenizer {spec.tokenizer!r} cannot encode {RAW_BYTES}")
         tokenizer = build_tokenizer(spec.tokenizer, documents)
         splits = prepare_tokens(spec.data, tokenizer, show_progress=show_progress)
     padded = padded_vocab(tokenizer.vocab_size + config.reserved_ids)  # + span-corruption sentinels, if any
