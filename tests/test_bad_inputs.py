@@ -365,7 +365,7 @@ CASES = [
     (["train", *TINY, "--distill-weight", "2", "--out", NEW], "add --distill-from TEACHER or leave it out"),
     (["train", *TINY, "--tokens", "1e4", "--steps", "3", "--out", NEW], "give --tokens or --steps, not both"),
     (["generate", "--checkpoint", R, "--prompt", "a", "--draft-loops", "2"], "add --speculate K or leave them out"),
-    (["convert", "--to", "block", "--checkpoint", "{base}/demo_recursive", "--out", NEW], "not RecursiveDecoder"),
+    (["convert", "--to", "block", "--checkpoint", "{base}/demo_recursive", "--out", NEW], "not a recursive model"),
 ]
 
 

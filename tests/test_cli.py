@@ -282,6 +282,9 @@ def test_flops_reports_every_family(preset, capsys):
     assert main(["flops", "--preset", preset, "--seq-len", "64", "--out-len", "16", "--measure"]) == 0
     out = capsys.readouterr().out
     assert "FLOPs/token" in out and "MiB" in out
+    # a family's own caveat is said of that family only (every family's footnote named two, before)
+    assert ("counts two attentions' worth" in out) == (preset == "tiny-double")
+    assert ("max_len cross K/V" in out) == (preset == "tiny-encdec")
 
 
 def test_flops_says_when_the_cache_it_prices_is_longer_than_the_model_serves(capsys):

@@ -107,11 +107,9 @@ def _report(preset: str, config: ModelConfig, T: int, out_len: int, bytes_per_va
         if type(c) is type(baseline):  # the preset is a plain decoder: it is its own baseline
             break
     footnote = ("paper formula: appendix A.2 (MHA, 4d MLP, no LM head, 2/3-1/3 split); config: this preset's exact "
-                "shapes incl. LM head; measured: 3 x one forward under torch FlopCounterMode (the double decoder's "
-                "one dense attention over both key sets, 2T keys, counts two attentions' worth where the paper's "
-                "efficient implementation counts one); KV cache: appendix A.1's bytes, what lock-step generation holds; serving "
-                "state: the static caches `serve`'s engine allocates per slot (an encoder-decoder slot holds max_len "
-                "cross K/V and max_len self K/V, as the prompt / output split is not known in advance).")
+                "shapes incl. LM head; measured: 3 x one forward under torch FlopCounterMode; KV cache: appendix A.1's "
+                "bytes, what lock-step generation holds; serving state: the static caches `serve`'s engine allocates "
+                f"per slot.{f' The {family} family: {spec.cost_note}.' if spec.cost_note else ''}")
     return Report(rows, footnote, note)
 
 

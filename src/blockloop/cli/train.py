@@ -99,7 +99,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--steps", type=positive_int, help=f"optimizer steps (default: {d.steps})")
     g.add_argument("--tokens", type=number(1), help="train for this many tokens instead of --steps (e.g. 2e6)")
     g = p.add_argument_group("batch and optimizer")
-    g.add_argument("--batch-size", type=positive_int, help=f"sequences per step per process (default: {d.batch_size})")
+    g.add_argument("--batch-size", type=positive_int, help=f"sequences per micro-batch per process; a step takes --grad-accum of them (default: {d.batch_size})")
     g.add_argument("--grad-accum", type=positive_int, help=f"micro-batches accumulated per step (default: {d.grad_accum})")
     g.add_argument("--seq-len", type=positive_int, help=f"tokens per training sequence, at most the model context (default: {d.seq_len}, or the "
                    "longest whole number of blocks or chunks the model context holds when that is shorter)")

@@ -119,6 +119,8 @@ SPEC = FamilySpec(
     config_class=DoubleDecoderConfig,
     model_class=DoubleDecoder,
     scoring="partition",
+    cost_note=("measured: its one dense attention over both key sets, 2T keys, counts two attentions' worth where "
+               "the paper's efficient implementation counts one"),
     presets=PRESETS,
     training_flops=training_flops,
     make_batch=make_batch,

@@ -128,6 +128,8 @@ SPEC = FamilySpec(
     scoring="encoder",
     next_token_windows=False,
     lm_scores="span corruption",
+    cost_note=("serving state: a slot holds max_len cross K/V and max_len self K/V, as the prompt / output split is "
+               "not known in advance"),
     presets=PRESETS,
     training_flops=training_flops,
     make_batch=make_batch,

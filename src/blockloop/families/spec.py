@@ -73,7 +73,8 @@ class FamilySpec:
     * ``paper_lengths(config, seq_len)``: the lengths the closed form takes for a window (T, or T_in and T_out).
     * ``unrolled(config)``: the plain decoder whose compute and KV cache equal this model's (a looped model's
       depth), for the FLOP report; ``core(config)``: the plain decoder its recurrence repeats, shown beside it.
-    * ``cost_note``: how ``training_flops_per_token`` counts, for families without an appendix-A closed form.
+    * ``cost_note``: how ``training_flops_per_token`` counts, for families without an appendix-A closed form;
+      for one with it, what the FLOP report's measured or serving columns count differently (its footnote).
     * ``pad_with_eos``: the config's ``pad_id`` is set to the tokenizer's end-of-text id when a run starts.
     * ``scoring``: how the log-likelihood of a continuation given a context is computed exactly (zero-shot
       evaluation, :mod:`blockloop.evals.scoring`): ``cached`` (the context once into the model's KV cache,
