@@ -57,13 +57,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         if exc.code in (0, None):
             raise
         return int(exc.code)
+    # what argparse's own errors begin with: the nested verb too (blockloop tasks make), so every error says the same
+    prog = " ".join(filter(None, ("blockloop", args.command, getattr(args, f"{args.command}_command", None))))
     if args.command != "train" and int(os.environ.get("WORLD_SIZE", "1")) > 1:
         # Every rank would do the whole job and print it again, or two servers would fight over one port.
-        print(f"blockloop {args.command}: error: only train runs across torchrun's processes; run "
+        print(f"{prog}: error: only train runs across torchrun's processes; run "
               f"blockloop {args.command} as one process, without torchrun", file=sys.stderr)
         return EXIT_USER_ERROR
     if unknown:  # argparse would blame the top-level parser; the help that lists the flags is the verb's
-        prog = " ".join(filter(None, ("blockloop", args.command, getattr(args, f"{args.command}_command", None))))
         print(f"{prog}: error: unrecognized arguments: {' '.join(unknown)}; see {prog} --help", file=sys.stderr)
         return EXIT_USER_ERROR
     if getattr(args, "no_progress", False):
@@ -81,13 +82,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         sys.stdout.flush()  # inside the try: a reader that left early is noticed here, not at interpreter exit
         return code
     except BlockloopError as exc:
-        print(f"blockloop {args.command}: error: {exc}", file=sys.stderr)
+        print(f"{prog}: error: {exc}", file=sys.stderr)
         return EXIT_USER_ERROR
     except ModuleNotFoundError as exc:
         package = (exc.name or "").split(".")[0]
         if package not in EXTRAS:
             raise
-        print(f"blockloop {args.command}: error: this needs the optional package {package}; "
+        print(f"{prog}: error: this needs the optional package {package}; "
               f"install it with pip install 'blockloop[{EXTRAS[package]}]'", file=sys.stderr)
         return EXIT_USER_ERROR
     except BrokenPipeError:
@@ -101,11 +102,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         path = "a file" if exc.filename is None else exc.filename
         if exc.filename2 is not None:  # a rename or link: both ends
             path = f"{path} -> {exc.filename2}"
-        print(f"blockloop {args.command}: error: {exc.strerror}: {path}; {OS_ERRORS.get(exc.errno, OTHER_OS_ERROR)}"
+        print(f"{prog}: error: {exc.strerror}: {path}; {OS_ERRORS.get(exc.errno, OTHER_OS_ERROR)}"
               f"{_cache_hint(exc.filename)} (BLOCKLOOP_DEBUG=1 shows the traceback)", file=sys.stderr)
         return EXIT_USER_ERROR
     except KeyboardInterrupt:
-        print(f"blockloop {args.command}: interrupted{_checkpoints_kept(args)}", file=sys.stderr)
+        print(f"{prog}: interrupted{_checkpoints_kept(args)}", file=sys.stderr)
         return 130
 
 
