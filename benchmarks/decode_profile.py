@@ -287,10 +287,11 @@ def step_profile(model: torch.nn.Module, batch: int, prompt_len: int, steps: int
     max_len = prompt_len + tokens
     runner = runner_for(model, paging=full_batch_paging(model, batch, max_len) if paged else None)
     engine = Engine(runner, batch, max_len=max_len, sync_every=window, compile=True)
-    engine.compile_steps(rows=[batch], shortest=prompt_len)  # every key length the rows will reach: none inside the profile
+    greedy = SamplingParams(temperature=0.0)
+    # every key length the rows will reach, for greedy rows: nothing compiled inside the profile
+    engine.compile_steps(rows=[batch], shortest=prompt_len, sampling=greedy)
     generator = torch.Generator().manual_seed(0)
     prompts = torch.randint(0, model.config.vocab_size, (batch, prompt_len), generator=generator).tolist()
-    greedy = SamplingParams(temperature=0.0)
     for p in prompts:
         engine.submit(p, tokens, sampling=greedy)
     while engine.steps < warmup:  # prefill, then windows that warm the captured steps

@@ -203,6 +203,27 @@ def test_compile_steps_compiles_every_graph_a_run_then_takes(monkeypatch):
     assert [r.output for r in requests] == [r.output for r in reference]
 
 
+def test_a_speculative_engine_compiled_for_greedy_requests_compiles_nothing_while_they_run(monkeypatch):
+    """A speculative round's graph reads whether every row is greedy; compiled for the engine's default (sampled)
+    and run on a greedy stream, every row count compiled again inside the run (the GPU suite's recursive row
+    would have passed dynamo's recompile limit at 128 slots and lost the row)."""
+    model = tiny("tiny-recursive")
+    graphs = counted_graphs(monkeypatch)
+    prompts, budgets = prompts_of((5, 20, 9)), [20, 12, 8]
+    with torch._dynamo.config.patch(recompile_limit=8):
+        engine = Engine(runner_for(model, speculation=Speculation(k=2)), 4, max_len=64, sync_every=4, compile=True)
+        engine.compile_steps(sampling=GREEDY)
+        compiled = len(graphs)
+        requests = [engine.submit(p, n, sampling=GREEDY) for p, n in zip(prompts, budgets)]
+        engine.run()
+    torch._dynamo.reset()
+    assert compiled > 0 and len(graphs) == compiled
+    eager = Engine(runner_for(model, speculation=Speculation(k=2)), 4, max_len=64, sync_every=4)
+    reference = [eager.submit(p, n, sampling=GREEDY) for p, n in zip(prompts, budgets)]
+    eager.run()
+    assert [r.output for r in requests] == [r.output for r in reference]
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("name", ["tiny", "tiny-block", "tiny-double"])

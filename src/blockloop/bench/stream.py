@@ -108,11 +108,11 @@ def run_stream(
     # Slots as long as the stream's longest request, not the model's whole context.
     max_len = min(longest_request(runner, prompts, budgets), runner.model.config.context_length)
     engine = Engine(runner, n_slots, max_len=max_len, sync_every=sync_every, compile=compile, key_buckets=key_buckets)
+    greedy = SamplingParams(temperature=0.0)
     if compile:  # before the clock starts: compiling a step inside the stream would be timed as serving
-        engine.compile_steps(shortest=min(map(len, prompts)))
+        engine.compile_steps(shortest=min(map(len, prompts)), sampling=greedy)
     depthwise = isinstance(runner, RecursiveRunner) and runner.exit_rule is not None
     speculator = runner.speculator if isinstance(runner, RecursiveRunner) else None
-    greedy = SamplingParams(temperature=0.0)
     requests, pending = [], list(zip(offsets, prompts, budgets))
     trajectories: dict[int, list[int]] = {}  # exit loops per request (depth-wise serving), read as each finishes
     rounds: dict[int, list[tuple[int, int]]] = {}  # (emitted, drafted) per verification round (speculation)

@@ -169,12 +169,12 @@ def engine_throughput(
     engine = Engine(runner_for(model, paging=paging), batch, max_len=max_len, sync_every=sync_every, compile=compile,
                     key_buckets=key_buckets)
     compile_s = None
+    greedy = SamplingParams(temperature=0.0)
     if compile:  # every graph the runs take, now: a short warm-up leaves none to compile inside a timed run
         with timed(device) as compiling:
-            engine.compile_steps(rows=[batch], shortest=prompt_len)
+            engine.compile_steps(rows=[batch], shortest=prompt_len, sampling=greedy)
         compile_s = compiling.seconds
     generator = torch.Generator().manual_seed(seed)
-    greedy = SamplingParams(temperature=0.0)
     seconds, ttft = [], []
     with packed_linears(model):  # CPU only: the engine's weights in oneDNN's layout, as generate and serve use them
         for run in range(warmup + repeats):

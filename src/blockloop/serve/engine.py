@@ -487,7 +487,8 @@ class Engine:
         return finished
 
     @torch.no_grad()
-    def compile_steps(self, rows: Sequence[int] | None = None, shortest: int = 1, *, progress: bool = False) -> None:
+    def compile_steps(self, rows: Sequence[int] | None = None, shortest: int = 1, *, progress: bool = False,
+                      sampling: SamplingParams | None = None) -> None:
         """Compile (and on CUDA capture: three calls each) the static decode steps this engine will run, before any
         request: compiled on first use instead, a step stalls the requests running then for its compile (tens of
         seconds a graph on a GPU). ``rows``: the row counts to compile (default every one of :attr:`row_counts`; a batch
@@ -495,11 +496,16 @@ class Engine:
         key lengths are skipped). The steps run idle rows; afterwards the runner's decode state is put back as it
         was, in place (:meth:`_restored_state`), so the CUDA graphs captured over its tensors stay valid: allocated
         afresh instead, every graph would be captured again at its first use, inside whatever runs then.
-        ``progress``: a bar over the graphs (a plain line every 30 s where no bar is drawn)."""
+        ``progress``: a bar over the graphs (a plain line every 30 s where no bar is drawn). ``sampling``: how the
+        requests will sample, where every one samples alike (a benchmark's greedy stream): whether all rows are greedy
+        and whether any filters are part of a speculative step's graph, so a step compiled for the other mode would be
+        compiled again inside the run."""
         if not self.idle or not self.continuous:
             raise BlockloopError("compile an engine's steps before submitting requests, on a continuously batching one")
         if rows is not None and not set(rows) <= set(self.row_counts):
             raise BlockloopError(f"this engine steps {self.row_counts} rows at a time, not {sorted(set(rows))}")
+        if sampling is not None:  # as the windows of such requests set them (_window)
+            self.sampling.greedy, self.sampling.filtered = sampling.temperature == 0, sampling.filters
         tokens = torch.zeros(self.n_slots, dtype=torch.long, device=self.device)
         shapes = [(count, length) for count in (self.row_counts if rows is None else rows)
                   for length in [n for n in self._lengths_for(count) if n >= shortest] or [self.max_len]]
