@@ -749,15 +749,32 @@ def test_exit_rules_on_known_distributions():
 
 
 def test_poisson_stream_serves_every_request_and_counts_queueing_in_ttft():
-    from blockloop.bench.stream import run_stream
+    from blockloop.bench.stream import run_stream, schedule
 
     metrics = run_stream(tiny(), random_prompts((4, 7, 5, 6)), n_slots=2, min_tokens=3, max_tokens=5, rate=200.0,
                          sync_every=2)
     assert metrics["requests"] == 4 and 12 <= metrics["output_tokens"] <= 20
     assert all(3 <= len(o) <= 5 for o in metrics["outputs"])
     assert metrics["ttft_s"]["median"] > 0 and metrics["e2e_s"]["p99"] >= metrics["ttft_s"]["p99"]
+    # the load the arrivals offer: a server's throughput cannot pass it (near it, the rate was measured)
+    offsets, budgets = schedule(4, 200.0, 3, 5)
+    assert metrics["offered_tok_s"] == pytest.approx(budgets.sum() / offsets[-1])
     with pytest.raises(BlockloopError, match="--rate"):
         run_stream(tiny(), [[1, 2]], n_slots=1, min_tokens=1, max_tokens=1, rate=0.0)
+
+
+def test_an_engine_told_not_to_step_busy_rows_alone_steps_every_slot_in_one_graph():
+    """``busy_rows=False``: one compiled graph a server (a saturated GPU benchmark cannot pay one per row count),
+    and the same tokens."""
+    prompts, budgets = random_prompts((4, 7, 5)), [6, 3, 5]
+    outputs = []
+    for busy_rows in (True, False):
+        engine = Engine(tiny(), 4, max_len=32, sync_every=2, busy_rows=busy_rows)
+        assert engine.row_counts == ([1, 2, 4] if busy_rows else [4])
+        requests = [engine.submit(p, n, sampling=SamplingParams(temperature=0.0)) for p, n in zip(prompts, budgets)]
+        engine.run()
+        outputs.append([r.output for r in requests])
+    assert outputs[0] == outputs[1]
 
 
 def test_a_stream_sizes_its_slots_to_its_longest_request_and_cuts_prompts_with_the_models_tokenizer(monkeypatch):

@@ -97,17 +97,19 @@ def check_stream_fits(name: str, runner: Runner, prompts: list[list[int]], min_t
 def run_stream(
     served: nn.Module | Runner, prompts: list[list[int]], *, n_slots: int, min_tokens: int, max_tokens: int,
     rate: float = float("inf"), sync_every: int | None = None, seed: int = 0, compile: bool = False, key_buckets: int = KEY_BUCKETS,
-    warmup: int = 1,
+    warmup: int = 1, busy_rows: bool = True,
 ) -> dict[str, Any]:
     """Serve ``prompts`` arriving at ``rate`` requests/s (inf: all at t=0); metrics of the whole stream,
     and each request's ``outputs`` (in submission order). ``served`` is a model or its runner (a recursive
-    model's depth-wise runner also reports its exits, a speculative one its acceptance); ``key_buckets``: the
-    engine's; ``warmup``: untimed rounds first (see :func:`warm_up`)."""
+    model's depth-wise runner also reports its exits, a speculative one its acceptance); ``key_buckets`` and
+    ``busy_rows``: the engine's; ``warmup``: untimed rounds first (see :func:`warm_up`). The metrics include the load
+    the stream offers (its tokens over its last arrival): a throughput near it measured the arrivals, not the server."""
     offsets, budgets = schedule(len(prompts), rate, min_tokens, max_tokens, seed)
     runner = served if isinstance(served, Runner) else runner_for(served)
     # Slots as long as the stream's longest request, not the model's whole context.
     max_len = min(longest_request(runner, prompts, budgets), runner.model.config.context_length)
-    engine = Engine(runner, n_slots, max_len=max_len, sync_every=sync_every, compile=compile, key_buckets=key_buckets)
+    engine = Engine(runner, n_slots, max_len=max_len, sync_every=sync_every, compile=compile, key_buckets=key_buckets,
+                    busy_rows=busy_rows)
     greedy = SamplingParams(temperature=0.0)
     if compile:  # before the clock starts: compiling a step inside the stream would be timed as serving
         engine.compile_steps(shortest=min(map(len, prompts)), sampling=greedy)
@@ -138,6 +140,8 @@ def run_stream(
     metrics = serving_metrics([Timing(r.arrival_time, r.token_times) for r in requests])
     metrics.update(n_slots=n_slots, rate=rate, steps=engine.steps - warm_steps, sync_every=engine.sync_every,
                    admit_every=engine.admit_every, warmup=warmup)
+    # the most a server could deliver here: every budget over the span of the arrivals (inf: all at once)
+    metrics["offered_tok_s"] = float(sum(budgets)) / offsets[-1] if len(offsets) and offsets[-1] > 0 else float("inf")
     if depthwise:
         metrics["mean_exit_loop"] = runner.mean_exit_loop()
         metrics["exit_trajectories"] = [trajectories[r.id] for r in requests]

@@ -211,6 +211,7 @@ class StreamSettings:
     key_buckets: int = KEY_BUCKETS  # compiled: one graph per row count and per key length, all before the stream
     seed: int = 0
     warmup: int = 1  # untimed rounds of one request per slot before each model's stream
+    busy_rows: bool = True  # False: every step runs every slot (one compiled graph per server, not one per row count)
     exits: list[ExitRule] = field(default_factory=list)  # depth-wise early-exit rules for looped models
     speculations: list[Speculation] = field(default_factory=list)  # self-speculative decoding of looped models
 
@@ -262,7 +263,7 @@ def _serve_streams(served: list[tuple[str, Runner, BenchModel, str | None, list[
             fresh_compile_caches()
         m = run_stream(runner, prompts, n_slots=s.slots, min_tokens=s.tokens_range[0], max_tokens=s.tokens_range[1],
                        rate=s.rate, sync_every=s.sync_every, seed=s.seed, compile=s.compile, key_buckets=s.key_buckets,
-                       warmup=s.warmup)
+                       warmup=s.warmup, busy_rows=s.busy_rows)
         outputs[name] = m.pop("outputs")
         throughput[name] = m["throughput_tok_s"]
         if "exit_trajectories" in m:

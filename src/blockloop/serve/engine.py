@@ -97,7 +97,10 @@ class Engine:
     graphs, on CUDA). ``prefill_chunk``: the most prompt tokens a request caches per window (runners with
     ``chunked_prefill``). ``sync_every``: decode steps per window (:func:`default_sync_every` when None).
     ``key_buckets``: how many key lengths a step over every slot may be cut to (:func:`key_lengths`; 0 or 1: every
-    step reads all ``max_len`` slots); each is one more compiled graph. The model is used as given: cast it
+    step reads all ``max_len`` slots); each is one more compiled graph. ``busy_rows``: a step over the first rows only,
+    as many as are busy (rounded up to a power of two; runners with ``prefix_steps``), one compiled graph per row
+    count; False: every step over every slot, one graph (for a saturated benchmark that cannot afford the compiles).
+    The model is used as given: cast it
     (e.g. ``model.to(torch.bfloat16)``) first. It is put in eval mode (no dropout) and left so: an engine lives
     across many calls, so, unlike :func:`~blockloop.serve.generate.generate`, it has no moment to restore the
     mode; call ``model.train()`` to go on training after sampling with it.
@@ -113,6 +116,7 @@ class Engine:
         compile: bool = False,
         prefill_chunk: int = 512,
         key_buckets: int = KEY_BUCKETS,
+        busy_rows: bool = True,
     ) -> None:
         runner = served if isinstance(served, Runner) else runner_for(served)
         model = runner.model
@@ -156,7 +160,7 @@ class Engine:
                    else "use a model with a longer context")
             raise BlockloopError(f"a context of {self.max_len} tokens leaves no room for a prompt and an answer; {fix}")
         self.rows = n_slots if self.continuous else 0  # rows the current decode state has
-        self.row_counts = row_buckets(n_slots) if self.continuous and runner.prefix_steps else [self.rows]
+        self.row_counts = row_buckets(n_slots) if self.continuous and runner.prefix_steps and busy_rows else [self.rows]
         self.key_lengths = key_lengths(self.max_len, key_buckets if self.continuous else 0)
         self.scheduler = Scheduler(n_slots)
         self.logits = torch.zeros(n_slots, model.config.padded_vocab_size, dtype=weight.dtype, device=self.device)
