@@ -92,3 +92,17 @@ def test_the_generation_state_of_a_meta_model_counts_what_a_real_one_allocates(p
         meta = _generation_state_bytes(build_model(from_name(preset)), 64, 2)
     real = _generation_state_bytes(build_model(from_name(preset)), 64, 2)
     assert meta == real > 0
+
+
+def test_the_bf16_peak_is_the_cards_own_form_factor(monkeypatch):
+    """An H100 PCIe or NVL would have been taken for an SXM part (989 TFLOP/s), its MFU read low; an unknown card
+    has no peak (no MFU, rather than a wrong one)."""
+    from blockloop.train.flops import peak_flops
+
+    cuda = torch.device("cuda")
+    for name, peak in (("NVIDIA H100 80GB HBM3", 989e12), ("NVIDIA H100 PCIe", 756e12), ("NVIDIA H100 NVL", 835e12),
+                       ("NVIDIA H200", 989e12), ("NVIDIA H200 NVL", 835e12), ("NVIDIA A100-SXM4-80GB", 312e12),
+                       ("NVIDIA GeForce RTX 4090", None)):
+        monkeypatch.setattr(torch.cuda, "get_device_name", lambda device, name=name: name)
+        assert peak_flops(cuda) == peak, name
+    assert peak_flops(torch.device("cpu")) is None
