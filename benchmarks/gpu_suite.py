@@ -320,10 +320,14 @@ def training_rows(suite: Suite) -> list[dict[str, Any]]:
     args = argparse.Namespace(preset=p.train_preset, data="shakespeare", tokenizer=p.tokenizer,
                               seq_len=p.train_seq, batch_size=p.train_batch, steps=p.train_steps,
                               log_interval=p.train_log_interval, device=str(suite.device))
-    results = {}
-    for variant in p.train_variants:
-        with tempfile.TemporaryDirectory() as tmp:
-            results[variant] = run_variant(args, variant == "compiled", Path(tmp))
+    results: dict[str, dict[str, Any]] = {}
+    for variant in p.train_variants:  # one failing (a compile) keeps the other's numbers; each shown as it ends
+        try:
+            with tempfile.TemporaryDirectory() as tmp:
+                results[variant] = run_variant(args, variant == "compiled", Path(tmp))
+        except Exception as exc:  # noqa: BLE001 - recorded in the row, as a failed row is
+            results[variant] = {"variant": variant, "error": f"{type(exc).__name__}: {exc}"}
+        show({"row": "training", **results[variant]})
     return [{"row": "training", "setting": f"`{p.train_preset}`, bf16 autocast on CUDA, seq {p.train_seq}, batch {p.train_batch}",
              "target": "≥ 50% MFU (compiled), eager beside it", "measured": results,
              "met": results.get("compiled", {}).get("mfu", 0.0) >= 0.5}]
@@ -372,7 +376,8 @@ def summary(row: dict[str, Any]) -> str:
         return (f"{m['vs_vanilla']:.2f}x vanilla, {m['vs_looped_sequence_wise']:.2f}x looped sequence-wise, greedy "
                 f"agreement {100 * m['greedy_agreement_vs_no_exit']:.1f}%, mean exit loop {m['mean_exit_loop']:.2f}; "
                 f"val loss {losses}")
-    return "; ".join(f"{k} {v['tokens_per_s']:,.0f} tok/s" + (f", MFU {100 * v['mfu']:.1f}%" if "mfu" in v else "")
+    return "; ".join(f"{k} failed: {v['error']}" if "error" in v else
+                     f"{k} {v['tokens_per_s']:,.0f} tok/s" + (f", MFU {100 * v['mfu']:.1f}%" if "mfu" in v else "")
                      for k, v in m.items())
 
 

@@ -74,3 +74,32 @@ def test_a_suite_stopped_at_the_device_time_limit_keeps_the_rows_it_finished(tmp
     assert record["rows_done"] == ["decode-heavy"] and record["rows_asked"] == ["decode-heavy", "training"]
     assert {"vanilla decode-heavy", "block decode-heavy"} <= {r["row"] for r in record["rows"]}
     assert "**incomplete**: stopped before training" in path.with_suffix(".md").read_text()
+
+
+def test_a_training_variant_that_fails_keeps_the_others_numbers(monkeypatch, capsys):
+    """The compiled variant runs second: a compile that fails on the GPU used to lose the eager number measured
+    before it (and the call's minutes)."""
+    import dataclasses
+    import importlib.util
+    import types
+
+    import torch
+
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))  # as the script runs: its neighbours importable
+    spec = importlib.util.spec_from_file_location("gpu_suite", ROOT / "benchmarks" / "gpu_suite.py")
+    suite_module = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "gpu_suite", suite_module)  # its dataclasses look their module up
+    spec.loader.exec_module(suite_module)
+
+    def run_variant(args, compiled, out):
+        if compiled:
+            raise RuntimeError("inductor could not compile")
+        return {"variant": "eager", "tokens_per_s": 1000.0, "mfu": 0.25}
+
+    monkeypatch.setattr(suite_module, "run_variant", run_variant)
+    plan = dataclasses.replace(suite_module.SMOKE, train_variants=("eager", "compiled"))
+    (row,) = suite_module.training_rows(types.SimpleNamespace(plan=plan, device=torch.device("cpu")))
+    assert row["measured"]["eager"]["tokens_per_s"] == 1000.0 and not row["met"]
+    assert suite_module.summary(row) == ("eager 1,000 tok/s, MFU 25.0%; compiled failed: RuntimeError: inductor could "
+                                         "not compile")
+    assert capsys.readouterr().out.count("[gpu_suite] {\"row\": \"training\"") == 2  # each shown as it ended
