@@ -217,7 +217,7 @@ def test_checkpoints_past_ten_million_steps_rotate_and_resolve_in_step_order(tmp
 def write_checkpoint(run: Path, step: int) -> None:
     tmp = ckpt.begin_checkpoint(run, step)
     (tmp / "model.safetensors").write_bytes(b"")
-    (tmp / "train_state.json").write_text("{}")  # what makes a checkpoint complete: its last file
+    (tmp / "train_state.json").write_text("{}")
     ckpt.commit_checkpoint(run, tmp, step)
 
 
@@ -229,7 +229,7 @@ def test_rotation_counts_only_the_complete_checkpoints_up_to_latest(tmp_path):
         write_checkpoint(tmp_path, step)
     root = ckpt.checkpoint_root(tmp_path)
     (root / "latest").write_text("step_0000015\n")
-    (root / "step_0000060").mkdir()  # incomplete: no train_state.json
+    (root / "step_0000060").mkdir()  # incomplete: no weights
     write_checkpoint(tmp_path, 16)
     write_checkpoint(tmp_path, 17)
     assert sorted(p.name for p in root.glob("step_*")) == ["step_0000016", "step_0000017", "step_0000050",

@@ -35,13 +35,10 @@ def copy_into_place(src: IO[bytes], target: Path) -> None:
             out.flush()
             os.fsync(out.fileno())
         os.replace(tmp, target)
-    except OSError as exc:
+    except BaseException as exc:
         tmp.unlink(missing_ok=True)
-        if exc.filename is not None:
-            raise
-        raise type(exc)(exc.errno, exc.strerror, str(target)) from None  # a write's error names no file: name it
-    except BaseException:
-        tmp.unlink(missing_ok=True)
+        if isinstance(exc, OSError) and exc.filename is None:  # a write's error names no file: name it
+            raise type(exc)(exc.errno, exc.strerror, str(target)) from None
         raise
 
 

@@ -63,8 +63,8 @@ def to_block_checkpoint(checkpoint: str | Path, out: Path, *, block_len: int = 4
     out = ckpt.check_new_model_folder(out)
     source = load_trained(checkpoint)
     model = vanilla_to_block(source.model, block_len=block_len, prefix_len=prefix_len, pad_id=source.tokenizer.eos_id)
-    if source.state.get("run", {}).get("task") or source.state.get("run", {}).get("task_dir"):
-        check_learns_tasks(model.config)  # refused here, not by the train --init-from or eval that reads it next
+    if getattr(source.tokenizer, "task", None) is not None:  # refused here, not by the eval or training that reads it
+        check_learns_tasks(model.config)
     what = f"{model.config.name} ({model.num_parameters() / 1e6:.2f}M parameters, {model.config.summary()})"
     return _write_uptraining(out, model, source, what)
 
@@ -110,11 +110,11 @@ def to_recursive_checkpoint(
 
 def calibration_windows(source: TrainedModel, count: int, seq_len: int = 128) -> torch.Tensor:
     """``(count, seq_len)`` token ids spread over the source run's training data, to calibrate an SVD init."""
-    run = source.state.get("run", {})
-    if run.get("task") or run.get("task_dir"):
-        raise BlockloopError(f"the source learned task {run.get('task') or run.get('task_dir')}, not a text corpus to "
-                             "calibrate the SVD on; pass --calibration 0 (the SVD of the weights alone)")
-    data = run.get("data")
+    task = getattr(source.tokenizer, "task", None)  # a TaskTokenizer: the model reads a task's words
+    if task is not None:
+        raise BlockloopError(f"the source learned task {task}, not a text corpus to calibrate the SVD on; pass "
+                             "--calibration 0 (the SVD of the weights alone)")
+    data = source.state.get("run", {}).get("data")
     if data is None:
         raise BlockloopError("the source checkpoint records no training data to calibrate on; pass --calibration 0")
     windows = PackedSequences(prepare_tokens(data, source.tokenizer, show_progress=False).train,

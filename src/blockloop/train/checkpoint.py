@@ -96,8 +96,7 @@ def prune_checkpoints(run_dir: Path, keep: int) -> None:
     root = checkpoint_root(run_dir)
     latest = _latest_name(root)
     newest = _step_number(root / latest) if latest is not None else None
-    steps = sorted((p for p in root.glob("step_*") if (p / "train_state.json").is_file()
-                    and (newest is None or _step_number(p) <= newest)), key=_step_number)
+    steps = [p for p in _complete_steps(run_dir) if newest is None or _step_number(p) <= newest]
     for old in steps[:-keep]:
         if old.name != latest:
             shutil.rmtree(old, ignore_errors=True)
