@@ -296,7 +296,7 @@ def test_bench_over_http_counts_the_requests_a_server_lost_mid_run_fails_and_rep
     worker.engine.step = step_then_stop
     with running(application) as url:
         assert main(["bench", "--url", url, "--requests", "6", "--rate", "inf", "--prompt-range", "4,8",
-                     "--tokens-range", "4,4", "--record", str(run.parent / "lost.jsonl")]) == 0
+                     "--tokens-range", "4,4", "--record", str(run.parent / "lost.jsonl")]) == 1
     out, err = capsys.readouterr()
     (row,) = [json.loads(line) for line in (run.parent / "lost.jsonl").read_text().splitlines()]
     assert row["requests"] >= 1 and row["failed"] >= 1 and row["requests"] + row["failed"] + row["rejected"] == 6
@@ -545,3 +545,28 @@ def test_a_text_too_long_for_any_tokenization_is_refused_before_the_tokenizer_re
         assert read == []
         long = httpx.post(url + "/v1/completions", json={**GOOD, "prompt": "x" * 200}).json()["error"]
         assert read == [200] and long["code"] == "context_length_exceeded"  # read, then refused by its tokens
+
+
+def test_a_body_larger_than_any_request_could_need_is_a_413_declared_or_chunked(run):
+    """A request body is bounded by what the context could hold (a megabyte beside 6 bytes per character of the
+    longest text that fits): past it, a 413 while it arrives, whether its length is declared or it comes in chunks
+    without one, rather than gigabytes held in memory; the server keeps serving."""
+    application = app(run, n_slots=1)
+    limit = application.state.body_limit
+    assert limit == (1 << 20) + 6 * 128 * 2  # the tiny model: 128 tokens of at most a byte, twice over
+    padding = b" " * limit  # JSON's spaces: a well-formed body, only too long
+
+    def chunks():
+        yield b'{"model": "tiny", "prompt": "hi",'
+        for start in range(0, len(padding), 1 << 16):
+            yield padding[start:start + (1 << 16)]
+        yield b' "max_tokens": 2}'
+
+    with running(application) as url:
+        for content in (b'{"model": "tiny", "prompt": "hi",' + padding + b"}", chunks()):
+            answer = httpx.post(url + "/v1/completions", content=content, headers={"content-type": "application/json"})
+            assert answer.status_code == 413, answer.text
+            assert f"more than the {limit} bytes" in answer.json()["error"]["message"]
+        fits = b'{"model": "tiny", "prompt": "hi", "max_tokens": 2}' + b" " * (limit // 2)
+        assert httpx.post(url + "/v1/completions", content=fits).status_code == 200  # parsed off the loop
+        assert httpx.get(url + "/health").status_code == 200

@@ -53,6 +53,9 @@ from blockloop.serve.requests import SamplingParams
 
 DEFAULT_COMPLETION_TOKENS = 16  # the OpenAI default for /v1/completions; chat answers may fill the context
 RETRY_AFTER_S = 1
+BODY_FLOOR = 1 << 20  # bytes of a request body beside its text: the other fields, JSON's spaces, message wrappers
+TASK_WORD_CHARS = 64  # characters a task model's word is taken to span, in bounding a body
+PARSE_ON_LOOP_BYTES = 1 << 16
 DISCONNECT_POLL_S = 0.5  # how often a whole answer's handler checks that its client is still there
 
 
@@ -126,6 +129,9 @@ def create_app(served: ServedModel, *, allowed_origins: Sequence[str] = ()) -> F
     # context times that (twice, for the decoded lengths of a non-byte-level vocabulary) cannot fit, and is refused
     # before the tokenizer spends seconds on it while the streams wait. A task's words are not bytes: not checked.
     longest = None if getattr(tokenizer, "task", None) else 2 * max(1, int(tokenizer.token_byte_lengths().max()))
+    # Nor does a body need more than JSON's 6 bytes (a \u escape) per character of such a text, beside a
+    # megabyte for the rest of the request: a larger one is refused while it arrives, not held in memory whole.
+    app.state.body_limit = BODY_FLOOR + 6 * engine.max_len * (longest or TASK_WORD_CHARS)
 
     def _check_length(text: str, field: str) -> None:
         if longest is not None and len(text) > engine.max_len * longest:
@@ -293,7 +299,7 @@ def _limit(engine: Engine) -> str:
 async def _body(request: Request) -> Any:
     """The request's JSON body. A client still sending it when the server stops (``app.state.stopping``) gets the
     503 the engine's requests get then, rather than a handler cancelled mid-read: a bare 500 and a traceback."""
-    reading = asyncio.ensure_future(request.body())
+    reading = asyncio.ensure_future(_bounded_read(request, request.app.state.body_limit))
     stopping = asyncio.ensure_future(request.app.state.stopping.wait())
     try:
         await asyncio.wait((reading, stopping), return_when=asyncio.FIRST_COMPLETED)
@@ -304,13 +310,35 @@ async def _body(request: Request) -> Any:
     if not reading.done():  # the server stopped first (the read's cancel takes effect at its next step)
         raise ApiError(503, SHUTTING_DOWN, kind="server_error", code="shutting_down")
     try:
-        return json.loads(reading.result())
+        raw = reading.result()
+        # Parsing a body of megabytes takes the loop for milliseconds: off it, so the streams keep flowing.
+        return await asyncio.to_thread(json.loads, raw) if len(raw) > PARSE_ON_LOOP_BYTES else json.loads(raw)
     except ClientDisconnect:  # gone before its whole body arrived: nobody reads the answer, and it is no bug
         raise ApiError(499, "the client closed the connection before sending its whole request") from None
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise ApiError(400, f"the request body is not valid JSON ({exc})") from None
     except RecursionError:
         raise ApiError(400, "the request body nests JSON too deeply to read; flatten it") from None
+
+
+async def _bounded_read(request: Request, limit: int) -> bytes:
+    """The body, refused with a 413 as soon as it is known to pass ``limit`` bytes: by its declared length before
+    any of it is read, or, sent in chunks without one, at the chunk that passes it."""
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise _too_large(limit)
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise _too_large(limit)
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def _too_large(limit: int) -> ApiError:
+    return ApiError(413, f"the request body is more than the {limit} bytes any request to this server's context could "
+                    "need; shorten the prompt or messages", code="request_too_large")
 
 
 SHUTTING_DOWN = "the server is shutting down; send the request to another one, or again once it is back"
