@@ -569,4 +569,7 @@ def test_a_body_larger_than_any_request_could_need_is_a_413_declared_or_chunked(
             assert f"more than the {limit} bytes" in answer.json()["error"]["message"]
         fits = b'{"model": "tiny", "prompt": "hi", "max_tokens": 2}' + b" " * (limit // 2)
         assert httpx.post(url + "/v1/completions", content=fits).status_code == 200  # parsed off the loop
+        # /tokenize reads any text, not only one the context holds: bench --url sends it a megabyte of corpus
+        corpus = "to be or not to be " * 100_000
+        assert httpx.post(url + "/tokenize", json={"prompt": corpus}).json()["count"] == len(corpus)
         assert httpx.get(url + "/health").status_code == 200

@@ -63,7 +63,7 @@ def gguf_parsed_once() -> Iterator[None]:
 
     Without this, it parses the whole file (every metadata field, 49K vocabulary strings for SmolLM2) for the
     config and again for the weights, and rebuilds the name table for each of the model's ~400 modules: about
-    half of SmolLM2's import (0.55x the time with this, CPU, alternating runs). Both are pure reads (the reader
+    a third of SmolLM2's import (0.67x the time with this, CPU, alternating runs). Both are pure reads (the reader
     maps the file read-only; the table depends on its arguments only), so the second use of either is the
     first one's result. ``transformers`` imports both names from ``gguf`` when it uses them, so they are
     swapped there, and put back on exit. Nested uses share the outermost one's readers.

@@ -54,6 +54,9 @@ from blockloop.serve.requests import SamplingParams
 DEFAULT_COMPLETION_TOKENS = 16  # the OpenAI default for /v1/completions; chat answers may fill the context
 RETRY_AFTER_S = 1
 BODY_FLOOR = 1 << 20  # bytes of a request body beside its text: the other fields, JSON's spaces, message wrappers
+# /tokenize reads a text of any length, not one bound for the context (bench --url sends a megabyte of corpus):
+# its body has a fixed bound instead.
+TOKENIZE_BODY_LIMIT = 64 << 20
 TASK_WORD_CHARS = 64  # characters a task model's word is taken to span, in bounding a body
 PARSE_ON_LOOP_BYTES = 1 << 16
 DISCONNECT_POLL_S = 0.5  # how often a whole answer's handler checks that its client is still there
@@ -175,7 +178,7 @@ def create_app(served: ServedModel, *, allowed_origins: Sequence[str] = ()) -> F
 
     @app.post("/tokenize")
     async def tokenize(request: Request) -> dict[str, Any]:
-        params = parse(TokenizeRequest, await _body(request))
+        params = parse(TokenizeRequest, await _body(request, TOKENIZE_BODY_LIMIT))
         if params.model is not None:
             _check_model(params.model)
         encode = tokenizer.encode_prompt if params.add_special_tokens else tokenizer.encode
@@ -296,10 +299,11 @@ def _limit(engine: Engine) -> str:
     return f"the {engine.longest_request} tokens a request may take on this server (max_model_len)"
 
 
-async def _body(request: Request) -> Any:
-    """The request's JSON body. A client still sending it when the server stops (``app.state.stopping``) gets the
-    503 the engine's requests get then, rather than a handler cancelled mid-read: a bare 500 and a traceback."""
-    reading = asyncio.ensure_future(_bounded_read(request, request.app.state.body_limit))
+async def _body(request: Request, limit: int | None = None) -> Any:
+    """The request's JSON body, of at most ``limit`` bytes (default: what a request to the context could need). A
+    client still sending it when the server stops (``app.state.stopping``) gets the 503 the engine's requests get
+    then, rather than a handler cancelled mid-read: a bare 500 and a traceback."""
+    reading = asyncio.ensure_future(_bounded_read(request, limit or request.app.state.body_limit))
     stopping = asyncio.ensure_future(request.app.state.stopping.wait())
     try:
         await asyncio.wait((reading, stopping), return_when=asyncio.FIRST_COMPLETED)
@@ -337,8 +341,8 @@ async def _bounded_read(request: Request, limit: int) -> bytes:
 
 
 def _too_large(limit: int) -> ApiError:
-    return ApiError(413, f"the request body is more than the {limit} bytes any request to this server's context could "
-                    "need; shorten the prompt or messages", code="request_too_large")
+    return ApiError(413, f"the request body is more than the {limit} bytes this server reads for its path; shorten "
+                    "the text", code="request_too_large")
 
 
 SHUTTING_DOWN = "the server is shutting down; send the request to another one, or again once it is back"
