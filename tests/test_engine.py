@@ -912,3 +912,17 @@ with torch._dynamo.config.patch(recompile_limit=1, fail_on_recompile_limit_hit=T
 """
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
+
+
+def test_seeds_that_differ_by_a_multiple_of_2_to_the_32_draw_different_streams():
+    """A seed is any int64; its high word used to be dropped, so seeds s and s + 2**32 sampled the same text.
+    Every stream a seed keys (its own, and the speculative substreams) depends on both words."""
+    from blockloop.serve.sampling import counter_uniform, substream
+
+    seeds = torch.tensor([7, 7 + 2**32, 7 - 2**32, -(2**63), 2**63 - 1 - (2**63 - 1) % 2**32 + 7])
+    counter = torch.zeros(len(seeds), dtype=torch.long)
+    draws = counter_uniform(seeds, counter, 64)
+    assert len({tuple(row.tolist()) for row in draws}) == len(seeds)
+    for stream in (2, 3):
+        assert len(set(substream(seeds, stream).tolist())) == len(seeds)
+    assert ((draws > 0) & (draws < 1)).all()

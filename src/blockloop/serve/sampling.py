@@ -22,6 +22,13 @@ def _hash32(x: Tensor) -> Tensor:
     return x ^ (x >> 16)
 
 
+def _word(seed: Tensor) -> Tensor:
+    """A request's int64 seed as one 32-bit word: the seed itself below 2**32, its high word mixed in above (or
+    below 0), so that seeds differing by a multiple of 2**32 do not share a stream."""
+    high = seed >> 32
+    return (seed & _MASK32) ^ torch.where(high != 0, _hash32(high ^ 0x27D4EB2F), 0)
+
+
 def counter_uniform(seed: Tensor, counter: Tensor, vocab: int) -> Tensor:
     """Uniforms in (0, 1) of shape ``(N, vocab)`` that depend only on each row's ``(seed, counter)``.
 
@@ -30,7 +37,7 @@ def counter_uniform(seed: Tensor, counter: Tensor, vocab: int) -> Tensor:
     slot, or when it joined, and the whole batch draws in one kernel without host work.
     """
     ids = torch.arange(vocab, device=seed.device, dtype=torch.long)
-    row = _hash32(_hash32(seed) ^ (counter * 0x9E3779B9))
+    row = _hash32(_hash32(_word(seed)) ^ (counter * 0x9E3779B9))
     bits = _hash32(row[:, None] ^ _hash32(ids + 0x632BE5AB)[None, :])
     return (bits.double() + 0.5) / 2.0**32
 
@@ -38,7 +45,7 @@ def counter_uniform(seed: Tensor, counter: Tensor, vocab: int) -> Tensor:
 def substream(seed: Tensor, stream: int) -> Tensor:
     """A seed for the ``stream``-th extra random stream of requests seeded ``seed`` (speculative drafting and
     acceptance), unrelated to every request's own stream and to each other."""
-    return _hash32(seed + 0x5BD1E995 * stream)
+    return _hash32(_word(seed) + 0x5BD1E995 * stream)
 
 
 def gumbel(seed: Tensor, counter: Tensor, vocab: int) -> Tensor:
