@@ -358,6 +358,14 @@ def test_a_distilling_run_whose_pinned_teacher_is_gone_names_it_again_on_resume(
     assert state["train_config"]["extra"]["distill_from"] == str((moved / "checkpoints" / "step_0000016").resolve())
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert any(r.get("step") == 4 and "loss" in r for r in rows)  # the resumed steps trained
+    # while the pinned teacher is there, another one would change the loss mid-run: refused, the same one is not
+    other = shutil.copytree(teacher_run, tmp_path / "other-teacher")
+    assert main(["train", "--resume", "--steps", "5", "--no-progress", "--distill-from", str(other), "--out", str(run)]) == 2
+    assert f"distils from the run's own teacher, {(moved / 'checkpoints' / 'step_0000016').resolve()}, which is still " \
+        "there; drop --distill-from" in capsys.readouterr().err
+    assert main(["train", "--resume", "--steps", "5", "--no-progress", "--distill-from", str(moved), "--out", str(run)]) == 0
+    assert main(["train", "--resume", "--steps", "6", "--no-progress", "--distill-weight", "5", "--out", str(run)]) == 2
+    assert "drop --distill-weight" in capsys.readouterr().err  # not "add --distill-from": the run has its teacher
     # a run that does not distill is not turned into one on resume
     assert main(["train", "--resume", "--steps", "6", "--no-progress", "--distill-from", str(moved),
                  "--out", str(teacher_run)]) == 2

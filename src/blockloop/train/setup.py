@@ -92,7 +92,7 @@ def plan_run(request: TrainRequest) -> RunPlan:
     overrides = {**r.model_overrides, **model_flags}
     if r.tokens is not None and "steps" in r.train_overrides:
         raise BlockloopError("--tokens sets the number of steps; give --tokens or --steps, not both")
-    if r.distill_weight is not None and r.distill_from is None:
+    if r.distill_weight is not None and r.distill_from is None and not r.resume:  # a resume refuses it below
         raise BlockloopError("--distill-weight weighs the teacher's term; add --distill-from TEACHER or leave it out")
     if r.resume and r.init_from:
         raise BlockloopError("--resume continues the run in --out; --init-from starts a new one: give one of them")
@@ -118,8 +118,13 @@ def plan_run(request: TrainRequest) -> RunPlan:
         named = (("preset", r.preset), ("tokenizer", r.tokenizer), ("task", r.task), ("dropout", r.dropout),
                  ("mup_base_width", r.mup_base_width))
         clashes = _given(named, r.model_overrides)
-        # A distilling run may name its teacher again: the checkpoint it pinned goes when the teacher's run trains on.
-        repin = "distill_from" in state["train_config"].get("extra", {}) and r.distill_from is not None
+        # A distilling run may name its teacher again once the checkpoint it pinned is gone (the teacher's run trained
+        # on and removed it, or it moved); while it is there, another teacher would change the loss mid-run.
+        pinned = state["train_config"].get("extra", {}).get("distill_from")
+        repin = pinned is not None and r.distill_from is not None
+        if repin and Path(pinned).exists() and ckpt.resolve_checkpoint(Path(r.distill_from)).resolve() != Path(pinned):
+            raise BlockloopError(f"--resume distils from the run's own teacher, {pinned}, which is still there; drop "
+                                 "--distill-from (it names the teacher again only once that checkpoint is gone)")
         exits = (("early_exit", r.early_exit.exit_loss), ("exit_coefficient", r.early_exit.exit_coefficient),
                  ("exit_kd_weight", r.early_exit.exit_kd_weight), ("distill_from", None if repin else r.distill_from),
                  ("distill_weight", r.distill_weight))
