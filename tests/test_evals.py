@@ -379,7 +379,7 @@ def test_tasks_scored_one_command_at_a_time_all_stay_in_the_checkpoints_results(
                                                                                 monkeypatch):
     """The default results file is the checkpoint's: a second command scoring other tasks keeps the first's (with
     the date and command that scored them), a task scored again is replaced, and another checkpoint's record at an
-    --out path is replaced, not mixed in."""
+    --out path is refused, not replaced (it would be lost); an earlier step's, in the run's own file, is replaced."""
     pytest.importorskip("pyarrow")
     from blockloop.evals import harness
 
@@ -414,9 +414,16 @@ def test_tasks_scored_one_command_at_a_time_all_stay_in_the_checkpoints_results(
     assert main(["eval", "--checkpoint", str(tiny_run), "--tasks", "copa", "--limit", "2", "--device", "cpu",
                  "--out", str(elsewhere)]) == 0
     capsys.readouterr()
-    assert main([*base, "--tasks", "openbookqa", "--out", str(elsewhere)]) == 0
-    assert "kept" not in capsys.readouterr().out
-    assert {r["task"] for r in json.loads(elsewhere.read_text())["results"]} == {"openbookqa"}
+    assert main([*base, "--tasks", "openbookqa", "--out", str(elsewhere)]) == 2
+    assert f"{elsewhere} holds the results of another checkpoint, {(tiny_run / 'checkpoints').resolve()}" in \
+        capsys.readouterr().err
+    assert {r["task"] for r in json.loads(elsewhere.read_text())["results"]} == {"copa"}  # kept
+    # the run trained on: its newest step's results take the place of the earlier step's in its own file
+    record = json.loads((run / "benchmarks.json").read_text())
+    (run / "benchmarks.json").write_text(json.dumps({**record, "checkpoint": str(tmp_path / "run" / "step_1")}))
+    assert main([*base, "--tasks", "copa"]) == 0
+    assert f"in place of the results of {tmp_path / 'run' / 'step_1'}" in capsys.readouterr().out
+    assert {r["task"] for r in json.loads((run / "benchmarks.json").read_text())["results"]} == {"copa"}
 
 
 @pytest.mark.parametrize("argv, match", [

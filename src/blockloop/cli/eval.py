@@ -69,7 +69,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_no_pack(bench)  # the scoring's short continuation passes pack; the loss evaluation's whole windows do not
     bench.add_argument("--out", metavar="FILE", type=nonempty,
                        help="write the results as JSON here (a folder: FOLDER/benchmarks.json; default: "
-                            "CHECKPOINT/benchmarks.json); a file that holds anything but earlier results is refused")
+                            "CHECKPOINT/benchmarks.json); a file that holds anything but this checkpoint's earlier results "
+                            "is refused")
     bench.add_argument("--compare", nargs=2, metavar=("A", "B"),
                        help="print two stored results (JSON files or run directories) side by side and exit")
 
@@ -134,6 +135,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 def benchmarks(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
     from blockloop import progress as progress_bars
     from blockloop.evals.harness import BenchmarkRequest, evaluate_benchmarks
     from blockloop.evals.results import (
@@ -145,6 +148,7 @@ def benchmarks(args: argparse.Namespace) -> int:
     )
     from blockloop.evals.tasks import parse_tasks
     from blockloop.files import check_writable
+    from blockloop.train.checkpoint import resolve_checkpoint
 
     out = results_path(args.out, args.checkpoint)
     given = {name: getattr(args, name) for name in ("shots", "seed") if getattr(args, name) is not None}
@@ -162,8 +166,9 @@ def benchmarks(args: argparse.Namespace) -> int:
                 bar.close()
         return done
 
+    replaced = None
     if out.parent.is_dir() or args.out:  # a long run's results must not be lost to a path that cannot be written
-        check_replaceable(out)
+        replaced = check_replaceable(out, resolve_checkpoint(Path(args.checkpoint)).resolve(), bool(args.out))
         check_writable(out)
     try:
         record = evaluate_benchmarks(args.checkpoint, request, args.device or "auto", progress=progress)
@@ -177,7 +182,8 @@ def benchmarks(args: argparse.Namespace) -> int:
     else:
         subset = f", at most {args.limit} question{'s' if args.limit > 1 else ''} per task" if args.limit else ""
         print(f"{args.checkpoint}: {request.shots}-shot{subset} (value ± standard error, %); written to {out}"
-              + (f", beside the earlier results of {', '.join(kept)} kept there" if kept else ""))
+              + (f", beside the earlier results of {', '.join(kept)} kept there" if kept else "")
+              + (f", in place of the results of {replaced}" if replaced else ""))
         print_table(table_rows(record))
     return 0
 

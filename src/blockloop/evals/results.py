@@ -50,7 +50,8 @@ def merge_earlier(record: dict[str, Any], path: Path) -> tuple[dict[str, Any], l
     ``benchmarks.json``) keeps them all, where writing the file afresh would drop all but the last command's. A
     task scored again is replaced whole. The record's date and command are this run's; ``earlier`` says, per kept
     task, the date and command of the run that scored it. Another checkpoint's results (or those of one retrained
-    since) are replaced; anything else at ``path`` is refused before scoring (:func:`check_replaceable`)."""
+    since, at the checkpoint's own default path) are replaced; anything else at ``path`` is refused before scoring
+    (:func:`check_replaceable`)."""
     old = read_record(path) if path.is_file() else None
     if old is None or not _same_checkpoint(old.get("checkpoint"), record.get("checkpoint")):
         return record, []
@@ -81,14 +82,24 @@ def results_path(out: str | None, checkpoint: str) -> Path:
     return Path(out) / RESULTS_FILE if out.endswith(("/", os.sep)) or Path(out).is_dir() else Path(out)
 
 
-def check_replaceable(path: Path) -> None:
+def check_replaceable(path: Path, checkpoint: Path, given: bool) -> str | None:
     """Refuse, before any scoring, to write results over a file that holds something else (a user's notes, a
-    dataset): only an earlier results file is merged or replaced (:func:`merge_earlier`)."""
-    if path.is_file():
-        try:
-            read_record(path)
-        except BlockloopError as exc:
-            raise BlockloopError(f"{exc}; eval would overwrite it: give --out a new file, or remove this one") from None
+    dataset), or over another checkpoint's results at a path the user gave (``given``: ``--out``), which would be
+    lost: only the same checkpoint's results are merged (:func:`merge_earlier`). Returns the checkpoint whose results
+    the file holds where they will be replaced (the checkpoint's own default file, written by an earlier step of
+    its run), else None."""
+    if not path.is_file():
+        return None
+    try:
+        earlier = read_record(path).get("checkpoint")
+    except BlockloopError as exc:
+        raise BlockloopError(f"{exc}; eval would overwrite it: give --out a new file, or remove this one") from None
+    if _same_checkpoint(earlier, str(checkpoint)):
+        return None
+    if given:
+        raise BlockloopError(f"{path} holds the results of another checkpoint, {earlier}, which eval would replace; "
+                             "give --out a new file, or remove this one")
+    return earlier
 
 
 def read_record(path: str | Path) -> dict[str, Any]:
