@@ -11,7 +11,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from torch import nn
+from torch import Tensor, nn
 
 from blockloop.cli import EXIT_USER_ERROR, main
 from blockloop.data.tokenizers import ByteTokenizer
@@ -371,8 +371,15 @@ def test_cli_runs_the_shipped_benchmarks_writes_json_and_compares(tiny_run, tmp_
     assert [(r["task"], r["metric"], r["n"]) for r in record["results"]] == [
         ("arc_easy", "acc", 3), ("arc_easy", "acc_norm", 3), ("copa", "acc", 3)]
     assert main(["eval", "--compare", str(a), str(b)]) == 0
-    rows = capsys.readouterr().out.splitlines()
-    assert len(rows) == 2 + 1 + 3 and "B - A" in rows[2]
+    printed = capsys.readouterr()
+    rows = printed.out.splitlines()
+    assert len(rows) == 2 + 1 + 3 and "B - A" in rows[2] and "share no task" not in printed.err
+    c = tmp_path / "c.json"
+    assert main(["eval", "--checkpoint", str(tiny_run), "--tasks", "openbookqa", "--limit", "2", "--device", "cpu",
+                 "--out", str(c)]) == 0
+    capsys.readouterr()
+    assert main(["eval", "--compare", str(a), str(c)]) == 0
+    assert "the two records share no task and metric" in capsys.readouterr().err
 
 
 def test_tasks_scored_one_command_at_a_time_all_stay_in_the_checkpoints_results(tiny_run, tmp_path, capsys,
@@ -478,6 +485,7 @@ def test_few_shot_results_record_their_seed_and_compare_says_when_it_differs():
             for kw in ({"shots": 2, "seed": 1}, {"shots": 2, "seed": 2}, {})]
     assert [r.get("seed") for run in runs for r in run["results"][:1]] == [1, 2, None]  # zero-shot draws nothing
     assert compare_rows(runs[0], runs[1], ("A", "B"))[1][-1] == "seed 1 vs 2"
+    assert compare_rows(runs[2], runs[1], ("A", "B"))[1][-1] == "shots 0 vs 2"  # no seed at zero shots to differ
 
 
 def test_every_task_is_checked_before_any_is_scored(monkeypatch):
@@ -590,3 +598,42 @@ def test_the_table_gives_a_tasks_seconds_once():
               + [{**row, "task": "piqa", "metric": "acc", "loop": 2}], "seconds": {"copa": 5.25, "piqa": 1.0}}
     header, *rows = table_rows(record)
     assert header[-1] == "seconds" and [r[-1] for r in rows] == ["5.2", "", "", "", "1.0"]
+
+
+@pytest.mark.parametrize("preset", ["tiny", "tiny-block"])
+def test_questions_whose_context_is_cut_to_fit_are_counted_in_every_result(preset):
+    """The windows keep the last tokens, as lm-eval's do, so a long question (or its few-shot examples) is
+    scored without its start; that used to go unsaid. A question is counted exactly when some choice's window
+    drops context: the count equals the questions whose scores change if the context is cut by one more token."""
+    from blockloop.evals.scoring import cut_questions
+
+    model = build_model(small_variant(preset)).double().eval()
+    c = model.config
+    ids = [(3 + i) % 60 for i in range(3 * c.context_length)]
+
+    def question(n_context: int, *continuations: tuple[int, ...]) -> list[Request]:
+        return [Request(tuple(ids[:n_context]), x) for x in continuations or [(5, 6)]]
+
+    def ll(n_context: int, skip: int = 0) -> Tensor:
+        return score(model, [[Request(tuple(ids[skip:n_context]), (5, 6))]]).loglikelihood
+
+    fit = max(n for n in range(1, 2 * c.context_length) if cut_questions(model, [question(n)]) == 0)
+    assert not torch.allclose(ll(fit), ll(fit, skip=1))  # at the limit, the first context token still counts
+    assert torch.allclose(ll(fit + 1), ll(fit + 1, skip=1))  # past it, it is cut
+    # a question counts once, when any of its choices loses context
+    assert cut_questions(model, [question(fit), question(fit + 1), question(3), question(fit, (5, 6), tuple(range(1, 10)))]) == 2
+
+    tok = ByteTokenizer()
+    text = build_model(small_variant(preset).replace(vocab_size=tok.vocab_size, padded_vocab_size=320)).eval()
+    many, none = (run_benchmarks(text, tok, BenchmarkRequest(["piqa"], limit=3, shots=shots), rows=lambda d: PIQA_ROWS)
+                  for shots in (9, 0))
+    assert {r["cut"] for r in many["results"]} == {3} and {r["cut"] for r in none["results"]} == {0}
+
+
+def test_eval_warns_when_contexts_were_cut_to_fit(tiny_run, capsys):
+    pytest.importorskip("pyarrow")
+    assert main(["eval", "--checkpoint", str(tiny_run), "--tasks", "copa", "--limit", "2", "--shots", "20",
+                 "--device", "cpu", "--out", str(tiny_run.parent / "cut.json")]) == 0
+    err = capsys.readouterr().err
+    assert "warning: copa: the contexts of 2 of its 2 questions were cut from the left to fit the model context" in err
+    assert json.loads((tiny_run.parent / "cut.json").read_text())["results"][0]["cut"] == 2

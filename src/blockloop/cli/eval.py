@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 
 from blockloop.choices import OBJECTIVES
 from blockloop.cli.common import (
@@ -185,6 +186,11 @@ def benchmarks(args: argparse.Namespace) -> int:
               + (f", beside the earlier results of {', '.join(kept)} kept there" if kept else "")
               + (f", in place of the results of {replaced}" if replaced else ""))
         print_table(table_rows(record))
+    cut = {r["task"]: (r["cut"], r["n"]) for r in record["results"] if r.get("cut")}
+    for task, (n, total) in cut.items():  # scored, as lm-eval scores them, but not on the whole question
+        print(f"warning: {task}: the contexts of {n} of its {total} questions were cut from the left "
+              f"to fit the model context (as lm-eval cuts them); fewer --shots, or a model with a longer context, "
+              "sees them whole", file=sys.stderr)
     return 0
 
 
@@ -193,5 +199,8 @@ def compare(paths: list[str]) -> int:
 
     a, b = (read_record(p) for p in paths)
     print(f"A = {paths[0]}\nB = {paths[1]}")
-    print_table(compare_rows(a, b, ("A", "B")))
+    rows = compare_rows(a, b, ("A", "B"))
+    print_table(rows)
+    if all("-" in row[3:5] for row in rows[1:]):
+        print("note: the two records share no task and metric; nothing is compared side by side", file=sys.stderr)
     return 0

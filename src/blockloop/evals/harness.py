@@ -23,7 +23,7 @@ from blockloop.data.tokenizers import Tokenizer
 from blockloop.device import resolve_device
 from blockloop.errors import BlockloopError
 from blockloop.evals.benchmarks_data import load_rows
-from blockloop.evals.scoring import check_requests, encode_request, score
+from blockloop.evals.scoring import check_requests, cut_questions, encode_request, score
 from blockloop.evals.tasks import TASKS, Question, build_questions
 from blockloop.train.run import load_trained
 
@@ -105,11 +105,11 @@ def run_benchmarks(
             check_requests(model, groups)
         except BlockloopError as exc:
             refused.append(f"{name}: {exc}")
-        prepared.append((name, questions, groups))
+        prepared.append((name, questions, groups, cut_questions(model, groups)))
     if refused:  # every task that cannot be scored, in one line: not one per run
         raise BlockloopError("; ".join(refused))
     results, seconds = [], {}
-    for name, questions, groups in prepared:
+    for name, questions, groups, cut in prepared:
         task = TASKS[name]
         start = time.perf_counter()
         scores = score(model, groups, exits=exits, batch_size=request.batch_size,
@@ -123,7 +123,7 @@ def run_benchmarks(
             for metric in task.metrics:
                 value, stderr = mean_stderr([m[metric] for m in per_question])
                 result = {"task": name, "metric": metric, "value": value, "stderr": stderr, "n": len(questions),
-                          "shots": request.shots, "limit": request.limit}
+                          "shots": request.shots, "limit": request.limit, "cut": cut}
                 if request.shots:  # which examples were drawn
                     result["seed"] = request.seed
                 results.append(result if loop is None else {**result, "loop": loop})

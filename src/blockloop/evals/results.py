@@ -146,7 +146,8 @@ def compare_rows(a: dict[str, Any], b: dict[str, Any], names: tuple[str, str]) -
         x, y = first.get(key), second.get(key)
         cells = [_cell(r["value"], r["stderr"]) if r else "-" for r in (x, y)]
         diff = f"{100 * (y['value'] - x['value']):+.1f}" if x and y else "-"
-        differ = [f"{field} {x.get(field)} vs {y.get(field)}" for field in ("shots", "n", "seed")
-                  if x and y and x.get(field) != y.get(field)]
+        # where both say (a zero-shot run draws no examples, so it has no seed; older records count no cut questions)
+        differ = [f"{field} {x[field]} vs {y[field]}" for field in ("shots", "n", "cut", "seed")
+                  if x and y and x.get(field) is not None and y.get(field) is not None and x[field] != y[field]]
         rows.append((key[0], key[1], "" if key[2] is None else str(key[2]), *cells, diff, "; ".join(differ)))
     return rows

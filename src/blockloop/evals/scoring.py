@@ -23,7 +23,7 @@ all but the last of them; ``exits`` (loop numbers, recursive models) score the s
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 from torch import Tensor, nn
@@ -136,6 +136,19 @@ def check_requests(model: nn.Module, groups: Sequence[Sequence[Request]]) -> Non
                              "longer context, or leave the task out")
 
 
+def cut_questions(model: nn.Module, groups: Sequence[Sequence[Request]]) -> int:
+    """How many questions lose tokens of their context to fit the model context: their windows keep the last
+    tokens only, as lm-eval's do, so the start of a long question or of its few-shot examples goes unseen."""
+    c = model.config
+
+    def cut(r: Request) -> bool:
+        if spec_of(c).scoring == "blocks":
+            return len(r.context) > _block_room(c, len(r.continuation))
+        return len(r.context) + len(r.continuation) > c.context_length + 1
+
+    return sum(any(cut(r) for r in g) for g in groups)
+
+
 def _window(request: Request, limit: int) -> tuple[list[int], list[int], int]:
     """(inputs, targets, scored): lm-eval's window of the last ``limit + 1`` tokens; the last ``scored``
     targets are the continuation (:func:`check_requests` saw that it fits)."""
@@ -218,15 +231,19 @@ def _blocks(model: nn.Module, groups: list[list[Request]], exits: Sequence[int] 
     c, device = model.config, _device(model)
     rows, targets = [], []
     for r in (r for g in groups for r in g):
-        cont_blocks = -(-len(r.continuation) // c.block_len) * c.block_len
-        room = (c.context_length - cont_blocks) // c.block_len * c.block_len  # >= one block: check_requests
-        context = list(r.context[-room:])
+        context = list(r.context[-_block_room(c, len(r.continuation)):])
         context = [c.pad_id] * (-len(context) % c.block_len) + context
         rows.append(context + list(r.continuation))
         targets.append([-100] * len(context) + list(r.continuation))
     length = -(-max(map(len, rows)) // c.block_len) * c.block_len
     idx = _padded(rows, c.pad_id, device, length)
     return _gather(_logits(model, exits, idx), _padded(targets, -100, device, length))
+
+
+def _block_room(c: Any, continuation: int) -> int:
+    """Tokens of context a Block Transformer keeps: the whole blocks beside the continuation's (at least one:
+    :func:`check_requests`)."""
+    return (c.context_length - -(-continuation // c.block_len) * c.block_len) // c.block_len * c.block_len
 
 
 def _split(model: nn.Module, groups: list[list[Request]], exits: Sequence[int] | None) -> tuple[Tensor, Tensor]:
