@@ -461,3 +461,21 @@ def test_python_dash_m_blockloop_is_the_console_script():
 
     done = subprocess.run([sys.executable, "-m", "blockloop", "presets", "--help"], capture_output=True, text=True)
     assert done.returncode == 0 and "usage: blockloop presets" in done.stdout, done.stderr
+
+
+def test_the_commands_printed_to_paste_next_quote_paths_with_spaces(tmp_path, capsys):
+    """`train` ends with the command that writes its weights alone, `convert` with the one that uses the result:
+    a path with spaces used to be printed bare, and the pasted command failed."""
+    import shlex
+
+    run = tmp_path / "out with space" / "run 1"
+    assert main(["train", "--preset", "tiny", "--steps", "1", "--warmup-steps", "1", "--batch-size", "2", "--seq-len",
+                 "32", "--device", "cpu", "--no-progress", "--out", str(run)]) == 0
+    line = next(x for x in capsys.readouterr().out.splitlines() if "blockloop convert --to weights" in x)
+    argv = shlex.split(line.split("blockloop ", 1)[1])
+    assert argv[argv.index("--checkpoint") + 1] == str(run)
+    assert main(argv) == 0  # the pasted command runs
+    line = next(x for x in capsys.readouterr().out.splitlines() if "blockloop generate" in x)
+    argv = shlex.split(line.split("blockloop ", 1)[1].replace("TEXT", "hi"))
+    assert argv[argv.index("--checkpoint") + 1] == f"{run}-weights"
+    assert main([*argv, "--max-new-tokens", "2", "--device", "cpu"]) == 0

@@ -7,6 +7,7 @@ generation code, and prints a sample. Adding a family to the comparison means ad
 
 from __future__ import annotations
 
+import shlex
 import shutil
 import time
 from dataclasses import dataclass
@@ -111,4 +112,4 @@ def _print_summary(results: list[DemoResult]) -> None:
         print("  ".join(cell.ljust(w) for cell, w in zip(row, widths)))
     for r in results:
         print(f"\n--- {r.entry.family} sample ---\n{SAMPLE_PROMPT}{r.sample}")
-        print(f"--- checkpoint: {r.run_dir} (try: blockloop generate --checkpoint {r.run_dir} --prompt 'JULIET:') ---")
+        print(f"--- checkpoint: {r.run_dir} (try: blockloop generate --checkpoint {shlex.quote(str(r.run_dir))} --prompt 'JULIET:') ---")

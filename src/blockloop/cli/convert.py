@@ -4,6 +4,7 @@ Hugging Face models in. The targets and their options come from :data:`blockloop
 from __future__ import annotations
 
 import argparse
+import shlex
 from pathlib import Path
 
 from blockloop.cli.common import (
@@ -93,7 +94,7 @@ def run(args: argparse.Namespace) -> int:
         model, tokenizer = import_checkpoint(args.from_hf, Path(args.out), gguf_file=args.gguf_file, tokenizer=args.tokenizer)
         print(
             f"wrote {model.config.name} ({model.num_parameters() / 1e6:.2f}M parameters, {model.config.summary()}, "
-            f"tokenizer {tokenizer.name}) to {args.out}; try: blockloop generate --checkpoint {args.out} --prompt TEXT"
+            f"tokenizer {tokenizer.name}) to {args.out}; try: blockloop generate --checkpoint {shlex.quote(args.out)} --prompt TEXT"
         )
         return 0
     if args.checkpoint is None:

@@ -9,6 +9,7 @@ exist and the options each takes are :data:`blockloop.convert.targets.TARGETS`; 
 
 from __future__ import annotations
 
+import shlex
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -51,7 +52,7 @@ def _write_uptraining(out: Path, model: nn.Module, source: TrainedModel, what: s
             "step": 0, "run": source.state.get("run", {}), **({"train_config": {"seq_len": window}} if fits else {}),
             "converted_from": str(source.directory),
         })
-    return Converted(out, what, f"uptrain with: blockloop train --init-from {out} --out RUN")
+    return Converted(out, what, f"uptrain with: blockloop train --init-from {shlex.quote(str(out))} --out RUN")
 
 
 def to_block_checkpoint(checkpoint: str | Path, out: Path, *, block_len: int = 4, prefix_len: int | None = None) -> Converted:
@@ -154,7 +155,7 @@ def to_weights(checkpoint: str | Path, out: Path, *, save_dtype: str = "float32"
         })
     size = (out / "model.safetensors").stat().st_size
     return Converted(out, f"the weights of {source.config.name} ({save_dtype}, {size / 1e6:.1f} MB)",
-                     f"use it like a run: blockloop generate --checkpoint {out} --prompt TEXT")
+                     f"use it like a run: blockloop generate --checkpoint {shlex.quote(str(out))} --prompt TEXT")
 
 
 CONVERTERS: dict[str, Callable[..., Converted]] = {

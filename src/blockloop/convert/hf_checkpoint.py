@@ -9,6 +9,7 @@ converted by ``transformers``, or the built-in ``smollm2`` one, each with its ch
 
 from __future__ import annotations
 
+import shlex
 import tempfile
 from pathlib import Path
 
@@ -60,7 +61,7 @@ def import_checkpoint(
     if any((folder / marker).exists() for folder in (path, ckpt.checkpoint_root(path))  # a run, its checkpoints
            for marker in ("train_state.json", ckpt.LATEST)):  # or one of them: what blockloop writes, HF does not
         raise BlockloopError(f"{path} is a blockloop run or checkpoint, not a Hugging Face folder; it needs no import: "
-                             f"give it as --checkpoint, or export it with convert --to hf --checkpoint {path}")
+                             f"give it as --checkpoint, or export it with convert --to hf --checkpoint {shlex.quote(str(path))}")
     if tokenizer is not None and tokenizer.split(":")[0] == "bpe":
         raise BlockloopError("--tokenizer bpe is trained on a corpus, so its ids would not be the ones the imported "
                              "weights were trained on; leave --tokenizer out to keep the source's own")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import shlex
 from pathlib import Path
 from typing import Any
 
@@ -107,7 +108,7 @@ def read_record(path: str | Path) -> dict[str, Any]:
     path = Path(path)
     file = path / RESULTS_FILE if path.is_dir() else path
     if not file.is_file():
-        raise BlockloopError(f"no benchmark results at {file}; run blockloop eval --tasks ... --out {file} first")
+        raise BlockloopError(f"no benchmark results at {file}; run blockloop eval --tasks ... --out {shlex.quote(str(file))} first")
     try:
         record = json.loads(file.read_text(encoding="utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:

@@ -20,6 +20,7 @@ import json
 import math
 import os
 import re
+import shlex
 import shutil
 from pathlib import Path
 from typing import Any
@@ -213,7 +214,7 @@ def resolve_checkpoint(path: Path) -> Path:
         return steps[-1]
     if _is_hf_folder(path):
         raise BlockloopError(f"{path} is a Hugging Face model folder, not a blockloop checkpoint; import it first: "
-                             f"blockloop convert --from-hf {path} --out RUN, then give RUN in its place")
+                             f"blockloop convert --from-hf {shlex.quote(str(path))} --out RUN, then give RUN in its place")
     if (path / "model.safetensors").is_file():
         return path
     if checkpoint_root(path).is_dir() or (path / LOCK_FILE).is_file():  # a run that never wrote a checkpoint
@@ -274,7 +275,8 @@ def size_report(directory: Path, run_dir: Path) -> str:
     return (
         f"each checkpoint is {_size(sum(sizes.values()))} (weights {_size(weights)} + optimizer state "
         f"{_size(optimizer)}, float32; the last {KEEP_LAST} are kept); the weights alone in bfloat16 ({_size(weights // 2)}): blockloop "
-        f"convert --to weights --save-dtype bfloat16 --checkpoint {run_dir} --out {run_dir}-weights"
+        f"convert --to weights --save-dtype bfloat16 --checkpoint {shlex.quote(str(run_dir))} --out "
+        f"{shlex.quote(f'{run_dir}-weights')}"
     )
 
 
