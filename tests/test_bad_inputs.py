@@ -513,7 +513,26 @@ def test_a_damaged_checkpoint_names_the_fix_that_works(base, tmp_path, capsys):
     for step in ("step_0000002", "step_0000004"):  # pruned, or damaged: none to go back to
         shutil.rmtree(root / step, ignore_errors=True)
     assert main(["eval", "--checkpoint", str(run)]) == EXIT_USER_ERROR
-    assert "the run has no other checkpoint: retrain" in capsys.readouterr().err
+    assert "the run has no other checkpoint: restore the file from a copy, or retrain" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("damage", ["train_state.json", "tokenizer.json", "config.json", "config.json=[1]",
+                                    "rng_rank0.safetensors", "optimizer.json={}"])
+def test_every_missing_or_damaged_checkpoint_file_names_the_way_out(base, tmp_path, capsys, damage):
+    """A missing train_state.json said only "the checkpoint is incomplete", a missing tokenizer.json to "point at the
+    run directory" (it was one), a config.json that was no object nothing at all: each now names the fix."""
+    run = tmp_path / "run"
+    shutil.copytree(base / "run", run)
+    name, _, content = damage.partition("=")
+    target = run / "checkpoints" / "step_0000004" / name
+    if content:
+        target.write_text(content)
+    else:
+        target.unlink()
+    assert main(["train", "--resume", "--steps", "6", "--out", str(run), "--no-progress"]) == EXIT_USER_ERROR
+    err = capsys.readouterr().err
+    assert str(target) in err and "use another of its checkpoints: write step_0000002 into " \
+        f"{run / 'checkpoints' / 'latest'}, or retrain" in err, err
 
 
 def test_raw_bytes_with_another_tokenizer_are_refused_before_that_tokenizer_is_fetched(tmp_path, monkeypatch, capsys):

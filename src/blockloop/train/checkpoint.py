@@ -31,9 +31,9 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from blockloop.choices import SAVE_DTYPES
-from blockloop.config import ModelConfig, save_config
+from blockloop.config import ModelConfig, read_config_dict, save_config
 from blockloop.errors import BlockloopError
-from blockloop.families import load_config
+from blockloop.families import config_from_dict
 from blockloop.files import LOCK_FILE, atomic_write_text, check_new_folder, new_file_mode, running_here
 
 LATEST = "latest"
@@ -334,14 +334,14 @@ def load_optimizer(directory: Path) -> dict[str, Any]:
     meta = read_json(path)
     if not (isinstance(meta, dict) and isinstance(meta.get("param_groups"), list) and isinstance(meta.get("scalars"), dict)
             and all(isinstance(g, dict) and isinstance(g.get("params"), list) for g in meta["param_groups"])):
-        raise BlockloopError(f"{path} does not hold the optimizer's param_groups and scalars; the checkpoint is corrupt: "
-                             "use an earlier one")
+        raise BlockloopError(f"{path} does not hold the optimizer's param_groups and scalars; "
+                             f"{_corrupt(path)}")
     state: dict[str, dict[str, Any]] = {}
     for flat, value in list(tensors.items()) + list(meta["scalars"].items()):
         name, slash, key = flat.rpartition("/")
         if not (name and slash and key):
-            raise BlockloopError(f"{directory} holds optimizer state {flat!r}, not PARAMETER/NAME; the checkpoint is "
-                                 "corrupt: use an earlier one")
+            raise BlockloopError(f"{directory} holds optimizer state {flat!r}, not PARAMETER/NAME; "
+                                 f"{_corrupt(path)}")
         state.setdefault(name, {})[key] = value
     return {"state": state, "param_groups": meta["param_groups"]}
 
@@ -383,7 +383,7 @@ def check_process_count(directory: Path, world_size: int) -> None:
     ranks = [directory / f"rng_rank{rank}.safetensors" for rank in range(max(written, 1))]
     if not all(path.is_file() for path in ranks):  # e.g. no rng_rank0 at all: no process count to name
         missing = next(path for path in ranks if not path.is_file())
-        raise BlockloopError(f"{missing} is missing; the checkpoint is incomplete: use an earlier one")
+        raise missing_file(missing)
     if written != world_size:
         launch = "without torchrun" if written == 1 else f"with torchrun --nproc-per-node {written}"
         raise BlockloopError(f"{directory} was written by {written} process{'es' * (written != 1)}, this resume runs "
@@ -393,32 +393,39 @@ def check_process_count(directory: Path, world_size: int) -> None:
 def load_rng(directory: Path, rank: int) -> None:
     path = directory / f"rng_rank{rank}.safetensors"
     if not path.is_file():
-        raise BlockloopError(f"{path} is missing; the checkpoint is incomplete")
+        raise missing_file(path)
     tensors = _read_safetensors(path)
     states = [tensors.get("torch_cpu"), *([tensors["torch_cuda"]] if "torch_cuda" in tensors else [])]
     if not all(torch.is_tensor(t) and t.dtype == torch.uint8 and t.dim() == 1 for t in states):
-        raise BlockloopError(f"{path} does not hold a random number generator state (torch_cpu, bytes); the checkpoint "
-                             "is corrupt: use an earlier one")
+        raise BlockloopError(f"{path} does not hold a random number generator state (torch_cpu, bytes); "
+                             f"{_corrupt(path)}")
     try:
         torch.set_rng_state(tensors["torch_cpu"])
     except RuntimeError as exc:  # bytes of the wrong length
-        raise BlockloopError(f"{path} holds an invalid random number generator state ({exc}); the checkpoint is corrupt: "
-                             "use an earlier one") from exc
+        raise BlockloopError(f"{path} holds an invalid random number generator state ({exc}); "
+                             f"{_corrupt(path)}") from exc
     if "torch_cuda" in tensors and torch.cuda.is_available():
         torch.cuda.set_rng_state(tensors["torch_cuda"])
 
 
 def load_checkpoint_config(directory: Path) -> ModelConfig:
-    return load_config(directory / "config.json")
+    path = directory / "config.json"
+    if not path.is_file():
+        raise missing_file(path)
+    try:
+        data = read_config_dict(path)
+    except BlockloopError as exc:  # config.py knows no runs: the way out of a damaged checkpoint is said here
+        raise BlockloopError(f"{exc}: {_fallback(directory)}") from None
+    return config_from_dict(data)
 
 
 def read_json(path: Path) -> Any:
     try:
         return json.loads(Path(path).read_text(encoding="utf-8"))
     except FileNotFoundError as exc:
-        raise BlockloopError(f"{path} is missing; the checkpoint is incomplete") from exc
+        raise missing_file(path) from exc
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise BlockloopError(f"{path} is not valid JSON ({exc}); the checkpoint is corrupt") from exc
+        raise BlockloopError(f"{path} is not valid JSON ({exc}); {_corrupt(path)}") from exc
 
 
 TRAIN_STATE_KEYS = ("step", "data", "train_config", "run")
@@ -455,7 +462,7 @@ def read_saved_state(directory: Path) -> dict[str, Any]:
     path = Path(directory) / "train_state.json"
     state = read_json(path) if path.is_file() else {}
     if not isinstance(state, dict) or not all(isinstance(state.get(k, {}), dict) for k in _SAVED_NAMES):
-        raise BlockloopError(f"{path} is not an object with run and train_config objects; the checkpoint is corrupt")
+        raise BlockloopError(f"{path} is not an object with run and train_config objects; {_corrupt(path)}")
     bad = [f"{part}.{key} must be a string, got {state[part][key]!r}" for part, keys in _SAVED_NAMES.items()
            for key in keys if state.get(part, {}).get(key) is not None and not isinstance(state[part][key], str)]
     seq_len = state.get("train_config", {}).get("seq_len")
@@ -467,7 +474,7 @@ def read_saved_state(directory: Path) -> dict[str, Any]:
     if state.get("converted_from") is not None and not isinstance(state["converted_from"], str):
         bad.append(f"converted_from must be a string, got {state['converted_from']!r}")
     if bad:
-        raise BlockloopError(f"{path}: {bad[0]}; the checkpoint is corrupt: use an earlier one")
+        raise BlockloopError(f"{path}: {bad[0]}; {_corrupt(path)}")
     return state
 
 
@@ -476,33 +483,33 @@ def read_train_state(directory: Path) -> dict[str, Any]:
     path = Path(directory) / "train_state.json"
     state = read_json(path)
     if not isinstance(state, dict):
-        raise BlockloopError(f"{path} holds a JSON {type(state).__name__}, not an object; the checkpoint is corrupt")
+        raise BlockloopError(f"{path} holds a JSON {type(state).__name__}, not an object; {_corrupt(path)}")
     missing = [key for key in TRAIN_STATE_KEYS if key not in state]
     if missing:
         raise BlockloopError(f"{path} lacks {', '.join(missing)}; the checkpoint is incomplete or was not written by "
                              "`blockloop train`: resume from an earlier one, or start a new run from it with --init-from")
     if not _is_count(state["step"]):
-        raise BlockloopError(f"{path}: step must be a non-negative integer, got {state['step']!r}; the checkpoint is corrupt")
+        raise BlockloopError(f"{path}: step must be a non-negative integer, got {state['step']!r}; {_corrupt(path)}")
     for key in ("data", "train_config", "run"):
         if not isinstance(state[key], dict):
-            raise BlockloopError(f"{path}: {key} must be a JSON object, got {state[key]!r}; the checkpoint is corrupt")
+            raise BlockloopError(f"{path}: {key} must be a JSON object, got {state[key]!r}; {_corrupt(path)}")
     # The data position: epoch and index (and, for recurrent models, the stream layout), all counts.
     data = state["data"]
     bad = [key for key in ("epoch", "index") if key not in data] + [
         key for key, value in data.items()
         if not _is_count(value) or value >= 2**62]  # + a seed: int64
     if bad:
-        raise BlockloopError(f"{path}: data must hold the non-negative integers epoch and index, got {data!r}; the "
-                             "checkpoint is corrupt: use an earlier one")
+        raise BlockloopError(f"{path}: data must hold the non-negative integers epoch and index, got {data!r}; "
+                             f"{_corrupt(path)}")
     if "tokens" in state and not _is_count(state["tokens"]):
-        raise BlockloopError(f"{path}: tokens must be a non-negative integer, got {state['tokens']!r}; the checkpoint "
-                             "is corrupt: use an earlier one")
+        raise BlockloopError(f"{path}: tokens must be a non-negative integer, got {state['tokens']!r}; "
+                             f"{_corrupt(path)}")
     if not _is_count(state.get("world_size", 1), least=1):
-        raise BlockloopError(f"{path}: world_size must be a positive integer, got {state['world_size']!r}; the "
-                             "checkpoint is corrupt: use an earlier one")
+        raise BlockloopError(f"{path}: world_size must be a positive integer, got {state['world_size']!r}; "
+                             f"{_corrupt(path)}")
     if "tokens" not in state and not all(_is_count(n, least=1) for n in _batch_shape(state)):
-        raise BlockloopError(f"{path}: the saved batch shape {_batch_shape(state)} is not positive integers; the "
-                             "checkpoint is corrupt: use an earlier one")
+        raise BlockloopError(f"{path}: the saved batch shape {_batch_shape(state)} is not positive integers; "
+                             f"{_corrupt(path)}")
     return state
 
 
@@ -528,11 +535,20 @@ def write_json_atomic(path: Path, data: Any) -> None:
 
 def _read_safetensors(path: Path) -> dict[str, torch.Tensor]:
     if not path.is_file():
-        raise BlockloopError(f"{path} is missing; the checkpoint is incomplete")
+        raise missing_file(path)
     try:
         return load_file(str(path))
     except (SafetensorError, OSError, ValueError) as exc:
         raise BlockloopError(f"{path} is corrupt ({exc}); {_fallback(path.parent)}") from exc
+
+
+def _corrupt(path: Path) -> str:
+    return f"the checkpoint is corrupt: {_fallback(path.parent)}"
+
+
+def missing_file(path: Path) -> BlockloopError:
+    """The error for a file a checkpoint lacks (a copy or a disk that lost it), with the way out."""
+    return BlockloopError(f"{path} is missing; the checkpoint is incomplete: {_fallback(path.parent)}")
 
 
 def _fallback(step_dir: Path) -> str:
@@ -540,10 +556,10 @@ def _fallback(step_dir: Path) -> str:
     checkpoint folder itself is refused as ``--out`` or ``--resume``), or retrain."""
     root = step_dir.parent
     if root.name != checkpoint_root(Path()).name:
-        return "use another checkpoint or retrain"
+        return "restore the file from a copy, use another checkpoint, or retrain"
     earlier = [p for p in _complete_steps(root.parent) if p.name != step_dir.name]
     if not earlier:
-        return "the run has no other checkpoint: retrain"
+        return "the run has no other checkpoint: restore the file from a copy, or retrain"
     return f"use another of its checkpoints: write {earlier[-1].name} into {root / LATEST}, or retrain"
 
 

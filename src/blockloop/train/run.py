@@ -195,6 +195,8 @@ def load_trained(path: Path | str, device: str = "cpu") -> TrainedModel:
     config = ckpt.load_checkpoint_config(directory)
     model = build_model(config)
     ckpt.load_model_state(directory, model)
+    if not (directory / "tokenizer.json").is_file():  # load_tokenizer reads any folder: a checkpoint says more
+        raise ckpt.missing_file(directory / "tokenizer.json")
     tokenizer = load_tokenizer(directory)
     state = ckpt.read_saved_state(directory)
     return TrainedModel(model.to(torch.device(device)).eval(), config, tokenizer, directory, state)
