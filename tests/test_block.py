@@ -226,5 +226,5 @@ def test_training_lowers_the_loss(tmp_path):
 
 
 def test_a_one_block_context_is_refused_by_the_config():
-    with pytest.raises(ConfigError, match="one block of block_len=4; give at least two"):
+    with pytest.raises(ConfigError, match="one block of block_len=4, and needs at least two; a block_len that divides it into at least two blocks: 1, 2"):
         from_name("tiny-block", context_length=4)

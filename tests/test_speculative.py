@@ -234,7 +234,7 @@ def test_sampled_speculation_keeps_the_full_models_distribution(temperature, top
 
 def test_speculation_refuses_what_it_cannot_do():
     model = looped(2)
-    with pytest.raises(BlockloopError, match="draft_loops must be below"):
+    with pytest.raises(BlockloopError, match="runs 2 loops, not fewer than the model's 2: give 1"):
         runner_for(model, speculation=Speculation(2, 2))
     with pytest.raises(BlockloopError, match="k >= 1"):
         Speculation(0)

@@ -144,7 +144,8 @@ def test_import_refuses_bad_choices(tmp_path):
     data = write_jsonl(tmp_path / "data.jsonl", parity_sequences(20))
     unlabelled = write_jsonl(tmp_path / "none.jsonl", [{"tokens": ["a"], "labels": [None]}])
     cases = [
-        (dict(name="random-walk"), "is a built-in task's"),
+        (dict(name="random-walk"), "'random-walk' is the built-in task random-walk's; choose another with --name"),
+        (dict(name="a b:c/d"), "'a b:c/d' holds whitespace; choose another"),
         (dict(valid=data), "give both --valid and --test"),
         (dict(valid_fraction=1.5), "--valid-fraction must be between 0 and 1"),
         (dict(valid_fraction=0.6, test_fraction=0.6), "leave nothing to train on; keep their sum below 1"),

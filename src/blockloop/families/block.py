@@ -66,14 +66,20 @@ class BlockTransformerConfig(ModelConfig):
         self._check((self.block_len >= 1, f"block_len must be at least 1, got {self.block_len}"))  # before dividing
         if self.embed_dim is None:
             self.embed_dim = self.block_d_model // self.block_len if self.embedder == "lookup" else 256
+        # block 0 is never predicted: a one-block context could not train, score or generate anything
+        choose = ""
+        if self.context_length % self.block_len or self.context_length < 2 * self.block_len:  # say what would do
+            fits = [n for n in range(1, self.context_length // 2 + 1) if self.context_length % n == 0]
+            choose = f"; a block_len that divides it into at least two blocks: {', '.join(map(str, fits[-6:]))}" if fits else ""
         self._check(
             (
                 self.context_length % self.block_len == 0,
-                f"context_length={self.context_length} is not a multiple of block_len={self.block_len}",
+                f"context_length={self.context_length} is not a multiple of block_len={self.block_len}{choose}",
             ),
-            (  # block 0 is never predicted: a one-block context could not train, score or generate anything
+            (
                 self.context_length >= 2 * self.block_len,
-                f"context_length={self.context_length} is one block of block_len={self.block_len}; give at least two",
+                f"context_length={self.context_length} is one block of block_len={self.block_len}, and needs at least "
+                f"two{choose}",
             ),
             (self.embedder in EMBEDDERS, f"embedder={self.embedder!r} is not one of {EMBEDDERS}"),
             (self.token_decoder in TOKEN_DECODERS, f"token_decoder={self.token_decoder!r} is not one of {TOKEN_DECODERS}"),

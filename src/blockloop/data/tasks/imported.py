@@ -167,8 +167,10 @@ def import_task(
     """
     out_dir = check_new_folder(out_dir)
     name = name or out_dir.name
-    if name.partition(":")[0] in TASKS or not name or any(char.isspace() for char in name):
-        raise BlockloopError(f"task name {name!r} is empty, holds whitespace or is a built-in task's; choose another with --name")
+    problem = ("is empty" if not name else "holds whitespace" if any(char.isspace() for char in name)
+               else f"is the built-in task {name.partition(':')[0]}'s" if name.partition(":")[0] in TASKS else None)
+    if problem:
+        raise BlockloopError(f"task name {name!r} {problem}; choose another with --name")
     if (valid is None) != (test is None):
         raise BlockloopError("give both --valid and --test files (DATA is then the train split), or neither")
     drawing = {"--seed": seed, "--valid-fraction": valid_fraction, "--test-fraction": test_fraction}

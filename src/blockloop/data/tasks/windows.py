@@ -54,7 +54,8 @@ class TaskSequences:
         if longest > seq_len:
             raise BlockloopError(
                 f"{description} has a sequence of {longest} tokens, longer than --seq-len {seq_len}; raise --seq-len "
-                "to at least that (within the model's context_length) or use shorter sequences (NAME:LENGTH)"
+                f"to at least {longest} (past the model's context, a new run also needs --set context_length={longest} or "
+                "more) or use shorter sequences (NAME:LENGTH)"
             )
         self.starts, self.first_scored = _windows(starts, total, seq_len)
 

@@ -83,9 +83,9 @@ class Speculator:
 
     def __init__(self, model: RecursiveDecoder, speculation: Speculation) -> None:
         if not speculation.draft_loops < model.config.loops:
-            raise BlockloopError(
-                f"draft_loops must be below the model's {model.config.loops} loops, got {speculation.draft_loops}"
-            )
+            loops = model.config.loops
+            raise BlockloopError(f"the draft (--draft-loops, draft_loops) runs {speculation.draft_loops} loops, not fewer "
+                                 f"than the model's {loops}: give {'1' if loops == 2 else f'1 to {loops - 1}'}")
         self.model, self.speculation = model, speculation
 
     def allocate(self, n_slots: int, max_len: int) -> None:
