@@ -400,13 +400,18 @@ def test_cli_errors_are_one_line(teacher_run, tmp_path, capsys):
     for argv, match in [
         (["--loops", "3"], "does not divide"),
         (["--lora-rank", "1000"], "exceeds the rank"),
-        (["--init", "middle"], "unknown looped-layer init"),
-        (["--strategy", "zigzag"], "tying strategy 'zigzag' is unknown"),
+        (["--init", "middle"], "argument --init: invalid choice: 'middle'"),
+        (["--strategy", "zigzag"], "argument --strategy: invalid choice: 'zigzag'"),
+        (["--lora-rank", "2", "--lora-init", "pissa"], "argument --lora-init: invalid choice: 'pissa'"),
         (["--relax", "prefix"], "--relax prefix needs --prefix-len"),
     ]:
         code = main(["convert", "--to", "recursive", "--checkpoint", str(teacher_run), "--out", str(tmp_path / "x"), *argv])
         err = capsys.readouterr().err.strip()
         assert code == EXIT_USER_ERROR and len(err.splitlines()) == 1 and match in err, err
+    # a bad choice is named before an --out that is taken: one fix at a time, not one error hiding the next
+    code = main(["convert", "--to", "recursive", "--checkpoint", str(teacher_run), "--out", str(teacher_run),
+                 "--init", "middle"])
+    assert code == EXIT_USER_ERROR and "invalid choice: 'middle'" in capsys.readouterr().err
     code = main(["train", "--preset", "tiny", "--early-exit", "weighted", *TRAIN, "--out", str(tmp_path / "y")])
     assert code == EXIT_USER_ERROR and "recursive models" in capsys.readouterr().err
 

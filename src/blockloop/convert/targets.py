@@ -65,15 +65,17 @@ TARGETS: dict[str, Target] = {
     )),
     "recursive": Target("Relaxed Recursive Transformer (Bae et al. 2024, sections 2.2-2.3)", (
         Option("loops", int, 2, "loops B over L/B shared layers; must divide the depth (default: 2)"),
-        Option("init", str, "stepwise", f"shared-layer init: {', '.join(LOOP_INITS)} (default: stepwise)"),
+        Option("init", str, "stepwise", f"shared-layer init: {', '.join(LOOP_INITS)} (default: stepwise)",
+               choices=LOOP_INITS),
         Option("strategy", str, "cycle", f"layer tying: {', '.join(TYING_STRATEGIES)} (default: cycle; only cycle "
-               "serves depth-wise, --exit)"),
+               "serves depth-wise, --exit)", choices=TYING_STRATEGIES),
         Option("relax", str, None, "relaxation: per-loop LoRA (--lora-rank) or per-position prefix (--prefix-len); "
                "default: lora when --lora-rank is given, prefix when --prefix-len is, else none",
                choices=("none", "lora", "prefix")),
         Option("lora_rank", int, 0, "LoRA rank r per shared linear and loop (default: 0, none)"),
         Option("lora_alpha", float, None, "LoRA alpha; scaling alpha/r (default: r, scaling 1)", positive=True),
-        Option("lora_init", str, "svd", f"LoRA init: {', '.join(LORA_INITS)} (default: svd, equation 4)"),
+        Option("lora_init", str, "svd", f"LoRA init: {', '.join(LORA_INITS)} (default: svd, equation 4)",
+               choices=LORA_INITS),
         Option("norms", str, "per-loop", "norm gains of the shared layers: per-loop (one per loop, from the layer "
                "each depth position replaces; full-rank LoRA is then exact) or tied (default: per-loop)",
                choices=("per-loop", "tied")),
