@@ -41,6 +41,17 @@ class _Lines:
         self.stream.flush()
 
 
+class _LogBar(tqdm):
+    """tqdm as plain lines: none before any work is done (a ``0/N`` line says nothing), none repeating the one
+    before (the last update and the close would both write the end)."""
+
+    def display(self, msg: str | None = None, pos: int | None = None) -> bool:
+        if self.n == 0 or self.n == getattr(self, "_shown", None):
+            return True
+        self._shown = self.n
+        return super().display(msg, pos)
+
+
 def bar(*, disable: bool = False, log_every: float | None = None, **kwargs: Any) -> tqdm:
     """A tqdm bar that respects the switch and the terminal; ``disable`` adds the caller's own reason.
 
@@ -50,6 +61,6 @@ def bar(*, disable: bool = False, log_every: float | None = None, **kwargs: Any)
     if not disable and log_every is not None and not shown():
         kwargs.update(file=_Lines(sys.stderr), mininterval=log_every, leave=True, ascii=True, dynamic_ncols=False,
                       bar_format="{desc}: {n_fmt}/{total_fmt} {unit} [{elapsed}<{remaining}, {rate_fmt}]")
-        return tqdm(**kwargs)
+        return _LogBar(**kwargs)
     kwargs.setdefault("dynamic_ncols", True)
     return tqdm(disable=disable or not shown(), **kwargs)
