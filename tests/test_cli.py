@@ -362,8 +362,8 @@ def test_verbs_other_than_train_refuse_to_run_under_torchrun(trained_run, capsys
 
 
 def test_a_stop_signal_in_training_says_which_checkpoint_is_kept(tmp_path):
-    """SIGTERM (a scheduler's stop) takes Ctrl-C's way out: the kept checkpoint named, exit 130; it ended the
-    process on the spot, silently."""
+    """SIGTERM (a scheduler's stop) takes Ctrl-C's way out: the step in progress is written as a checkpoint and
+    named, exit 130; it ended the process on the spot, silently, and later lost every step since the last checkpoint."""
     import os
     import signal
     import subprocess
@@ -373,11 +373,12 @@ def test_a_stop_signal_in_training_says_which_checkpoint_is_kept(tmp_path):
 
     run = tmp_path / "run"
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1] / "src"), "OMP_NUM_THREADS": "1"}
-    proc = subprocess.Popen([sys.executable, "-m", "blockloop.cli", *TINY_TRAIN, "--steps", "100000", "--out", str(run)],
-                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    # checkpoints only every 1000 steps: the one the stop writes is the only one
+    proc = subprocess.Popen([sys.executable, "-m", "blockloop.cli", *TINY_TRAIN, "--steps", "100000", "--ckpt-interval",
+                             "1000", "--out", str(run)], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + 120
-        while not (run / "checkpoints" / "latest").is_file():
+        while not (run / "metrics.jsonl").is_file() or len((run / "metrics.jsonl").read_text().splitlines()) < 3:
             assert proc.poll() is None and time.monotonic() < deadline
             time.sleep(0.1)
         proc.send_signal(signal.SIGTERM)
@@ -386,6 +387,11 @@ def test_a_stop_signal_in_training_says_which_checkpoint_is_kept(tmp_path):
         proc.kill()
     assert proc.returncode == 130
     assert err.strip().splitlines()[-1] == f"blockloop train: interrupted; the last checkpoint in {run} is kept: --resume goes on from it"
+    assert "stopping after this step, with a checkpoint" in err
+    # the step it was in is the checkpoint: nothing trained is lost
+    last_logged = max(json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines())
+    kept = int((run / "checkpoints" / "latest").read_text().strip().removeprefix("step_"))
+    assert last_logged <= kept < 1000
 
 
 def test_an_unrelated_missing_module_is_still_a_bug_with_its_traceback(monkeypatch):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -85,6 +86,39 @@ def test_killed_run_resumes_with_the_same_losses(tmp_path):
     straight = load_trained(tmp_path / "straight").model.state_dict()
     for name, tensor in load_trained(tmp_path / "killed").model.state_dict().items():
         torch.testing.assert_close(tensor, straight[name], atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
+def test_a_ctrl_c_or_sigterm_ends_the_step_keeps_it_in_a_checkpoint_and_the_resume_matches(tmp_path, signum, capsys):
+    """A Ctrl-C at step 3 of a run checkpointed every 4 used to lose steps 1-3: the run now ends the step it is in,
+    writes it and stops; resumed, it gives the losses and weights of a run never stopped. A second signal stops at
+    once (not waiting for the step)."""
+    make_trainer(tmp_path / "straight").fit()
+
+    def signal_at_3(step, metrics):
+        if step == 3:
+            os.kill(os.getpid(), signum)
+
+    before = signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)
+    with pytest.raises(KeyboardInterrupt):
+        make_trainer(tmp_path / "stopped", ckpt_interval=4).fit(on_step=signal_at_3)
+    assert (signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)) == before  # handlers put back
+    assert "stopping after this step, with a checkpoint" in capsys.readouterr().err
+    assert (tmp_path / "stopped" / "checkpoints" / "latest").read_text().strip() == "step_0000003"
+    resumed = make_trainer(tmp_path / "stopped", ckpt_interval=4)
+    resumed.resume(tmp_path / "stopped")
+    assert resumed.step == 3
+    resumed.fit()
+    assert losses(tmp_path / "stopped") == pytest.approx(losses(tmp_path / "straight"), abs=1e-6)
+
+    def twice_at_2(step, metrics):
+        if step == 2:
+            os.kill(os.getpid(), signum)
+            os.kill(os.getpid(), signum)  # raises here, inside the step's work, before any checkpoint of step 2
+
+    with pytest.raises(KeyboardInterrupt):
+        make_trainer(tmp_path / "twice", ckpt_interval=4).fit(on_step=twice_at_2)
+    assert not (tmp_path / "twice" / "checkpoints" / "latest").exists()
 
 
 def test_resume_with_a_new_weight_decay_uses_it(tmp_path):

@@ -32,6 +32,7 @@ from blockloop.data.tokenizers import Tokenizer
 from blockloop.errors import BlockloopError, ConfigError
 from blockloop.families import spec_of
 from blockloop.files import atomic_write_text
+from blockloop.signals import stop_at_safe_point
 from blockloop.train import checkpoint as ckpt
 from blockloop.train.config import TrainConfig
 from blockloop.train.distributed import DistInfo, barrier, mean_across_ranks, parallelize, sum_across_ranks
@@ -177,9 +178,12 @@ class Trainer:
         cfg = self.config
         self.out_dir.mkdir(parents=True, exist_ok=True)
         self.train_model.train()
-        # The bar is closed also when training stops on an error (a diverged loss, Ctrl-C).
+        # The bar is closed also when training stops on an error (a diverged loss, Ctrl-C). One process stops at the
+        # end of the step it is in and keeps it in a checkpoint; ranks under torchrun would see the signal at other
+        # steps and wait on each other's collectives, so they stop at once (their last checkpoint is kept).
         with progress.bar(total=cfg.steps, initial=self.step, unit="step",
-                          disable=not (cfg.progress and self.dist.is_main)) as bar:
+                          disable=not (cfg.progress and self.dist.is_main)) as bar, \
+                stop_at_safe_point("this step, with a checkpoint", enabled=self.dist.world_size == 1) as stop:
             last: dict[str, float] = {}
             window_start, window_tokens = time.perf_counter(), 0
             while self.step < cfg.steps:
@@ -219,6 +223,10 @@ class Trainer:
                 last = metrics
                 if on_step is not None:
                     on_step(self.step, metrics)
+                if stop.requested and self.step < cfg.steps:
+                    if self.step % cfg.ckpt_interval:
+                        self.save_checkpoint()
+                    raise KeyboardInterrupt
         return last
 
     def _train_step(self) -> float:
