@@ -261,6 +261,29 @@ def test_streaming_callback_and_iterator_see_every_token_in_order():
     assert all(seen[r.id] == streamed[r.id] == r.output and len(r.output) == 7 for r in requests)
 
 
+def test_a_token_callback_may_cancel_its_own_request_or_another(model):
+    """A library user's callback stopping generation on its own rule: the cancel used to free the slot, then the
+    window's end freed it again and the engine died (ValueError). Now the cancelled request takes no more tokens,
+    every slot frees once, and the others (and a request admitted after) are exact."""
+    prompts = random_prompts((3, 6, 2, 4))
+    reference = [generate(model, [p], 9, temperature=0)[0] for p in prompts]
+    engine = Engine(model, 3, sync_every=4)
+    requests: list = []
+
+    def stop_rules(request, token):
+        if request is requests[0] and len(request.output) == 2:
+            engine.cancel(request)  # itself, mid-window
+        if request is requests[1] and len(request.output) == 1:
+            engine.cancel(requests[2])  # another running request
+    requests += [engine.submit(p, 9, sampling=GREEDY, on_token=stop_rules) for p in prompts]
+    engine.run()
+    assert [r.finish_reason for r in requests] == ["abort", "length", "abort", "length"]
+    assert requests[0].output == reference[0][:2]
+    assert requests[1].output == reference[1] and requests[3].output == reference[3]
+    assert requests[2].output == reference[2][: len(requests[2].output)]
+    assert engine.idle and sorted(engine.scheduler.free) == [0, 1, 2]
+
+
 def test_cache_writes_each_row_at_its_own_slots_and_row_views_write_through():
     cache = DecoderCache(1, 3, 1, 6, 2, dtype=torch.float32, device="cpu")
     slots = torch.tensor([[0], [4], [2]])

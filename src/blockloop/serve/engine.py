@@ -134,6 +134,8 @@ class Engine:
             raise BlockloopError(f"key_buckets must be a whole number, at least 0 (0: read every slot); got {key_buckets!r}")
         self.prefill_chunk = prefill_chunk
         self.prefilling: dict[int, int] = {}  # slot -> prompt tokens cached so far (chunked prefill)
+        # Handing out a window's tokens, a cancel from a token callback frees its slot at the end (slot -> request).
+        self._collecting, self._cancelled = False, {}
         self.admitted: list[int] = []  # running slots, oldest request first (the newest is preempted first)
         context = model.config.context_length
         self.max_len = context if max_len is None else max_len
@@ -243,12 +245,15 @@ class Engine:
 
     def cancel(self, request: Request) -> None:
         """Finish ``request`` now with reason ``"abort"`` (its client went away): a waiting request leaves the
-        queue, a running one frees its slot for the next window's admissions. Call it between steps, from the
-        thread that steps; a finished request is left as it is."""
+        queue, a running one frees its slot for the next window's admissions. Call it between steps or from a token
+        callback (it then takes no more of the window's tokens), from the thread that steps; a finished request is
+        left as it is."""
         if request.finished:
             return
         if request.status is RequestStatus.WAITING:
             self.scheduler.waiting.remove(request)
+        elif self._collecting:  # its slot is freed once the window's tokens are handed out
+            self._cancelled[request.slot] = request
         else:
             self._release(request.slot)
         request.finish("abort", time.perf_counter())
@@ -479,16 +484,21 @@ class Engine:
     def _collect(self, running: dict[int, Request], steps: int) -> list[Request]:
         tokens = self.ring[:steps].transpose(0, 1).flatten(1).tolist()  # the window's one host sync
         now = time.perf_counter()
-        finished, self.last_window = [], []
-        for slot, request in running.items():
-            start = len(request.output)
-            for token in tokens[slot]:
-                if token >= 0 and request.accept(token, now):
-                    self._release(slot)
-                    finished.append(request)
-                    break
-            self.last_window.append((request, request.output[start:]))
-        return finished
+        self.last_window, self._collecting = [], True
+        try:
+            for slot, request in running.items():
+                start = len(request.output)
+                for token in tokens[slot]:
+                    if request.finished or (token >= 0 and request.accept(token, now)):
+                        break
+                self.last_window.append((request, request.output[start:]))
+        finally:
+            self._collecting = False
+        ended = {slot: request for slot, request in running.items() if request.finished} | self._cancelled
+        self._cancelled = {}
+        for slot in ended:
+            self._release(slot)
+        return list(ended.values())
 
     @torch.no_grad()
     def compile_steps(self, rows: Sequence[int] | None = None, shortest: int = 1, *, progress: bool = False,
