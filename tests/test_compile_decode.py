@@ -277,7 +277,7 @@ def test_the_compiled_step_writes_its_kv_cache_in_place(name, device="cpu"):
     ``index_copy_`` into a view of a paged pool (``pool[0]``). The code inductor generates here (CPU; the
     reinplacing pass that left those copies is the same for every device) must allocate nothing the size of a
     cache buffer, in any shape."""
-    if device == "cpu" and name.endswith("blocks") and torch.__version__ < "2.13":
+    if device == "cpu" and name.endswith("blocks") and torch.torch_version.TorchVersion(torch.__version__) < "2.13":
         pytest.skip("inductor's CPU FlexAttention kernel compiles this mask from torch 2.13 (2.11 refuses it)")
     _, runner = twin_runners(name, device, torch.float32 if device == "cpu" else torch.bfloat16)  # Flex on CPU: no float64
     sizes = {buffer.numel() for cache in kv_caches(runner) for buffer in (cache.k, cache.v)}

@@ -311,6 +311,30 @@ def test_block_transformer_scores_its_continuation_from_a_block_boundary():
     assert score(model, [[request]]).loglikelihood.item() == pytest.approx(expected.item(), abs=1e-10)
 
 
+@pytest.mark.parametrize("preset", ["tiny-encdec", "tiny-double"])
+def test_two_stack_families_score_their_continuation_after_the_whole_context(preset):
+    """The encoder-decoder reads the context but its last token in the encoder and the rest in the decoder; the
+    double decoder's generation block starts at the context's last token (the PrefixLM layout generation uses).
+    A context of several tokens, so that dropping one, or the split, changes the score."""
+    from blockloop.data.partitions import prefix_partition
+
+    torch.manual_seed(0)
+    model = build_model(small_variant(preset)).double().eval()
+    context, continuation = (5, 6, 7, 8, 9), (10, 11, 12)
+    full = list(context + continuation)
+    inputs, targets, b = torch.tensor([full[:-1]]), torch.tensor(full[1:]), len(context) - 1
+    if preset == "tiny-encdec":
+        logits = model(inputs[:, :b], decoder_idx=inputs[:, b:])[0][0]
+    else:
+        logits = model(inputs, boundaries=prefix_partition(inputs.shape[1], b))[0][0, b:]
+    logp = torch.log_softmax(logits, -1)
+    expected = sum(logp[i, t] for i, t in enumerate(targets[b:].tolist()))
+    got = score(model, [[Request(context, continuation)]]).loglikelihood.item()
+    assert got == pytest.approx(expected.item(), abs=1e-10)
+    shorter = score(model, [[Request(context[1:], continuation)]]).loglikelihood.item()
+    assert abs(shorter - got) > 1e-6  # the first context token counts
+
+
 def test_a_family_that_cannot_score_exactly_is_refused(monkeypatch):
     monkeypatch.setitem(FAMILIES, "decoder", dataclasses.replace(FAMILIES["decoder"], scoring=None))
     model = build_model(small_variant("tiny")).eval()

@@ -294,21 +294,23 @@ def test_a_static_shape_step_gathers_its_key_length_of_a_paged_pool(name, option
     """A compiled (or CUDA) step cannot learn its furthest query on the host, so it reads the engine's key length:
     its gathered read of a paged pool too (the CPU read; a server's rows are the model's context long), else every
     step copies each row's ``max_len`` slots out of the pool. Here eager steps take the static-shape branch, and the
-    tokens must still be uncached greedy decoding's."""
+    tokens must still be those of eager decoding on the host's branch (computed before the branch is forced; it
+    equals uncached decoding, tests/test_engine.py)."""
     from blockloop.nn import paged_cache
     from blockloop.serve.runners import looped_cache
 
+    model = tiny(name)
+    prompts, budgets = prompts_of((6, 9)), [12, 10]
+    reference = [generate(model, [p], n, temperature=0)[0] for p, n in zip(prompts, budgets)]
     widths = []
     for module in (paged_cache, looped_cache):
         gather = module.gather_rows
         monkeypatch.setattr(module, "gather_rows", lambda *a, gather=gather, **kw: widths.append(kw.get("slots"))
                             or gather(*a, **kw))
     monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
-    engine = Engine(runner_for(tiny(name), **options), 2, sync_every=2, max_len=96)
-    prompts, budgets = prompts_of((6, 9)), [12, 10]
+    engine = Engine(runner_for(model, **options), 2, sync_every=2, max_len=96)
     requests = [engine.submit(p, n, sampling=GREEDY) for p, n in zip(prompts, budgets)]
     engine.run()
-    model = engine.runner.model
-    assert [r.output for r in requests] == [generate(model, [p], n, temperature=0)[0] for p, n in zip(prompts, budgets)]
+    assert [r.output for r in requests] == reference
     # Both rows stepping, a window's bound in 16 or 32 slots; alone, the last row's is a prefix step (every slot).
     assert set(widths) <= set(engine.key_lengths) and widths.count(16) >= 8 and widths.count(32) >= 4

@@ -209,6 +209,13 @@ def test_the_kernel_timing_compares_both_kernels_on_the_weight(monkeypatch):
     choice = packed_faster(weight)
     assert len(choice) == 2 and all(isinstance(wins, bool) for wins in choice)
     assert packed_faster(torch.randn(64, 32)) is choice and len(linear_module._choices) == 1
+    # the answer is the faster kernel's: the plain one slowed down loses, made free it wins
+    import time
+    from types import SimpleNamespace
+
+    for plain, packed_wins in ((lambda x, w: time.sleep(0.002), True), (lambda x, w: None, False)):
+        monkeypatch.setattr(linear_module, "F", SimpleNamespace(linear=plain))
+        assert linear_module.packed_is_faster(weight, 1) is packed_wins
 
 
 def test_a_caller_decoding_one_row_packs_only_weights_that_win_at_one_row(monkeypatch, packed_wins):
