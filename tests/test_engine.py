@@ -284,6 +284,27 @@ def test_a_token_callback_may_cancel_its_own_request_or_another(model):
     assert engine.idle and sorted(engine.scheduler.free) == [0, 1, 2]
 
 
+def test_a_callback_that_raises_ends_its_own_request_and_costs_the_others_no_token():
+    """An error in one request's callback (or a Ctrl-C while it prints) left the rest of the window unhanded: the
+    other requests lost tokens their caches held. Now the error is raised after every other request took its
+    tokens; the failing request ends (abort), and the engine goes on exactly."""
+    model = tiny()
+    prompts = random_prompts((3, 5))
+    reference = generate(model, [prompts[1]], 8, temperature=0)[0]
+    engine = Engine(model, 2, sync_every=4)
+
+    def fails(request, token):
+        if len(request.output) == 2:
+            raise RuntimeError("the callback's own bug")
+    first = engine.submit(prompts[0], 8, sampling=GREEDY, on_token=fails)
+    second = engine.submit(prompts[1], 8, sampling=GREEDY)
+    with pytest.raises(RuntimeError, match="the callback's own bug"):
+        engine.run()
+    assert first.finish_reason == "abort" and len(first.output) == 2
+    engine.run()
+    assert second.output == reference and engine.idle and sorted(engine.scheduler.free) == [0, 1]
+
+
 def test_cache_writes_each_row_at_its_own_slots_and_row_views_write_through():
     cache = DecoderCache(1, 3, 1, 6, 2, dtype=torch.float32, device="cpu")
     slots = torch.tensor([[0], [4], [2]])

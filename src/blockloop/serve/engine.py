@@ -484,20 +484,27 @@ class Engine:
     def _collect(self, running: dict[int, Request], steps: int) -> list[Request]:
         tokens = self.ring[:steps].transpose(0, 1).flatten(1).tolist()  # the window's one host sync
         now = time.perf_counter()
-        self.last_window, self._collecting = [], True
-        try:
-            for slot, request in running.items():
-                start = len(request.output)
+        self.last_window, self._collecting, failure = [], True, None
+        for slot, request in running.items():
+            start = len(request.output)
+            try:
                 for token in tokens[slot]:
                     if request.finished or (token >= 0 and request.accept(token, now)):
                         break
-                self.last_window.append((request, request.output[start:]))
-        finally:
-            self._collecting = False
+            except BaseException as exc:  # its callback's error (or a Ctrl-C in it): raised once all is handed out
+                failure = failure or exc
+                if not request.finished:  # the rest of its window goes unseen: it ends here
+                    request.finish("abort", now)
+            self.last_window.append((request, request.output[start:]))
+        self._collecting = False
+        # Every other request took the window's tokens its cache already holds, whatever one callback raised: their
+        # text stays what their model saw.
         ended = {slot: request for slot, request in running.items() if request.finished} | self._cancelled
         self._cancelled = {}
         for slot in ended:
             self._release(slot)
+        if failure is not None:
+            raise failure
         return list(ended.values())
 
     @torch.no_grad()
