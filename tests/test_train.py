@@ -121,6 +121,27 @@ def test_a_ctrl_c_or_sigterm_ends_the_step_keeps_it_in_a_checkpoint_and_the_resu
     assert not (tmp_path / "twice" / "checkpoints" / "latest").exists()
 
 
+def test_the_trainer_refuses_what_would_fail_later_or_mix_two_runs(tmp_path):
+    """Library misuse that failed only at the first step or the first save, or silently: a torch.compile wrapper
+    (its weights saved as _orig_mod.*), data cut to another seq_len (a forward error, or tokens miscounted), and a
+    fresh run into a folder holding another (their checkpoints and metrics interleaved)."""
+    from blockloop.errors import ConfigError
+
+    make_trainer(tmp_path / "run", steps=2).fit()
+    fresh = make_trainer(tmp_path / "run", steps=2)
+    with pytest.raises(BlockloopError, match="already holds a run; resume it"):
+        fresh.fit()
+    assert ckpt.read_metrics(tmp_path / "run" / "metrics.jsonl")[-1]["step"] == 2  # left as it was
+    t = make_trainer(tmp_path / "other")
+    with pytest.raises(ConfigError, match="torch.compile wrapper; pass the model itself and TrainConfig"):
+        Trainer(torch.compile(t.model), t.model_config, t.tokenizer, t.train_data, None, t.config, tmp_path / "x")
+    from blockloop.data.loader import PackedSequences
+
+    shorter = PackedSequences(t.train_data.tokens, 16)
+    with pytest.raises(ConfigError, match="the train data's windows are 16 tokens, the config's seq_len 32"):
+        Trainer(t.model, t.model_config, t.tokenizer, shorter, None, t.config, tmp_path / "y")
+
+
 def test_resume_with_a_new_weight_decay_uses_it(tmp_path):
     """A training flag given with --resume wins over the checkpoint's, also inside the optimizer's param groups."""
     make_trainer(tmp_path / "run", steps=2, weight_decay=0.1).fit()
@@ -508,6 +529,12 @@ def test_model_files_take_string_paths_and_load_trained_checks_its_device(tmp_pa
     save_model_files(str(tmp_path / "weights"), model, config)
     load_model_state(str(tmp_path / "weights"), copy)
     assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), copy.state_dict().values()))
+    # a torch.compile wrapper saves its model's weights under their own names (they were _orig_mod.*, refused on
+    # loading; with tied weights the save itself failed)
+    save_model_files(tmp_path / "compiled", torch.compile(model), config)
+    fresh = build_model(config)
+    load_model_state(tmp_path / "compiled", fresh)
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), fresh.state_dict().values()))
     with pytest.raises(BlockloopError, match="'tpu7' is not a device"):
         load_trained(tmp_path / "no-run", device="tpu7")
     if not torch.cuda.is_available():

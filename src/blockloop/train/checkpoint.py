@@ -248,7 +248,9 @@ def save_model_files(
     for exports; loading casts them back into the model's own dtype.
     """
     directory = Path(directory)
+    model = getattr(model, "_orig_mod", model)  # a torch.compile wrapper: its model's weights, under their own names
     state_dict = state_dict if state_dict is not None else model.state_dict()
+    state_dict = {name.removeprefix("_orig_mod."): t for name, t in state_dict.items()}
     tied = _tied_names(model)
     tensors = {
         name: (t.to(dtype) if dtype is not None and t.is_floating_point() else t).detach().cpu().contiguous()

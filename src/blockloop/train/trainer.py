@@ -76,6 +76,12 @@ class Trainer:
             )
         spec = spec_of(model_config)
         spec.check_seq_len(model_config, config.seq_len)
+        if hasattr(model, "_orig_mod"):  # its state dict names every weight _orig_mod.*: checkpoints would not load
+            raise ConfigError("the model is a torch.compile wrapper; pass the model itself and TrainConfig(compile=True)")
+        for role, data in (("train", train_data), ("validation", val_data)):
+            if data is not None and data.seq_len != config.seq_len:  # the forward would fail, or tokens miscount
+                raise ConfigError(f"the {role} data's windows are {data.seq_len} tokens, the config's seq_len "
+                                  f"{config.seq_len}; cut the data with the config's seq_len")
         self.config, self.model_config, self.tokenizer = config, model_config, tokenizer
         self.loss_hook = loss_hook
         self.out_dir, self.run_info, self.dist = Path(out_dir), run_info or {}, dist_info
@@ -176,6 +182,9 @@ class Trainer:
     def fit(self, on_step: StepCallback | None = None) -> dict[str, float]:
         """Run until ``config.steps``; returns the last logged metrics."""
         cfg = self.config
+        if self.step == 0 and ckpt.has_checkpoint(self.out_dir):  # not resumed: its checkpoints would mix with ours
+            raise BlockloopError(f"{self.out_dir} already holds a run; resume it (Trainer.resume) or train into "
+                                 "another folder")
         self.out_dir.mkdir(parents=True, exist_ok=True)
         self.train_model.train()
         # The bar is closed also when training stops on an error (a diverged loss, Ctrl-C). One process stops at the
