@@ -321,7 +321,7 @@ CASES = [
     # convert, tasks, flops, demo, info
     (["convert", "--to", "block", "--checkpoint", R, "--out", NEW, "--block-len", "-1"], "--block-len: must be an"),
     (["convert", "--to", "block", "--checkpoint", R, "--out", NEW, "--block-len", "0"],
-     "--block-len of a Block Transformer must be at least 1, got 0"),
+     "--block-len (block_len) of a Block Transformer must be at least 1, got 0"),
     (["convert", "--from-hf", R, "--out", NEW], "is a blockloop run or checkpoint, not a Hugging Face folder"),
     (["convert", "--to", "recursive", "--checkpoint", R, "--out", NEW, "--lora-alpha", "nan"], "--lora-alpha: must"),
     (["convert", "--to", "recursive", "--checkpoint", R, "--out", NEW, "--seed", "5"],

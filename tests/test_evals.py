@@ -512,6 +512,12 @@ def test_few_shot_results_record_their_seed_and_compare_says_when_it_differs():
     assert compare_rows(runs[2], runs[1], ("A", "B"))[1][-1] == "shots 0 vs 2"  # no seed at zero shots to differ
 
 
+def test_a_benchmark_request_reads_its_tasks_as_the_flag_does():
+    assert BenchmarkRequest("copa, piqa").tasks == ["copa", "piqa"] == BenchmarkRequest(["copa", "piqa"]).tasks
+    with pytest.raises(BlockloopError, match="unknown benchmark task"):  # a bare KeyError (or 'c', letter by letter)
+        BenchmarkRequest(["copaa"])
+
+
 def test_every_task_is_checked_before_any_is_scored(monkeypatch):
     """A request the second task cannot meet must not cost the first task's scoring."""
     tok = ByteTokenizer()

@@ -11,7 +11,7 @@ import pytest
 
 from blockloop.config import DecoderConfig
 from blockloop.errors import ConfigError
-from blockloop.families import FAMILIES, PRESETS, config_from_dict, from_name, spec_of
+from blockloop.families import FAMILIES, PRESETS, build_model, config_from_dict, from_name, spec_of
 from blockloop.families.staircase import StaircaseConfig
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -142,3 +142,14 @@ def test_the_library_entry_points_refuse_a_wrong_kind_of_argument_in_one_line():
     block = build_model(from_name("tiny-block"))
     with pytest.raises(ConfigError, match="sequence length 6 is not a multiple of block_len=4; pad or cut"):
         block(torch.zeros(1, 6, dtype=torch.long))
+
+
+def test_library_misuse_of_the_builders_is_named():
+    from blockloop.convert.to_block import vanilla_to_block
+    from blockloop.errors import BlockloopError
+
+    with pytest.raises(BlockloopError, match=r"build_model takes a config, not a name; build_model\(from_name\('tiny'\)\)"):
+        build_model("tiny")
+    with pytest.raises(BlockloopError, match=r"--block-len \(block_len\) of a Block Transformer must be at least 1"):
+        vanilla_to_block(build_model(from_name("tiny")), block_len=0)  # a ZeroDivisionError before
+

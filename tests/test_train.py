@@ -531,6 +531,10 @@ def test_model_files_take_string_paths_and_load_trained_checks_its_device(tmp_pa
     assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), copy.state_dict().values()))
     # a torch.compile wrapper saves its model's weights under their own names (they were _orig_mod.*, refused on
     # loading; with tied weights the save itself failed)
+    with pytest.raises(BlockloopError, match="holds a model without its tokenizer"):
+        load_trained(tmp_path / "weights")
+    with pytest.raises(BlockloopError, match="is no folder; give the one save_model_files"):
+        load_model_state(tmp_path / "nowhere", copy)
     save_model_files(tmp_path / "compiled", torch.compile(model), config)
     fresh = build_model(config)
     load_model_state(tmp_path / "compiled", fresh)

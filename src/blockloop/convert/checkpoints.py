@@ -19,7 +19,7 @@ from torch import nn
 
 from blockloop.convert.hf import export_hf
 from blockloop.convert.targets import TARGETS, implied_relaxation
-from blockloop.convert.to_block import vanilla_to_block
+from blockloop.convert.to_block import check_block_options, vanilla_to_block
 from blockloop.convert.to_recursive import vanilla_to_recursive
 from blockloop.data.dataset import prepare_tokens
 from blockloop.data.loader import PackedSequences
@@ -58,9 +58,7 @@ def _write_uptraining(out: Path, model: nn.Module, source: TrainedModel, what: s
 def to_block_checkpoint(checkpoint: str | Path, out: Path, *, block_len: int = 4, prefix_len: int | None = None) -> Converted:
     """A Block Transformer initialised from a trained vanilla decoder (Ho et al. 2024, uptraining)."""
     prefix_len = 2 if prefix_len is None else prefix_len
-    for flag, value in (("--block-len", block_len), ("--prefix-len", prefix_len)):
-        if value < 1:
-            raise BlockloopError(f"{flag} of a Block Transformer must be at least 1, got {value}")
+    check_block_options(block_len, prefix_len)
     out = ckpt.check_new_model_folder(out)
     source = load_trained(checkpoint)
     model = vanilla_to_block(source.model, block_len=block_len, prefix_len=prefix_len, pad_id=source.tokenizer.eos_id)

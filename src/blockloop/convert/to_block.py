@@ -21,7 +21,15 @@ from blockloop.models.block import BlockTransformer
 from blockloop.models.decoder import Decoder
 
 
+def check_block_options(block_len: int, prefix_len: int) -> None:
+    """Refuse sizes no Block Transformer has, before any model is read."""
+    for flag, value in (("--block-len (block_len)", block_len), ("--prefix-len (prefix_len)", prefix_len)):
+        if value < 1:
+            raise BlockloopError(f"{flag} of a Block Transformer must be at least 1, got {value}")
+
+
 def block_config_from_vanilla(config: DecoderConfig, *, block_len: int, prefix_len: int, pad_id: int) -> BlockTransformerConfig:
+    check_block_options(block_len, prefix_len)
     if config.n_layer < 2:
         raise BlockloopError(f"a vanilla model with {config.n_layer} layer cannot be split into block and token decoders")
     if config.context_length % block_len:

@@ -24,7 +24,7 @@ from blockloop.device import resolve_device
 from blockloop.errors import BlockloopError
 from blockloop.evals.benchmarks_data import load_rows
 from blockloop.evals.scoring import check_requests, cut_questions, encode_request, score
-from blockloop.evals.tasks import TASKS, Question, build_questions
+from blockloop.evals.tasks import TASKS, Question, build_questions, parse_tasks
 from blockloop.train.run import load_trained
 
 
@@ -40,6 +40,10 @@ class BenchmarkRequest:
     seed: int = 1234
     loops: int | None = None
     per_loop: bool = False
+
+    def __post_init__(self) -> None:
+        # "copa,piqa" or a list, checked as --tasks is: a bare string would be read a letter at a time
+        self.tasks = parse_tasks(self.tasks if isinstance(self.tasks, str) else ",".join(self.tasks))
 
 
 def mean_stderr(values: list[float]) -> tuple[float, float | None]:

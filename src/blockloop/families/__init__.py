@@ -18,7 +18,7 @@ from torch import nn
 
 from blockloop.config import ModelConfig, check_fields, read_config_dict, shared_defaults
 from blockloop.data.collate import Collate
-from blockloop.errors import ConfigError
+from blockloop.errors import BlockloopError, ConfigError
 from blockloop.families import block, decoder, double_decoder, encoder_decoder, ladder, recursive, staircase
 from blockloop.families.spec import FamilySpec, Preset
 
@@ -58,6 +58,8 @@ def spec_of(config: ModelConfig) -> FamilySpec:
 
 def build_model(config: ModelConfig) -> nn.Module:
     """The model for ``config``'s family."""
+    if isinstance(config, str):  # a preset's name: its config first, as the README's examples build one
+        raise BlockloopError(f"build_model takes a config, not a name; build_model(from_name({config!r}))")
     return spec_of(config).model_class(config)
 
 

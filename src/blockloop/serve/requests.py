@@ -40,7 +40,9 @@ def whole_number(value: object) -> bool:
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """Per-request sampling: ``temperature`` 0 is greedy; ``seed`` fixes the request's random stream.
+    """Per-request sampling: ``temperature`` 0 is greedy; ``seed`` fixes the request's random stream (default 0:
+    reproducible, so requests that all leave it sample alike from the same prompt; give each its own, as
+    ``generate`` and the server do when none is asked for).
 
     ``speculate`` is the request's draft length on a speculative runner (``None``: the runner's; 0: this
     request does not speculate); the tokens keep the distribution of plain sampling either way.

@@ -314,6 +314,8 @@ def read_model_tensors(directory: Path | str, model: nn.Module) -> dict[str, tor
 
 def load_model_state(directory: Path | str, model: nn.Module) -> None:
     """Load model.safetensors into a plain (unwrapped) ``model``."""
+    if not Path(directory).is_dir():  # not a checkpoint with a file missing: no checkpoint at all
+        raise BlockloopError(f"{directory} is no folder; give the one save_model_files (or train) wrote")
     model.load_state_dict(read_model_tensors(directory, model), strict=False)
 
 

@@ -196,6 +196,9 @@ def load_trained(path: Path | str, device: str = "cpu") -> TrainedModel:
     model = build_model(config)
     ckpt.load_model_state(directory, model)
     if not (directory / "tokenizer.json").is_file():  # load_tokenizer reads any folder: a checkpoint says more
+        if not (directory / "train_state.json").is_file():  # the model alone, as save_model_files writes it
+            raise BlockloopError(f"{directory} holds a model without its tokenizer (save_model_files writes the model "
+                                 "alone); save the tokenizer beside it with tokenizer.save(folder)")
         raise ckpt.missing_file(directory / "tokenizer.json")
     tokenizer = load_tokenizer(directory)
     state = ckpt.read_saved_state(directory)
