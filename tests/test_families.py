@@ -152,4 +152,8 @@ def test_library_misuse_of_the_builders_is_named():
         build_model("tiny")
     with pytest.raises(BlockloopError, match=r"--block-len \(block_len\) of a Block Transformer must be at least 1"):
         vanilla_to_block(build_model(from_name("tiny")), block_len=0)  # a ZeroDivisionError before
+    config = from_name("tiny")
+    config.vocab_size = 1000  # set by hand: its padded vocabulary stayed 258, and the model was built with it
+    with pytest.raises(BlockloopError, match="padded_vocab_size=258 is smaller than vocab_size=1000"):
+        build_model(config)
 
