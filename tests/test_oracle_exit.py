@@ -1,5 +1,6 @@
 """Oracle exit in the depth-wise engine (RRT section 3.8, appendix N): the output is no-exit greedy decoding,
-each token's exit loop is the first loop agreeing with the last, and the schedule simulation counts steps."""
+each token's exit loop is the first loop agreeing with the last, and the schedule simulation counts steps;
+confidence exit against a single-row decoder of the same rule."""
 
 from __future__ import annotations
 
@@ -8,15 +9,17 @@ import json
 
 import pytest
 import torch
+from torch import Tensor
 
 from blockloop.cli import main
 from blockloop.errors import BlockloopError
 from blockloop.families import build_model, from_name
+from blockloop.nn.kv_cache import StepContext
 from blockloop.serve.engine import Engine
 from blockloop.serve.exit_schedule import depthwise_steps, sequencewise_steps, simulate, static_steps
 from blockloop.serve.generate import generate
 from blockloop.serve.requests import SamplingParams
-from blockloop.serve.runners import ExitRule, runner_for
+from blockloop.serve.runners import ExitRule, Paging, runner_for
 
 GREEDY = SamplingParams(temperature=0.0)
 
@@ -114,3 +117,61 @@ def test_exit_rule_without_threshold_refuses_one(text):
         parse_exit_rule(text)
     assert parse_exit_rule(text.split(":")[0]).kind == text.split(":")[0]
     assert parse_exit_rule(text.split(":")[0] + ":0").threshold == 0.0
+
+
+def single_row_confidence_decode(model, prompt: list[int], n: int, rule: ExitRule) -> tuple[list[int], list[int]]:
+    """The documented early-exit semantics written out for one request, token by token and loop by loop over
+    the model's plain sequence-wise cache (no depth-wise batching, per-row loops, looped cache or engine): a
+    decoded token runs loops until ``rule`` fires on that loop's exit logits (or the last loop), and its K/V of
+    the exit loop is copied into the cache entries of the loops it skipped. Returns (output, exit loops)."""
+    n_layer, loops = model.config.n_layer, model.config.loops
+    cache = model.allocate_cache(1, len(prompt) + n)
+
+    def run(ids: list[int], start: int, exit_early: bool) -> tuple[Tensor, int]:
+        step = StepContext(cache, torch.arange(start, start + len(ids)))
+        x = model.embed_input(torch.tensor([ids]), step.token_positions)
+        inputs = model.loop_inputs(x, step)
+        for loop in range(loops):
+            x = model.run_loop(x, loop, inputs, step=step)
+            logits = model.exit_logits(x[:, -1])
+            if exit_early and bool(rule.fires(logits, torch.tensor([loop + 1]))[0]):
+                break
+        for skipped in range(loop + 1, loops):  # copy the exit state into the skipped loops' entries
+            for j in range(n_layer):
+                source, target = cache.layers[loop * n_layer + j], cache.layers[skipped * n_layer + j]
+                target.k[:, :, start] = source.k[:, :, start]
+                target.v[:, :, start] = source.v[:, :, start]
+        return logits[0, : model.config.vocab_size], loop + 1
+
+    logits, _ = run(prompt, 0, exit_early=False)  # the prompt runs every loop
+    output, exits = [int(logits.argmax())], []
+    while len(output) < n:
+        logits, exit_loop = run(output[-1:], len(prompt) + len(output) - 1, exit_early=True)
+        output.append(int(logits.argmax()))
+        exits.append(exit_loop)
+    return output, exits
+
+
+@pytest.mark.parametrize("paging", [None, Paging(2 * 32, 4)], ids=["static", "paged"])
+@pytest.mark.parametrize("loops", [2, 3])
+def test_confidence_exit_serves_what_a_single_row_decoder_of_the_same_rule_would(loops, paging):
+    """Depth-wise batching with a real exit rule (rows at different loops in one step, joins mid-batch, owed K/V
+    copied in place) against :func:`single_row_confidence_decode`: the same tokens and the same exit loop for
+    every decoded token of every request."""
+    model = recursive(loops)
+    rule = ExitRule("max_prob", 0.0062)  # the scaled model's top probabilities lie around 0.006: mixed exits
+    g = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(1, 258, (n,), generator=g).tolist() for n in (3, 9, 6, 4, 7)]
+    budgets = [16, 5, 14, 1, 12]
+    expected = [single_row_confidence_decode(model, p, n, rule) for p, n in zip(prompts, budgets)]
+    flat = [k for _, exits in expected for k in exits]
+    assert min(flat) == 1 and max(flat) == loops  # not vacuous: some tokens leave early, some run every loop
+    served = runner_for(model, exit_rule=rule, paging=paging)
+    engine = Engine(served, 2, max_len=32, sync_every=3)
+    requests = [engine.submit(p, n, sampling=GREEDY) for p, n in zip(prompts, budgets)]
+    trajectories = {}
+    with torch.no_grad():
+        while not engine.idle:
+            for r in engine.step():
+                trajectories[r.id] = served.exit_trajectory(r.slot, len(r.prompt), len(r.output) - 1)
+    assert [(r.output, trajectories[r.id]) for r in requests] == expected
