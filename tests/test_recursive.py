@@ -15,6 +15,7 @@ from blockloop.errors import BlockloopError, ConfigError
 from blockloop.families import build_model, from_name
 from blockloop.models.recursive import layer_order
 from blockloop.nn.distill import forward_kl
+from blockloop.nn.lora import LoopLoRALinear
 from blockloop.serve.generate import generate
 from blockloop.serve.runners import runner_for
 from blockloop.train.distill import Distillation
@@ -171,16 +172,38 @@ def test_full_rank_svd_lora_reproduces_the_original_logits(init, tying):
     torch.testing.assert_close(relaxed(idx)[0], full(idx)[0], atol=1e-9, rtol=1e-9)
 
 
+def delta_weight(lora, loop: int) -> torch.Tensor:
+    """The (out, in) weight delta a LoRA adds at ``loop``, read through its forward (bias delta removed)."""
+    eye = torch.eye(lora.in_features, dtype=lora.weight.dtype)
+    return (lora.delta(eye[None], loop)[0] - lora.delta(0 * eye[None, :1], loop)[0]).T
+
+
+def best_rank(matrix: torch.Tensor, r: int) -> torch.Tensor:
+    u, s, vh = torch.linalg.svd(matrix, full_matrices=False)
+    return (u[:, :r] * s[:r]) @ vh[:r]  # Eckart-Young: the best rank-r approximation
+
+
 def test_svd_init_folds_the_lora_scaling_and_zero_inits_where_weights_already_match():
     full = vanilla(n_layer=4)
     relaxed = vanilla_to_recursive(full, loops=2, init="stepwise", lora_rank=8, lora_alpha=32.0)
-    qkv = relaxed.body.blocks[1].attn.qkv  # shared layer 1 = full layer 3 (stepwise); loop 0 is full layer 1
-    assert qkv.scaling == 4.0
-    assert torch.count_nonzero(qkv.lora_B[1]) == 0 and torch.count_nonzero(qkv.lora_A[1]) > 0  # equal: zero init
-    residual = full.body.blocks[1].attn.qkv.weight - qkv.weight
-    u, s, vh = torch.linalg.svd(residual)
-    best = (u[:, :8] * s[:8]) @ vh[:8]  # Eckart-Young: the best rank-8 approximation
-    torch.testing.assert_close(qkv.scaling * qkv.lora_B[0] @ qkv.lora_A[0], best, atol=1e-10, rtol=1e-8)
+    proj = relaxed.body.blocks[1].attn.proj  # shared layer 1 = full layer 3 (stepwise); loop 0 is full layer 1
+    assert proj.scaling == 4.0
+    assert torch.count_nonzero(proj.lora_B[1]) == 0 and torch.count_nonzero(proj.lora_A[1]) > 0  # equal: zero init
+    residual = full.body.blocks[1].attn.proj.weight - proj.weight
+    torch.testing.assert_close(delta_weight(proj, 0), best_rank(residual, 8), atol=1e-10, rtol=1e-8)
+
+
+def test_the_fused_projection_relaxes_w_q_w_k_and_w_v_each_at_the_rank():
+    """Equation 4 per shared matrix, as the paper relaxes W^Q, W^K and W^V: each block of rows of the fused q/k/v
+    weight gets its own best rank-r delta, a closer fit than one rank-r delta over the stacked weight."""
+    full = vanilla(n_layer=4)
+    relaxed = vanilla_to_recursive(full, loops=2, init="average", lora_rank=4)
+    qkv = relaxed.body.blocks[0].attn.qkv  # loop 1 relaxes it towards full layer 2
+    assert len(qkv.splits) == 3 and qkv.ranks == (4, 4, 4) and qkv.lora_A.shape[1] == 12
+    residual = full.body.blocks[2].attn.qkv.weight - qkv.weight
+    per_matrix = torch.cat([best_rank(residual[rows], 4) for rows, _, _ in qkv.matrices()])
+    torch.testing.assert_close(delta_weight(qkv, 1), per_matrix, atol=1e-10, rtol=1e-8)
+    assert (residual - per_matrix).norm() < 0.99 * (residual - best_rank(residual, 4)).norm()
 
 
 def test_error_of_svd_init_falls_as_rank_grows():
@@ -190,7 +213,7 @@ def test_error_of_svd_init_falls_as_rank_grows():
     for rank in (1, 8, 32, 64):
         model = vanilla_to_recursive(full, loops=2, init="average", lora_rank=rank)
         qkv = model.body.blocks[0].attn.qkv  # loop 1 relaxes it towards full layer 2
-        approx = qkv.weight + qkv.scaling * qkv.lora_B[1] @ qkv.lora_A[1]
+        approx = qkv.weight + delta_weight(qkv, 1)
         weight_errors.append((approx - full.body.blocks[2].attn.qkv.weight).norm().item())
         logit_errors.append((model(idx)[0] - full(idx)[0]).abs().max().item())
     assert all(a > b for a, b in itertools.pairwise(weight_errors)), weight_errors
@@ -436,3 +459,27 @@ def test_a_config_json_written_before_the_unread_weight_refusals_still_loads():
     assert config.lora_alpha is None and config.exit_kd_weight == 0.0
     kept = config_from_dict({**saved, "lora_rank": 2, "exit_loss": "weighted"})
     assert kept.lora_alpha == 4.0 and kept.exit_kd_weight == 0.5
+
+
+def test_a_checkpoint_with_one_lora_over_the_fused_projection_loads_as_the_same_model(tmp_path):
+    """Checkpoints written before per-matrix LoRA hold one rank-r (A, B) over the stacked q/k/v weight: loading
+    rewrites them exactly into W^Q, W^K, W^V's own factors (ranks 4 over a 16-wide key projection here)."""
+    from blockloop.train.checkpoint import load_model_state, save_model_files
+
+    model = recursive(lora_rank=4)
+    state = model.state_dict()
+    fused = {}
+    for name, lora in model.named_modules():
+        if isinstance(lora, LoopLoRALinear) and len(lora.splits) > 1:
+            loops, _, width = lora.lora_A.shape
+            a, b = torch.randn(loops, 4, width).double(), 0.1 * torch.randn(loops, lora.out_features, 4).double()
+            state[f"{name}.lora_A"], state[f"{name}.lora_B"] = a, b
+            fused[name] = [lora.scaling * b[loop] @ a[loop] for loop in range(loops)]
+    assert fused  # the model has fused projections to rewrite
+    save_model_files(tmp_path, model, model.config, state)
+    loaded = build_model(model.config).double()
+    load_model_state(tmp_path, loaded)
+    for name, deltas in fused.items():
+        lora = loaded.get_submodule(name)
+        for loop, delta in enumerate(deltas):
+            torch.testing.assert_close(delta_weight(lora, loop), delta, atol=1e-12, rtol=1e-10)

@@ -58,17 +58,17 @@ def test_full_rank_svd_with_per_loop_norms_reproduces_the_original(arch, dtype, 
 
 
 def test_an_attention_narrower_than_the_model_does_not_cap_the_other_linears_rank():
-    """Gemma-3-1B's attention is 4 x 256 = 1024 wide on a 1152-wide model: attn.proj (d x 1024) takes its own full
-    rank while the MLP's and qkv's go to theirs, so the widest linear's rank is exact (it used to be refused, and
-    the narrow linear's rank left the rest short)."""
-    full = source("gemma3", n_head=4, head_dim=6)  # attention 24 wide on d_model 32
+    """Gemma-3-1B's attention is 4 x 256 = 1024 wide on a 1152-wide model: attn.proj (d x 1024), W^Q and the
+    narrower W^K, W^V take their own full ranks while the MLP's go to theirs, so the widest matrix's rank is exact
+    (it used to be refused, and the narrow matrices' rank left the rest short)."""
+    full = source("gemma3", n_head=4, head_dim=6)  # attention 24 wide on d_model 32, keys/values 12
     relaxed = vanilla_to_recursive(full, loops=2, init="average", lora_rank=FULL_RANK)
-    ranks = {name.removeprefix("body.blocks.0."): m.rank for name, m in relaxed.named_modules()
+    ranks = {name.removeprefix("body.blocks.0."): m.ranks for name, m in relaxed.named_modules()
              if name.startswith("body.blocks.0.") and hasattr(m, "lora_A")}
-    assert ranks["attn.proj"] == 24 and ranks["attn.qkv"] == ranks["mlp.proj"] == FULL_RANK
+    assert ranks["attn.proj"] == (24,) and ranks["attn.qkv"] == (24, 12, 12) and ranks["mlp.proj"] == (FULL_RANK,)
     idx = tokens()
     assert (relaxed(idx)[0] - full(idx)[0]).abs().max().item() <= 1e-9
-    with pytest.raises(BlockloopError, match="the widest, attn.qkv, is 48x32, so at most min"):
+    with pytest.raises(BlockloopError, match="the widest, mlp.gate, is 48x32, so at most min"):
         vanilla_to_recursive(full, loops=2, init="average", lora_rank=FULL_RANK + 1)
 
 

@@ -10,7 +10,8 @@ layer is initialised from the full model's layers (section 2.2, Figure 2, append
 * ``random``: nothing from the full model (a reduced-size model with recursion, the paper's baseline).
 
 Embeddings (learned positions included), final norm and LM head are copied (except under ``random``).
-With ``lora_rank`` r, the LoRA module of each depth position ℓ gets the truncated SVD of the residual W_ℓ - W'_shared (equation 4):
+With ``lora_rank`` r, the LoRA module of each depth position ℓ gets the truncated SVD of the residual W_ℓ - W'_shared (equation 4),
+for each shared matrix on its own (the fused q/k/v projection's W^Q, W^K and W^V apart, as the paper relaxes them):
 B = U_r Σ_r / s, A = V_r^T, where s = alpha / r is the LoRA scaling, so s B A is the best rank-r
 approximation of the residual and the relaxed model starts as close to the full one as r allows
 (equation 5; exactly equal at full rank). Where the shared weight equals W_ℓ (the layer stepwise/lower
@@ -101,9 +102,10 @@ def local_attention(config: DecoderConfig, loops: int, tying: str) -> dict[str, 
 
 
 def linear_shapes(config: DecoderConfig) -> dict[str, tuple[int, int]]:
-    """(out, in) of every linear weight in one layer."""
-    qkv = (config.n_head + 2 * config.n_kv_head) * config.head_dim
-    shapes = {"attn.qkv": (qkv, config.d_model), "attn.proj": (config.d_model, config.n_head * config.head_dim)}
+    """(out, in) of every weight matrix in one layer (the fused projection's W^Q, W^K, W^V apart)."""
+    q, kv = config.n_head * config.head_dim, config.n_kv_head * config.head_dim
+    shapes = {"W^Q": (q, config.d_model), "W^K": (kv, config.d_model), "W^V": (kv, config.d_model),
+              "attn.proj": (config.d_model, q)}
     if config.mlp in ("gelu", "gelu_tanh"):
         return {**shapes, "mlp.fc": (config.d_ff, config.d_model), "mlp.proj": (config.d_model, config.d_ff)}
     return {**shapes, "mlp.gate": (config.d_ff, config.d_model), "mlp.up": (config.d_ff, config.d_model),
@@ -237,12 +239,12 @@ def _init_lora(
             original = source.get_submodule(name)
             if lora.lora_bias is not None:
                 lora.lora_bias[occurrence] = original.bias - lora.bias
-            residual = original.weight.double() - lora.weight.double()  # equation 4
-            if not residual.any():
-                continue
-            scale = scales.get((position, name), residual.new_ones(residual.shape[1]))
+            scale = scales.get((position, name), original.weight.new_ones(original.weight.shape[1], dtype=torch.float64))
             scale = scale.clamp_min(scale.max().item() * 1e-6 if scale.any() else 1.0)  # no channel divides by 0
-            u, s, vh = torch.linalg.svd(residual * scale, full_matrices=False)
-            r = lora.rank
-            lora.lora_B[occurrence] = (u[:, :r] * s[:r] / lora.scaling).to(lora.lora_B.dtype)
-            lora.lora_A[occurrence] = (vh[:r] / scale).to(lora.lora_A.dtype)
+            for rows, ranks, r in lora.matrices():  # W^Q, W^K, W^V of a fused projection each by its own SVD
+                residual = original.weight[rows].double() - lora.weight[rows].double()  # equation 4
+                if not residual.any():
+                    continue
+                u, s, vh = torch.linalg.svd(residual * scale, full_matrices=False)
+                lora.lora_B[occurrence, rows, :r] = (u[:, :r] * s[:r] / lora.scaling).to(lora.lora_B.dtype)
+                lora.lora_A[occurrence, ranks] = (vh[:r] / scale).to(lora.lora_A.dtype)

@@ -56,7 +56,8 @@ class SelfAttention(nn.Module):
         super().__init__()
         self.causal = causal
         self.n_head, self.n_kv_head, self.head_dim = config.n_head, config.n_kv_head, config.head_dim
-        self.qkv = Linear(config.d_model, (config.n_head + 2 * config.n_kv_head) * config.head_dim, bias=config.bias)
+        q, kv = config.n_head * config.head_dim, config.n_kv_head * config.head_dim
+        self.qkv = Linear(config.d_model, q + 2 * kv, bias=config.bias, splits=(q, kv, kv))  # W^Q, W^K, W^V in one product
         self.proj = Linear(config.n_head * config.head_dim, config.d_model, bias=config.bias)
         self.dropout = config.dropout
         self.scale = config.attn_scale
@@ -109,7 +110,8 @@ class CrossAttention(nn.Module):
         self.n_head, self.n_kv_head, self.head_dim = config.n_head, config.n_kv_head, config.head_dim
         self.scale = config.attn_scale  # as self-attention's; q/k norms are self-attention's only
         self.q = Linear(config.d_model, config.n_head * config.head_dim, bias=config.bias)
-        self.kv = Linear(config.d_model, 2 * config.n_kv_head * config.head_dim, bias=config.bias)
+        kv = config.n_kv_head * config.head_dim
+        self.kv = Linear(config.d_model, 2 * kv, bias=config.bias, splits=(kv, kv))
         self.proj = Linear(config.n_head * config.head_dim, config.d_model, bias=config.bias)
 
     def keys(self, memory: Tensor) -> CrossKV:

@@ -54,6 +54,14 @@ class Linear(nn.Linear):
     packed_version: int = -1
     packed_for: tuple[bool, bool] = (False, False)  # use the packed kernel at one row, at more (packed_faster)
 
+    def __init__(self, in_features: int, out_features: int, bias: bool = True, *, splits: tuple[int, ...] = ()) -> None:
+        """``splits``: the output widths of the matrices this weight stacks, when it is several fused into one
+        product (an attention's W^Q, W^K, W^V); a layer-wise LoRA relaxes each of them on its own."""
+        super().__init__(in_features, out_features, bias=bias)
+        self.splits = splits or (out_features,)
+        if sum(self.splits) != out_features:
+            raise ValueError(f"splits {self.splits} do not add up to the {out_features} output features")
+
     def forward(self, x: Tensor) -> Tensor:
         if torch.compiler.is_compiling():  # first, so a traced forward never looks at the packed tensor
             return F.linear(x, self.weight, self.bias)

@@ -35,6 +35,7 @@ from blockloop.config import ModelConfig, read_config_dict, save_config
 from blockloop.errors import BlockloopError
 from blockloop.families import config_from_dict
 from blockloop.files import LOCK_FILE, atomic_write_text, check_new_folder, new_file_mode, running_here
+from blockloop.nn.lora import split_fused_lora
 
 LATEST = "latest"
 KEEP_LAST = 2
@@ -291,6 +292,7 @@ def read_model_tensors(directory: Path | str, model: nn.Module) -> dict[str, tor
     shape ``model`` (built from the checkpoint's config.json) expects."""
     directory = Path(directory)
     tensors = _read_safetensors(directory / "model.safetensors")
+    split_fused_lora(tensors, model)
     expected = {name: t.shape for name, t in model.state_dict().items() if name not in _tied_names(model)}
     missing, unexpected = sorted(set(expected) - set(tensors)), sorted(set(tensors) - set(expected))
     if missing or unexpected:
