@@ -72,9 +72,11 @@ TARGETS: dict[str, Target] = {
         Option("relax", str, None, "relaxation: per-loop LoRA (--lora-rank) or per-position prefix (--prefix-len); "
                "default: lora when --lora-rank is given, prefix when --prefix-len is, else none",
                choices=("none", "lora", "prefix")),
-        Option("lora_rank", int, 0, "LoRA rank r per shared linear and loop (default: 0, none)"),
+        Option("lora_rank", int, 0, "LoRA rank r per shared weight matrix (W^Q, W^K, W^V apart) and loop "
+               "(default: 0, none)"),
         Option("lora_alpha", float, None, "LoRA alpha; scaling alpha/r (default: r, scaling 1)", positive=True),
-        Option("lora_init", str, "svd", f"LoRA init: {', '.join(LORA_INITS)} (default: svd, equation 4)",
+        Option("lora_init", str, "svd", f"LoRA init: {', '.join(LORA_INITS)} (default: svd, equation 4's "
+               "truncated SVD of each residual, weighted by --calibration's input activations)",
                choices=LORA_INITS),
         Option("norms", str, "per-loop", "norm gains of the shared layers: per-loop (one per loop, from the layer "
                "each depth position replaces; full-rank LoRA is then exact) or tied (default: per-loop)",
