@@ -33,8 +33,9 @@ class BlockTransformerConfig(ModelConfig):
     concatenation; ``cls`` reads ``n_cls`` CLS tokens of that encoder instead. Token decoders
     (appendix F.2): ``prefix`` projects the context embedding to ``prefix_len`` prefix tokens; ``sum``
     adds a projected context to each input position (MEGABYTE); ``cross`` lets every layer
-    cross-attend to ``block_len`` projected context states. The layer style fields (norm, MLP, rotary,
-    ...) apply to every transformer inside. ``pad_id`` fills blocks (random-length padding in training,
+    cross-attend to ``block_len`` projected context states (its layers are sequential: self-attention,
+    cross-attention, MLP in turn, even in a ``parallel_residual`` preset). The layer style fields (norm, MLP,
+    rotary, ...) apply to every transformer inside. ``pad_id`` fills blocks (random-length padding in training,
     left padding of prompts); runs set it to the tokenizer's end-of-text id.
     """
 

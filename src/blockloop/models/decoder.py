@@ -127,7 +127,10 @@ class Block(nn.Module):
     """Pre-norm layer: self-attention, optional cross-attention to a memory, MLP.
 
     With ``sandwich_norm`` the attention and MLP outputs are normalised again before their residual add
-    (Gemma-2/3's post-attention and post-feedforward norms).
+    (Gemma-2/3's post-attention and post-feedforward norms). ``parallel_residual`` (GPT-NeoX) adds attention and
+    MLP, both read from the layer's input; a layer with cross-attention runs its three branches in turn
+    whatever that flag says (the Block Transformer's cross token decoder puts the cross-attention between
+    self-attention and the MLP, appendix F.2).
 
     ``attention`` builds the self-attention (double decoders swap in their dual attention); keyword
     arguments of :meth:`forward` other than the memory go to it.
@@ -317,7 +320,7 @@ class LanguageModel(nn.Module):
         self.embed = nn.Embedding(config.padded_vocab_size, config.d_model)
         if config.learned_positions:
             self.pos_embed = nn.Embedding(config.context_length, config.d_model)
-        self.drop = nn.Dropout(config.dropout)
+        self.drop = nn.Dropout(config.embed_dropout)
         for name, module in stacks.items():
             setattr(self, name, module)
         self.norm = build_norm(config.norm, config.d_model, config.norm_eps)
