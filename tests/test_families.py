@@ -112,6 +112,20 @@ def test_a_derived_size_given_explicitly_is_kept_by_replace():
     assert config.replace(d_model=128).d_ff == from_name("tiny", d_model=128).d_ff  # d_ff was derived
 
 
+@pytest.mark.parametrize("preset", ["staircase-reddit", "cached-staircase-enwik8", "ladder-base"])
+def test_staircase_language_models_drop_embeddings_as_table_5_says(preset):
+    """Table 5: dropout 0.3 in the layers, 0.2 on the embeddings; a config without its own embedding rate follows
+    ``dropout``, also when replace() changes it."""
+    config = from_name(preset)
+    assert (config.dropout, config.embed_dropout) == (0.3, 0.2)
+    assert config.replace(dropout=0.1).embed_dropout == 0.2  # set by the preset: kept
+    model = build_model(from_name(preset, n_layer=1, d_model=64, n_head=2, vocab_size=64))
+    assert model.drop.p == 0.2 and {m.dropout for m in model.modules() if hasattr(m, "post_mlp_norm")} == {0.3}
+    assert from_name("tiny").replace(dropout=0.1).embed_dropout == 0.1  # derived: follows dropout
+    with pytest.raises(ConfigError, match=r"embed_dropout must be in \[0, 1\), got 1.5"):
+        from_name("tiny", embed_dropout=1.5)
+
+
 @pytest.mark.parametrize("fields, says", [
     ({"embedder": "encoder", "embed_dim": 16, "embedder_n_head": 0}, "embedder_n_head=0 does not divide embed_dim=16"),
     ({"embedder": "encoder", "embed_dim": 16, "embedder_n_head": 3}, "embedder_n_head=3 does not divide embed_dim=16"),

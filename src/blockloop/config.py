@@ -33,8 +33,8 @@ NORMS = ("layernorm", "rmsnorm", "rmsnorm1p")
 MLPS = ("gelu", "gelu_tanh", "swiglu", "geglu")
 INITS = ("normal", "xavier_uniform")
 
-LAYER_STYLE = ("norm", "norm_eps", "mlp", "bias", "rotary_pct", "rope_base", "parallel_residual", "dropout", "init",
-               "init_std")
+LAYER_STYLE = ("norm", "norm_eps", "mlp", "bias", "rotary_pct", "rope_base", "parallel_residual", "dropout",
+               "embed_dropout", "init", "init_std")
 
 
 @dataclass
@@ -65,6 +65,7 @@ class ModelConfig:
     parallel_residual: bool = False
     tie_embeddings: bool = True
     dropout: float = 0.0
+    embed_dropout: float | None = None  # on the input embeddings; None: ``dropout`` (Staircase's Table 5 sets both)
     init: str = "normal"
     init_std: float = 0.02
     mup_base_width: int | None = None
@@ -86,6 +87,8 @@ class ModelConfig:
         """Fill derived defaults and check every field (groups extend this cooperatively)."""
         if self.padded_vocab_size is None:
             self.padded_vocab_size = self.vocab_size
+        if self.embed_dropout is None:
+            self.embed_dropout = self.dropout
         self._check(
             (self.vocab_size > 0, f"vocab_size must be positive, got {self.vocab_size}"),
             (
@@ -100,6 +103,7 @@ class ModelConfig:
             (self.norm in NORMS, f"norm={self.norm!r} is not one of {NORMS}"),
             (self.mlp in MLPS, f"mlp={self.mlp!r} is not one of {MLPS}"),
             (0.0 <= self.dropout < 1.0, f"dropout must be in [0, 1), got {self.dropout}"),
+            (0.0 <= self.embed_dropout < 1.0, f"embed_dropout must be in [0, 1), got {self.embed_dropout}"),
             (self.init in INITS, f"init={self.init!r} is not one of {INITS}"),
             (
                 self.mup_base_width is None or self.mup_base_width > 0,

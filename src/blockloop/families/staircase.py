@@ -2,7 +2,8 @@
 
 The paper's presets come from Table 5 (shared per task) and Table 6 (best configuration per model):
 tasks use 4 layers, d=256, 4 heads, dropout 0.2, BPTT segments of 128; language models 8 layers, 8 heads,
-dropout 0.3, segments of 256, d=1024 for Reddit / BASE Data, d=512 for Enwik8 (Table 5). Reddit's
+dropout 0.3 with embedding dropout 0.2, segments of 256, d=512 for Enwik8 (Table 5) and d=1024 for Reddit / BASE
+Data (Table 5 says 512; the text of appendix A.1 says 1024, and so do Table 2's parameter counts below). Reddit's
 vocabulary is the 8,008-token BPE dictionary of the Reddit models the paper cites (Roller et al. 2020):
 Table 2 counts embeddings, and untied ones of 8,008 rows give its 117M (8 layers), 218M (the 2x baseline)
 and 29M (the one-layer Universal Transformer). Every model of a task shares one core, so parameter counts
@@ -26,9 +27,12 @@ from blockloop.models.staircase import Staircase
 CORES: dict[str, dict[str, Any]] = {
     "randomwalk": {"n_layer": 4, "d_model": 256, "n_head": 4, "dropout": 0.2, "context_length": 512},
     "algorithm": {"n_layer": 4, "d_model": 256, "n_head": 4, "dropout": 0.2, "context_length": 512},
-    "reddit": {"n_layer": 8, "d_model": 1024, "n_head": 8, "dropout": 0.3, "context_length": 512, "vocab_size": 8008},
-    "base": {"n_layer": 8, "d_model": 1024, "n_head": 8, "dropout": 0.3, "context_length": 512, "vocab_size": 50304},
-    "enwik8": {"n_layer": 8, "d_model": 512, "n_head": 8, "dropout": 0.3, "context_length": 512, "vocab_size": 258},
+    "reddit": {"n_layer": 8, "d_model": 1024, "n_head": 8, "dropout": 0.3, "embed_dropout": 0.2,
+               "context_length": 512, "vocab_size": 8008},
+    "base": {"n_layer": 8, "d_model": 1024, "n_head": 8, "dropout": 0.3, "embed_dropout": 0.2,
+             "context_length": 512, "vocab_size": 50304},
+    "enwik8": {"n_layer": 8, "d_model": 512, "n_head": 8, "dropout": 0.3, "embed_dropout": 0.2,
+               "context_length": 512, "vocab_size": 258},
 }
 # Table 6: (recurrent steps, step size S, forward size C) per model; Ladder: (steps, attention span).
 # Feedback Transformer and Global Cached Staircase: the best rows of Tables 7, 8 and 10.

@@ -133,7 +133,7 @@ class BlockTransformer(nn.Module):
         super().__init__()
         self.config = config
         self.embedder = LookupEmbedder(config) if config.embedder == "lookup" else EncoderEmbedder(config)
-        self.drop = nn.Dropout(config.dropout)
+        self.drop = nn.Dropout(config.embed_dropout)
         self.block_decoder = TransformerStack(config.block_decoder_config())
         self.token_decoder = TokenDecoder(config)
         self.reset_parameters()
