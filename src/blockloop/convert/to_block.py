@@ -5,7 +5,8 @@ decoder and the upper half the token decoder (same width, so nothing is resized)
 embedding starts as the *average* of its tokens' vanilla embeddings, through the fully connected layer
 of G.8 that maps the L_B concatenated embeddings to the block width; (3) the token decoder's prefix
 starts as copies of the context embedding. The token decoder keeps the vanilla embedding table, final
-norm and LM head. The block decoder's final norm starts at identity: it is the one new normalisation
+norm and LM head. The block decoder's final norm starts at unit gain (and zero bias): it still normalises,
+so the prefix starts as a normalised state the vanilla upper half never saw; it is the one new normalisation
 between the two halves, and uptraining adapts the rest.
 """
 

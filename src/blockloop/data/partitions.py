@@ -2,10 +2,11 @@
 
 A partition is a strictly increasing sequence 0 = b_0 < b_1 < ... < b_K = T that cuts a window into K
 contiguous blocks; one is drawn per batch and shared by its rows, so it only changes the generation
-decoder's attention masks (:func:`blockloop.nn.masks.block_masks`). Every position lies in exactly one block, so every token is scored exactly
-once whatever the partition.
+decoder's attention masks (:func:`blockloop.nn.masks.dual_block_mask`). Every position lies in exactly one block,
+so every token is scored exactly once whatever the partition.
 
-Strategies (``DoubleDecoderConfig.partition``):
+The paper says only that the blocks "are sampled randomly per batch" (section 6); these strategies are
+blockloop's own (``DoubleDecoderConfig.partition``):
 
 * ``uniform`` - K uniform on 1..max_blocks, the K-1 inner boundaries uniform among distinct positions;
 * ``logspace`` - K uniform as above, inner boundaries at round(T^(i/K)): short blocks first, long ones

@@ -11,7 +11,9 @@ A multiple-choice question is a group of requests (one per choice) that share a 
 * ``causal``: one causal forward over context + continuation, rows right-padded (padding comes after
   every scored token, so it changes nothing).
 * ``blocks``: the context left-padded with ``pad_id`` to whole blocks, so the continuation starts at a block
-  boundary, as generation lays a prompt out; a model's logit at position t predicts token t itself.
+  boundary, as generation lays a prompt out; a model's logit at position t predicts token t itself. (The
+  Block Transformer paper's footnote to Table 2 pads the first block with L_B - 1 tokens instead, wherever the
+  continuation then starts; blockloop scores as it generates, which random-length padding trains for.)
 * ``partition``: the context (but its last token) is the context block of a two-block partition, the
   generation block starts at its last token (the PrefixLM layout generation uses).
 * ``encoder``: the same split with the context block as the encoder input.

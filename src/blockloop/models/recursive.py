@@ -182,7 +182,8 @@ class RecursiveDecoder(Decoder):
         return hiddens
 
     def loop_logits(self, idx: Tensor) -> list[Tensor]:
-        """Every loop's logits for a full window: static early exit after loop 1, 2, ..., B (section 3.8)."""
+        """Every loop's logits for a full window: static early exit after loop 1, 2, ..., B (section 3.7, Table 1;
+        appendix M)."""
         return [self.exit_logits(h) for h in self.loop_hiddens(idx)]
 
     # -------------------------------------------------------------- the model
@@ -213,7 +214,9 @@ class RecursiveDecoder(Decoder):
 
     def early_exit_loss(self, exits: list[Tensor], targets: Tensor) -> Tensor:
         """sum_i alpha_i (CE_i + lambda KL(final.detach() || loop_i)) over the loops' logits ``exits``; the KD
-        term (``exit_kd_weight`` = lambda) distils each intermediate loop from the detached final loop."""
+        term (``exit_kd_weight`` = lambda) distils each intermediate loop from the detached final loop. The paper
+        (section 3.7, appendix M) names the KD loss but gives no formula for combining it with the alpha_i: weighting
+        it with its loop's CE is blockloop's reading."""
         final = exits[-1].detach()
         total = exits[-1].new_zeros((), dtype=torch.float32)
         for i, (weight, logits) in enumerate(zip(self.exit_weights(), exits)):

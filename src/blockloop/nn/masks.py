@@ -114,7 +114,7 @@ def cache_mask(key_valid: Tensor, slots: Tensor) -> Tensor:
 
 def window_mask(prefix_valid: Tensor, valid: Tensor, span: int | None = None) -> Tensor:
     """``(B, 1, T, P + T)`` boolean mask for ``T`` queries over ``P`` prefix keys then their own ``T`` keys
-    (the staircase family's cache / memory before the window).
+    (the staircase family's cache / memory before the window; Staircase section 3.1's causal masking).
 
     Keys are laid out in stream order (prefix first). A query sees earlier-or-equal keys that are valid
     and, with ``span``, at most ``span`` positions back; it always sees itself, so padding queries stay finite.

@@ -1,5 +1,7 @@
 """Serving Recursive Transformers: sequence-wise like a decoder, or with continuous depth-wise batching and
-confidence-based early exit (Bae et al. 2024, section 2.4 and appendix N).
+early exit (Bae et al. 2024, section 2.4 and appendix N). The paper measures only an oracle exit (below) and
+leaves confidence-based exit to future work (appendix A); ``max_prob`` and ``entropy`` are blockloop's
+confidence rules, served for real.
 
 :class:`RecursiveRunner` without an exit rule is the decoder's runner. Sequence-wise serving runs all ``B`` loops of a
 token before the next. Here one decode step runs ONE loop of the shared block over every row, each row at its own
