@@ -187,10 +187,8 @@ class BlockTransformer(nn.Module):
         """Context embeddings ``(B, d_block)`` after the blocks ``(B, n, L_B)`` (the last one's), cached."""
         return self.block_decoder(self.embedder(blocks), step=step)[:, -1]
 
-    def token_logits(self, x: Tensor, vectors: Tensor, step: StepContext, at: Tensor | None = None) -> Tensor:
+    def token_logits(self, x: Tensor, vectors: Tensor, step: StepContext) -> Tensor:
         """The token decoder over inputs ``x (B, T, d)`` of a block with context ``vectors``, cached: the
-        logits ``(B, V)`` of the last input position, or of position ``at`` (a ``(1,)`` index tensor, so
-        generation can choose it on device)."""
+        logits ``(B, V)`` of the last input position."""
         tokdec = self.token_decoder
-        hidden = tokdec.body(x, step=step, memory=tokdec.memory(vectors))
-        return tokdec.lm_head(hidden[:, -1] if at is None else hidden.index_select(1, at)[:, 0])
+        return tokdec.lm_head(tokdec.body(x, step=step, memory=tokdec.memory(vectors))[:, -1])

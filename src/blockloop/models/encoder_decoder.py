@@ -49,11 +49,10 @@ class EncoderDecoder(LanguageModel):
         targets: Tensor | None = None,
         *,
         decoder_idx: Tensor,
-        encoder_valid: Tensor | None = None,
     ) -> tuple[Tensor, Tensor | None]:
         """Logits ``(B, T_out, V)`` for ``decoder_idx`` given the encoder input ``idx (B, T_in)``."""
         check_context(max(idx.shape[1], decoder_idx.shape[1]), self.config.context_length, "encoder or decoder input")
-        cross, cross_mask = self.encode(idx, encoder_valid)
+        cross, cross_mask = self.encode(idx)
         positions = torch.arange(decoder_idx.shape[1], device=idx.device)
         cos, sin = rope_angles(positions, self.config.rotary_dim, self.config.rope_base)
         logits = self._decode(decoder_idx, cos, sin, cross, cross_mask)
