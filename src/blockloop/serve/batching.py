@@ -21,11 +21,12 @@ def prompt_size(tokens: int, padded: int, noun: str = "prompt") -> str:
     return f"{noun} of {tokens} tokens" + (f" ({padded} once left-padded to whole blocks)" if padded != tokens else "")
 
 
-def left_pad(prompts: Sequence[Sequence[int]], length: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(B, length)`` ids with each prompt right-aligned, and the mask of real (non-padding) tokens."""
-    idx = torch.zeros(len(prompts), length, dtype=torch.long, device=device)
-    token_valid = torch.zeros(len(prompts), length, dtype=torch.bool, device=device)
-    for row, prompt in enumerate(prompts):
-        idx[row, length - len(prompt) :] = torch.tensor(prompt, dtype=torch.long, device=device)
-        token_valid[row, length - len(prompt) :] = True
-    return idx, token_valid
+def left_pad(
+    prompts: Sequence[Sequence[int]], length: int, device: torch.device, pad_id: int = 0
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(B, length)`` ids with each prompt right-aligned after ``pad_id`` (a runner's :attr:`Runner.pad_id`:
+    what a Block Transformer's blocks are padded with), and the mask of real (non-padding) tokens."""
+    rows = [[pad_id] * (length - len(prompt)) + list(prompt) for prompt in prompts]
+    lengths = torch.tensor([len(prompt) for prompt in prompts])
+    token_valid = torch.arange(length) >= length - lengths[:, None]
+    return torch.tensor(rows, dtype=torch.long).to(device), token_valid.to(device)  # one copy each to the device

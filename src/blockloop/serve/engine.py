@@ -441,7 +441,7 @@ class Engine:
             done = [self.prefilling[slot] for slot in slots]
             pieces = [p[d : d + self.prefill_chunk] for p, d in zip(prompts, done)]
             width = max(map(len, pieces))
-            chunks = torch.tensor([[self.runner.pad_id] * (width - len(p)) + p for p in pieces], device=self.device)
+            chunks, _ = left_pad(pieces, width, self.device, self.runner.pad_id)
             lengths = torch.tensor([len(p) for p in pieces], device=self.device)
             logits = self.runner.prefill_chunk(slots[0], chunks, lengths, torch.tensor(done, device=self.device))
             for i, (slot, prompt) in enumerate(zip(slots, prompts)):
@@ -455,9 +455,7 @@ class Engine:
 
     def _prefill_rows(self, start: int, requests: list[Request]) -> None:
         contexts = [self._context(r) for r in requests]
-        length = self._padded(len(contexts[0]))
-        prompts = torch.tensor([[self.runner.pad_id] * (length - len(c)) + c for c in contexts],
-                               device=self.device)
+        prompts, _ = left_pad(contexts, self._padded(len(contexts[0])), self.device, self.runner.pad_id)
         stop = start + len(requests)
         self.logits[start:stop] = self.runner.prefill_rows(start, prompts)
         self.ready[start:stop] = True
@@ -471,7 +469,7 @@ class Engine:
 
     def _prefill_batch(self, admitted: list[tuple[int, Request]]) -> None:
         prompts = [r.prompt for _, r in admitted]
-        idx, token_valid = left_pad(prompts, self._padded(max(map(len, prompts))), self.device)
+        idx, token_valid = left_pad(prompts, self._padded(max(map(len, prompts))), self.device, self.runner.pad_id)
         self.runner.allocate(len(admitted), idx.shape[1] + max(r.max_tokens for _, r in admitted))
         logits = self.runner.prefill_batch(idx, token_valid)
         self.rows = len(admitted)
