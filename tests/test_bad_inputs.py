@@ -316,7 +316,7 @@ CASES = [
     (["bench", "--plot", "{base}/p.png", "--no-progress"], "--no-progress does not apply to --plot"),
     (["bench", "--stream", "--presets", "tiny", "--whole-keys"], "--whole-keys does not apply to --stream"),
     (["bench", "--stream", "--presets", "tiny,tiny-block", "--prompt-range", "100,120", "--tokens-range", "20,40"],
-     "tiny: the stream's longest request takes"),  # refused before the first model runs
+     "tiny: the stream's longest request (prompt and new tokens) of"),  # refused before the first model runs
     (["bench", "--presets", "tiny-block", "--hf", "--prompt-len", "8", "--gen-len", "8"], "--hf times HF generate() on the first model"),
     # convert, tasks, flops, demo, info
     (["convert", "--to", "block", "--checkpoint", R, "--out", NEW, "--block-len", "-1"], "--block-len: must be an"),

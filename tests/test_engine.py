@@ -603,7 +603,7 @@ def test_bench_cli_errors_are_one_line(tmp_path, capsys):
     assert main(["bench", "--presets", "tiny", "--device", "cpu", "--prompt-len", "200"]) == 2  # 200 + 1 > 128
     assert "does not fit a model context of 128 tokens with --prompt-len 200" in capsys.readouterr().err
     assert main(["bench", "--presets", "tiny", "--device", "cpu", "--prompt-len", "100", "--gen-len", "100"]) == 2
-    assert "exceed the model context of 128" in capsys.readouterr().err
+    assert "prompt 100 + generation 100, a slot of 200 tokens exceeds the model context of 128" in capsys.readouterr().err
     assert main(["bench", "--presets", "tiny", "--batch-sizes", "0", "--prompt-len", "4", "--gen-len", "4"]) == 2
     assert "--batch-sizes: needs positive integers" in capsys.readouterr().err
     assert main(["bench", "--plot", str(tmp_path / "a.png"), "--record", str(tmp_path / "none.jsonl")]) == 2
@@ -875,7 +875,7 @@ def test_bench_keeps_a_given_length_and_refuses_a_model_it_cannot_fit_before_tim
     # demo (256-token context) fits 100 + 100, tiny (128) does not: refused before demo is timed.
     assert main(["bench", "--presets", "demo,tiny", "--device", "cpu", "--prompt-len", "100", "--gen-len", "100"]) == 2
     captured = capsys.readouterr()
-    assert "tiny: prompt 100 + generation 100 tokens exceed the model context of 128" in captured.err
+    assert "tiny: prompt 100 + generation 100, a slot of 200 tokens exceeds the model context of 128" in captured.err
     assert "measured copy bandwidth" not in captured.out
 
 

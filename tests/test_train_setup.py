@@ -50,7 +50,7 @@ def test_the_default_seq_len_fits_the_model_context(tmp_path):
         assert plan.fit_seq_len
         _, trainer = start_training(plan)
         assert trainer.config.seq_len == expected == min(256, from_name(preset).context_length), preset
-    with pytest.raises(BlockloopError, match="--seq-len 256 exceeds the model context of 128"):
+    with pytest.raises(BlockloopError, match=r"a training window \(--seq-len\) of 256 tokens exceeds the model context of 128"):
         start_training(plan_run(TrainRequest(tmp_path / "given", preset="tiny", train_overrides={**fields, "seq_len": 256})))
 
 

@@ -16,7 +16,7 @@ from blockloop.bench.metrics import Timing, serving_metrics
 from blockloop.choices import KEY_BUCKETS
 from blockloop.data.tasks.tokenizer import refuse_text
 from blockloop.data.tokenizers import Tokenizer
-from blockloop.errors import BlockloopError
+from blockloop.errors import BlockloopError, check_context
 from blockloop.nn.linear import packed_linears
 from blockloop.serve.engine import Engine
 from blockloop.serve.requests import SamplingParams
@@ -88,10 +88,8 @@ def check_stream_fits(name: str, runner: Runner, prompts: list[list[int]], min_t
     """Refuse, before anything runs, a stream whose longest request (the budgets :func:`run_stream` will draw)
     does not fit ``runner``'s model context."""
     _, budgets = schedule(len(prompts), rate, min_tokens, max_tokens, seed)
-    need, context = longest_request(runner, prompts, budgets), runner.model.config.context_length
-    if need > context:
-        raise BlockloopError(f"{name}: the stream's longest request takes {need} tokens (prompt and new tokens), more "
-                             f"than the model context of {context}; lower --prompt-range or --tokens-range")
+    check_context(longest_request(runner, prompts, budgets), runner.model.config.context_length,
+                  f"{name}: the stream's longest request (prompt and new tokens)", "lower --prompt-range or --tokens-range")
 
 
 def run_stream(

@@ -22,7 +22,7 @@ from torch import Tensor, nn
 from blockloop.bench.roofline import bytes_per_step
 from blockloop.bench.timing import timed
 from blockloop.choices import KEY_BUCKETS
-from blockloop.errors import BlockloopError
+from blockloop.errors import BlockloopError, check_context
 from blockloop.nn.linear import packed_linears
 from blockloop.serve.engine import Engine
 from blockloop.serve.requests import SamplingParams
@@ -112,12 +112,8 @@ def check_lengths(model: nn.Module, prompt_len: int, gen_len: int) -> int:
     if prompt_len < 1 or gen_len < 1:
         raise BlockloopError(f"prompt and generation lengths must be >= 1, got {prompt_len} and {gen_len}")
     need = runner_for(model).padded(prompt_len) + gen_len
-    context = model.config.context_length
-    if need > context:
-        raise BlockloopError(
-            f"prompt {prompt_len} + generation {gen_len} tokens exceed the model context of {context}; "
-            "lower --prompt-len/--gen-len or pick a preset with a longer context"
-        )
+    check_context(need, model.config.context_length, f"prompt {prompt_len} + generation {gen_len}, a slot",
+                  "lower --prompt-len/--gen-len or pick a preset with a longer context")
     return need
 
 

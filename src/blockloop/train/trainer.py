@@ -29,7 +29,7 @@ from blockloop.data.collate import step_generator
 from blockloop.data.loader import PackedSequences, StreamBatches, TrainBatches
 from blockloop.data.tasks.windows import TaskSequences
 from blockloop.data.tokenizers import Tokenizer
-from blockloop.errors import BlockloopError, ConfigError
+from blockloop.errors import BlockloopError, ConfigError, check_context
 from blockloop.families import spec_of
 from blockloop.files import atomic_write_text
 from blockloop.signals import stop_at_safe_point
@@ -69,11 +69,8 @@ class Trainer:
         loss_hook: LossHook | None = None,
         data_fingerprint: str | None = None,
     ) -> None:
-        if config.seq_len > model_config.context_length:
-            raise ConfigError(
-                f"--seq-len {config.seq_len} exceeds the model context of {model_config.context_length}; "
-                "lower --seq-len or pick a preset with a longer context"
-            )
+        check_context(config.seq_len, model_config.context_length, "a training window (--seq-len)",
+                      "lower --seq-len or pick a preset with a longer context")
         spec = spec_of(model_config)
         spec.check_seq_len(model_config, config.seq_len)
         if hasattr(model, "_orig_mod"):  # its state dict names every weight _orig_mod.*: checkpoints would not load
