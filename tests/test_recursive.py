@@ -201,7 +201,7 @@ def test_the_fused_projection_relaxes_w_q_w_k_and_w_v_each_at_the_rank():
     qkv = relaxed.body.blocks[0].attn.qkv  # loop 1 relaxes it towards full layer 2
     assert len(qkv.splits) == 3 and qkv.ranks == (4, 4, 4) and qkv.lora_A.shape[1] == 12
     residual = full.body.blocks[2].attn.qkv.weight - qkv.weight
-    per_matrix = torch.cat([best_rank(residual[rows], 4) for rows, _, _ in qkv.matrices()])
+    per_matrix = torch.cat([best_rank(residual[m.rows], 4) for m in qkv.matrices()])
     torch.testing.assert_close(delta_weight(qkv, 1), per_matrix, atol=1e-10, rtol=1e-8)
     assert (residual - per_matrix).norm() < 0.99 * (residual - best_rank(residual, 4)).norm()
 

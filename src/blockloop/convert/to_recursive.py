@@ -241,10 +241,10 @@ def _init_lora(
                 lora.lora_bias[occurrence] = original.bias - lora.bias
             scale = scales.get((position, name), original.weight.new_ones(original.weight.shape[1], dtype=torch.float64))
             scale = scale.clamp_min(scale.max().item() * 1e-6 if scale.any() else 1.0)  # no channel divides by 0
-            for rows, ranks, r in lora.matrices():  # W^Q, W^K, W^V of a fused projection each by its own SVD
-                residual = original.weight[rows].double() - lora.weight[rows].double()  # equation 4
+            for m in lora.matrices():  # W^Q, W^K, W^V of a fused projection each by its own SVD
+                residual = original.weight[m.rows].double() - lora.weight[m.rows].double()  # equation 4
                 if not residual.any():
                     continue
                 u, s, vh = torch.linalg.svd(residual * scale, full_matrices=False)
-                lora.lora_B[occurrence, rows, :r] = (u[:, :r] * s[:r] / lora.scaling).to(lora.lora_B.dtype)
-                lora.lora_A[occurrence, ranks] = (vh[:r] / scale).to(lora.lora_A.dtype)
+                lora.factor_b(lora.lora_B[occurrence], m)[:] = (u[:, : m.rank] * s[: m.rank] / lora.scaling)
+                lora.lora_A[occurrence, m.a] = (vh[: m.rank] / scale).to(lora.lora_A.dtype)

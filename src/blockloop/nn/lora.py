@@ -19,6 +19,7 @@ a worse fit at the same r than the paper's (r_m = min(r, in, out_m)).
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import torch
 from torch import Tensor, nn
@@ -37,14 +38,25 @@ class LoopIndex:
         self.value: int | Tensor = 0
 
 
+class LoRAMatrix(NamedTuple):
+    """Where one stacked matrix m of a :class:`LoopLoRALinear` lies: its ``rows`` of the weight (and of the
+    output), its rows ``a`` of A's rank axis, its span ``b`` of a fused linear's flat B, and its rank r_m."""
+
+    rows: slice
+    a: slice
+    b: slice
+    rank: int
+
+
 class LoopLoRALinear(Linear):
     """:class:`~blockloop.nn.linear.Linear` with one LoRA delta per loop and matrix; the base weight keeps its
     ``weight``/``bias`` names.
 
-    ``lora_A``: ``(loops, sum of ranks, in)``, ``lora_B``: ``(loops, out, max rank)`` (a matrix of rank r_m uses
-    its rows' first r_m columns; the others stay zero), and with a bias ``lora_bias``: ``(loops, out)``. A
-    one-matrix linear is plain ``A (loops, r, in)``, ``B (loops, out, r)``. ``reset_lora`` gives the standard
-    zero init (A Gaussian, B and the bias delta zero), under which the layer equals its base.
+    ``lora_A``: ``(loops, r, in)`` and ``lora_B``: ``(loops, out, r)``; a fused linear of matrices m stacks its
+    A_m along A's rank axis, ``(loops, sum of r_m, in)``, and lays its B_m ``(out_m, r_m)`` flat one after the
+    other, ``(loops, sum of out_m r_m)`` (ranks differ where a matrix is narrower than r, GQA's W^K and W^V).
+    With a bias, ``lora_bias``: ``(loops, out)``. ``reset_lora`` gives the standard zero init (A Gaussian, B
+    and the bias delta zero), under which the layer equals its base.
     """
 
     def __init__(
@@ -55,18 +67,25 @@ class LoopLoRALinear(Linear):
         self.ranks = tuple(min(rank, in_features, out) for out in self.splits)
         self.rank, self.scaling, self.loop = max(self.ranks), scaling, loop
         self.lora_A = nn.Parameter(torch.empty(loops, sum(self.ranks), in_features))
-        self.lora_B = nn.Parameter(torch.empty(loops, out_features, self.rank))
+        fused = len(self.splits) > 1
+        b_shape = (sum(o * r for o, r in zip(self.splits, self.ranks)),) if fused else (out_features, self.rank)
+        self.lora_B = nn.Parameter(torch.empty(loops, *b_shape))
         self.lora_bias = nn.Parameter(torch.empty(loops, out_features)) if bias else None
         self.reset_lora()
 
-    def matrices(self) -> list[tuple[slice, slice, int]]:
-        """Per stacked matrix m: its rows of the weight (and of B), its rows of A, and its rank r_m."""
-        out = rank = 0
-        found = []
+    def matrices(self) -> list[LoRAMatrix]:
+        """The stacked matrices, in output order (one for a plain linear)."""
+        found, out, a, b = [], 0, 0, 0
         for width, r in zip(self.splits, self.ranks):
-            found.append((slice(out, out + width), slice(rank, rank + r), r))
-            out, rank = out + width, rank + r
+            found.append(LoRAMatrix(slice(out, out + width), slice(a, a + r), slice(b, b + width * r), r))
+            out, a, b = out + width, a + r, b + width * r
         return found
+
+    def factor_b(self, b: Tensor, m: LoRAMatrix) -> Tensor:
+        """B_m ``(..., out_m, r_m)`` as a view of ``b``, one loop's (or rows' gathered) ``lora_B``."""
+        if len(self.splits) == 1:
+            return b
+        return b[..., m.b].unflatten(-1, (m.rows.stop - m.rows.start, m.rank))
 
     @torch.no_grad()
     def reset_lora(self, loops: slice | int = slice(None)) -> None:
@@ -79,14 +98,11 @@ class LoopLoRALinear(Linear):
 
     def delta(self, x: Tensor, loop: int | Tensor) -> Tensor:
         """``s B_k A_k x`` (+ the bias delta) for ``x (B, T, in)``, each stacked matrix by its own (A_m, B_m); with
-        a ``(B,)`` tensor ``loop``, row b uses loop ``loop[b]`` (A and B gathered per row, one batched matmul)."""
-        a, b = self.lora_A[loop], self.lora_B[loop]  # (R, in), (out, r) or per row (B, R, in), (B, out, r)
+        a ``(B,)`` tensor ``loop``, row b uses loop ``loop[b]`` (A and B gathered per row, batched matmuls)."""
+        a, b = self.lora_A[loop], self.lora_B[loop]  # one loop's, or gathered per row with a leading (B,) axis
         low = x @ a.transpose(-1, -2)
-        if len(self.splits) == 1:
-            out = low @ b.transpose(-1, -2)
-        else:
-            out = torch.cat([low[..., ranks] @ b[..., rows, :r].transpose(-1, -2) for rows, ranks, r in self.matrices()], -1)
-        out = out * self.scaling
+        parts = [low[..., m.a] @ self.factor_b(b, m).transpose(-1, -2) for m in self.matrices()]
+        out = (parts[0] if len(parts) == 1 else torch.cat(parts, -1)) * self.scaling
         if self.lora_bias is None:
             return out
         return out + (self.lora_bias[loop] if isinstance(loop, int) else self.lora_bias[loop][:, None])
@@ -121,24 +137,22 @@ def add_loop_lora(module: nn.Module, *, loops: int, rank: int, scaling: float, l
 @torch.no_grad()
 def split_fused_lora(tensors: dict[str, Tensor], model: nn.Module) -> list[str]:
     """Rewrite, in ``tensors`` (a state dict for ``model``), each fused linear's LoRA saved as ONE rank-r delta
-    over its stacked matrices (blockloop before per-matrix LoRA) as :class:`LoopLoRALinear`'s per-matrix form,
-    exactly: matrix m's delta B[rows m] A has rank <= r_m, so its truncated SVD at r_m is the delta itself.
-    Returns the names of the layers rewritten; checkpoints written that way keep loading."""
+    over its stacked matrices (blockloop before per-matrix LoRA: ``lora_B (loops, out, r)``) in
+    :class:`LoopLoRALinear`'s per-matrix form, exactly: matrix m's delta B[rows m] A has rank <= r_m, so its
+    truncated SVD at r_m is the delta itself. Returns the names of the layers rewritten; checkpoints written
+    that way keep loading."""
     rewritten = []
     for name, module in model.named_modules():
         a_name, b_name = f"{name}.lora_A", f"{name}.lora_B"
-        if not isinstance(module, LoopLoRALinear) or len(module.splits) == 1 or a_name not in tensors:
+        if not isinstance(module, LoopLoRALinear) or len(module.splits) == 1 or tensors.get(b_name, torch.empty(0)).ndim != 3:
             continue
         a, b = tensors[a_name], tensors[b_name]
-        if a.shape[1] == sum(module.ranks) or a.ndim != 3 or b.ndim != 3 or b.shape[2] != a.shape[1]:
-            continue
-        new_a = a.new_zeros(a.shape[0], sum(module.ranks), a.shape[2])
-        new_b = b.new_zeros(b.shape[0], b.shape[1], module.rank)
+        new_a, new_b = torch.zeros_like(module.lora_A, dtype=a.dtype), torch.zeros_like(module.lora_B, dtype=b.dtype)
         for loop in range(a.shape[0]):
-            for rows, ranks, r in module.matrices():
-                u, s, vh = torch.linalg.svd(b[loop, rows].double() @ a[loop].double(), full_matrices=False)
-                new_b[loop, rows, :r] = (u[:, :r] * s[:r]).to(b.dtype)
-                new_a[loop, ranks] = vh[:r].to(a.dtype)
+            for m in module.matrices():
+                u, s, vh = torch.linalg.svd(b[loop, m.rows].double() @ a[loop].double(), full_matrices=False)
+                module.factor_b(new_b[loop], m)[:] = (u[:, : m.rank] * s[: m.rank]).to(b.dtype)
+                new_a[loop, m.a] = vh[: m.rank].to(a.dtype)
         tensors[a_name], tensors[b_name] = new_a, new_b
         rewritten.append(name)
     return rewritten
