@@ -14,4 +14,5 @@ TYING_STRATEGIES = ("cycle", "sequence", "cycle_rev")  # families/recursive: whi
 LOOP_INITS = ("stepwise", "average", "lower", "upper", "random")  # convert/to_recursive: shared-layer init
 LORA_INITS = ("svd", "zero")  # convert/to_recursive: per-loop LoRA init
 SAVE_DTYPES = ("float32", "bfloat16")  # train/checkpoint: the dtype exported weights are written in
+BENCH_DTYPES = ("auto", *SAVE_DTYPES)  # bench/suite.bench_dtype: the weights and caches benchmarks run in
 KEY_BUCKETS = 8  # serve/engine.Engine: the key lengths a decode step's keys may be cut to (runners/base.key_lengths)

@@ -1,4 +1,5 @@
-"""The one device resolver: ``auto`` means CUDA when present, and asking for CUDA without it is a clear error."""
+"""The one device resolver: ``auto`` means CUDA when present, and asking for CUDA without it is a clear error;
+and the dtype ``auto`` means on a device."""
 
 from __future__ import annotations
 
@@ -20,3 +21,9 @@ def resolve_device(name: str) -> str:
     if name.startswith("mps") and not torch.backends.mps.is_available():
         raise BlockloopError(f"--device {name} requested but this torch build or machine has no MPS; use --device cpu")
     return name
+
+
+def auto_dtype(device: str | torch.device) -> torch.dtype:
+    """What ``auto`` precision means on ``device`` (training's autocast, the benchmarks' weights): bfloat16 on
+    CUDA, whose tensor cores want it, float32 elsewhere (CPU bfloat16 kernels are slower than float32 ones)."""
+    return torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32

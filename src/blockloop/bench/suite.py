@@ -23,6 +23,7 @@ from blockloop.bench.throughput import engine_throughput, fresh_compile_caches, 
 from blockloop.bench.timing import copy_bandwidth
 from blockloop.choices import KEY_BUCKETS
 from blockloop.data.tokenizers import Tokenizer
+from blockloop.device import auto_dtype
 from blockloop.errors import BlockloopError
 from blockloop.families import build_model, from_name, spec_of
 from blockloop.serve.exit_schedule import simulate
@@ -44,9 +45,8 @@ class BenchModel:
 
 
 def bench_dtype(name: str, device: str) -> torch.dtype:
-    """``float32`` / ``bfloat16``, or ``auto``: bfloat16 on CUDA, float32 on CPU."""
-    return {"float32": torch.float32, "bfloat16": torch.bfloat16}.get(
-        name, torch.bfloat16 if device.startswith("cuda") else torch.float32)
+    """One of :data:`~blockloop.choices.BENCH_DTYPES`: ``float32``, ``bfloat16``, or ``auto`` (:func:`auto_dtype`)."""
+    return auto_dtype(device) if name == "auto" else getattr(torch, name)
 
 
 def load_models(

@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from blockloop.choices import KEY_BUCKETS
+from blockloop.choices import BENCH_DTYPES, KEY_BUCKETS
 from blockloop.cli.common import (
     add_device,
     add_key_buckets,
@@ -43,7 +43,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_device(m, default=None)
     add_no_pack(m)
     add_no_progress(m)
-    m.add_argument("--dtype", choices=["auto", "float32", "bfloat16"],
+    m.add_argument("--dtype", choices=BENCH_DTYPES,
                    help="weights/cache dtype (default: bfloat16 on CUDA, float32 on CPU)")
     m.add_argument("--compile", action="store_true", help="torch.compile the decode step (CUDA graphs on CUDA)")
     add_key_buckets(m, default=None)

@@ -29,6 +29,7 @@ from blockloop.data.collate import step_generator
 from blockloop.data.loader import PackedSequences, StreamBatches, TrainBatches
 from blockloop.data.tasks.windows import TaskSequences
 from blockloop.data.tokenizers import Tokenizer
+from blockloop.device import auto_dtype
 from blockloop.errors import BlockloopError, ConfigError, check_context
 from blockloop.families import spec_of
 from blockloop.files import atomic_write_text
@@ -86,8 +87,9 @@ class Trainer:
         self.device = torch.device(config.resolved_device())
         if self.device.type == "cuda" and self.device.index is None:
             self.device = torch.device("cuda", dist_info.local_rank)
-        bf16 = config.precision == "bf16" or (config.precision == "auto" and self.device.type == "cuda")
-        self.autocast_dtype = torch.bfloat16 if bf16 else None
+        named = {"fp32": torch.float32, "bf16": torch.bfloat16}  # choices.PRECISIONS
+        precision = auto_dtype(self.device) if config.precision == "auto" else named[config.precision]
+        self.autocast_dtype = precision if precision != torch.float32 else None
 
         self.model = model.to(self.device)
         self.train_model = parallelize(self.model, config.distributed, dist_info, self.device,
