@@ -9,11 +9,10 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from blockloop.cli.common import (
+    add_checkpoint,
     add_device,
     add_no_pack,
-    nonempty,
-    nonnegative_float,
-    number,
+    add_sampling,
     positive_int,
     sampling_seed,
     utf8_text,
@@ -33,13 +32,11 @@ COMMANDS_HELP = "/reset forgets the conversation, /quit leaves; Ctrl-C stops an 
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--checkpoint", required=True, type=nonempty, help="run directory or checkpoint directory")
+    add_checkpoint(p)
     p.add_argument("--system", type=utf8_text, help="a system message that starts every conversation")
     add_chat_template(p)
     p.add_argument("--max-new-tokens", type=positive_int, default=256, help="tokens per answer at most (default: 256)")
-    p.add_argument("--temperature", type=nonnegative_float, default=0.8, help="0 = greedy (default: 0.8)")
-    p.add_argument("--top-k", type=positive_int, help="sample only among the k most likely tokens")
-    p.add_argument("--top-p", type=number(0, 1, low_open=True), help="sample only from the smallest set with this total probability (of what --top-k keeps)")
+    add_sampling(p)
     p.add_argument("--seed", type=sampling_seed, default=0, help="seed of the first answer; answer i uses seed + i (default: 0)")
     add_engine_arguments(p, slots=1)
     add_device(p)

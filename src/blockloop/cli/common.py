@@ -197,6 +197,19 @@ def int_range(text: str) -> tuple[int, int]:
     return values[0], values[1]
 
 
+def add_checkpoint(p: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
+    """``--checkpoint`` of the commands that load one model to serve (generate, chat, serve)."""
+    p.add_argument("--checkpoint", required=True, type=nonempty, help="run directory or checkpoint directory")
+
+
+def add_sampling(p: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
+    """``--temperature``, ``--top-k`` and ``--top-p``, a request's :class:`~blockloop.serve.requests.SamplingParams`."""
+    p.add_argument("--temperature", type=nonnegative_float, default=0.8, help="0 = greedy (default: 0.8)")
+    p.add_argument("--top-k", type=positive_int, help="sample only among the k most likely tokens")
+    p.add_argument("--top-p", type=number(0, 1, low_open=True),
+                   help="sample only from the smallest set with this total probability (of what --top-k keeps)")
+
+
 def add_no_progress(p: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
     """``--no-progress``, read once by :func:`blockloop.cli.main` for every bar of the process."""
     p.add_argument("--no-progress", action="store_true",

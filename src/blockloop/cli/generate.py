@@ -6,11 +6,10 @@ import argparse
 import sys
 
 from blockloop.cli.common import (
+    add_checkpoint,
     add_device,
     add_no_pack,
-    nonempty,
-    nonnegative_float,
-    number,
+    add_sampling,
     positive_int,
     sampling_seed,
     utf8_text,
@@ -21,14 +20,12 @@ HELP = "stream a continuation of --prompt from a checkpoint, token by token"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--checkpoint", required=True, type=nonempty, help="run directory or checkpoint directory")
+    add_checkpoint(p)
     p.add_argument("--prompt", required=True, type=utf8_text, help="text to continue")
     p.add_argument(
         "--max-new-tokens", type=positive_int, help="tokens to generate at most (default: 200, or what fits in the model context)"
     )
-    p.add_argument("--temperature", type=nonnegative_float, default=0.8, help="0 = greedy (default: 0.8)")
-    p.add_argument("--top-k", type=positive_int, help="sample only among the k most likely tokens")
-    p.add_argument("--top-p", type=number(0, 1, low_open=True), help="sample only from the smallest set with this total probability (of what --top-k keeps)")
+    add_sampling(p)
     p.add_argument("--num-samples", type=positive_int, default=1, help="independent continuations, generated as one batch")
     p.add_argument("--seed", type=sampling_seed,
                    help="seed for sampling (same seed, same text; sample i uses seed + i, as a server request does)")

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from blockloop.cli.common import (
+    add_checkpoint,
     add_device,
     add_key_buckets,
     add_no_pack,
@@ -32,7 +33,7 @@ DESCRIPTION = ("Serve a checkpoint with continuous batching behind /v1/completio
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--checkpoint", required=True, type=nonempty, help="run directory or checkpoint directory")
+    add_checkpoint(p)
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
     p.add_argument("--port", type=integer(0, 65535), default=8000, help="port to listen on (default: 8000)")
     p.add_argument("--name", type=nonempty, help="the model name clients send (default: the checkpoint folder's name)")
