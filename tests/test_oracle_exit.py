@@ -111,12 +111,11 @@ def test_bench_stream_oracle_reports_full_agreement_and_the_simulation(tmp_path,
 @pytest.mark.parametrize("text", ["oracle:0.5", "none:0.9", "none:abc"])
 def test_exit_rule_without_threshold_refuses_one(text):
     """``none`` and ``oracle`` read no threshold: a value given to them is refused, not silently ignored."""
-    from blockloop.bench.suite import parse_exit_rule
 
     with pytest.raises(BlockloopError, match="reads no threshold"):
-        parse_exit_rule(text)
-    assert parse_exit_rule(text.split(":")[0]).kind == text.split(":")[0]
-    assert parse_exit_rule(text.split(":")[0] + ":0").threshold == 0.0
+        ExitRule.parse(text)
+    assert ExitRule.parse(text.split(":")[0]).kind == text.split(":")[0]
+    assert ExitRule.parse(text.split(":")[0] + ":0").threshold == 0.0
 
 
 def single_row_confidence_decode(model, prompt: list[int], n: int, rule: ExitRule) -> tuple[list[int], list[int]]:

@@ -173,20 +173,6 @@ def pages_kv(model: nn.Module) -> bool:
     return "paging" in inspect.signature(RUNNERS[model.config.family]).parameters
 
 
-def parse_exit_rule(text: str) -> ExitRule:
-    """``RULE:THRESHOLD`` (``max_prob:0.9``, ``entropy:2.0``, ``none:0``) or ``oracle``."""
-    kind, _, threshold = text.partition(":")
-    if kind in ("none", "oracle"):  # rules that read no threshold: one given would be ignored, so refuse it
-        if threshold.strip() not in ("", "0", "0.0"):
-            raise BlockloopError(f"--exit {kind} reads no threshold, got {text!r}; give {kind} (or {kind}:0)")
-        return ExitRule(kind, 0.0)
-    try:
-        value = float(threshold)
-    except ValueError:
-        raise BlockloopError(f"--exit takes RULE:THRESHOLD such as max_prob:0.9 or entropy:1.5, got {text!r}") from None
-    return ExitRule(kind, value)
-
-
 def rule_name(rule: ExitRule) -> str:
     return "oracle" if rule.kind == "oracle" else f"{rule.kind}:{rule.threshold:g}"
 

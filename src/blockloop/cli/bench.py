@@ -249,15 +249,15 @@ def _throughput(args: argparse.Namespace, models: list, device: Any) -> list[dic
 
 
 def _stream(args: argparse.Namespace, models: list) -> list[dict[str, Any]]:
-    from blockloop.bench.suite import StreamSettings, parse_exit_rule, stream_rows
-    from blockloop.serve.runners import Speculation
+    from blockloop.bench.suite import StreamSettings, stream_rows
+    from blockloop.serve.runners import ExitRule, Speculation
 
     settings = StreamSettings(
         requests=args.requests, slots=args.slots, prompt_range=args.prompt_range, tokens_range=args.tokens_range,
         rate=args.rate,
         corpus=args.corpus, sync_every=args.sync_every, compile=args.compile, key_buckets=args.key_buckets,
         seed=args.seed, warmup=args.warmup,
-        exits=[parse_exit_rule(text) for text in args.exit],
+        exits=[ExitRule.parse(text) for text in args.exit],
         speculations=[Speculation(k, args.draft_loops, args.adaptive_k) for k in args.speculate],
     )
     rows = []

@@ -155,14 +155,13 @@ def bind(host: str, port: int) -> socket.socket:
 
 def load(args: argparse.Namespace, n_slots: int) -> tuple[TrainedModel, dict[str, Any]]:
     """The checkpoint and the engine options the flags ask for (shared with ``blockloop chat``)."""
-    from blockloop.bench.suite import parse_exit_rule
     from blockloop.device import resolve_device
-    from blockloop.serve.runners import Paging
+    from blockloop.serve.runners import ExitRule, Paging
     from blockloop.serve.runners.paging import DEFAULT_PAGE_SIZE
     from blockloop.train.run import load_trained
 
     set_threads(args.threads)  # before the engine thread starts: it inherits the setting
-    exit_rule = parse_exit_rule(args.exit) if args.exit else None
+    exit_rule = ExitRule.parse(args.exit) if args.exit else None
     trained = load_trained(args.checkpoint, resolve_device(args.device))
     if args.page_size is not None and not args.kv_tokens:
         raise BlockloopError("--page-size shapes the paged cache of --kv-tokens; add --kv-tokens N or leave it out")

@@ -81,6 +81,20 @@ class ExitRule:
         if self.kind == "entropy" and not (isinstance(t, int | float) and 0 <= t < math.inf):
             raise BlockloopError(f"the entropy exit threshold is a finite number of nats >= 0, got {t!r}")
 
+    @classmethod
+    def parse(cls, text: str) -> ExitRule:
+        """``--exit``'s ``RULE:THRESHOLD`` (``max_prob:0.9``, ``entropy:2.0``, ``none:0``) or ``oracle``."""
+        kind, _, threshold = text.partition(":")
+        if kind in ("none", "oracle"):  # rules that read no threshold: one given would be ignored, so refuse it
+            if threshold.strip() not in ("", "0", "0.0"):
+                raise BlockloopError(f"--exit {kind} reads no threshold, got {text!r}; give {kind} (or {kind}:0)")
+            return cls(kind, 0.0)
+        try:
+            value = float(threshold)
+        except ValueError:
+            raise BlockloopError(f"--exit takes RULE:THRESHOLD such as max_prob:0.9 or entropy:1.5, got {text!r}") from None
+        return cls(kind, value)
+
     def fires(self, logits: Tensor, loops_done: Tensor) -> Tensor:
         """``(B,)`` bool: which rows may exit, given their exit logits and how many loops they ran."""
         if self.kind in ("none", "oracle"):
