@@ -125,6 +125,22 @@ def test_parallel_residual_is_what_the_block_computes():
 
 
 # ---------------------------------------------------------------- the model
+@pytest.mark.parametrize("embedder", ["lookup", "encoder"])
+def test_only_residual_output_projections_start_scaled_down(embedder):
+    """GPT-2's init: attention, cross-attention and MLP output projections at std / sqrt(2 n_layer), every other
+    matrix (a block embedder's input projection among them) at std."""
+    torch.manual_seed(0)
+    config = from_name("tiny-block", embedder=embedder, embed_dim=64, token_decoder="cross", init_std=0.02,
+                       block_n_layer=4, token_n_layer=4)
+    model = build_model(config)
+    stds = {name: module.weight.std().item() for name, module in model.named_modules()
+            if name.endswith("proj") and hasattr(module, "weight")}
+    assert "embedder.proj" in stds and any(name.endswith(".cross.proj") for name in stds)
+    for name, std in stds.items():  # scaled: 0.02 / sqrt(2 x 8 layers) = 0.005
+        scaled = name.endswith((".attn.proj", ".cross.proj", ".mlp.proj"))
+        assert (std < 0.015) == scaled, (name, std)
+
+
 def test_tied_embeddings_share_storage_and_untied_do_not():
     tied = build_model(from_name("tiny"))
     assert tied.lm_head.weight is tied.embed.weight
