@@ -318,7 +318,7 @@ def test_cache_writes_each_row_at_its_own_slots_and_row_views_write_through():
         assert cache.key_valid[row].tolist() == [s == slot for s in range(6)]
         # an eager CPU step's mask covers the slots up to its furthest query's only: 4 here
         assert mask[row, 0, 0].tolist() == [s == slot for s in range(5)]
-    view = cache.row(1)
+    view = cache.rows(1, 2)
     view.reset()
     view.layers[0].write(torch.tensor([1]), torch.full((1, 1, 1, 2), 9.0), torch.zeros(1, 1, 1, 2))
     view.mark(torch.tensor([1]))

@@ -116,7 +116,3 @@ class Ladder(LanguageModel):
         c, weight = self.config, self.embed.weight
         return DecoderCache(len(self.order), batch_size, c.n_kv_head, max_len, c.head_dim,
                             dtype=weight.dtype, device=weight.device, pages=pages)
-
-    def generation_caches(self, batch_size: int, prompt_len: int, max_new_tokens: int) -> list[DecoderCache]:
-        """Every static cache generation needs: :meth:`allocate_cache` over prompt and generated tokens."""
-        return [self.allocate_cache(batch_size, prompt_len + max_new_tokens)]

@@ -5,8 +5,8 @@ defeats CUDA graphs and ``torch.compile``. Here each layer owns fixed ``(B, H_kv
 step writes its keys/values in place at slot indices: either slots shared by every row ``(T,)`` (a
 lock-step batch) or each row's own slots ``(B, T)`` (continuous batching, where every row of the batch is
 a different request at its own length). Which slots hold a real token (not left padding, not yet
-written) is tracked once per model in :class:`DecoderCache`; :meth:`DecoderCache.row` is a view of one
-row, so a request can be prefilled into its slot while the other rows keep their state.
+written) is tracked once per model in :class:`DecoderCache`; :meth:`DecoderCache.rows` is a view of some
+rows, so requests can be prefilled into their slots while the other rows keep their state.
 
 One way in: keys/values enter a cache only through :meth:`KVCache.write`, and slots become visible only
 through :meth:`DecoderCache.mark`; building a mask (:meth:`DecoderCache.mask`) reads, never writes. A
@@ -251,9 +251,6 @@ class DecoderCache(nn.Module):
         view.register_buffer("key_valid", self.key_valid[start:stop], persistent=False)
         view.register_buffer("ring_slot", self.ring_slot[start:stop], persistent=False)
         return view
-
-    def row(self, index: int) -> DecoderCache:
-        return self.rows(index, index + 1)
 
 
 class KVWriter(Protocol):
