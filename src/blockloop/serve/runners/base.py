@@ -139,7 +139,7 @@ class Runner(ABC):
     @abstractmethod
     def prefill_batch(self, idx: Tensor, token_valid: Tensor) -> Tensor:
         """Prefill rows ``0..B-1`` at once from left-padded prompts ``idx (B, P)`` (``token_valid`` marks the
-        real tokens); next-token logits ``(B, V)``. The lock-step form of :meth:`prefill_slot`."""
+        real tokens); next-token logits ``(B, V)``. The lock-step form of :meth:`prefill_rows`."""
 
     def compiled_step(self, compile: Callable[[Callable], Callable]) -> Callable[[Tensor], Tensor | StepOutput]:
         """The decode step with ``compile`` (e.g. ``torch.compile``) applied to its static graphs: the whole step
