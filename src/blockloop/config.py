@@ -378,6 +378,7 @@ GROUPS = (ModelConfig, TransformerShape, PretrainedFeatures, InputEmbedding, Loc
 
 
 def round_up(x: int, multiple: int) -> int:
+    """``x`` rounded up to a multiple of ``multiple``."""
     return (x + multiple - 1) // multiple * multiple
 
 

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from blockloop.config import ModelConfig
+from blockloop.config import ModelConfig, round_up
 from blockloop.data.corpora import load_documents
 from blockloop.data.dataset import TokenSplits, prepare_tokens, split_documents
 from blockloop.data.loader import PackedSequences
@@ -62,7 +62,7 @@ TOKENIZER_FIELDS = frozenset({"vocab_size", "padded_vocab_size", "pad_id"})
 
 def padded_vocab(vocab_size: int, multiple: int = 64) -> int:
     """Round the embedding table up so matrix shapes stay tensor-core friendly (as Pythia's 50,304)."""
-    return (vocab_size + multiple - 1) // multiple * multiple
+    return round_up(vocab_size, multiple)
 
 
 def prepare_run(
