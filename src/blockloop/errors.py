@@ -1,4 +1,4 @@
-"""The one exception type users see.
+"""The exceptions users see: :class:`BlockloopError` and its kinds (a config, a context length).
 
 Anything raised as a :class:`BlockloopError` is a problem with the user's input or environment (unknown
 preset, missing file, impossible shape), so the CLI prints its message on one line and exits non-zero
