@@ -637,6 +637,7 @@ def test_questions_whose_context_is_cut_to_fit_are_counted_in_every_result(prese
     drops context: the count equals the questions whose scores change if the context is cut by one more token."""
     from blockloop.evals.scoring import cut_questions
 
+    torch.manual_seed(0)
     model = build_model(small_variant(preset)).double().eval()
     c = model.config
     ids = [(3 + i) % 60 for i in range(3 * c.context_length)]
@@ -648,8 +649,10 @@ def test_questions_whose_context_is_cut_to_fit_are_counted_in_every_result(prese
         return score(model, [[Request(tuple(ids[skip:n_context]), (5, 6))]]).loglikelihood
 
     fit = max(n for n in range(1, 2 * c.context_length) if cut_questions(model, [question(n)]) == 0)
-    assert not torch.allclose(ll(fit), ll(fit, skip=1))  # at the limit, the first context token still counts
-    assert torch.allclose(ll(fit + 1), ll(fit + 1, skip=1))  # past it, it is cut
+    # At the limit the first context token still counts (in float64 it moves the score by far more than rounding;
+    # at random init, by as little as 5e-5 nats); past it, it is cut: the same window, the same score.
+    assert (ll(fit) - ll(fit, skip=1)).abs().max() > 1e-9
+    assert torch.equal(ll(fit + 1), ll(fit + 1, skip=1))
     # a question counts once, when any of its choices loses context
     assert cut_questions(model, [question(fit), question(fit + 1), question(3), question(fit, (5, 6), tuple(range(1, 10)))]) == 2
 
