@@ -970,3 +970,22 @@ def test_seeds_that_differ_by_a_multiple_of_2_to_the_32_draw_different_streams()
     for stream in (2, 3):
         assert len(set(substream(seeds, stream).tolist())) == len(seeds)
     assert ((draws > 0) & (draws < 1)).all()
+
+
+@pytest.mark.parametrize("paging", [None, Paging(64, 16)], ids=["static", "paged"])
+def test_a_cache_that_would_not_fit_the_free_memory_is_refused_before_it_is_allocated(monkeypatch, paging):
+    """On CPU, Linux overcommits: an oversized cache (serve --slots 100000) was not refused by the allocator but
+    got the server killed by the kernel while zeroing it, without a word. Now it is named, with the flag to turn."""
+    from blockloop import device as device_module
+    from blockloop.bench.throughput import search_batches
+
+    free = device_module.free_memory("cpu")
+    assert free is None or free > 0  # Linux's MemAvailable where there is one
+    monkeypatch.setattr(device_module, "free_memory", lambda device: 10_000)
+    fix = r"give the paged cache fewer tokens \(--kv-tokens\)" if paging else r"serve fewer slots \(--slots\)"
+    with pytest.raises(device_module.OutOfMemory, match=r"a cache buffer of 0.00 GiB would not fit the 0.00 GiB free on cpu; " + fix):
+        Engine(runner_for(tiny(), paging=paging), 4)
+    # it is torch's out-of-memory error too: a benchmark's batch search stops at the largest batch that fits
+    assert search_batches(lambda batch: Engine(tiny(), batch), [1, 2], search=False, max_batch=2) == []
+    monkeypatch.setattr(device_module, "free_memory", lambda device: 10**9)
+    assert len(search_batches(lambda batch: Engine(tiny(), batch), [1, 2], search=False, max_batch=2)) == 2

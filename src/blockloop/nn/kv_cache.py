@@ -32,8 +32,11 @@ from typing import Protocol
 import torch
 from torch import Tensor, nn
 
+from blockloop.device import zeros_that_fit
 from blockloop.nn.masks import cache_mask, ring_mask, visible_slots, within_span
 from blockloop.nn.paged_cache import KVPages, PagedKVCache
+
+CACHE_FIX = "serve fewer slots (--slots) or shorter ones (--max-len), or hold the cache in pages (--kv-tokens)"
 
 
 class KVCache(nn.Module):
@@ -44,8 +47,8 @@ class KVCache(nn.Module):
     ) -> None:
         super().__init__()
         shape = (batch_size, n_kv_head, max_len, head_dim)
-        self.register_buffer("k", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
-        self.register_buffer("v", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
+        self.register_buffer("k", zeros_that_fit(shape, dtype, device, CACHE_FIX), persistent=False)
+        self.register_buffer("v", zeros_that_fit(shape, dtype, device, CACHE_FIX), persistent=False)
 
     def write(self, slots: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
         """Store ``k, v (B, H_kv, T, D)`` at ``slots`` (``(T,)`` shared, or ``(B, T)`` per row) and return

@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor, nn
 
+from blockloop.device import zeros_that_fit
 from blockloop.errors import BlockloopError
 from blockloop.nn.masks import decode_block_mask, sees_cached, visible_slots
 
@@ -227,9 +228,9 @@ class PagedKVCache(nn.Module):
         super().__init__()
         self.pages = pages
         shape = (1, n_kv_head, pages.n_pages * pages.page_size, head_dim)
-        device = pages.table.device
-        self.register_buffer("k", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
-        self.register_buffer("v", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
+        device, fix = pages.table.device, "give the paged cache fewer tokens (--kv-tokens)"
+        self.register_buffer("k", zeros_that_fit(shape, dtype, device, fix), persistent=False)
+        self.register_buffer("v", zeros_that_fit(shape, dtype, device, fix), persistent=False)
 
     def write(self, slots: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
         """Store ``k, v (B, H_kv, T, D)`` at logical ``slots`` of the view's rows; return the pool (a decode

@@ -49,6 +49,7 @@ import torch
 from torch import Tensor, nn
 
 from blockloop.choices import KEY_BUCKETS
+from blockloop.device import zeros_that_fit
 from blockloop.errors import BlockloopError
 from blockloop.nn.linear import packed_linears
 from blockloop.progress import bar
@@ -165,7 +166,8 @@ class Engine:
         self.row_counts = row_buckets(n_slots) if self.continuous and runner.prefix_steps and busy_rows else [self.rows]
         self.key_lengths = key_lengths(self.max_len, key_buckets if self.continuous else 0)
         self.scheduler = Scheduler(n_slots)
-        self.logits = torch.zeros(n_slots, model.config.padded_vocab_size, dtype=weight.dtype, device=self.device)
+        self.logits = zeros_that_fit((n_slots, model.config.padded_vocab_size), weight.dtype, self.device,
+                                     "serve fewer slots (--slots)")
         # Per step and row: the token the engine sampled, then those the runner emitted itself (-1: none).
         self.ring = torch.full((self.sync_every, n_slots, 1 + runner.emits), -1, dtype=torch.long, device=self.device)
         # Which rows' logits are a finished token's (always all, except under depth-wise batching).

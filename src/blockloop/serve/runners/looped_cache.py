@@ -20,9 +20,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from blockloop.device import zeros_that_fit
 from blockloop.errors import BlockloopError
 from blockloop.models.decoder import LayerInputs
-from blockloop.nn.kv_cache import DecoderCache, KVCache, RollingKVCache
+from blockloop.nn.kv_cache import CACHE_FIX, DecoderCache, KVCache, RollingKVCache
 from blockloop.nn.masks import decode_block_mask, sees_cached, visible_slots
 from blockloop.nn.paged_cache import KVPages, PagedKVCache, gather_rows
 
@@ -98,7 +99,7 @@ class LoopedCache(DecoderCache):
         self.spans = [ring if j in self.rolling_layers else self.span for j in range(n_layer)]
         self.stacked = [
             stacked_rings(self, loops, n_kv_head, head_dim, dtype, device) if j in self.rolling_layers else
-            tuple(torch.zeros(batch_size, n_kv_head, loops * self.span, head_dim, dtype=dtype, device=device) for _ in "kv")
+            tuple(zeros_that_fit((batch_size, n_kv_head, loops * self.span, head_dim), dtype, device, CACHE_FIX) for _ in "kv")
             for j in range(n_layer)
         ]
         self.layers = nn.ModuleList(
@@ -182,7 +183,7 @@ def stacked_rings(cache: DecoderCache, loops: int, n_kv_head: int, head_dim: int
     """A rolling layer's rings of every loop, loop after loop along the key axis: ``(B, H_kv, loops * ring, D)``
     (``cache.ring_slot`` says how many entries a ring has, its scratch entry included)."""
     ring = cache.ring_slot.shape[1]
-    return tuple(torch.zeros(cache.batch_size, n_kv_head, loops * ring, head_dim, dtype=dtype, device=device)
+    return tuple(zeros_that_fit((cache.batch_size, n_kv_head, loops * ring, head_dim), dtype, device, CACHE_FIX)
                  for _ in "kv")
 
 
