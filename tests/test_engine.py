@@ -989,3 +989,24 @@ def test_a_cache_that_would_not_fit_the_free_memory_is_refused_before_it_is_allo
     assert search_batches(lambda batch: Engine(tiny(), batch), [1, 2], search=False, max_batch=2) == []
     monkeypatch.setattr(device_module, "free_memory", lambda device: 10**9)
     assert len(search_batches(lambda batch: Engine(tiny(), batch), [1, 2], search=False, max_batch=2)) == 2
+
+
+def test_a_model_whose_logits_turn_nan_fails_its_requests_instead_of_emitting_garbage():
+    """A forward that turns NaN (a checkpoint's finite weights can overflow; here the final norm's gain is inf, so
+    its products are NaN): argmax over NaN logits is token 0 every step, which generate printed as NUL bytes and the
+    server returned with status 200."""
+    broken = tiny()
+    with torch.no_grad():
+        broken.norm.weight.fill_(math.inf)
+    engine = Engine(broken, 2, sync_every=3)
+    requests = [engine.submit([5, 6, 7], 4, sampling=SamplingParams(temperature=0.0)) for _ in range(2)]
+    with pytest.raises(BlockloopError, match=r"the model's logits are not finite \(NaN or infinite\) for 2 of the 2 "
+                                             r"running requests, in torch.float64: the weights overflow"):
+        engine.run()
+    assert all(r.finished and r.finish_reason == "abort" and r.output == [] for r in requests) and engine.idle
+    with pytest.raises(BlockloopError, match="not finite"):
+        generate(broken, [[5, 6, 7]], 4, temperature=0)
+    healthy = Engine(tiny(), 1)  # the check passes a sound model's requests through
+    request = healthy.submit([5, 6, 7], 4, sampling=SamplingParams(temperature=0.0))
+    healthy.run()
+    assert len(request.output) == 4

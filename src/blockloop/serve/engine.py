@@ -482,9 +482,20 @@ class Engine:
             self.sampling.set(slot, request.sampling)
 
     def _collect(self, running: dict[int, Request], steps: int) -> list[Request]:
+        # A NaN or infinity in a row's logits is in its cache from then on, so the window's last logits show it.
+        finite = torch.isfinite(self.logits[:, : self.vocab_size]).all(-1)
         tokens = self.ring[:steps].transpose(0, 1).flatten(1).tolist()  # the window's one host sync
+        finite = finite.tolist()
         now = time.perf_counter()
         self.last_window, self._collecting, failure = [], True, None
+        broken = [request for slot, request in running.items() if not finite[slot]]
+        if broken:  # its tokens are argmaxes of NaN: garbage, not text
+            failure = BlockloopError(
+                f"the model's logits are not finite (NaN or infinite) for {len(broken)} of the {len(running)} running "
+                f"requests, in {self.logits.dtype}: the weights overflow (a diverged run?) or the checkpoint is damaged; "
+                "use an earlier checkpoint of the run")
+            for request in broken:
+                request.finish("abort", now)
         for slot, request in running.items():
             start = len(request.output)
             try:
