@@ -266,16 +266,21 @@ def test_a_full_waiting_queue_answers_503_with_retry_after(run):
         assert metric(httpx.get(url + "/metrics").text, "blockloop_requests_rejected_total") == 1
 
 
-def test_bench_over_http_counts_requests_a_full_queue_turns_away_and_measures_the_rest(run):
-    from blockloop.bench.http_stream import run_http_stream
-
+def test_bench_over_http_counts_requests_a_full_queue_turns_away_and_measures_the_rest(run, capsys):
+    """Requests a full queue turns away (503) are counted, warned about and make the exit status 1: a run whose
+    requests were mostly refused must not read as a clean one to a script."""
     application = app(run, n_slots=1, max_waiting=0)
     slowed(application, 0.02)  # the first request holds the only slot while the others arrive
     with running(application) as url:
-        metrics = run_http_stream(url, requests=6, rate=float("inf"), prompt_range=(4, 8), tokens_range=(5, 6))
+        assert main(["bench", "--url", url, "--requests", "6", "--rate", "inf", "--prompt-range", "4,8",
+                     "--tokens-range", "5,6", "--record", str(run.parent / "full.jsonl")]) == 1
         text = httpx.get(url + "/metrics").text
+    (metrics,) = [json.loads(line) for line in (run.parent / "full.jsonl").read_text().splitlines()]
     assert metrics["requests"] >= 1 and metrics["rejected"] >= 1 and metrics["requests"] + metrics["rejected"] == 6
     assert metric(text, "blockloop_requests_rejected_total") == metrics["rejected"]
+    err = capsys.readouterr().err
+    assert f"warning: {metrics['rejected']} of 6 requests were turned away by the server's full queue (503)" in err
+    assert "serve --max-waiting" in err
 
 
 def test_bench_over_http_counts_the_requests_a_server_lost_mid_run_fails_and_reports_those_that_finished(run, capsys):

@@ -80,7 +80,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     s = p.add_argument_group("request stream (continuous batching)")
     s.add_argument("--stream", action="store_true", help="run the request-stream benchmark instead")
     s.add_argument("--url", help="send the stream to a running `blockloop serve` at this address over HTTP instead "
-                   "(e.g. http://127.0.0.1:8000; the server's model and slots are used; exit status 1 if any request failed)")
+                   "(e.g. http://127.0.0.1:8000; the server's model and slots are used; exit status 1 if any request failed or was turned away)")
     s.add_argument("--requests", type=positive_int, help="requests in the stream (default: 64)")
     s.add_argument("--rate", type=number(0, low_open=True, infinite=True), help="Poisson arrivals per second (default: inf, a fixed queue)")
     s.add_argument("--slots", type=positive_int, help="engine slots (concurrent requests, default: 16)")
@@ -313,6 +313,10 @@ def _http(args: argparse.Namespace) -> int:
     if m["failed"]:
         print(f"warning: {m['failed']} of {args.requests} requests failed (the first: {m['first_failure']}); the "
               f"figures are those of the {m['requests']} that finished; exit status 1", file=sys.stderr)
+    if m["rejected"]:
+        print(f"warning: {m['rejected']} of {args.requests} requests were turned away by the server's full queue "
+              f"(503); the figures are those of the {m['requests']} that finished; offer less load (--rate) or let the "
+              "server queue more (serve --max-waiting); exit status 1", file=sys.stderr)
     print("| metric | mean ms | median ms | p90 ms | p99 ms |\n|---|---|---|---|---|")
     for key in ("ttft_s", "tpot_s", "itl_s", "e2e_s"):
         print(f"| {key[:-2].upper()} | {_ms(m[key], 'mean', 'median', 'p90', 'p99').replace('/', ' | ')} |")
@@ -322,7 +326,7 @@ def _http(args: argparse.Namespace) -> int:
         env = records.environment()
         env["client_device"] = env.pop("device")
         records.append_records(args.record, [{"kind": "http_stream", "name": m["model"], **env, **m}])
-    return 1 if m["failed"] else 0  # a script must not read a partly failed run as a clean one
+    return 1 if m["failed"] or m["rejected"] else 0  # a script must not read a partly served run as a clean one
 
 
 def _ms(summary: dict[str, float], *keys: str) -> str:
