@@ -7,6 +7,11 @@ from pathlib import Path
 
 import pytest
 
+# Inductor's CPU compile imports setuptools, whose distutils shim asserts (BackendCompilerFailed) when the standard
+# library's distutils is already in the process; a full run once failed every compile test of one worker that way.
+# Imported here, first, the shim is in place before anything can import the old one.
+import setuptools  # noqa: F401, E402  isort: skip
+
 # Tests fetch the corpus packages once into a repo-local cache (git-ignored) so repeated runs are
 # offline and fast; set BLOCKLOOP_CACHE to share another cache.
 os.environ.setdefault("BLOCKLOOP_CACHE", str(Path(__file__).resolve().parents[1] / ".cache" / "blockloop"))
