@@ -486,3 +486,23 @@ def test_the_commands_printed_to_paste_next_quote_paths_with_spaces(tmp_path, ca
     argv = shlex.split(line.split("blockloop ", 1)[1].replace("TEXT", "hi"))
     assert argv[argv.index("--checkpoint") + 1] == f"{run}-weights"
     assert main([*argv, "--max-new-tokens", "2", "--device", "cpu"]) == 0
+
+
+def test_a_stream_that_is_not_utf8_gets_escapes_not_a_traceback(trained_run):
+    """``PYTHONIOENCODING=ascii``: a prompt (or an answer) the stream cannot encode used to end generate with a
+    UnicodeEncodeError traceback, and chat with a UnicodeDecodeError on a UTF-8 line read through it."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "PYTHONIOENCODING": "ascii"}
+    run = [sys.executable, "-m", "blockloop.cli"]
+    generated = subprocess.run([*run, "generate", "--checkpoint", str(trained_run), "--prompt", "Emoji: \U0001f642 é",
+                                "--max-new-tokens", "3", "--temperature", "0", "--device", "cpu"],
+                               env=env, capture_output=True, timeout=300)
+    assert generated.returncode == 0 and b"Traceback" not in generated.stderr, generated.stderr.decode()
+    assert generated.stdout.startswith(b"Emoji: \\U0001f642 \\xe9")
+    chatted = subprocess.run([*run, "chat", "--checkpoint", str(trained_run), "--max-new-tokens", "3", "--device", "cpu"],
+                             env=env, input="héllo\n".encode(), capture_output=True, timeout=300)
+    assert chatted.returncode == 0 and b"Traceback" not in chatted.stderr, chatted.stderr.decode()
+    assert b"not valid UTF-8" not in chatted.stdout  # the line was UTF-8: read as such, and answered

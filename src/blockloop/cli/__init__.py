@@ -47,6 +47,22 @@ COMMANDS: dict[str, ModuleType] = {
 }
 
 
+def _tolerate_narrow_encodings() -> None:
+    """Where the standard streams are not UTF-8 (``PYTHONIOENCODING=ascii``, a latin-1 locale), text a model writes
+    that the stream cannot encode is written as escapes (``\U0001f642``) instead of ending the command with a
+    traceback, and input is read as UTF-8 (what blockloop's tokenizers take), undecodable bytes kept for the
+    reader to name (:func:`~blockloop.errors.utf8_problem`)."""
+    def narrow(stream: object) -> bool:
+        encoding = (getattr(stream, "encoding", None) or "utf-8").lower().replace("-", "").replace("_", "")
+        return hasattr(stream, "reconfigure") and encoding != "utf8"
+
+    for stream in (sys.stdout, sys.stderr):
+        if narrow(stream):
+            stream.reconfigure(errors="backslashreplace")
+    if narrow(sys.stdin):
+        sys.stdin.reconfigure(encoding="utf-8", errors="surrogateescape")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     # The top-level parser has no options of its own besides --help: the first word is the verb.
@@ -75,6 +91,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         from blockloop.nn.linear import set_packing
 
         set_packing(False)
+    _tolerate_narrow_encodings()
     if args.debug or os.environ.get("BLOCKLOOP_DEBUG", "") not in ("", "0"):
         return args.handler(args) or 0  # every error keeps its traceback
     try:
