@@ -189,13 +189,13 @@ def test_the_chat_verb_reads_stdin(run):
 
 def test_control_characters_of_an_answer_reach_a_terminal_as_escapes(run, monkeypatch):
     """An untrained byte-level model emits escape sequences (clear screen, cursor moves) and carriage returns; in a
-    terminal they are written as escapes, through a pipe as they are."""
+    terminal they are written as escapes, through a pipe as they are: in chat and in generate."""
     import io
 
     from blockloop.cli import main
-    from blockloop.cli.chat import shown
+    from blockloop.cli.common import terminal_safe
 
-    assert shown("a\x1b[2Jb\r\nc\td\x07\x7fé") == "a\\x1b[2Jb\\r\nc\td\\x07\\x7fé"
+    assert terminal_safe("a\x1b[2Jb\r\nc\td\x07\x7fé") == "a\\x1b[2Jb\\r\nc\td\\x07\\x7fé"
 
     class Terminal(io.StringIO):
         def isatty(self) -> bool:
@@ -207,6 +207,12 @@ def test_control_characters_of_an_answer_reach_a_terminal_as_escapes(run, monkey
         monkeypatch.setattr("builtins.input", lines("hello"))
         assert main(["chat", "--checkpoint", str(run), "--device", "cpu"]) == 0
         assert expected + "\n" in out.getvalue()
+    for samples in ("1", "2"):  # generate too, streamed or printed
+        for out, expected in ((Terminal(), "a\\x07b"), (io.StringIO(), "a\x07b")):
+            monkeypatch.setattr(sys, "stdout", out)
+            assert main(["generate", "--checkpoint", str(run), "--prompt", "a\x07b", "--max-new-tokens", "2",
+                         "--num-samples", samples, "--device", "cpu"]) == 0
+            assert out.getvalue().removeprefix("--- sample 1\n").startswith(expected), out.getvalue()
 
 
 def test_plain_template_and_a_jinja_template_with_its_end_of_turn_token(tmp_path):

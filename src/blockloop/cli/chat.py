@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-import unicodedata
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -15,6 +14,7 @@ from blockloop.cli.common import (
     add_sampling,
     positive_int,
     sampling_seed,
+    terminal_safe,
     utf8_text,
 )
 from blockloop.cli.serve import add_chat_template, add_engine_arguments, load
@@ -53,21 +53,13 @@ def run(args: argparse.Namespace) -> int:
     template = chat_template_for(trained.tokenizer, trained.directory, args.chat_template)
     session = ChatSession(worker, trained.tokenizer, template, max_new_tokens=args.max_new_tokens, system=args.system,
                           sampling=SamplingParams(args.temperature, args.top_k, args.top_p, seed=args.seed))
-    write = (lambda text: sys.stdout.write(shown(text))) if sys.stdout.isatty() else sys.stdout.write
+    write = (lambda text: sys.stdout.write(terminal_safe(text))) if sys.stdout.isatty() else sys.stdout.write
     worker.start()
     try:
         converse(session, input, write, interactive=sys.stdin.isatty())
     finally:
         worker.close()
     return 0
-
-
-def shown(text: str) -> str:
-    """``text`` safe for a terminal: a control character other than a newline or tab (an escape sequence that
-    clears the screen or moves the cursor, a carriage return over the line) is written as its escape, ``\\x1b``.
-    A byte-level or barely trained model emits them; written as they are, they rewrite the terminal."""
-    return "".join(c if c in "\n\t" or unicodedata.category(c) != "Cc" else c.encode("unicode_escape").decode()
-                   for c in text)
 
 
 def converse(session: ChatSession, read: Callable[[str], str], write: Callable[[str], object], *, interactive: bool = True) -> None:

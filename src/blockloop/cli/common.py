@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import unicodedata
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import NoReturn, TypeVar
@@ -263,3 +264,11 @@ def device(name: str) -> str:
     if kind not in DEVICE_TYPES or (sep and (kind not in ("cuda", "mps") or not index.isdigit())):
         raise argparse.ArgumentTypeError(f"must be one of auto, cpu, cuda, cuda:N, mps, got {name!r}")
     return name
+
+
+def terminal_safe(text: str) -> str:
+    """``text`` safe for a terminal: a control character other than a newline or tab (an escape sequence that
+    clears the screen or moves the cursor, a carriage return over the line) is written as its escape, ``\\x1b``.
+    A byte-level or barely trained model emits them; written as they are, they rewrite the terminal."""
+    return "".join(c if c in "\n\t" or unicodedata.category(c) != "Cc" else c.encode("unicode_escape").decode()
+                   for c in text)

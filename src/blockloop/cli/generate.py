@@ -12,6 +12,7 @@ from blockloop.cli.common import (
     add_sampling,
     positive_int,
     sampling_seed,
+    terminal_safe,
     utf8_text,
 )
 from blockloop.errors import BlockloopError
@@ -66,22 +67,23 @@ def run(args: argparse.Namespace) -> int:
         eos_id=None if args.no_stop else tok.eos_id, seed=args.seed,
         speculation=None if args.speculate is None else Speculation(args.speculate, args.draft_loops or 1, args.adaptive_k),
     )
+    safe = terminal_safe if sys.stdout.isatty() else str  # a model's control characters cannot rewrite a terminal
     if args.num_samples == 1:
         # Stream each token's text as soon as it decodes to whole characters; the prompt goes out with the
         # first token, so a request the engine refuses writes nothing.
         stream = TextStream(tok, prompt=prompt)
-        shown = [args.prompt]
+        pending = [args.prompt]
 
         def on_token(row: int, token: int) -> None:
-            shown.append(stream.push(token))
-            sys.stdout.write("".join(shown))
+            pending.append(stream.push(token))
+            sys.stdout.write(safe("".join(pending)))
             sys.stdout.flush()
-            shown.clear()
+            pending.clear()
 
         generate(trained.model, [prompt], max_new, on_token=on_token, **kwargs)
-        sys.stdout.write("".join(shown) + stream.flush() + "\n")
+        sys.stdout.write(safe("".join(pending) + stream.flush()) + "\n")
     else:
         outs = generate(trained.model, [prompt] * args.num_samples, max_new, **kwargs)
         for i, out in enumerate(outs):
-            print(f"--- sample {i + 1}\n{args.prompt}{continuation(tok, prompt, out)}")
+            print(f"--- sample {i + 1}\n{safe(args.prompt + continuation(tok, prompt, out))}")
     return 0
