@@ -193,6 +193,13 @@ def test_a_record_file_that_holds_something_else_is_refused_before_the_benchmark
     out, err = capsys.readouterr()
     assert code == EXIT_USER_ERROR and "line 1 is not a JSON record" in err and out == ""
     assert record.read_text() == "# notes\n"
+    metrics = tmp_path / "metrics.jsonl"  # JSON lines, but a training run's log
+    metrics.write_text('{"step": 10, "loss": 3.2}\n')
+    code = main(["bench", "--presets", "tiny", "--prompt-len", "4", "--gen-len", "4", "--batch-sizes", "1",
+                 "--repeats", "1", "--warmup", "0", "--device", "cpu", "--no-progress", "--record", str(metrics)])
+    out, err = capsys.readouterr()
+    assert code == EXIT_USER_ERROR and "line 1 is not a bench record" in err and "a file of its own" in err and out == ""
+    assert metrics.read_text() == '{"step": 10, "loss": 3.2}\n'
 
 
 def test_names_takes_known_names_in_order_and_an_empty_list_only_when_allowed():

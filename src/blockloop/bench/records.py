@@ -26,6 +26,7 @@ if TYPE_CHECKING:
     import torch
 
 RECORDED = Path("benchmarks/results")
+RECORD_KINDS = ("throughput", "stream", "http_stream")  # the "kind" of every record bench --record writes
 SCRATCH = Path("runs/bench")
 # Variables that change what a benchmark measures, carried in front of the recorded command line.
 _COMMAND_ENV = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "CUDA_VISIBLE_DEVICES")
@@ -180,6 +181,9 @@ def read_records(path: Path) -> list[dict[str, Any]]:
             raise BlockloopError(f"{path} line {number} is not a JSON record ({exc.msg}); fix or delete that line") from None
         if record is not None and not isinstance(record, dict):
             raise BlockloopError(f"{path} line {number} is not a JSON object; fix or delete that line")
+        if record is not None and record.get("kind") not in RECORD_KINDS:  # e.g. a training run's metrics.jsonl
+            raise BlockloopError(f"{path} line {number} is not a bench record (its kind is none of "
+                                 f"{', '.join(RECORD_KINDS)}): the file is another log; give --record a file of its own")
         if record is not None:
             records.append(record)
     return records
