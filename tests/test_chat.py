@@ -151,6 +151,12 @@ def test_history_is_trimmed_to_leave_room_for_an_answer(session):
     assert session.history[0] == {"role": "system", "content": "Be brief."}  # the system message stays
     assert session.history[1]["content"] != "Tell me of the 0th sorrow of the house."  # the oldest turns went
     assert session.history[-2]["content"] == "Tell me of the 5th sorrow of the house."
+    assert session.dropped >= 2  # a question and its answer at least
+    out: list[str] = []  # the chat says so, rather than forgetting silently
+    converse(session, lines("And the seventh sorrow?"), out.append, interactive=False)
+    assert f"({session.dropped} earlier messages left out of the conversation to fit the 96 tokens" in "".join(out)
+    session.reset()
+    assert session.dropped == 0
 
 
 def test_trim_history_keeps_the_system_message_and_refuses_a_message_that_cannot_fit():
@@ -289,3 +295,14 @@ def test_smollm2_chats_through_its_own_template_like_transformers():
     hf = AutoTokenizer.from_pretrained(smollm2_files(), gguf_file=SMOLLM2_GGUF, local_files_only=True)
     assert template.render(messages) == hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     assert template.stop_ids == [tok.encode("<|im_end|>")[0]] and tok.encode(template.render(messages))[0] == 1
+
+
+def test_an_answer_budget_past_the_context_is_warned_about_as_the_chat_starts(run, monkeypatch, capsys):
+    from blockloop.cli import main
+
+    monkeypatch.setattr("builtins.input", lines())
+    assert main(["chat", "--checkpoint", str(run), "--max-len", "64", "--max-new-tokens", "500", "--device", "cpu"]) == 0
+    assert ("warning: --max-new-tokens 500 is more than the 64 tokens a request may take here; each answer ends where "
+            "its context is full") in capsys.readouterr().err
+    assert main(["chat", "--checkpoint", str(run), "--max-len", "64", "--max-new-tokens", "20", "--device", "cpu"]) == 0
+    assert "warning" not in capsys.readouterr().err

@@ -53,6 +53,9 @@ def run(args: argparse.Namespace) -> int:
     template = chat_template_for(trained.tokenizer, trained.directory, args.chat_template)
     session = ChatSession(worker, trained.tokenizer, template, max_new_tokens=args.max_new_tokens, system=args.system,
                           sampling=SamplingParams(args.temperature, args.top_k, args.top_p, seed=args.seed))
+    if args.max_new_tokens > session.worker.engine.longest_request:
+        print(f"warning: --max-new-tokens {args.max_new_tokens} is more than the {session.worker.engine.longest_request} "
+              "tokens a request may take here; each answer ends where its context is full", file=sys.stderr)
     write = (lambda text: sys.stdout.write(terminal_safe(text))) if sys.stdout.isatty() else sys.stdout.write
     worker.start()
     try:
@@ -98,3 +101,6 @@ def converse(session: ChatSession, read: Callable[[str], str], write: Callable[[
             write(f"({exc})\n")
             continue
         write(" [stopped]\n" if reason == "interrupted" else "\n")
+        if session.dropped:
+            write(f"({session.dropped} earlier message{'s' * (session.dropped > 1)} left out of the conversation "
+                  f"to fit {session.limit()})\n")

@@ -206,7 +206,7 @@ class ChatSession:
 
     def reset(self) -> None:
         self.history: list[Message] = [{"role": "system", "content": self.system}] if self.system else []
-        self.turns = 0
+        self.turns = self.dropped = 0
 
     def prompt(self, messages: list[Message]) -> list[int]:
         return self.tokenizer.encode(self.template.render(messages))
@@ -221,6 +221,7 @@ class ChatSession:
             messages = trim_history(messages, lambda m: engine.room(len(self.prompt(m))) >= wanted)
         except BlockloopError:  # a long message: answer in whatever room is left
             messages = trim_history(messages, lambda m: engine.room(len(self.prompt(m))) >= 1, self.limit())
+        self.dropped = len(self.history) + 1 - len(messages)  # earlier messages this answer no longer sees
         prompt = self.prompt(messages)
         s = self.sampling
         events: queue.Queue[Event] = queue.Queue()
