@@ -506,3 +506,20 @@ def test_a_stream_that_is_not_utf8_gets_escapes_not_a_traceback(trained_run):
                              env=env, input="héllo\n".encode(), capture_output=True, timeout=300)
     assert chatted.returncode == 0 and b"Traceback" not in chatted.stderr, chatted.stderr.decode()
     assert b"not valid UTF-8" not in chatted.stdout  # the line was UTF-8: read as such, and answered
+
+
+def test_a_config_whose_vocabulary_is_smaller_than_its_tokenizer_is_named_as_the_checkpoint_loads(trained_run, tmp_path,
+                                                                                                   capsys):
+    """It used to load, and every prompt was then refused as holding ids the tokenizer had made: the prompt blamed."""
+    import shutil
+
+    from blockloop.train.checkpoint import resolve_checkpoint
+
+    run = tmp_path / "edited"
+    shutil.copytree(trained_run, run)
+    config_path = resolve_checkpoint(run) / "config.json"
+    config = json.loads(config_path.read_text())
+    config["vocab_size"] = 100
+    config_path.write_text(json.dumps(config))
+    one_line_error(capsys, ["generate", "--checkpoint", str(run), "--prompt", "a", "--device", "cpu"],
+                   "the tokenizer has 258 ids but config.json's vocab_size is 100; the config was edited or belongs")

@@ -255,7 +255,13 @@ def test_checkpoints_are_complete_rotated_and_corruption_is_reported(tmp_path):
     with pytest.raises(BlockloopError, match="corrupt"):
         load_trained(tmp_path / "run")
     (root / "latest").write_text("step_0000099\n")
-    with pytest.raises(BlockloopError, match="missing or incomplete"):
+    with pytest.raises(BlockloopError, match="missing or incomplete .* write step_0000008 .* into"):
+        load_trained(tmp_path / "run")
+    for step in root.glob("step_*"):  # no checkpoint left whole: the message still says what to do
+        (step / "model.safetensors").unlink()
+    (root / "latest").write_text("step_0000008\n")
+    with pytest.raises(BlockloopError, match="no model.safetensors.*no other checkpoint: restore model.safetensors "
+                                             "from a copy, or retrain"):
         load_trained(tmp_path / "run")
 
 

@@ -47,6 +47,10 @@ def base_url(url: str) -> str:
     """The server's root: the address ``serve`` prints (and the ``openai`` client takes) ends in ``/v1``, which the
     routes below already name."""
     url = url.rstrip("/")
+    endpoint = url.find("/v1/")
+    if endpoint >= 0:  # an endpoint (…/v1/completions) rather than the server: the routes are named below
+        raise BlockloopError(f"--url {url} names an endpoint; give the server's address, {url[:endpoint]} (or "
+                             f"{url[:endpoint]}/v1, as serve prints it)")
     return url[: -len("/v1")] if url.endswith("/v1") else url
 
 

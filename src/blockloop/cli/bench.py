@@ -87,7 +87,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     s.add_argument("--prompt-range", type=int_range, help="min,max prompt tokens cut from the corpus (default: 16,64)")
     s.add_argument("--tokens-range", type=int_range, help="min,max tokens each request asks for (default: 16,64)")
     s.add_argument("--corpus", help="built-in corpus the prompts come from (default: shakespeare)")
-    s.add_argument("--exit", metavar="RULE:THRESHOLD", action="append", default=[],
+    s.add_argument("--exit", metavar="RULE[:THRESHOLD]", action="append", default=[],
                    help="also serve looped models depth-wise with this early-exit rule, e.g. max_prob:0.9, "
                    "entropy:2.0, none:0 or oracle (repeatable); reports mean loops per token, greedy agreement with "
                    "the sequence-wise (no-exit) run, and the simulated depth-wise speedup (RRT appendix N) of the "

@@ -63,7 +63,7 @@ def add_engine_arguments(p: argparse.ArgumentParser, slots: int = 8) -> None:
                    help="decode steps between host syncs: tokens reach clients once per window (default: 1 on CPU, "
                    "where a sync costs nothing; 8 on a GPU). Rounded up to a whole block for a Block Transformer, "
                    "whose tokens so arrive a block at a time")
-    p.add_argument("--exit", metavar="RULE:THRESHOLD",
+    p.add_argument("--exit", metavar="RULE[:THRESHOLD]",
                    help="looped models only: batch depth-wise and leave the loops early by this rule, e.g. "
                    "max_prob:0.9 or entropy:2.0 (none:0 batches depth-wise without early exits)")
     p.add_argument("--compile", action="store_true",

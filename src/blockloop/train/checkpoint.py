@@ -205,8 +205,10 @@ def resolve_checkpoint(path: Path) -> Path:
                                      "corrupt: write the name of one of its step_* directories into it")
             if not (target / "model.safetensors").is_file():
                 kept = _complete_steps(path)
-                fix = f": write {kept[-1].name} (its newest complete checkpoint) into {latest}" if kept else ""
-                raise BlockloopError(f"{latest} points at {target}, which is missing or incomplete; the run is corrupt{fix}")
+                fix = (f"write {kept[-1].name} (its newest complete checkpoint) into {latest}" if kept else
+                       "the run has no other checkpoint: restore model.safetensors from a copy, or retrain")
+                raise BlockloopError(f"{latest} points at {target}, which is missing or incomplete (no model.safetensors); "
+                                     f"the run is corrupt: {fix}")
             return target
     # A run killed between moving its first checkpoint into place and writing ``latest`` (commit_checkpoint) still
     # has that checkpoint: take the newest complete one.
@@ -422,7 +424,10 @@ def load_checkpoint_config(directory: Path) -> ModelConfig:
         data = read_config_dict(path)
     except BlockloopError as exc:  # config.py knows no runs: the way out of a damaged checkpoint is said here
         raise BlockloopError(f"{exc}: {_fallback(directory)}") from None
-    return config_from_dict(data)
+    try:
+        return config_from_dict(data)
+    except BlockloopError as exc:  # readable JSON that describes no model: name the file it came from
+        raise BlockloopError(f"{path}: {exc}; the config was edited or damaged: {_fallback(directory)}") from None
 
 
 def read_json(path: Path) -> Any:

@@ -201,5 +201,8 @@ def load_trained(path: Path | str, device: str = "cpu") -> TrainedModel:
                                  "alone); save the tokenizer beside it with tokenizer.save(folder)")
         raise ckpt.missing_file(directory / "tokenizer.json")
     tokenizer = load_tokenizer(directory)
+    if tokenizer.vocab_size > config.vocab_size:  # its ids past the model's would index rows the model never learned
+        raise BlockloopError(f"{directory}: the tokenizer has {tokenizer.vocab_size} ids but config.json's vocab_size "
+                             f"is {config.vocab_size}; the config was edited or belongs to another model")
     state = ckpt.read_saved_state(directory)
     return TrainedModel(model.to(torch.device(device)).eval(), config, tokenizer, directory, state)

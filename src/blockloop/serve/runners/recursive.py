@@ -93,7 +93,10 @@ class ExitRule:
             value = float(threshold)
         except ValueError:
             raise BlockloopError(f"--exit takes RULE:THRESHOLD such as max_prob:0.9 or entropy:1.5, got {text!r}") from None
-        return cls(kind, value)
+        try:
+            return cls(kind, value)
+        except BlockloopError as exc:  # the rule's own check, said of the flag that gave it
+            raise BlockloopError(f"--exit {text}: {exc}") from None
 
     def fires(self, logits: Tensor, loops_done: Tensor) -> Tensor:
         """``(B,)`` bool: which rows may exit, given their exit logits and how many loops they ran."""
