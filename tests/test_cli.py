@@ -89,6 +89,9 @@ def test_info_and_presets(trained_run, capsys):
     assert main(["info", str(trained_run)]) == 0
     out = capsys.readouterr().out
     assert "tokenizer: byte" in out and "step 4" in out
+    assert main(["info", "--checkpoint", str(trained_run)]) == 0  # as every other verb takes it
+    assert capsys.readouterr().out == out
+    one_line_error(capsys, ["info", str(trained_run), "--checkpoint", str(trained_run)], "give the checkpoint once")
     assert main(["presets"]) == 0
     out = capsys.readouterr().out
     assert "pythia-85m" in out and "85.06M" in out

@@ -7,12 +7,15 @@ import json
 import platform
 
 from blockloop.cli.common import nonempty
+from blockloop.errors import BlockloopError
 
 HELP = "show the environment, or a checkpoint's config and training state"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("checkpoint", nargs="?", type=nonempty, help="run directory or checkpoint directory (omit for the environment)")
+    p.add_argument("--checkpoint", dest="checkpoint_flag", metavar="CHECKPOINT", type=nonempty,
+                   help="the same, as the other verbs take it")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -21,7 +24,10 @@ def run(args: argparse.Namespace) -> int:
     import blockloop
     from blockloop.data.packages import cache_dir
 
-    if args.checkpoint is None:
+    if args.checkpoint is not None and args.checkpoint_flag is not None:
+        raise BlockloopError("give the checkpoint once: as blockloop info RUN or blockloop info --checkpoint RUN")
+    checkpoint = args.checkpoint or args.checkpoint_flag
+    if checkpoint is None:
         print(f"blockloop {blockloop.__version__}, python {platform.python_version()}, torch {torch.__version__}")
         cuda = torch.cuda.is_available()
         print(f"cuda available: {cuda}" + (f" ({torch.cuda.get_device_name()})" if cuda else ""))
@@ -29,7 +35,7 @@ def run(args: argparse.Namespace) -> int:
         return 0
     from blockloop.train.run import load_trained
 
-    trained = load_trained(args.checkpoint)
+    trained = load_trained(checkpoint)
     m = trained.model
     print(f"checkpoint: {trained.directory}")
     print(f"model: {trained.config.family} {trained.config.name}, {m.num_parameters() / 1e6:.3f}M parameters "
