@@ -14,7 +14,8 @@ DESCRIPTION = ("Architecture-aware training FLOPs (double-decoder paper, appendi
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--preset", required=True, help="model preset (see `blockloop presets`)")
     p.add_argument("--seq-len", type=positive_int, help="training window / prompt length T (default: the preset's context)")
-    p.add_argument("--out-len", type=positive_int, default=256, help="generated tokens T_out for the KV cache (default: 256)")
+    p.add_argument("--out-len", type=positive_int, default=256, help="generated tokens T_out for the KV cache (default: 256; with the default --seq-len that is past the "
+                   "context, as the paper's appendix A.1 prices it, and the output says so)")
     p.add_argument("--bytes", type=positive_int, default=2, help="bytes per cached value (default: 2, bf16)")
     p.add_argument("--measure", action="store_true", help="also count one forward with torch's FlopCounterMode")
 
