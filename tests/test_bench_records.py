@@ -225,6 +225,10 @@ def test_models_that_share_a_folder_name_get_names_that_tell_them_apart(tmp_path
     every_suffix = {"/".join(a.resolve().parts[-k:]) for k in range(1, len(a.resolve().parts) + 1)}
     with pytest.raises(BlockloopError, match="given more than once"):
         checkpoint_name(str(a), every_suffix)
+    step = tmp_path / "expC" / "checkpoints" / "step_0000400"  # one checkpoint of a run: named after the run,
+    assert checkpoint_name(str(step), set()) == "expC"  # and two of one run by their steps
+    assert checkpoint_name(str(step.parent / "step_0000800"), {"expC"}) == "expC/step_0000800"
+    assert checkpoint_name(str(step.parent), set()) == "expC"
     with pytest.raises(BlockloopError, match="--presets names tiny more than once"):
         load_models("tiny,tiny", [], "cpu", torch.float32)
     rows = [{"name": name, "batch": 1, "tok_s": tok_s} for name, tok_s in (("final", 10.0), ("expB/final", 20.0))]

@@ -29,6 +29,7 @@ from blockloop.families import build_model, from_name, spec_of
 from blockloop.serve.exit_schedule import simulate
 from blockloop.serve.runners import RUNNERS, ExitRule, Runner, Speculation, runner_for
 from blockloop.serve.runners.recursive import RecursiveRunner
+from blockloop.train.checkpoint import run_folder
 from blockloop.train.run import load_trained
 
 DEFAULT_PRESETS = "pythia-85m,block-85m"
@@ -75,11 +76,16 @@ def load_models(
 
 
 def checkpoint_name(path: str, taken: set[str]) -> str:
-    """A checkpoint's name in tables, ratios and plots: its folder's name, with as many parent folders as it takes
-    to tell it from the models before it (two runs' ``final`` folders, a run named like a preset)."""
-    parts = Path(path).resolve().parts
-    for k in range(1, len(parts) + 1):
-        name = "/".join(parts[-k:])
+    """A checkpoint's name in tables, ratios and plots: its run folder's name, with as many parent folders as it
+    takes to tell it from the models before it (two runs' ``final`` folders, a run named like a preset); two
+    checkpoints of one run add their ``step_*`` names."""
+    run, given = run_folder(Path(path)), Path(path).resolve()
+    suffixes = ["/".join(given.parts[-k:]) for k in range(1, len(given.parts) + 1)]
+    if given.name.startswith("step_"):
+        suffixes = [run.name, f"{run.name}/{given.name}", *suffixes]
+    elif given != run:  # the run's checkpoints folder: its latest checkpoint, named as the run is
+        suffixes = ["/".join(run.parts[-k:]) for k in range(1, len(run.parts) + 1)]
+    for name in suffixes:
         if name not in taken:
             return name
     raise BlockloopError(f"--checkpoint {path} is given more than once; name each model once")

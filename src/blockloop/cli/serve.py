@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import errno
 import socket
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from blockloop.cli.common import (
@@ -36,7 +35,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_checkpoint(p)
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
     p.add_argument("--port", type=integer(0, 65535), default=8000, help="port to listen on (default: 8000)")
-    p.add_argument("--name", type=nonempty, help="the model name clients send (default: the checkpoint folder's name)")
+    p.add_argument("--name", type=nonempty, help="the model name clients send (default: the training run's folder name)")
     add_chat_template(p)
     add_engine_arguments(p)
     p.add_argument("--max-waiting", type=nonnegative_int, default=256,
@@ -89,11 +88,12 @@ def add_chat_template(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from blockloop.serve.http.app import app_for
     from blockloop.serve.http.server import serve
+    from blockloop.train.checkpoint import run_folder
 
     sock = bind(args.host, args.port)  # before the model loads: a taken port or a wrong host fails at once, in one line
     try:
         trained, options = load(args, n_slots=args.slots)
-        name = args.name or Path(args.checkpoint).resolve().name
+        name = args.name or run_folder(args.checkpoint).name
         app = app_for(trained.model, trained.tokenizer, name=name, directory=trained.directory,
                       chat_template=args.chat_template, max_waiting=args.max_waiting,
                       allowed_origins=args.allowed_origin or (), **options)

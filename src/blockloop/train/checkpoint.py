@@ -56,6 +56,15 @@ def checkpoint_root(run_dir: Path) -> Path:
     return Path(run_dir) / "checkpoints"
 
 
+def run_folder(path: Path) -> Path:
+    """The training run a checkpoint belongs to, whether ``path`` is the run, its ``checkpoints`` folder or one
+    ``step_*`` in it: what a served or benched model is named after (``step_0000400`` says nothing about it)."""
+    path = Path(path).resolve()
+    if path.name.startswith("step_") and path.parent.name == "checkpoints":
+        path = path.parent
+    return path.parent if path.name == "checkpoints" else path
+
+
 def temporary_checkpoint(run_dir: Path, step: int) -> Path:
     """Where the checkpoint of ``step`` is written before it is moved into place (every rank writes its RNG there)."""
     return checkpoint_root(run_dir) / f".tmp_step_{step:07d}"
