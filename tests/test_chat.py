@@ -225,6 +225,7 @@ def test_plain_template_and_a_jinja_template_with_its_end_of_turn_token(tmp_path
     messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"},
                 {"role": "user", "content": "and?"}]
     assert plain_template().render(messages) == "User: hi\n\nAssistant: hello\n\nUser: and?\n\nAssistant:"
+    assert plain_template().render(messages[:2], add_generation_prompt=False) == "User: hi\n\nAssistant: hello"
     (tmp_path / "chat_template.jinja").write_text(
         "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}</s>{% endfor %}<assistant>")
     template = chat_template_for(ByteTokenizer(), tmp_path)
@@ -232,6 +233,9 @@ def test_plain_template_and_a_jinja_template_with_its_end_of_turn_token(tmp_path
     assert template.stop_ids == []  # "</s>" is five bytes for the byte tokenizer, not one special id
     given = chat_template_for(ByteTokenizer(), tmp_path, "[{{ messages[0].content }}]")  # --chat-template wins
     assert given.render(messages[:1]) == "[hi]"
+    assert template.render(messages[:2], add_generation_prompt=False) == "<user>hi</s><assistant>hello"
+    with pytest.raises(BlockloopError, match="does not write the last message's text"):  # nothing to continue
+        given.render(messages[:2], add_generation_prompt=False)
     (tmp_path / "chat_template.jinja").unlink()
     (tmp_path / "tokenizer_config.json").write_text('{"chat_template": "{{ messages | length }}"')  # cut short
     with pytest.raises(BlockloopError, match="tokenizer_config.json is not valid JSON"):
@@ -295,6 +299,10 @@ def test_smollm2_chats_through_its_own_template_like_transformers():
     hf = AutoTokenizer.from_pretrained(smollm2_files(), gguf_file=SMOLLM2_GGUF, local_files_only=True)
     assert template.render(messages) == hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     assert template.stop_ids == [tok.encode("<|im_end|>")[0]] and tok.encode(template.render(messages))[0] == 1
+    # lm-eval's answer prefix: the text continues the assistant's started turn, as transformers writes it
+    started = [*messages, {"role": "assistant", "content": "Answer:"}]
+    assert template.render(started, add_generation_prompt=False) == hf.apply_chat_template(
+        started, tokenize=False, continue_final_message=True)
 
 
 def test_an_answer_budget_past_the_context_is_warned_about_as_the_chat_starts(run, monkeypatch, capsys):

@@ -125,6 +125,58 @@ def test_lm_eval_loads_a_checkpoint_by_name_and_matches_the_builtin_evaluator(ti
         assert theirs[f"{r['metric']}_stderr,none"] == pytest.approx(r["stderr"], abs=1e-12)
 
 
+def test_chat_templated_prompts_are_scored_through_the_models_template(byte_model, tmp_path):
+    """lm-eval's apply_chat_template (an Instruct model's usual setting) needs the model's template; a byte model
+    has the plain one, as `chat` and `serve` render it, and each choice is scored after that prompt."""
+    from lm_eval.tasks import TaskManager
+
+    from blockloop.serve.http.chat import plain_template
+
+    model, tok = byte_model
+    data = tmp_path / "piqa.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in ROWS))
+    (tmp_path / "local_piqa.yaml").write_text(TASK_YAML.format(path=data))
+    lm = BlockloopLM(model=model, tokenizer=tok, batch_size=4)
+    assert lm.tokenizer_name == "byte" and lm.chat_template(True) == ""
+    out = lm_eval.simple_evaluate(model=lm, tasks=["local_piqa"], num_fewshot=0, log_samples=True,
+                                  apply_chat_template=True,
+                                  task_manager=TaskManager(include_path=str(tmp_path), include_defaults=False))
+    for sample in out["samples"]["local_piqa"]:
+        row = ROWS[sample["doc_id"]]
+        prompt = plain_template().render([{"role": "user", "content": f"Question: {row['goal']}\nAnswer:"}])
+        assert [a[0] for a in sample["arguments"]] == [prompt, prompt]
+        mine = score(model, [[encode_request(tok, prompt, a[1]) for a in sample["arguments"]]]).loglikelihood[:, 0]
+        assert [float(ll) for ll, _ in sample["filtered_resps"]] == pytest.approx(mine.tolist(), abs=1e-9)
+
+
+def test_lm_eval_command_line_runs_the_blockloop_model(tiny_run, tmp_path):
+    """lm-eval's own command line finds a model only by import: `python -m blockloop.evals.lm_eval_cli` is it with
+    the bridge imported, and gives what the Python API gives; a missing checkpoint is one line, exit 2."""
+    import subprocess
+    import sys
+
+    data = tmp_path / "piqa.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in ROWS))
+    (tmp_path / "local_piqa.yaml").write_text(TASK_YAML.format(path=data))
+    command = [sys.executable, "-m", "blockloop.evals.lm_eval_cli", "run", "--model", "blockloop", "--tasks",
+               "local_piqa", "--include_path", str(tmp_path), "--num_fewshot", "0", "--output_path", str(tmp_path / "out")]
+    done = subprocess.run([*command, "--model_args", f"checkpoint={tiny_run},device=cpu"], capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    (written,) = (tmp_path / "out").rglob("results_*.json")
+    theirs = json.loads(written.read_text())["results"]["local_piqa"]
+    from lm_eval.tasks import TaskManager
+
+    api = lm_eval.simple_evaluate(model="blockloop", model_args=f"checkpoint={tiny_run},device=cpu", tasks=["local_piqa"],
+                                  num_fewshot=0, task_manager=TaskManager(include_path=str(tmp_path), include_defaults=False))
+    for metric in ("acc,none", "acc_norm,none"):
+        assert theirs[metric] == pytest.approx(api["results"]["local_piqa"][metric], abs=1e-12)
+    missing = subprocess.run([*command, "--model_args", f"checkpoint={tmp_path / 'nowhere'},device=cpu"], capture_output=True,
+                             text=True, timeout=300)
+    assert missing.returncode == 2 and "Traceback" not in missing.stderr, missing.stderr[-2000:]
+    assert missing.stderr.strip().splitlines()[-1].startswith("lm-eval (blockloop model): error: checkpoint not found")
+
+
 def test_rolling_log_likelihood_and_greedy_generation(byte_model):
     model, tok = byte_model
     lm = BlockloopLM(model=model, tokenizer=tok)

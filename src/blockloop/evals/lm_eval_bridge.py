@@ -10,7 +10,10 @@ from a hub unless the task reads local files)::
 ``loglikelihood`` goes through :func:`blockloop.evals.scoring.score` (requests with the same context share
 their prefix work, and every family is scored the way its spec says), ``loglikelihood_rolling`` scores
 lm-eval's disjoint rolling windows the same way, and ``generate_until`` decodes greedily through the
-engine, ``batch_size`` requests at a time, each cut at its first stop string.
+engine, ``batch_size`` requests at a time, each cut at its first stop string. With lm-eval's
+``apply_chat_template`` prompts go through the checkpoint's chat template, as ``serve`` and ``chat`` render them
+(:func:`blockloop.serve.http.chat.chat_template_for`). lm-eval's own command line finds models only by import:
+``python -m blockloop.evals.lm_eval_cli`` is that command line with this module imported.
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ from typing import Any
 import torch
 from lm_eval.api.model import LM
 from lm_eval.api.registry import register_model
-from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
+from lm_eval.utils import get_rolling_token_windows, make_disjoint_window, simple_parse_args_string
 from torch import nn
 
 from blockloop.data.tokenizers import Tokenizer
@@ -30,6 +33,7 @@ from blockloop.evals.scoring import Request, encode_request, score
 from blockloop.families import spec_of
 from blockloop.nn.linear import packed_linears
 from blockloop.serve.engine import Engine
+from blockloop.serve.http.chat import chat_template_for
 from blockloop.serve.requests import SamplingParams
 from blockloop.serve.runners import runner_for
 from blockloop.train.run import load_trained
@@ -48,8 +52,11 @@ class BlockloopLM(LM):
                 raise BlockloopError('the blockloop model needs checkpoint=RUN (model_args="checkpoint=runs/NAME"), '
                                      "or a model and tokenizer in memory")
             trained = load_trained(checkpoint, resolve_device(device))
-            model, tokenizer = trained.model, trained.tokenizer
+            model, tokenizer, directory = trained.model, trained.tokenizer, trained.directory
+        else:
+            directory = None
         self.model, self.tokenizer = model.eval(), tokenizer
+        self.template = chat_template_for(tokenizer, directory)
         self.batch_size = int(batch_size) if str(batch_size).isdigit() else 8  # "auto": lm-eval's default 8
         if self.batch_size < 1:
             raise BlockloopError(f"batch_size={batch_size!r} must be at least 1 (or auto)")
@@ -63,6 +70,30 @@ class BlockloopLM(LM):
                 raise BlockloopError(f"loops={loops} is not one of the model's loops (" +
                                      ("it has none; leave loops out)" if most is None else f"1..{most})"))
             self.exits = [int(loops)]
+
+    @classmethod
+    def create_from_arg_obj(cls, arg_dict: dict[str, Any], additional_config: dict[str, Any] | None = None
+                            ) -> BlockloopLM:
+        """lm-eval hands its own ``device`` and ``batch_size`` over beside ``model_args`` (its command line always
+        a device, cuda:0 by default), which the base class passes twice: ``model_args`` win where they name one."""
+        given = {k: v for k, v in (additional_config or {}).items() if v is not None}
+        return cls(**{**given, **arg_dict})
+
+    @classmethod
+    def create_from_arg_string(cls, arg_string: str, additional_config: dict[str, Any] | None = None) -> BlockloopLM:
+        return cls.create_from_arg_obj(simple_parse_args_string(arg_string), additional_config)
+
+    @property
+    def tokenizer_name(self) -> str:
+        """What lm-eval's request cache keys chat-templated prompts by."""
+        return self.tokenizer.name
+
+    def chat_template(self, chat_template: bool | str = False) -> str:
+        """The Jinja source lm-eval records beside its results ("" for the plain template)."""
+        return self.template.source or ""
+
+    def apply_chat_template(self, chat_history: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
+        return self.template.render(chat_history, add_generation_prompt)
 
     def _score(self, requests: list[Request]) -> list[tuple[float, bool]]:
         """Requests with equal contexts form groups of at most ``batch_size`` (one prefix pass each: lm-eval's

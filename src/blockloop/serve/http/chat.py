@@ -82,15 +82,26 @@ class ChatTemplate:
             raise BlockloopError(f"{self.origin} writes no text for a conversation; give a Jinja chat template that "
                                  "renders the messages, with --chat-template")
 
-    def render(self, messages: list[Message]) -> str:
+    def render(self, messages: list[Message], add_generation_prompt: bool = True) -> str:
+        """The prompt for the assistant's next turn; without ``add_generation_prompt``, the text continues the last
+        message instead, cut right after its content (``transformers``' ``continue_final_message``: lm-eval's
+        answer prefixes such as "Answer:" are written so)."""
         if self.source is None:
             turns = "".join(f"{PLAIN_NAMES[m['role']]}: {m['content']}\n\n" for m in messages)
-            return turns + "Assistant:"
+            return turns + "Assistant:" if add_generation_prompt else turns.removesuffix("\n\n")
         from jinja2 import TemplateError
 
         messages = [{**m, "role": "system"} if m["role"] == "developer" else m for m in messages]
         try:
-            return self.compiled.render(messages=messages, add_generation_prompt=True, **self.special_tokens)
+            text = self.compiled.render(messages=messages, add_generation_prompt=add_generation_prompt,
+                                        **self.special_tokens)
+            if add_generation_prompt or not messages:
+                return text
+            last = messages[-1]["content"].strip()
+            if last not in text:
+                raise TemplateFailure(f"{self.origin} does not write the last message's text as given, so the text "
+                                      "cannot continue it")
+            return text[: text.rindex(last) + len(last)]
         except BlockloopError:
             raise  # the template's own raise_exception: its message is for the client
         except (TemplateError, ArithmeticError, LookupError, TypeError, ValueError) as exc:  # what template code raises
