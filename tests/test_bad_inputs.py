@@ -226,6 +226,8 @@ CASES = [
     (["eval", "--checkpoint", R, "--batch-size", "0"], "--batch-size: must be an integer >= 1"),
     (["eval", "--checkpoint", R, "--tasks", "piqa", "--shots", "-1"], "--shots: must be an integer >= 0"),
     (["eval", "--checkpoint", R, "--tasks", "piqa", "--limit", "0"], "--limit: must be an integer >= 1"),
+    (["eval", "--checkpoint", R, "--tasks", "copa", "--seed", "99"], "--seed picks the few-shot examples, and there are none"),
+    (["eval", "--checkpoint", R, "--task", "copa"], "copa is a benchmark: give --tasks copa"),
     (["eval", "--checkpoint", R, "--device", "tpu9"], "--device: must be one of"),
     (["eval", "--checkpoint", "{base}/list_config", "--device", "cpu"], "config.json holds a JSON list"),
     (["eval", "--checkpoint", "{base}/string_field", "--device", "cpu"], "n_layer must be an integer, got 'abc'"),

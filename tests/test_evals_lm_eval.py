@@ -177,6 +177,19 @@ def test_lm_eval_command_line_runs_the_blockloop_model(tiny_run, tmp_path):
     assert missing.stderr.strip().splitlines()[-1].startswith("lm-eval (blockloop model): error: checkpoint not found")
 
 
+def test_answers_too_long_are_refused_per_task_before_any_scoring(byte_model, monkeypatch):
+    from blockloop.errors import BlockloopError
+    from blockloop.evals import lm_eval_bridge
+
+    model, tok = byte_model
+    monkeypatch.setattr(lm_eval_bridge, "score", lambda *a, **k: pytest.fail("scored before the check"))
+    asked = [("short_task", "Q:", " yes"), ("long_task", "Q:", " y" * 200), ("long_task", "Q:", " no")]
+    requests = [type("R", (), {"args": (c, x), "task_name": t})() for t, c, x in asked]
+    with pytest.raises(BlockloopError, match=r"^long_task: 1 of its 2 requests have an answer too long to fit the "
+                       r"model context of 256 tokens \(the longest: 400\)"):
+        BlockloopLM(model=model, tokenizer=tok).loglikelihood(requests)
+
+
 def test_rolling_log_likelihood_and_greedy_generation(byte_model):
     model, tok = byte_model
     lm = BlockloopLM(model=model, tokenizer=tok)

@@ -233,8 +233,36 @@ def test_a_write_that_cannot_happen_names_its_target_not_the_temporary_and_can_b
         with pytest.raises(OSError) as caught:
             write(blocked)
         assert caught.value.filename == str(blocked)
-    check_writable(tmp_path / "new" / "ok.json")
-    assert list((tmp_path / "new").iterdir()) == []  # the probe leaves nothing behind
+    before = sorted(tmp_path.iterdir())
+    check_writable(tmp_path / "new" / "deeper" / "ok.json")
+    assert sorted(tmp_path.iterdir()) == before  # the probe leaves nothing behind, not even the folders to be made
+    (tmp_path / "ro").mkdir(mode=0o500)
+    if os.geteuid() != 0:  # root writes anywhere
+        with pytest.raises(PermissionError) as caught:  # judged at the nearest folder that exists
+            check_writable(tmp_path / "ro" / "new" / "x.json")
+        assert caught.value.filename == str(tmp_path / "ro" / "new" / "x.json")
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="needs named pipes")
+def test_a_write_goes_through_a_link_and_never_replaces_a_pipe_or_device(tmp_path):
+    """Renaming a new file over a path replaced a symbolic link by a file (its target went stale) and a pipe or a
+    device by a file: `eval --out /dev/null` run as root would have replaced the system's /dev/null."""
+    from blockloop.errors import BlockloopError
+    from blockloop.files import check_writable
+
+    target, link = tmp_path / "shared" / "results.json", tmp_path / "results.json"
+    target.parent.mkdir()
+    target.write_text("old")
+    link.symlink_to(target)
+    check_writable(link)
+    atomic_write_text(link, "new")
+    assert link.is_symlink() and target.read_text() == "new"
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    for write in (lambda p: atomic_write_text(p, "{}"), check_writable):
+        with pytest.raises(BlockloopError, match="is not a regular file"):
+            write(fifo)
+        assert stat.S_ISFIFO(fifo.stat().st_mode)
 
 
 @pytest.mark.parametrize("target", ["weights", "recursive", "hf"])

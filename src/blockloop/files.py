@@ -27,7 +27,7 @@ _T = TypeVar("_T")
 
 def copy_into_place(src: IO[bytes], target: Path) -> None:
     """Stream ``src`` to ``target`` through a temporary file in the same folder, synced, then renamed."""
-    target = Path(target)
+    target = _file_target(Path(target))
     fd, tmp = _new_file_beside(target)
     try:
         with os.fdopen(fd, "wb") as out:
@@ -55,10 +55,33 @@ def new_file_mode(folder: Path) -> int:
 
 def check_writable(target: Path) -> None:
     """Fail now, with the error a write would give, if ``target`` cannot be written (a folder stands there, its
-    folder is read-only): before long work whose result goes there, not after it."""
-    fd, tmp = _new_file_beside(Path(target))
+    folder is read-only): before long work whose result goes there, not after it. Folders the write would create
+    are not made yet, so a run refused later leaves none behind."""
+    target = _file_target(Path(target))
+    if target.is_dir():
+        raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR), str(target))
+    folder = target.parent
+    while not folder.exists() and not folder.is_symlink():
+        folder = folder.parent
+    try:
+        if not folder.is_dir():  # a file where a folder of the path belongs
+            raise NotADirectoryError(errno.ENOTDIR, os.strerror(errno.ENOTDIR), str(target))
+        fd, tmp = _new_file(folder)
+    except OSError as exc:
+        raise type(exc)(exc.errno, exc.strerror, str(target)) from None
     os.close(fd)
     tmp.unlink()
+
+
+def _file_target(target: Path) -> Path:
+    """What a write to ``target`` replaces: the file a symbolic link points to (the link stays a link), never a
+    device, pipe or socket, which renaming a new file over would destroy (``--out /dev/null`` run as root)."""
+    if target.is_symlink():
+        target = target.resolve()
+    if target.exists() and not target.is_file() and not target.is_dir():
+        raise BlockloopError(f"{target} is not a regular file (a device, pipe or socket), which this write would "
+                             "replace; give the path of a file")
+    return target
 
 
 def _new_file_beside(target: Path) -> tuple[int, Path]:

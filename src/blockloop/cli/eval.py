@@ -96,6 +96,11 @@ def run(args: argparse.Namespace) -> int:
         raise BlockloopError("--checkpoint is required (or --compare A B)")
     if args.task and args.tasks:
         raise BlockloopError("--task names a state-tracking task and --tasks benchmarks; give one of them")
+    if args.task in BENCHMARKS.split(", "):
+        raise BlockloopError(f"{args.task} is a benchmark: give --tasks {args.task} (--task names a state-tracking task)")
+    if args.tasks is not None and args.seed is not None and not args.shots:
+        raise BlockloopError("--seed picks the few-shot examples, and there are none at 0 shots: give --shots K too, "
+                             "or leave --seed out")
     benchmark_mode = args.tasks is not None  # an empty list is a mistake, not a request for the loss evaluation
     ignored = LOSS_ONLY if benchmark_mode else BENCHMARK_ONLY
     given = [name for name in ignored if getattr(args, name) is not None]

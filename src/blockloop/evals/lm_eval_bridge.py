@@ -29,7 +29,7 @@ from torch import nn
 from blockloop.data.tokenizers import Tokenizer
 from blockloop.device import resolve_device
 from blockloop.errors import BlockloopError
-from blockloop.evals.scoring import Request, encode_request, score
+from blockloop.evals.scoring import Request, check_requests, encode_request, score
 from blockloop.families import spec_of
 from blockloop.nn.linear import packed_linears
 from blockloop.serve.engine import Engine
@@ -112,7 +112,21 @@ class BlockloopLM(LM):
         return answers
 
     def loglikelihood(self, requests: list[Any], disable_tqdm: bool = False) -> list[tuple[float, bool]]:
-        return self._score([encode_request(self.tokenizer, *req.args[:2]) for req in requests])
+        """Every task's requests are checked first, as ``eval`` checks its tasks: one line names each task that
+        cannot be scored, before any scoring."""
+        encoded = [encode_request(self.tokenizer, *req.args[:2]) for req in requests]
+        by_task: dict[str, list[list[Request]]] = {}
+        for req, request in zip(requests, encoded, strict=True):
+            by_task.setdefault(getattr(req, "task_name", None) or "lm-eval", []).append([request])
+        refused = []
+        for task, groups in by_task.items():
+            try:
+                check_requests(self.model, groups, what="requests")
+            except BlockloopError as exc:
+                refused.append(f"{task}: {exc}")
+        if refused:
+            raise BlockloopError("; ".join(refused))
+        return self._score(encoded)
 
     def loglikelihood_rolling(self, requests: list[Any], disable_tqdm: bool = False) -> list[float]:
         config = self.model.config

@@ -113,10 +113,10 @@ def score(
     return Scores(ll, greedy)
 
 
-def check_requests(model: nn.Module, groups: Sequence[Sequence[Request]]) -> None:
+def check_requests(model: nn.Module, groups: Sequence[Sequence[Request]], what: str = "questions") -> None:
     """Refuse, before any forward, what :func:`score` cannot score exactly: a family without a scoring layout,
     an empty continuation, or one too long for the model context (a Block Transformer's also needs a whole
-    block of context before it)."""
+    block of context before it). ``what`` the groups are, in the message (lm-eval's are its requests)."""
     c = model.config
     layout = spec_of(c).scoring
     if layout is None:
@@ -133,7 +133,7 @@ def check_requests(model: nn.Module, groups: Sequence[Sequence[Request]]) -> Non
     if over:
         longest = max(len(r.continuation) for g in over for r in g)
         room = "leave a whole block of context in" if layout == "blocks" else "fit"
-        raise BlockloopError(f"{len(over)} of its {len(groups)} questions have an answer too long to {room} the model "
+        raise BlockloopError(f"{len(over)} of its {len(groups)} {what} have an answer too long to {room} the model "
                              f"context of {c.context_length} tokens (the longest: {longest}); evaluate a model with a "
                              "longer context, or leave the task out")
 
