@@ -318,6 +318,8 @@ CASES = [
     (["bench", "--url", "http://127.0.0.1:9", "--sync-every", "16", "--device", "auto", "--key-buckets", "8"],
      "--device, --sync-every, --key-buckets do not apply to --url"),
     (["bench", "--plot", "{base}/p.png", "--no-progress"], "--no-progress does not apply to --plot"),
+    (["bench", "--url", "http://127.0.0.1:9", "--key-buckets", "0"], "--key-buckets do"),  # 0 is given too
+    (["bench", "--plot", "{base}/p.png", "--warmup", "0"], "--warmup do"),
     (["bench", "--stream", "--presets", "tiny", "--whole-keys"], "--whole-keys does not apply to --stream"),
     (["bench", "--stream", "--presets", "tiny,tiny-block", "--prompt-range", "100,120", "--tokens-range", "20,40"],
      "tiny: the stream's longest request (prompt and new tokens) of"),  # refused before the first model runs

@@ -4,6 +4,7 @@ templates (plain, and SmolLM2's own through transformers)."""
 
 from __future__ import annotations
 
+import io
 import subprocess
 import sys
 
@@ -196,7 +197,6 @@ def test_the_chat_verb_reads_stdin(run):
 def test_control_characters_of_an_answer_reach_a_terminal_as_escapes(run, monkeypatch):
     """An untrained byte-level model emits escape sequences (clear screen, cursor moves) and carriage returns; in a
     terminal they are written as escapes, through a pipe as they are: in chat and in generate."""
-    import io
 
     from blockloop.cli import main
     from blockloop.cli.common import terminal_safe
@@ -314,3 +314,19 @@ def test_an_answer_budget_past_the_context_is_warned_about_as_the_chat_starts(ru
             "its context is full") in capsys.readouterr().err
     assert main(["chat", "--checkpoint", str(run), "--max-len", "64", "--max-new-tokens", "20", "--device", "cpu"]) == 0
     assert "warning" not in capsys.readouterr().err
+
+
+def test_an_unseeded_chat_samples_anew_each_session_and_a_seeded_one_replays(run, monkeypatch):
+    """The seed defaulted to 0, so every session gave the same answers to the same messages, unlike `generate` and
+    a server request without a seed."""
+    from blockloop.cli import main
+
+    def answers(*flags: str) -> str:
+        out = io.StringIO()
+        monkeypatch.setattr(sys, "stdout", out)
+        monkeypatch.setattr("builtins.input", lines("Who art thou?"))
+        assert main(["chat", "--checkpoint", str(run), "--device", "cpu", "--max-new-tokens", "24", *flags]) == 0
+        return out.getvalue()
+
+    assert answers() != answers()  # 24 tokens sampled at temperature 1: the same twice by chance is negligible
+    assert answers("--seed", "5") == answers("--seed", "5")

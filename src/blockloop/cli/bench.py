@@ -170,12 +170,12 @@ def _settle_modes(args: argparse.Namespace) -> None:
         ignored = {**STREAM, **ENGINE_STREAM} if mode == "the throughput protocol" else {**THROUGHPUT}
         if mode == "--url":  # the server's model and engine serve the stream
             ignored.update({**ENGINE_STREAM, **LOCAL})
-    given = [name for name in ignored if getattr(args, name) not in (None, False, [])]  # every default is one of these
+    given = [name for name in ignored if _given(getattr(args, name))]
     if given:
         refuse_flags(given, mode, or_else=" or add --stream" if mode == "the throughput protocol" else "")
     # Flags that only shape another flag of the same mode.
     if mode == "--stream" and not args.speculate:
-        shaping = [name for name in ("draft_loops", "adaptive_k") if getattr(args, name) not in (None, False)]
+        shaping = [name for name in ("draft_loops", "adaptive_k") if _given(getattr(args, name))]
         if shaping:
             refuse_flags(shaping, "a stream without --speculate", fix="add --speculate K or leave them out")
     if mode == "the throughput protocol" and args.max_batch is not None and not args.search:
@@ -183,6 +183,12 @@ def _settle_modes(args: argparse.Namespace) -> None:
     for name, default in {**THROUGHPUT, **STREAM, **ENGINE_STREAM, **LOCAL, **WARMUP, "seed": 0}.items():
         if getattr(args, name) is None:
             setattr(args, name, default)
+
+
+def _given(value: Any) -> bool:
+    """Whether a flag was given: every default is None, False or []. By identity, since ``0 in (None, False)`` is
+    true in Python and ``--key-buckets 0`` is given all the same."""
+    return not (value is None or value is False or (isinstance(value, list) and not value))
 
 
 def _throughput(args: argparse.Namespace, models: list, device: Any) -> list[dict[str, Any]]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import secrets
 import sys
 from collections.abc import Callable
 from typing import TYPE_CHECKING
@@ -37,7 +38,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_chat_template(p)
     p.add_argument("--max-new-tokens", type=positive_int, default=256, help="tokens per answer at most (default: 256)")
     add_sampling(p)
-    p.add_argument("--seed", type=sampling_seed, default=0, help="seed of the first answer; answer i uses seed + i (default: 0)")
+    p.add_argument("--seed", type=sampling_seed,
+                   help="seed of the first answer; answer i uses seed + i, so a seeded conversation replays "
+                   "(default: a new one each session, as a server request without a seed gets)")
     add_engine_arguments(p, slots=1)
     add_device(p)
     add_no_pack(p)
@@ -52,7 +55,8 @@ def run(args: argparse.Namespace) -> int:
     worker = EngineWorker(serving_engine(trained.model, **options))
     template = chat_template_for(trained.tokenizer, trained.directory, args.chat_template)
     session = ChatSession(worker, trained.tokenizer, template, max_new_tokens=args.max_new_tokens, system=args.system,
-                          sampling=SamplingParams(args.temperature, args.top_k, args.top_p, seed=args.seed))
+                          sampling=SamplingParams(args.temperature, args.top_k, args.top_p,
+                                                  seed=secrets.randbits(31) if args.seed is None else args.seed))
     if args.max_new_tokens > session.worker.engine.longest_request:
         print(f"warning: --max-new-tokens {args.max_new_tokens} is more than the {session.worker.engine.longest_request} "
               "tokens a request may take here; each answer ends where its context is full", file=sys.stderr)
