@@ -225,7 +225,8 @@ def test_plain_template_and_a_jinja_template_with_its_end_of_turn_token(tmp_path
     messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"},
                 {"role": "user", "content": "and?"}]
     assert plain_template().render(messages) == "User: hi\n\nAssistant: hello\n\nUser: and?\n\nAssistant:"
-    assert plain_template().render(messages[:2], add_generation_prompt=False) == "User: hi\n\nAssistant: hello"
+    assert plain_template().render(messages[:2], False, continue_final=True) == "User: hi\n\nAssistant: hello"
+    assert plain_template().render(messages[:1], add_generation_prompt=False) == "User: hi\n\n"
     (tmp_path / "chat_template.jinja").write_text(
         "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}</s>{% endfor %}<assistant>")
     template = chat_template_for(ByteTokenizer(), tmp_path)
@@ -233,9 +234,9 @@ def test_plain_template_and_a_jinja_template_with_its_end_of_turn_token(tmp_path
     assert template.stop_ids == []  # "</s>" is five bytes for the byte tokenizer, not one special id
     given = chat_template_for(ByteTokenizer(), tmp_path, "[{{ messages[0].content }}]")  # --chat-template wins
     assert given.render(messages[:1]) == "[hi]"
-    assert template.render(messages[:2], add_generation_prompt=False) == "<user>hi</s><assistant>hello"
+    assert template.render(messages[:2], False, continue_final=True) == "<user>hi</s><assistant>hello"
     with pytest.raises(BlockloopError, match="does not write the last message's text"):  # nothing to continue
-        given.render(messages[:2], add_generation_prompt=False)
+        given.render(messages[:2], False, continue_final=True)
     (tmp_path / "chat_template.jinja").unlink()
     (tmp_path / "tokenizer_config.json").write_text('{"chat_template": "{{ messages | length }}"')  # cut short
     with pytest.raises(BlockloopError, match="tokenizer_config.json is not valid JSON"):
@@ -301,7 +302,7 @@ def test_smollm2_chats_through_its_own_template_like_transformers():
     assert template.stop_ids == [tok.encode("<|im_end|>")[0]] and tok.encode(template.render(messages))[0] == 1
     # lm-eval's answer prefix: the text continues the assistant's started turn, as transformers writes it
     started = [*messages, {"role": "assistant", "content": "Answer:"}]
-    assert template.render(started, add_generation_prompt=False) == hf.apply_chat_template(
+    assert template.render(started, False, continue_final=True) == hf.apply_chat_template(
         started, tokenize=False, continue_final_message=True)
 
 

@@ -121,6 +121,15 @@ def test_greedy_chat_streamed_and_not_follows_the_plain_template(served):
     assert chunks[0].choices[0].delta.role == "assistant"
     assert "".join(c.choices[0].delta.content or "" for c in chunks) == expected
     assert chunks[-1].choices[0].finish_reason == whole.choices[0].finish_reason
+    # vLLM's answer prefix: the assistant's started turn continued, not a new one opened after it
+    started = [*messages, {"role": "assistant", "content": "Stand,"}]
+    prompt = tok.encode(template.render(started, False, continue_final=True))
+    assert tok.decode(prompt).endswith("Assistant: Stand,")
+    expected = tok.decode(greedy(served.reference, prompt, 10)).split("\nUser:")[0]
+    continued = served.client.chat.completions.create(
+        model=served.name, messages=started, max_tokens=10, temperature=0,
+        extra_body={"add_generation_prompt": False, "continue_final_message": True})
+    assert continued.choices[0].message.content == expected and continued.usage.prompt_tokens == len(prompt)
 
 
 def test_a_stop_string_ends_the_answer_before_it(served):

@@ -59,6 +59,13 @@ MALFORMED = [
     ("/v1/completions", {"presence_penalty": 0.5}, 400, "presence_penalty"),
     ("/v1/completions", {"min_p": 0.1}, 400, "min_p"),  # vLLM's extras are refused by name, not ignored
     ("/v1/completions", {"repetition_penalty": 1.2}, 400, "repetition_penalty"),
+    ("/v1/completions", {"allowed_token_ids": [120]}, 400, "allowed_token_ids"),  # would change the answer: refused
+    ("/v1/completions", {"guided_choice": ["yes", "no"]}, 400, "guided_choice"),
+    ("/v1/completions", {"truncate_prompt_tokens": 8}, 400, "truncate_prompt_tokens"),
+    ("/v1/completions", {"skip_special_tokens": False}, 400, "skip_special_tokens"),
+    ("/v1/chat/completions", {"chat_template": "{{ messages }}"}, 400, "chat_template"),
+    ("/v1/chat/completions", {"continue_final_message": True}, 400, "continue_final_message"),  # with the prompt's
+    ("/v1/chat/completions", {"add_generation_prompt": "no"}, 400, "add_generation_prompt"),
     ("/v1/completions", {"stream_options": {"include_usage": True}}, 400, "stream_options"),  # without stream
     ("/v1/chat/completions", {"messages": []}, 400, "messages"),
     ("/v1/chat/completions", {"messages": "hi"}, 400, "messages"),

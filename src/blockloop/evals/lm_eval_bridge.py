@@ -93,7 +93,9 @@ class BlockloopLM(LM):
         return self.template.source or ""
 
     def apply_chat_template(self, chat_history: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
-        return self.template.render(chat_history, add_generation_prompt)
+        """Without ``add_generation_prompt``, lm-eval asks to continue the assistant's turn it started (its answer
+        prefix), as its Hugging Face model does."""
+        return self.template.render(chat_history, add_generation_prompt, continue_final=not add_generation_prompt)
 
     def _score(self, requests: list[Request]) -> list[tuple[float, bool]]:
         """Requests with equal contexts form groups of at most ``batch_size`` (one prefix pass each: lm-eval's

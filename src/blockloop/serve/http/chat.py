@@ -82,20 +82,22 @@ class ChatTemplate:
             raise BlockloopError(f"{self.origin} writes no text for a conversation; give a Jinja chat template that "
                                  "renders the messages, with --chat-template")
 
-    def render(self, messages: list[Message], add_generation_prompt: bool = True) -> str:
-        """The prompt for the assistant's next turn; without ``add_generation_prompt``, the text continues the last
-        message instead, cut right after its content (``transformers``' ``continue_final_message``: lm-eval's
-        answer prefixes such as "Answer:" are written so)."""
+    def render(self, messages: list[Message], add_generation_prompt: bool = True, continue_final: bool = False) -> str:
+        """The prompt for the assistant's next turn (``add_generation_prompt``: the template's opening of it), or,
+        with ``continue_final``, text that continues the last message, cut right after its content
+        (``transformers``' ``continue_final_message``: a client's or lm-eval's answer prefix such as "Answer:")."""
         if self.source is None:
             turns = "".join(f"{PLAIN_NAMES[m['role']]}: {m['content']}\n\n" for m in messages)
-            return turns + "Assistant:" if add_generation_prompt else turns.removesuffix("\n\n")
+            if continue_final:
+                return turns.removesuffix("\n\n")
+            return turns + "Assistant:" if add_generation_prompt else turns
         from jinja2 import TemplateError
 
         messages = [{**m, "role": "system"} if m["role"] == "developer" else m for m in messages]
         try:
             text = self.compiled.render(messages=messages, add_generation_prompt=add_generation_prompt,
                                         **self.special_tokens)
-            if add_generation_prompt or not messages:
+            if not continue_final or not messages:
                 return text
             last = messages[-1]["content"].strip()
             if last not in text:

@@ -28,6 +28,12 @@ UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     "tools": (None, []), "tool_choice": (None, "none"), "functions": (None, []), "response_format": (None, {"type": "text"}),
     "repetition_penalty": (None, 1), "min_p": (None, 0), "min_tokens": (None, 0), "stop_token_ids": (None, []),
     "include_stop_str_in_output": (None, False), "use_beam_search": (None, False), "length_penalty": (None, 1),
+    # vLLM's extras that constrain or reshape what is generated
+    "allowed_token_ids": (None, []), "bad_words": (None, []), "logits_processors": (None, []),
+    "guided_json": (None,), "guided_regex": (None,), "guided_choice": (None, []), "guided_grammar": (None,),
+    "structured_outputs": (None, {}), "prompt_logprobs": (None,), "truncate_prompt_tokens": (None,),
+    "skip_special_tokens": (None, True), "return_tokens_as_token_ids": (None, False),
+    "chat_template": (None,), "chat_template_kwargs": (None, {}), "documents": (None, []),
 }
 MAX_STOP = 4
 
@@ -143,6 +149,16 @@ class ChatMessage(BaseModel):
 class ChatRequest(Sampling):
     messages: list[ChatMessage] = Field(..., min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)  # the newer name of max_tokens
+    # vLLM's: the template's opening of the assistant's turn, or the last message continued (an answer prefix)
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+
+    @field_validator("continue_final_message")
+    @classmethod
+    def _continue_or_open(cls, continue_final: bool, info: ValidationInfo) -> bool:
+        if continue_final and info.data.get("add_generation_prompt", True):
+            raise ValueError("continues the last message, so add_generation_prompt must be false beside it")
+        return continue_final
 
     def token_limit(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
