@@ -583,5 +583,14 @@ def test_a_body_larger_than_any_request_could_need_is_a_413_declared_or_chunked(
         assert httpx.post(url + "/v1/completions", content=fits).status_code == 200  # parsed off the loop
         # /tokenize reads any text, not only one the context holds: bench --url sends it a megabyte of corpus
         corpus = "to be or not to be " * 100_000
-        assert httpx.post(url + "/tokenize", json={"prompt": corpus}).json()["count"] == len(corpus)
+        reply = httpx.post(url + "/tokenize", json={"prompt": corpus}).json()  # its JSON written off the loop
+        assert reply["count"] == len(corpus) and reply["tokens"] == load_trained(run).tokenizer.encode(corpus)
+        assert reply["max_model_len"] == 128
+        # ... and at most the most a corpus text bench sends can take, each character escaped (\uXXXX)
+        from blockloop.bench.stream import PROMPT_TEXT
+        from blockloop.serve.http.app import TOKENIZE_BODY_LIMIT
+
+        assert 6 * PROMPT_TEXT + 1024 < TOKENIZE_BODY_LIMIT
+        answer = httpx.post(url + "/tokenize", content=b'{"prompt": "hi",' + b" " * TOKENIZE_BODY_LIMIT + b"}")
+        assert answer.status_code == 413, answer.text
         assert httpx.get(url + "/health").status_code == 200
