@@ -166,6 +166,21 @@ def test_models_lists_the_served_model_with_its_context(served):
     (card,) = served.client.models.list().data
     assert card.id == served.name and card.owned_by == "blockloop"
     assert card.max_model_len == served.reference.config.context_length
+    assert card.prompt_multiple == getattr(served.reference.config, "block_len", 1)  # a block model's whole blocks
+
+
+def test_bench_over_http_counts_a_block_models_prompts_in_whole_blocks(served, capsys):
+    """A prompt that fits the context as it is but not once left-padded to whole blocks: bench --url refused it only
+    when the server answered 400 at the warm-up (or, without one, partway through the run)."""
+    L, context = getattr(served.reference.config, "block_len", 1), served.reference.config.context_length
+    if L < 2:
+        pytest.skip("prompts are not padded")
+    prompt, new = context - 2 * L + 1, 2 * L - 1  # context tokens as they are, context + L - 1 padded
+    assert main(["bench", "--url", served.url, "--requests", "2", "--prompt-range", f"{prompt},{prompt}",
+                 "--tokens-range", f"{new},{new}", "--warmup", "0"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert f"takes {context + L - 1} tokens (prompt and new tokens, its prompt left-padded to whole blocks of {L})" \
+        in err, err
 
 
 def test_early_exit_over_http_answers_as_the_engine_serving_the_same_rule(tmp_path_factory):

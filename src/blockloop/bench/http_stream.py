@@ -93,10 +93,13 @@ def run_http_stream(
     card = model_card(root)
     prompts = cut_prompts(server_tokens(root, card["id"], corpus_text(corpus)), requests, *prompt_range, seed=seed)
     offsets, budgets = schedule(requests, rate, *tokens_range, seed=seed)
-    need, context = max(len(p) + int(n) for p, n in zip(prompts, budgets)), card.get("max_model_len")
+    multiple = card.get("prompt_multiple") if isinstance(card.get("prompt_multiple"), int) else 1
+    need = max(-(-len(p) // multiple) * multiple + int(n) for p, n in zip(prompts, budgets))
+    context = card.get("max_model_len")
     if isinstance(context, int) and need > context:  # refused now, not as a 400 partway through the run
-        raise BlockloopError(f"the stream's longest request takes {need} tokens (prompt and new tokens), more than the "
-                             f"server's context of {context}; lower --prompt-range or --tokens-range")
+        padded = f", its prompt left-padded to whole blocks of {multiple}" if multiple > 1 else ""
+        raise BlockloopError(f"the stream's longest request takes {need} tokens (prompt and new tokens{padded}), more "
+                             f"than the server's context of {context}; lower --prompt-range or --tokens-range")
     answers = asyncio.run(_send_all(root, card["id"], prompts, offsets.tolist(), budgets.tolist(), warmup))
     timings = [answer for answer in answers if isinstance(answer, Timing)]
     failures = [answer for answer in answers if isinstance(answer, Failure) and not answer.turned_away]

@@ -117,7 +117,8 @@ def create_app(served: ServedModel, *, allowed_origins: Sequence[str] = ()) -> F
     # One card for the server's life: what a client may ask of it, and when it started serving (as OpenAI's
     # ``created`` is fixed per model).
     card = {"id": served.name, "object": "model", "created": int(time.time()), "owned_by": "blockloop",
-            "max_model_len": engine.longest_request, "vocab_size": engine.vocab_size}
+            "max_model_len": engine.longest_request, "vocab_size": engine.vocab_size,
+            "prompt_multiple": engine.runner.prompt_multiple}  # a Block Transformer's prompts count in whole blocks
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
