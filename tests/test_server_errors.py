@@ -4,6 +4,7 @@ keeps serving; a client that disconnects mid-stream frees its slot; a full waiti
 from __future__ import annotations
 
 import json
+import math
 import threading
 import time
 
@@ -13,7 +14,9 @@ pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
 httpx = pytest.importorskip("httpx")
 
+from blockloop.bench.http_stream import run_http_stream
 from blockloop.cli import main
+from blockloop.errors import BlockloopError
 from blockloop.serve.http.app import app_for
 from blockloop.train.run import load_trained
 from server_helpers import metric, running, tiny_run
@@ -505,7 +508,6 @@ def test_a_taken_port_or_a_foreign_host_is_one_line_before_the_model_loads(capsy
 
 def test_a_port_another_serve_holds_while_its_model_loads_is_refused_at_once():
     from blockloop.cli.serve import bind
-    from blockloop.errors import BlockloopError
 
     first = bind("127.0.0.1", 0)  # a serve still loading its model: bound, uvicorn not started
     try:
@@ -537,6 +539,10 @@ def test_a_task_models_unknown_words_empty_prompts_and_chats_are_400s(tmp_path):
         good = httpx.post(url + "/v1/completions", json={"model": "walk", "prompt": "r0c0 L", "max_tokens": 2})
         assert good.status_code == 200 and good.json()["usage"] == {"prompt_tokens": 2, "completion_tokens": 2,
                                                                      "total_tokens": 4}
+        # bench --url says why it cannot stream Shakespeare to it (it blamed the server for not being blockloop's)
+        with pytest.raises(BlockloopError, match=r"cannot read the shakespeare corpus \(.* is not a word of task "
+                           r"random-walk:8.*\); bench --url needs a model of text"):
+            run_http_stream(url, requests=2, rate=math.inf, prompt_range=(4, 8), tokens_range=(2, 2))
 
 
 def test_a_text_too_long_for_any_tokenization_is_refused_before_the_tokenizer_reads_it(run):

@@ -68,14 +68,20 @@ def model_card(url: str) -> dict[str, Any]:
     return cards[0]
 
 
-def server_tokens(url: str, model: str, text: str) -> list[int]:
+def server_tokens(url: str, model: str, text: str, corpus: str = "given") -> list[int]:
     """``text`` as the served model's tokenizer reads it (no BOS: prompts are slices of one long text)."""
     body = {"model": model, "prompt": text, "add_special_tokens": False}
     try:
-        return httpx.post(url + "/tokenize", json=body, timeout=300).raise_for_status().json()["tokens"]
-    except (httpx.HTTPError, KeyError, ValueError) as exc:
+        reply = httpx.post(url + "/tokenize", json=body, timeout=300)
+        if reply.status_code == 400:  # a blockloop server whose tokenizer cannot read the text (a task model's words)
+            reason = reply.json()["error"]["message"]
+        else:
+            return reply.raise_for_status().json()["tokens"]
+    except (httpx.HTTPError, KeyError, TypeError, ValueError) as exc:
         raise BlockloopError(f"the server at {url} did not tokenize the corpus ({_first_line(exc)}); bench --url drives "
                              "`blockloop serve`") from None
+    raise BlockloopError(f"the server at {url} cannot read the {corpus} corpus ({reason}); bench --url needs a model "
+                         "of text: give --corpus another, or serve such a model")
 
 
 def run_http_stream(
@@ -91,7 +97,7 @@ def run_http_stream(
     _check_url(url)
     root = base_url(url)
     card = model_card(root)
-    prompts = cut_prompts(server_tokens(root, card["id"], corpus_text(corpus)), requests, *prompt_range, seed=seed)
+    prompts = cut_prompts(server_tokens(root, card["id"], corpus_text(corpus), corpus), requests, *prompt_range, seed=seed)
     offsets, budgets = schedule(requests, rate, *tokens_range, seed=seed)
     multiple = card.get("prompt_multiple") if isinstance(card.get("prompt_multiple"), int) else 1
     need = max(-(-len(p) // multiple) * multiple + int(n) for p, n in zip(prompts, budgets))
