@@ -209,7 +209,8 @@ def create_app(served: ServedModel, *, allowed_origins: Sequence[str] = ()) -> F
     async def _serve(request: Request, params: Sampling, prompt: list[int], field: str, max_tokens: int | None,
                      text: TextStream, reply: Reply) -> Response:
         room = engine.room(len(prompt))
-        size = prompt_size(len(prompt), engine.runner.padded(len(prompt)), field)
+        size = prompt_size(len(prompt), engine.runner.padded(len(prompt)), "prompt" if field == "prompt" else
+                           "chat prompt") + ("" if field == "prompt" else " (the messages in the chat template)")
         if room < 1:
             raise ApiError(400, f"{size} leaves no room for an answer in {_limit(engine)}; shorten it", param=field,
                            code="context_length_exceeded")
