@@ -106,6 +106,37 @@ def app(run, **options):
     return app_for(trained.model, trained.tokenizer, name="tiny", directory=trained.directory, **options)
 
 
+def test_an_api_key_guards_the_api_and_bench_sends_it(run, monkeypatch):
+    """--api-key (vLLM's): every API path refuses a request without the key, or with another, in a 401 the openai
+    client reads; /health and /metrics stay open; a preflight passes and a browser from an allowed origin reads the
+    401; bench --url sends $BLOCKLOOP_API_KEY and says what to set when it is missing."""
+    import openai
+
+    page = "http://localhost:3000"
+    with running(app(run, n_slots=1, api_key="s3cret", allowed_origins=[page])) as url:
+        for path, body in BASE.items():
+            for headers in ({}, {"authorization": "Bearer wrong"}, {"authorization": "s3cret"}):
+                refused = httpx.post(url + path, json=body, headers={"origin": page, **headers})
+                assert refused.status_code == 401 and refused.json()["error"]["code"] == "invalid_api_key"
+                assert refused.headers["access-control-allow-origin"] == page
+            assert httpx.post(url + path, json=body, headers={"authorization": "Bearer s3cret"}).status_code == 200
+        assert httpx.get(url + "/v1/models").status_code == 401
+        assert httpx.get(url + "/health").status_code == 200 and httpx.get(url + "/metrics").status_code == 200
+        preflight = httpx.options(url + "/v1/completions", headers={"origin": page, "access-control-request-method": "POST"})
+        assert preflight.status_code == 200
+        with pytest.raises(openai.AuthenticationError):
+            openai.OpenAI(base_url=url + "/v1", api_key="wrong", max_retries=0).models.list()
+        client = openai.OpenAI(base_url=url + "/v1", api_key="s3cret", max_retries=0)
+        assert client.completions.create(model="tiny", prompt="ROMEO:", max_tokens=2).usage.completion_tokens == 2
+        for name in ("BLOCKLOOP_API_KEY", "OPENAI_API_KEY"):
+            monkeypatch.delenv(name, raising=False)
+        with pytest.raises(BlockloopError, match="wants an API key \\(none was sent\\); set BLOCKLOOP_API_KEY"):
+            run_http_stream(url, requests=2, rate=math.inf, prompt_range=(4, 8), tokens_range=(2, 2))
+        monkeypatch.setenv("OPENAI_API_KEY", "s3cret")
+        measured = run_http_stream(url, requests=2, rate=math.inf, prompt_range=(4, 8), tokens_range=(2, 2))
+        assert measured["requests"] == 2 and not measured.get("failed"), measured
+
+
 def test_browsers_may_call_the_api_only_from_the_allowed_origins(run):
     """CORS: a web page from an allowed origin gets its preflight and every reply (answers, streams, errors) marked
     for it; another origin, or a server that allows none, gets no CORS header, so the browser refuses the page."""

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -54,10 +55,22 @@ def base_url(url: str) -> str:
     return url[: -len("/v1")] if url.endswith("/v1") else url
 
 
+def api_headers() -> dict[str, str]:
+    """The API key a server started with ``--api-key`` wants: ``$BLOCKLOOP_API_KEY`` (what ``serve`` reads), else
+    ``$OPENAI_API_KEY`` (what the ``openai`` client and ``vllm bench serve`` send)."""
+    key = os.environ.get("BLOCKLOOP_API_KEY") or os.environ.get("OPENAI_API_KEY")
+    return {"Authorization": f"Bearer {key}"} if key else {}
+
+
 def model_card(url: str) -> dict[str, Any]:
     """The served model's entry of ``GET /v1/models`` (its id names the model in every request)."""
     try:
-        cards = httpx.get(url + "/v1/models", timeout=30).raise_for_status().json()["data"]
+        reply = httpx.get(url + "/v1/models", timeout=30, headers=api_headers())
+        if reply.status_code == 401:
+            sent = "the one sent is not it" if api_headers() else "none was sent"
+            raise BlockloopError(f"the server at {url} wants an API key ({sent}); set BLOCKLOOP_API_KEY (or "
+                                 "OPENAI_API_KEY) to the key it was started with")
+        cards = reply.raise_for_status().json()["data"]
     except httpx.InvalidURL as exc:
         raise _bad_url(url, str(exc)) from None
     except (httpx.HTTPError, KeyError, ValueError) as exc:
@@ -72,7 +85,7 @@ def server_tokens(url: str, model: str, text: str, corpus: str = "given") -> lis
     """``text`` as the served model's tokenizer reads it (no BOS: prompts are slices of one long text)."""
     body = {"model": model, "prompt": text, "add_special_tokens": False}
     try:
-        reply = httpx.post(url + "/tokenize", json=body, timeout=300)
+        reply = httpx.post(url + "/tokenize", json=body, timeout=300, headers=api_headers())
         if reply.status_code == 400:  # a blockloop server whose tokenizer cannot read the text (a task model's words)
             reason = reply.json()["error"]["message"]
         else:
@@ -135,7 +148,7 @@ class Failure:
 async def _send_all(url: str, model: str, prompts: list[list[int]], offsets: list[float], budgets: list[int],
                     warmup: int) -> list[Timing | Failure]:
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
-    async with httpx.AsyncClient(base_url=url, timeout=None, limits=limits) as client:
+    async with httpx.AsyncClient(base_url=url, timeout=None, limits=limits, headers=api_headers()) as client:
         for i in range(warmup):  # a request that fails here would fail the stream's too: stop before timing it
             answer = await _one(client, model, prompts[i % len(prompts)], budgets[i % len(prompts)], time.perf_counter())
             if isinstance(answer, Failure) and not answer.turned_away:

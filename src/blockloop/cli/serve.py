@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import errno
+import os
 import socket
 from typing import TYPE_CHECKING, Any
 
@@ -48,6 +49,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="let web pages served from ORIGIN (scheme://host[:port], as a browser sends it, e.g. "
                    "http://localhost:3000) call the API from the browser (CORS); repeat for several, * for any page "
                    "(default: none: browsers keep pages from elsewhere from reading the answers)")
+    p.add_argument("--api-key", type=nonempty, default=os.environ.get("BLOCKLOOP_API_KEY") or None,
+                   help="answer /v1/... and /tokenize only for requests with Authorization: Bearer KEY, as vLLM's "
+                   "--api-key (default: $BLOCKLOOP_API_KEY, which keeps the key out of the process list; none: open "
+                   "to anyone who reaches the port)")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
                    help="uvicorn's log level (default: info, one line per request)")
     add_device(p)
@@ -96,11 +101,12 @@ def run(args: argparse.Namespace) -> int:
         name = args.name or run_folder(args.checkpoint).name
         app = app_for(trained.model, trained.tokenizer, name=name, directory=trained.directory,
                       chat_template=args.chat_template, max_waiting=args.max_waiting,
-                      allowed_origins=args.allowed_origin or (), **options)
+                      allowed_origins=args.allowed_origin or (), api_key=args.api_key, **options)
         port = sock.getsockname()[1]  # --port 0: the one the system chose
         host = f"[{args.host}]" if ":" in args.host else args.host  # an IPv6 address in a URL
         depth = f", depth-wise with exit {args.exit}" if args.exit else ""
-        print(f"serving {name} ({trained.config.family}, {args.slots} slots{depth}) at http://{host}:{port}/v1")
+        key = ", API key required" if args.api_key else ""
+        print(f"serving {name} ({trained.config.family}, {args.slots} slots{depth}{key}) at http://{host}:{port}/v1")
         serve(app, sock, log_level=args.log_level, shutdown_timeout=args.shutdown_timeout)
     finally:
         sock.close()

@@ -72,8 +72,9 @@ class ServedModel:
     worker: EngineWorker
 
 
-def create_app(served: ServedModel, *, allowed_origins: Sequence[str] = ()) -> FastAPI:
-    """The API for ``served``; the app starts the worker's thread on startup and stops it on shutdown.
+def create_app(served: ServedModel, *, allowed_origins: Sequence[str] = (), api_key: str | None = None) -> FastAPI:
+    """The API for ``served``; the app starts the worker's thread on startup and stops it on shutdown. With
+    ``api_key``, the API's paths answer only requests that carry it (:class:`RequireKey`).
 
     A browser page may call it from another origin only if that origin is in ``allowed_origins`` (``*``: any): a
     web chat front end on its own port needs it. Without it the server sends no CORS headers at all, so browsers keep
@@ -89,6 +90,8 @@ def create_app(served: ServedModel, *, allowed_origins: Sequence[str] = ()) -> F
         served.worker.close()
 
     app = FastAPI(title="blockloop", lifespan=lifespan)
+    if api_key is not None:  # inside CORS, which is added after it: a browser reads the 401 too
+        app.add_middleware(RequireKey, key=api_key)
     if allowed_origins:  # preflights answered, and the API's replies (errors and streams too) carry the header
         app.add_middleware(CORSMiddleware, allow_origins=list(allowed_origins), allow_methods=["GET", "HEAD", "POST"],
                            allow_headers=["*"], expose_headers=["Retry-After"])
@@ -359,15 +362,37 @@ def _sse(data: dict[str, Any]) -> str:
 def app_for(
     model: nn.Module, tokenizer: Tokenizer, *, name: str, directory: Path | None = None,
     chat_template: str | None = None, n_slots: int = 8, max_waiting: int = 256, allowed_origins: Sequence[str] = (),
-    **engine_options: Any,
+    api_key: str | None = None, **engine_options: Any,
 ) -> FastAPI:
     """The API serving ``model`` (a checkpoint's model, tokenizer and folder, as ``blockloop serve`` loads them;
-    ``chat_template``, Jinja text, replaces the checkpoint's; ``allowed_origins``: see :func:`create_app`);
-    ``engine_options`` go to :func:`~blockloop.serve.http.worker.serving_engine`."""
+    ``chat_template``, Jinja text, replaces the checkpoint's; ``allowed_origins``, ``api_key``: see
+    :func:`create_app`); ``engine_options`` go to :func:`~blockloop.serve.http.worker.serving_engine`."""
     template = chat_template_for(tokenizer, directory, chat_template)  # a broken template fails before the engine
     engine = serving_engine(model, n_slots, **engine_options)
     worker = EngineWorker(engine, max_waiting=max_waiting)
-    return create_app(ServedModel(name, tokenizer, template, worker), allowed_origins=allowed_origins)
+    return create_app(ServedModel(name, tokenizer, template, worker), allowed_origins=allowed_origins, api_key=api_key)
+
+
+class RequireKey:
+    """Answer the API's paths (``/v1/...``, ``/tokenize``) only for requests with ``Authorization: Bearer KEY``, as
+    vLLM's ``--api-key``: a server listening beyond this machine would otherwise generate for anyone who reaches
+    the port. ``/health`` and ``/metrics`` stay open for load balancers and scrapers, and CORS preflights (which
+    carry no credentials) pass. Plain ASGI, not FastAPI's ``BaseHTTPMiddleware``, which would sit between a stream
+    and its client's disconnect."""
+
+    def __init__(self, app: Any, key: str) -> None:
+        self.app, self.expected = app, f"Bearer {key}".encode()
+
+    async def __call__(self, scope: dict[str, Any], receive: Callable, send: Callable) -> None:
+        if (scope["type"] == "http" and scope["method"] != "OPTIONS"
+                and (scope["path"].startswith("/v1/") or scope["path"] == "/tokenize")):
+            given = next((value for name, value in scope["headers"] if name == b"authorization"), b"")
+            if not secrets.compare_digest(given, self.expected):
+                error = ApiError(401, "this server needs its API key: send the header Authorization: Bearer KEY (the "
+                                 "openai client's api_key)", kind="authentication_error", code="invalid_api_key")
+                await JSONResponse(error.body(), status_code=401)(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
 
 
 def _tokens_json(tokens: list[int], rest: dict[str, Any]) -> bytes:
