@@ -168,8 +168,10 @@ def create_app(served: ServedModel, *, allowed_origins: Sequence[str] = (), api_
             raise ApiError(400, f"this model reads the words of task {task}, not text, so it cannot chat; send a "
                            "sequence of its words to /v1/completions", param="messages")
         try:
-            text = served.template.render([{"role": m.role, "content": m.content} for m in params.messages],
-                                          params.add_generation_prompt, continue_final=params.continue_final_message)
+            # off the event loop: a template over thousands of messages holds up every stream while it renders
+            text = await asyncio.to_thread(served.template.render,
+                                           [{"role": m.role, "content": m.content} for m in params.messages],
+                                           params.add_generation_prompt, continue_final=params.continue_final_message)
         except TemplateFailure as exc:  # the server's template is broken: no fault of the request
             raise ApiError(500, str(exc), kind="server_error") from None
         except BlockloopError as exc:  # the template refused these messages (its raise_exception)
