@@ -101,8 +101,8 @@ class ChatTemplate:
                 return text
             last = messages[-1]["content"].strip()
             if last not in text:
-                raise TemplateFailure(f"{self.origin} does not write the last message's text as given, so the text "
-                                      "cannot continue it")
+                raise BlockloopError(f"{self.origin} does not write the last message's text as given, so the text "
+                                     "cannot continue it; end the messages without continue_final_message")
             return text[: text.rindex(last) + len(last)]
         except BlockloopError:
             raise  # the template's own raise_exception: its message is for the client
