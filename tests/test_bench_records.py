@@ -274,4 +274,45 @@ def test_a_batch_search_doubles_past_the_largest_size_given_in_any_order():
 
     assert search_batches(lambda batch: batch, [4, 1], search=True, max_batch=16) == [4, 1, 8, 16]
     assert search_batches(lambda batch: batch, [4, 1], search=False, max_batch=16) == [4, 1]
+    stops: list[str] = []
+    assert search_batches(lambda batch: batch, [4, 1], search=True, max_batch=16, on_stop=stops.append) == [4, 1, 8, 16]
+    assert stops == ["the search stopped at batch 16: the next, 32, would pass --max-batch 16"]
+
+    def cpu(batch: int) -> int:  # the CPU allocator's failure is a RuntimeError, which ended the whole bench
+        if batch >= 8:
+            raise RuntimeError("[enforce fail at alloc_cpu.cpp:117] DefaultCPUAllocator: can't allocate memory")
+        return batch
+
+    stops.clear()
+    assert search_batches(cpu, [1, 2], search=True, max_batch=4096, on_stop=stops.append) == [1, 2, 4]
+    assert stops == ["out of memory at batch 8 (the CPU allocator); the batches before it are measured"]
+    with pytest.raises(RuntimeError, match="shape mismatch"):  # any other error is a bug, not the end of a search
+        search_batches(lambda batch: (_ for _ in ()).throw(RuntimeError("shape mismatch")), [1], search=True,
+                       max_batch=4)
     assert int_range("16,16") == (16, 16)  # a range may be one value; a list of sizes may not repeat one
+
+
+def test_an_interrupted_bench_keeps_the_rows_it_measured(tmp_path, monkeypatch, capsys):
+    """Rows reached the table and the record only when every batch was done: Ctrl-C after minutes of timing kept
+    nothing. Each row is now logged as measured and, on Ctrl-C, recorded (with its ratio) before exit 130."""
+    from blockloop.bench import suite
+    from blockloop.bench.records import read_records
+    from blockloop.cli import main
+
+    timed = suite.engine_throughput
+    calls = []
+
+    def interrupted_at_the_second(*args, **kwargs):
+        calls.append(args[2])
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return timed(*args, **kwargs)
+
+    monkeypatch.setattr(suite, "engine_throughput", interrupted_at_the_second)
+    record = tmp_path / "bench.jsonl"
+    assert main(["bench", "--presets", "tiny", "--prompt-len", "8", "--gen-len", "4", "--batch-sizes", "1,2",
+                 "--repeats", "1", "--device", "cpu", "--record", str(record)]) == 130
+    err = capsys.readouterr().err
+    assert "measured tiny at batch 1:" in err and f"the rows measured before the interrupt (1) are recorded in {record}" in err
+    (row,) = read_records(record)
+    assert (row["name"], row["batch"], row["ratio_vs_baseline"], row["device"].split()[0]) == ("tiny", 1, 1.0, "cpu")

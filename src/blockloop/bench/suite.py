@@ -127,9 +127,11 @@ class ThroughputSettings:
 
 
 def throughput_rows(models: list[BenchModel], settings: ThroughputSettings, bandwidth: float,
-                    on_row: Callable[[dict[str, Any]], None] | None = None) -> list[dict[str, Any]]:
+                    on_row: Callable[[dict[str, Any]], None] | None = None,
+                    on_note: Callable[[str], None] | None = None) -> list[dict[str, Any]]:
     """One row per model and batch size, with ``ratio_vs_baseline`` to the first model at the same batch;
-    ``on_row`` sees each row as it is measured (a device call stopped at its time limit keeps what it printed)."""
+    ``on_row`` sees each row as it is measured (a device call stopped at its time limit keeps what it printed), and
+    ``on_note`` why a model's batches ended early (out of memory, or a search reaching ``max_batch``)."""
     s = settings
     rows: list[dict[str, Any]] = []
 
@@ -139,17 +141,19 @@ def throughput_rows(models: list[BenchModel], settings: ThroughputSettings, band
             on_row(row)
     for m in models:
         for cache in [kind for kind in s.caches if not kind.startswith("paged") or pages_kv(m.model)]:
-            def one(batch: int, model: nn.Module = m.model, cache: str = cache) -> Any:
-                name = m.name if cache == "static" else f"{m.name} {cache}"
-                return engine_throughput(model, name, batch, s.prompt_len, s.gen_len, repeats=s.repeats, warmup=s.warmup,
-                                         sync_every=s.sync_every, compile=s.compile, bandwidth=bandwidth, seed=s.seed,
-                                         paged=cache.startswith("paged"),
-                                         paged_read="kernel" if cache == "paged-kernel" else None,
-                                         warmup_tokens=s.warmup_tokens,
-                                         key_buckets=0 if cache == "whole-keys" else s.key_buckets)
-            for result in search_batches(one, s.batches, search=s.search, max_batch=s.max_batch):
+            name = m.name if cache == "static" else f"{m.name} {cache}"
+
+            def one(batch: int, m: BenchModel = m, cache: str = cache, name: str = name) -> Any:
+                result = engine_throughput(
+                    m.model, name, batch, s.prompt_len, s.gen_len, repeats=s.repeats, warmup=s.warmup,
+                    sync_every=s.sync_every, compile=s.compile, bandwidth=bandwidth, seed=s.seed,
+                    paged=cache.startswith("paged"), paged_read="kernel" if cache == "paged-kernel" else None,
+                    warmup_tokens=s.warmup_tokens, key_buckets=0 if cache == "whole-keys" else s.key_buckets)
                 add({"kind": "throughput", "val_loss": m.val_loss, "val_loss_measure": m.val_loss_measure,
-                     **result.to_dict()})
+                     **result.to_dict()})  # as it is measured, not after the model's last batch
+                return result
+            stop = None if on_note is None else (lambda why, name=name: on_note(f"{name}: {why}"))
+            search_batches(one, s.batches, search=s.search, max_batch=s.max_batch, on_stop=stop)
     if s.hf:
         for row in hf_rows(models[0].model, s):
             add(row)

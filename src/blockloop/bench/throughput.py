@@ -13,6 +13,7 @@ Prefill-heavy is 2048 / 128 and decode-heavy 128 / 2048 in the paper; on CPU shr
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, is_dataclass
 from typing import Any
 
@@ -214,19 +215,36 @@ def fresh_compile_caches() -> None:
     torch._dynamo.reset()
 
 
-def search_batches(run: Any, batches: list[int], *, search: bool, max_batch: int) -> list[ThroughputResult]:
+def search_batches(run: Any, batches: list[int], *, search: bool, max_batch: int,
+                   on_stop: Callable[[str], None] | None = None) -> list[ThroughputResult]:
     """Run ``run(batch)`` for each batch size; with ``search``, keep doubling past the largest until the
-    device runs out of memory or ``max_batch``. Out-of-memory ends the list (the largest that fits)."""
+    device runs out of memory or ``max_batch``. Out-of-memory ends the list (the largest that fits); ``on_stop``
+    hears why a search ended, which the list alone does not say."""
     results = []
     sizes, largest = list(batches), max(batches)
     while sizes:
         batch = sizes.pop(0)
         try:
             results.append(run(batch))
-        except torch.OutOfMemoryError:
+        except (torch.OutOfMemoryError, MemoryError) as exc:
             torch.cuda.empty_cache()
-            break
-        if search and not sizes and largest * 2 <= max_batch:
+            _stopped(on_stop, f"out of memory at batch {batch} ({type(exc).__name__}); the batches before it are measured")
+            return results
+        except RuntimeError as exc:  # the CPU allocator's failure is a plain RuntimeError, not OutOfMemoryError
+            if "can't allocate memory" not in str(exc) and "not enough memory" not in str(exc):
+                raise
+            _stopped(on_stop, f"out of memory at batch {batch} (the CPU allocator); the batches before it are measured")
+            return results
+        if search and not sizes:
+            if largest * 2 > max_batch:
+                _stopped(on_stop, f"the search stopped at batch {largest}: the next, {largest * 2}, would pass --max-batch "
+                                  f"{max_batch}")
+                return results
             largest *= 2
             sizes.append(largest)
     return results
+
+
+def _stopped(on_stop: Callable[[str], None] | None, why: str) -> None:
+    if on_stop is not None:
+        on_stop(why)

@@ -137,12 +137,27 @@ def run(args: argparse.Namespace) -> int:
     dtype = bench_dtype(args.dtype, device)
     meta = records.environment(device, dtype)
     models = load_models(args.presets, args.checkpoint, device, dtype, args.seed)
-    results = _stream(args, models) if args.stream else _throughput(args, models, torch.device(device))
-    for r in results:
+    measured: list[dict[str, Any]] = []  # every row as it is measured, so that Ctrl-C keeps them
+    try:
+        if args.stream:
+            _stream(args, models, measured)
+        else:
+            _throughput(args, models, torch.device(device), measured)
+    except KeyboardInterrupt:
+        if measured and args.record is not None:
+            if not args.stream:
+                from blockloop.bench.suite import add_ratios
+
+                add_ratios(measured, models[0].name)
+            records.append_records(args.record, [{**r, **meta} for r in measured])
+            print(f"the rows measured before the interrupt ({len(measured)}) are recorded in {args.record}",
+                  file=sys.stderr)
+        raise
+    for r in measured:
         r.update(meta)
     print(f"device: {meta['device']}, {meta['threads']} threads  torch {meta['torch']}  {meta['dtype']}  {meta['date']}")
     if args.record is not None:
-        records.append_records(args.record, results)
+        records.append_records(args.record, measured)
     return 0
 
 
@@ -191,7 +206,8 @@ def _given(value: Any) -> bool:
     return not (value is None or value is False or (isinstance(value, list) and not value))
 
 
-def _throughput(args: argparse.Namespace, models: list, device: Any) -> list[dict[str, Any]]:
+def _throughput(args: argparse.Namespace, models: list, device: Any, rows: list[dict[str, Any]]) -> None:
+    """The throughput protocol's rows, into ``rows`` as each is measured (a line on stderr says so), then its table."""
     from blockloop.bench.hf_baseline import hf_available
     from blockloop.bench.suite import ThroughputSettings, measure_bandwidth, pages_kv, throughput_rows
     from blockloop.bench.throughput import SCENARIOS, check_lengths, scenario_lengths
@@ -236,7 +252,13 @@ def _throughput(args: argparse.Namespace, models: list, device: Any) -> list[dic
     )
     bandwidth = measure_bandwidth(device)
     print(f"measured copy bandwidth: {bandwidth / 1e9:.1f} GB/s; prompt {settings.prompt_len}, generate {settings.gen_len}")
-    rows = throughput_rows(models, settings, bandwidth)
+    notes: list[str] = []
+
+    def measured(row: dict[str, Any]) -> None:  # the table waits for the ratios: each row is logged as it comes
+        rows.append(row)
+        print(f"measured {row['name']} at batch {row['batch']}: {row['tok_s']:.0f} tok/s", file=sys.stderr)
+
+    throughput_rows(models, settings, bandwidth, on_row=measured, on_note=notes.append)
     if hf_missing is not None:
         print(f"HF generate() baseline skipped: {hf_missing}")
     print("| model | batch | tok/s | vs " + models[0].name + " | TTFT ms | TPOT ms | cache B/sample | peak B/sample | roofline |")
@@ -248,13 +270,15 @@ def _throughput(args: argparse.Namespace, models: list, device: Any) -> list[dic
                       for key, digits in (("ttft_s", 1), ("tpot_s", 2)))
         print(f"| {r['name']} | {r['batch']} | {r['tok_s']:.0f} | {ratio} | {ttft} | {tpot} | "
               f"{r['cache_bytes_per_sample'] or '-'} | {r['peak_mem_per_sample'] or '-'} | {frac} |")
+    for note in notes:
+        print(f"note: {note}")
     if args.warmup == 0 and any(r["tpot_s"] == 0 for r in rows):
         print("note: a TPOT of 0 means the first token, timed on its own, took as long as the whole cold run; "
               "time with --warmup 1 or more")
-    return rows
 
 
-def _stream(args: argparse.Namespace, models: list) -> list[dict[str, Any]]:
+def _stream(args: argparse.Namespace, models: list, rows: list[dict[str, Any]]) -> None:
+    """The stream's rows, into ``rows`` as each model finishes, each printed then."""
     from blockloop.bench.suite import StreamSettings, stream_rows
     from blockloop.serve.runners import ExitRule, Speculation
 
@@ -266,7 +290,6 @@ def _stream(args: argparse.Namespace, models: list) -> list[dict[str, Any]]:
         exits=[ExitRule.parse(text) for text in args.exit],
         speculations=[Speculation(k, args.draft_loops, args.adaptive_k) for k in args.speculate],
     )
-    rows = []
     for m in stream_rows(models, settings):
         if not rows:  # after the stream is planned: a request it refuses leaves no table header behind
             print("| model | slots | req/s in | tok/s | vs first | vs same | TTFT p50/p90/p99 ms | TPOT p50/p90/p99 ms "
@@ -301,7 +324,6 @@ def _stream(args: argparse.Namespace, models: list) -> list[dict[str, Any]]:
             print(f"| {r['name']} | {sim['decoded_tokens']} | {sim['mean_exit_loop']:.3f} | {sim['depthwise_steps']} | "
                   f"{sim['sequencewise_steps']} | {sim['static_steps']} | {sim['speedup_vs_sequencewise']:.2f}x | "
                   f"{sim['speedup_vs_static']:.2f}x |")
-    return rows
 
 
 def _http(args: argparse.Namespace) -> int:
