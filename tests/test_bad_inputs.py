@@ -319,6 +319,9 @@ CASES = [
      "--device, --sync-every, --key-buckets do not apply to --url"),
     (["bench", "--plot", "{base}/p.png", "--no-progress"], "--no-progress does not apply to --plot"),
     (["bench", "--url", "http://127.0.0.1:9", "--key-buckets", "0"], "--key-buckets do"),  # 0 is given too
+    (["bench", "--presets", "tiny", "--batch-sizes", "16", "--search", "--max-batch", "8"],
+     "--batch-sizes lists 16, past --max-batch 8"),
+    (["bench", "--checkpoint", R, "--checkpoint", R + "/checkpoints"], "names a checkpoint given before; give each once"),
     (["bench", "--plot", "{base}/p.png", "--warmup", "0"], "--warmup do"),
     (["bench", "--stream", "--presets", "tiny", "--whole-keys"], "--whole-keys does not apply to --stream"),
     (["bench", "--stream", "--presets", "tiny,tiny-block", "--prompt-range", "100,120", "--tokens-range", "20,40"],

@@ -316,3 +316,13 @@ def test_an_interrupted_bench_keeps_the_rows_it_measured(tmp_path, monkeypatch, 
     assert "measured tiny at batch 1:" in err and f"the rows measured before the interrupt (1) are recorded in {record}" in err
     (row,) = read_records(record)
     assert (row["name"], row["batch"], row["ratio_vs_baseline"], row["device"].split()[0]) == ("tiny", 1, 1.0, "cpu")
+
+
+def test_the_hf_baseline_without_transformers_is_refused_before_any_timing(monkeypatch, capsys):
+    from blockloop.bench import hf_baseline, suite
+    from blockloop.cli import main
+
+    monkeypatch.setattr(hf_baseline, "hf_available", lambda: "transformers is not installed (pip install 'blockloop[hf]')")
+    monkeypatch.setattr(suite, "engine_throughput", lambda *a, **k: pytest.fail("timed before the refusal"))
+    assert main(["bench", "--presets", "tiny", "--hf", "--prompt-len", "8", "--gen-len", "4", "--device", "cpu"]) == 2
+    assert "--hf times HF generate(), and transformers is not installed" in capsys.readouterr().err

@@ -110,7 +110,7 @@ def run_stream(
                     busy_rows=busy_rows)
     greedy = SamplingParams(temperature=0.0)
     if compile:  # before the clock starts: compiling a step inside the stream would be timed as serving
-        engine.compile_steps(shortest=min(map(len, prompts)), sampling=greedy)
+        engine.compile_steps(shortest=min(map(len, prompts)), sampling=greedy, progress=True)
     depthwise = isinstance(runner, RecursiveRunner) and runner.exit_rule is not None
     speculator = runner.speculator if isinstance(runner, RecursiveRunner) else None
     requests, pending = [], list(zip(offsets, prompts, budgets))

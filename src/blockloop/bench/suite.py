@@ -29,7 +29,7 @@ from blockloop.families import build_model, from_name, spec_of
 from blockloop.serve.exit_schedule import simulate
 from blockloop.serve.runners import RUNNERS, ExitRule, Runner, Speculation, runner_for
 from blockloop.serve.runners.recursive import RecursiveRunner
-from blockloop.train.checkpoint import run_folder
+from blockloop.train.checkpoint import resolve_checkpoint, run_folder
 from blockloop.train.run import load_trained
 
 DEFAULT_PRESETS = "pythia-85m,block-85m"
@@ -64,6 +64,10 @@ def load_models(
     for name in names:
         torch.manual_seed(seed)
         models.append(BenchModel(name, build_model(from_name(name)).to(device=device, dtype=dtype).eval(), None))
+    resolved = [resolve_checkpoint(Path(path)).resolve() for path in checkpoints]
+    twice = next((path for i, path in enumerate(checkpoints) if resolved[i] in resolved[:i]), None)
+    if twice is not None:  # a run and its checkpoints folder, or one path written two ways, too
+        raise BlockloopError(f"--checkpoint {twice} names a checkpoint given before; give each once")
     for path in checkpoints:
         trained = load_trained(path, device)
         name = checkpoint_name(path, {m.name for m in models})

@@ -169,7 +169,7 @@ def engine_throughput(
     greedy = SamplingParams(temperature=0.0)
     if compile:  # every graph the runs take, now: a short warm-up leaves none to compile inside a timed run
         with timed(device) as compiling:
-            engine.compile_steps(rows=[batch], shortest=prompt_len, sampling=greedy)
+            engine.compile_steps(rows=[batch], shortest=prompt_len, sampling=greedy, progress=True)
         compile_s = compiling.seconds
     generator = torch.Generator().manual_seed(seed)
     seconds, ttft = [], []

@@ -223,6 +223,9 @@ def _throughput(args: argparse.Namespace, models: list, device: Any, rows: list[
             check_lengths(m.model, prompt_len, gen_len)
         except BlockloopError as exc:
             raise BlockloopError(f"{m.name}: {exc}") from None
+    if args.search and max(args.batch_sizes) > args.max_batch:
+        raise BlockloopError(f"--batch-sizes lists {max(args.batch_sizes)}, past --max-batch {args.max_batch}, which "
+                             "bounds the search; raise --max-batch or list smaller sizes")
     paged_flag = "--paged" if args.paged else "--paged-kernel"
     if args.paged_kernel and device.type != "cuda":
         raise BlockloopError(f"--paged-kernel times a Triton kernel, which runs on CUDA, not on {device.type}; "
@@ -234,7 +237,9 @@ def _throughput(args: argparse.Namespace, models: list, device: Any, rows: list[
     if unpaged:
         print(f"{paged_flag}: no paged rows for {', '.join(unpaged)} (a fixed-size state)")
     hf_missing = hf_available() if args.hf else None  # why the HF baseline cannot run, if asked for
-    if args.hf and hf_missing is None:
+    if hf_missing is not None:  # refused before the timing, not skipped after it
+        raise BlockloopError(f"--hf times HF generate(), and {hf_missing}; install it, or leave --hf out")
+    if args.hf:
         from blockloop.convert.hf import export_architecture
 
         try:
@@ -245,7 +250,7 @@ def _throughput(args: argparse.Namespace, models: list, device: Any, rows: list[
         prompt_len, gen_len, args.batch_sizes,
         repeats=args.repeats, warmup=args.warmup, sync_every=args.sync_every or ThroughputSettings.sync_every,
         compile=args.compile,
-        search=args.search, max_batch=args.max_batch, seed=args.seed, hf=args.hf and hf_missing is None,
+        search=args.search, max_batch=args.max_batch, seed=args.seed, hf=args.hf,
         caches=("static", *(["whole-keys"] if args.whole_keys else []), *(["paged"] if args.paged else []),
                 *(["paged-kernel"] if args.paged_kernel else [])),
         key_buckets=args.key_buckets,
@@ -259,8 +264,6 @@ def _throughput(args: argparse.Namespace, models: list, device: Any, rows: list[
         print(f"measured {row['name']} at batch {row['batch']}: {row['tok_s']:.0f} tok/s", file=sys.stderr)
 
     throughput_rows(models, settings, bandwidth, on_row=measured, on_note=notes.append)
-    if hf_missing is not None:
-        print(f"HF generate() baseline skipped: {hf_missing}")
     print("| model | batch | tok/s | vs " + models[0].name + " | TTFT ms | TPOT ms | cache B/sample | peak B/sample | roofline |")
     print("|---|---|---|---|---|---|---|---|---|")
     for r in rows:
@@ -307,11 +310,13 @@ def _stream(args: argparse.Namespace, models: list, rows: list[dict[str, Any]]) 
               f"{per_pass} |")
     window = max((r.get("sync_every", 0) for r in rows), default=0)  # the engine's, when --sync-every was left alone
     floor = max((r.get("admit_every", 1) for r in rows), default=1)  # a block model's window holds whole blocks
-    if args.tokens_range[0] <= window:
+    if 1 < window and args.tokens_range[0] <= window:
         fix = ("lower --sync-every to resolve short requests" if window > floor else
                f"a Block Transformer's window is at least its block length ({floor}), so --sync-every cannot lower it")
         print(f"note: tokens reach the host every {window} steps (--sync-every), so a request that finishes within "
               f"one window reads a TPOT and ITL of 0; {fix}")
+    if args.tokens_range[0] == 1:
+        print("note: a one-token request has no time between tokens: TPOT and ITL count only longer ones ('-': none)")
     simulated = [r for r in rows if "simulated" in r]
     if simulated:
         print(f"\nsimulated schedules of the recorded exits ({args.slots} slots, steps = block passes over the batch; "
@@ -358,4 +363,5 @@ def _http(args: argparse.Namespace) -> int:
 
 
 def _ms(summary: dict[str, float], *keys: str) -> str:
-    return "/".join(f"{1e3 * summary[k]:.1f}" for k in keys)
+    """Percentiles in ms; "-" where none was measured (no request had two tokens)."""
+    return "/".join(f"{1e3 * summary[k]:.1f}" if math.isfinite(summary[k]) else "-" for k in keys)
