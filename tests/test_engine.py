@@ -624,6 +624,11 @@ def test_pareto_plot_from_records(tmp_path):
     edited = tmp_path / "edited.jsonl"  # a loss written as text by hand: one line, not a TypeError
     edited.write_text("\n".join(map(json.dumps, [*rows, {**rows[0], "name": "c", "val_loss": "NaN"}])))
     assert main(["bench", "--plot", str(tmp_path / "e.png"), "--record", str(edited)]) == 2
+    for other in ({"dtype": "bfloat16"}, {"threads": 2}, {"prompt_len": 16}):  # a faster setup is not a faster model
+        mixed = tmp_path / "mixed.jsonl"
+        mixed.write_text("\n".join(map(json.dumps, [*rows, {**rows[0], "name": "c", **other}])))
+        assert main(["bench", "--plot", str(tmp_path / "m.png"), "--record", str(mixed)]) == 2
+        assert not (tmp_path / "m.png").exists()
 
 
 def test_losses_that_score_different_things_are_not_plotted_on_one_axis(tmp_path, capsys):

@@ -243,6 +243,11 @@ def plot_pareto(records: list[dict[str, Any]], out: Path) -> int:
                 best[key] = r
     if not best:
         raise BlockloopError("no recorded throughput runs with a validation loss; bench trained runs with --checkpoint")
+    setups = sorted({f"{r.get('device')}, {r.get('dtype')}, {r.get('threads')} threads, prompt {r['prompt_len']} / "
+                     f"generate {r['gen_len']}" for r in best.values()})
+    if len(setups) > 1:  # one axis of speed: a faster machine, dtype or shorter run is not a faster model
+        raise BlockloopError(f"the recorded runs were timed in different setups ({'; '.join(setups)}); plot the runs of "
+                             "one setup (record the others in another file)")
     measures = sorted({r["val_loss_measure"] for r in best.values() if r.get("val_loss_measure")})
     if len(measures) > 1:  # one axis of loss: runs whose losses score other things (or other tokens) do not share it
         raise BlockloopError(f"the recorded runs' validation losses score different things ({'; '.join(measures)}); "
