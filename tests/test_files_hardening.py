@@ -257,6 +257,15 @@ def test_a_write_goes_through_a_link_and_never_replaces_a_pipe_or_device(tmp_pat
     check_writable(link)
     atomic_write_text(link, "new")
     assert link.is_symlink() and target.read_text() == "new"
+    target.chmod(0o640)  # a file replaced keeps its permissions; one read-only to its writer is refused
+    atomic_write_text(target, "newer")
+    assert stat.S_IMODE(target.stat().st_mode) == 0o640 and target.read_text() == "newer"
+    if os.geteuid() != 0:  # root writes anything
+        target.chmod(0o440)
+        for write in (lambda p: atomic_write_text(p, "{}"), check_writable):
+            with pytest.raises(PermissionError):
+                write(target)
+        assert target.read_text() == "newer"
     fifo = tmp_path / "fifo"
     os.mkfifo(fifo)
     for write in (lambda p: atomic_write_text(p, "{}"), check_writable):

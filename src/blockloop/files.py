@@ -26,13 +26,18 @@ _T = TypeVar("_T")
 
 
 def copy_into_place(src: IO[bytes], target: Path) -> None:
-    """Stream ``src`` to ``target`` through a temporary file in the same folder, synced, then renamed."""
+    """Stream ``src`` to ``target`` through a temporary file in the same folder, synced, then renamed. A file it
+    replaces keeps its permissions (the rename would give it a new file's), and one read-only to this user is
+    refused, as an ``open`` for writing would refuse it (the folder's permission alone allows the rename)."""
     target = _file_target(Path(target))
+    mode = _replaced_mode(target)
     fd, tmp = _new_file_beside(target)
     try:
         with os.fdopen(fd, "wb") as out:
             shutil.copyfileobj(src, out)
             out.flush()
+            if mode is not None:
+                os.chmod(tmp, mode)
             os.fsync(out.fileno())
         os.replace(tmp, target)
     except BaseException as exc:
@@ -60,6 +65,7 @@ def check_writable(target: Path) -> None:
     target = _file_target(Path(target))
     if target.is_dir():
         raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR), str(target))
+    _replaced_mode(target)
     folder = target.parent
     while not folder.exists() and not folder.is_symlink():
         folder = folder.parent
@@ -82,6 +88,18 @@ def _file_target(target: Path) -> Path:
         raise BlockloopError(f"{target} is not a regular file (a device, pipe or socket), which this write would "
                              "replace; give the path of a file")
     return target
+
+
+def _replaced_mode(target: Path) -> int | None:
+    """The permissions of the file at ``target`` that a write replaces (None: none there); one this user may not
+    write is refused."""
+    try:
+        mode = target.stat().st_mode & 0o7777
+    except FileNotFoundError:
+        return None
+    if not os.access(target, os.W_OK):
+        raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), str(target))
+    return mode
 
 
 def _new_file_beside(target: Path) -> tuple[int, Path]:
