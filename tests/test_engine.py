@@ -596,6 +596,7 @@ def test_bench_cli_runs_throughput_and_stream_end_to_end(tmp_path, capsys):
                  "4,8", "--tokens-range", "2,6", "--sync-every", "1", *common]) == 0
     block = json.loads(record.read_text().splitlines()[-1])
     assert (block["sync_every"], block["admit_every"]) == (4, 4)
+    assert block["settings"]["prompt_range"] == [4, 8] and block["settings"]["requests"] == 3  # how it was measured
     assert "block length (4), so --sync-every cannot lower it" in capsys.readouterr().out
 
 

@@ -136,6 +136,9 @@ def run(args: argparse.Namespace) -> int:
     set_threads(args.threads)
     dtype = bench_dtype(args.dtype, device)
     meta = records.environment(device, dtype)
+    # the mode's settings, flag by flag: a record says how it was measured without its command line being parsed
+    flags = {**({**STREAM, **ENGINE_STREAM} if args.stream else THROUGHPUT), **LOCAL, **WARMUP, "seed": 0}
+    meta["settings"] = {name: getattr(args, name) for name in flags}
     models = load_models(args.presets, args.checkpoint, device, dtype, args.seed)
     measured: list[dict[str, Any]] = []  # every row as it is measured, so that Ctrl-C keeps them
     try:
