@@ -326,3 +326,17 @@ def test_the_hf_baseline_without_transformers_is_refused_before_any_timing(monke
     monkeypatch.setattr(suite, "engine_throughput", lambda *a, **k: pytest.fail("timed before the refusal"))
     assert main(["bench", "--presets", "tiny", "--hf", "--prompt-len", "8", "--gen-len", "4", "--device", "cpu"]) == 2
     assert "--hf times HF generate(), and transformers is not installed" in capsys.readouterr().err
+
+
+def test_benches_appending_to_one_record_file_at_once_lose_no_lines(tmp_path):
+    """Each append rewrites the file aside and renames it in: two at once each renamed their own copy over the
+    other's (two processes of 200 appends left 203 lines). The folder is locked around the read and the rename."""
+    path = tmp_path / "shared" / "records.jsonl"
+    script = ("import sys; from pathlib import Path; from blockloop.bench.records import append_records\n"
+              "for i in range(40): append_records(Path(sys.argv[1]), [{'kind': 'throughput', 'writer': sys.argv[2], 'i': i}])")
+    writers = [subprocess.Popen([sys.executable, "-c", script, str(path), str(w)]) for w in range(4)]
+    assert [w.wait(timeout=120) for w in writers] == [0] * 4
+    from blockloop.bench.records import read_records
+
+    written = read_records(path)
+    assert sorted((r["writer"], r["i"]) for r in written) == [(str(w), i) for w in range(4) for i in range(40)]

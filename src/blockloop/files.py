@@ -231,6 +231,24 @@ def _unused(folder: Path, prefix: str, create: Callable[[Path], _T]) -> _T:
             continue
 
 
+@contextlib.contextmanager
+def folder_lock(folder: Path) -> Iterator[None]:
+    """Hold an exclusive lock on ``folder`` (``flock`` on the folder itself, so no lock file is left behind) while
+    a file in it is read, changed and renamed back: two processes appending to one file would otherwise each
+    rename their own copy over the other's, and one's lines would be lost. A no-op where ``flock`` is missing."""
+    try:
+        import fcntl
+    except ImportError:  # not POSIX
+        yield
+        return
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # closing releases the lock
+
+
 def atomic_write_text(path: Path, text: str) -> None:
     """Write ``text`` (UTF-8) atomically."""
     copy_into_place(io.BytesIO(text.encode("utf-8")), path)

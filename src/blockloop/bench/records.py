@@ -156,13 +156,16 @@ def strict_json(value: Any) -> Any:
 
 def append_records(path: Path, records: list[dict[str, Any]]) -> None:
     """Add ``records`` to the JSON-lines file ``path`` as strict JSON. The file is rewritten aside and renamed into
-    place, so a full disk or a killed run leaves the records already there whole, never a cut line."""
-    from blockloop.files import copy_into_place
+    place, so a full disk or a killed run leaves the records already there whole, never a cut line; appends to one
+    file from several processes take turns."""
+    from blockloop.files import copy_into_place, folder_lock
 
+    new = "".join(json.dumps(strict_json(record), allow_nan=False) + "\n" for record in records).encode()
     try:
-        old = path.read_bytes() if path.exists() else b""
-        new = "".join(json.dumps(strict_json(record), allow_nan=False) + "\n" for record in records).encode()
-        copy_into_place(io.BytesIO(old + (b"\n" if old and not old.endswith(b"\n") else b"") + new), path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with folder_lock(path.parent):  # another bench appending to the same file waits, rather than losing lines
+            old = path.read_bytes() if path.exists() else b""
+            copy_into_place(io.BytesIO(old + (b"\n" if old and not old.endswith(b"\n") else b"") + new), path)
     except OSError as exc:
         raise BlockloopError(f"could not add the results to {path} ({exc.strerror or exc}); the file is as it was: "
                              "free some space or give --record another file") from None
