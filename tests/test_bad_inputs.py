@@ -93,6 +93,11 @@ def base(tmp_path_factory):
         "model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": 64, "intermediate_size": 128,
         "num_attention_heads": 4, "num_hidden_layers": 2, "vocab_size": 256}))
     (hf / "pytorch_model.bin").write_bytes(b"\x80\x04 a pickle")
+    shutil.copytree(hf, base / "hf_pickle_adapter")  # an adapter's safetensors beside: transformers would unpickle
+    (base / "hf_pickle_adapter" / "adapter_model.safetensors").write_bytes(b"{}")
+    gguf = base / "gguf_cut"
+    gguf.mkdir()
+    (gguf / "cut.gguf").write_bytes(b"GGUF\x03\x00\x00\x00")  # the magic and version, then nothing
     assert main(["convert", "--to", "recursive", "--checkpoint", str(run), "--out", str(base / "demo_recursive"),
                  "--loops", "2", "--no-progress"]) == 0
     return base
@@ -357,6 +362,9 @@ CASES = [
     (["convert", "--from-hf", "smollm2", "--tokenizer", "byte", "--out", NEW],
      "tokenizer 'byte' has 258 ids where the source's own has 49152: the weights were trained on its ids"),
     (["convert", "--from-hf", "{base}/hf_pickle", "--tokenizer", "byte", "--out", NEW], "only pickle weights (pytorch_model.bin)"),
+    (["convert", "--from-hf", "{base}/hf_pickle_adapter", "--tokenizer", "byte", "--out", NEW],
+     "only pickle weights (pytorch_model.bin), which are never loaded"),
+    (["convert", "--from-hf", "{base}/gguf_cut", "--gguf-file", "cut.gguf", "--out", NEW], "cut.gguf"),
     (["convert", "--to", "block", "--checkpoint", "{base}/latest_escape", "--out", NEW], "not a checkpoint directory"),
     (["convert", "--to", "hf", "--checkpoint", R, "--out", "{base}/list_config"], "holds a training run"),
     (["convert", "--to", "weights", "--checkpoint", R, "--out", "{base}/state_list"], "holds a training run"),

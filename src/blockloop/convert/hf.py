@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import struct
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -36,6 +37,7 @@ SUPPORTED = ", ".join(ARCHITECTURES)
 # training-only settings.
 _NOT_EXPORTED = {"name", "vocab_size", "padded_vocab_size", "dropout", "init", "init_std", "extra"}
 _REPAIR = "re-export or re-download the model"
+SAFETENSORS_NAMES = ("model.safetensors", "model.safetensors.index.json")  # what transformers loads, one or sharded
 
 
 def architecture_for(hf_config: Any) -> Architecture:
@@ -67,7 +69,7 @@ def _load_hf_config(path: Path, gguf_file: str | None) -> Any:
     extra = {"gguf_file": gguf_file} if gguf_file is not None else {}
     try:
         return AutoConfig.from_pretrained(path, local_files_only=True, **extra)
-    except (OSError, ValueError, StrictDataclassError) as exc:
+    except (OSError, ValueError, StrictDataclassError, struct.error) as exc:  # struct: a GGUF header cut short
         raise BlockloopError(f"{source} is not a readable model config ({_one_line(exc)}); {_REPAIR}") from None
 
 
@@ -97,21 +99,23 @@ def load_hf_model(path: Path | str, *, gguf_file: str | None = None) -> nn.Modul
     path = Path(path)
     hf_config = _load_hf_config(path, gguf_file)
     architecture_for(hf_config)  # refuse an unsupported architecture before reading any weights
-    if gguf_file is None and not any(path.glob("*.safetensors")):
+    if gguf_file is None and not any((path / name).is_file() for name in SAFETENSORS_NAMES):
+        # the model's own weights by the names transformers reads: another .safetensors file beside pickle weights
+        # (an adapter's) let transformers fall back to unpickling pytorch_model.bin
         pickles = sorted(p.name for p in (*path.glob("*.bin"), *path.glob("*.pt"), *path.glob("*.pth")))
         found = f"only pickle weights ({', '.join(pickles)}), which are never loaded (unpickling can run code)" \
-            if pickles else "no weights"
+            if pickles else f"neither {' nor '.join(SAFETENSORS_NAMES)}"
         raise BlockloopError(f"{path} holds {found}; give a folder with .safetensors weights (transformers' "
                              "save_pretrained writes them)")
     weights = path / gguf_file if gguf_file is not None else _safetensors_name(path)
-    extra = {"gguf_file": gguf_file} if gguf_file is not None else {}
+    extra = {"gguf_file": gguf_file} if gguf_file is not None else {"use_safetensors": True}
     with quiet_transformers(), _no_load_report():
         try:
             model, info = AutoModelForCausalLM.from_pretrained(
                 path, config=hf_config, dtype=torch.float32, local_files_only=True, ignore_mismatched_sizes=True,
                 output_loading_info=True, **extra,
             )
-        except (SafetensorError, OSError, ValueError) as exc:
+        except (SafetensorError, OSError, ValueError, struct.error) as exc:  # struct: a GGUF cut short
             raise BlockloopError(f"{weights} cannot be read, it is corrupt or incomplete ({_one_line(exc)}); "
                                  f"{_REPAIR}") from None
     _check_loaded(info, weights, path / (gguf_file or "config.json"))

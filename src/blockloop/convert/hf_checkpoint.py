@@ -10,6 +10,7 @@ converted by ``transformers``, or the built-in ``smollm2`` one, each with its ch
 from __future__ import annotations
 
 import shlex
+import struct
 import tempfile
 from pathlib import Path
 
@@ -33,9 +34,9 @@ def _source_tokenizer(path: Path, gguf_file: str | None) -> Tokenizer:
     with tempfile.TemporaryDirectory() as tmp:
         try:
             converted = convert_gguf_tokenizer(path, gguf_file, Path(tmp))
-        except (OSError, ValueError) as exc:  # transformers' reading of a truncated or foreign file
-            raise BlockloopError(f"{path / gguf_file} holds no readable tokenizer ({exc}); re-download the GGUF, or "
-                                 "pass --tokenizer") from None
+        except (OSError, ValueError, struct.error) as exc:  # transformers' reading of a truncated or foreign file
+            raise BlockloopError(f"{path / gguf_file} holds no readable tokenizer, or is cut short ({exc}); "
+                                 "re-download the GGUF, or pass --tokenizer") from None
         return hf_folder_tokenizer(converted, name=str((path / gguf_file).resolve()))
 
 

@@ -1,4 +1,4 @@
-"""Llama (SmolLM2, Llama 1/2, Mistral-shaped checkpoints without sliding windows) and Gemma (1).
+"""Llama (SmolLM2, Llama 1/2, and Mistral-shaped weights saved as ``model_type: llama``) and Gemma (1).
 
 Gemma is Llama's layout with GeGLU, RMSNorm scaling by (1 + weight), embeddings times sqrt(d) and an
 explicit head_dim; the weight names are the same.
