@@ -55,8 +55,17 @@ def _gpt2(**kw):
     return transformers.GPT2Config(**{"vocab_size": 97, "n_embd": 32, "n_layer": 3, "n_head": 4, "n_positions": 64, **kw})
 
 
+def _mistral(**kw):  # every layer within a window shorter than the test sequence
+    return transformers.MistralConfig(**SMALL, num_key_value_heads=2, sliding_window=5, **kw)
+
+
+def _mistral_global(**kw):  # no window: a Llama by another name
+    return transformers.MistralConfig(**SMALL, num_key_value_heads=1, sliding_window=None, tie_word_embeddings=True,
+                                      **kw)
+
+
 CONFIGS = {"llama": _llama, "llama_gqa": _llama_gqa, "gemma": _gemma, "gemma3": _gemma3, "gpt_neox": _neox,
-           "gpt2": _gpt2}
+           "gpt2": _gpt2, "mistral": _mistral, "mistral_global": _mistral_global}
 
 
 def random_hf_model(kind: str, seed: int = 0):
@@ -100,6 +109,17 @@ def test_import_matches_transformers(kind):
     assert expected.abs().max() > 0.1  # a real signal, not two sets of zeros
 
 
+def test_mistral_sliding_window_is_active_on_every_layer():
+    hf = random_hf_model("mistral")
+    ours = from_hf_model(hf)
+    assert ours.config.local_layers == [0, 1, 2] and ours.config.sliding_window == 5 < SEQ
+    global_only = Decoder(ours.config.replace(local_layers=[], sliding_window=None))
+    global_only.load_state_dict(ours.state_dict())
+    with torch.no_grad():
+        assert max_diff(global_only.eval()(tokens())[0], hf(tokens()).logits) > 1e-3
+    assert from_hf_model(random_hf_model("mistral_global")).config.local_layers == []
+
+
 def test_gemma3_sliding_window_is_active():
     """The test sequence is longer than the window, so dropping the local layers' window changes logits."""
     hf = random_hf_model("gemma3")
@@ -112,7 +132,7 @@ def test_gemma3_sliding_window_is_active():
         assert max_diff(global_only.eval()(idx)[0], hf(idx).logits) > 1e-3
 
 
-@pytest.mark.parametrize("kind", ["llama_gqa", "gemma3", "gpt2", "gpt_neox"])
+@pytest.mark.parametrize("kind", ["llama_gqa", "gemma3", "gpt2", "gpt_neox", "mistral"])
 def test_cached_generation_equals_full_forward(kind):
     """Greedy generation through the decoder's runner (two prompts of different lengths in one batch)
     picks, at every step, the argmax of a full uncached forward over the row's own tokens."""
@@ -147,8 +167,10 @@ def test_folder_import_and_export_round_trip(tmp_path):
         DecoderConfig(vocab_size=90, context_length=32, n_layer=2, n_head=4, d_model=32),  # sequential residual
         DecoderConfig(vocab_size=90, context_length=32, n_layer=2, n_head=4, n_kv_head=2, d_model=32, norm="rmsnorm",
                       mlp="swiglu", bias=False, tie_embeddings=False),  # Llama shape
+        DecoderConfig(vocab_size=90, context_length=32, n_layer=2, n_head=4, n_kv_head=2, d_model=32, norm="rmsnorm",
+                      mlp="swiglu", bias=False, local_layers=[0, 1], sliding_window=6),  # every layer local: Mistral
     ],
-    ids=["neox", "neox_sequential", "llama"],
+    ids=["neox", "neox_sequential", "llama", "mistral"],
 )
 def test_export_native_decoders(config, tmp_path):
     torch.manual_seed(0)

@@ -1,7 +1,8 @@
-"""Llama (SmolLM2, Llama 1/2, and Mistral-shaped weights saved as ``model_type: llama``) and Gemma (1).
+"""Llama (SmolLM2, Llama 1/2), Mistral and Gemma (1): one weight layout.
 
-Gemma is Llama's layout with GeGLU, RMSNorm scaling by (1 + weight), embeddings times sqrt(d) and an
-explicit head_dim; the weight names are the same.
+Mistral is Llama without biases whose every layer may attend within a sliding window (``sliding_window``; null:
+every layer global, exactly a Llama). Gemma is Llama's layout with GeGLU, RMSNorm scaling by (1 + weight),
+embeddings times sqrt(d) and an explicit head_dim; the weight names are the same.
 """
 
 from __future__ import annotations
@@ -58,6 +59,27 @@ def llama_hf_config(c: DecoderConfig) -> Any:
     )
 
 
+def mistral_config(hf: Any, name: str) -> DecoderConfig:
+    require(hf.hidden_act == "silu", hf, f"hidden_act={hf.hidden_act!r} (Mistral converts with silu, i.e. SwiGLU)")
+    window = hf.sliding_window
+    return DecoderConfig(
+        **common_fields(hf, name), n_kv_head=hf.num_key_value_heads, head_dim=hf.head_dim, norm="rmsnorm",
+        norm_eps=hf.rms_norm_eps, mlp="swiglu", bias=False, rope_base=rope_theta(hf),
+        local_layers=list(range(hf.num_hidden_layers)) if window else [], sliding_window=window or None,
+    )
+
+
+def mistral_hf_config(c: DecoderConfig) -> Any:
+    """Every layer local or none: a window on some layers only is no Mistral (the round trip says so)."""
+    from transformers import MistralConfig
+
+    return MistralConfig(
+        **hf_common_fields(c), num_key_value_heads=c.n_kv_head, head_dim=c.head_dim, rms_norm_eps=c.norm_eps,
+        hidden_act="silu", sliding_window=c.sliding_window if c.local_layers else None,
+        rope_parameters={"rope_type": "default", "rope_theta": c.rope_base},
+    )
+
+
 def gemma_config(hf: Any, name: str) -> DecoderConfig:
     require(hf.hidden_act in ("gelu_pytorch_tanh", "gelu_new"), hf, f"hidden_act={hf.hidden_act!r} (GeGLU uses tanh GELU)")
     require(not hf.attention_bias, hf, "attention biases")
@@ -79,3 +101,4 @@ def gemma_hf_config(c: DecoderConfig) -> Any:
 
 LLAMA = Architecture("llama", "LlamaForCausalLM", LLAMA_KEYS, llama_config, llama_hf_config)
 GEMMA = Architecture("gemma", "GemmaForCausalLM", LLAMA_KEYS, gemma_config, gemma_hf_config)
+MISTRAL = Architecture("mistral", "MistralForCausalLM", LLAMA_KEYS, mistral_config, mistral_hf_config)
