@@ -346,6 +346,8 @@ CASES = [
     (["convert", "--to", "hf", "--checkpoint", R, "--out", NEW, "--loops", "3", "--tokenizer", "gpt2"],
      "--loops, --tokenizer do not apply to --to hf; leave them out"),
     (["convert", "--to", "recursive", "--checkpoint", R, "--out", NEW, "--save-dtype", "bfloat16"], "--save-dtype does not apply"),
+    (["convert", "--from-hf", "smollm2", "--out", NEW, "--save-dtype", "bfloat16"],
+     "(an import writes float32 weights); leave it out; `convert --to weights --save-dtype bfloat16` then writes"),
     (["convert", "--to", "recursive", "--checkpoint", R, "--out", NEW, "--lora-init", "zero", "--calibration", "4"],
      "--lora-init, --calibration do not apply to --relax none (no LoRA modules); leave them out, or add --lora-rank R"),
     (["convert", "--to", "recursive", "--checkpoint", R, "--out", NEW, "--relax", "prefix", "--prefix-len", "2",

@@ -82,7 +82,9 @@ def run(args: argparse.Namespace) -> int:
     flags = {"checkpoint", "gguf_file", "tokenizer"} | {o.name for t in TARGETS.values() for o in t.options}
     ignored = sorted(name for name in flags - takes if getattr(args, name) is not None)
     if ignored:
-        refuse_flags(ignored, f"--to {args.to}" if args.to else "--from-hf (an import writes the model as it is)")
+        refuse_flags(ignored, f"--to {args.to}" if args.to else "--from-hf (an import writes float32 weights)",
+                     or_else="" if args.to or "save_dtype" not in ignored else
+                     "; `convert --to weights --save-dtype bfloat16` then writes a smaller copy")
     if args.to and TARGETS[args.to].unread:  # and a flag the target's other flags make meaningless
         given = {o.name: getattr(args, o.name) for o in TARGETS[args.to].options if getattr(args, o.name) is not None}
         unread, mode, or_else = TARGETS[args.to].unread(given)
