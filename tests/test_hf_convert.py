@@ -64,7 +64,16 @@ def _mistral_global(**kw):  # no window: a Llama by another name
                                       **kw)
 
 
-CONFIGS = {"llama": _llama, "llama_gqa": _llama_gqa, "gemma": _gemma, "gemma3": _gemma3, "gpt_neox": _neox,
+def _qwen2(**kw):  # biases on q, k and v only
+    return transformers.Qwen2Config(**SMALL, num_key_value_heads=2, tie_word_embeddings=True, **kw)
+
+
+def _qwen2_windowed(**kw):  # its last layers within a window shorter than the test sequence
+    return transformers.Qwen2Config(**SMALL, num_key_value_heads=1, use_sliding_window=True, sliding_window=5,
+                                    max_window_layers=1, **kw)
+
+
+CONFIGS = {"qwen2": _qwen2, "qwen2_windowed": _qwen2_windowed, "llama": _llama, "llama_gqa": _llama_gqa, "gemma": _gemma, "gemma3": _gemma3, "gpt_neox": _neox,
            "gpt2": _gpt2, "mistral": _mistral, "mistral_global": _mistral_global}
 
 
@@ -120,6 +129,18 @@ def test_mistral_sliding_window_is_active_on_every_layer():
     assert from_hf_model(random_hf_model("mistral_global")).config.local_layers == []
 
 
+def test_qwen2_has_biases_on_q_k_v_alone_and_its_window_on_the_layers_it_names():
+    ours = from_hf_model(random_hf_model("qwen2_windowed"))
+    c = ours.config
+    assert (c.bias, c.qkv_bias, c.local_layers, c.sliding_window) == (False, True, [1, 2], 5)
+    block = ours.body.blocks[0]
+    assert block.attn.qkv.bias is not None and block.attn.proj.bias is None and block.mlp.up.bias is None
+    global_only = Decoder(c.replace(local_layers=[], sliding_window=None))
+    global_only.load_state_dict(ours.state_dict())
+    with torch.no_grad():
+        assert max_diff(global_only.eval()(tokens())[0], random_hf_model("qwen2_windowed")(tokens()).logits) > 1e-3
+
+
 def test_gemma3_sliding_window_is_active():
     """The test sequence is longer than the window, so dropping the local layers' window changes logits."""
     hf = random_hf_model("gemma3")
@@ -132,7 +153,7 @@ def test_gemma3_sliding_window_is_active():
         assert max_diff(global_only.eval()(idx)[0], hf(idx).logits) > 1e-3
 
 
-@pytest.mark.parametrize("kind", ["llama_gqa", "gemma3", "gpt2", "gpt_neox", "mistral"])
+@pytest.mark.parametrize("kind", ["llama_gqa", "gemma3", "gpt2", "gpt_neox", "mistral", "qwen2_windowed"])
 def test_cached_generation_equals_full_forward(kind):
     """Greedy generation through the decoder's runner (two prompts of different lengths in one batch)
     picks, at every step, the argmax of a full uncached forward over the row's own tokens."""
@@ -169,8 +190,10 @@ def test_folder_import_and_export_round_trip(tmp_path):
                       mlp="swiglu", bias=False, tie_embeddings=False),  # Llama shape
         DecoderConfig(vocab_size=90, context_length=32, n_layer=2, n_head=4, n_kv_head=2, d_model=32, norm="rmsnorm",
                       mlp="swiglu", bias=False, local_layers=[0, 1], sliding_window=6),  # every layer local: Mistral
+        DecoderConfig(vocab_size=90, context_length=32, n_layer=2, n_head=4, n_kv_head=2, d_model=32, norm="rmsnorm",
+                      mlp="swiglu", bias=False, qkv_bias=True, local_layers=[1], sliding_window=6),  # Qwen2
     ],
-    ids=["neox", "neox_sequential", "llama", "mistral"],
+    ids=["neox", "neox_sequential", "llama", "mistral", "qwen2"],
 )
 def test_export_native_decoders(config, tmp_path):
     torch.manual_seed(0)

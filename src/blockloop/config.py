@@ -33,7 +33,7 @@ NORMS = ("layernorm", "rmsnorm", "rmsnorm1p")
 MLPS = ("gelu", "gelu_tanh", "swiglu", "geglu")
 INITS = ("normal", "xavier_uniform")
 
-LAYER_STYLE = ("norm", "norm_eps", "mlp", "bias", "rotary_pct", "rope_base", "parallel_residual", "dropout",
+LAYER_STYLE = ("norm", "norm_eps", "mlp", "bias", "qkv_bias", "rotary_pct", "rope_base", "parallel_residual", "dropout",
                "embed_dropout", "init", "init_std")
 
 
@@ -60,6 +60,7 @@ class ModelConfig:
     norm_eps: float = 1e-5
     mlp: str = "gelu"
     bias: bool = True
+    qkv_bias: bool | None = None  # the attention's q/k/v projections' own (Qwen2 has them alone); None: ``bias``
     rotary_pct: float = 1.0
     rope_base: float = 10000.0
     parallel_residual: bool = False
@@ -89,6 +90,8 @@ class ModelConfig:
             self.padded_vocab_size = self.vocab_size
         if self.embed_dropout is None:
             self.embed_dropout = self.dropout
+        if self.qkv_bias is None:
+            self.qkv_bias = self.bias
         self._check(
             (self.vocab_size > 0, f"vocab_size must be positive, got {self.vocab_size}"),
             (

@@ -57,7 +57,7 @@ class SelfAttention(nn.Module):
         self.causal = causal
         self.n_head, self.n_kv_head, self.head_dim = config.n_head, config.n_kv_head, config.head_dim
         q, kv = config.n_head * config.head_dim, config.n_kv_head * config.head_dim
-        self.qkv = Linear(config.d_model, q + 2 * kv, bias=config.bias, splits=(q, kv, kv))  # W^Q, W^K, W^V in one product
+        self.qkv = Linear(config.d_model, q + 2 * kv, bias=config.qkv_bias, splits=(q, kv, kv))  # W^Q, W^K, W^V in one product
         self.proj = Linear(config.n_head * config.head_dim, config.d_model, bias=config.bias)
         self.dropout = config.dropout
         self.scale = config.attn_scale
@@ -109,9 +109,9 @@ class CrossAttention(nn.Module):
         super().__init__()
         self.n_head, self.n_kv_head, self.head_dim = config.n_head, config.n_kv_head, config.head_dim
         self.scale = config.attn_scale  # as self-attention's; q/k norms are self-attention's only
-        self.q = Linear(config.d_model, config.n_head * config.head_dim, bias=config.bias)
+        self.q = Linear(config.d_model, config.n_head * config.head_dim, bias=config.qkv_bias)
         kv = config.n_kv_head * config.head_dim
-        self.kv = Linear(config.d_model, 2 * kv, bias=config.bias, splits=(kv, kv))
+        self.kv = Linear(config.d_model, 2 * kv, bias=config.qkv_bias, splits=(kv, kv))
         self.proj = Linear(config.n_head * config.head_dim, config.d_model, bias=config.bias)
 
     def keys(self, memory: Tensor) -> CrossKV:

@@ -76,7 +76,7 @@ class DualAttention(SelfAttention):
     def __init__(self, config: DoubleDecoderConfig) -> None:
         super().__init__(config)
         kv = config.n_kv_head * config.head_dim
-        self.cross_kv = Linear(config.d_model, 2 * kv, bias=config.bias, splits=(kv, kv))
+        self.cross_kv = Linear(config.d_model, 2 * kv, bias=config.qkv_bias, splits=(kv, kv))
 
     def cross_keys(self, latents: Tensor, cos: Tensor, sin: Tensor) -> CrossKV:
         """Keys (rotated at the latents' positions) and values projected from context latents h."""

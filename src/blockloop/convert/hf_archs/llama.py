@@ -1,7 +1,8 @@
-"""Llama (SmolLM2, Llama 1/2), Mistral and Gemma (1): one weight layout.
+"""Llama (SmolLM2, Llama 1/2), Mistral, Qwen2 and Gemma (1): one weight layout.
 
 Mistral is Llama without biases whose every layer may attend within a sliding window (``sliding_window``; null:
-every layer global, exactly a Llama). Gemma is Llama's layout with GeGLU, RMSNorm scaling by (1 + weight),
+every layer global, exactly a Llama). Qwen2 is Llama with biases on q, k and v only (``qkv_bias``) and, where
+``use_sliding_window`` is set, the layers ``layer_types`` names sliding. Gemma is Llama's layout with GeGLU, RMSNorm scaling by (1 + weight),
 embeddings times sqrt(d) and an explicit head_dim; the weight names are the same.
 """
 
@@ -18,6 +19,10 @@ def _biased(c: DecoderConfig) -> bool:
     return c.bias
 
 
+def _qkv_biased(c: DecoderConfig) -> bool:
+    return bool(c.qkv_bias)
+
+
 def _untied(c: DecoderConfig) -> bool:
     return not c.tie_embeddings
 
@@ -27,7 +32,7 @@ LLAMA_KEYS = KeyMap(
     rule("embed.weight", "model.embed_tokens.weight"),
     rule("body.blocks.{}.norm1.weight", L + "input_layernorm.weight"),
     rule("body.blocks.{}.attn.qkv.weight", *(L + f"self_attn.{p}_proj.weight" for p in "qkv"), transform=FUSE_QKV),
-    rule("body.blocks.{}.attn.qkv.bias", *(L + f"self_attn.{p}_proj.bias" for p in "qkv"), transform=FUSE_QKV, when=_biased),
+    rule("body.blocks.{}.attn.qkv.bias", *(L + f"self_attn.{p}_proj.bias" for p in "qkv"), transform=FUSE_QKV, when=_qkv_biased),
     rule("body.blocks.{}.attn.proj.weight", L + "self_attn.o_proj.weight"),
     rule("body.blocks.{}.attn.proj.bias", L + "self_attn.o_proj.bias", when=_biased),
     rule("body.blocks.{}.norm2.weight", L + "post_attention_layernorm.weight"),
@@ -80,6 +85,28 @@ def mistral_hf_config(c: DecoderConfig) -> Any:
     )
 
 
+def qwen2_config(hf: Any, name: str) -> DecoderConfig:
+    require(hf.hidden_act == "silu", hf, f"hidden_act={hf.hidden_act!r} (Qwen2 converts with silu, i.e. SwiGLU)")
+    local = [i for i, kind in enumerate(hf.layer_types) if kind == "sliding_attention"]
+    return DecoderConfig(
+        **common_fields(hf, name), n_kv_head=hf.num_key_value_heads, head_dim=hf.hidden_size // hf.num_attention_heads,
+        norm="rmsnorm", norm_eps=hf.rms_norm_eps, mlp="swiglu", bias=False, qkv_bias=True, rope_base=rope_theta(hf),
+        local_layers=local, sliding_window=hf.sliding_window if local else None,
+    )
+
+
+def qwen2_hf_config(c: DecoderConfig) -> Any:
+    from transformers import Qwen2Config
+
+    local = bool(c.local_layers)
+    return Qwen2Config(
+        **hf_common_fields(c), num_key_value_heads=c.n_kv_head, rms_norm_eps=c.norm_eps, hidden_act="silu",
+        use_sliding_window=local, sliding_window=c.sliding_window if local else None,
+        layer_types=["sliding_attention" if i in c.local_layers else "full_attention" for i in range(c.n_layer)],
+        rope_parameters={"rope_type": "default", "rope_theta": c.rope_base},
+    )
+
+
 def gemma_config(hf: Any, name: str) -> DecoderConfig:
     require(hf.hidden_act in ("gelu_pytorch_tanh", "gelu_new"), hf, f"hidden_act={hf.hidden_act!r} (GeGLU uses tanh GELU)")
     require(not hf.attention_bias, hf, "attention biases")
@@ -102,3 +129,4 @@ def gemma_hf_config(c: DecoderConfig) -> Any:
 LLAMA = Architecture("llama", "LlamaForCausalLM", LLAMA_KEYS, llama_config, llama_hf_config)
 GEMMA = Architecture("gemma", "GemmaForCausalLM", LLAMA_KEYS, gemma_config, gemma_hf_config)
 MISTRAL = Architecture("mistral", "MistralForCausalLM", LLAMA_KEYS, mistral_config, mistral_hf_config)
+QWEN2 = Architecture("qwen2", "Qwen2ForCausalLM", LLAMA_KEYS, qwen2_config, qwen2_hf_config)
