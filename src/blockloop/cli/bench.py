@@ -276,6 +276,8 @@ def _throughput(args: argparse.Namespace, models: list, device: Any, rows: list[
                       for key, digits in (("ttft_s", 1), ("tpot_s", 2)))
         print(f"| {r['name']} | {r['batch']} | {r['tok_s']:.0f} | {ratio} | {ttft} | {tpot} | "
               f"{r['cache_bytes_per_sample'] or '-'} | {r['peak_mem_per_sample'] or '-'} | {frac} |")
+    print("tok/s: generated tokens per second of a whole run, prefill included (the Block Transformer paper's "
+          "throughput); roofline: tok/s over the decode steps' memory-bandwidth bound, so a prefill-heavy run reads low")
     for note in notes:
         print(f"note: {note}")
     if args.warmup == 0 and any(r["tpot_s"] == 0 for r in rows):
