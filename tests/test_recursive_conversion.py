@@ -1,5 +1,5 @@
 """Recursive conversion of modern architectures: per-loop norms make equation 4 exact at full rank (Llama,
-GPT-NeoX, GPT-2 and Gemma-3 shapes with random, unequal norm gains, q/k and sandwich norms, biases), the
+GPT-NeoX, GPT-2, Gemma-3 and Qwen2 shapes with random, unequal norm gains, q/k and sandwich norms, biases), the
 relaxation improves monotonically with the rank, and per-loop norms decode alike in every serving path."""
 
 from __future__ import annotations
@@ -27,6 +27,8 @@ ARCHS = {
     "gpt2": dict(norm="layernorm", mlp="gelu_tanh", bias=True, learned_positions=True, rotary_pct=0.0, n_kv_head=4),
     "gemma3": dict(norm="rmsnorm1p", mlp="geglu", bias=False, qk_norm=True, sandwich_norm=True, embed_scale=True,
                    attn_scalar=16.0, logit_softcap=30.0),
+    # biases on q, k and v alone (their LoRA bias deltas too), and its later layers within a window
+    "qwen2": dict(norm="rmsnorm", mlp="swiglu", bias=False, qkv_bias=True, local_layers=[2, 3], sliding_window=4),
 }
 FULL_RANK = 32  # min(in, out) over the linears of BASE
 
