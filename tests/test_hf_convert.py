@@ -116,6 +116,11 @@ def test_import_matches_transformers(kind):
     assert got.shape == expected.shape
     assert max_diff(got, expected) <= TOL
     assert expected.abs().max() > 0.1  # a real signal, not two sets of zeros
+    # built on the meta device, it owns its weights: tied ones one Parameter, none shared with the source
+    assert (ours.lm_head.weight is ours.embed.weight) == ours.config.tie_embeddings
+    theirs = {p.untyped_storage().data_ptr() for p in hf.parameters()}
+    assert not any(p.untyped_storage().data_ptr() in theirs for p in ours.parameters())
+    assert not any(p.is_meta for p in ours.parameters())
 
 
 def test_mistral_sliding_window_is_active_on_every_layer():

@@ -166,12 +166,16 @@ def _some(keys: set[str]) -> str:
 
 
 @torch.no_grad()
-def from_hf_model(hf_model: nn.Module, name: str | None = None, *, vocab_size: int | None = None) -> Decoder:
+def from_hf_model(hf_model: nn.Module, name: str | None = None, *, vocab_size: int | None = None,
+                  share: bool = False) -> Decoder:
     """A blockloop Decoder with ``hf_model``'s weights (float32, eval mode).
 
     ``vocab_size`` is the ids of the tokenizer that goes with it. Where it has fewer than the model's embedding
     rows (a blockloop export writes its padded vocabulary as real rows), the rest stay as padding that
-    generation never samples, as in the run the export came from.
+    generation never samples, as in the run the export came from. The model is built on the meta device and
+    takes the converted tensors as its own, so no randomly initialised copy is made; with ``share`` the tensors
+    that need no conversion stay ``hf_model``'s own (an import that discards it: one copy of the weights, not
+    two), else they are copied (training one model must not change the other).
     """
     hf_config = hf_model.config
     arch = architecture_for(hf_config)
@@ -179,11 +183,16 @@ def from_hf_model(hf_model: nn.Module, name: str | None = None, *, vocab_size: i
     if vocab_size is not None and vocab_size < config.vocab_size:
         config = config.replace(vocab_size=vocab_size, padded_vocab_size=config.padded_vocab_size)
     state = arch.keymap.to_blockloop({k: v.float() for k, v in hf_model.state_dict().items()}, config)
-    model = Decoder(config)
+    if not share:
+        state = {k: v.clone() for k, v in state.items()}
+    with torch.device("meta"):
+        model = Decoder(config)
     if config.tie_embeddings:
         state["lm_head.weight"] = state["embed.weight"]
-    model.load_state_dict(state, strict=True)
-    return model.float().eval()
+    model.load_state_dict(state, strict=True, assign=True)
+    if config.tie_embeddings:  # assign gave the head a Parameter of its own over the same tensor: one again
+        model.lm_head.weight = model.embed.weight
+    return model.eval()
 
 
 def import_hf(path: Path | str, *, gguf_file: str | None = None, vocab_size: int | None = None) -> Decoder:
@@ -191,7 +200,7 @@ def import_hf(path: Path | str, *, gguf_file: str | None = None, vocab_size: int
     (``vocab_size`` as in :func:`from_hf_model`)."""
     path = Path(path)
     name = Path(gguf_file).stem if gguf_file else path.name
-    return from_hf_model(load_hf_model(path, gguf_file=gguf_file), name=name, vocab_size=vocab_size)
+    return from_hf_model(load_hf_model(path, gguf_file=gguf_file), name=name, vocab_size=vocab_size, share=True)
 
 
 def _model_fields(config: DecoderConfig) -> dict[str, Any]:
