@@ -416,3 +416,16 @@ def test_gemma3_style_decoder_with_default_scales_exports(tmp_path):
     idx = tokens(vocab=90)
     with torch.no_grad():
         assert max_diff(hf(idx).logits, model(idx)[0]) <= TOL
+
+
+def test_a_broken_shard_is_named(byte_export, tmp_path, capsys):
+    """A sharded model's error named "the .safetensors files in FOLDER"; it names the shard that does not read."""
+    sharded = tmp_path / "hf"
+    hf = transformers.AutoModelForCausalLM.from_pretrained(byte_export[1], dtype=torch.float32)
+    hf.save_pretrained(sharded, max_shard_size="40KB")
+    shutil.copy(byte_export[1] / "tokenizer.json", sharded / "tokenizer.json")
+    shards = sorted(sharded.glob("model-*.safetensors"))
+    assert len(shards) > 2 and (sharded / "model.safetensors.index.json").is_file()
+    _truncate(shards[1], 100)
+    one_line_error(capsys, ["convert", "--from-hf", str(sharded), "--out", str(tmp_path / "run")],
+                   f"{shards[1]} cannot be read, it is corrupt or incomplete")

@@ -107,7 +107,6 @@ def load_hf_model(path: Path | str, *, gguf_file: str | None = None) -> nn.Modul
             if pickles else f"neither {' nor '.join(SAFETENSORS_NAMES)}"
         raise BlockloopError(f"{path} holds {found}; give a folder with .safetensors weights (transformers' "
                              "save_pretrained writes them)")
-    weights = path / gguf_file if gguf_file is not None else _safetensors_name(path)
     extra = {"gguf_file": gguf_file} if gguf_file is not None else {"use_safetensors": True}
     with quiet_transformers(), _no_load_report():
         try:
@@ -116,15 +115,29 @@ def load_hf_model(path: Path | str, *, gguf_file: str | None = None) -> nn.Modul
                 output_loading_info=True, **extra,
             )
         except (SafetensorError, OSError, ValueError, struct.error) as exc:  # struct: a GGUF cut short
+            weights = path / gguf_file if gguf_file is not None else _safetensors_name(path)
             raise BlockloopError(f"{weights} cannot be read, it is corrupt or incomplete ({_one_line(exc)}); "
                                  f"{_REPAIR}") from None
-    _check_loaded(info, weights, path / (gguf_file or "config.json"))
+    _check_loaded(info, path / gguf_file if gguf_file is not None else _safetensors_name(path),
+                  path / (gguf_file or "config.json"))
     return model.eval()
 
 
 def _safetensors_name(path: Path) -> str:
+    """The weights file to name in an error: the one file, or of a sharded model's, the first whose header does not
+    read (else all of them)."""
+    from safetensors import safe_open
+
     files = sorted(path.glob("*.safetensors"))
-    return str(files[0]) if len(files) == 1 else f"the .safetensors files in {path}"
+    if len(files) == 1:
+        return str(files[0])
+    for file in files:
+        try:
+            with safe_open(file, framework="pt"):
+                pass
+        except (SafetensorError, OSError):
+            return str(file)
+    return f"the .safetensors files in {path}"
 
 
 @contextmanager
