@@ -482,10 +482,11 @@ class Engine:
             self.sampling.set(slot, request.sampling)
 
     def _collect(self, running: dict[int, Request], steps: int) -> list[Request]:
-        # A NaN or infinity in a row's logits is in its cache from then on, so the window's last logits show it.
-        finite = torch.isfinite(self.logits[:, : self.vocab_size]).all(-1)
-        tokens = self.ring[:steps].transpose(0, 1).flatten(1).tolist()  # the window's one host sync
-        finite = finite.tolist()
+        # A NaN or infinity in a row's logits is in its cache from then on, so the window's last logits show it:
+        # whether they are finite rides along as each row's last column of the window's one host sync.
+        finite = torch.isfinite(self.logits[:, : self.vocab_size]).all(-1, keepdim=True)
+        window = torch.cat([self.ring[:steps].transpose(0, 1).flatten(1), finite.long()], 1).tolist()
+        tokens, finite = [row[:-1] for row in window], [bool(row[-1]) for row in window]
         now = time.perf_counter()
         self.last_window, self._collecting, failure = [], True, None
         broken = [request for slot, request in running.items() if not finite[slot]]
