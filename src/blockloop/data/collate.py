@@ -21,6 +21,7 @@ import torch
 from torch import Tensor
 
 from blockloop.errors import BlockloopError
+from blockloop.nn.loss import IGNORE_INDEX
 
 Collate = Callable[[Tensor, Tensor, torch.Generator], dict[str, Tensor]]
 
@@ -34,10 +35,10 @@ def sample_breakpoint(length: int, generator: torch.Generator) -> int:
 
 
 def unscored_prefix(targets: Tensor, generator: torch.Generator) -> tuple[Tensor, int]:
-    """Draw the PrefixLM breakpoint b and return the targets with positions [0, b) ignored (-100), and b."""
+    """Draw the PrefixLM breakpoint b and return the targets with positions [0, b) ignored (``IGNORE_INDEX``), and b."""
     breakpoint = sample_breakpoint(targets.shape[1], generator)
     targets = targets.clone()
-    targets[:, :breakpoint] = -100
+    targets[:, :breakpoint] = IGNORE_INDEX
     return targets, breakpoint
 
 

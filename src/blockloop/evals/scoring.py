@@ -36,6 +36,7 @@ from blockloop.errors import BlockloopError
 from blockloop.families import spec_of
 from blockloop.nn.kv_cache import StepContext
 from blockloop.nn.linear import packed_linears
+from blockloop.nn.loss import IGNORE_INDEX
 from blockloop.nn.precision import at_least_fp32
 
 
@@ -167,8 +168,9 @@ def _logits(model: nn.Module, exits: Sequence[int] | None, idx: Tensor, **kwargs
 
 
 def _gather(logits: list[Tensor], targets: Tensor) -> tuple[Tensor, Tensor]:
-    """Summed log-probabilities of ``targets (B, T)`` (-100 = not scored) and greedy flags, ``(B, E)`` each."""
-    scored = targets != -100
+    """Summed log-probabilities of ``targets (B, T)`` (``IGNORE_INDEX`` = not scored) and greedy flags, ``(B, E)``
+    each."""
+    scored = targets != IGNORE_INDEX
     safe = targets.clamp_min(0)
     ll, greedy = [], []
     for x in logits:
@@ -208,7 +210,7 @@ def _cached(model: nn.Module, groups: list[list[Request]], exits: Sequence[int] 
         slots = torch.arange(P, device=device)
         pads = torch.tensor([P - s for s in shared], device=device)[:, None]
         model(idx, step=StepContext(prefix, slots, (slots - pads).clamp_min(0), slots >= pads), last_only=True)
-    rest = [(inputs[s:], [-100] * (len(inputs) - s - n) + targets[-n:], s)
+    rest = [(inputs[s:], [IGNORE_INDEX] * (len(inputs) - s - n) + targets[-n:], s)
             for s, g in zip(shared, windows) for inputs, targets, n in g]
     cache = model.allocate_cache(len(rest), P + M)
     if P:
@@ -218,14 +220,14 @@ def _cached(model: nn.Module, groups: list[list[Request]], exits: Sequence[int] 
     valid = steps < torch.tensor([len(r[0]) for r in rest], device=device)[:, None]
     step = StepContext(cache, P + steps, positions, valid)
     logits = _logits(model, exits, _padded([r[0] for r in rest], 0, device, M), step=step)
-    return _gather(logits, _padded([r[1] for r in rest], -100, device, M))
+    return _gather(logits, _padded([r[1] for r in rest], IGNORE_INDEX, device, M))
 
 
 def _causal(model: nn.Module, groups: list[list[Request]], exits: Sequence[int] | None) -> tuple[Tensor, Tensor]:
     device, limit = _device(model), model.config.context_length
     windows = [_window(r, limit) for g in groups for r in g]
     idx = _padded([inputs for inputs, _, _ in windows], 0, device)
-    targets = _padded([[-100] * (len(t) - n) + t[-n:] for _, t, n in windows], -100, device)
+    targets = _padded([[IGNORE_INDEX] * (len(t) - n) + t[-n:] for _, t, n in windows], IGNORE_INDEX, device)
     return _gather(_logits(model, exits, idx), targets)
 
 
@@ -236,10 +238,10 @@ def _blocks(model: nn.Module, groups: list[list[Request]], exits: Sequence[int] 
         context = list(r.context[-_block_room(c, len(r.continuation)):])
         context = [c.pad_id] * (-len(context) % c.block_len) + context
         rows.append(context + list(r.continuation))
-        targets.append([-100] * len(context) + list(r.continuation))
+        targets.append([IGNORE_INDEX] * len(context) + list(r.continuation))
     length = -(-max(map(len, rows)) // c.block_len) * c.block_len
     idx = _padded(rows, c.pad_id, device, length)
-    return _gather(_logits(model, exits, idx), _padded(targets, -100, device, length))
+    return _gather(_logits(model, exits, idx), _padded(targets, IGNORE_INDEX, device, length))
 
 
 def _block_room(c: Any, continuation: int) -> int:

@@ -16,6 +16,7 @@ from blockloop.families.costs import attention_flops, kv_cache_bytes, layer_weig
 from blockloop.families.decoder import LLAMA_TINY, PYTHIA
 from blockloop.families.spec import Batch, FamilySpec, Preset
 from blockloop.models.block import BlockTransformer
+from blockloop.nn.loss import IGNORE_INDEX
 
 EMBEDDERS = ("lookup", "encoder", "cls")
 TOKEN_DECODERS = ("prefix", "sum", "cross")
@@ -174,7 +175,7 @@ def make_batch(config: BlockTransformerConfig, inputs: Tensor, targets: Tensor, 
 
     The window's ``T + 1`` tokens are re-packed so that every document starts after 0..L_B-1 pads
     and ends on a block boundary, and cut back to ``T`` tokens. Labels are the tokens themselves,
-    except pads and the first block (which nothing predicts): -100. Under ``prefix_lm`` the positions
+    except pads and the first block (which nothing predicts): ``IGNORE_INDEX``. Under ``prefix_lm`` the positions
     before the batch's breakpoint are not scored either.
     """
     c = config
@@ -191,8 +192,8 @@ def make_batch(config: BlockTransformerConfig, inputs: Tensor, targets: Tensor, 
                                           length=inputs.shape[1], generator=generator)
     else:
         idx, real = window[:, :-1], torch.ones_like(window[:, :-1], dtype=torch.bool)
-    labels = idx.masked_fill(~real, -100)
-    labels[:, : max(c.block_len, breakpoint)] = -100
+    labels = idx.masked_fill(~real, IGNORE_INDEX)
+    labels[:, : max(c.block_len, breakpoint)] = IGNORE_INDEX
     return {"idx": idx, "targets": labels}
 
 

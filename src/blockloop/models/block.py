@@ -148,7 +148,7 @@ class BlockTransformer(nn.Module):
         """Logits ``(B, T, V)`` where position ``t`` predicts token ``idx[:, t]`` itself (block 0: zeros).
 
         ``targets`` are the labels of the block family's batching (:func:`blockloop.families.block.make_batch`):
-        same positions, -100 = not scored.
+        same positions, ``IGNORE_INDEX`` = not scored.
         """
         c = self.config
         batch, length = idx.shape

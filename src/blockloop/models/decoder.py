@@ -25,11 +25,11 @@ from blockloop.nn.attention import attention
 from blockloop.nn.init import init_weights
 from blockloop.nn.kv_cache import DecoderCache, LayerStep, StepContext
 from blockloop.nn.linear import Linear
+from blockloop.nn.loss import token_cross_entropy
 from blockloop.nn.masks import MaskMod, sliding_window_mask_mod, within_window
 from blockloop.nn.mlp import build_mlp
 from blockloop.nn.norm import build_norm
 from blockloop.nn.paged_cache import KVPages
-from blockloop.nn.precision import at_least_fp32
 from blockloop.nn.rope import apply_rope, rope_angles
 
 CrossKV = tuple[Tensor, Tensor]
@@ -354,10 +354,11 @@ class LanguageModel(nn.Module):
     @staticmethod
     def loss(logits: Tensor, targets: Tensor | None) -> Tensor | None:
         """Mean cross-entropy of ``logits`` against ``targets`` at the same positions, over targets that are not
-        -100 (None without targets): every family's loss, whatever its targets mean."""
+        :data:`~blockloop.nn.loss.IGNORE_INDEX` (None without targets): every family's loss, whatever its targets
+        mean."""
         if targets is None:
             return None
-        return F.cross_entropy(at_least_fp32(logits.flatten(0, 1)), targets.flatten(), ignore_index=-100)
+        return token_cross_entropy(logits, targets)
 
     def num_parameters(self, *, non_embedding: bool = False) -> int:
         """Unique parameters (tied weights counted once); ``non_embedding`` drops embedding and head."""
@@ -400,7 +401,7 @@ class Decoder(LanguageModel):
         Without a ``step`` this is the training forward over a full causal window. With one the tokens
         are written at its cache slots (``(T,)`` shared by all rows, or ``(B, T)`` per row), at its rotary
         positions, its ``token_valid`` marking left padding. ``last_only`` projects only the final
-        position, which is all generation needs. Targets equal to -100 are ignored by the loss.
+        position, which is all generation needs. Targets equal to ``IGNORE_INDEX`` are ignored by the loss.
         """
         if step is None:
             check_context(idx.shape[1], self.config.context_length, "sequence")

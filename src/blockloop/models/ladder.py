@@ -93,7 +93,7 @@ class Ladder(LanguageModel):
         step: StepContext | None = None,
         last_only: bool = False,
     ) -> tuple[Tensor, Tensor | None] | tuple[Tensor, Tensor | None, LadderState | None]:
-        """Logits for ``idx (B, T)`` after ``state`` (None: a new stream), loss over targets != -100.
+        """Logits for ``idx (B, T)`` after ``state`` (None: a new stream), loss over targets not ``IGNORE_INDEX``.
 
         With ``return_state`` the memory for the next segment comes third (None without a memory). With a
         ``step`` the tokens are written at its cache slots instead (generation, see Decoder.forward).

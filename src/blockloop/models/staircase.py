@@ -195,7 +195,8 @@ class Staircase(LanguageModel):
         token_valid: Tensor | None = None,
         return_state: bool = False,
     ) -> tuple[Tensor, Tensor | None] | tuple[Tensor, Tensor | None, StaircaseState]:
-        """Logits for ``idx (B, T)`` continuing ``state`` (None: a new stream); mean loss over targets != -100.
+        """Logits for ``idx (B, T)`` continuing ``state`` (None: a new stream); mean loss over the targets that are
+        not ``IGNORE_INDEX``.
 
         ``token_valid (B, T)`` marks real tokens (left padding is never attended to). With
         ``return_state`` the state to continue from comes third (:meth:`stream`); pass it with the next

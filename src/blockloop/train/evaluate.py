@@ -13,7 +13,6 @@ from contextlib import nullcontext
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from blockloop import progress
@@ -23,7 +22,7 @@ from blockloop.data.tasks.metrics import labelled_errors
 from blockloop.data.tasks.windows import TaskSequences
 from blockloop.errors import BlockloopError
 from blockloop.families import family, spec_of
-from blockloop.nn.precision import at_least_fp32
+from blockloop.nn.loss import IGNORE_INDEX, token_cross_entropy
 from blockloop.train.distributed import DistInfo, sum_across_ranks
 
 
@@ -44,7 +43,7 @@ def evaluate(
     """Loss/perplexity (and bits per byte when ``byte_lengths`` per token id is given).
 
     The model's own collator shapes each batch (with fixed seeds, so every evaluation sees the same
-    batches) for ``objective``; the loss is summed over the targets it keeps (ignore index -100 dropped).
+    batches) for ``objective``; the loss is summed over the targets it keeps (``IGNORE_INDEX`` dropped).
     Ids beyond the tokenizer's (span-corruption sentinels) count no bytes. Sources with labelled
     positions also get ``error``, the fraction of scored positions whose argmax is wrong. ``show_progress``
     draws a bar over the batches (a standalone evaluation can take minutes; inside training it stays off).
@@ -105,8 +104,8 @@ def evaluate(
                     logits, _ = model(**batch)
             if not counted:
                 continue
-            nats = F.cross_entropy(at_least_fp32(logits.flatten(0, 1)), targets.flatten(), reduction="sum", ignore_index=-100)
-            scored = targets != -100
+            nats = token_cross_entropy(logits, targets, reduction="sum")
+            scored = targets != IGNORE_INDEX
             total_nats += nats.double()
             total_tokens += scored.sum()
             if labelled:

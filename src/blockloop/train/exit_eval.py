@@ -11,11 +11,11 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.nn.functional as F
 
 from blockloop.data.loader import PackedSequences, eval_batches
 from blockloop.errors import BlockloopError
 from blockloop.models.recursive import RecursiveDecoder
+from blockloop.nn.loss import IGNORE_INDEX, token_cross_entropy
 from blockloop.nn.precision import at_least_fp32
 
 
@@ -43,13 +43,12 @@ def evaluate_loops(
         for inputs, targets in eval_batches(sequences, batch_size, max_batches):
             inputs, targets = inputs.to(device), targets.to(device)
             # The softmax over every row of the head, as training and `evaluate` take it, so the last loop's loss
-            # is the model's evaluation loss; -100 targets (a task's prompt positions) are not scored.
+            # is the model's evaluation loss; ``IGNORE_INDEX`` targets (a task's prompt positions) are not scored.
             per_loop = [at_least_fp32(logits) for logits in model.loop_logits(inputs)]
-            scored = targets != -100
+            scored = targets != IGNORE_INDEX
             preds = torch.stack([logits.argmax(-1) for logits in per_loop])  # (loops, B, T)
             for i, logits in enumerate(per_loop):
-                nats[i] += F.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="sum",
-                                           ignore_index=-100).double()
+                nats[i] += token_cross_entropy(logits, targets, reduction="sum").double()
             correct += ((preds == targets) & scored).flatten(1).sum(1)
             matches = preds == preds[-1]
             agree += (matches & scored).flatten(1).sum(1)

@@ -33,6 +33,7 @@ from blockloop.device import auto_dtype
 from blockloop.errors import BlockloopError, ConfigError, check_context
 from blockloop.families import spec_of
 from blockloop.files import atomic_write_text
+from blockloop.nn.loss import IGNORE_INDEX
 from blockloop.signals import stop_at_safe_point
 from blockloop.train import checkpoint as ckpt
 from blockloop.train.config import TrainConfig
@@ -241,9 +242,10 @@ class Trainer:
         """One optimizer step over ``grad_accum`` micro-batches (on every rank): the gradient of the mean loss over
         all the step's scored targets, as one large batch would give.
 
-        Each micro-batch's loss is a mean over its own scored targets (those not -100), and the objectives that
-        leave some unscored (PrefixLM breakpoints, block padding, span lengths, task labels) score a different
-        number in each; so each loss is weighted by its share of the step's scored targets, not by 1/grad_accum.
+        Each micro-batch's loss is a mean over its own scored targets (those not ``IGNORE_INDEX``), and the
+        objectives that leave some unscored (PrefixLM breakpoints, block padding, span lengths, task labels) score
+        a different number in each; so each loss is weighted by its share of the step's scored targets, not by
+        1/grad_accum.
         DDP and FSDP average gradients over ranks, hence the factor world_size.
         """
         cfg = self.config
@@ -256,7 +258,7 @@ class Trainer:
             batch = self.collate(*self.batches.next_batch(), step_generator(cfg.seed, draw))
             batches.append({k: v.to(self.device, non_blocking=True) for k, v in batch.items()})
             fresh_streams.append(self.recurrent and self.batches.starts_streams)
-        scored = [(batch["targets"] != -100).sum() for batch in batches]
+        scored = [(batch["targets"] != IGNORE_INDEX).sum() for batch in batches]
         step_scored = sum_across_ranks(torch.stack(scored).sum(), self.dist).clamp(min=1)
         total = torch.zeros((), device=self.device)
         for micro, batch in enumerate(batches):

@@ -13,8 +13,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-# The label of a position the model is not asked about; the value cross_entropy ignores by default.
-IGNORE_INDEX = -100
+from blockloop.nn.loss import IGNORE_INDEX
+
 # The word shown for an unlabelled position when labels are written out as text.
 NO_LABEL = "_"
 SPLITS = ("train", "valid", "test")

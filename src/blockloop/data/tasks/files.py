@@ -7,7 +7,7 @@ Layout of a task directory::
     valid/inputs.bin  valid/labels.bin
     test/inputs.bin   test/labels.bin
 
-``inputs.bin`` holds uint16 ids and ``labels.bin`` int16 ids or -100 (unlabelled), one per input, raw
+``inputs.bin`` holds uint16 ids and ``labels.bin`` int16 ids or ``IGNORE_INDEX`` = -100 (unlabelled), one per input, raw
 little-endian with no header, so ``np.memmap`` reads them without copying. The whole directory is
 written under a temporary name next to the target and renamed into place last, so a killed run never
 leaves a half-written dataset under the real name.
@@ -161,7 +161,7 @@ def load_task(directory: Path) -> TaskData:
                 )
             arrays[kind] = np.memmap(path, dtype=dtype, mode="r", shape=(tokens[split],))
             # Ids past the vocabulary would fail deep inside the model's embedding or loss: say which file.
-            ids = arrays[kind][arrays[kind] != -100] if kind == "labels" else arrays[kind]
+            ids = arrays[kind][arrays[kind] != IGNORE_INDEX] if kind == "labels" else arrays[kind]
             if ids.size and (int(ids.min()) < 0 or int(ids.max()) >= vocab.vocab_size):
                 raise BlockloopError(f"{path} holds ids outside the task's {vocab.vocab_size}-word vocabulary: "
                                      "corrupt; regenerate the dataset")

@@ -4,7 +4,7 @@ Unlike a text corpus, a task stream cannot be cut anywhere: a label depends on e
 start of its program or walk, so a window that began mid-sequence would ask questions its inputs cannot
 answer. Windows therefore start at a sequence start (the token after an ``END``) and are ``seq_len``
 tokens long; the next window starts at the last sequence start inside the previous one, and its labels
-that the previous window already scored become -100. Every labelled position is thus scored exactly
+that the previous window already scored become ``IGNORE_INDEX``. Every labelled position is thus scored exactly
 once, in a window that holds its sequence from the beginning. (The last window ends at the end of the
 stream; it may start before a sequence start but still holds the whole of every sequence it scores.)
 
@@ -26,7 +26,7 @@ class TaskSequences:
 
     A drop-in source for :class:`~blockloop.data.loader.TrainBatches` and
     :func:`~blockloop.data.loader.eval_batches`: ``to_batch`` gives ``(inputs, labels)`` where the label
-    at position ``t`` is the answer after reading inputs ``0..t`` (no shift), -100 where nothing is asked.
+    at position ``t`` is the answer after reading inputs ``0..t`` (no shift), ``IGNORE_INDEX`` where nothing is asked.
     """
 
     # Tells the trainer and `eval` to report the task error beside the loss.
@@ -63,7 +63,8 @@ class TaskSequences:
         return len(self.starts)
 
     def __getitem__(self, i: int) -> np.ndarray:
-        """``(2, seq_len)`` int64: row 0 the inputs, row 1 the labels (-100 before the first scored position)."""
+        """``(2, seq_len)`` int64: row 0 the inputs, row 1 the labels (``IGNORE_INDEX`` before the first scored
+        position)."""
         if not 0 <= i < len(self):
             raise IndexError(f"window {i} out of range for {len(self)} windows")
         start = int(self.starts[i])
