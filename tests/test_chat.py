@@ -7,6 +7,7 @@ from __future__ import annotations
 import io
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -24,6 +25,7 @@ from blockloop.serve.http.chat import (
 )
 from blockloop.serve.http.worker import EngineWorker, serving_engine
 from blockloop.serve.requests import SamplingParams, wrap_seed
+from blockloop.signals import Terminated
 from blockloop.train.run import load_trained
 from server_helpers import tiny_run
 
@@ -97,6 +99,33 @@ def test_ctrl_c_stops_the_answer_not_the_program(session):
     assert [m["role"] for m in session.history] == ["system", "user", "assistant", "user", "assistant"]
     engine = session.worker.engine
     assert engine.scheduler.free == [0]  # the cancelled answer gave its slot back
+
+
+@pytest.mark.parametrize("where", ["answer", "prompt"])
+def test_a_stop_signal_ends_the_chat_where_ctrl_c_would_only_stop_the_answer(session, where):
+    """SIGTERM (a scheduler's stop, read as :class:`Terminated`) must end the chat: read as a plain Ctrl-C it only
+    stopped the answer (or printed the help at the prompt) and the chat went on."""
+    out: list[str] = []
+    read = lines("Speak.", "Speak again.")
+
+    def stopped_at_prompt(prompt: str) -> str:
+        raise Terminated
+
+    def write(text: str) -> None:
+        out.append(text)
+        if where == "answer" and len(out) == 1:
+            raise Terminated
+
+    with pytest.raises(Terminated):
+        converse(session, read if where == "answer" else stopped_at_prompt, write, interactive=False)
+    if where == "prompt":
+        assert out == [] and [m["role"] for m in session.history] == ["system"]
+        return
+    assert len(out) == 1 and read("") == "Speak again."  # no second message was asked
+    deadline = time.monotonic() + 30
+    while session.worker.engine.scheduler.free != [0]:  # the stopped answer gives its slot back (next window)
+        assert time.monotonic() < deadline, "the stopped answer kept its slot"
+        time.sleep(0.01)
 
 
 def test_a_line_that_cannot_be_answered_is_reported_and_the_chat_goes_on(session):

@@ -339,6 +339,27 @@ def test_ctrl_c_mentions_a_checkpoint_only_where_one_is_written(monkeypatch, cap
     assert capsys.readouterr().err.strip() == "blockloop presets: interrupted"
 
 
+def test_a_stop_signal_ends_every_verb_with_a_line_not_silently(monkeypatch, capsys):
+    """SIGTERM to a verb other than train or serve (generate, eval, convert...) ended the process on the spot with
+    no word; it now takes Ctrl-C's way out."""
+    import os
+    import signal
+    import time
+
+    from blockloop.cli import presets
+
+    def stopped(args):
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(30)  # the signal arrives first
+        raise AssertionError("SIGTERM did not stop the verb")
+
+    monkeypatch.setattr(presets, "run", stopped)
+    before = signal.getsignal(signal.SIGTERM)
+    assert main(["presets"]) == 130
+    assert capsys.readouterr().err.strip() == "blockloop presets: interrupted"
+    assert signal.getsignal(signal.SIGTERM) == before  # the handler is put back
+
+
 def test_ctrl_c_in_training_says_whether_a_checkpoint_is_there_to_resume_from(monkeypatch, capsys, tmp_path):
     from blockloop.cli import train
 

@@ -15,9 +15,14 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 
 
+class Terminated(KeyboardInterrupt):
+    """A SIGTERM read as Ctrl-C. Its own type because a chat takes a Ctrl-C as "stop this answer" and goes on,
+    while a scheduler's stop must end the process."""
+
+
 @contextmanager
 def terminate_as_interrupt() -> Iterator[None]:
-    """Within the block, SIGTERM raises KeyboardInterrupt in the main thread (elsewhere: nothing changes)."""
+    """Within the block, SIGTERM raises :class:`Terminated` in the main thread (elsewhere: nothing changes)."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
@@ -29,7 +34,7 @@ def terminate_as_interrupt() -> Iterator[None]:
 
 
 def _interrupt(signum: int, frame: object) -> None:
-    raise KeyboardInterrupt
+    raise Terminated
 
 
 @dataclass

@@ -25,6 +25,7 @@ from typing import NoReturn
 from blockloop.cli import bench, chat, convert, demo, flops, generate, info, presets, serve, tasks, train
 from blockloop.cli import eval as eval_
 from blockloop.errors import BlockloopError
+from blockloop.signals import terminate_as_interrupt
 
 EXIT_USER_ERROR = 2
 # Optional packages and the extra that installs each: a verb that needs one says so in one line.
@@ -93,9 +94,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         set_packing(False)
     _tolerate_narrow_encodings()
     if args.debug or os.environ.get("BLOCKLOOP_DEBUG", "") not in ("", "0"):
-        return args.handler(args) or 0  # every error keeps its traceback
+        with terminate_as_interrupt():
+            return args.handler(args) or 0  # every error keeps its traceback
     try:
-        code = args.handler(args) or 0
+        # A scheduler's stop (SIGTERM) ends every verb as Ctrl-C does: a line saying so (and, for training, which
+        # checkpoint is kept) and exit 130, not a silent death.
+        with terminate_as_interrupt():
+            code = args.handler(args) or 0
         sys.stdout.flush()  # inside the try: a reader that left early is noticed here, not at interpreter exit
         return code
     except BlockloopError as exc:

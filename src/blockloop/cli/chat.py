@@ -20,6 +20,7 @@ from blockloop.cli.common import (
 )
 from blockloop.cli.serve import add_chat_template, add_engine_arguments, load
 from blockloop.errors import BlockloopError, utf8_problem
+from blockloop.signals import Terminated
 
 if TYPE_CHECKING:
     from blockloop.serve.http.chat import ChatSession
@@ -79,6 +80,8 @@ def converse(session: ChatSession, read: Callable[[str], str], write: Callable[[
         except EOFError:
             write("\n" if interactive else "")
             return
+        except Terminated:
+            raise
         except KeyboardInterrupt:  # at the prompt: a new line, not the end
             write(f"\n({COMMANDS_HELP})\n")
             continue

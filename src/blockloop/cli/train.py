@@ -132,14 +132,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from blockloop.files import run_lock
-    from blockloop.signals import terminate_as_interrupt
 
     # One process writes a run at a time; under torchrun, rank 0 holds the lock for all ranks. (--resume of a run
     # that is not there fails in plan_run, without creating it.)
     out = Path(args.out)
     with run_lock(out, enabled=os.environ.get("RANK", "0") == "0" and (out.exists() or not args.resume)):
-        with terminate_as_interrupt():  # a scheduler's stop says which checkpoint is kept, as Ctrl-C does
-            return train(args)
+        return train(args)
 
 
 def train(args: argparse.Namespace) -> int:

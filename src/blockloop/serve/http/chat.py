@@ -42,6 +42,7 @@ from blockloop.errors import BlockloopError
 from blockloop.serve.http.text import TextStream
 from blockloop.serve.http.worker import EngineWorker, Event, Job
 from blockloop.serve.requests import SamplingParams, wrap_seed
+from blockloop.signals import Terminated
 
 if TYPE_CHECKING:
     from jinja2 import Environment, Template  # imported only by chats with a Jinja template
@@ -255,8 +256,10 @@ class ChatSession:
                 pieces.append(new)
                 if new:
                     on_text(new)
-        except KeyboardInterrupt:
+        except KeyboardInterrupt as stop:
             self.worker.cancel(job)
+            if isinstance(stop, Terminated):  # a scheduler's stop ends the chat; Ctrl-C ends only this answer
+                raise
             reason = "interrupted"
         answer = "".join(pieces)
         self.history = [*messages, {"role": "assistant", "content": answer.strip()}]
