@@ -20,8 +20,8 @@ from blockloop.errors import BlockloopError
 HELP = ("turn a trained model into another family for uptraining (then `train --init-from`); import or export "
         "Hugging Face models")
 DESCRIPTION = ("Initialise a structured model from a trained vanilla one and write it as a checkpoint; continue with "
-               "`blockloop train --init-from OUT`. --from-hf imports a Hugging Face causal LM (Llama, Gemma, Gemma-3, "
-               "GPT-NeoX, GPT-2) as a checkpoint; --to hf exports a vanilla checkpoint to a Hugging Face folder.")
+               "`blockloop train --init-from OUT`. --from-hf imports a Hugging Face causal LM (Llama, Mistral, Qwen2, "
+               "Gemma, Gemma-3, GPT-NeoX, GPT-2) as a checkpoint; --to hf exports a vanilla checkpoint to a Hugging Face folder.")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
