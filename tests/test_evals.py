@@ -457,6 +457,42 @@ def test_tasks_scored_one_command_at_a_time_all_stay_in_the_checkpoints_results(
     assert {r["task"] for r in json.loads((run / "benchmarks.json").read_text())["results"]} == {"copa"}
 
 
+def test_a_stopped_evaluation_keeps_the_tasks_it_finished(tiny_run, tmp_path, capsys, monkeypatch):
+    """Results were written only at the end: a Ctrl-C (or a scheduler's stop) in the last of nine tasks lost the
+    eight before it. Each task is now written as it is scored, and the stop says what is kept and how to go on."""
+    pytest.importorskip("pyarrow")
+    from blockloop.evals import harness
+
+    real, calls = harness.score, []
+
+    def stopped_in_the_second_task(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(harness, "score", stopped_in_the_second_task)
+    out = tmp_path / "results.json"
+    argv = ["eval", "--checkpoint", str(tiny_run), "--tasks", "copa,arc_easy,openbookqa", "--limit", "2",
+            "--device", "cpu", "--out", str(out)]
+    assert main(argv) == 130
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        f"blockloop eval: interrupted; the results of copa are written to {out}; --tasks arc_easy,openbookqa scores "
+        "the rest beside them")
+    assert [r["task"] for r in json.loads(out.read_text())["results"]] == ["copa"]
+    monkeypatch.setattr(harness, "score", real)
+    assert main([*argv[:4], "arc_easy,openbookqa", *argv[5:]]) == 0  # the rest, beside it
+    assert {r["task"] for r in json.loads(out.read_text())["results"]} == {"copa", "arc_easy", "openbookqa"}
+    calls.clear()
+    monkeypatch.setattr(harness, "score", stopped_in_the_second_task)
+    capsys.readouterr()
+    assert main([*argv[:4], "copa", *argv[5:]]) == 0 and len(calls) == 1  # one task: nothing to stop in
+    calls.clear()
+    monkeypatch.setattr(harness, "score", lambda *a, **k: (_ for _ in ()).throw(KeyboardInterrupt))
+    assert main(argv) == 130  # stopped in the first task: nothing new is kept, and the line says no more
+    assert capsys.readouterr().err.strip().splitlines()[-1] == "blockloop eval: interrupted"
+
+
 @pytest.mark.parametrize("argv, match", [
     (["--task", "random-walk", "--tasks", "piqa"], "give one of them"),
     (["--tasks", "piqa,nope"], "unknown benchmark"),

@@ -127,8 +127,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"{prog}: error: {exc.strerror}: {path}; {OS_ERRORS.get(exc.errno, OTHER_OS_ERROR)}"
               f"{_cache_hint(exc.filename)} (BLOCKLOOP_DEBUG=1 shows the traceback)", file=sys.stderr)
         return EXIT_USER_ERROR
-    except KeyboardInterrupt:
-        print(f"{prog}: interrupted{_checkpoints_kept(args)}", file=sys.stderr)
+    except KeyboardInterrupt as stop:
+        # A verb that kept part of its work says where, in the stop it raises again (eval's finished tasks).
+        kept = f"; {stop.args[0]}" if stop.args else _checkpoints_kept(args)
+        print(f"{prog}: interrupted{kept}", file=sys.stderr)
         return 130
 
 

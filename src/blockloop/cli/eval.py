@@ -176,13 +176,27 @@ def benchmarks(args: argparse.Namespace) -> int:
     if out.parent.is_dir() or args.out:  # a long run's results must not be lost to a path that cannot be written
         replaced = check_replaceable(out, resolve_checkpoint(Path(args.checkpoint)).resolve(), bool(args.out))
         check_writable(out)
+    scored: list[str] = []
+    kept: list[str] = []
+
+    def keep(so_far: dict) -> None:
+        """Each task's results are written as it is scored: a stopped evaluation keeps the tasks it finished."""
+        nonlocal kept
+        stored, kept = merge_earlier(so_far, out)
+        write_record(stored, out)
+        scored[:] = so_far["seconds"]
+
     try:
-        record = evaluate_benchmarks(args.checkpoint, request, args.device or "auto", progress=progress)
+        record = evaluate_benchmarks(args.checkpoint, request, args.device or "auto", progress=progress, on_task=keep)
+    except KeyboardInterrupt as stop:
+        rest = [task for task in request.tasks if task not in scored]
+        if scored and rest:
+            raise type(stop)(f"the results of {', '.join(scored)} are written to {out}; --tasks {','.join(rest)} "
+                             "scores the rest beside them") from None
+        raise
     finally:
         for bar in bars:
             bar.close()
-    stored, kept = merge_earlier(record, out)
-    write_record(stored, out)
     if args.json:
         print(json.dumps(record, allow_nan=False))
     else:

@@ -89,11 +89,13 @@ def run_benchmarks(
     *,
     progress: Callable[[str, int], Callable[[int], None]] | None = None,
     rows: Callable[[str], list[dict[str, Any]]] | None = None,
+    on_task: Callable[[dict[str, Any]], None] | None = None,
 ) -> dict[str, Any]:
     """``{"results": [{task, metric, value, stderr, n, shots, limit[, loop]}...], "seconds": {task: s}}``.
 
     ``progress(task, n_questions)`` may return a callback told how many questions are done; ``rows(dataset)``
-    replaces the shipped data (tests)."""
+    replaces the shipped data (tests); ``on_task`` is given the record so far as each task is scored, so an
+    evaluation stopped part way can keep the tasks it finished."""
     if isinstance(tokenizer, TaskTokenizer):
         raise BlockloopError(f"this model reads the words of task {tokenizer.task}, not text, so it cannot answer the "
                              "benchmarks; score it on its task with `blockloop eval --checkpoint RUN` (no --tasks)")
@@ -131,20 +133,25 @@ def run_benchmarks(
                 if request.shots:  # which examples were drawn
                     result["seed"] = request.seed
                 results.append(result if loop is None else {**result, "loop": loop})
+        if on_task is not None:
+            on_task({"results": list(results), "seconds": dict(seconds)})
     return {"results": results, "seconds": seconds}
 
 
 def evaluate_benchmarks(checkpoint: str | Path, request: BenchmarkRequest, device: str = "auto",
-                        *, progress: Callable[[str, int], Callable[[int], None]] | None = None) -> dict[str, Any]:
+                        *, progress: Callable[[str, int], Callable[[int], None]] | None = None,
+                        on_task: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
     """:func:`run_benchmarks` on a checkpoint, with what produced the numbers (model, checkpoint, tokenizer,
-    versions, date) for the JSON record."""
+    versions, date) for the JSON record; ``on_task`` is given that record so far as each task is scored."""
     device = resolve_device(device)
     trained = load_trained(checkpoint, device)
-    record = run_benchmarks(trained.model, trained.tokenizer, request, progress=progress)
-    return {
+    about = {
         "model": {"family": trained.config.family, "parameters": sum(p.numel() for p in trained.model.parameters()),
                   "loops": getattr(trained.config, "loops", None)},
         "checkpoint": str(trained.directory.resolve()), "tokenizer": trained.tokenizer.name,
         "blockloop": blockloop.__version__,
-        **environment(device), **record,
+        **environment(device),
     }
+    record = run_benchmarks(trained.model, trained.tokenizer, request, progress=progress,
+                            on_task=None if on_task is None else lambda so_far: on_task({**about, **so_far}))
+    return {**about, **record}
