@@ -7,6 +7,7 @@ import shutil
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 transformers = pytest.importorskip("transformers")
 
@@ -272,6 +273,24 @@ def test_cli_import_generate_and_export(tmp_path, capsys):
     back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "back", dtype=torch.float32).eval()
     with torch.no_grad():
         assert max_diff(back(idx).logits, hf(idx).logits) <= TOL
+
+
+def test_an_import_writes_bfloat16_weights_when_asked(tmp_path, capsys):
+    """--save-dtype bfloat16 on an import writes the weights a --to weights copy of the float32 import would (it was
+    refused, and a 2-step import-then-copy held the float32 checkpoint on disk in between)."""
+    torch.manual_seed(0)
+    transformers.AutoModelForCausalLM.from_config(_gpt2(vocab_size=260)).save_pretrained(tmp_path / "hf")
+    source = ["convert", "--from-hf", str(tmp_path / "hf"), "--tokenizer", "byte"]
+    assert main([*source, "--out", str(tmp_path / "fp32")]) == 0
+    assert main([*source, "--save-dtype", "bfloat16", "--out", str(tmp_path / "bf16")]) == 0
+    assert "parameters in bfloat16" in capsys.readouterr().out
+    assert main(["convert", "--to", "weights", "--save-dtype", "bfloat16", "--checkpoint", str(tmp_path / "fp32"),
+                 "--out", str(tmp_path / "copy")]) == 0
+    written, copied = (load_file(tmp_path / name / "model.safetensors") for name in ("bf16", "copy"))
+    assert written.keys() == copied.keys() and all(t.dtype == torch.bfloat16 for t in written.values())
+    assert all(torch.equal(written[name], copied[name]) for name in written)
+    model = load_trained(tmp_path / "bf16").model  # loads back into float32
+    assert next(model.parameters()).dtype == torch.float32
 
 
 def one_line_error(capsys, argv, match):

@@ -77,14 +77,13 @@ def run(args: argparse.Namespace) -> int:
         raise BlockloopError(
             f"give either --from-hf PATH (import) or --to {'|'.join(TARGETS)} --checkpoint RUN (convert/export)"
         )
-    # A flag the chosen mode would ignore is refused (--save-dtype on an import, --loops on --to block, ...).
-    takes = {"checkpoint", *(o.name for o in TARGETS[args.to].options)} if args.to else {"gguf_file", "tokenizer"}
-    flags = {"checkpoint", "gguf_file", "tokenizer"} | {o.name for t in TARGETS.values() for o in t.options}
+    # A flag the chosen mode would ignore is refused (--loops on an import or on --to block, ...).
+    imports = {"gguf_file", "tokenizer", "save_dtype"}
+    takes = {"checkpoint", *(o.name for o in TARGETS[args.to].options)} if args.to else imports
+    flags = {"checkpoint", *imports} | {o.name for t in TARGETS.values() for o in t.options}
     ignored = sorted(name for name in flags - takes if getattr(args, name) is not None)
     if ignored:
-        refuse_flags(ignored, f"--to {args.to}" if args.to else "--from-hf (an import writes float32 weights)",
-                     or_else="" if args.to or "save_dtype" not in ignored else
-                     "; `convert --to weights --save-dtype bfloat16` then writes a smaller copy")
+        refuse_flags(ignored, f"--to {args.to}" if args.to else "--from-hf")
     if args.to and TARGETS[args.to].unread:  # and a flag the target's other flags make meaningless
         given = {o.name: getattr(args, o.name) for o in TARGETS[args.to].options if getattr(args, o.name) is not None}
         unread, mode, or_else = TARGETS[args.to].unread(given)
@@ -93,10 +92,12 @@ def run(args: argparse.Namespace) -> int:
     if args.from_hf is not None:
         from blockloop.convert.hf_checkpoint import import_checkpoint
 
-        model, tokenizer = import_checkpoint(args.from_hf, Path(args.out), gguf_file=args.gguf_file, tokenizer=args.tokenizer)
+        save_dtype = args.save_dtype or "float32"
+        model, tokenizer = import_checkpoint(args.from_hf, Path(args.out), gguf_file=args.gguf_file,
+                                             tokenizer=args.tokenizer, save_dtype=save_dtype)
         print(
-            f"wrote {model.config.name} ({model.num_parameters() / 1e6:.2f}M parameters, {model.config.summary()}, "
-            f"tokenizer {tokenizer.name}) to {args.out}; try: blockloop generate --checkpoint {shlex.quote(args.out)} --prompt TEXT"
+            f"wrote {model.config.name} ({model.num_parameters() / 1e6:.2f}M parameters in {save_dtype}, "
+            f"{model.config.summary()}, tokenizer {tokenizer.name}) to {args.out}; try: blockloop generate --checkpoint {shlex.quote(args.out)} --prompt TEXT"
         )
         return 0
     if args.checkpoint is None:

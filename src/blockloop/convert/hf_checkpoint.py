@@ -42,14 +42,18 @@ def _source_tokenizer(path: Path, gguf_file: str | None) -> Tokenizer:
 
 @gguf_parsed_once()  # a GGUF's tokenizer, config and weights: one parse
 def import_checkpoint(
-    source: str, out: Path, *, gguf_file: str | None = None, tokenizer: str | None = None, data: str = "shakespeare"
+    source: str, out: Path, *, gguf_file: str | None = None, tokenizer: str | None = None, data: str = "shakespeare",
+    save_dtype: str = "float32",
 ) -> tuple[Decoder, Tokenizer]:
     """Convert ``source`` (a Hugging Face folder, or ``smollm2``) into the checkpoint directory ``out``.
 
     ``data`` is recorded as the run's corpus, what ``eval`` scores unless told otherwise. The model's
     ``vocab_size`` is the tokenizer's: embedding rows beyond its ids (an export's padded vocabulary) stay padding.
-    Everything is read and checked before ``out`` is created, so a failed import leaves nothing there.
+    The returned model is float32 whatever ``save_dtype`` the weights are written in (a source in bfloat16 loses
+    nothing written so; loading casts them back). Everything is read and checked before ``out`` is created, so a
+    failed import leaves nothing there.
     """
+    dtype = ckpt.save_dtype(save_dtype)
     out = ckpt.check_new_model_folder(out)
     if source == BUILTIN:
         if gguf_file is not None:
@@ -81,7 +85,7 @@ def import_checkpoint(
         )
     run = {"preset": model.config.name, "data": data, "tokenizer": tok.name}
     with folder_in_place(out) as tmp:
-        ckpt.save_model_files(tmp, model, model.config)
+        ckpt.save_model_files(tmp, model, model.config, dtype=dtype)
         tok.save(tmp)
         ckpt.write_json_atomic(tmp / "train_state.json", {"step": 0, "run": run, "converted_from": str(path / (gguf_file or ""))})
     return model, tok

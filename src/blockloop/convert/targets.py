@@ -56,8 +56,8 @@ def _recursive_unread(given: dict[str, Any]) -> tuple[list[str], str, str]:
     return [], "", ""
 
 
-SAVE_DTYPE = Option("save_dtype", str, "float32", "dtype of the weights --to hf and --to weights write (default: "
-                    "float32; bfloat16 halves the size)", choices=SAVE_DTYPES)
+SAVE_DTYPE = Option("save_dtype", str, "float32", "dtype of the weights --to hf, --to weights and --from-hf write "
+                    "(default: float32; bfloat16 halves the size)", choices=SAVE_DTYPES)
 TARGETS: dict[str, Target] = {
     "block": Target("Block Transformer (uptraining, Ho et al. 2024)", (
         Option("block_len", int, 4, "tokens per block L_B (default: 4)"),
