@@ -377,6 +377,30 @@ def test_ctrl_c_in_training_says_whether_a_checkpoint_is_there_to_resume_from(mo
     assert capsys.readouterr().err.strip() == f"blockloop train: interrupted; the last checkpoint in {run} is kept: --resume goes on from it"
 
 
+def test_a_conversion_whose_calibration_text_is_gone_says_how_to_go_on(trained_run, tmp_path, capsys):
+    """The SVD calibrates on the source run's training text; when that file has moved since, the error said "pass a
+    builtin name, a .txt/.jsonl file...", advice no convert flag can take."""
+    import shutil
+
+    run = tmp_path / "run"
+    shutil.copytree(trained_run, run)
+    for state_file in (run / "checkpoints").glob("*/train_state.json"):
+        state = json.loads(state_file.read_text())
+        state["run"]["data"] = str(tmp_path / "moved.txt")
+        state_file.write_text(json.dumps(state))
+    one_line_error(capsys, ["convert", "--to", "recursive", "--checkpoint", str(run), "--lora-rank", "4", "--out",
+                            str(tmp_path / "rec")],
+                   f"the source run's training data cannot be read to calibrate the SVD on (unknown corpus "
+                   f"'{tmp_path / 'moved.txt'}'")
+    capsys.readouterr()
+    assert main(["convert", "--to", "recursive", "--checkpoint", str(run), "--lora-rank", "4", "--out",
+                 str(tmp_path / "rec")]) == EXIT_USER_ERROR
+    assert capsys.readouterr().err.strip().endswith("); put it back where the run read it, or pass --calibration 0 "
+                                                    "(the SVD of the weights alone)")
+    assert main(["convert", "--to", "recursive", "--checkpoint", str(run), "--lora-rank", "4", "--calibration", "0",
+                 "--out", str(tmp_path / "rec")]) == 0  # the way on the error names
+
+
 def test_verbs_other_than_train_refuse_to_run_under_torchrun(trained_run, capsys, monkeypatch):
     """Under torchrun every rank ran eval (or generate...) whole and printed it again."""
     monkeypatch.setenv("WORLD_SIZE", "2")

@@ -236,6 +236,9 @@ def test_speculation_refuses_what_it_cannot_do():
     model = looped(2)
     with pytest.raises(BlockloopError, match="runs 2 loops, not fewer than the model's 2: give 1"):
         runner_for(model, speculation=Speculation(2, 2))
+    with pytest.raises(BlockloopError, match="runs 1 loop, so no shallower draft of it exists to speculate with; "
+                                             "leave out --speculate"):  # it read "give 1 to 0"
+        runner_for(looped(1), speculation=Speculation(2))
     with pytest.raises(BlockloopError, match="k >= 1"):
         Speculation(0)
     with pytest.raises(BlockloopError, match="not both"):

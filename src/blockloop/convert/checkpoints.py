@@ -116,8 +116,12 @@ def calibration_windows(source: TrainedModel, count: int, seq_len: int = 128) ->
     data = source.state.get("run", {}).get("data")
     if data is None:
         raise BlockloopError("the source checkpoint records no training data to calibrate on; pass --calibration 0")
-    windows = PackedSequences(prepare_tokens(data, source.tokenizer, show_progress=False).train,
-                              min(seq_len, source.config.context_length), source.tokenizer.start_id)
+    try:
+        tokens = prepare_tokens(data, source.tokenizer, show_progress=False).train
+    except BlockloopError as exc:  # the run's text was moved or deleted since: convert has no flag to name other data
+        raise BlockloopError(f"the source run's training data cannot be read to calibrate the SVD on ({exc}); put it "
+                             "back where the run read it, or pass --calibration 0 (the SVD of the weights alone)") from None
+    windows = PackedSequences(tokens, min(seq_len, source.config.context_length), source.tokenizer.start_id)
     picks = torch.linspace(0, len(windows) - 1, min(count, len(windows))).long().tolist()
     return torch.stack([torch.from_numpy(windows[i][:-1]) for i in picks])
 

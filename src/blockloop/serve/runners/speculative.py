@@ -84,6 +84,9 @@ class Speculator:
     def __init__(self, model: RecursiveDecoder, speculation: Speculation) -> None:
         if not speculation.draft_loops < model.config.loops:
             loops = model.config.loops
+            if loops == 1:
+                raise BlockloopError("this recursive model runs 1 loop, so no shallower draft of it exists to "
+                                     "speculate with; leave out --speculate")
             raise BlockloopError(f"the draft (--draft-loops, draft_loops) runs {speculation.draft_loops} loops, not fewer "
                                  f"than the model's {loops}: give {'1' if loops == 2 else f'1 to {loops - 1}'}")
         self.model, self.speculation = model, speculation
