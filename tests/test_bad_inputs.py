@@ -254,6 +254,10 @@ CASES = [
     (["generate", "--checkpoint", R, "--prompt", "a\udcff"], "--prompt: is not valid UTF-8 text (byte 0xFF at character 1)"),
     (["generate", "--checkpoint", "{base}/shape_mismatch", "--prompt", "a", "--device", "cpu"], "tensor shapes"),
     (["chat", "--checkpoint", R, "--max-new-tokens", "0"], "--max-new-tokens: must be an integer >= 1"),
+    (["generate", "--checkpoint", R, "--prompt", "a", "--temperature", "0", "--top-p", "0.3", "--top-k", "5",
+      "--seed", "4"], "--top-k, --top-p, --seed do not apply to --temperature 0 (greedy: nothing is sampled); "
+                      "leave them out, or give a temperature above 0 to sample"),
+    (["chat", "--checkpoint", R, "--temperature", "0", "--seed", "4"], "--seed does not apply to --temperature 0"),
     (["chat", "--checkpoint", R, "--slots", "0"], "--slots: must be an integer >= 1"),
     (["chat", "--checkpoint", R, "--system", "\udcff"], "--system: is not valid UTF-8"),
     (["chat", "--checkpoint", R, "--chat-template", "{base}/none.jinja"], "--chat-template: cannot read {base}/none.jinja"),

@@ -339,6 +339,20 @@ def test_ctrl_c_mentions_a_checkpoint_only_where_one_is_written(monkeypatch, cap
     assert capsys.readouterr().err.strip() == "blockloop presets: interrupted"
 
 
+def test_a_stopped_generation_ends_its_text_with_a_newline(trained_run, capsys, monkeypatch):
+    """Ctrl-C mid-answer printed "...the text so far^Cblockloop generate: interrupted" on one line."""
+    from blockloop.serve import generate as generation
+
+    def stopped(model, prompts, max_new, *, on_token, **kwargs):
+        on_token(0, prompts[0][0])
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(generation, "generate", stopped)
+    assert main(["generate", "--checkpoint", str(trained_run), "--prompt", "to be", "--device", "cpu"]) == 130
+    out = capsys.readouterr().out
+    assert out.startswith("to be") and out.endswith("\n") and out.count("\n") == 1
+
+
 def test_a_stop_signal_ends_every_verb_with_a_line_not_silently(monkeypatch, capsys):
     """SIGTERM to a verb other than train or serve (generate, eval, convert...) ended the process on the spot with
     no word; it now takes Ctrl-C's way out."""

@@ -13,6 +13,7 @@ from blockloop.cli.common import (
     add_device,
     add_no_pack,
     add_sampling,
+    check_sampling,
     positive_int,
     sampling_seed,
     terminal_safe,
@@ -52,6 +53,7 @@ def run(args: argparse.Namespace) -> int:
     from blockloop.serve.http.worker import EngineWorker, serving_engine
     from blockloop.serve.requests import SamplingParams
 
+    check_sampling(args)
     trained, options = load(args, n_slots=args.slots)
     worker = EngineWorker(serving_engine(trained.model, **options))
     template = chat_template_for(trained.tokenizer, trained.directory, args.chat_template)
@@ -65,6 +67,9 @@ def run(args: argparse.Namespace) -> int:
     worker.start()
     try:
         converse(session, input, write, interactive=sys.stdin.isatty())
+    except Terminated:
+        write("\n")  # the stop's line starts on a line of its own, not after the answer or prompt so far
+        raise
     finally:
         worker.close()
     return 0

@@ -211,6 +211,16 @@ def add_sampling(p: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
                    help="sample only from the smallest set with this total probability (of what --top-k keeps)")
 
 
+def check_sampling(args: argparse.Namespace) -> None:
+    """At ``--temperature 0`` (greedy) nothing is sampled, so ``--top-k``, ``--top-p`` and ``--seed`` would be
+    ignored without a word: they are refused instead."""
+    if args.temperature == 0:
+        given = [name for name in ("top_k", "top_p", "seed") if getattr(args, name, None) is not None]
+        if given:
+            refuse_flags(given, "--temperature 0 (greedy: nothing is sampled)",
+                         or_else=", or give a temperature above 0 to sample")
+
+
 def add_no_progress(p: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
     """``--no-progress``, read once by :func:`blockloop.cli.main` for every bar of the process."""
     p.add_argument("--no-progress", action="store_true",

@@ -10,8 +10,11 @@ from blockloop.cli.common import (
     add_device,
     add_no_pack,
     add_sampling,
+    add_threads,
+    check_sampling,
     positive_int,
     sampling_seed,
+    set_threads,
     terminal_safe,
     utf8_text,
 )
@@ -38,6 +41,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     s.add_argument("--draft-loops", type=positive_int, help="loops that draft (default: 1)")
     s.add_argument("--adaptive-k", action="store_true", help="lower K after rejections, raise it after full acceptance")
     add_device(p)
+    add_threads(p)
     add_no_pack(p)
 
 
@@ -51,6 +55,8 @@ def run(args: argparse.Namespace) -> int:
 
     if args.speculate is None and (args.draft_loops is not None or args.adaptive_k):
         raise BlockloopError("--draft-loops and --adaptive-k shape speculation; add --speculate K or leave them out")
+    check_sampling(args)
+    set_threads(args.threads)
     trained = load_trained(args.checkpoint, resolve_device(args.device))
     tok = trained.tokenizer
     prompt = tok.encode_prompt(args.prompt)
@@ -80,7 +86,12 @@ def run(args: argparse.Namespace) -> int:
             sys.stdout.flush()
             pending.clear()
 
-        generate(trained.model, [prompt], max_new, on_token=on_token, **kwargs)
+        try:
+            generate(trained.model, [prompt], max_new, on_token=on_token, **kwargs)
+        except KeyboardInterrupt:
+            if not pending:  # text went out: the stop's line starts on a line of its own, not after the text
+                sys.stdout.write("\n")
+            raise
         sys.stdout.write(safe("".join(pending) + stream.flush()) + "\n")
     else:
         outs = generate(trained.model, [prompt] * args.num_samples, max_new, **kwargs)
