@@ -306,6 +306,9 @@ def test_cli_errors(tmp_path, capsys):
     one_line_error(capsys, ["convert", "--to", "hf", "--out", str(tmp_path / "x")], "needs --checkpoint")
     one_line_error(capsys, ["convert", "--from-hf", str(tmp_path / "nope"), "--out", str(tmp_path / "x")],
                    "is not a directory")
+    (tmp_path / "notes").mkdir()  # no model at all: that is the first thing said, not the missing tokenizer
+    one_line_error(capsys, ["convert", "--from-hf", str(tmp_path / "notes"), "--out", str(tmp_path / "x")],
+                   "no config.json in")
     hf = random_hf_model("llama")
     hf.save_pretrained(tmp_path / "hf")
     one_line_error(capsys, ["convert", "--from-hf", str(tmp_path / "hf"), "--out", str(tmp_path / "x")],

@@ -51,21 +51,29 @@ def _architecture(model_type: Any) -> Architecture:
     return ARCHITECTURES[model_type]
 
 
-def _load_hf_config(path: Path, gguf_file: str | None) -> Any:
-    from huggingface_hub.errors import StrictDataclassError
-    from transformers import AutoConfig
-
+def check_source(path: Path, gguf_file: str | None) -> Path:
+    """The file a model's config is read from (config.json, or the GGUF), refused in one line where it is missing
+    or names an architecture blockloop does not convert: checked before anything else is read (the tokenizer), so
+    the first error a wrong folder gets is that it holds no model."""
     if not path.is_dir():
         raise BlockloopError(f"{path} is not a directory; give a Hugging Face model folder (config.json + weights)")
     if gguf_file is not None:
         source = path / gguf_file
         if not source.is_file():
             raise BlockloopError(f"no GGUF file {gguf_file!r} in {path}; name a .gguf file inside that folder")
-    else:
-        source = path / "config.json"
-        if not source.is_file():
-            raise BlockloopError(f"no config.json in {path}; give a Hugging Face model folder, or --gguf-file for a GGUF")
-        _architecture(_model_type(source))
+        return source
+    source = path / "config.json"
+    if not source.is_file():
+        raise BlockloopError(f"no config.json in {path}; give a Hugging Face model folder, or --gguf-file for a GGUF")
+    _architecture(_model_type(source))
+    return source
+
+
+def _load_hf_config(path: Path, gguf_file: str | None) -> Any:
+    from huggingface_hub.errors import StrictDataclassError
+    from transformers import AutoConfig
+
+    source = check_source(path, gguf_file)
     extra = {"gguf_file": gguf_file} if gguf_file is not None else {}
     try:
         return AutoConfig.from_pretrained(path, local_files_only=True, **extra)

@@ -14,7 +14,7 @@ import struct
 import tempfile
 from pathlib import Path
 
-from blockloop.convert.hf import import_hf
+from blockloop.convert.hf import check_source, import_hf
 from blockloop.data.pretrained import SMOLLM2_GGUF, convert_gguf_tokenizer, gguf_parsed_once, smollm2_files
 from blockloop.data.tokenizers import Tokenizer, build_tokenizer, hf_folder_tokenizer
 from blockloop.errors import BlockloopError
@@ -67,6 +67,7 @@ def import_checkpoint(
            for marker in ("train_state.json", ckpt.LATEST)):  # or one of them: what blockloop writes, HF does not
         raise BlockloopError(f"{path} is a blockloop run or checkpoint, not a Hugging Face folder; it needs no import: "
                              f"give it as --checkpoint, or export it with convert --to hf --checkpoint {shlex.quote(str(path))}")
+    check_source(path, gguf_file)
     if tokenizer is not None and tokenizer.split(":")[0] == "bpe":
         raise BlockloopError("--tokenizer bpe is trained on a corpus, so its ids would not be the ones the imported "
                              "weights were trained on; leave --tokenizer out to keep the source's own")
