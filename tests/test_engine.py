@@ -583,6 +583,9 @@ def test_bench_cli_runs_throughput_and_stream_end_to_end(tmp_path, capsys):
     assert sequence_wise["requests"] == 5 and 10 <= sequence_wise["output_tokens"] <= 30
     assert depth_wise["output_tokens"] == sequence_wise["output_tokens"]
     assert depth_wise["agreement_vs_no_exit"] == 1.0 and depth_wise["mean_exit_loop"] == 2.0
+    # flags left to their defaults are recorded with what they resolved to, not "auto" and null
+    assert {k: sequence_wise["settings"][k] for k in ("device", "dtype", "sync_every")} == {
+        "device": "cpu", "dtype": sequence_wise["dtype"], "sync_every": 1} and sequence_wise["dtype"] != "auto"
     out = capsys.readouterr().out
     assert "| tiny-recursive depth-wise exit none:0 | 2 |" in out
     # The stream runs the engine as `serve` does (on CPU every step reaches the host), so short requests get a TPOT.

@@ -110,8 +110,9 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     from blockloop.bench import records
-    from blockloop.bench.suite import bench_dtype, load_models
+    from blockloop.bench.suite import ThroughputSettings, bench_dtype, load_models
     from blockloop.device import resolve_device
+    from blockloop.serve.engine import default_sync_every
 
     if args.record is not None and args.record.is_dir():
         raise BlockloopError(f"--record {args.record} is a directory; name a JSON-lines file")
@@ -139,6 +140,10 @@ def run(args: argparse.Namespace) -> int:
     # the mode's settings, flag by flag: a record says how it was measured without its command line being parsed
     flags = {**({**STREAM, **ENGINE_STREAM} if args.stream else THROUGHPUT), **LOCAL, **WARMUP, "seed": 0}
     meta["settings"] = {name: getattr(args, name) for name in flags}
+    # what a flag left to its default ran with: "auto" and None say nothing a later reader can compare
+    window = args.sync_every or (default_sync_every(torch.device(device)) if args.stream else
+                                 ThroughputSettings.sync_every)
+    meta["settings"].update(device=device, dtype=meta["dtype"], sync_every=window)
     models = load_models(args.presets, args.checkpoint, device, dtype, args.seed)
     measured: list[dict[str, Any]] = []  # every row as it is measured, so that Ctrl-C keeps them
     try:
