@@ -339,7 +339,8 @@ def test_convert_uptrain_with_distillation_and_evaluate_per_loop(teacher_run, tm
                  "--distill-weight", "0.5", "--early-exit", "aggressive", "--exit-kd-weight", "1.0",
                  "--out", str(run)]) == 0
     started = capsys.readouterr().out
-    assert f"parameters, aggressive early-exit loss, distilling from {teacher_run.resolve()}" in started, started
+    assert (f"parameters, aggressive early-exit loss with exit distillation weight 1, distilling from "
+            f"{teacher_run.resolve()}") in started, started
     curve = losses(run)
     assert curve[-1] < curve[0]
     saved = json.loads((run / "checkpoints" / "step_0000016" / "config.json").read_text())
@@ -359,6 +360,15 @@ def test_convert_uptrain_with_distillation_and_evaluate_per_loop(teacher_run, tm
     assert [r["loop"] for r in loops] == [1, 2] and loops[-1]["agreement"] == 1.0
     assert sum(r["oracle_exit_share"] for r in loops) == pytest.approx(1.0)
     assert 1.0 <= metrics["mean_exit_loop"] <= 2.0
+    # Going on from it: --early-exit none drops the exit loss with its distillation term (it was refused, naming an
+    # exit_kd_weight no flag could clear), and a kept distillation weight is named in the start line.
+    short = ["--steps", "1", "--eval-interval", "1", "--ckpt-interval", "1", "--no-progress"]
+    assert main(["train", "--init-from", str(run), "--early-exit", "none", *short, "--out", str(tmp_path / "plain")]) == 0
+    plain = json.loads((tmp_path / "plain" / "checkpoints" / "step_0000001" / "config.json").read_text())
+    assert (plain["exit_loss"], plain["exit_kd_weight"]) == ("none", 0.0)
+    capsys.readouterr()
+    assert main(["train", "--init-from", str(run), "--early-exit", "weighted", *short, "--out", str(tmp_path / "w")]) == 0
+    assert "weighted early-exit loss with exit distillation weight 1)" in capsys.readouterr().out
 
 
 def test_a_distilling_run_whose_pinned_teacher_is_gone_names_it_again_on_resume(teacher_run, tmp_path, capsys):

@@ -275,13 +275,15 @@ def apply_early_exit(config: ModelConfig, options: EarlyExit) -> ModelConfig:
     exit_loss = changes.get("exit_loss", config.exit_loss)
     unused = [flag for flag, given, read in (
         ("--exit-coefficient", options.exit_coefficient is not None, exit_loss == "aggressive"),
-        ("--exit-kd-weight", options.exit_kd_weight is not None, exit_loss != "none"),
+        ("--exit-kd-weight", bool(options.exit_kd_weight), exit_loss != "none"),  # 0 with no exit loss: consistent
     ) if given and not read]
     if unused:
         raise BlockloopError(f"{', '.join(unused)} weigh{'s' * (len(unused) == 1)} the early-exit loss, which this run "
                              f"does not use (exit loss {exit_loss}); add --early-exit "
                              f"{'aggressive' if '--exit-coefficient' in unused else 'weighted|aggressive'} or leave "
                              f"{'it' if len(unused) == 1 else 'them'} out")
+    if exit_loss == "none":  # the distillation is a term of the exit loss: dropping the loss (--init-from) drops it
+        changes["exit_kd_weight"] = 0.0
     return config.replace(**changes)
 
 
