@@ -121,6 +121,33 @@ def test_a_ctrl_c_or_sigterm_ends_the_step_keeps_it_in_a_checkpoint_and_the_resu
     assert not (tmp_path / "twice" / "checkpoints" / "latest").exists()
 
 
+def test_a_stop_during_validation_cuts_it_short_and_keeps_the_step(tmp_path, capsys):
+    """A stop during a large validation waited for all of it (18 s in an audit; a scheduler's grace period can be
+    shorter): the first signal now ends the validation at the next batch, and the step is checkpointed."""
+    trainer = make_trainer(tmp_path / "run", eval_interval=4, eval_batches=50, ckpt_interval=8)
+    validated = []
+
+    class StoppedInValidation(torch.nn.Module):
+        def __init__(self, model):
+            super().__init__()
+            self.model = model
+
+        def forward(self, *args, **kwargs):
+            if not self.training:
+                validated.append(1)
+                if len(validated) == 1:
+                    os.kill(os.getpid(), signal.SIGTERM)
+            return self.model(*args, **kwargs)
+
+    trainer.forward = StoppedInValidation(trainer.forward)
+    with pytest.raises(KeyboardInterrupt):
+        trainer.fit()
+    assert len(validated) == 1  # not the 50 batches asked for
+    assert "step 4: validation cut short by the stop, not logged" in capsys.readouterr().out
+    assert (tmp_path / "run" / "checkpoints" / "latest").read_text().strip() == "step_0000004"
+    assert val_losses(tmp_path / "run") == []  # a validation cut short is not logged as if whole
+
+
 def test_the_trainer_refuses_what_would_fail_later_or_mix_two_runs(tmp_path):
     """Library misuse that failed only at the first step or the first save, or silently: a torch.compile wrapper
     (its weights saved as _orig_mod.*), data cut to another seq_len (a forward error, or tokens miscounted), and a

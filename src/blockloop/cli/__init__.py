@@ -130,7 +130,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt as stop:
         # A verb that kept part of its work says where, in the stop it raises again (eval's finished tasks).
         kept = f"; {stop.args[0]}" if stop.args else _checkpoints_kept(args)
-        print(f"{prog}: interrupted{kept}", file=sys.stderr)
+        if os.environ.get("RANK", "0") == "0":  # under torchrun every rank is stopped: one says so
+            print(f"{prog}: interrupted{kept}", file=sys.stderr)
         return 130
 
 

@@ -19,6 +19,7 @@ from blockloop.cli.common import (
     parse_overrides,
     positive_float,
     positive_int,
+    refuse_flags,
 )
 from blockloop.errors import BlockloopError
 
@@ -97,7 +98,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     g = p.add_argument_group("length of training")
     g.add_argument("--steps", type=positive_int, help=f"optimizer steps (default: {d.steps})")
-    g.add_argument("--tokens", type=number(1), help="train for this many tokens instead of --steps (e.g. 2e6)")
+    # at most 1e15 tokens, about 50x the largest published pretraining runs: a larger count is a typo
+    g.add_argument("--tokens", type=number(1, 1e15), help="train for this many tokens instead of --steps (e.g. 2e6)")
     g = p.add_argument_group("batch and optimizer")
     g.add_argument("--batch-size", type=positive_int, help=f"sequences per micro-batch per process; a step takes --grad-accum of them (default: {d.batch_size})")
     g.add_argument("--grad-accum", type=positive_int, help=f"micro-batches accumulated per step (default: {d.grad_accum})")
@@ -145,6 +147,8 @@ def train(args: argparse.Namespace) -> int:
     from blockloop.train.distributed import init_distributed, on_any_rank, shutdown
     from blockloop.train.setup import EarlyExit, TrainRequest, plan_run, start_training
 
+    if args.schedule == "constant" and args.min_lr_ratio is not None:
+        refuse_flags(["min_lr_ratio"], "--schedule constant (the learning rate does not decay)")
     given = {k: getattr(args, k) for k in TRAIN_FLAGS if getattr(args, k) is not None}
     plan = plan_run(TrainRequest(
         out=Path(args.out), resume=args.resume, init_from=args.init_from, preset=args.preset, data=args.data,

@@ -9,6 +9,7 @@ labelled positions only, the number the Staircase paper reports.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from contextlib import nullcontext
 
 import numpy as np
@@ -26,6 +27,10 @@ from blockloop.nn.loss import IGNORE_INDEX, token_cross_entropy
 from blockloop.train.distributed import DistInfo, sum_across_ranks
 
 
+class EvaluationStopped(Exception):
+    """An evaluation ended before its last batch because ``stopped()`` asked it to."""
+
+
 @torch.no_grad()
 def evaluate(
     model: nn.Module,
@@ -39,6 +44,7 @@ def evaluate(
     objective: str = "lm",
     show_progress: bool = False,
     dist: DistInfo | None = None,
+    stopped: Callable[[], bool] | None = None,
 ) -> dict[str, float]:
     """Loss/perplexity (and bits per byte when ``byte_lengths`` per token id is given).
 
@@ -52,6 +58,10 @@ def evaluate(
     read, ``batch_size`` rows each, and add up their sums: the metrics do not depend on the number of processes,
     and no rank scores what another does. A rank left without rows in a short last batch still runs the model on
     a stand-in row that is not counted, because FSDP gathers weights in every rank's forward together.
+
+    ``stopped()`` is asked before each batch; when it says so the evaluation ends at once with
+    :class:`EvaluationStopped` (training's validation, on a Ctrl-C or a scheduler's stop: a large validation can
+    outlast the stop's grace period).
     """
     was_training = model.training
     model.eval()
@@ -90,6 +100,8 @@ def evaluate(
     state = None
     try:  # back in the caller's mode also when a batch fails
         for i, (inputs, targets) in enumerate(batches):
+            if stopped is not None and stopped():
+                raise EvaluationStopped
             counted = inputs[mine].shape[0] > 0
             share = mine if counted else slice(0, 1)
             # The whole batch is shaped, then cut: random padding and span corruption draw row by row, so a rank's

@@ -38,7 +38,7 @@ from blockloop.signals import stop_at_safe_point
 from blockloop.train import checkpoint as ckpt
 from blockloop.train.config import TrainConfig
 from blockloop.train.distributed import DistInfo, barrier, mean_across_ranks, parallelize, sum_across_ranks
-from blockloop.train.evaluate import evaluate
+from blockloop.train.evaluate import EvaluationStopped, evaluate
 from blockloop.train.flops import mfu
 from blockloop.train.optim import build_optimizer, lr_at
 
@@ -224,9 +224,12 @@ class Trainer:
                 if self.val_data is not None and (self.step % cfg.eval_interval == 0 or self.step == cfg.steps):
                     if self.dist.is_main:  # the bar stands still meanwhile: say why
                         tqdm.write(f"step {self.step}: validating on up to {cfg.eval_batches} batches")
-                    validation = self.validate()
-                    metrics.update(validation)
-                    self._log({"step": self.step, **validation})
+                    try:  # a stop asked for meanwhile cuts it short: the step is checkpointed without it
+                        validation = self.validate(stopped=lambda: stop.requested)
+                        metrics.update(validation)
+                        self._log({"step": self.step, **validation})
+                    except EvaluationStopped:
+                        tqdm.write(f"step {self.step}: validation cut short by the stop, not logged")
                 if self.step % cfg.ckpt_interval == 0 or self.step == cfg.steps:
                     self.save_checkpoint()
                 last = metrics
@@ -282,7 +285,8 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         return sum_across_ranks(total, self.dist).item()
 
-    def validate(self) -> dict[str, float]:
+    def validate(self, stopped: Callable[[], bool] | None = None) -> dict[str, float]:
+        """The validation metrics; ``stopped`` ends it early (:class:`~blockloop.train.evaluate.EvaluationStopped`)."""
         result = evaluate(
             self.forward if self.dist.world_size == 1 else self.model,
             self.val_data,
@@ -292,6 +296,7 @@ class Trainer:
             autocast_dtype=self.autocast_dtype,
             objective=self.config.objective,
             dist=self.dist,
+            stopped=stopped,
         )
         metrics = {"val_loss": result["loss"], "val_perplexity": result["perplexity"]}
         if "error" in result:  # a labelled-position task: its error is the number that matters
