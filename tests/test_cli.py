@@ -339,6 +339,25 @@ def test_ctrl_c_mentions_a_checkpoint_only_where_one_is_written(monkeypatch, cap
     assert capsys.readouterr().err.strip() == "blockloop presets: interrupted"
 
 
+def test_more_threads_than_cpus_are_warned_about(capsys):
+    import os
+
+    import torch
+
+    from blockloop.cli.common import set_threads
+
+    before = torch.get_num_threads()
+    cpus = len(os.sched_getaffinity(0))
+    try:
+        set_threads(cpus)
+        assert capsys.readouterr().err == ""
+        set_threads(cpus + 1)
+        assert f"warning: --threads {cpus + 1} is more than the {cpus} CPUs" in capsys.readouterr().err
+        assert torch.get_num_threads() == cpus + 1  # warned, not refused
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_a_stopped_generation_ends_its_text_with_a_newline(trained_run, capsys, monkeypatch):
     """Ctrl-C mid-answer printed "...the text so far^Cblockloop generate: interrupted" on one line."""
     from blockloop.serve import generate as generation

@@ -11,6 +11,8 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
+import sys
 import unicodedata
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -261,6 +263,10 @@ def set_threads(threads: int | None) -> None:
     if threads is not None:
         import torch
 
+        cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or threads
+        if threads > cpus:  # allowed (a benchmark may want it), but rarely meant: threads then wait on each other
+            print(f"warning: --threads {threads} is more than the {cpus} CPUs this process may use; they will "
+                  "share them, which is usually slower", file=sys.stderr)
         torch.set_num_threads(threads)
 
 
