@@ -567,9 +567,14 @@ def test_a_task_models_unknown_words_empty_prompts_and_chats_are_400s(tmp_path):
                                                  **body})
             assert reply.status_code == 400, reply.text
             assert reply.json()["error"]["param"] == param and words in reply.json()["error"]["message"]
-        good = httpx.post(url + "/v1/completions", json={"model": "walk", "prompt": "r0c0 L", "max_tokens": 2})
-        assert good.status_code == 200 and good.json()["usage"] == {"prompt_tokens": 2, "completion_tokens": 2,
-                                                                     "total_tokens": 4}
+        # One label answers a sequence: it was fed back as a word and the rest of the "continuation" was noise.
+        for asked in ({"max_tokens": 1}, {}):
+            good = httpx.post(url + "/v1/completions", json={"model": "walk", "prompt": "r0c0 L", **asked})
+            assert good.status_code == 200 and good.json()["usage"] == {"prompt_tokens": 2, "completion_tokens": 1,
+                                                                         "total_tokens": 3}
+        more = httpx.post(url + "/v1/completions", json={"model": "walk", "prompt": "r0c0 L", "max_tokens": 2})
+        assert more.status_code == 400 and more.json()["error"]["param"] == "max_tokens"
+        assert "one label, the state after the last word; ask for max_tokens 1" in more.json()["error"]["message"]
         # bench --url says why it cannot stream Shakespeare to it (it blamed the server for not being blockloop's)
         with pytest.raises(BlockloopError, match=r"cannot read the shakespeare corpus \(.* is not a word of task "
                            r"random-walk:8.*\); bench --url needs a model of text"):

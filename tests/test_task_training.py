@@ -169,6 +169,14 @@ def test_cli_trains_and_evaluates_a_task_end_to_end(tmp_path, walk_dir, capsys):
     test_labels = np.asarray(load_task(walk_dir).splits["test"].labels)
     assert result["task"] == WALK and result["split"] == "test"
     assert result["tokens"] == (test_labels != IGNORE_INDEX).sum() and 0.0 <= result["error"] <= 1.0
+    # generate answers a sequence of the task's words with the model's label after the last one, and only that: a
+    # label fed back is no word the model reads (it went on with labels as if they were inputs)
+    trained = load_trained(run)
+    prompt = trained.tokenizer.encode("L R F")
+    with torch.no_grad():
+        label = int(trained.model(torch.tensor([prompt]))[0][0, -1].argmax())
+    assert main(["generate", "--checkpoint", str(run), "--prompt", "L R F", "--temperature", "0", "--device", "cpu"]) == 0
+    assert capsys.readouterr().out.split() == ["L", "R", "F", trained.tokenizer.vocab.words[label]]
     # ... and resumes with the same task.
     assert main(["train", "--out", str(run), "--resume", "--steps", "6", "--no-progress", "--device", "cpu"]) == 0
     assert "step 6" in capsys.readouterr().out
@@ -189,6 +197,8 @@ def test_cli_task_errors_are_one_line(tmp_path, walk_dir, capsys):
          "sequence of 9 tokens, longer than --seq-len 8"),
         (["train", "--task-dir", str(short), "--out", str(tmp_path / "b"), *TRAIN],
          "valid split of task random-walk:8 holds 9 tokens, fewer than one window"),
+        (["generate", "--checkpoint", str(run), "--prompt", "L R F", "--max-new-tokens", "3", "--device", "cpu"],
+         f"this model learned task {WALK}: it answers a sequence of the task's words with one label"),
         (["eval", "--checkpoint", str(run), "--task", "algorithm-3", "--device", "cpu"],
          "is not the vocabulary of task algorithm-3"),
         (["eval", "--checkpoint", str(run), "--task-dir", str(tmp_path / "nowhere"), "--device", "cpu"], "no meta.json"),
