@@ -169,6 +169,24 @@ def test_a_benchmark_script_error_is_one_line_and_exit_status_2(capsys):
     run_script(lambda: None)  # a script that succeeds returns normally
 
 
+def test_a_stopped_benchmark_script_is_one_line_and_exit_status_130(capsys):
+    """Ctrl-C or SIGTERM in a benchmark script (staircase_tasks trains for many minutes) ended in a traceback and
+    exit status 1."""
+    import os
+    import signal
+    import time
+
+    from blockloop.bench.records import run_script
+
+    def main() -> None:
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(30)
+
+    with pytest.raises(SystemExit) as exit_:
+        run_script(main)
+    assert exit_.value.code == 130 and capsys.readouterr().err == "interrupted\n"
+
+
 def test_a_record_file_that_cannot_be_written_is_refused_before_the_benchmark_runs(tmp_path, capsys):
     from blockloop.cli import EXIT_USER_ERROR, main
 

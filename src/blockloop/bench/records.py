@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
 from blockloop.errors import BlockloopError
+from blockloop.signals import terminate_as_interrupt
 
 if TYPE_CHECKING:
     import torch
@@ -51,12 +52,17 @@ def _directory(text: str) -> Path:
 
 def run_script(main: Callable[[], object]) -> None:
     """Run a benchmark script's ``main`` as the CLI runs a verb: a :class:`BlockloopError` (a bad flag value, a
-    missing run, an output path it may not write) is one line on stderr and exit status 2, not a traceback."""
+    missing run, an output path it may not write) is one line on stderr and exit status 2, and Ctrl-C or SIGTERM
+    one line and 130, not a traceback (the scripts write their results as they go)."""
     try:
-        main()
+        with terminate_as_interrupt():
+            main()
     except BlockloopError as err:
         print(f"error: {err}", file=sys.stderr)
         sys.exit(2)
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        sys.exit(130)
 
 
 def add_output_arguments(parser: argparse.ArgumentParser) -> None:
