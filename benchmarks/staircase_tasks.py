@@ -49,7 +49,8 @@ from blockloop.bench.records import (
 from blockloop.cli import Parser
 from blockloop.cli.common import add_threads, nonnegative_int, positive_float, positive_int, set_threads
 from blockloop.cli.common import device as device_name
-from blockloop.families import from_name
+from blockloop.errors import BlockloopError
+from blockloop.families import from_name, spec_of
 from blockloop.train.evaluate import evaluate
 from blockloop.train.run import RunSpec, prepare_run, sequences, task_sequences
 from blockloop.train.trainer import TrainConfig, Trainer
@@ -97,6 +98,20 @@ def parse_model(entry: str) -> tuple[str, str, dict[str, object]]:
         except json.JSONDecodeError:
             overrides[name] = value
     return label, preset, overrides
+
+
+def check_models(entries: list[str], seq_len: int) -> None:
+    """Every entry's preset and fields, and ``--seq-len`` against its chunk size, before the first model trains: each
+    trains for minutes, and a typo in the last entry was found only after the others had run."""
+    for entry in entries:
+        label, preset, overrides = parse_model(entry)
+        if not label or not preset:
+            raise BlockloopError(f"--models {entry!r}: give LABEL=PRESET[,FIELD=VALUE...]")
+        config = from_name(preset, **overrides)
+        unit = spec_of(config).sequence_multiple(config)
+        if seq_len % unit:
+            raise BlockloopError(f"--models {entry}: --seq-len {seq_len} is not a multiple of its chunk size {unit}; "
+                                 f"use e.g. --seq-len {-(-seq_len // unit) * unit}")
 
 
 def train_one(
@@ -385,6 +400,7 @@ def main() -> None:
     if args.smoke:
         args.steps, args.seeds, args.curve_every, args.curve_batches, args.eval_batches = 4, 2, 2, 1, 1
         args.models = args.models or list(SMOKE_MODELS)
+    check_models(args.models or {"tasks": TASK_MODELS, "lm": LM_MODELS, "seeds": SEED_MODELS}[args.part], args.seq_len)
     set_threads(args.threads)
     key = "lm" if args.part == "lm" else args.task
     # Results of CPU and GPU runs are kept apart: runs/... are not comparable across devices.
