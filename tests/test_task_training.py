@@ -195,6 +195,10 @@ def test_cli_task_errors_are_one_line(tmp_path, walk_dir, capsys):
          f"holds task {WALK}, not algorithm-3"),
         (["train", "--task-dir", str(walk_dir), "--out", str(tmp_path / "a"), *TRAIN[:2], "--seq-len", "8", *TRAIN[4:]],
          "sequence of 9 tokens, longer than --seq-len 8"),
+        # the length it names is one the model takes: a whole number of staircase chunks (4), not 9 and then a refusal
+        (["train", "--task-dir", str(walk_dir), "--out", str(tmp_path / "a"), "--preset", "tiny-staircase",
+          "--seq-len", "8", *TRAIN[4:]], "raise --seq-len to at least 12 (past the model's context, a new run also "
+                                         "needs --set context_length=12"),
         (["train", "--task-dir", str(short), "--out", str(tmp_path / "b"), *TRAIN],
          "valid split of task random-walk:8 holds 9 tokens, fewer than one window"),
         (["generate", "--checkpoint", str(run), "--prompt", "L R F", "--max-new-tokens", "3", "--device", "cpu"],

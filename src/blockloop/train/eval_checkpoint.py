@@ -116,7 +116,8 @@ def evaluate_task(trained: TrainedModel, request: EvalRequest, device: str) -> d
     if split == "all":
         raise BlockloopError("a task is scored one split at a time; give --split train, valid or test")
     metrics = evaluate(
-        trained.model, task_sequences(data, split, _seq_len(trained, request)), batch_size=request.batch_size,
+        trained.model, task_sequences(data, split, _seq_len(trained, request),
+                                      spec_of(trained.config).sequence_multiple(trained.config)), batch_size=request.batch_size,
         max_batches=request.max_batches, device=device, show_progress=True,
     )
     return {"task": data.name, "split": split, **metrics}

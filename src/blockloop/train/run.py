@@ -153,12 +153,13 @@ def default_seq_len(config: ModelConfig) -> int:
 
 
 def sequences(
-    splits: TokenSplits | TaskData, seq_len: int, start_id: int | None = None
+    splits: TokenSplits | TaskData, seq_len: int, start_id: int | None = None, unit: int = 1
 ) -> tuple[PackedSequences | TaskSequences, PackedSequences | TaskSequences]:
     """Training and validation sequences: packed windows of a corpus (each starting with ``start_id``, the
-    tokenizer's BOS where its model reads one first), or a task's train/valid windows."""
+    tokenizer's BOS where its model reads one first), or a task's train/valid windows (``unit``: what the model's
+    ``--seq-len`` is a multiple of)."""
     if isinstance(splits, TaskData):
-        return task_sequences(splits, "train", seq_len), task_sequences(splits, "valid", seq_len)
+        return task_sequences(splits, "train", seq_len, unit), task_sequences(splits, "valid", seq_len, unit)
     return tuple(PackedSequences(getattr(splits, split), seq_len, start_id, description=f"the {split} split of the corpus")
                  for split in ("train", "val"))
 
@@ -172,9 +173,10 @@ def data_fingerprint(splits: TokenSplits | TaskData) -> str:
     return splits.fingerprint
 
 
-def task_sequences(data: TaskData, split: str, seq_len: int) -> TaskSequences:
+def task_sequences(data: TaskData, split: str, seq_len: int, unit: int = 1) -> TaskSequences:
     return TaskSequences(
-        data.splits[split], seq_len, end_id=data.vocab.id("END"), description=f"the {split} split of task {data.name}"
+        data.splits[split], seq_len, end_id=data.vocab.id("END"), description=f"the {split} split of task {data.name}",
+        unit=unit,
     )
 
 

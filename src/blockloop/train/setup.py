@@ -19,6 +19,7 @@ from typing import Any
 from blockloop.config import ModelConfig, from_fields
 from blockloop.data.corpora import absolute_source, corpus_is_there
 from blockloop.errors import BlockloopError
+from blockloop.families import spec_of
 from blockloop.train import checkpoint as ckpt
 from blockloop.train.config import TrainConfig
 from blockloop.train.distill import build_distillation
@@ -311,7 +312,8 @@ def start_training(plan: RunPlan, info: DistInfo = DistInfo()) -> tuple[Prepared
         run.model_config = run.model.config = model_config
     if plan.fit_seq_len:
         config.seq_len = default_seq_len(model_config)
-    train_seqs, val_seqs = sequences(run.splits, config.seq_len, run.tokenizer.start_id)
+    train_seqs, val_seqs = sequences(run.splits, config.seq_len, run.tokenizer.start_id,
+                                     spec_of(model_config).sequence_multiple(model_config))
     trainer = Trainer(
         run.model, run.model_config, run.tokenizer, train_seqs, val_seqs, config, plan.out,
         run_info=plan.spec.to_dict(), dist_info=info,

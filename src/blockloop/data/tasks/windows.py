@@ -36,7 +36,10 @@ class TaskSequences:
     # carrying state from one window to the next, which would re-read the overlap after the state saw it.
     independent_windows = True
 
-    def __init__(self, stream: TaskStream, seq_len: int, *, end_id: int, description: str = "task split") -> None:
+    def __init__(self, stream: TaskStream, seq_len: int, *, end_id: int, description: str = "task split",
+                 unit: int = 1) -> None:
+        """``unit``: what the model's ``--seq-len`` must be a multiple of, so that a window too short for a sequence
+        names a length the model can take (a staircase's chunk), not one it refuses next."""
         if seq_len < 1:
             raise BlockloopError(f"seq_len must be at least 1, got {seq_len}")
         self.stream, self.seq_len = stream, seq_len
@@ -52,9 +55,10 @@ class TaskSequences:
         starts = starts[starts < total]
         longest = int(np.diff(np.append(starts, total)).max())
         if longest > seq_len:
+            fits = -(-longest // unit) * unit
             raise BlockloopError(
                 f"{description} has a sequence of {longest} tokens, longer than --seq-len {seq_len}; raise --seq-len "
-                f"to at least {longest} (past the model's context, a new run also needs --set context_length={longest} or "
+                f"to at least {fits} (past the model's context, a new run also needs --set context_length={fits} or "
                 "more) or use shorter sequences (NAME:LENGTH)"
             )
         self.starts, self.first_scored = _windows(starts, total, seq_len)
