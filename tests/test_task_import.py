@@ -228,3 +228,20 @@ def test_cli_import_train_and_eval_without_repeating_the_directory(tmp_path, cap
     assert "is not the data" in capsys.readouterr().err
     assert main([*resume, "--task-dir", str(tmp_path / "moved")]) == 0
     assert ckpt.read_metrics(run / "metrics.jsonl")[-1]["step"] == 4
+
+
+def test_an_unknown_word_names_a_few_of_a_large_vocabulary_not_all():
+    """An imported task of 5,000 words printed all of them in the one error line (29 KB)."""
+    from blockloop.data.tasks.base import TaskVocab
+    from blockloop.data.tasks.tokenizer import SHOWN_WORDS, TaskTokenizer
+
+    many = TaskTokenizer("big", TaskVocab(["END", *(f"w{i}" for i in range(4999))]))
+    with pytest.raises(BlockloopError) as refused:
+        many.encode("w1 hello")
+    message = str(refused.value)
+    assert message.startswith("'hello' is not a word of task big; its words: _ END w0 ") and message.endswith(
+        "... (5001 in all)") and len(message.split()) < SHOWN_WORDS + 20
+    few = TaskTokenizer("small", TaskVocab(["END", "L", "R"]))
+    with pytest.raises(BlockloopError, match="'x' is not a word of task small; its words: _ END L R$"):
+        few.encode("x")
+

@@ -24,6 +24,9 @@ from blockloop.files import atomic_write_text
 SAVED_TYPE = "blockloop-task"
 
 
+SHOWN_WORDS = 40  # of a task's vocabulary, in the error for a word outside it
+
+
 class TaskTokenizer(Tokenizer):
     """Words of one task <-> ids; text is the task's words separated by spaces (``"L F R"``)."""
 
@@ -40,7 +43,11 @@ class TaskTokenizer(Tokenizer):
         try:
             return self.vocab.encode(text)
         except KeyError as exc:
-            raise BlockloopError(f"{exc.args[0]!r} is not a word of task {self.task}; its words: {' '.join(self.vocab.words)}") from None
+            words = self.vocab.words
+            # an imported task may have thousands: the first few show their form, a line of 29 KB shows nothing
+            shown = " ".join(words) if len(words) <= SHOWN_WORDS else (
+                f"{' '.join(words[:SHOWN_WORDS])} ... ({len(words)} in all)")
+            raise BlockloopError(f"{exc.args[0]!r} is not a word of task {self.task}; its words: {shown}") from None
 
     def encode_batch(self, texts: Sequence[str | bytes]) -> list[np.ndarray]:
         return [np.array(self.encode(text), dtype=np.uint16) for text in texts]
