@@ -161,6 +161,8 @@ CASES = [
     (["train", *TINY, "--data", "", "--out", NEW], "argument --data: is empty"),
     (["train", "--preset", "tiny-recursive", "--exit-kd-weight", "1", "--out", NEW], "add --early-exit weighted|aggressive"),
     (["train", "--preset", "tiny", "--tokens", "1e30", "--out", NEW], "--tokens: must be a finite number in [1, 1e+15]"),
+    (["train", "--preset", "tiny-encdec", "--seq-len", "1", "--steps", "1", "--out", NEW],  # was a traceback
+     "span corruption keeps some tokens of a window and masks others, so it needs windows of at least 2 tokens"),
     (["train", "--preset", "tiny", "--schedule", "constant", "--min-lr-ratio", "0.5", "--out", NEW],
      "--min-lr-ratio does not apply to --schedule constant (the learning rate does not decay); leave it out"),
     (["train", "--preset", "tiny-recursive", "--early-exit", "weighted", "--exit-coefficient", "0.2", "--out", NEW],

@@ -19,6 +19,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from blockloop.errors import BlockloopError
+
 
 def _composition(total: int, parts: int, generator: torch.Generator) -> list[int]:
     """A uniformly random split of ``total`` into ``parts`` positive integers."""
@@ -29,6 +31,9 @@ def _composition(total: int, parts: int, generator: torch.Generator) -> list[int
 
 def span_counts(length: int, rate: float, mean_span: float, n_sentinels: int) -> tuple[int, int]:
     """(noise tokens, spans) for a window of ``length`` tokens."""
+    if length < 2:
+        raise BlockloopError(f"span corruption keeps some tokens of a window and masks others, so it needs windows "
+                             f"of at least 2 tokens; got {length}: raise --seq-len")
     n_noise = min(max(1, round(length * rate)), length - 1)
     n_spans = max(1, round(n_noise / mean_span))
     return n_noise, min(n_spans, n_noise, length - n_noise, n_sentinels - 1)
