@@ -259,6 +259,23 @@ def test_convert_to_block_then_uptrain_and_generate(trained_run, tmp_path, capsy
     one_line_error(capsys, [*argv, "--out", str(tmp_path / "x"), "--preset", "tiny"], "--init-from keeps the saved model")
 
 
+def test_a_conversion_that_cannot_keep_the_source_window_says_so(trained_run, tmp_path, capsys):
+    """A source trained on windows that are no whole number of blocks: the block model is scored and trained on the
+    default window, which nothing said (eval of the two then compared different windows)."""
+    import shutil
+
+    run = shutil.copytree(trained_run, tmp_path / "run")
+    for state_file in (run / "checkpoints").glob("*/train_state.json"):
+        state = json.loads(state_file.read_text())
+        state["train_config"]["seq_len"] = 30
+        state_file.write_text(json.dumps(state))
+    assert main(["convert", "--to", "block", "--checkpoint", str(run), "--out", str(tmp_path / "block")]) == 0
+    assert ("(the source's training window of 30 tokens is not a whole number of its 4-token units, so eval and "
+            "training take the default window: give --seq-len with a multiple of 4)") in capsys.readouterr().out
+    assert main(["convert", "--to", "block", "--checkpoint", str(trained_run), "--out", str(tmp_path / "kept")]) == 0
+    assert "window" not in capsys.readouterr().out  # 32 tokens: kept, nothing to say
+
+
 def test_set_overrides_model_fields_and_rejects_unknown_ones(tmp_path, capsys):
     argv = [*TINY_TRAIN, "--steps", "1", "--ckpt-interval", "1"]
     argv[argv.index("--preset") + 1] = "tiny-block"

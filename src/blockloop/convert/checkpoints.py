@@ -52,7 +52,13 @@ def _write_uptraining(out: Path, model: nn.Module, source: TrainedModel, what: s
             "step": 0, "run": source.state.get("run", {}), **({"train_config": {"seq_len": window}} if fits else {}),
             "converted_from": str(source.directory),
         })
-    return Converted(out, what, f"uptrain with: blockloop train --init-from {shlex.quote(str(out))} --out RUN")
+    hint = f"uptrain with: blockloop train --init-from {shlex.quote(str(out))} --out RUN"
+    if window is not None and not fits:  # said here: eval and training would silently take another window
+        room = f"a whole number of its {unit}-token units" if window % unit else \
+            f"within its context of {model.config.context_length}"
+        hint += (f" (the source's training window of {window} tokens is not {room}, so eval and training take the "
+                 f"default window: give --seq-len with a multiple of {unit})")
+    return Converted(out, what, hint)
 
 
 def to_block_checkpoint(checkpoint: str | Path, out: Path, *, block_len: int = 4, prefix_len: int | None = None) -> Converted:
