@@ -193,6 +193,8 @@ CASES = [
     # --per-loop scores a text's every next token: not a task, nor a PrefixLM suffix (it was silently ignored)
     (["eval", "--checkpoint", R, "--task", "random-walk:16", "--per-loop"],
      "--per-loop scores a corpus's text after every loop; a task is scored at the model's output"),
+    (["eval", "--checkpoint", R, "--per-loop", "--max-batches", "1", "--device", "cpu"],  # it named a Python class
+     "--per-loop scores each loop of a recursive model; this is a decoder model, which has no loops: leave --per-loop"),
     (["eval", "--checkpoint", R, "--per-loop", "--objective", "prefix_lm"],
      "--per-loop scores every next token after each loop; drop --objective prefix_lm"),
     # train: where the run goes and what it continues

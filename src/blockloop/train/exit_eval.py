@@ -30,7 +30,9 @@ def evaluate_loops(
 ) -> dict[str, object]:
     """``{"loops": [{loop, loss, perplexity, accuracy, agreement, oracle_exit_share}, ...], "mean_exit_loop", "tokens"}``."""
     if not isinstance(model, RecursiveDecoder):
-        raise BlockloopError(f"per-loop evaluation needs a recursive model, not {type(model).__name__}")
+        family = getattr(getattr(model, "config", None), "family", type(model).__name__)
+        raise BlockloopError(f"--per-loop scores each loop of a recursive model; this is a {family} model, which has "
+                             "no loops: leave --per-loop out")
     was_training = model.training
     model.eval()
     loops = model.config.loops
