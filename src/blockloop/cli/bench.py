@@ -150,7 +150,7 @@ def run(args: argparse.Namespace) -> int:
         if args.stream:
             _stream(args, models, measured)
         else:
-            _throughput(args, models, torch.device(device), measured)
+            _throughput(args, models, torch.device(device), measured, window)
     except KeyboardInterrupt:
         if measured and args.record is not None:
             if not args.stream:
@@ -214,8 +214,10 @@ def _given(value: Any) -> bool:
     return not (value is None or value is False or (isinstance(value, list) and not value))
 
 
-def _throughput(args: argparse.Namespace, models: list, device: Any, rows: list[dict[str, Any]]) -> None:
-    """The throughput protocol's rows, into ``rows`` as each is measured (a line on stderr says so), then its table."""
+def _throughput(args: argparse.Namespace, models: list, device: Any, rows: list[dict[str, Any]], sync_every: int
+                ) -> None:
+    """The throughput protocol's rows, into ``rows`` as each is measured (a line on stderr says so), then its table;
+    ``sync_every`` is the window ``--sync-every`` resolved to."""
     from blockloop.bench.hf_baseline import hf_available
     from blockloop.bench.suite import ThroughputSettings, measure_bandwidth, pages_kv, throughput_rows
     from blockloop.bench.throughput import SCENARIOS, check_lengths, scenario_lengths
@@ -256,7 +258,7 @@ def _throughput(args: argparse.Namespace, models: list, device: Any, rows: list[
             raise BlockloopError(f"--hf times HF generate() on the first model, {models[0].name}: {exc}") from None
     settings = ThroughputSettings(
         prompt_len, gen_len, args.batch_sizes,
-        repeats=args.repeats, warmup=args.warmup, sync_every=args.sync_every or ThroughputSettings.sync_every,
+        repeats=args.repeats, warmup=args.warmup, sync_every=sync_every,
         compile=args.compile,
         search=args.search, max_batch=args.max_batch, seed=args.seed, hf=args.hf,
         caches=("static", *(["whole-keys"] if args.whole_keys else []), *(["paged"] if args.paged else []),

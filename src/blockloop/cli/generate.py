@@ -46,6 +46,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from blockloop.data.tasks.tokenizer import answer_length
     from blockloop.device import resolve_device
     from blockloop.serve.batching import padded_prompt_length, prompt_size
     from blockloop.serve.generate import generate
@@ -60,14 +61,7 @@ def run(args: argparse.Namespace) -> int:
     trained = load_trained(args.checkpoint, resolve_device(args.device))
     tok = trained.tokenizer
     prompt = tok.encode_prompt(args.prompt)
-    max_new = args.max_new_tokens
-    task = getattr(tok, "task", None)  # a state-tracking task's model: its outputs are labels, never words it reads
-    if task is not None:
-        if max_new not in (None, 1):
-            raise BlockloopError(f"this model learned task {task}: it answers a sequence of the task's words with one "
-                                 "label, the state after the last word, and a label fed back is no word it reads; "
-                                 "give --max-new-tokens 1, or leave it out")
-        max_new = 1
+    max_new = answer_length(tok, args.max_new_tokens, "--max-new-tokens")
     if max_new is None:  # what the context leaves after the prompt as the model reads it (a block model pads it)
         padded = padded_prompt_length(trained.model, [prompt])
         max_new = min(200, trained.config.context_length - padded)

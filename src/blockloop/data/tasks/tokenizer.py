@@ -86,3 +86,17 @@ def refuse_text(tokenizer: Tokenizer, fix: str) -> None:
     the text that is not one of them."""
     if isinstance(tokenizer, TaskTokenizer):
         raise BlockloopError(f"the model learned task {tokenizer.task} and reads its words, not text; {fix}")
+
+
+def answer_length(tokenizer: Tokenizer, asked: int | None, flag: str) -> int | None:
+    """How many tokens to generate: ``asked`` for a model of text; for a task's model one, its label after the last
+    word (a label fed back is no word it reads, so what would follow is noise), and more than one is refused
+    naming ``flag``."""
+    if not isinstance(tokenizer, TaskTokenizer):
+        return asked
+    if asked not in (None, 1):
+        raise BlockloopError(f"this model learned task {tokenizer.task}: it answers a sequence of the task's words "
+                             f"with one label, the state after the last word; ask for {flag} 1, or leave it out (a "
+                             "label fed back is no word it reads)")
+    return 1
+

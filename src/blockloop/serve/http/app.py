@@ -32,6 +32,7 @@ from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect
 from torch import nn
 
+from blockloop.data.tasks.tokenizer import answer_length
 from blockloop.data.tokenizers import Tokenizer
 from blockloop.errors import BlockloopError
 from blockloop.serve.batching import prompt_size
@@ -156,13 +157,10 @@ def create_app(served: ServedModel, *, allowed_origins: Sequence[str] = (), api_
             prompt = params.prompt
             if not all(0 <= t < engine.vocab_size for t in prompt):
                 raise ApiError(400, f"prompt token ids must lie in [0, {engine.vocab_size})", param="prompt")
-        max_tokens = params.max_tokens
-        task = getattr(tokenizer, "task", None)  # a state-tracking task's model: one label, never fed back as a word
-        if task is not None:
-            if max_tokens not in (None, 1):
-                raise ApiError(400, f"this model answers a sequence of task {task}'s words with one label, the state "
-                               "after the last word; ask for max_tokens 1, or leave it out", param="max_tokens")
-            max_tokens = 1
+        try:
+            max_tokens = answer_length(tokenizer, params.max_tokens, "max_tokens")
+        except BlockloopError as exc:
+            raise ApiError(400, str(exc), param="max_tokens") from None
         return await _serve(request, params, prompt, "prompt", max_tokens,
                             TextStream(tokenizer, params.stops(), prompt=prompt), Reply(False, served.name))
 
