@@ -308,6 +308,8 @@ CASES = [
     (["bench", "--presets", "tiny", "--max-batch", "64"], "--max-batch does not apply to a run without --search"),
     (["bench", "--stream", "--presets", "tiny,tiny-block", "--exit", "max_prob:0.9", "--speculate", "2"],
      "--exit and --speculate serve looped models only, and none of tiny, tiny-block is looped"),
+    (["bench", "--stream", "--presets", "tiny,tiny-recursive", "--speculate", "2", "--draft-loops", "2"],
+     "tiny-recursive: the draft (--draft-loops, draft_loops) runs 2 loops, not fewer than the model's 2: give 1"),
     (["bench", "--stream", "--presets", "tiny-recursive", "--exit", "max_prob:nan"], "--exit max_prob:nan: the max_prob exit threshold is a probability in [0, 1], got nan"),
     (["bench", "--stream", "--presets", "tiny-recursive", "--exit", "entropy:inf"], "entropy exit threshold is a finite number"),
     (["bench", "--stream", "--presets", "tiny-recursive", "--exit", "max_prob"], "--exit takes RULE:THRESHOLD"),

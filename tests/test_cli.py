@@ -621,3 +621,18 @@ def test_a_config_whose_vocabulary_is_smaller_than_its_tokenizer_is_named_as_the
     config_path.write_text(json.dumps(config))
     one_line_error(capsys, ["generate", "--checkpoint", str(run), "--prompt", "a", "--device", "cpu"],
                    "the tokenizer has 258 ids but config.json's vocab_size is 100; the config was edited or belongs")
+
+
+def test_a_calibration_count_past_the_data_says_it_took_every_window(trained_run, capsys):
+    """``--calibration 100000`` quietly calibrated on the few thousand windows there were."""
+    from blockloop.convert.checkpoints import calibration_windows
+    from blockloop.train.run import load_trained
+
+    source = load_trained(trained_run)
+    few = calibration_windows(source, 3)
+    assert few.shape == (3, 128) and "warning" not in capsys.readouterr().err
+    every = calibration_windows(source, 10**7)
+    assert every.shape[1] == 128 and 3 < every.shape[0] < 10**7
+    assert capsys.readouterr().err.strip() == (f"warning: --calibration 10000000 is more than the {every.shape[0]} "
+                                               f"windows of 128 tokens the source's training data holds; calibrating "
+                                               f"on all {every.shape[0]}")

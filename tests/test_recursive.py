@@ -270,6 +270,14 @@ def test_loss_and_lora_weights_the_model_never_reads_are_refused():
     with pytest.raises(ConfigError, match="lora_alpha=16.0 scales LoRA modules, which lora_rank=0 does not add"):
         from_name("tiny-recursive", lora_alpha=16.0)
     assert from_name("tiny-recursive", exit_loss="weighted", exit_kd_weight=0.5).exit_kd_weight == 0.5
+    with pytest.raises(ConfigError, match="exit_coefficient=0.3 weighs the intermediate loops of the aggressive"):
+        from_name("tiny-recursive", exit_loss="weighted", exit_coefficient=0.3)
+    with pytest.raises(ConfigError, match="exit_loss='weighted' trains the exits after loops 1 .. B-1, which loops=1"):
+        from_name("tiny-recursive", loops=1, exit_loss="weighted")
+    # Each shared weight takes min(rank, in, out): past the widest full rank (64 here) a rank only misleads.
+    with pytest.raises(ConfigError, match=r"lora_rank=65 exceeds the rank .* is 64, full rank\); give at most 64"):
+        from_name("tiny-recursive", lora_rank=65)
+    assert from_name("tiny-recursive", lora_rank=64).lora_rank == 64
     assert from_name("tiny-recursive", lora_rank=2, lora_alpha=16.0).lora_scaling == 8.0
 
 
@@ -339,7 +347,7 @@ def test_convert_uptrain_with_distillation_and_evaluate_per_loop(teacher_run, tm
                  "--distill-weight", "0.5", "--early-exit", "aggressive", "--exit-kd-weight", "1.0",
                  "--out", str(run)]) == 0
     started = capsys.readouterr().out
-    assert (f"parameters, aggressive early-exit loss with exit distillation weight 1, distilling from "
+    assert (f"parameters, aggressive early-exit loss (coefficient 0.1) with exit distillation weight 1, distilling from "
             f"{teacher_run.resolve()}") in started, started
     curve = losses(run)
     assert curve[-1] < curve[0]
@@ -437,6 +445,8 @@ def test_cli_errors_are_one_line(teacher_run, tmp_path, capsys):
         (["--strategy", "zigzag"], "argument --strategy: invalid choice: 'zigzag'"),
         (["--lora-rank", "2", "--lora-init", "pissa"], "argument --lora-init: invalid choice: 'pissa'"),
         (["--relax", "prefix"], "--relax prefix needs --prefix-len"),
+        (["--loops", "1", "--strategy", "sequence", "--lora-rank", "8"],
+         "--strategy, --lora-rank do not apply to --loops 1 (no layer is shared); leave them out, or give --loops 2"),
     ]:
         code = main(["convert", "--to", "recursive", "--checkpoint", str(teacher_run), "--out", str(tmp_path / "x"), *argv])
         err = capsys.readouterr().err.strip()
@@ -469,6 +479,9 @@ def test_a_config_json_written_before_the_unread_weight_refusals_still_loads():
     assert config.lora_alpha is None and config.exit_kd_weight == 0.0
     kept = config_from_dict({**saved, "lora_rank": 2, "exit_loss": "weighted"})
     assert kept.lora_alpha == 4.0 and kept.exit_kd_weight == 0.5
+    # a run that left the aggressive loss kept its coefficient, unread
+    left = config_from_dict({**saved, "exit_loss": "weighted", "exit_coefficient": 0.2})
+    assert left.exit_coefficient == 0.1
 
 
 def test_a_checkpoint_with_one_lora_over_the_fused_projection_loads_as_the_same_model(tmp_path):

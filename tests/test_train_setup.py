@@ -167,6 +167,12 @@ def test_early_exit_options_need_a_looped_model():
         apply_early_exit(from_name("tiny"), EarlyExit(exit_loss="weighted"))
     looped = apply_early_exit(from_name("tiny-recursive"), EarlyExit(exit_loss="aggressive", exit_coefficient=0.2))
     assert (looped.exit_loss, looped.exit_coefficient) == ("aggressive", 0.2)
+    # Going on without the aggressive loss drops its coefficient, so a later aggressive run starts from the default
+    # (it was carried, unread and unnamed, from run to run).
+    weighted = apply_early_exit(looped, EarlyExit(exit_loss="weighted"))
+    assert weighted.exit_coefficient == 0.1
+    assert apply_early_exit(weighted, EarlyExit(exit_loss="aggressive")).exit_coefficient == 0.1
+    assert apply_early_exit(looped, EarlyExit(exit_kd_weight=1.0)).exit_coefficient == 0.2  # still aggressive: kept
 
 
 def test_conversion_targets_check_their_options_before_loading(tmp_path):

@@ -241,10 +241,13 @@ def stream_rows(models: list[BenchModel], settings: StreamSettings) -> Iterator[
     for m in models:
         runners = [(m.name, runner_for(m.model), None)]
         if isinstance(runners[0][1], RecursiveRunner):
-            runners += [(f"{m.name} depth-wise exit {rule_name(r)}", runner_for(m.model, exit_rule=r), m.name)
-                        for r in s.exits]
-            runners += [(f"{m.name} {speculation_name(sp)}", runner_for(m.model, speculation=sp), m.name)
-                        for sp in s.speculations]
+            try:  # an option one looped model cannot take (a draft as deep as its loops): say which model
+                runners += [(f"{m.name} depth-wise exit {rule_name(r)}", runner_for(m.model, exit_rule=r), m.name)
+                            for r in s.exits]
+                runners += [(f"{m.name} {speculation_name(sp)}", runner_for(m.model, speculation=sp), m.name)
+                            for sp in s.speculations]
+            except BlockloopError as exc:
+                raise BlockloopError(f"{m.name}: {exc}") from None
         prompts = corpus_prompts(m.model.config.vocab_size, s.requests, *s.prompt_range, corpus=s.corpus, seed=s.seed,
                                  tokenizer=m.tokenizer)
         for name, runner, reference in runners:

@@ -181,10 +181,12 @@ def train(args: argparse.Namespace) -> int:
             config = trainer.config
             exit_loss = getattr(run.model_config, "exit_loss", "none")
             exit_kd = getattr(run.model_config, "exit_kd_weight", 0.0)  # kept from --init-from's source too: say so
+            coefficient = getattr(run.model_config, "exit_coefficient", None)  # the same
             teacher = config.extra.get("distill_from")
             print(
                 f"training {run.model_config.name} ({run.model.num_parameters() / 1e6:.2f}M parameters"
                 f"{f', {exit_loss} early-exit loss' if exit_loss != 'none' else ''}"
+                f"{f' (coefficient {coefficient:g})' if exit_loss == 'aggressive' else ''}"
                 f"{f' with exit distillation weight {exit_kd:g}' if exit_loss != 'none' and exit_kd else ''}"
                 f"{f', distilling from {teacher}' if teacher else ''}) on "
                 f"{plan.spec.data} with the {run.tokenizer.name} tokenizer ({run.tokenizer.vocab_size} ids): "

@@ -10,6 +10,7 @@ exist and the options each takes are :data:`blockloop.convert.targets.TARGETS`; 
 from __future__ import annotations
 
 import shlex
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -128,6 +129,9 @@ def calibration_windows(source: TrainedModel, count: int, seq_len: int = 128) ->
         raise BlockloopError(f"the source run's training data cannot be read to calibrate the SVD on ({exc}); put it "
                              "back where the run read it, or pass --calibration 0 (the SVD of the weights alone)") from None
     windows = PackedSequences(tokens, min(seq_len, source.config.context_length), source.tokenizer.start_id)
+    if count > len(windows):  # every window is taken: say so, rather than appear to have used the count asked
+        print(f"warning: --calibration {count} is more than the {len(windows)} windows of {windows.seq_len} tokens the "
+              f"source's training data holds; calibrating on all {len(windows)}", file=sys.stderr)
     picks = torch.linspace(0, len(windows) - 1, min(count, len(windows))).long().tolist()
     return torch.stack([torch.from_numpy(windows[i][:-1]) for i in picks])
 

@@ -41,7 +41,13 @@ def implied_relaxation(lora_rank: int | None, prefix_len: int | None) -> str:
 
 def _recursive_unread(given: dict[str, Any]) -> tuple[list[str], str, str]:
     """The LoRA init's options shape nothing without LoRA modules; calibration weights only the SVD init; the seed
-    draws nothing in an unrelaxed conversion from a full model's layers (every weight a copy or an average)."""
+    draws nothing in an unrelaxed conversion from a full model's layers (every weight a copy or an average). One
+    loop shares no layer, so there is nothing to tie or relax (a per-loop LoRA would only add parameters)."""
+    if given.get("loops") == 1:
+        sharing = [name for name in ("strategy", "norms", "relax", "lora_rank", "lora_alpha", "lora_init",
+                                     "calibration", "prefix_len") if name in given]
+        if sharing:
+            return sharing, "--loops 1 (no layer is shared)", ", or give --loops 2 or more"
     relax = given.get("relax") or implied_relaxation(given.get("lora_rank"), given.get("prefix_len"))
     if relax != "lora":
         lora = [name for name in ("lora_alpha", "lora_init", "calibration") if name in given]

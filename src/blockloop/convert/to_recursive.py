@@ -50,7 +50,7 @@ from blockloop import progress
 from blockloop.choices import LOOP_INITS, LORA_INITS, TYING_STRATEGIES
 from blockloop.config import DecoderConfig
 from blockloop.errors import BlockloopError
-from blockloop.families.recursive import RecursiveConfig
+from blockloop.families.recursive import RecursiveConfig, full_lora_rank
 from blockloop.models.decoder import Decoder
 from blockloop.models.recursive import RecursiveDecoder, layer_order
 from blockloop.nn.lora import LoopLoRALinear
@@ -72,13 +72,9 @@ def recursive_config_from_vanilla(
         divisors = [b for b in range(1, config.n_layer + 1) if config.n_layer % b == 0]
         problem = "is not a loop count" if loops < 1 else f"does not divide the model's {config.n_layer} layers"
         raise BlockloopError(f"--loops {loops} {problem}; choose one of {divisors}")
-    widest = max(linear_shapes(config).items(), key=lambda item: min(item[1]))
-    max_rank = min(widest[1])  # full rank of every linear (a narrower one takes its own full rank)
-    if lora_rank > max_rank:
-        raise BlockloopError(
-            f"--lora-rank {lora_rank} exceeds the rank of every shared weight: the widest, {widest[0]}, is "
-            f"{widest[1][0]}x{widest[1][1]}, so at most min(in, out) = {max_rank} (full rank)"
-        )
+    if lora_rank > full_lora_rank(config):
+        raise BlockloopError(f"--lora-rank {lora_rank} exceeds the rank of every shared weight matrix: the largest "
+                             f"min(in, out) is {full_lora_rank(config)} (full rank); give at most {full_lora_rank(config)}")
     if tying not in TYING_STRATEGIES:
         raise BlockloopError(f"tying strategy {tying!r} is unknown; choose one of {TYING_STRATEGIES}")
     own = ("name", "n_layer", "local_layers")
@@ -99,17 +95,6 @@ def local_attention(config: DecoderConfig, loops: int, tying: str) -> dict[str, 
     if all(len(kind) == 1 for kind in kinds):
         return {"local_layers": [j for j, kind in enumerate(kinds) if True in kind], "local_depths": []}
     return {"local_layers": [], "local_depths": sorted(config.local_layers)}
-
-
-def linear_shapes(config: DecoderConfig) -> dict[str, tuple[int, int]]:
-    """(out, in) of every weight matrix in one layer (the fused projection's W^Q, W^K, W^V apart)."""
-    q, kv = config.n_head * config.head_dim, config.n_kv_head * config.head_dim
-    shapes = {"W^Q": (q, config.d_model), "W^K": (kv, config.d_model), "W^V": (kv, config.d_model),
-              "attn.proj": (config.d_model, q)}
-    if config.mlp in ("gelu", "gelu_tanh"):
-        return {**shapes, "mlp.fc": (config.d_ff, config.d_model), "mlp.proj": (config.d_model, config.d_ff)}
-    return {**shapes, "mlp.gate": (config.d_ff, config.d_model), "mlp.up": (config.d_ff, config.d_model),
-            "mlp.proj": (config.d_model, config.d_ff)}
 
 
 def shared_layer_sources(n_layer: int, loops: int, init: str, order: list[int]) -> list[list[int]]:

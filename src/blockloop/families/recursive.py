@@ -15,6 +15,8 @@ from blockloop.families.decoder import training_flops as decoder_training_flops
 from blockloop.families.spec import FamilySpec, Preset
 from blockloop.models.recursive import RecursiveDecoder, rolling_positions
 
+EXIT_COEFFICIENT = 0.1  # the aggressive loss's weight of the intermediate loops unless one is given
+
 
 @dataclass
 class RecursiveConfig(LocalAttention, InputEmbedding, PretrainedFeatures, TransformerShape, ModelConfig):
@@ -47,7 +49,7 @@ class RecursiveConfig(LocalAttention, InputEmbedding, PretrainedFeatures, Transf
     loop_norms: bool = False
     local_depths: list[int] = field(default_factory=list)
     exit_loss: str = "none"
-    exit_coefficient: float = 0.1
+    exit_coefficient: float = EXIT_COEFFICIENT
     exit_kd_weight: float = 0.0
 
     def validate(self) -> None:
@@ -59,7 +61,19 @@ class RecursiveConfig(LocalAttention, InputEmbedding, PretrainedFeatures, Transf
             (self.lora_alpha is None or self.lora_alpha > 0, f"lora_alpha must be positive, got {self.lora_alpha}"),
             (self.prefix_len >= 0, f"prefix_len must be 0 (no prefix) or positive, got {self.prefix_len}"),
             (self.exit_loss in EXIT_LOSSES, f"exit_loss {self.exit_loss!r} is unknown; choose one of {EXIT_LOSSES}"),
+            (self.exit_loss == "none" or self.loops > 1,
+             f"exit_loss={self.exit_loss!r} trains the exits after loops 1 .. B-1, which loops=1 does not have; set "
+             "loops to 2 or more, or leave exit_loss at 'none'"),
+            (self.lora_rank <= full_lora_rank(self),
+             f"lora_rank={self.lora_rank} exceeds the rank of every shared weight matrix (the largest min(in, out) "
+             f"is {full_lora_rank(self)}, full rank); give at most {full_lora_rank(self)}"),
             (0.0 <= self.exit_coefficient <= 1.0, f"exit_coefficient must be in [0, 1], got {self.exit_coefficient}"),
+            (
+                self.exit_loss == "aggressive" or self.exit_coefficient == EXIT_COEFFICIENT,
+                f"exit_coefficient={self.exit_coefficient} weighs the intermediate loops of the aggressive exit loss, "
+                f"which exit_loss={self.exit_loss!r} does not compute; set exit_loss to 'aggressive' or leave "
+                f"exit_coefficient at {EXIT_COEFFICIENT}",
+            ),
             (self.exit_kd_weight >= 0.0, f"exit_kd_weight must be non-negative, got {self.exit_kd_weight}"),
             # A weight the model never reads would be saved with the run as if it had shaped the model.
             (
@@ -89,12 +103,15 @@ class RecursiveConfig(LocalAttention, InputEmbedding, PretrainedFeatures, Transf
     @classmethod
     def saved_fields(cls, data: dict[str, Any]) -> dict[str, Any]:
         """A checkpoint written before the refusals of unread weights (``convert --to recursive --lora-alpha A``
-        without a rank, ``--set exit_kd_weight=W`` without an exit loss) loads: the model never read them."""
+        without a rank, ``--set exit_kd_weight=W`` without an exit loss, a coefficient kept after leaving the aggressive
+        loss) loads: the model never read them."""
         data = dict(data)
         if not data.get("lora_rank"):
             data.pop("lora_alpha", None)
         if data.get("exit_loss", "none") == "none":
             data.pop("exit_kd_weight", None)
+        if data.get("exit_loss", "none") != "aggressive":  # a run switched from aggressive kept its coefficient
+            data.pop("exit_coefficient", None)
         return data
 
     @property
@@ -113,6 +130,22 @@ class RecursiveConfig(LocalAttention, InputEmbedding, PretrainedFeatures, Transf
         relax += ", per-loop norms" if self.loop_norms else ""
         layers = f"{self.n_layer} shared layer{'s' if self.n_layer > 1 else ''}"
         return f"{layers} x {self.loops} loop{'s' * (self.loops > 1)} ({self.tying}), d={self.d_model}{relax}"
+
+
+def linear_shapes(config: TransformerShape) -> dict[str, tuple[int, int]]:
+    """(out, in) of every weight matrix in one layer (the fused projection's W^Q, W^K, W^V apart)."""
+    q, kv = config.n_head * config.head_dim, config.n_kv_head * config.head_dim
+    shapes = {"W^Q": (q, config.d_model), "W^K": (kv, config.d_model), "W^V": (kv, config.d_model),
+              "attn.proj": (config.d_model, q)}
+    if config.mlp in ("gelu", "gelu_tanh"):
+        return {**shapes, "mlp.fc": (config.d_ff, config.d_model), "mlp.proj": (config.d_model, config.d_ff)}
+    return {**shapes, "mlp.gate": (config.d_ff, config.d_model), "mlp.up": (config.d_ff, config.d_model),
+            "mlp.proj": (config.d_model, config.d_ff)}
+
+
+def full_lora_rank(config: TransformerShape) -> int:
+    """The largest LoRA rank any shared weight takes (each takes min(rank, in, out)): a larger one adds nothing."""
+    return max(min(shape) for shape in linear_shapes(config).values())
 
 
 PRESETS = (

@@ -285,6 +285,8 @@ def apply_early_exit(config: ModelConfig, options: EarlyExit) -> ModelConfig:
                              f"{'it' if len(unused) == 1 else 'them'} out")
     if exit_loss == "none":  # the distillation is a term of the exit loss: dropping the loss (--init-from) drops it
         changes["exit_kd_weight"] = 0.0
+    if exit_loss != "aggressive":  # leaving the aggressive loss drops its coefficient (a later one starts afresh)
+        changes["exit_coefficient"] = next(f.default for f in dataclasses.fields(config) if f.name == "exit_coefficient")
     return config.replace(**changes)
 
 
