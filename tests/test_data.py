@@ -8,6 +8,7 @@ later tests in the session do not download again.
 from __future__ import annotations
 
 import json
+import random
 import threading
 import time
 from pathlib import Path
@@ -164,6 +165,24 @@ def test_bpe_is_deterministic_round_trips_and_is_cached(
 
     monkeypatch.setattr(tokenizers_module.trainers, "BpeTrainer", no_training)
     assert build_tokenizer("bpe:400", documents).fingerprint() == first.fingerprint()
+
+
+def test_bpe_training_cuts_words_longer_than_any_merge_it_could_learn(cache: Path, capsys) -> None:
+    """A line without spaces was one word to the trainer, whose time grows with its square: 400K characters took
+    28 s, 3M over ten minutes, deaf to Ctrl-C. Longer runs are cut into MAX_TRAINING_WORD pieces for training."""
+    from blockloop.data.tokenizers import MAX_TRAINING_WORD, _training_pieces
+
+    documents = _small_corpus(5)
+    assert list(_training_pieces(documents)) == documents  # ordinary text is untouched: the same vocabulary
+    run = "ab" * MAX_TRAINING_WORD + "c"
+    pieces = list(_training_pieces([f"x {run} y"]))
+    assert "".join(pieces) == f"x {run} y" and max(map(len, pieces)) == MAX_TRAINING_WORD
+    assert pieces[1:4] == [run[:MAX_TRAINING_WORD], run[MAX_TRAINING_WORD:2 * MAX_TRAINING_WORD], "c"]
+    draw = random.Random(0)
+    text = "".join(draw.choice("abcdefgh") for _ in range(200_000))  # the audit's case: 8 letters, no space
+    tok = build_tokenizer("bpe:300", [text])
+    assert tok.vocab_size == 300 and tok.decode(tok.encode(text[:5000])) == text[:5000]
+    assert "training the bpe:300 tokenizer on 200,000 characters" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("spec", ["byte", "gpt2", "neox", "bpe:300"])

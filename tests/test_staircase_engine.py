@@ -89,3 +89,28 @@ def test_slot_logits_equal_the_full_forward_when_a_slot_is_refilled_mid_decode(n
         full = model(torch.tensor([sequences[j]]))[0][0]
         start = prompt_len[j] - 1
         torch.testing.assert_close(torch.stack(steps), full[start : start + len(steps)])
+
+
+@pytest.mark.parametrize("name", [f"{s}:24" for s in STAIRCASES])
+def test_a_staircase_streams_past_its_context(name):
+    """A staircase's decode state has a fixed size and its positions are local to each window, so a request reads
+    on past the model context (here 24 tokens; prompt and answer 46), as its training forward does over any length:
+    generate() and an engine given a longer max_len give the full forward's greedy tokens. A model whose cache grows
+    with the sequence is still held to its context."""
+    from blockloop.errors import BlockloopError
+    from blockloop.serve.generate import generate
+
+    model = tiny(name)
+    assert model.config.context_length == 24 and runner_for(model).streams
+    prompts = random_prompts((30, 10), seed=5)
+    expected = [full_forward_greedy(model, p, n) for p, n in zip(prompts, (16, 36))]
+    assert generate(model, [prompts[1]], 36, temperature=0) == [expected[1]]
+    engine = Engine(model, 2, max_len=48, sync_every=4)
+    requests = [engine.submit(p, n, sampling=GREEDY) for p, n in zip(prompts, (16, 36))]
+    engine.run()
+    assert [r.output for r in requests] == expected
+    with pytest.raises(BlockloopError, match=r"exceeds the engine's 48-token slots \(max_len; this model streams"):
+        engine.submit(prompts[0], 19)
+    vanilla = build_model(from_name("tiny", context_length=24)).eval()
+    with pytest.raises(BlockloopError, match="max_len .--max-len. 48 is more than the model context of 24"):
+        Engine(vanilla, 2, max_len=48)

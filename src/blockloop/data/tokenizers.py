@@ -30,8 +30,9 @@ from __future__ import annotations
 import hashlib
 import json
 import re
+import sys
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -346,7 +347,25 @@ def _neox() -> HFTokenizer:
     return _from_file(path, name="neox", specials=SpecialTokens(eos_id=0))
 
 
+MAX_TRAINING_WORD = 256  # characters of one word the BPE trainer sees (longer runs are cut: _training_pieces)
 MAX_BPE_VOCAB = 1 << 18  # Gemma-3's 262,144 ids, the largest vocabulary of a common pretrained model
+
+
+LONG_RUN = re.compile(rf"\S{{{MAX_TRAINING_WORD + 1},}}")
+
+
+def _training_pieces(documents: Sequence[str]) -> Iterator[str]:
+    """The documents with every run of more than ``MAX_TRAINING_WORD`` non-space characters cut into pieces of
+    that length. The trainer's time grows with the square of its longest word: one 3M-character line without a
+    space (minified JSON, base64, unspaced scripts) held it for over ten minutes, deaf to Ctrl-C. Merges that
+    long are never learned from real text, so the vocabulary of ordinary text is the same."""
+    for doc in documents:
+        start = 0
+        for run in LONG_RUN.finditer(doc):
+            yield doc[start:run.start()]
+            yield from (run.group()[i:i + MAX_TRAINING_WORD] for i in range(0, len(run.group()), MAX_TRAINING_WORD))
+            start = run.end()
+        yield doc[start:]
 
 
 def _trained_bpe(vocab_size: int, documents: Sequence[str | bytes] | None) -> Tokenizer:
@@ -370,6 +389,8 @@ def _trained_bpe(vocab_size: int, documents: Sequence[str | bytes] | None) -> To
     cached = cache_dir() / "tokenizers" / f"bpe-{vocab_size}-{hash_documents(documents)[:32]}"
     if (cached / "tokenizer_meta.json").is_file():
         return load_tokenizer(cached)
+    print(f"training the {name} tokenizer on {sum(map(len, documents)):,} characters (cached for later runs)",
+          file=sys.stderr, flush=True)
     tokenizer = _byte_level(models.BPE())
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
@@ -377,7 +398,7 @@ def _trained_bpe(vocab_size: int, documents: Sequence[str | bytes] | None) -> To
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    tokenizer.train_from_iterator(documents, trainer=trainer)
+    tokenizer.train_from_iterator(_training_pieces(documents), trainer=trainer)
     trained = HFTokenizer(tokenizer, name, tokenizer.token_to_id(EOS_TOKEN))
     trained.save(cached)  # meta last: its presence marks a complete cache entry
     return trained

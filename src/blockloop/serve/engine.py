@@ -142,7 +142,7 @@ class Engine:
         self.max_len = context if max_len is None else max_len
         if not (whole_number(self.max_len) and self.max_len >= 1):
             raise BlockloopError(f"max_len (--max-len) must be a whole number, at least 1; got {self.max_len!r}")
-        if self.max_len > context:  # too short for a request is named below, with what a request needs
+        if self.max_len > context and not runner.streams:  # too short for a request is named below
             raise BlockloopError(f"max_len (--max-len) {self.max_len} is more than the model context of {context} "
                                  f"tokens; give at most {context}")
         model.eval()
@@ -211,7 +211,7 @@ class Engine:
         if max_tokens > self._context_room(len(prompt)):
             raise BlockloopError(
                 f"prompt of {self._padded(len(prompt))} tokens plus {max_tokens} new tokens exceeds the engine's "
-                f"{self.max_len - self.reserved}-token slots (the model context); shorten the prompt or lower max_tokens"
+                f"{self.max_len - self.reserved}-token slots ({self._slot_size()}); shorten the prompt or lower max_tokens"
             )
         if self.continuous and not self.runner.can_hold([self._padded(len(prompt)) + max_tokens], alone=True):
             raise BlockloopError(
@@ -259,6 +259,12 @@ class Engine:
         else:
             self._release(request.slot)
         request.finish("abort", time.perf_counter())
+
+    def _slot_size(self) -> str:
+        """What bounds a slot, for an error: the model context, or the max_len a streaming runner was given."""
+        if self.runner.streams:
+            return "max_len; this model streams past its context: max_len (--max-len) may be raised"
+        return "the model context"
 
     def _context_room(self, prompt_len: int) -> int:
         return self.max_len - self.reserved - self._padded(prompt_len)

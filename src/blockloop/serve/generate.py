@@ -58,15 +58,17 @@ def generate(
     need = (len(prefix) if prefix is not None else 0) + longest + max_new_tokens
     size = prompt_size(max(len(p) for p in prompts), longest)
     shared = f" after a shared prefix of {len(prefix)} tokens" if prefix is not None else ""
-    check_context(need, model.config.context_length, f"{size} plus {max_new_tokens} new tokens{shared}, in all",
-                  "shorten the prompt or lower --max-new-tokens")
+    runner = runner_for(model, prefix=prefix, speculation=speculation)
+    if not runner.streams:  # a streaming model (a staircase) reads on past its context
+        check_context(need, model.config.context_length, f"{size} plus {max_new_tokens} new tokens{shared}, in all",
+                      "shorten the prompt or lower --max-new-tokens")
     base = seed if seed is not None else int(torch.randint(2**31, ()).item())
     was_training = model.training
     try:
-        runner = runner_for(model, prefix=prefix, speculation=speculation)
         # Slots as long as these requests need (plus a speculative round's drafts past the last token), not
         # the whole context: every decode step reads the whole cache.
-        engine = Engine(runner, len(prompts), max_len=min(need + runner.emits, model.config.context_length))
+        engine = Engine(runner, len(prompts),
+                        max_len=need if runner.streams else min(need + runner.emits, model.config.context_length))
         rows: dict[int, int] = {}
 
         def stream(request: Request, token: int) -> None:

@@ -61,7 +61,9 @@ class Runner(ABC):
       admitted request together, a bounded chunk per window);
     * ``reserved``: context every request gives up to something the runner holds (a shared cached prefix);
     * ``prefix_steps``: True when :meth:`decode_step` may be given the first ``n < n_slots`` rows only (``n``
-      one of :func:`row_buckets`): the engine then steps the busy prefix of the slots, not every slot.
+      one of :func:`row_buckets`): the engine then steps the busy prefix of the slots, not every slot;
+    * ``streams``: True when a row's state has a fixed size and its positions are local to a window, whatever
+      the length read (a staircase): a request may run past the model context (``max_len`` above it).
     """
 
     prompt_multiple: int = 1
@@ -74,6 +76,7 @@ class Runner(ABC):
     pad_id: int = 0
     emits: int = 0
     prefix_steps: bool = False
+    streams: bool = False
     sampling: SlotSampling  # the engine's per-slot sampling state, set by the engine (read by runners that emit)
 
     def __init__(self, model: nn.Module) -> None:

@@ -80,6 +80,7 @@ class StaircaseRunner(Runner):
     model: Staircase
     state: StaircaseSlots
     prefix_steps = True
+    streams = True  # fixed-size per-pass buffers and ring, positions local to each window
 
     def allocate(self, n_slots: int, max_len: int) -> None:
         """Static decode buffers for ``n_slots`` streams; each starts empty. ``max_len`` is not needed: the
