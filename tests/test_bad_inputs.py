@@ -217,8 +217,8 @@ CASES = [
     (["train", "--init-from", "{base}/state_list", "--steps", "1", "--out", NEW], "train_state.json is not an object"),
     (["train", "--init-from", "{base}/state_data", "--steps", "1", "--out", NEW], "run.data must be a string, got 5"),
     # only the flags given are named
-    (["train", "--init-from", R, "--tokenizer", "byte", "--dropout", "0.1", "--out", NEW],
-     "--init-from keeps the saved model and tokenizer; drop --tokenizer, --dropout"),
+    (["train", "--init-from", R, "--tokenizer", "byte", "--mup-base-width", "32", "--out", NEW],
+     "--init-from keeps the saved model and tokenizer; drop --tokenizer, --mup-base-width"),
     (["train", "--resume", "--out", "{base}/state_epoch"], "data must hold the non-negative integers epoch and index"),
     (["train", "--resume", "--out", "{base}/state_tokens"],
      "step_0000004/train_state.json: tokens must be a non-negative integer, got -3"),

@@ -196,10 +196,14 @@ def test_save_and_load_round_trip(
     assert loaded.encode(SAMPLE) == tok.encode(SAMPLE)
     assert loaded.fingerprint() == tok.fingerprint()
     np.testing.assert_array_equal(loaded.token_byte_lengths(), tok.token_byte_lengths())
+    # --tokenizer RUN/.../tokenizer.json: the run's tokenizer as saved (a byte one was "not a valid tokenizer.json")
+    given = build_tokenizer(str(tmp_path / "run" / "tokenizer.json"))
+    assert (given.name, given.eos_id, given.fingerprint()) == (tok.name, tok.eos_id, tok.fingerprint())
 
 
 def test_tokenizer_json_path_is_a_spec(gpt2: Tokenizer, tmp_path: Path) -> None:
     gpt2.save(tmp_path)
+    (tmp_path / "tokenizer_meta.json").unlink()
     tok = build_tokenizer(str(tmp_path / "tokenizer.json"))  # no metadata: EOS found by name
     assert tok.eos_id == 50256 and tok.encode("Hello world") == [15496, 995]
     assert build_tokenizer(tok.name).fingerprint() == tok.fingerprint()

@@ -138,8 +138,16 @@ def test_init_from_starts_a_new_run_from_the_saved_model(trained, tmp_path):
     assert plan.spec.init_from.endswith("step_0000002") and plan.config.lr == 1e-4
     assert plan_run(TrainRequest(tmp_path / "f2", init_from=str(trained), data="bytes:x")).spec.data == (
         f"bytes:{Path('x').resolve()}")
-    with pytest.raises(BlockloopError, match="--init-from keeps the saved model"):
-        plan_run(TrainRequest(tmp_path / "f3", init_from=str(trained), dropout=0.1))
+    with pytest.raises(BlockloopError, match="--init-from keeps the saved model and tokenizer; drop --mup-base-width"):
+        plan_run(TrainRequest(tmp_path / "f3", init_from=str(trained), mup_base_width=32))
+    # --dropout is how the saved model fine-tunes (it was refused): the same weights, built with the new rate
+    run, _ = start_training(plan_run(TrainRequest(tmp_path / "f4", init_from=str(trained), dropout=0.25,
+                                                  train_overrides={"steps": 1})))
+    saved = load_trained(trained)
+    assert run.model_config.dropout == run.model_config.embed_dropout == 0.25 and saved.config.dropout != 0.25
+    attention = [m for m in run.model.modules() if hasattr(m, "dropout") and isinstance(m.dropout, float)]
+    assert run.model.drop.p == 0.25 and attention and all(m.dropout == 0.25 for m in attention)
+    assert all(torch.equal(a, b) for a, b in zip(run.model.state_dict().values(), saved.model.state_dict().values()))
 
 
 def test_a_run_from_init_from_draws_its_dropout_from_its_seed(tmp_path):

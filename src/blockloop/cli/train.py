@@ -63,7 +63,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="the task dataset to use, written by `blockloop tasks make` or `tasks import` (default, with --task: "
         "generated with seed 0 into the cache)",
     )
-    g.add_argument("--dropout", type=number(0, 1, high_open=True), help="dropout on embeddings, attention and residuals (default: preset's)")
+    g.add_argument("--dropout", type=number(0, 1, high_open=True), help="dropout on embeddings, attention and residuals (default: the preset's, or --init-from RUN's)")
     g.add_argument(
         "--set", action="append", default=[], metavar="FIELD=VALUE",
         help="override a field of the preset's model config, e.g. --set embedder=cls --set prefix_len=1 (repeatable; "
@@ -78,7 +78,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--init-from", metavar="RUN", type=nonempty,
         help="start a new run (fresh optimizer and schedule) from the model, config and tokenizer of RUN: "
         "fine-tuning, the PrefixLM phase after pretraining, or uptraining a model made by `blockloop convert`; "
-        "the data is RUN's unless --data is given",
+        "the data is RUN's unless --data is given; --dropout may change how it fine-tunes",
     )
     e = p.add_argument_group("distillation and early exit of looped models (RRT section 3.7, appendices L, M)")
     e.add_argument("--distill-from", metavar="RUN", type=nonempty,

@@ -232,8 +232,8 @@ def build_tokenizer(spec: str, documents: Sequence[str | bytes] | None = None) -
     if match:
         return _trained_bpe(int(match.group(1) or DEFAULT_BPE_VOCAB), documents)
     path = Path(spec).expanduser()
-    if path.is_file():
-        return _from_file(path, name=str(path.resolve()))
+    if path.is_file():  # a run's own tokenizer.json (blockloop's byte type, a BPE's names) is read as the run saved it
+        return load_tokenizer(path.parent) if path.name == "tokenizer.json" else _from_file(path, name=str(path.resolve()))
     raise BlockloopError(
         f"unknown tokenizer {spec!r}; use byte, gpt2, neox, smollm2, bpe, bpe:N or the path of a tokenizer.json"
     )

@@ -75,9 +75,14 @@ def prepare_run(
     """
     if spec.init_from is not None:
         start = load_trained(spec.init_from)
-        splits = prepare_data(spec, start.tokenizer, start.config, show_progress=show_progress)
+        config, model = start.config, start.model
+        if spec.model_overrides:  # --dropout: the same weights in the model built with it (dropout holds none)
+            config = config.replace(**spec.model_overrides)
+            model = build_model(config)
+            model.load_state_dict(start.model.state_dict())
+        splits = prepare_data(spec, start.tokenizer, config, show_progress=show_progress)
         torch.manual_seed(seed)  # the weights are loaded, but dropout draws from this generator
-        return PreparedRun(spec, start.tokenizer, start.config, start.model.train(), splits)
+        return PreparedRun(spec, start.tokenizer, config, model.train(), splits)
     from_tokenizer = sorted(set(spec.model_overrides) & TOKENIZER_FIELDS)
     if from_tokenizer:
         raise BlockloopError(f"--set {from_tokenizer[0]}: this field is set from the tokenizer when the model is "

@@ -151,11 +151,13 @@ def plan_run(request: TrainRequest) -> RunPlan:
         raise BlockloopError(f"{r.out} already holds a run; pass --resume to continue it or choose another --out")
     data = absolute_source(r.data) if r.data else None
     if r.init_from is not None:
-        clashes = _given((("preset", r.preset), ("tokenizer", r.tokenizer), ("dropout", r.dropout),
-                          ("mup_base_width", r.mup_base_width)), r.model_overrides)
+        clashes = _given((("preset", r.preset), ("tokenizer", r.tokenizer), ("mup_base_width", r.mup_base_width)),
+                         r.model_overrides)
         if clashes:
             raise BlockloopError(f"--init-from keeps the saved model and tokenizer; drop {_flags(clashes)}")
         spec = init_from_spec(r.init_from, data=data, task=r.task, task_dir=r.task_dir)
+        if r.dropout is not None:  # how the saved model fine-tunes, not what it is; its embeddings' too, as --help says
+            spec = dataclasses.replace(spec, model_overrides={"dropout": r.dropout, "embed_dropout": r.dropout})
     elif r.task or r.task_dir:
         if r.data or r.tokenizer:
             raise BlockloopError("--task brings its own data and vocabulary; drop --data/--tokenizer")
