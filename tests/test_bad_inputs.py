@@ -194,7 +194,7 @@ CASES = [
     (["eval", "--checkpoint", R, "--task", "random-walk:16", "--per-loop"],
      "--per-loop scores a corpus's text after every loop; a task is scored at the model's output"),
     (["eval", "--checkpoint", R, "--per-loop", "--max-batches", "1", "--device", "cpu"],  # it named a Python class
-     "--per-loop scores each loop of a recursive model; this is a decoder model, which has no loops: leave --per-loop"),
+     "--per-loop scores each loop of a recursive model; this model is of the decoder family, which has no loops: leave --per-loop"),
     (["eval", "--checkpoint", R, "--per-loop", "--objective", "prefix_lm"],
      "--per-loop scores every next token after each loop; drop --objective prefix_lm"),
     # train: where the run goes and what it continues
@@ -396,7 +396,7 @@ CASES = [
     (["train", *TINY, "--distill-weight", "2", "--out", NEW], "add --distill-from TEACHER or leave it out"),
     (["train", *TINY, "--tokens", "1e4", "--steps", "3", "--out", NEW], "give --tokens or --steps, not both"),
     (["generate", "--checkpoint", R, "--prompt", "a", "--draft-loops", "2"], "add --speculate K or leave them out"),
-    (["convert", "--to", "block", "--checkpoint", "{base}/demo_recursive", "--out", NEW], "not a recursive model"),
+    (["convert", "--to", "block", "--checkpoint", "{base}/demo_recursive", "--out", NEW], "not recursive models"),
 ]
 
 

@@ -88,13 +88,26 @@ def test_train_says_how_many_ids_a_bpe_learned_from_a_small_corpus(tmp_path, cap
 def test_info_and_presets(trained_run, capsys):
     assert main(["info", str(trained_run)]) == 0
     out = capsys.readouterr().out
-    assert "tokenizer: byte" in out and "step 4" in out
+    assert "tokenizer: byte" in out and "trained: step 4 (256 tokens) on " in out
     assert main(["info", "--checkpoint", str(trained_run)]) == 0  # as every other verb takes it
     assert capsys.readouterr().out == out
     one_line_error(capsys, ["info", str(trained_run), "--checkpoint", str(trained_run)], "give the checkpoint once")
     assert main(["presets"]) == 0
     out = capsys.readouterr().out
     assert "pythia-85m" in out and "85.06M" in out
+
+
+def test_info_shows_a_model_saved_without_its_tokenizer(trained_run, tmp_path, capsys):
+    """save_model_files writes the model alone; info refused it ("holds a model without its tokenizer")."""
+    from blockloop.train.checkpoint import save_model_files
+    from blockloop.train.run import load_trained
+
+    trained = load_trained(trained_run)
+    save_model_files(tmp_path / "alone", trained.model, trained.config)
+    assert main(["info", str(tmp_path / "alone")]) == 0
+    out = capsys.readouterr().out
+    assert f"{trained.model.num_parameters() / 1e6:.3f}M parameters" in out
+    assert "tokenizer: none saved" in out and "trained:" not in out and '"name": "tiny"' in out
 
 
 @pytest.mark.parametrize(

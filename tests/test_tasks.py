@@ -268,6 +268,7 @@ def test_cli_tasks_list_and_make(tmp_path, capsys):
     assert main(["tasks", "list"]) == 0
     out = capsys.readouterr().out
     assert all(name in out for name in TASKS) and "10000/1000/1000" in out
+    assert "NAME:N is a task at another length" in out  # the variants were named only by train --help and errors
     target = tmp_path / "alg3"
     assert main(["tasks", "make", "algorithm-3", "--out", str(target), "--seed", "3", "--sizes", "5,2,2", "--no-progress"]) == 0
     assert f"wrote algorithm-3 (seed 3) to {target}: train 5 (" in capsys.readouterr().out

@@ -39,6 +39,10 @@ def test_a_fresh_request_takes_the_defaults(tmp_path):
     assert plan.config.steps == 7 and not plan.resume
     with pytest.raises(BlockloopError, match="--task brings its own data"):
         plan_run(TrainRequest(tmp_path / "run", task="random-walk", data="shakespeare"))
+    # from Python: a str folder is a folder, and a misspelt setting is named (both were TypeErrors)
+    assert plan_run(TrainRequest(str(tmp_path / "run"), preset="tiny")).out == tmp_path / "run"
+    with pytest.raises(BlockloopError, match=r"train_overrides names no training setting stepz; the settings are .*steps"):
+        TrainRequest(tmp_path / "run", train_overrides={"stepz": 2})
 
 
 def test_the_default_seq_len_fits_the_model_context(tmp_path):
@@ -234,6 +238,12 @@ def test_a_conversion_is_scored_on_its_sources_windows_and_an_import_on_the_defa
         state = ckpt.read_json(step / "train_state.json")
         ckpt.write_json_atomic(step / "train_state.json", {"run": state["run"], "step": 1})
     assert evaluate_checkpoint(wide, EvalRequest(max_batches=1), "cpu")["tokens"] == 8 * 256
+
+
+def test_evaluate_checkpoint_refuses_no_batches_by_name(trained):
+    """It said "evaluation saw no tokens; use a longer split", the wrong cause."""
+    with pytest.raises(BlockloopError, match=r"max_batches \(--max-batches\) must be at least 1 or None \(all\), got 0"):
+        evaluate_checkpoint(trained, EvalRequest(max_batches=0))
 
 
 def test_evaluate_checkpoint_defaults_to_the_runs_data(trained):

@@ -232,7 +232,7 @@ def check_fields(cls: type, names: Any) -> None:
     unknown = sorted(set(names) - {f.name for f in dataclasses.fields(cls)})
     if unknown:
         raise ConfigError(
-            f"{cls.family} config has no config field {', '.join(unknown)} (a {cls.family} model does not use it; "
+            f"{cls.family} config has no config field {', '.join(unknown)} (the {cls.family} family does not use it; "
             "check the name)"
         )
 

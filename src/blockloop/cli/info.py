@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import platform
+from pathlib import Path
 
 from blockloop.cli.common import nonempty
 from blockloop.errors import BlockloopError
@@ -33,17 +34,27 @@ def run(args: argparse.Namespace) -> int:
         print(f"cuda available: {cuda}" + (f" ({torch.cuda.get_device_name()})" if cuda else ""))
         print(f"cache: {cache_dir()}")
         return 0
+    from blockloop.families import build_model
+    from blockloop.train import checkpoint as ckpt
     from blockloop.train.run import load_trained
 
-    trained = load_trained(checkpoint)
-    m = trained.model
-    print(f"checkpoint: {trained.directory}")
-    print(f"model: {trained.config.family} {trained.config.name}, {m.num_parameters() / 1e6:.3f}M parameters "
-          f"({m.num_parameters(non_embedding=True) / 1e6:.3f}M non-embedding)")
-    print(f"tokenizer: {trained.tokenizer.name} (vocab {trained.tokenizer.vocab_size})")
-    if trained.state:
-        print(training_line(trained.state))
-    print("config: " + json.dumps(trained.config.to_dict()))
+    directory = ckpt.resolve_checkpoint(Path(checkpoint))
+    if not any((directory / name).is_file() for name in ("tokenizer.json", "train_state.json")):
+        # the model alone, as save_model_files writes it: what it is still shows, beside what it lacks
+        config, state, tokenizer = ckpt.load_checkpoint_config(directory), {}, None
+        model = build_model(config)
+        ckpt.load_model_state(directory, model)
+    else:
+        trained = load_trained(directory)
+        config, state, tokenizer, model = trained.config, trained.state, trained.tokenizer, trained.model
+    print(f"checkpoint: {directory}")
+    print(f"model: {config.family} {config.name}, {model.num_parameters() / 1e6:.3f}M parameters "
+          f"({model.num_parameters(non_embedding=True) / 1e6:.3f}M non-embedding)")
+    print(f"tokenizer: {tokenizer.name} (vocab {tokenizer.vocab_size})" if tokenizer else
+          "tokenizer: none saved (the model alone; generate and eval need one: tokenizer.save(folder))")
+    if state:
+        print(training_line(state))
+    print("config: " + json.dumps(config.to_dict()))
     return 0
 
 
@@ -54,7 +65,10 @@ def training_line(state: dict) -> str:
     step, data, origin = state.get("step", "?"), run.get("data"), state.get("converted_from")
     if origin is not None and step == 0:
         return f"origin: converted from {origin}, not trained since (recorded data, eval's default: {data})"
-    line = f"trained: step {step} on {data}"
+    tokens = state.get("tokens")
+    objective = state.get("train_config", {}).get("objective", "lm")
+    line = f"trained: step {step}{f' ({tokens:,} tokens)' if isinstance(tokens, int) else ''} on {data}"
+    line += f" with the {objective} objective" if objective != "lm" else ""
     if origin is not None:  # --to weights keeps the source's step
         line += f" (weights copied from {origin}; no optimizer state)"
     if run.get("init_from"):

@@ -18,7 +18,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     verbs = p.add_subparsers(dest="tasks_command", required=True, metavar="VERB")
     listing = verbs.add_parser("list", help="the task names, default sizes and descriptions")
     m = verbs.add_parser("make", help="generate a task and write its splits to --out")
-    m.add_argument("name", help="task name (see `blockloop tasks list`)")
+    m.add_argument("name", help="task name (see `blockloop tasks list`), or NAME:N for N statements per program / "
+                   "actions per walk")
     m.add_argument("--out", required=True, type=nonempty, help="directory to create (must not exist, or be empty)")
     m.add_argument("--seed", type=nonnegative_int, default=0, help="seed of the three splits (default: 0)")
     m.add_argument("--sizes", help="TRAIN,VALID,TEST counts of programs or sequences (default: the task's own)")
@@ -53,6 +54,8 @@ def list_tasks(args: argparse.Namespace) -> int:
         (t.name, str(t.vocab.vocab_size), "/".join(map(str, t.default_sizes)), t.description) for t in TASKS.values()
     ]
     print_table(rows)
+    print("NAME:N is a task at another length: N statements per program or N actions per walk (e.g. algorithm-3:50, "
+          "random-walk:100), for tasks make, train --task and eval --task")
     return 0
 
 

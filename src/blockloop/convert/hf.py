@@ -283,7 +283,7 @@ def to_hf_model(model: Decoder) -> nn.Module:
     from transformers import AutoModelForCausalLM
 
     if not isinstance(model, Decoder) or type(model.config) is not DecoderConfig:
-        raise BlockloopError(f"only vanilla decoders export to Hugging Face, not a {model.config.family} model")
+        raise BlockloopError(f"only vanilla decoders export to Hugging Face, not {model.config.family} models")
     config = model.config
     arch = export_architecture(config)
     hf_model = AutoModelForCausalLM.from_config(arch.from_config(config), dtype=torch.float32)

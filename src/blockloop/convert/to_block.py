@@ -86,7 +86,7 @@ def _features_block_models_lack(config: DecoderConfig) -> list[str]:
 def vanilla_to_block(vanilla: Decoder, *, block_len: int = 4, prefix_len: int = 2, pad_id: int = 0) -> BlockTransformer:
     """A Block Transformer initialised from ``vanilla`` as described in the module docstring."""
     if type(vanilla) is not Decoder:  # a looped model is a Decoder subclass whose layers do not map one to one
-        raise BlockloopError(f"only vanilla decoders convert to block models, not a {vanilla.config.family} model")
+        raise BlockloopError(f"only vanilla decoders convert to block models, not {vanilla.config.family} models")
     config = block_config_from_vanilla(vanilla.config, block_len=block_len, prefix_len=prefix_len, pad_id=pad_id)
     model = BlockTransformer(config).to(vanilla.embed.weight.dtype)
     d, lower = config.block_d_model, config.block_n_layer

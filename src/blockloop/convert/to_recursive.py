@@ -132,7 +132,7 @@ def vanilla_to_recursive(
     ``loop_norms`` each loop's norm gains are those of the layer its depth position replaces; ``calibration``
     token ids ``(B, T)`` make the SVD init activation-aware (see the module docstring)."""
     if type(vanilla) is not Decoder:
-        raise BlockloopError(f"only vanilla decoders convert to recursive models, not a {vanilla.config.family} model")
+        raise BlockloopError(f"only vanilla decoders convert to recursive models, not {vanilla.config.family} models")
     if init not in LOOP_INITS:
         raise BlockloopError(f"unknown looped-layer init {init!r}; choose one of {LOOP_INITS}")
     if lora_init not in LORA_INITS:

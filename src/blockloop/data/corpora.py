@@ -197,8 +197,8 @@ def _read_text(path: Path) -> str:
         return path.read_text(encoding="utf-8-sig")
     except UnicodeDecodeError as err:
         raise BlockloopError(
-            f"{path} is not UTF-8 text (byte {err.start}); convert it, or train on its raw bytes with "
-            f"bytes:{path} --tokenizer byte"
+            f"{path} is not UTF-8 text (byte {err.start}); convert it, or read its raw bytes as --data "
+            f"bytes:{path} (a model with the byte tokenizer)"
         ) from None
 
 

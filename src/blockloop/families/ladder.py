@@ -53,7 +53,11 @@ class LadderConfig(PretrainedFeatures, TransformerShape, ModelConfig):
 
     def summary(self) -> str:
         memory = f", memory {self.memory_len}" if self.memory_len else ""
-        return f"ladder {self.pattern}: core {self.n_layer} layers x {self.n_steps}, d={self.d_model}{memory}"
+        layers = f"{self.n_layer} layer{'s' * (self.n_layer > 1)}"
+        if self.n_steps == 1:  # one application: no order of steps to name (Transformer-XL)
+            return f"one step: core {layers}, d={self.d_model}{memory}"
+        steps = f"{self.n_steps} steps ({self.pattern.upper()})"
+        return f"ladder: core {layers} x {steps}, d={self.d_model}{memory}"
 
 
 PRESETS = (

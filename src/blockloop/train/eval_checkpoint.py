@@ -52,6 +52,8 @@ def evaluate_checkpoint(checkpoint: str | Path, request: EvalRequest, device: st
     ``per_loop``, or ``{"task", "split", **metrics}`` for a task (the one the run trained on, or the one named)."""
     if request.batch_size < 1:
         raise BlockloopError(f"--batch-size must be at least 1, got {request.batch_size}")
+    if request.max_batches is not None and request.max_batches < 1:  # the CLI refuses it as a flag; here by name
+        raise BlockloopError(f"max_batches (--max-batches) must be at least 1 or None (all), got {request.max_batches}")
     device = resolve_device(device)
     trained = load_trained(checkpoint, device)
     run = trained.state.get("run", {})

@@ -31,8 +31,8 @@ def evaluate_loops(
     """``{"loops": [{loop, loss, perplexity, accuracy, agreement, oracle_exit_share}, ...], "mean_exit_loop", "tokens"}``."""
     if not isinstance(model, RecursiveDecoder):
         family = getattr(getattr(model, "config", None), "family", type(model).__name__)
-        raise BlockloopError(f"--per-loop scores each loop of a recursive model; this is a {family} model, which has "
-                             "no loops: leave --per-loop out")
+        raise BlockloopError(f"--per-loop scores each loop of a recursive model; this model is of the {family} family, "
+                             "which has no loops: leave --per-loop out")
     was_training = model.training
     model.eval()
     loops = model.config.loops

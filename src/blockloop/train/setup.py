@@ -68,6 +68,14 @@ class TrainRequest:
     distill_from: str | None = None
     distill_weight: float | None = None  # 1.0 when distilling
 
+    def __post_init__(self) -> None:
+        # From Python as from the CLI: a str folder, and a training field that does not exist named (not a TypeError).
+        self.out = Path(self.out)
+        unknown = sorted(set(self.train_overrides) - {f.name for f in dataclasses.fields(TrainConfig)})
+        if unknown:
+            raise BlockloopError(f"train_overrides names no training setting {', '.join(unknown)}; the settings are "
+                                 f"TrainConfig's fields ({', '.join(f.name for f in dataclasses.fields(TrainConfig))})")
+
 
 @dataclass
 class RunPlan:

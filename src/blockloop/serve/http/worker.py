@@ -49,7 +49,7 @@ def serving_engine(
     options: dict[str, object] = {"paging": paging}
     if exit_rule is not None:
         if not issubclass(RUNNERS.get(model.config.family, Runner), RecursiveRunner):
-            raise BlockloopError(f"--exit applies to looped (recursive) models, not a {model.config.family} model; "
+            raise BlockloopError(f"--exit applies to looped (recursive) models, not {model.config.family} models; "
                                  "leave it out")
         options["exit_rule"] = exit_rule
     engine = Engine(runner_for(model, **options), n_slots, max_len=max_len, sync_every=sync_every, compile=compile,
