@@ -105,6 +105,25 @@ def test_left_padded_batch_generates_like_each_prompt_alone():
     assert batched == alone
 
 
+def test_generate_serves_depth_wise_with_an_exit_rule():
+    """generate() and `generate --exit` batch a looped model depth-wise as serve and chat do: without exits it is
+    the full-depth answer; with every token leaving after loop 1, the answer of the first loop's exit head."""
+    from blockloop.serve.runners import ExitRule
+
+    model = recursive(loops=3)
+    prompts = [[5, 6, 7, 8, 9], [11, 12]]
+    assert generate(model, prompts, 6, temperature=0, exit_rule=ExitRule("none")) == generate(model, prompts, 6,
+                                                                                              temperature=0)
+    first_loop = []
+    for prompt in prompts:  # greedy from loop 1's exit logits, re-reading the whole sequence each token
+        idx = torch.tensor([prompt])
+        for _ in range(6):
+            nxt = model.loop_logits(idx)[0][:, -1, :model.config.vocab_size].argmax(-1, keepdim=True)
+            idx = torch.cat([idx, nxt], 1)
+        first_loop.append(idx[0, len(prompt):].tolist())
+    assert generate(model, prompts, 6, temperature=0, exit_rule=ExitRule("max_prob", 0.0)) == first_loop
+
+
 @pytest.mark.parametrize("overrides", [{"lora_rank": 3}, {"prefix_len": 2}, {"lora_rank": 2, "prefix_len": 2}])
 def test_rows_at_different_loops_in_one_call_equal_each_loop_run_alone(overrides):
     model = recursive(loops=3, **overrides)

@@ -25,14 +25,15 @@ from blockloop.cli import main
 from blockloop.serve.generate import generate
 from blockloop.serve.http.app import app_for
 from blockloop.serve.http.chat import plain_template
-from blockloop.serve.runners import ExitRule
+from blockloop.serve.runners import ExitRule, Speculation
 from blockloop.train.run import TrainedModel, load_trained
 from server_helpers import metric, running, tiny_run
 
-# name -> (preset, exit rule): the four families, and the looped model batched depth-wise as well.
+# name -> (preset, engine options): the four families, and the looped model batched depth-wise and speculating.
 FAMILIES = {
-    "vanilla": ("tiny", None), "block": ("tiny-block", None), "double": ("tiny-double", None),
-    "recursive": ("tiny-recursive", None), "recursive-depthwise": ("tiny-recursive", ExitRule("none")),
+    "vanilla": ("tiny", {}), "block": ("tiny-block", {}), "double": ("tiny-double", {}),
+    "recursive": ("tiny-recursive", {}), "recursive-depthwise": ("tiny-recursive", {"exit_rule": ExitRule("none")}),
+    "recursive-speculative": ("tiny-recursive", {"speculation": Speculation(2)}),
 }
 
 
@@ -54,8 +55,8 @@ def serve(tmp_path_factory, preset: str, **options):
 
 @pytest.fixture(scope="module", params=list(FAMILIES))
 def served(request, tmp_path_factory):
-    preset, exit_rule = FAMILIES[request.param]
-    run, app = serve(tmp_path_factory, preset, n_slots=4, exit_rule=exit_rule)
+    preset, options = FAMILIES[request.param]
+    run, app = serve(tmp_path_factory, preset, n_slots=4, **options)
     with running(app) as url:
         yield Served(url, preset, str(run), load_trained(run), openai.OpenAI(base_url=url + "/v1", api_key="-", max_retries=0))
 

@@ -410,6 +410,14 @@ def test_serve_rejects_an_exit_rule_for_a_model_without_loops(run, capsys):
     assert main(["serve", "--checkpoint", str(run), "--exit", "max_prob:0.9", "--device", "cpu", "--port", "0"]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "--exit applies to looped" in err
+    # serve and chat speculate too (only generate and bench did), with the same refusals as generate
+    for argv, message in [(["--speculate", "2"], "--speculate applies to looped (recursive) models, not decoder models"),
+                          (["--exit", "none", "--speculate", "2"], "--exit and --speculate are two decode modes"),
+                          (["--draft-loops", "2"], "--draft-loops and --adaptive-k shape speculation; add --speculate K")]:
+        for verb in ("serve", "chat"):
+            assert main([verb, "--checkpoint", str(run), *argv, "--device", "cpu", *(["--port", "0"] * (verb == "serve"))]) == 2
+            err = capsys.readouterr().err.strip()
+            assert len(err.splitlines()) == 1 and message in err, err
 
 
 def test_a_paged_cache_smaller_than_the_context_bounds_max_tokens_with_a_400(run):

@@ -16,7 +16,7 @@ import sys
 import unicodedata
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import NoReturn, TypeVar
+from typing import Any, NoReturn, TypeVar
 
 from blockloop.choices import KEY_BUCKETS
 from blockloop.errors import BlockloopError, utf8_problem
@@ -221,6 +221,34 @@ def check_sampling(args: argparse.Namespace) -> None:
         if given:
             refuse_flags(given, "--temperature 0 (greedy: nothing is sampled)",
                          or_else=", or give a temperature above 0 to sample")
+
+
+def add_looped_decoding(p: argparse.ArgumentParser) -> None:
+    """The two decode modes of a looped model (RRT section 3), the same flags in ``generate``, ``chat`` and
+    ``serve``: depth-wise batching with early exit (``--exit``), or self-speculative decoding (``--speculate``)."""
+    g = p.add_argument_group("looped (recursive) models: early exit or self-speculative decoding")
+    g.add_argument("--exit", metavar="RULE[:THRESHOLD]",
+                   help="batch depth-wise and leave the loops early by this rule, e.g. max_prob:0.9 or entropy:2.0 "
+                   "(none:0 batches depth-wise without early exits)")
+    g.add_argument("--speculate", type=positive_int, metavar="K",
+                   help="draft K tokens with the first loops, verify them with all loops in one pass: the same greedy "
+                   "output (the same distribution when sampling), fewer full-depth passes")
+    g.add_argument("--draft-loops", type=positive_int, help="loops that draft under --speculate (default: 1)")
+    g.add_argument("--adaptive-k", action="store_true",
+                   help="--speculate K is each request's most: lower it after rejections, raise it after full acceptance")
+
+
+def looped_decoding(args: argparse.Namespace) -> dict[str, Any]:
+    """``exit_rule`` and ``speculation`` (a runner's options; None where not asked) from
+    :func:`add_looped_decoding`'s flags, refusing flags that shape a mode not chosen."""
+    from blockloop.serve.runners import ExitRule, Speculation
+
+    if args.speculate is None and (args.draft_loops is not None or args.adaptive_k):
+        raise BlockloopError("--draft-loops and --adaptive-k shape speculation; add --speculate K or leave them out")
+    if args.exit is not None and args.speculate is not None:
+        raise BlockloopError("--exit and --speculate are two decode modes of a looped model; give one of them")
+    return {"exit_rule": ExitRule.parse(args.exit) if args.exit else None,
+            "speculation": Speculation(args.speculate, args.draft_loops or 1, args.adaptive_k) if args.speculate else None}
 
 
 def add_no_progress(p: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:

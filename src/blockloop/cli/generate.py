@@ -8,10 +8,12 @@ import sys
 from blockloop.cli.common import (
     add_checkpoint,
     add_device,
+    add_looped_decoding,
     add_no_pack,
     add_sampling,
     add_threads,
     check_sampling,
+    looped_decoding,
     positive_int,
     sampling_seed,
     set_threads,
@@ -35,12 +37,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=sampling_seed,
                    help="seed for sampling (same seed, same text; sample i uses seed + i, as a server request does)")
     p.add_argument("--no-stop", action="store_true", help="do not stop at the end-of-text token")
-    s = p.add_argument_group("self-speculative decoding (looped models)")
-    s.add_argument("--speculate", type=positive_int, metavar="K",
-                   help="draft K tokens with the first loops, verify them with all loops in one pass: the same greedy "
-                   "output (the same distribution when sampling), fewer full-depth passes")
-    s.add_argument("--draft-loops", type=positive_int, help="loops that draft (default: 1)")
-    s.add_argument("--adaptive-k", action="store_true", help="lower K after rejections, raise it after full acceptance")
+    add_looped_decoding(p)
     add_device(p)
     add_threads(p)
     add_no_pack(p)
@@ -52,11 +49,10 @@ def run(args: argparse.Namespace) -> int:
     from blockloop.serve.batching import padded_prompt_length, prompt_size
     from blockloop.serve.generate import generate
     from blockloop.serve.http.text import TextStream, continuation
-    from blockloop.serve.runners import Speculation, runner_for
+    from blockloop.serve.runners import runner_for
     from blockloop.train.run import load_trained
 
-    if args.speculate is None and (args.draft_loops is not None or args.adaptive_k):
-        raise BlockloopError("--draft-loops and --adaptive-k shape speculation; add --speculate K or leave them out")
+    decoding = looped_decoding(args)
     check_sampling(args)
     set_threads(args.threads)
     trained = load_trained(args.checkpoint, resolve_device(args.device))
@@ -74,7 +70,7 @@ def run(args: argparse.Namespace) -> int:
     kwargs = dict(
         temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
         eos_id=None if args.no_stop else tok.eos_id, seed=args.seed,
-        speculation=None if args.speculate is None else Speculation(args.speculate, args.draft_loops or 1, args.adaptive_k),
+        **decoding,
     )
     safe = terminal_safe if sys.stdout.isatty() else str  # a model's control characters cannot rewrite a terminal
     if args.num_samples == 1:

@@ -12,9 +12,11 @@ from blockloop.cli.common import (
     add_checkpoint,
     add_device,
     add_key_buckets,
+    add_looped_decoding,
     add_no_pack,
     add_threads,
     integer,
+    looped_decoding,
     nonempty,
     nonnegative_int,
     positive_int,
@@ -68,9 +70,6 @@ def add_engine_arguments(p: argparse.ArgumentParser, slots: int = 8) -> None:
                    help="decode steps between host syncs: tokens reach clients once per window (default: 1 on CPU, "
                    "where a sync costs nothing; 8 on a GPU). Rounded up to a whole block for a Block Transformer, "
                    "whose tokens so arrive a block at a time")
-    p.add_argument("--exit", metavar="RULE[:THRESHOLD]",
-                   help="looped models only: batch depth-wise and leave the loops early by this rule, e.g. "
-                   "max_prob:0.9 or entropy:2.0 (none:0 batches depth-wise without early exits)")
     p.add_argument("--compile", action="store_true",
                    help="torch.compile the decode step (CUDA graphs on CUDA), every graph before the first request")
     add_key_buckets(p)
@@ -84,6 +83,7 @@ def add_engine_arguments(p: argparse.ArgumentParser, slots: int = 8) -> None:
     p.add_argument("--page-size", type=positive_int,
                    help="cache entries per page of --kv-tokens (tokens; a Block Transformer's blocks) (default: 128)")
     add_threads(p)
+    add_looped_decoding(p)
 
 
 def add_chat_template(p: argparse.ArgumentParser) -> None:
@@ -105,7 +105,8 @@ def run(args: argparse.Namespace) -> int:
                       allowed_origins=args.allowed_origin or (), api_key=args.api_key, **options)
         port = sock.getsockname()[1]  # --port 0: the one the system chose
         host = f"[{args.host}]" if ":" in args.host else args.host  # an IPv6 address in a URL
-        depth = f", depth-wise with exit {args.exit}" if args.exit else ""
+        depth = (f", depth-wise with exit {args.exit}" if args.exit else
+                 f", speculating {args.speculate} tokens" if args.speculate else "")
         key = ", API key required" if args.api_key else ""
         print(f"serving {name} ({trained.config.family}, {args.slots} slots{depth}{key}) at http://{host}:{port}/v1")
         serve(app, sock, log_level=args.log_level, shutdown_timeout=args.shutdown_timeout)
@@ -163,16 +164,16 @@ def bind(host: str, port: int) -> socket.socket:
 def load(args: argparse.Namespace, n_slots: int) -> tuple[TrainedModel, dict[str, Any]]:
     """The checkpoint and the engine options the flags ask for (shared with ``blockloop chat``)."""
     from blockloop.device import resolve_device
-    from blockloop.serve.runners import ExitRule, Paging
+    from blockloop.serve.runners import Paging
     from blockloop.serve.runners.paging import DEFAULT_PAGE_SIZE
     from blockloop.train.run import load_trained
 
     set_threads(args.threads)  # before the engine thread starts: it inherits the setting
-    exit_rule = ExitRule.parse(args.exit) if args.exit else None
+    decoding = looped_decoding(args)
     trained = load_trained(args.checkpoint, resolve_device(args.device))
     if args.page_size is not None and not args.kv_tokens:
         raise BlockloopError("--page-size shapes the paged cache of --kv-tokens; add --kv-tokens N or leave it out")
     paging = Paging(args.kv_tokens, args.page_size or DEFAULT_PAGE_SIZE) if args.kv_tokens else None
-    return trained, dict(n_slots=n_slots, max_len=args.max_len, sync_every=args.sync_every, exit_rule=exit_rule,
+    return trained, dict(n_slots=n_slots, max_len=args.max_len, sync_every=args.sync_every, **decoding,
                          compile=args.compile, prefill_chunk=args.prefill_chunk, paging=paging,
                          key_buckets=args.key_buckets)

@@ -17,7 +17,7 @@ from blockloop.errors import BlockloopError, check_context
 from blockloop.serve.batching import padded_prompt_length, prompt_size
 from blockloop.serve.engine import Engine
 from blockloop.serve.requests import Request, SamplingParams, whole_number, wrap_seed
-from blockloop.serve.runners import Speculation, runner_for
+from blockloop.serve.runners import ExitRule, Speculation, runner_for
 
 
 @torch.no_grad()
@@ -34,6 +34,7 @@ def generate(
     on_token: Callable[[int, int], None] | None = None,
     prefix: Sized | None = None,
     speculation: Speculation | None = None,
+    exit_rule: ExitRule | None = None,
 ) -> list[list[int]]:
     """Continue each prompt by up to ``max_new_tokens`` tokens; a row stops early at ``eos_id``.
 
@@ -43,7 +44,8 @@ def generate(
     ``seed + i``, as the request the server gets with that seed and as a chat's answer ``i`` do. ``prefix`` is a prompt prefix the model cached once (e.g.
     :meth:`DoubleDecoder.cache_prefix`): every prompt continues it. ``speculation`` decodes a looped model
     self-speculatively (:mod:`blockloop.serve.runners.speculative`): the same greedy tokens, the same
-    sampling distribution (other samples for a seed), fewer full-depth passes.
+    sampling distribution (other samples for a seed), fewer full-depth passes. ``exit_rule`` batches a looped
+    model depth-wise and lets each token leave its loops early by that rule (RRT section 2.4).
     """
     prompts = _prompt_rows(prompts)
     if not prompts:
@@ -58,7 +60,7 @@ def generate(
     need = (len(prefix) if prefix is not None else 0) + longest + max_new_tokens
     size = prompt_size(max(len(p) for p in prompts), longest)
     shared = f" after a shared prefix of {len(prefix)} tokens" if prefix is not None else ""
-    runner = runner_for(model, prefix=prefix, speculation=speculation)
+    runner = runner_for(model, prefix=prefix, speculation=speculation, exit_rule=exit_rule)
     if not runner.streams:  # a streaming model (a staircase) reads on past its context
         check_context(need, model.config.context_length, f"{size} plus {max_new_tokens} new tokens{shared}, in all",
                       "shorten the prompt or lower --max-new-tokens")

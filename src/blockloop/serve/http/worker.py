@@ -29,7 +29,7 @@ from blockloop.nn.linear import packed_linears
 from blockloop.serve.engine import Engine
 from blockloop.serve.http.text import TextStream
 from blockloop.serve.requests import Request, SamplingParams
-from blockloop.serve.runners import RUNNERS, ExitRule, Paging, Runner, runner_for
+from blockloop.serve.runners import RUNNERS, ExitRule, Paging, Runner, Speculation, runner_for
 from blockloop.serve.runners.recursive import RecursiveRunner
 
 log = logging.getLogger(__name__)
@@ -39,19 +39,19 @@ FINISH_REASONS = {"eos": "stop", "stop": "stop", "length": "length", "abort": "a
 
 def serving_engine(
     model: nn.Module, n_slots: int, *, max_len: int | None = None, sync_every: int | None = None,
-    exit_rule: ExitRule | None = None, compile: bool = False, prefill_chunk: int = 512, paging: Paging | None = None,
-    key_buckets: int = KEY_BUCKETS,
+    exit_rule: ExitRule | None = None, speculation: Speculation | None = None, compile: bool = False,
+    prefill_chunk: int = 512, paging: Paging | None = None, key_buckets: int = KEY_BUCKETS,
 ) -> Engine:
     """The engine a server or chat runs: ``model``'s runner over ``n_slots`` slots; with ``exit_rule``, a looped
-    model is batched depth-wise and leaves its loops early by that rule; with ``paging``, over a paged KV cache.
+    model is batched depth-wise and leaves its loops early by that rule; with ``speculation``, it drafts with its
+    first loops and verifies with all of them; with ``paging``, over a paged KV cache.
     ``compile``: every decode graph is compiled (and on CUDA captured) here, before the first request
     (:meth:`Engine.compile_steps`), rather than one at a time while requests wait for it."""
-    options: dict[str, object] = {"paging": paging}
-    if exit_rule is not None:
-        if not issubclass(RUNNERS.get(model.config.family, Runner), RecursiveRunner):
-            raise BlockloopError(f"--exit applies to looped (recursive) models, not {model.config.family} models; "
-                                 "leave it out")
-        options["exit_rule"] = exit_rule
+    options: dict[str, object] = {"paging": paging, "exit_rule": exit_rule, "speculation": speculation}
+    looped = [flag for flag, given in (("--exit", exit_rule), ("--speculate", speculation)) if given is not None]
+    if looped and not issubclass(RUNNERS.get(model.config.family, Runner), RecursiveRunner):
+        raise BlockloopError(f"{looped[0]} applies to looped (recursive) models, not {model.config.family} models; "
+                             "leave it out")
     engine = Engine(runner_for(model, **options), n_slots, max_len=max_len, sync_every=sync_every, compile=compile,
                     prefill_chunk=prefill_chunk, key_buckets=key_buckets)
     if compile:
