@@ -497,7 +497,7 @@ def test_a_stopped_evaluation_keeps_the_tasks_it_finished(tiny_run, tmp_path, ca
     (["--task", "random-walk", "--tasks", "piqa"], "give one of them"),
     (["--tasks", "piqa,nope"], "unknown benchmark"),
     (["--tasks", "piqa", "--loops", "2"], "no loops"),
-    (["--loops", "2"], "--loops does not apply to the loss evaluation; add --tasks"),
+    (["--loops", "2"], "--loops does not apply to the loss evaluation; add --tasks LIST to score benchmarks (--per-loop scores the text after every loop)"),
     (["--shots", "3", "--limit", "5"], "--shots, --limit do not apply to the loss evaluation"),
     (["--no-pack"], "--no-pack does not apply to the loss evaluation; add --tasks"),  # only scoring packs weights
     (["--tasks", "copa", "--data", "kjv", "--max-batches", "1"], "--data, --max-batches do not apply to --tasks"),

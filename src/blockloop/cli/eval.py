@@ -108,7 +108,8 @@ def run(args: argparse.Namespace) -> int:
     if given and benchmark_mode:
         refuse_flags(given, "--tasks (the benchmarks bring their own data)")
     if given:
-        refuse_flags(given, "the loss evaluation", fix="add --tasks LIST to score benchmarks")
+        per_loop = " (--per-loop scores the text after every loop)" if "loops" in given else ""
+        refuse_flags(given, "the loss evaluation", fix=f"add --tasks LIST to score benchmarks{per_loop}")
     if benchmark_mode:
         return benchmarks(args)
     from blockloop.train.eval_checkpoint import EvalRequest, evaluate_checkpoint
