@@ -41,6 +41,7 @@ from blockloop.bench.records import (
 from blockloop.cli import Parser
 from blockloop.cli.common import names, positive_float, positive_int, positive_ints
 from blockloop.families import build_model, from_name
+from blockloop.models.block import BlockTransformer
 from blockloop.serve.generate import generate
 from blockloop.train.run import RunSpec, prepare_run, sequences
 from blockloop.train.trainer import TrainConfig, Trainer
@@ -77,7 +78,8 @@ def cache_bytes_per_sample(preset: str, prompt: int, generated: int, dtype: torc
     context = -(-(prompt + generated) // 64) * 64
     with torch.device("meta"):
         model = build_model(from_name(preset, context_length=max(context, 64))).to(dtype)
-        caches = model.generation_caches(1, prompt, generated)
+        block = isinstance(model, BlockTransformer)  # its two caches; a decoder's one over prompt and output
+        caches = model.generation_caches(1, prompt, generated) if block else [model.allocate_cache(1, prompt + generated)]
     return sum(layer.k.nbytes + layer.v.nbytes for cache in caches for layer in cache.layers)
 
 

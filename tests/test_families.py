@@ -51,9 +51,10 @@ def test_staircase_keeps_attn_scalar_and_the_decoder_keeps_local_attention():
 @pytest.mark.parametrize("name", ["tiny-staircase", "tiny-ladder", "tiny-double", "tiny-encdec"])
 def test_an_old_format_config_json_still_loads_and_round_trips(name):
     """Before the families dropped field groups, to_dict wrote every DecoderConfig field: those at their
-    defaults are read as absent, anything else is refused."""
+    defaults are read as absent, anything else is refused. Every config also held an ``extra`` dict no model read."""
     config = from_name(name)
-    old = {**config.to_dict(), "sliding_window": None, "local_layers": [], "local_rope_base": None}
+    assert "extra" not in config.to_dict()
+    old = {**config.to_dict(), "sliding_window": None, "local_layers": [], "local_rope_base": None, "extra": {}}
     assert old["family"] == config.family
     loaded = config_from_dict(old)
     assert loaded == config and config_from_dict(loaded.to_dict()) == config

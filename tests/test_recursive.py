@@ -374,7 +374,7 @@ def test_convert_uptrain_with_distillation_and_evaluate_per_loop(teacher_run, tm
     assert saved["family"] == "recursive" and saved["exit_loss"] == "aggressive" and saved["lora_rank"] == 8
     state = json.loads((run / "checkpoints" / "step_0000016" / "train_state.json").read_text())
     # pinned: the teacher's checkpoint folder at the start, by absolute path (not the run's moving `latest`)
-    assert state["train_config"]["extra"]["distill_from"] == str((teacher_run / "checkpoints" / "step_0000016").resolve())
+    assert state["train_config"]["distill_from"] == str((teacher_run / "checkpoints" / "step_0000016").resolve())
     from safetensors import safe_open
 
     with safe_open(str(run / "checkpoints" / "step_0000016" / "model.safetensors"), "pt") as f:
@@ -415,7 +415,7 @@ def test_a_distilling_run_whose_pinned_teacher_is_gone_names_it_again_on_resume(
     assert "train --resume --distill-from TEACHER_RUN" in err
     assert main(["train", "--resume", "--steps", "4", "--no-progress", "--distill-from", str(moved), "--out", str(run)]) == 0
     state = json.loads((run / "checkpoints" / "step_0000004" / "train_state.json").read_text())
-    assert state["train_config"]["extra"]["distill_from"] == str((moved / "checkpoints" / "step_0000016").resolve())
+    assert state["train_config"]["distill_from"] == str((moved / "checkpoints" / "step_0000016").resolve())
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert any(r.get("step") == 4 and "loss" in r for r in rows)  # the resumed steps trained
     # while the pinned teacher is there, another one would change the loss mid-run: refused, the same one is not
@@ -423,6 +423,16 @@ def test_a_distilling_run_whose_pinned_teacher_is_gone_names_it_again_on_resume(
     assert main(["train", "--resume", "--steps", "5", "--no-progress", "--distill-from", str(other), "--out", str(run)]) == 2
     assert f"distils from the run's own teacher, {(moved / 'checkpoints' / 'step_0000016').resolve()}, which is still " \
         "there; drop --distill-from" in capsys.readouterr().err
+    # a run written before distillation had its own fields holds its teacher in train_config's "extra": it resumes
+    for saved in (run / "checkpoints").glob("*/train_state.json"):
+        old = json.loads(saved.read_text())
+        config = old["train_config"]
+        config["extra"] = {"distill_from": config.pop("distill_from"), "distill_weight": config.pop("distill_weight")}
+        saved.write_text(json.dumps(old))
+    assert main(["train", "--resume", "--steps", "5", "--no-progress", "--out", str(run)]) == 0
+    resumed = json.loads((run / "checkpoints" / "step_0000005" / "train_state.json").read_text())["train_config"]
+    assert "extra" not in resumed and resumed["distill_weight"] == 1.0
+    assert resumed["distill_from"] == str((moved / "checkpoints" / "step_0000016").resolve())
     assert main(["train", "--resume", "--steps", "5", "--no-progress", "--distill-from", str(moved), "--out", str(run)]) == 0
     assert main(["train", "--resume", "--steps", "6", "--no-progress", "--distill-weight", "5", "--out", str(run)]) == 2
     assert "drop --distill-weight" in capsys.readouterr().err  # not "add --distill-from": the run has its teacher

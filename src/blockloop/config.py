@@ -70,7 +70,6 @@ class ModelConfig:
     init: str = "normal"
     init_std: float = 0.02
     mup_base_width: int | None = None
-    extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         # Types and signs first: the groups' validate() computes with the fields (head_dim = d_model // n_head).

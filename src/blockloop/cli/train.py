@@ -182,7 +182,7 @@ def train(args: argparse.Namespace) -> int:
             exit_loss = getattr(run.model_config, "exit_loss", "none")
             exit_kd = getattr(run.model_config, "exit_kd_weight", 0.0)  # kept from --init-from's source too: say so
             coefficient = getattr(run.model_config, "exit_coefficient", None)  # the same
-            teacher = config.extra.get("distill_from")
+            teacher = config.distill_from
             print(
                 f"training {run.model_config.name} ({run.model.num_parameters() / 1e6:.2f}M parameters"
                 f"{f', {exit_loss} early-exit loss' if exit_loss != 'none' else ''}"

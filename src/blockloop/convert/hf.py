@@ -35,7 +35,7 @@ from blockloop.train.checkpoint import check_new_model_folder, os_error_of
 SUPPORTED = ", ".join(ARCHITECTURES)
 # Fields an exported model need not reproduce: naming, the vocabulary padding (exported as real rows),
 # training-only settings.
-_NOT_EXPORTED = {"name", "vocab_size", "padded_vocab_size", "dropout", "init", "init_std", "extra"}
+_NOT_EXPORTED = {"name", "vocab_size", "padded_vocab_size", "dropout", "init", "init_std"}
 _REPAIR = "re-export or re-download the model"
 SAFETENSORS_NAMES = ("model.safetensors", "model.safetensors.index.json")  # what transformers loads, one or sharded
 

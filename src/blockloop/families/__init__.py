@@ -92,6 +92,7 @@ def config_from_dict(data: dict[str, Any]) -> ModelConfig:
     if not isinstance(data, Mapping):
         raise ConfigError(f"a config is a mapping of field names to values (as to_dict gives), got {type(data).__name__}")
     data = dict(data)
+    data.pop("extra", None)  # older config.json files hold this field, which no model ever read
     cls = family(data.pop("family", "decoder")).config_class
     known = {f.name for f in dataclasses.fields(cls)}
     defaults = shared_defaults()

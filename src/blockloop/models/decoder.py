@@ -383,10 +383,6 @@ class Decoder(LanguageModel):
         return self.body.allocate_cache(batch_size, max_len, dtype=dtype or weight.dtype, device=weight.device, pages=pages,
                                         rollback=rollback)
 
-    def generation_caches(self, batch_size: int, prompt_len: int, max_new_tokens: int) -> list[DecoderCache]:
-        """Every static cache generation needs: one KV cache over prompt and generated tokens."""
-        return [self.allocate_cache(batch_size, prompt_len + max_new_tokens)]
-
     def forward(
         self,
         idx: Tensor,

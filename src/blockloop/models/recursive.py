@@ -114,13 +114,13 @@ class RecursiveDecoder(Decoder):
 
     def reset_parameters(self) -> None:
         super().reset_parameters()
-        for module in self.modules():
-            if isinstance(module, LoopLoRALinear):
-                module.reset_lora()
+        for lora in self.lora_layers():
+            lora.reset_lora()
         if getattr(self, "prefix_kv", None) is not None:
             nn.init.normal_(self.prefix_kv, std=self.config.init_std)
 
     def lora_layers(self) -> list[LoopLoRALinear]:
+        """The shared linears that carry one LoRA per loop (section 2.3): what a relaxation adds to the shared block."""
         return [m for m in self.modules() if isinstance(m, LoopLoRALinear)]
 
     # -------------------------------------------------------------- one loop

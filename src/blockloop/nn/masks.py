@@ -123,11 +123,10 @@ def window_mask(prefix_valid: Tensor, valid: Tensor, span: int | None = None) ->
     keys_valid = torch.cat((prefix_valid, valid), dim=1)
     q_pos = torch.arange(P, P + T, device=valid.device)[:, None]
     k_pos = torch.arange(P + T, device=valid.device)[None, :]
-    visible = k_pos <= q_pos
+    mask = sees_cached(k_pos, q_pos, keys_valid[:, None, :])  # the cache rule, over stream positions
     if span is not None:
-        visible = visible & (q_pos - k_pos <= span)
-    mask = visible[None] & keys_valid[:, None, :]
-    return (mask | (k_pos == q_pos)[None]).unsqueeze(1)
+        mask = mask & (q_pos - k_pos <= span)  # a query itself is at distance 0: always kept
+    return mask.unsqueeze(1)
 
 
 def own_keys_mask(n_queries: int, n_keys: int, causal: bool, device: torch.device) -> Tensor:

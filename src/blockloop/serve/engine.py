@@ -210,12 +210,12 @@ class Engine:
                                  "no request would stop at it; pass the tokenizer's eos_id")
         if max_tokens > self._context_room(len(prompt)):
             raise BlockloopError(
-                f"prompt of {self._padded(len(prompt))} tokens plus {max_tokens} new tokens exceeds the engine's "
+                f"prompt of {self.runner.padded(len(prompt))} tokens plus {max_tokens} new tokens exceeds the engine's "
                 f"{self.max_len - self.reserved}-token slots ({self._slot_size()}); shorten the prompt or lower max_tokens"
             )
-        if self.continuous and not self.runner.can_hold([self._padded(len(prompt)) + max_tokens], alone=True):
+        if self.continuous and not self.runner.can_hold([self.runner.padded(len(prompt)) + max_tokens], alone=True):
             raise BlockloopError(
-                f"prompt of {self._padded(len(prompt))} tokens plus {max_tokens} new tokens is more than the whole "
+                f"prompt of {self.runner.padded(len(prompt))} tokens plus {max_tokens} new tokens is more than the whole "
                 "paged KV cache holds; give the engine more kv tokens, shorten the prompt or lower max_tokens")
         sampling = SamplingParams() if sampling is None else sampling
         if not isinstance(sampling, SamplingParams):
@@ -229,7 +229,7 @@ class Engine:
     def room(self, prompt_len: int) -> int:
         """The most new tokens a prompt of ``prompt_len`` tokens may ask for (< 1: the prompt alone does not fit):
         what its slot leaves of the model context, and what a paged KV cache smaller than that holds."""
-        padded, most = self._padded(prompt_len), self._context_room(prompt_len)
+        padded, most = self.runner.padded(prompt_len), self._context_room(prompt_len)
         if most < 1 or not self.continuous:
             return most
         low, high = 0, most  # the most new tokens the empty pool holds, 0 if none (more never gets easier)
@@ -242,7 +242,7 @@ class Engine:
     def longest_request(self) -> int:
         """The most tokens, prompt and answer together, one request can take: its slot's share of the context, and
         no more than the empty paged KV cache holds (``max_model_len`` to a client, which checks requests by it)."""
-        prompt = self._padded(1)
+        prompt = self.runner.padded(1)
         return prompt + self.room(prompt)
 
     def cancel(self, request: Request) -> None:
@@ -267,10 +267,7 @@ class Engine:
         return "the model context"
 
     def _context_room(self, prompt_len: int) -> int:
-        return self.max_len - self.reserved - self._padded(prompt_len)
-
-    def _padded(self, length: int) -> int:
-        return self.runner.padded(length)
+        return self.max_len - self.reserved - self.runner.padded(prompt_len)
 
     # ------------------------------------------------------------- stepping
     @property
@@ -367,7 +364,7 @@ class Engine:
         which only runners that pad nothing do, :attr:`Runner.resumable`) plus what a window of steps adds (a
         speculative step writes its drafts and bonus token too); of :meth:`_lengths_for` this window's rows."""
         per_step = max(1, self.runner.emits)
-        most = max(self.reserved + self._padded(len(r.prompt)) + len(r.output) + self.sync_every * per_step
+        most = max(self.reserved + self.runner.padded(len(r.prompt)) + len(r.output) + self.sync_every * per_step
                    for r in self.scheduler.running.values())
         return next((n for n in self._lengths_for(self._stepped_rows()) if n >= most), self.max_len)
 
@@ -383,7 +380,7 @@ class Engine:
         groups: list[tuple[int, list[Request]]] = []
         for slot, request in admitted:
             if groups and groups[-1][0] + len(groups[-1][1]) == slot and (
-                    self._padded(len(self._context(groups[-1][1][0]))) == self._padded(len(self._context(request)))):
+                    self.runner.padded(len(self._context(groups[-1][1][0]))) == self.runner.padded(len(self._context(request)))):
                 groups[-1][1].append(request)
             else:
                 groups.append((slot, [request]))
@@ -394,10 +391,10 @@ class Engine:
         """The tokens ``request``'s row must hold to get through the next window: what it has cached plus a
         window of steps, at most its whole budget (the whole budget from the start where the runner cannot
         rebuild a preempted request's state, :attr:`Runner.resumable`)."""
-        budget = self._padded(len(request.prompt)) + request.max_tokens
+        budget = self.runner.padded(len(request.prompt)) + request.max_tokens
         if not self.runner.resumable:
             return budget
-        return min(budget, self._padded(len(request.prompt)) + len(request.output) + self.sync_every)
+        return min(budget, self.runner.padded(len(request.prompt)) + len(request.output) + self.sync_every)
 
     def _cache_holds(self, group: list[Request]) -> bool:
         """Whether the runner's cache has room for the first windows of ``group``, admitted together (a paged
@@ -463,7 +460,7 @@ class Engine:
 
     def _prefill_rows(self, start: int, requests: list[Request]) -> None:
         contexts = [self._context(r) for r in requests]
-        prompts, _ = left_pad(contexts, self._padded(len(contexts[0])), self.device, self.runner.pad_id)
+        prompts, _ = left_pad(contexts, self.runner.padded(len(contexts[0])), self.device, self.runner.pad_id)
         stop = start + len(requests)
         self.logits[start:stop] = self.runner.prefill_rows(start, prompts)
         self.ready[start:stop] = True
@@ -472,12 +469,12 @@ class Engine:
 
     def _fits_together(self, group: list[Request]) -> bool:
         """Whether ``group`` fits the context as one static batch: all rows share one length."""
-        longest = self._padded(max(len(r.prompt) for r in group))
+        longest = self.runner.padded(max(len(r.prompt) for r in group))
         return self.reserved + longest + max(r.max_tokens for r in group) <= self.max_len
 
     def _prefill_batch(self, admitted: list[tuple[int, Request]]) -> None:
         prompts = [r.prompt for _, r in admitted]
-        idx, token_valid = left_pad(prompts, self._padded(max(map(len, prompts))), self.device, self.runner.pad_id)
+        idx, token_valid = left_pad(prompts, self.runner.padded(max(map(len, prompts))), self.device, self.runner.pad_id)
         self.runner.allocate(len(admitted), idx.shape[1] + max(r.max_tokens for _, r in admitted))
         logits = self.runner.prefill_batch(idx, token_valid)
         self.rows = len(admitted)

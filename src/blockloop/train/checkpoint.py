@@ -342,7 +342,7 @@ def save_optimizer(directory: Path, optimizer_state: dict[str, Any]) -> None:
             else:
                 scalars[f"{name}/{key}"] = value
     save_tensors(tensors, directory / "optimizer.safetensors")
-    _write_json(directory / "optimizer.json", {"param_groups": optimizer_state["param_groups"], "scalars": scalars})
+    write_json_atomic(directory / "optimizer.json", {"param_groups": optimizer_state["param_groups"], "scalars": scalars})
 
 
 def load_optimizer(directory: Path) -> dict[str, Any]:
@@ -543,10 +543,6 @@ def _batch_shape(state: dict[str, Any]) -> list[Any]:
     """Batch size, accumulation, window and world size of a train state, as saved (1 where not saved)."""
     config = state["train_config"]
     return [config.get(key, 1) for key in ("batch_size", "grad_accum", "seq_len")] + [state.get("world_size", 1)]
-
-
-def _write_json(path: Path, data: Any) -> None:
-    Path(path).write_text(json.dumps(data, indent=2) + "\n")
 
 
 def write_json_atomic(path: Path, data: Any) -> None:

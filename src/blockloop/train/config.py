@@ -6,7 +6,7 @@ runs it.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from blockloop.choices import DISTRIBUTED, OBJECTIVES, PRECISIONS, SCHEDULES
@@ -44,7 +44,9 @@ class TrainConfig:
     distributed: str = "ddp"
     objective: str = "lm"
     progress: bool = True
-    extra: dict[str, Any] = field(default_factory=dict)
+    # Distillation (RRT section 3.6): the teacher's checkpoint, pinned by absolute path, and its term's weight.
+    distill_from: str | None = None
+    distill_weight: float | None = None
 
     def __post_init__(self) -> None:
         check_types(self, "training setting ")
@@ -70,6 +72,16 @@ class TrainConfig:
         if self.objective == "prefix_lm" and self.seq_len < 2:
             raise ConfigError("--objective prefix_lm splits each window into a prefix and a scored suffix; "
                               f"--seq-len must be at least 2, got {self.seq_len}")
+        if (self.distill_weight is not None) != (self.distill_from is not None):
+            raise ConfigError("distill_weight weighs the term of the teacher distill_from names: give both or neither")
+
+    @staticmethod
+    def saved_fields(data: dict[str, Any]) -> dict[str, Any]:
+        """A saved ``train_config`` as this version reads it: train states written before distillation had its own
+        fields hold it in an ``extra`` dict."""
+        data = dict(data)
+        extra = data.pop("extra", None) or {}
+        return {**{k: extra[k] for k in ("distill_from", "distill_weight") if k in extra}, **data}
 
     def resolved_device(self) -> str:
         from blockloop.device import resolve_device  # imports torch

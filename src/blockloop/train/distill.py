@@ -3,7 +3,7 @@
 The student's LM loss gets ``weight`` times the forward KL from the teacher's next-token distribution
 (the full-size model the student was converted from, run without gradients). The teacher lives in this
 loss hook, not in the model, so it never reaches the optimizer or a checkpoint; the run records its path
-and weight in ``TrainConfig.extra`` so ``--resume`` rebuilds the same hook.
+and weight in the run's :class:`TrainConfig` so ``--resume`` rebuilds the same hook.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from torch import Tensor, nn
 from blockloop.data.tokenizers import Tokenizer
 from blockloop.errors import BlockloopError
 from blockloop.nn.distill import forward_kl
+from blockloop.train.config import TrainConfig
 
 
 class Distillation:
@@ -33,14 +34,14 @@ class Distillation:
         return loss + self.weight * forward_kl(teacher_logits, logits, batch.get("targets"))
 
 
-def build_distillation(extra: dict[str, Any], student_config: Any, tokenizer: Tokenizer, seq_len: int,
+def build_distillation(train: TrainConfig, student_config: Any, tokenizer: Tokenizer,
                        device: torch.device | str) -> Distillation | None:
-    """The hook a run's ``TrainConfig.extra`` asks for (``distill_from``, ``distill_weight``), or None.
+    """The hook a run's ``distill_from`` and ``distill_weight`` ask for, or None.
 
     The teacher must read the student's windows as the student does (the same token ids, windows of
-    ``seq_len`` within its context) and both must predict the next token at each position: otherwise the
+    ``train.seq_len`` within its context) and both must predict the next token at each position: otherwise the
     KL compares distributions over other tokens or other positions, and training goes on without a word."""
-    source = extra.get("distill_from")
+    source, seq_len = train.distill_from, train.seq_len
     if source is None:
         return None
     from blockloop.families import spec_of
@@ -65,4 +66,4 @@ def build_distillation(extra: dict[str, Any], student_config: Any, tokenizer: To
     if teacher.config.context_length < seq_len:
         raise BlockloopError(f"teacher {source} has a context of {teacher.config.context_length} tokens, shorter than "
                              f"the --seq-len {seq_len} windows it would read; lower --seq-len")
-    return Distillation(teacher.model, float(extra.get("distill_weight", 1.0)))
+    return Distillation(teacher.model, float(train.distill_weight))

@@ -129,7 +129,8 @@ def plan_run(request: TrainRequest) -> RunPlan:
         clashes = _given(named, r.model_overrides)
         # A distilling run may name its teacher again once the checkpoint it pinned is gone (the teacher's run trained
         # on and removed it, or it moved); while it is there, another teacher would change the loss mid-run.
-        pinned = state["train_config"].get("extra", {}).get("distill_from")
+        saved = TrainConfig.saved_fields(state["train_config"])
+        pinned = saved.get("distill_from")
         repin = pinned is not None and r.distill_from is not None
         if repin and Path(pinned).exists() and ckpt.resolve_checkpoint(Path(r.distill_from)).resolve() != Path(pinned):
             raise BlockloopError(f"--resume distils from the run's own teacher, {pinned}, which is still there; drop "
@@ -140,18 +141,16 @@ def plan_run(request: TrainRequest) -> RunPlan:
         clashes += [name for name, value in exits if value is not None]
         clashes += ["objective"] if "objective" in r.train_overrides else []  # the loss; the rest is how it trains
         # the seed orders the data: the saved position in this epoch's shuffle would point into another order
-        clashes += ["seed"] if r.train_overrides.get("seed", state["train_config"].get("seed")) != state[
-            "train_config"].get("seed") else []
+        clashes += ["seed"] if r.train_overrides.get("seed", saved.get("seed")) != saved.get("seed") else []
         if clashes:
             raise BlockloopError(f"--resume continues the saved run with its own model, data, order and loss; drop "
                                  f"{_flags(clashes)}")
         # The model, config and tokenizer come from the run's own checkpoint, whatever it started from.
         source = dataclasses.replace(spec, init_from=str(directory))
         # The flags passed argparse's checks, so a value refused here is the file's.
-        config = from_fields(TrainConfig, {**state["train_config"], **r.train_overrides},
-                             f"{directory / 'train_state.json'}: train_config")
+        config = from_fields(TrainConfig, {**saved, **r.train_overrides}, f"{directory / 'train_state.json'}: train_config")
         if repin:
-            config.extra = {**config.extra, "distill_from": str(ckpt.resolve_checkpoint(Path(r.distill_from)).resolve())}
+            config.distill_from = str(ckpt.resolve_checkpoint(Path(r.distill_from)).resolve())
         return RunPlan(spec, source, config, r.out, True, r.early_exit, r.tokens)
     if r.out.exists() and not r.out.is_dir():
         raise BlockloopError(f"--out {r.out} is a file; name a directory for the run")
@@ -183,7 +182,7 @@ def plan_run(request: TrainRequest) -> RunPlan:
         # Pinned: the teacher's checkpoint as it is now, by absolute path, so a resume from elsewhere, or after the
         # teacher's run trained on, distils from the same teacher.
         teacher = ckpt.resolve_checkpoint(Path(r.distill_from)).resolve()
-        config.extra.update(distill_from=str(teacher), distill_weight=1.0 if r.distill_weight is None else r.distill_weight)
+        config.distill_from, config.distill_weight = str(teacher), 1.0 if r.distill_weight is None else r.distill_weight
     return RunPlan(spec, spec, config, r.out, False, r.early_exit, r.tokens, fit_seq_len="seq_len" not in r.train_overrides)
 
 
@@ -329,7 +328,7 @@ def start_training(plan: RunPlan, info: DistInfo = DistInfo()) -> tuple[Prepared
     trainer = Trainer(
         run.model, run.model_config, run.tokenizer, train_seqs, val_seqs, config, plan.out,
         run_info=plan.spec.to_dict(), dist_info=info,
-        loss_hook=build_distillation(config.extra, run.model_config, run.tokenizer, config.seq_len, config.resolved_device()),
+        loss_hook=build_distillation(config, run.model_config, run.tokenizer, config.resolved_device()),
         data_fingerprint=data_fingerprint(run.splits),
     )
     if plan.resume:

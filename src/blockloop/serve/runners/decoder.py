@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 from blockloop.errors import BlockloopError
 from blockloop.nn.kv_cache import DecoderCache, StepContext
@@ -72,7 +72,7 @@ class DecoderRunner(PagedRows, Runner):
     state: DecodeState
     chunked_prefill = resumable = prefix_steps = True
 
-    def __init__(self, model, paging: Paging | None = None) -> None:  # noqa: ANN001  (any single-stack model)
+    def __init__(self, model: nn.Module, paging: Paging | None = None) -> None:  # any single-stack model
         super().__init__(model)
         self.paging = paging
 
