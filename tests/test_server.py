@@ -29,11 +29,12 @@ from blockloop.serve.runners import ExitRule, Speculation
 from blockloop.train.run import TrainedModel, load_trained
 from server_helpers import metric, running, tiny_run
 
-# name -> (preset, engine options): the four families, and the looped model batched depth-wise and speculating.
+# name -> (preset, engine options): every family, and the looped model batched depth-wise and speculating too.
 FAMILIES = {
     "vanilla": ("tiny", {}), "block": ("tiny-block", {}), "double": ("tiny-double", {}),
     "recursive": ("tiny-recursive", {}), "recursive-depthwise": ("tiny-recursive", {"exit_rule": ExitRule("none")}),
     "recursive-speculative": ("tiny-recursive", {"speculation": Speculation(2)}),
+    "staircase": ("tiny-staircase", {}), "encdec": ("tiny-encdec", {}), "transformer-xl": ("tiny-transformer-xl", {}),
 }
 
 
