@@ -173,7 +173,7 @@ def test_uptraining_conversion_rejects_impossible_requests():
         vanilla_to_block(build_model(from_name("tiny", n_layer=1)))
     with pytest.raises(BlockloopError, match="one block, and the first block is never predicted"):  # context 128
         vanilla_to_block(build_model(from_name("tiny")), block_len=128)
-    with pytest.raises(BlockloopError, match="not a recursive model"):  # a Decoder subclass, but looped
+    with pytest.raises(BlockloopError, match="not recursive models"):  # a Decoder subclass, but looped
         vanilla_to_block(build_model(from_name("tiny-recursive")))
     # what a Block Transformer's layers cannot hold is named, not dropped (GPT-2's positions, Gemma's norms)
     for changes, named in (({"learned_positions": True, "rotary_pct": 0.0}, "learned positions"),

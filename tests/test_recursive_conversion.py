@@ -70,7 +70,7 @@ def test_an_attention_narrower_than_the_model_does_not_cap_the_other_linears_ran
     assert ranks["attn.proj"] == (24,) and ranks["attn.qkv"] == (24, 12, 12) and ranks["mlp.proj"] == (FULL_RANK,)
     idx = tokens()
     assert (relaxed(idx)[0] - full(idx)[0]).abs().max().item() <= 1e-9
-    with pytest.raises(BlockloopError, match="the widest, mlp.gate, is 48x32, so at most min"):
+    with pytest.raises(BlockloopError, match=r"the largest min\(in, out\) is 32 \(mlp.gate 48x32, mlp.up 48x32, mlp.proj 32x48: full rank\)"):
         vanilla_to_recursive(full, loops=2, init="average", lora_rank=FULL_RANK + 1)
 
 

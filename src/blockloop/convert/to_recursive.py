@@ -50,7 +50,7 @@ from blockloop import progress
 from blockloop.choices import LOOP_INITS, LORA_INITS, TYING_STRATEGIES
 from blockloop.config import DecoderConfig
 from blockloop.errors import BlockloopError
-from blockloop.families.recursive import RecursiveConfig, full_lora_rank
+from blockloop.families.recursive import RecursiveConfig, full_lora_rank, linear_shapes
 from blockloop.models.decoder import Decoder
 from blockloop.models.recursive import RecursiveDecoder, layer_order
 from blockloop.nn.lora import LoopLoRALinear
@@ -72,9 +72,11 @@ def recursive_config_from_vanilla(
         divisors = [b for b in range(1, config.n_layer + 1) if config.n_layer % b == 0]
         problem = "is not a loop count" if loops < 1 else f"does not divide the model's {config.n_layer} layers"
         raise BlockloopError(f"--loops {loops} {problem}; choose one of {divisors}")
-    if lora_rank > full_lora_rank(config):
+    full = full_lora_rank(config)
+    if lora_rank > full:
+        widest = ", ".join(f"{name} {out}x{in_}" for name, (out, in_) in linear_shapes(config).items() if min(out, in_) == full)
         raise BlockloopError(f"--lora-rank {lora_rank} exceeds the rank of every shared weight matrix: the largest "
-                             f"min(in, out) is {full_lora_rank(config)} (full rank); give at most {full_lora_rank(config)}")
+                             f"min(in, out) is {full} ({widest}: full rank); give at most {full}")
     if tying not in TYING_STRATEGIES:
         raise BlockloopError(f"tying strategy {tying!r} is unknown; choose one of {TYING_STRATEGIES}")
     own = ("name", "n_layer", "local_layers")
