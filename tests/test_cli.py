@@ -110,6 +110,15 @@ def test_info_shows_a_model_saved_without_its_tokenizer(trained_run, tmp_path, c
     assert "tokenizer: none saved" in out and "trained:" not in out and '"name": "tiny"' in out
 
 
+def test_info_names_an_objective_other_than_next_token(trained_run, tmp_path, capsys):
+    run = tmp_path / "plm"
+    assert main(["train", "--init-from", str(trained_run), "--objective", "prefix_lm", "--steps", "1", "--batch-size",
+                 "2", "--seq-len", "32", "--device", "cpu", "--no-progress", "--out", str(run)]) == 0
+    capsys.readouterr()
+    assert main(["info", str(run)]) == 0
+    assert "trained: step 1 (64 tokens) on shakespeare with the prefix_lm objective, initialised from" in capsys.readouterr().out
+
+
 @pytest.mark.parametrize(
     "argv, match",
     [

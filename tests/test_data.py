@@ -178,6 +178,8 @@ def test_bpe_training_cuts_words_longer_than_any_merge_it_could_learn(cache: Pat
     pieces = list(_training_pieces([f"x {run} y"]))
     assert "".join(pieces) == f"x {run} y" and max(map(len, pieces)) == MAX_TRAINING_WORD
     assert pieces[1:4] == [run[:MAX_TRAINING_WORD], run[MAX_TRAINING_WORD:2 * MAX_TRAINING_WORD], "c"]
+    blank = "\n" * (2 * MAX_TRAINING_WORD + 3)  # a run of whitespace is one word to GPT-2's pre-tokenizer too
+    assert [len(p) for p in _training_pieces([f"a{blank}b"]) if p.strip() == ""] == [MAX_TRAINING_WORD] * 2 + [3]
     draw = random.Random(0)
     text = "".join(draw.choice("abcdefgh") for _ in range(200_000))  # the audit's case: 8 letters, no space
     tok = build_tokenizer("bpe:300", [text])

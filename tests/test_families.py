@@ -172,3 +172,10 @@ def test_library_misuse_of_the_builders_is_named():
     with pytest.raises(BlockloopError, match="padded_vocab_size=258 is smaller than vocab_size=1000"):
         build_model(config)
 
+
+
+def test_summaries_name_what_a_preset_repeats():
+    """The Ladder's summary names its steps and their order; one step (Transformer-XL) has no order to name."""
+    assert from_name("tiny-ladder-aabb").summary() == "ladder: core 2 layers x 2 steps (AABB), d=64"
+    assert from_name("tiny-transformer-xl").summary() == "one step: core 2 layers, d=64, memory 16"
+    assert from_name("tiny-universal").summary() == "ladder: core 1 layer x 4 steps (ABAB), d=64"

@@ -511,6 +511,16 @@ def test_a_config_json_written_before_the_unread_weight_refusals_still_loads():
     # a run that left the aggressive loss kept its coefficient, unread
     left = config_from_dict({**saved, "exit_loss": "weighted", "exit_coefficient": 0.2})
     assert left.exit_coefficient == 0.1
+    # an exit loss on one loop (plain cross-entropy), and a rank past every matrix's full rank (64 here: each took
+    # min(rank, in, out)), were accepted: the same model loads, with the same weight shapes and LoRA scaling
+    one = config_from_dict({**saved, "loops": 1, "exit_loss": "aggressive", "exit_coefficient": 0.3})
+    assert (one.exit_loss, one.exit_kd_weight, one.exit_coefficient) == ("none", 0.0, 0.1)
+    for alpha in (None, 50.0):
+        wide = {**saved, "lora_rank": 100, "lora_alpha": alpha}
+        capped = config_from_dict(wide)
+        assert capped.lora_rank == 64 and capped.lora_scaling == pytest.approx((alpha or 100) / 100)
+        old_model = build_model(from_name("tiny-recursive", lora_rank=64))  # rank 100 built these shapes too
+        assert [p.shape for p in build_model(capped).parameters()] == [p.shape for p in old_model.parameters()]
 
 
 def test_a_checkpoint_with_one_lora_over_the_fused_projection_loads_as_the_same_model(tmp_path):

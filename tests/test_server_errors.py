@@ -409,9 +409,10 @@ def test_a_request_admitted_in_this_window_is_not_counted_as_waiting(run):
 def test_serve_rejects_an_exit_rule_for_a_model_without_loops(run, capsys):
     assert main(["serve", "--checkpoint", str(run), "--exit", "max_prob:0.9", "--device", "cpu", "--port", "0"]) == 2
     err = capsys.readouterr().err.strip()
-    assert len(err.splitlines()) == 1 and "--exit applies to looped" in err
+    assert len(err.splitlines()) == 1 and "the decoder family's runner has no option exit_rule (--exit; the " \
+        "recursive family takes it)" in err
     # serve and chat speculate too (only generate and bench did), with the same refusals as generate
-    for argv, message in [(["--speculate", "2"], "--speculate applies to looped (recursive) models, not decoder models"),
+    for argv, message in [(["--speculate", "2"], "the decoder family's runner has no option speculation (--speculate;"),
                           (["--exit", "none", "--speculate", "2"], "--exit and --speculate are two decode modes"),
                           (["--draft-loops", "2"], "--draft-loops and --adaptive-k shape speculation; add --speculate K")]:
         for verb in ("serve", "chat"):

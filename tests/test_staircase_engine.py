@@ -114,3 +114,24 @@ def test_a_staircase_streams_past_its_context(name):
     vanilla = build_model(from_name("tiny", context_length=24)).eval()
     with pytest.raises(BlockloopError, match="max_len .--max-len. 48 is more than the model context of 24"):
         Engine(vanilla, 2, max_len=48)
+
+
+def test_generate_and_serve_take_a_staircase_past_its_context(tmp_path, capsys):
+    """The CLI's default answer (200 tokens) is no longer cut to what the context leaves, and serve/chat take a
+    --max-len above the context for a staircase (a decoder is still held to its context)."""
+    from blockloop.cli import main
+    from blockloop.errors import BlockloopError
+    from blockloop.serve.http.worker import serving_engine
+
+    run = tmp_path / "run"
+    assert main(["train", "--preset", "tiny-staircase", "--set", "context_length=24", "--seq-len", "24", "--steps", "1",
+                 "--batch-size", "2", "--device", "cpu", "--no-progress", "--out", str(run)]) == 0
+    capsys.readouterr()
+    assert main(["generate", "--checkpoint", str(run), "--prompt", "ROMEO:", "--temperature", "0", "--no-stop"]) == 0
+    text = capsys.readouterr().out
+    # 200 byte tokens decode to at least 50 characters (18 would have fit the context after the prompt)
+    assert len(text) > 6 + 40, text
+    model = tiny("tiny-staircase:24")
+    assert serving_engine(model, 2, max_len=300).max_len == 300
+    with pytest.raises(BlockloopError, match="more than the model context of 24"):
+        serving_engine(build_model(from_name("tiny", context_length=24)).eval(), 2, max_len=300)

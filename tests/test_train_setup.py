@@ -39,6 +39,13 @@ def test_a_fresh_request_takes_the_defaults(tmp_path):
     assert plan.config.steps == 7 and not plan.resume
     with pytest.raises(BlockloopError, match="--task brings its own data"):
         plan_run(TrainRequest(tmp_path / "run", task="random-walk", data="shakespeare"))
+    # --dropout sets the embeddings' rate too, as its help says (a preset's own embed_dropout was kept), unless
+    # --set embed_dropout gives it apart
+    staircase = plan_run(TrainRequest(tmp_path / "run", preset="staircase-reddit", dropout=0.05))
+    assert staircase.spec.model_overrides == {"dropout": 0.05, "embed_dropout": 0.05}
+    apart = plan_run(TrainRequest(tmp_path / "run", preset="staircase-reddit", dropout=0.05,
+                                  model_overrides={"embed_dropout": 0.3}))
+    assert apart.spec.model_overrides == {"dropout": 0.05, "embed_dropout": 0.3}
     # from Python: a str folder is a folder, and a misspelt setting is named (both were TypeErrors)
     assert plan_run(TrainRequest(str(tmp_path / "run"), preset="tiny")).out == tmp_path / "run"
     with pytest.raises(BlockloopError, match=r"train_overrides names no training setting stepz; the settings are .*steps"):

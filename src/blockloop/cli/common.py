@@ -247,8 +247,9 @@ def looped_decoding(args: argparse.Namespace) -> dict[str, Any]:
         raise BlockloopError("--draft-loops and --adaptive-k shape speculation; add --speculate K or leave them out")
     if args.exit is not None and args.speculate is not None:
         raise BlockloopError("--exit and --speculate are two decode modes of a looped model; give one of them")
-    return {"exit_rule": ExitRule.parse(args.exit) if args.exit else None,
-            "speculation": Speculation(args.speculate, args.draft_loops or 1, args.adaptive_k) if args.speculate else None}
+    return {"exit_rule": None if args.exit is None else ExitRule.parse(args.exit),
+            "speculation": None if args.speculate is None else Speculation(args.speculate, args.draft_loops or 1,
+                                                                           args.adaptive_k)}
 
 
 def add_no_progress(p: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:

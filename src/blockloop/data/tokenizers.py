@@ -351,12 +351,12 @@ MAX_TRAINING_WORD = 256  # characters of one word the BPE trainer sees (longer r
 MAX_BPE_VOCAB = 1 << 18  # Gemma-3's 262,144 ids, the largest vocabulary of a common pretrained model
 
 
-LONG_RUN = re.compile(rf"\S{{{MAX_TRAINING_WORD + 1},}}")
+LONG_RUN = re.compile(rf"\S{{{MAX_TRAINING_WORD + 1},}}|\s{{{MAX_TRAINING_WORD + 1},}}")  # GPT-2 words: either
 
 
 def _training_pieces(documents: Sequence[str]) -> Iterator[str]:
-    """The documents with every run of more than ``MAX_TRAINING_WORD`` non-space characters cut into pieces of
-    that length. The trainer's time grows with the square of its longest word: one 3M-character line without a
+    """The documents with every run of more than ``MAX_TRAINING_WORD`` non-space (or space) characters cut into
+    pieces of that length. The trainer's time grows with the square of its longest word: one 3M-character line without a
     space (minified JSON, base64, unspaced scripts) held it for over ten minutes, deaf to Ctrl-C. Merges that
     long are never learned from real text, so the vocabulary of ordinary text is the same."""
     for doc in documents:
@@ -386,7 +386,8 @@ def _trained_bpe(vocab_size: int, documents: Sequence[str | bytes] | None) -> To
     if any(isinstance(doc, bytes) for doc in documents):
         raise BlockloopError(f"tokenizer bpe cannot encode {RAW_BYTES}")
     name = f"bpe:{vocab_size}"
-    cached = cache_dir() / "tokenizers" / f"bpe-{vocab_size}-{hash_documents(documents)[:32]}"
+    # v2: trained on _training_pieces (the same vocabulary for text without runs past MAX_TRAINING_WORD)
+    cached = cache_dir() / "tokenizers" / f"bpe-v2-{vocab_size}-{hash_documents(documents)[:32]}"
     if (cached / "tokenizer_meta.json").is_file():
         return load_tokenizer(cached)
     print(f"training the {name} tokenizer on {sum(map(len, documents)):,} characters (cached for later runs)",

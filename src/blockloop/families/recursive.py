@@ -104,8 +104,16 @@ class RecursiveConfig(LocalAttention, InputEmbedding, PretrainedFeatures, Transf
     def saved_fields(cls, data: dict[str, Any]) -> dict[str, Any]:
         """A checkpoint written before the refusals of unread weights (``convert --to recursive --lora-alpha A``
         without a rank, ``--set exit_kd_weight=W`` without an exit loss, a coefficient kept after leaving the aggressive
-        loss) loads: the model never read them."""
+        loss, an exit loss on one loop, a LoRA rank past full rank) loads as the same model: none of them was read."""
         data = dict(data)
+        if data.get("loops") == 1 and data.get("exit_loss", "none") != "none":  # one loop: the exit loss was plain CE
+            data["exit_loss"] = "none"
+        if data.get("lora_rank"):  # every matrix took min(rank, in, out): the same modules at full rank, same scaling
+            full = full_lora_rank(cls(**{**data, "lora_rank": 0, "lora_alpha": None, "exit_loss": "none",
+                                         "exit_kd_weight": 0.0, "exit_coefficient": EXIT_COEFFICIENT}))
+            if data["lora_rank"] > full:
+                alpha = data.get("lora_alpha")
+                data.update(lora_rank=full, lora_alpha=None if alpha is None else alpha * full / data["lora_rank"])
         if not data.get("lora_rank"):
             data.pop("lora_alpha", None)
         if data.get("exit_loss", "none") == "none":

@@ -9,7 +9,7 @@ Table 2 counts embeddings, and untied ones of 8,008 rows give its 117M (8 layers
 and 29M (the one-layer Universal Transformer). Every model of a task shares one core, so parameter counts
 match (Table 1); the Ladder and Transformer-XL rows of the same tables are in
 :mod:`blockloop.families.ladder`. The paper's relative position embeddings are rotary here. ``context_length``
-bounds a segment and a generation (and the global cache's reach).
+bounds a training segment (and the global cache's reach); generation streams past it.
 """
 
 from __future__ import annotations
@@ -68,7 +68,8 @@ class StaircaseConfig(PretrainedFeatures, TransformerShape, ModelConfig):
     state, up to ``context_length`` tokens. ``memory_mix`` caches a learned softmax mix of all layers'
     states instead of the last one: with C = 1 and m = 1 this is the Feedback Transformer (section 3.3).
 
-    ``context_length`` bounds a training segment and a generation; state crosses segments (truncated BPTT).
+    ``context_length`` bounds a training segment; state crosses segments (truncated BPTT), so generation streams
+    past it (fixed-size per-pass buffers, positions local to each window).
     The core's windows are the staircase's own: no sliding-window local layers.
     """
 

@@ -159,7 +159,8 @@ class Engine:
             if self._context_room(1) >= 1:
                 raise BlockloopError("the paged KV cache holds less than a one-token prompt and its answer; give it more "
                                      "tokens (--kv-tokens)")
-            fix = (f"raise max_len (--max-len; at most the model context of {context})" if self.max_len < context
+            fix = ("raise max_len (--max-len)" if runner.streams else
+                   f"raise max_len (--max-len; at most the model context of {context})" if self.max_len < context
                    else "use a model with a longer context")
             raise BlockloopError(f"a context of {self.max_len} tokens leaves no room for a prompt and an answer; {fix}")
         self.rows = n_slots if self.continuous else 0  # rows the current decode state has

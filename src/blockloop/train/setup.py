@@ -71,10 +71,11 @@ class TrainRequest:
     def __post_init__(self) -> None:
         # From Python as from the CLI: a str folder, and a training field that does not exist named (not a TypeError).
         self.out = Path(self.out)
-        unknown = sorted(set(self.train_overrides) - {f.name for f in dataclasses.fields(TrainConfig)})
-        if unknown:
+        settings = [f.name for f in dataclasses.fields(TrainConfig) if not f.name.startswith("distill_")]
+        unknown = sorted(set(self.train_overrides) - set(settings))
+        if unknown:  # the teacher is pinned and checked by distill_from/distill_weight, the request's own fields
             raise BlockloopError(f"train_overrides names no training setting {', '.join(unknown)}; the settings are "
-                                 f"TrainConfig's fields ({', '.join(f.name for f in dataclasses.fields(TrainConfig))})")
+                                 f"{', '.join(settings)} (a teacher: distill_from, distill_weight)")
 
 
 @dataclass
@@ -92,12 +93,22 @@ class RunPlan:
     fit_seq_len: bool = False
 
 
+def dropout_fields(dropout: float | None) -> dict[str, float]:
+    """The config fields ``--dropout`` sets: the embeddings' rate too, as its help says (a preset may set that
+    one apart, e.g. the Staircase's Table 5 reddit core; ``--set embed_dropout=R`` still does)."""
+    return {} if dropout is None else {"dropout": dropout, "embed_dropout": dropout}
+
+
 def plan_run(request: TrainRequest) -> RunPlan:
     """Resolve ``request``: ``--resume`` continues the run in ``out`` (its model, data and settings, with the given
     training fields on top); ``--init-from`` starts a new run from a checkpoint's model, config and tokenizer;
     otherwise a preset is initialised afresh on a corpus or a task."""
     r = request
-    model_flags = {k: v for k, v in (("dropout", r.dropout), ("mup_base_width", r.mup_base_width)) if v is not None}
+    model_flags: dict[str, Any] = dropout_fields(r.dropout)
+    if "embed_dropout" in r.model_overrides:  # given apart from --dropout: kept
+        model_flags.pop("embed_dropout", None)
+    if r.mup_base_width is not None:
+        model_flags["mup_base_width"] = r.mup_base_width
     overrides = {**r.model_overrides, **model_flags}
     if r.tokens is not None and "steps" in r.train_overrides:
         raise BlockloopError("--tokens sets the number of steps; give --tokens or --steps, not both")
@@ -163,8 +174,8 @@ def plan_run(request: TrainRequest) -> RunPlan:
         if clashes:
             raise BlockloopError(f"--init-from keeps the saved model and tokenizer; drop {_flags(clashes)}")
         spec = init_from_spec(r.init_from, data=data, task=r.task, task_dir=r.task_dir)
-        if r.dropout is not None:  # how the saved model fine-tunes, not what it is; its embeddings' too, as --help says
-            spec = dataclasses.replace(spec, model_overrides={"dropout": r.dropout, "embed_dropout": r.dropout})
+        if r.dropout is not None:  # how the saved model fine-tunes, not what it is
+            spec = dataclasses.replace(spec, model_overrides=dropout_fields(r.dropout))
     elif r.task or r.task_dir:
         if r.data or r.tokenizer:
             raise BlockloopError("--task brings its own data and vocabulary; drop --data/--tokenizer")

@@ -29,8 +29,7 @@ from blockloop.nn.linear import packed_linears
 from blockloop.serve.engine import Engine
 from blockloop.serve.http.text import TextStream
 from blockloop.serve.requests import Request, SamplingParams
-from blockloop.serve.runners import RUNNERS, ExitRule, Paging, Runner, Speculation, runner_for
-from blockloop.serve.runners.recursive import RecursiveRunner
+from blockloop.serve.runners import ExitRule, Paging, Speculation, runner_for
 
 log = logging.getLogger(__name__)
 # The engine's finish reasons as the OpenAI API names them: EOS and stop strings are both "stop".
@@ -47,12 +46,8 @@ def serving_engine(
     first loops and verifies with all of them; with ``paging``, over a paged KV cache.
     ``compile``: every decode graph is compiled (and on CUDA captured) here, before the first request
     (:meth:`Engine.compile_steps`), rather than one at a time while requests wait for it."""
-    options: dict[str, object] = {"paging": paging, "exit_rule": exit_rule, "speculation": speculation}
-    looped = [flag for flag, given in (("--exit", exit_rule), ("--speculate", speculation)) if given is not None]
-    if looped and not issubclass(RUNNERS.get(model.config.family, Runner), RecursiveRunner):
-        raise BlockloopError(f"{looped[0]} applies to looped (recursive) models, not {model.config.family} models; "
-                             "leave it out")
-    engine = Engine(runner_for(model, **options), n_slots, max_len=max_len, sync_every=sync_every, compile=compile,
+    runner = runner_for(model, paging=paging, exit_rule=exit_rule, speculation=speculation)  # refuses what it lacks
+    engine = Engine(runner, n_slots, max_len=max_len, sync_every=sync_every, compile=compile,
                     prefill_chunk=prefill_chunk, key_buckets=key_buckets)
     if compile:
         engine.compile_steps(progress=True)
