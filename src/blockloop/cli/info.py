@@ -34,16 +34,12 @@ def run(args: argparse.Namespace) -> int:
         print(f"cuda available: {cuda}" + (f" ({torch.cuda.get_device_name()})" if cuda else ""))
         print(f"cache: {cache_dir()}")
         return 0
-    from blockloop.families import build_model
     from blockloop.train import checkpoint as ckpt
-    from blockloop.train.run import load_trained
+    from blockloop.train.run import holds_model_alone, load_model_files, load_trained
 
     directory = ckpt.resolve_checkpoint(Path(checkpoint))
-    if not any((directory / name).is_file() for name in ("tokenizer.json", "train_state.json")):
-        # the model alone, as save_model_files writes it: what it is still shows, beside what it lacks
-        config, state, tokenizer = ckpt.load_checkpoint_config(directory), {}, None
-        model = build_model(config)
-        ckpt.load_model_state(directory, model)
+    if holds_model_alone(directory):  # what it is still shows, beside what it lacks
+        (config, model), state, tokenizer = load_model_files(directory), {}, None
     else:
         trained = load_trained(directory)
         config, state, tokenizer, model = trained.config, trained.state, trained.tokenizer, trained.model

@@ -194,16 +194,27 @@ class TrainedModel:
     state: dict[str, Any]
 
 
+def load_model_files(directory: Path) -> tuple[ModelConfig, nn.Module]:
+    """The config and weights of a checkpoint directory: all a folder ``save_model_files`` wrote holds."""
+    config = ckpt.load_checkpoint_config(directory)
+    model = build_model(config)
+    ckpt.load_model_state(directory, model)
+    return config, model
+
+
+def holds_model_alone(directory: Path) -> bool:
+    """Whether ``directory`` is the model alone, as ``save_model_files`` writes it: no tokenizer, no train state."""
+    return not any((directory / name).is_file() for name in ("tokenizer.json", "train_state.json"))
+
+
 def load_trained(path: Path | str, device: str = "cpu") -> TrainedModel:
     """A model ready for inference from a run directory or checkpoint directory, on ``device`` (a name as
     ``--device`` takes: ``auto``, ``cpu``, ``cuda``, ``cuda:N``; checked before anything is read)."""
     device = resolve_device(str(device))
     directory = ckpt.resolve_checkpoint(Path(path))
-    config = ckpt.load_checkpoint_config(directory)
-    model = build_model(config)
-    ckpt.load_model_state(directory, model)
+    config, model = load_model_files(directory)
     if not (directory / "tokenizer.json").is_file():  # load_tokenizer reads any folder: a checkpoint says more
-        if not (directory / "train_state.json").is_file():  # the model alone, as save_model_files writes it
+        if holds_model_alone(directory):
             raise BlockloopError(f"{directory} holds a model without its tokenizer (save_model_files writes the model "
                                  "alone); save the tokenizer beside it with tokenizer.save(folder)")
         raise ckpt.missing_file(directory / "tokenizer.json")
