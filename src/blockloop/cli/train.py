@@ -63,7 +63,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="the task dataset to use, written by `blockloop tasks make` or `tasks import` (default, with --task: "
         "generated with seed 0 into the cache)",
     )
-    g.add_argument("--dropout", type=number(0, 1, high_open=True), help="dropout on embeddings, attention and residuals (default: the preset's, or --init-from RUN's)")
+    g.add_argument("--dropout", type=number(0, 1, high_open=True),
+                   help="dropout on embeddings, attention and residuals (default: the preset's, or --init-from RUN's)")
     g.add_argument(
         "--set", action="append", default=[], metavar="FIELD=VALUE",
         help="override a field of the preset's model config, e.g. --set embedder=cls --set prefix_len=1 (repeatable; "

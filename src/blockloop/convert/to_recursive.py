@@ -74,7 +74,8 @@ def recursive_config_from_vanilla(
         raise BlockloopError(f"--loops {loops} {problem}; choose one of {divisors}")
     full = full_lora_rank(config)
     if lora_rank > full:
-        widest = ", ".join(f"{name} {out}x{in_}" for name, (out, in_) in linear_shapes(config).items() if min(out, in_) == full)
+        widest = ", ".join(f"{name} {out}x{in_}" for name, (out, in_) in linear_shapes(config).items()
+                           if min(out, in_) == full)
         raise BlockloopError(f"--lora-rank {lora_rank} exceeds the rank of every shared weight matrix: the largest "
                              f"min(in, out) is {full} ({widest}: full rank); give at most {full}")
     if tying not in TYING_STRATEGIES:

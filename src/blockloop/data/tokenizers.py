@@ -232,8 +232,10 @@ def build_tokenizer(spec: str, documents: Sequence[str | bytes] | None = None) -
     if match:
         return _trained_bpe(int(match.group(1) or DEFAULT_BPE_VOCAB), documents)
     path = Path(spec).expanduser()
-    if path.is_file():  # a run's own tokenizer.json (blockloop's byte type, a BPE's names) is read as the run saved it
-        return load_tokenizer(path.parent) if path.name == "tokenizer.json" else _from_file(path, name=str(path.resolve()))
+    if path.is_file() and path.name == "tokenizer.json":  # a run's own (a byte one, a BPE's names) read as saved
+        return load_tokenizer(path.parent)
+    if path.is_file():
+        return _from_file(path, name=str(path.resolve()))
     raise BlockloopError(
         f"unknown tokenizer {spec!r}; use byte, gpt2, neox, smollm2, bpe, bpe:N or the path of a tokenizer.json"
     )
@@ -356,9 +358,9 @@ LONG_RUN = re.compile(rf"\S{{{MAX_TRAINING_WORD + 1},}}|\s{{{MAX_TRAINING_WORD +
 
 def _training_pieces(documents: Sequence[str]) -> Iterator[str]:
     """The documents with every run of more than ``MAX_TRAINING_WORD`` non-space (or space) characters cut into
-    pieces of that length. The trainer's time grows with the square of its longest word: one 3M-character line without a
-    space (minified JSON, base64, unspaced scripts) held it for over ten minutes, deaf to Ctrl-C. Merges that
-    long are never learned from real text, so the vocabulary of ordinary text is the same."""
+    pieces of that length. The trainer's time grows with the square of its longest word: one 3M-character line
+    without a space (minified JSON, base64, unspaced scripts) held it for over ten minutes, deaf to Ctrl-C. Merges
+    that long are never learned from real text, so the vocabulary of ordinary text is the same."""
     for doc in documents:
         start = 0
         for run in LONG_RUN.finditer(doc):

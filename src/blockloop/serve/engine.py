@@ -381,7 +381,8 @@ class Engine:
         groups: list[tuple[int, list[Request]]] = []
         for slot, request in admitted:
             if groups and groups[-1][0] + len(groups[-1][1]) == slot and (
-                    self.runner.padded(len(self._context(groups[-1][1][0]))) == self.runner.padded(len(self._context(request)))):
+                    self.runner.padded(len(self._context(groups[-1][1][0])))
+                    == self.runner.padded(len(self._context(request)))):
                 groups[-1][1].append(request)
             else:
                 groups.append((slot, [request]))
