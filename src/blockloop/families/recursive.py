@@ -54,6 +54,7 @@ class RecursiveConfig(LocalAttention, InputEmbedding, PretrainedFeatures, Transf
 
     def validate(self) -> None:
         super().validate()
+        full = full_lora_rank(self)
         self._check(
             (self.loops >= 1, f"loops must be at least 1, got {self.loops}"),
             (self.tying in TYING_STRATEGIES, f"tying strategy {self.tying!r} is unknown; choose one of {TYING_STRATEGIES}"),
@@ -64,9 +65,9 @@ class RecursiveConfig(LocalAttention, InputEmbedding, PretrainedFeatures, Transf
             (self.exit_loss == "none" or self.loops > 1,
              f"exit_loss={self.exit_loss!r} trains the exits after loops 1 .. B-1, which loops=1 does not have; set "
              "loops to 2 or more, or leave exit_loss at 'none'"),
-            (self.lora_rank <= full_lora_rank(self),
+            (self.lora_rank <= full,
              f"lora_rank={self.lora_rank} exceeds the rank of every shared weight matrix (the largest min(in, out) "
-             f"is {full_lora_rank(self)}, full rank); give at most {full_lora_rank(self)}"),
+             f"is {full}, full rank); give at most {full}"),
             (0.0 <= self.exit_coefficient <= 1.0, f"exit_coefficient must be in [0, 1], got {self.exit_coefficient}"),
             (
                 self.exit_loss == "aggressive" or self.exit_coefficient == EXIT_COEFFICIENT,
