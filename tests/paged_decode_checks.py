@@ -152,7 +152,6 @@ def main() -> None:
         "encoder-decoder (cross attention over pages)": same_greedy_tokens(model_of("tiny-encdec"), 80, 4),
         "Block Transformer (the block decoder's pages)": same_greedy_tokens(model_of("tiny-block"), 64, 2),
         "double decoder (context and generation keys in one pool)": same_greedy_tokens(model_of("tiny-double"), 96, 4),
-        "Transformer-XL (an attention span: every row local)": same_greedy_tokens(model_of("tiny-transformer-xl"), 56, 4),
         "recursive, depth-wise, a layer local at some loops": same_greedy_tokens(
             model_of(RecursiveConfig(**shape, n_layer=3, lora_rank=2, loops=2, local_depths=[0, 1, 2, 3, 4])), 40, 4,
             exit_rule=ExitRule("none")),

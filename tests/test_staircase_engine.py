@@ -116,6 +116,44 @@ def test_a_staircase_streams_past_its_context(name):
         Engine(vanilla, 2, max_len=48)
 
 
+def segment_greedy(model, prompt, n, segment):
+    """The training forward over the stream, ``segment`` tokens at a time with the memory carried, for every token."""
+    sequence = list(prompt)
+    for _ in range(n):
+        idx, state = torch.tensor([sequence]), None
+        for start in range(0, len(sequence), segment):
+            logits, _, state = model(idx[:, start : start + segment], state=state, return_state=True)
+        sequence.append(int(logits[0, -1, :258].argmax()))
+    return sequence[len(prompt):]
+
+
+@pytest.mark.parametrize("name, fields", [("tiny-transformer-xl", {}), ("tiny-ladder", {"memory_len": 6})])
+def test_a_model_with_a_memory_streams_past_its_context_on_rings_of_its_span(name, fields):
+    """With a memory (attention span M), every layer application's cache is a ring of the M + 1 slots a query sees,
+    and positions are rotary: a request reads on past the context (24 tokens; prompt and answer 46) with the
+    tokens of the segment forward over the stream, and a row's cache holds M + 1 keys per application whatever
+    its length."""
+    from blockloop.serve.generate import generate
+
+    torch.manual_seed(0)
+    model = build_model(from_name(name, context_length=24, **fields)).double().eval()
+    span = model.config.memory_len + 1
+    assert runner_for(model).streams
+    prompts = random_prompts((30, 10), seed=5)
+    expected = [segment_greedy(model, p, n, 24) for p, n in zip(prompts, (16, 36))]
+    assert expected[1] == segment_greedy(model, prompts[1], 36, 7)  # the segment length does not matter
+    assert generate(model, [prompts[1]], 36, temperature=0) == [expected[1]]
+    engine = Engine(model, 2, max_len=48, sync_every=4, prefill_chunk=5)  # chunks within a ring; generate: whole prompts
+    requests = [engine.submit(p, n, sampling=GREEDY) for p, n in zip(prompts, (16, 36))]
+    engine.run()
+    assert [r.output for r in requests] == expected
+    for max_len in (48, 4096):
+        cache = model.allocate_cache(2, max_len)
+        assert all(layer.k.shape == (2, model.config.n_kv_head, span + 1, model.config.head_dim)  # and a scratch entry
+                   for layer in cache.layers)
+    assert not runner_for(build_model(from_name("tiny-ladder"))).streams  # no memory: a cache of the whole sequence
+
+
 def test_generate_and_serve_take_a_staircase_past_its_context(tmp_path, capsys):
     """The CLI's default answer (200 tokens) is no longer cut to what the context leaves, and serve/chat take a
     --max-len above the context for a staircase (a decoder is still held to its context)."""
@@ -131,7 +169,7 @@ def test_generate_and_serve_take_a_staircase_past_its_context(tmp_path, capsys):
     text = capsys.readouterr().out
     # 200 byte tokens decode to at least 50 characters (18 would have fit the context after the prompt)
     assert len(text) > 6 + 40, text
-    model = tiny("tiny-staircase:24")
-    assert serving_engine(model, 2, max_len=300).max_len == 300
+    for name in ("tiny-staircase:24", "tiny-transformer-xl:24"):
+        assert serving_engine(tiny(name), 2, max_len=300).max_len == 300
     with pytest.raises(BlockloopError, match="more than the model context of 24"):
         serving_engine(build_model(from_name("tiny", context_length=24)).eval(), 2, max_len=300)

@@ -30,7 +30,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prompt", required=True, type=utf8_text, help="text to continue")
     p.add_argument(
         "--max-new-tokens", type=positive_int, help="tokens to generate at most (default: 200, or what fits in the model "
-        "context; the staircase family streams past it)"
+        "context; the staircase family and models with a memory_len, Transformer-XL, stream past it)"
     )
     add_sampling(p)
     p.add_argument("--num-samples", type=positive_int, default=1, help="independent continuations, generated as one batch")
@@ -49,7 +49,7 @@ def run(args: argparse.Namespace) -> int:
     from blockloop.serve.batching import padded_prompt_length, prompt_size
     from blockloop.serve.generate import generate
     from blockloop.serve.http.text import TextStream, continuation
-    from blockloop.serve.runners import RUNNERS
+    from blockloop.serve.runners import runner_for
     from blockloop.train.run import load_trained
 
     decoding = looped_decoding(args)
@@ -61,7 +61,7 @@ def run(args: argparse.Namespace) -> int:
     max_new = answer_length(tok, args.max_new_tokens, "--max-new-tokens")
     if max_new is None:  # what the context leaves after the prompt as the model reads it (a block model pads it)
         padded = padded_prompt_length(trained.model, [prompt])
-        streams = RUNNERS[trained.config.family].streams  # a staircase reads on past its context
+        streams = runner_for(trained.model).streams  # a staircase or Transformer-XL reads on past its context
         max_new = 200 if streams else min(200, trained.config.context_length - padded)
         if max_new < 1:
             raise BlockloopError(

@@ -65,7 +65,7 @@ def add_engine_arguments(p: argparse.ArgumentParser, slots: int = 8) -> None:
     """The engine options ``serve`` and ``chat`` share."""
     p.add_argument("--slots", type=positive_int, default=slots, help=f"requests decoded together (default: {slots})")
     p.add_argument("--max-len", type=positive_int, help="tokens per slot, prompt and answer (default: the model context; "
-                   "at most that, but for the staircase family, which streams past it)")
+                   "at most that, but for the staircase family and models with a memory_len (Transformer-XL), which stream past it)")
     p.add_argument("--sync-every", type=positive_int,
                    help="decode steps between host syncs: tokens reach clients once per window (default: 1 on CPU, "
                    "where a sync costs nothing; 8 on a GPU). Rounded up to a whole block for a Block Transformer, "

@@ -312,7 +312,12 @@ class LanguageModel(nn.Module):
 
     ``stacks`` are registered in order between the embedding and the head, so initialisation visits the
     modules in the order the model reads.
+
+    ``streams``: generation may read on past the context, because a row's decode state has a fixed size and
+    positions enter only through their differences (rotary). False for a cache that grows with the sequence.
     """
+
+    streams: bool = False
 
     def __init__(self, config: DecoderConfig, **stacks: nn.Module) -> None:
         super().__init__()

@@ -15,7 +15,10 @@ Transformer-XL baseline (Dai et al. 2019).
 Generation writes every application's keys/values into a :class:`~blockloop.nn.kv_cache.DecoderCache`
 (one layer slot per application) and is served by the vanilla decoder's runner
 (:mod:`blockloop.serve.runners.decoder`), which only calls :meth:`Ladder.forward` with a step and
-:meth:`Ladder.allocate_cache`.
+:meth:`Ladder.allocate_cache`. With a memory, every application's cache is a ring of the M + 1 slots a query
+sees (:class:`~blockloop.nn.kv_cache.RollingKVCache`), so a generating row holds O(M) keys whatever its length,
+and, its positions being rotary (only their differences enter a score), it reads on past the training context
+as the segment forward does.
 """
 
 from __future__ import annotations
@@ -55,6 +58,7 @@ class Ladder(LanguageModel):
     def __init__(self, config: LadderConfig) -> None:
         super().__init__(config, core=build_core(config))
         self.order = config.execution_order
+        self.streams = bool(config.memory_len)  # rings of the span, rotary positions (allocate_cache)
 
     def segment(self, x: Tensor, valid: Tensor, state: LadderState | None) -> tuple[Tensor, LadderState | None]:
         """Outputs ``(B, T, d)`` of a segment after ``state``'s memory, and the memory for the next segment."""
@@ -77,9 +81,9 @@ class Ladder(LanguageModel):
 
     def _cached(self, x: Tensor, step: StepContext) -> Tensor:
         cos, sin = rope_angles(step.token_positions, self.config.rotary_dim, self.config.rope_base)
-        mask = step.begin(span=self.config.memory_len or None)
+        mask, rings = step.begin_rolling()  # with a memory, every application's entry is a ring of its span
         for application, layer in enumerate(self.order):
-            x = self.core.blocks[layer](x, cos, sin, kv=step.layer(application), mask=mask)
+            x = self.core.blocks[layer](x, cos, sin, kv=step.layer(application), mask=mask if rings is None else rings)
         return x
 
     def forward(
@@ -112,7 +116,9 @@ class Ladder(LanguageModel):
         return (logits, loss, new_state) if return_state else (logits, loss)
 
     def allocate_cache(self, batch_size: int, max_len: int, *, pages: KVPages | None = None) -> DecoderCache:
-        """One KV cache (static, or paged over ``pages``) with a layer slot per application of a core layer."""
+        """One KV cache with a layer slot per application of a core layer: ``max_len`` slots (or pages), or with a
+        memory a ring of the ``memory_len + 1`` slots each query sees (itself and the M before it)."""
         c, weight = self.config, self.embed.weight
-        return DecoderCache(len(self.order), batch_size, c.n_kv_head, max_len, c.head_dim,
-                            dtype=weight.dtype, device=weight.device, pages=pages)
+        rolling = range(len(self.order)) if c.memory_len else ()
+        return DecoderCache(len(self.order), batch_size, c.n_kv_head, max_len, c.head_dim, dtype=weight.dtype,
+                            device=weight.device, pages=pages, rolling=rolling, window=c.memory_len + 1)

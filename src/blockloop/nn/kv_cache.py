@@ -33,7 +33,7 @@ import torch
 from torch import Tensor, nn
 
 from blockloop.device import zeros_that_fit
-from blockloop.nn.masks import cache_mask, ring_mask, visible_slots, within_span
+from blockloop.nn.masks import cache_mask, ring_mask, visible_slots
 from blockloop.nn.paged_cache import KVPages, PagedKVCache
 
 CACHE_FIX = "serve fewer slots (--slots) or shorter ones (--max-len), or hold the cache in pages (--kv-tokens)"
@@ -177,22 +177,17 @@ class DecoderCache(nn.Module):
         newest = torch.where(real, per_row, -1).amax(1, keepdim=True)
         return torch.where(real & (per_row > newest - ring), per_row % ring, ring)
 
-    def mask(self, slots: Tensor, span: int | None = None) -> Tensor:
+    def mask(self, slots: Tensor) -> Tensor:
         """The ``(B, 1, T, S')`` mask of queries at ``slots`` over what has been marked (see :func:`cache_mask`),
-        or, for a decode step reading pages, the same mask as a block mask over the pool; with ``span``, only the
-        slots at most ``span`` before each query's (Transformer-XL's attention span, :func:`within_span`).
+        or, for a decode step reading pages, the same mask as a block mask over the pool.
 
         ``S'`` is :meth:`visible`: on an eager CPU step, only the slots up to the furthest query's (no query sees
         a later one), so attention, which reads the keys a narrower mask covers (:func:`~blockloop.nn.attention.
         attention`), reads what the rows hold rather than the whole static cache (a server's slots are the
         model's context long); :attr:`limit` everywhere else."""
         if self.pages is not None and self.pages.reads_pool(slots):
-            if span is None:
-                return self.pages.pool_mask(self.key_valid, slots)
-            every_row = torch.ones(slots.shape[0], dtype=torch.bool, device=slots.device)
-            return self.pages.pool_mask(self.key_valid, slots, local=every_row, window=span + 1)
-        mask = cache_mask(self.key_valid[:, : self.visible(slots)], slots)
-        return mask if span is None else mask & within_span(slots, mask.shape[-1], span)
+            return self.pages.pool_mask(self.key_valid, slots)
+        return cache_mask(self.key_valid[:, : self.visible(slots)], slots)
 
     def visible(self, slots: Tensor) -> int:
         """How many leading slots queries at ``slots`` may see: :attr:`limit`, or one past the furthest query where
@@ -303,14 +298,17 @@ class StepContext:
     def token_positions(self) -> Tensor:
         return self.slots if self.positions is None else self.positions
 
-    def begin(self, span: int | None = None) -> Tensor:
-        """Mark this step's slots written and return the mask of its queries (within ``span``, see
-        :meth:`DecoderCache.mask`): the one place a forward pass makes its tokens visible."""
+    def begin(self) -> Tensor:
+        """Mark this step's slots written and return the mask of its queries (:meth:`DecoderCache.mask`): the one
+        place a forward pass makes its tokens visible."""
         self.cache.mark(self.slots, self.token_valid)
-        return self.cache.mask(self.slots, span)
+        return self.cache.mask(self.slots)
 
-    def begin_rolling(self) -> tuple[Tensor, Tensor | None]:
-        """:meth:`begin`'s mask, and the rolling layers' (:meth:`DecoderCache.rolling_mask`, built from the rings
-        before this step) when the cache has any."""
+    def begin_rolling(self) -> tuple[Tensor | None, Tensor | None]:
+        """:meth:`begin`'s mask (None when every layer's entry is a ring: no layer reads it), and the rolling
+        layers' (:meth:`DecoderCache.rolling_mask`, built from the rings before this step) when the cache has any."""
         rolling = self.cache.rolling_mask(self.slots, self.token_valid) if self.cache.rolling else None
+        if len(self.cache.rolling) == len(self.layer_caches):
+            self.cache.mark(self.slots, self.token_valid)
+            return None, rolling
         return self.begin(), rolling

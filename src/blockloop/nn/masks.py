@@ -77,14 +77,6 @@ def ring_mask(ring_slot: Tensor, key_valid: Tensor, slots: Tensor, token_valid: 
     return torch.cat((ring, step), -1).unsqueeze(1)
 
 
-def within_span(query_slots: Tensor, n_keys: int, span: int) -> Tensor:
-    """``(B or 1, 1, Tq, n_keys)``: which cache slots lie at most ``span`` slots before each query's slot
-    (Transformer-XL's fixed attention span over a cache); ``query_slots`` are ``(T,)`` shared or ``(B, T)``."""
-    per_row = query_slots if query_slots.dim() == 2 else query_slots[None]
-    distance = per_row[:, None, :, None] - torch.arange(n_keys, device=query_slots.device)
-    return distance <= span
-
-
 def sees_cached(key_slot: Tensor, query_slot: Tensor, key_valid: Tensor) -> Tensor:
     """The rule of every cache mask, elementwise (also inside FlexAttention ``mask_mod``s over pages and loops):
     a query sees valid keys at or before its own slot, and always itself, so that a padding query still has

@@ -61,7 +61,7 @@ def generate(
     size = prompt_size(max(len(p) for p in prompts), longest)
     shared = f" after a shared prefix of {len(prefix)} tokens" if prefix is not None else ""
     runner = runner_for(model, prefix=prefix, speculation=speculation, exit_rule=exit_rule)
-    if not runner.streams:  # a streaming model (a staircase) reads on past its context
+    if not runner.streams:  # a streaming model (a staircase, Transformer-XL) reads on past its context
         check_context(need, model.config.context_length, f"{size} plus {max_new_tokens} new tokens{shared}, in all",
                       "shorten the prompt or lower --max-new-tokens")
     base = seed if seed is not None else int(torch.randint(2**31, ()).item())

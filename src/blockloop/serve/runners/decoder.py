@@ -13,9 +13,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 
 from blockloop.errors import BlockloopError
+from blockloop.models.decoder import LanguageModel
 from blockloop.nn.kv_cache import DecoderCache, StepContext
 from blockloop.nn.paged_cache import KVPages
 from blockloop.serve.runners.base import Runner, prefix_views
@@ -51,16 +52,19 @@ class DecodeState:
         for cache in (self.cache, *self.prefixes.values()):  # the full count's view is the cache: set twice, harmless
             cache.limit_keys(slots)
 
-    def step_slots(self, rows: int, context_length: int) -> tuple[DecoderCache, Tensor, Tensor]:
+    def step_slots(self, rows: int, context_length: int | None) -> tuple[DecoderCache, Tensor, Tensor]:
         """The first ``rows`` rows' cache (from ``prefixes``) and the ``(rows, 1)`` slots and
         positions of their next token; then advance every row (the rows past ``rows`` are idle: a prefill sets
         a row's slots). Rebound, not updated in place: under CUDA graphs a plain tensor updated in place makes
         the graph fall back to eager, while a new one is the graph's output, the next replay's input. Rows past
         the end of the cache (idle or finished rows of a continuous batch that keep stepping) rewrite their last
-        slot, at the model's last position (``context_length - 1``: a learned position table ends there)."""
+        slot, at the model's last position (``context_length - 1``: a learned position table ends there; None for a
+        model that streams past its context, whose positions are rotary)."""
         cache = self.prefixes[rows]
         slots = self.next_slot[:rows].clamp_max(self.cache.max_len - 1)[:, None]
-        positions = self.next_position[:rows, None].clamp_max(context_length - 1)
+        positions = self.next_position[:rows, None]
+        if context_length is not None:
+            positions = positions.clamp_max(context_length - 1)
         self.next_slot = self.next_slot + 1
         self.next_position = self.next_position + 1
         return cache, slots, positions
@@ -72,9 +76,18 @@ class DecoderRunner(PagedRows, Runner):
     state: DecodeState
     chunked_prefill = resumable = prefix_steps = True
 
-    def __init__(self, model: nn.Module, paging: Paging | None = None) -> None:  # any single-stack model
+    def __init__(self, model: LanguageModel, paging: Paging | None = None) -> None:  # any single-stack model
         super().__init__(model)
+        if paging is not None and model.streams:
+            span = model.config.memory_len + 1
+            raise BlockloopError(f"a model with a memory (memory_len {span - 1}) keeps only the {span} keys a query sees "
+                                 "per layer, a ring pages cannot make smaller; serve it without paging (--kv-tokens)")
         self.paging = paging
+
+    @property
+    def streams(self) -> bool:
+        """A model whose every cache entry is a ring (Transformer-XL's span) reads on past its context."""
+        return self.model.streams
 
     def allocate(self, n_slots: int, max_len: int) -> None:
         device = self.model.embed.weight.device
@@ -141,7 +154,8 @@ class DecoderRunner(PagedRows, Runner):
         """One token per row of the first ``len(tokens)`` rows, written at that row's own next slot. A row fed
         no token (-1: between two chunks of its prompt) writes a padding entry there, which no query sees and
         no ring keeps; its next chunk starts from where its prompt stopped."""
-        cache, slots, positions = self.state.step_slots(len(tokens), self.model.config.context_length)
+        context = None if self.streams else self.model.config.context_length
+        cache, slots, positions = self.state.step_slots(len(tokens), context)
         step = StepContext(cache, slots, positions, (tokens >= 0)[:, None])
         logits, _ = self.model(tokens.clamp_min(0)[:, None], step=step)
         return logits[:, -1]
