@@ -243,9 +243,10 @@ def live_read_rows(model: torch.nn.Module, batch: int, context: int, device: tor
         if context % size:
             continue
         pages = KVPages(batch, context, 1 + batch * context // size, size, device=device, read="pages")
+        held = lengths.tolist()  # once: a device tensor read per (page, row) would sync that many times
         for start in range(0, context, size):  # one page per row in turn: each row's pages interleave in the pool
             for b in range(batch):
-                if start < int(lengths[b]):
+                if start < held[b]:
                     pages.reserve(b, start + size)
         slots = torch.arange(context, device=device)
         where = pages.positions(slots)  # (batch, context) pool positions
@@ -437,9 +438,10 @@ def main() -> None:
                                 "rows": live_read_rows(model, args.batch, args.context, device, dtype, args.repeats,
                                                        args.page_sizes)}
         write(out, record)
-        record["steps"] = [profile_or_error(model, args.preset, args.step_batch, args.prompt_len, args.steps, device,
-                                            paged=paged) for paged in (False, True)]
-        path = write(out, record)
+        for paged in (False, True):  # each written as it ends: a stop in the paged one keeps the static one
+            record["steps"].append(profile_or_error(model, args.preset, args.step_batch, args.prompt_len, args.steps,
+                                                    device, paged=paged))
+            path = write(out, record)
         if args.block_preset:  # the H200's block step took 1.11 ms against a 0.13 ms roofline (2026-11-28), unprofiled
             block = build_model(from_name(args.block_preset)).to(device=device, dtype=dtype).eval()
             record["steps"].append(profile_or_error(block, args.block_preset, args.block_batch, args.block_prompt_len,

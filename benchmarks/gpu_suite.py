@@ -23,10 +23,13 @@ memory roofline = bytes read per step / measured copy bandwidth):
 * double decoder vs the decoder of the same size: KV bytes, TTFT and TPOT ratios;
 * training tokens/s and MFU, eager and compiled (``benchmarks/train_throughput.py``'s trainer run).
 
-Writes ``gpu-<date>-<device>.md`` and ``.json`` (``gpu-<date>-<device>-<rows>.*`` for a ``--rows`` subset) to
-runs/bench/ (``--out-dir DIR`` elsewhere, ``--record`` into benchmarks/results/), again after every row, so a run
-stopped part-way (a device call ends at 10 minutes: split the rows over several calls) keeps the rows it finished.
-A target is called met only from a CUDA run; ``--smoke`` rows say so.
+Writes ``gpu-<date>-<device>.md`` and ``.json`` (``gpu-<date>-<device>-<rows>.*`` for a ``--rows`` subset, then
+``-<tag>`` with ``--tag``) to runs/bench/ (``--out-dir DIR`` elsewhere, ``--record`` into benchmarks/results/), again
+after every row and every measurement within one, so a run stopped part-way (a device call ends at 10 minutes: split
+the rows over several calls) keeps what it measured. ``--skip`` leaves out a scenario row's comparisons measured
+before (HF ``generate()``, the whole-keys or a paged read) and ``--key-buckets`` sets the key lengths each engine
+compiles a graph for, to fit a row in a short device call. A target is called met only from a CUDA run; ``--smoke``
+rows say so.
 """
 
 from __future__ import annotations
@@ -38,9 +41,9 @@ import re
 import tempfile
 import time
 import traceback
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from train_throughput import run_variant
@@ -66,6 +69,7 @@ from blockloop.bench.suite import (
     throughput_rows,
 )
 from blockloop.bench.throughput import scenario_lengths
+from blockloop.choices import KEY_BUCKETS
 from blockloop.cli import Parser
 from blockloop.cli import main as blockloop
 from blockloop.cli.common import add_threads, names, positive_int, positive_ints, set_threads
@@ -76,6 +80,7 @@ from blockloop.families import build_model, from_name
 from blockloop.serve.runners import ExitRule, Speculation
 
 ROWS = ("decode-heavy", "prefill-heavy", "recursive", "double-decoder", "training")
+SKIPPABLE = ("hf", "whole-keys", "paged", "paged-kernel")  # a scenario row's comparisons (--skip)
 
 
 @dataclass
@@ -113,6 +118,8 @@ class Plan:
     train_steps: int
     train_log_interval: int
     train_variants: tuple[str, ...]
+    key_buckets: int = KEY_BUCKETS  # the key lengths each engine of the scenario rows compiles a graph for
+    skip: tuple[str, ...] = ()  # of SKIPPABLE
 
 
 GPU = Plan(
@@ -143,19 +150,28 @@ class Suite:
     bandwidth: float
     work: Path  # scratch runs of the recursive row
     commands: list[str]
+    measured: list[dict[str, Any]] = field(default_factory=list)  # of the row being built, written as they come
+    save: Callable[[], None] = lambda: None  # writes the record (the rows done, and ``measured``)
+
+    def show(self, row: dict[str, Any]) -> None:
+        """Print a measurement as soon as it is taken and write it with the record: a call stopped at its limit, in
+        the middle of a row, keeps it in its log and its files."""
+        self.measured.append(row)
+        self.save()  # before the line: whoever reads it may stop the run
+        print(f"[gpu_suite] {json.dumps(row, default=str)}", flush=True)
 
     def settings(self, lengths: tuple[int, int], batches: list[int], *, search: bool,
                  caches: tuple[str, ...] = ("static",)) -> ThroughputSettings:
         p = self.plan
         return ThroughputSettings(*lengths, batches, repeats=p.repeats, warmup=p.warmup, search=search,
                                   max_batch=p.max_batch, compile=self.device.type == "cuda", caches=caches,
-                                  warmup_tokens=p.warmup_tokens)
+                                  warmup_tokens=p.warmup_tokens, key_buckets=p.key_buckets)
 
     def throughput(self, presets: str, lengths: tuple[int, int], batches: list[int], *, search: bool,
                    caches: tuple[str, ...] = ("static",)) -> list[dict[str, Any]]:
         models = load_models(presets, [], str(self.device), self.dtype)
         return throughput_rows(models, self.settings(lengths, batches, search=search, caches=caches), self.bandwidth,
-                               on_row=show)
+                               on_row=self.show)
 
     def hf_generate(self, preset: str, lengths: tuple[int, int], batches: list[int]) -> list[dict[str, Any]]:
         """HF ``generate()`` on ``preset``'s weights at ``batches``: timed after blockloop's own rows, since one run
@@ -163,7 +179,7 @@ class Suite:
         (model,) = load_models(preset, [], str(self.device), self.dtype)
         rows = []
         for row in hf_rows(model.model, self.settings(lengths, batches, search=False)):
-            show(row)
+            self.show(row)
             rows.append(row)
         return rows
 
@@ -172,11 +188,6 @@ class Suite:
         self.commands.append("blockloop " + " ".join(argv).replace(str(self.work), "$WORK"))
         if blockloop(list(argv)) != 0:
             raise BlockloopError(f"blockloop {' '.join(argv)} failed")
-
-
-def show(row: dict[str, Any]) -> None:
-    """Print a throughput row as soon as it is measured: a call stopped at its limit keeps it in its log."""
-    print(f"[gpu_suite] {json.dumps(row, default=str)}", flush=True)
 
 
 def best(rows: list[dict[str, Any]], name: str) -> dict[str, Any]:
@@ -197,22 +208,23 @@ def scenario_rows(suite: Suite, scenario: str) -> list[dict[str, Any]]:
     whole static cache at each step (what the key lengths gain: the 85% target's comparison, so before the rest);
     the vanilla model over a paged KV cache read by FlexAttention, then by blockloop's Triton kernel (CUDA); then
     HF ``generate()`` on the vanilla weights (slowest, so last). Every row's ratio is to the vanilla engine's at the
-    same batch."""
+    same batch. What the plan skips is left out, and said so in its place."""
     p = suite.plan
     lengths = lengths_of(suite, scenario)
     decode = scenario == "decode-heavy"
     batches = p.decode_batches if decode else p.prefill_batches
-    hf_missing = hf_available()
+    hf_missing = "skipped (--skip hf)" if "hf" in p.skip else hf_available()
     rows = suite.throughput(f"{p.vanilla},{p.block}", lengths, batches, search=decode and p.search)
     vanilla, block = best(rows, p.vanilla), best(rows, p.block)
     whole = {}
-    if decode:
+    if decode and "whole-keys" not in p.skip:
         rows += suite.throughput(p.vanilla, lengths, [vanilla["batch"]], search=False, caches=("whole-keys",))
         whole = best(rows, f"{p.vanilla} whole-keys")
         whole = {"whole_keys_tok_s": whole["tok_s"], "whole_keys_roofline_fraction": whole["roofline_fraction"],
                  "vs_whole_keys": vanilla["tok_s"] / whole["tok_s"]}
     paged: dict[str, dict[str, Any]] = {}
-    for cache in ("paged", "paged-kernel") if suite.device.type == "cuda" else ("paged",):  # the kernel: CUDA only
+    reads = ("paged", "paged-kernel") if suite.device.type == "cuda" else ("paged",)  # the kernel: CUDA only
+    for cache in [read for read in reads if read not in p.skip]:
         try:  # a paged read's first GPU run: a failure is recorded, not allowed to cost the rest of the suite
             rows += suite.throughput(p.vanilla, lengths, batches, search=decode and p.search, caches=(cache,))
             paged[cache] = best(rows, f"{p.vanilla} {cache}")
@@ -223,17 +235,20 @@ def scenario_rows(suite: Suite, scenario: str) -> list[dict[str, Any]]:
     if hf_missing is None:
         rows += suite.hf_generate(p.vanilla, lengths, batches)
     add_ratios(rows, p.vanilla)
-    hf = best(rows, "hf-generate") if hf_missing is None else {"tok_s": float("nan"), "batch": None, "why_not": hf_missing}
+    if hf_missing is None:
+        hf = best(rows, "hf-generate")
+        hf_fields = {"hf_generate_tok_s": hf["tok_s"], "hf_batch": hf["batch"], "vs_hf": vanilla["tok_s"] / hf["tok_s"]}
+    else:
+        hf_fields = {"hf_generate_not_run": hf_missing}
     setting = f"prompt {lengths[0]} / generate {lengths[1]}"
     return [
         {"row": f"vanilla {scenario}", "setting": f"`{p.vanilla}`, {setting}, batch {vanilla['batch']}",
          "target": "≥ 85% of the memory roofline; HF generate() reported" if decode else "≥ 18K tok/s (batch 64)",
-         "measured": {**vanilla, "hf_generate_tok_s": hf["tok_s"], "hf_batch": hf["batch"],
-                      "vs_hf": vanilla["tok_s"] / hf["tok_s"],
+         "measured": {**vanilla, **hf_fields,
                       **{k: v for cache, m in paged.items() for k, v in paged_fields(cache.replace("-", "_"), m).items()},
                       **whole},
-         "met": max(vanilla["roofline_fraction"] or 0, *(m["roofline_fraction"] or 0 for m in paged.values())) >= 0.85
-         if decode else max(vanilla["tok_s"], *(m["tok_s"] for m in paged.values())) >= 18_000},
+         "met": max([vanilla["roofline_fraction"] or 0, *(m["roofline_fraction"] or 0 for m in paged.values())]) >= 0.85
+         if decode else max([vanilla["tok_s"], *(m["tok_s"] for m in paged.values())]) >= 18_000},
         {"row": f"block {scenario}", "setting": f"`{p.block}` vs `{p.vanilla}`, {setting}, batch {block['batch']}",
          "target": "≥ 400K tok/s and ≥ 10x the vanilla engine" if decode else "> 59K tok/s",
          "measured": {**block, "vs_vanilla": block["tok_s"] / vanilla["tok_s"]},
@@ -274,7 +289,7 @@ def recursive_rows(suite: Suite) -> list[dict[str, Any]]:
     # arrivals), and the load offered is recorded beside each throughput.
     stream = []
     for row in stream_rows(models, settings):  # each server shown as it finishes: a call stopped later keeps it
-        show({k: v for k, v in row.items() if k != "simulated"})
+        suite.show({k: v for k, v in row.items() if k != "simulated"})
         stream.append(row)
     depthwise, speculative = stream[-2], stream[-1]
     return [
@@ -327,7 +342,7 @@ def training_rows(suite: Suite) -> list[dict[str, Any]]:
                 results[variant] = run_variant(args, variant == "compiled", Path(tmp))
         except Exception as exc:  # noqa: BLE001 - recorded in the row, as a failed row is
             results[variant] = {"variant": variant, "error": f"{type(exc).__name__}: {exc}"}
-        show({"row": "training", **results[variant]})
+        suite.show({"row": "training", **results[variant]})
     return [{"row": "training", "setting": f"`{p.train_preset}`, bf16 autocast on CUDA, seq {p.train_seq}, batch {p.train_batch}",
              "target": "≥ 50% MFU (compiled), eager beside it", "measured": results,
              "met": results.get("compiled", {}).get("mfu", 0.0) >= 0.5}]
@@ -350,6 +365,8 @@ def summary(row: dict[str, Any]) -> str:
         parts += [f"{m[k]:.2f}x {k[3:]}" for k in ("vs_hf", "vs_vanilla") if k in m]
         if "hf_generate_tok_s" in m:
             parts.append(f"HF generate() {m['hf_generate_tok_s']:,.0f} tok/s (batch {m['hf_batch']})")
+        elif "hf_generate_not_run" in m:
+            parts.append(f"HF generate() not run: {m['hf_generate_not_run']}")
         if "whole_keys_tok_s" in m:
             roof = m["whole_keys_roofline_fraction"]
             parts.append(f"reading every static slot each step {m['whole_keys_tok_s']:,.0f} tok/s"
@@ -381,18 +398,20 @@ def summary(row: dict[str, Any]) -> str:
                      for k, v in m.items())
 
 
-def write(out: Path, record: dict[str, Any], smoke: bool) -> Path:
-    """The record's ``.json`` and ``.md``; a subset of the rows is named by its rows, so the calls a GPU session
-    splits the suite into (one device call runs at most 10 minutes) do not overwrite each other."""
+def write(out: Path, record: dict[str, Any], smoke: bool, tag: str | None = None) -> Path:
+    """The record's ``.json`` and ``.md``; a subset of the rows is named by its rows (and ``tag``), so the calls a GPU
+    session splits the suite into (one device call runs at most 10 minutes) do not overwrite each other."""
     device = record["device"]
     slug = re.sub(r"[^a-z0-9]+", "-", device.lower().split(" (")[0]).strip("-") + ("-smoke" if smoke else "")
     subset = "" if record["rows_asked"] == list(ROWS) else "-" + "-".join(record["rows_asked"])
-    stem = f"gpu-{record['date'][:10]}-{slug}{subset}"
+    stem = f"gpu-{record['date'][:10]}-{slug}{subset}" + (f"-{tag}" if tag else "")
     (out / f"{stem}.json").write_text(json.dumps(strict_json(record), indent=2, default=str) + "\n")
     status = "smoke (CPU): no claim" if smoke else None
     missing = [name for name in record["rows_asked"] if name not in record["rows_done"]]
     lines = [f"# Issue 12 GPU suite{' (smoke: tiny presets, not a measurement)' if smoke else ''}", "",
              *([f"- **incomplete**: stopped before {', '.join(missing)} (written after each row)"] if missing else []),
+             *([f"- **stopped in {record['partial']['row']}**: its {len(record['partial']['measured'])} measurements so far "
+                "are in the JSON (`partial`)"] if record.get("partial") else []),
              f"- {environment_line(record)}", f"- memory bandwidth (copy): {record['bandwidth_gb_s']:.1f} GB/s; "
              f"suite wall time {record['wall_s']:.0f} s", "", "| row | setting | target | measured | met |", "|---|---|---|---|---|"]
     for row in record["rows"]:
@@ -406,6 +425,13 @@ def write(out: Path, record: dict[str, Any], smoke: bool) -> Path:
     return out / f"{stem}.md"
 
 
+def slug(text: str) -> str:
+    """An argparse type: a file-name tag of lowercase letters, digits and hyphens."""
+    if not re.fullmatch(r"[a-z0-9][a-z0-9-]*", text):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a tag: use lowercase letters, digits and hyphens")
+    return text
+
+
 def main() -> None:
     parser = Parser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--smoke", action="store_true", help="tiny presets on CPU (about a minute): checks the suite runs")
@@ -417,6 +443,12 @@ def main() -> None:
     parser.add_argument("--max-batch", type=positive_int, help="bound of the decode-heavy batch search (default: 1024)")
     parser.add_argument("--decode-batches", type=positive_ints, help="decode-heavy batch sizes before the search "
                         "(default: 64,256; e.g. 256 with --max-batch 256 times one batch, to fit a short device call)")
+    parser.add_argument("--key-buckets", type=positive_int, help=f"key lengths each engine of the scenario rows compiles "
+                        f"a graph for (default: {KEY_BUCKETS}; fewer compile sooner and read more keys per step)")
+    parser.add_argument("--skip", type=names(SKIPPABLE), default=[], help=f"comparisons of the scenario rows to leave "
+                        f"out, measured before: comma-separated of {','.join(SKIPPABLE)}")
+    parser.add_argument("--tag", type=slug, help="added to the file names, so two runs of the same rows on one day "
+                        "(a batch search after the row) keep both records")
     add_output_arguments(parser)
     args = parser.parse_args()
     set_threads(args.threads)
@@ -424,7 +456,8 @@ def main() -> None:
     torch._dynamo.config.fail_on_recompile_limit_hit = True
     device = torch.device("cpu" if args.smoke else resolve_device(args.device))
     plan = SMOKE if args.smoke else GPU
-    overrides = {"repeats": args.repeats, "max_batch": args.max_batch, "decode_batches": args.decode_batches}
+    overrides = {"repeats": args.repeats, "max_batch": args.max_batch, "decode_batches": args.decode_batches,
+                 "key_buckets": args.key_buckets, "skip": tuple(args.skip) or None}
     plan = dataclasses.replace(plan, **{k: v for k, v in overrides.items() if v is not None})  # recorded with the run
     dtype = bench_dtype("auto", str(device))
     out = output_dir(args)
@@ -436,11 +469,15 @@ def main() -> None:
         done: list[str] = []
 
         def record() -> dict[str, Any]:
+            building = next((name for name in args.rows if name not in done), None)
+            partial = {"row": building, "measured": suite.measured} if building and suite.measured else None
             return {**environment_now, "smoke": args.smoke, "plan": asdict(plan), "rows_asked": args.rows, "rows_done": done,
                     "bandwidth_gb_s": suite.bandwidth / 1e9, "wall_s": time.perf_counter() - start,
-                    "commands": suite.commands, "rows": results}
+                    "commands": suite.commands, "rows": results, "partial": partial}
 
+        suite.save = lambda: write(out, record(), args.smoke, args.tag)
         for name in args.rows:
+            suite.measured = []
             builder = {"decode-heavy": lambda s: scenario_rows(s, "decode-heavy"),
                        "prefill-heavy": lambda s: scenario_rows(s, "prefill-heavy"), "recursive": recursive_rows,
                        "double-decoder": double_decoder_rows, "training": training_rows}[name]
@@ -451,8 +488,9 @@ def main() -> None:
                 results.append({"row": name, "setting": "-", "target": "-", "measured": {"error": f"{type(exc).__name__}: {exc}"},
                                 "met": False})
             done.append(name)
+            suite.measured = []
             # Written after every row: a device call killed at its time limit still returns the rows it finished.
-            path = write(out, record(), args.smoke)
+            path = write(out, record(), args.smoke, args.tag)
             print(f"[gpu_suite] {name} done after {time.perf_counter() - start:.0f} s (written to {path})", flush=True)
     print(path.read_text())
 

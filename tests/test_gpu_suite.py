@@ -76,12 +76,46 @@ def test_a_suite_stopped_at_the_device_time_limit_keeps_the_rows_it_finished(tmp
     assert "**incomplete**: stopped before training" in path.with_suffix(".md").read_text()
 
 
+def test_a_suite_stopped_inside_a_row_keeps_what_it_measured_and_skips_what_it_is_told(tmp_path):
+    """A row (decode-heavy compiles a graph per key length and engine) may outlast the call: each measurement is
+    written as it is taken, under ``partial``; ``--skip`` leaves out comparisons measured before, ``--tag`` names
+    the files apart from another run of the same rows."""
+    suite = subprocess.Popen([sys.executable, str(ROOT / "benchmarks" / "gpu_suite.py"), "--smoke", "--threads", "1",
+                              "--rows", "decode-heavy", "--skip", "hf,paged", "--key-buckets", "2", "--tag", "cut",
+                              "--out-dir", str(tmp_path)], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+                             cwd=ROOT)
+    try:
+        seen = []
+        for line in suite.stdout:
+            if line.startswith("[gpu_suite] {"):
+                seen.append(json.loads(line.removeprefix("[gpu_suite] ")))
+                if len(seen) == 2:
+                    break
+        suite.kill()  # in the middle of the row
+    finally:
+        suite.wait(timeout=60)
+    (path,) = tmp_path.glob("gpu-*-cpu-smoke-decode-heavy-cut.json")
+    record = json.loads(path.read_text())
+    assert record["rows_done"] == [] and record["partial"]["row"] == "decode-heavy"
+    assert record["partial"]["measured"][:2] == seen and record["plan"]["skip"] == ["hf", "paged"]
+    assert record["plan"]["key_buckets"] == 2
+    assert "**stopped in decode-heavy**: its 2 measurements so far" in path.with_suffix(".md").read_text()
+    done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_suite.py"), "--smoke", "--threads", "1",
+                           "--rows", "decode-heavy", "--skip", "hf,paged", "--out-dir", str(tmp_path)],
+                          capture_output=True, text=True, cwd=ROOT, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    record = json.loads(next(tmp_path.glob("gpu-*-cpu-smoke-decode-heavy.json")).read_text())
+    names = {r["name"] for r in record["rows"][-1]["rows"]}
+    assert names == {"tiny", "tiny-block", "tiny whole-keys"} and record["partial"] is None  # no HF, no paged rows
+    vanilla = record["rows"][0]["measured"]
+    assert vanilla["hf_generate_not_run"] == "skipped (--skip hf)" and "vs_hf" not in vanilla
+
+
 def test_a_training_variant_that_fails_keeps_the_others_numbers(monkeypatch, capsys):
     """The compiled variant runs second: a compile that fails on the GPU used to lose the eager number measured
     before it (and the call's minutes)."""
     import dataclasses
     import importlib.util
-    import types
 
     import torch
 
@@ -98,7 +132,7 @@ def test_a_training_variant_that_fails_keeps_the_others_numbers(monkeypatch, cap
 
     monkeypatch.setattr(suite_module, "run_variant", run_variant)
     plan = dataclasses.replace(suite_module.SMOKE, train_variants=("eager", "compiled"))
-    (row,) = suite_module.training_rows(types.SimpleNamespace(plan=plan, device=torch.device("cpu")))
+    (row,) = suite_module.training_rows(suite_module.Suite(plan, torch.device("cpu"), torch.float32, 1.0, Path("."), []))
     assert row["measured"]["eager"]["tokens_per_s"] == 1000.0 and not row["met"]
     assert suite_module.summary(row) == ("eager 1,000 tok/s, MFU 25.0%; compiled failed: RuntimeError: inductor could "
                                          "not compile")

@@ -2,8 +2,9 @@
 # The GPU measurements the open issues still owe, most wanted first, in one device call: a lent machine gives a
 # session 15 minutes of device time and a call 10 minutes at most, so a GPU session should spend one call on this,
 # not several hand-written ones. Each step runs through env.sh with its own time cap, cut to what is left of the
-# call's budget (SECONDS_BUDGET, default 560 s: the device tool's 600 s limit less a margin), and a step stopped at its
-# cap keeps what it wrote (the scripts write their results after every row). Each step's output goes to
+# call's budget (SECONDS_BUDGET, default 560 s: the device tool's 600 s limit less a margin), and is not started with
+# less than its minimum left (the time below which it would measure nothing); a step stopped at its cap keeps what it
+# wrote (the suite writes each measurement as it is taken, the other scripts after every row). Each step's output goes to
 # $OUT/owed-<step>.log and its results under $OUT (packed into $OUT/owed.tgz when more than the 8 files a call brings
 # back); the last lines say how each step ended.
 #
@@ -12,13 +13,15 @@
 #                                                             # a second call while the machine is warm: what the first left
 #
 # The default is what is still owed after the H200 runs of 2026-11-27/28 (benchmarks/results/gpu-2026-11-28-nvidia-h200.md),
-# most wanted first: decode-heavy again (the static step now reads only its key length of each row, timed beside the
-# step reading every slot: the 85% roofline target, and the paged cache read by Flex and by blockloop's Triton kernel;
-# its compiles take most of the step), the paged in-place check and the Triton kernel's CUDA tests, and the profile's
-# live-length reads (the kernel at three key tiles beside Flex); then, in a later call or session, issue 12's recursive and training rows
-# (recursive fills a call on its own: it trains, converts and uptrains a model first; training is the 302M MFU row)
-# and the batch search. prefill-double, pytest-gpu, staircase and http
-# were measured there and stay as steps.
+# most wanted first: the Triton kernel's CUDA tests and the paged in-place checks (test files in that order, each test
+# named as it ends: a step cut at its cap says how far it got); decode-heavy again (the static step now reads only its
+# key length of each row, timed beside the step reading every slot: the 85% roofline target, and the paged cache read
+# by blockloop's Triton kernel; HF generate() and the Flex paged read were measured on 11-28 and are skipped: the
+# compiles, a graph per key length and engine, take most of the step); the profile's live-length reads (the kernel at
+# three key tiles beside Flex); then, in a later call or session, issue 12's recursive and training rows (recursive
+# fills a call on its own: it trains, converts and uptrains a model first; training is the 302M MFU row) and the batch
+# search (its own file: --tag search). prefill-double, pytest-gpu, staircase and http were measured there and stay as
+# steps.
 #   DRY_RUN=1 bash benchmarks/device/owed.sh                  # print each step's cap and command, run nothing
 #
 # Device tool call: carry=[".device-kit"] (packed here by `.venv/bin/python benchmarks/device/kit.py --no-smollm2`),
@@ -31,23 +34,26 @@ ENV=(bash benchmarks/device/env.sh)
 PY=(.venv/bin/python)
 # The GPU tests in two runs: the engine's compiled-decode ones last (each compiles a model; 7 of 8 passed on the
 # H200 on 2026-11-27), so a step stopped at its cap has run the tests no GPU has run yet.
-PYTEST="-q -p no:cacheprovider --durations=20 -o log_level=WARNING"
+PYTEST="-p no:cacheprovider --durations=20 -o log_level=WARNING"
 
-# step name -> "cap-in-seconds|command" (the command is run by bash -c after env.sh, in the repository root)
+# The in-place checks' test files, the kernel's first: each has run on no GPU yet.
+IN_PLACE="tests/test_paged_decode_kernel.py tests/test_paged_cache.py tests/test_compile_decode.py tests/test_key_limits.py"
+
+# step name -> "minimum|cap|command" in seconds (the command is run by bash -c after env.sh, in the repository root)
 declare -A STEPS=(
-  [decode-heavy]="400|${PY[*]} benchmarks/gpu_suite.py --rows decode-heavy --repeats 1 --decode-batches 256 --max-batch 256 --out-dir $OUT"
-  [decode-profile]="180|${PY[*]} benchmarks/decode_profile.py --out-dir $OUT"
-  [pytest-gpu]="240|${PY[*]} -m pytest -m gpu -k 'not compiled_cuda_graph_decode' $PYTEST; first=\$?; ${PY[*]} -m pytest -m gpu -k compiled_cuda_graph_decode $PYTEST && exit \$first"
-  [pytest-in-place]="180|${PY[*]} -m pytest -m gpu -k "'"compiled_cuda_step_writes or key_lengths or paged_decode_under_cuda_graphs or compiled_kernel"'" $PYTEST"
-  [decode-search]="560|${PY[*]} benchmarks/gpu_suite.py --rows decode-heavy --repeats 1 --decode-batches 512 --max-batch 4096 --out-dir $OUT"
-  [prefill-double]="220|${PY[*]} benchmarks/gpu_suite.py --rows prefill-heavy,double-decoder --repeats 1 --out-dir $OUT"
-  [staircase]="90|${PY[*]} benchmarks/staircase_speed.py --device cuda --out-dir $OUT"
-  [http]="200|DEVICE=cuda REC=$OUT/http_serving_cuda.jsonl bash benchmarks/http_serving.sh"
-  [recursive]="560|${PY[*]} benchmarks/gpu_suite.py --rows recursive --out-dir $OUT"
-  [training]="300|${PY[*]} benchmarks/gpu_suite.py --rows training --out-dir $OUT"
-  [smollm2]="400|.venv/bin/blockloop convert --from-hf smollm2 --out runs/smollm2 --no-progress && ${PY[*]} benchmarks/zero_shot_speed.py --checkpoint runs/smollm2 --device cuda --out-dir $OUT && ${PY[*]} benchmarks/recursive_uptrain.py --source smollm2 --device cuda --out-dir $OUT"
+  [decode-heavy]="200|330|${PY[*]} benchmarks/gpu_suite.py --rows decode-heavy --repeats 1 --decode-batches 256 --max-batch 256 --skip hf,paged --out-dir $OUT"
+  [decode-profile]="60|150|${PY[*]} benchmarks/decode_profile.py --out-dir $OUT"
+  [pytest-gpu]="120|240|${PY[*]} -m pytest -m gpu -k 'not compiled_cuda_graph_decode' -q $PYTEST; first=\$?; ${PY[*]} -m pytest -m gpu -k compiled_cuda_graph_decode -q $PYTEST && exit \$first"
+  [pytest-in-place]="60|150|${PY[*]} -m pytest -m gpu $IN_PLACE -k "'"compiled_kernel or paged_decode_under_cuda_graphs or compiled_cuda_step_writes or key_lengths"'" -v $PYTEST"
+  [decode-search]="400|560|${PY[*]} benchmarks/gpu_suite.py --rows decode-heavy --repeats 1 --decode-batches 512 --max-batch 4096 --skip hf,whole-keys,paged,paged-kernel --tag search --out-dir $OUT"
+  [prefill-double]="120|220|${PY[*]} benchmarks/gpu_suite.py --rows prefill-heavy,double-decoder --repeats 1 --out-dir $OUT"
+  [staircase]="30|90|${PY[*]} benchmarks/staircase_speed.py --device cuda --out-dir $OUT"
+  [http]="100|200|DEVICE=cuda REC=$OUT/http_serving_cuda.jsonl bash benchmarks/http_serving.sh"
+  [recursive]="400|560|${PY[*]} benchmarks/gpu_suite.py --rows recursive --out-dir $OUT"
+  [training]="150|300|${PY[*]} benchmarks/gpu_suite.py --rows training --out-dir $OUT"
+  [smollm2]="200|400|.venv/bin/blockloop convert --from-hf smollm2 --out runs/smollm2 --no-progress && ${PY[*]} benchmarks/zero_shot_speed.py --checkpoint runs/smollm2 --device cuda --out-dir $OUT && ${PY[*]} benchmarks/recursive_uptrain.py --source smollm2 --device cuda --out-dir $OUT"
 )
-DEFAULT=(decode-heavy pytest-in-place decode-profile recursive training decode-search)
+DEFAULT=(pytest-in-place decode-heavy decode-profile recursive training decode-search)
 ORDER=("$@")
 [ ${#ORDER[@]} -gt 0 ] || ORDER=("${DEFAULT[@]}")
 for name in "${ORDER[@]}"; do
@@ -60,16 +66,15 @@ done
 START=$SECONDS
 SUMMARY=()
 for name in "${ORDER[@]}"; do
-  cap=${STEPS[$name]%%|*}
-  command=${STEPS[$name]#*|}
+  IFS='|' read -r least cap command <<<"${STEPS[$name]}"
   left=$((BUDGET - (SECONDS - START)))
   limit=$((cap < left ? cap : left))
   if [ -n "${DRY_RUN:-}" ]; then
-    echo "$name ($cap s): $command"
+    echo "$name ($least-$cap s): $command"
     continue
   fi
-  if [ "$limit" -lt 30 ]; then
-    SUMMARY+=("$name: not run, ${left} s of the budget left")
+  if [ "$left" -lt "$least" ]; then
+    SUMMARY+=("$name: not run, ${left} s of the budget left (it needs $least)")
     continue
   fi
   echo "== $name: at most $limit s"
