@@ -180,10 +180,12 @@ def random_groups(vocab: int, seed: int = 0) -> list[list[Request]]:
     return groups
 
 
-@pytest.mark.parametrize("preset", ["tiny", "tiny-recursive", "tiny-ladder"])
-def test_prefix_reuse_equals_scoring_each_choice_from_scratch_in_float64(preset):
+# A Transformer-XL of span 4 keeps rings of 5 slots: contexts of up to 9 tokens wrap them before the choices reuse them.
+@pytest.mark.parametrize("preset, fields", [("tiny", {}), ("tiny-recursive", {}), ("tiny-ladder", {}),
+                                            ("tiny-transformer-xl", {"memory_len": 4})])
+def test_prefix_reuse_equals_scoring_each_choice_from_scratch_in_float64(preset, fields):
     torch.manual_seed(0)
-    model = build_model(small_variant(preset)).double().eval()
+    model = build_model(small_variant(preset).replace(**fields)).double().eval()
     assert spec_of(model.config).scoring == "cached"
     groups = random_groups(64)
     reused = score(model, groups, batch_size=3)
