@@ -213,6 +213,20 @@ def test_demo_trains_compares_and_samples(tmp_path, capsys):
     assert "double decoder" in out
     assert (tmp_path / "demo" / "demo" / "checkpoints" / "latest").is_file()
     assert (tmp_path / "demo" / "demo-double" / "checkpoints" / "latest").is_file()
+    # A rerun replaces the demo's own runs, and nothing else: refused before any training where a run folder holds
+    # another file, or a run trained on since (its latest checkpoint not the one the demo left), or --out is a file.
+    from blockloop.demo import check_demo_folder
+
+    check_demo_folder(tmp_path / "demo")
+    (tmp_path / "demo" / "demo-block" / "notes.txt").write_text("mine")
+    one_line_error(capsys, ["demo", "--out", str(tmp_path / "demo"), "--steps", "1"],
+                   "demo-block holds files the demo did not leave there (or a run trained on since)")
+    (tmp_path / "demo" / "demo-block" / "notes.txt").unlink()
+    (tmp_path / "demo" / "demo" / "checkpoints" / "latest").write_text("step_0000009\n")
+    one_line_error(capsys, ["demo", "--out", str(tmp_path / "demo"), "--steps", "1"], "demo/demo holds files the demo")
+    (tmp_path / "afile").write_text("x")
+    one_line_error(capsys, ["demo", "--out", str(tmp_path / "afile")], "afile is a file, not a folder")
+    assert (tmp_path / "demo" / "demo" / "checkpoints" / "step_0000004").is_dir()  # nothing was replaced
 
 
 def test_tokens_budget_sets_the_step_count(tmp_path):

@@ -13,13 +13,16 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from blockloop.errors import BlockloopError
 from blockloop.serve.batching import padded_prompt_length
 from blockloop.serve.generate import generate
+from blockloop.train.checkpoint import LATEST, checkpoint_root, read_json, write_json_atomic
 from blockloop.train.config import TrainConfig
 from blockloop.train.run import RunSpec, prepare_run, sequences
 from blockloop.train.trainer import Trainer
 
 SAMPLE_PROMPT = "ROMEO:\n"
+DEMO_MARK = "demo.json"  # in each run the demo wrote: the checkpoint it left, so a rerun replaces only that
 
 
 @dataclass(frozen=True)
@@ -61,6 +64,7 @@ class DemoResult:
 
 def run_demo(out_dir: Path, *, steps: int | None = None, device: str = "cpu") -> list[DemoResult]:
     """Train and compare every entry; prints progress, a summary table and samples."""
+    check_demo_folder(out_dir)
     results = []
     for entry in DEMO_ENTRIES:
         results.append(_run_entry(entry, out_dir / entry.preset, steps or entry.steps, device))
@@ -68,9 +72,39 @@ def run_demo(out_dir: Path, *, steps: int | None = None, device: str = "cpu") ->
     return results
 
 
+def check_demo_folder(out_dir: Path) -> None:
+    """Refuse, before any training, an ``--out`` where a rerun would delete what the demo did not write: the demo's
+    runs are disposable and replaced each time, but a folder of the same name holding other files, or a demo run
+    trained on since (``train --resume``), is somebody's work."""
+    if out_dir.exists() and not out_dir.is_dir():
+        raise BlockloopError(f"{out_dir} is a file, not a folder; give the demo a folder (--out)")
+    for entry in DEMO_ENTRIES:
+        run_dir = out_dir / entry.preset
+        if run_dir.exists() and not _left_by_the_demo(run_dir):
+            raise BlockloopError(f"{run_dir} holds files the demo did not leave there (or a run trained on since), "
+                                 "which a demo run would replace; move it or give the demo another folder (--out)")
+
+
+def _left_by_the_demo(run_dir: Path) -> bool:
+    """Whether ``run_dir`` is empty or as a demo run left it: its mark, metrics and checkpoints only, the latest
+    checkpoint the one the mark names."""
+    if not run_dir.is_dir():
+        return False
+    names = {path.name for path in run_dir.iterdir()}
+    if not names:
+        return True
+    if not names <= {DEMO_MARK, "metrics.jsonl", "checkpoints"} or DEMO_MARK not in names:
+        return False
+    try:
+        left = read_json(run_dir / DEMO_MARK)["latest"]
+        return (checkpoint_root(run_dir) / LATEST).read_text(encoding="utf-8").strip() == left
+    except (BlockloopError, OSError, UnicodeDecodeError, KeyError, TypeError):
+        return False
+
+
 def _run_entry(entry: DemoEntry, run_dir: Path, steps: int, device: str) -> DemoResult:
     print(f"\n=== {entry.family} ({entry.preset}) on Shakespeare, {steps} steps on {device} ===")
-    shutil.rmtree(run_dir, ignore_errors=True)  # demo runs are disposable; start clean every time
+    shutil.rmtree(run_dir, ignore_errors=True)  # a demo run (check_demo_folder): disposable, started clean every time
     spec = RunSpec(preset=entry.preset, data="shakespeare", tokenizer="byte")
     run = prepare_run(spec, seed=0)
     config = TrainConfig(
@@ -86,6 +120,8 @@ def _run_entry(entry: DemoEntry, run_dir: Path, steps: int, device: str) -> Demo
     start = time.perf_counter()
     after = trainer.fit()["val_loss"]
     train_seconds = time.perf_counter() - start
+    latest = (checkpoint_root(run_dir) / LATEST).read_text(encoding="utf-8").strip()
+    write_json_atomic(run_dir / DEMO_MARK, {"preset": entry.preset, "latest": latest})
 
     model = trainer.model.eval()
     prompt = run.tokenizer.encode(SAMPLE_PROMPT)
