@@ -392,6 +392,14 @@ def test_reimported_export_samples_only_tokenizer_ids(byte_export, tmp_path):
 CORRUPTIONS = {
     "bad_json": (lambda d: (d / "config.json").write_text("{"), "config.json is not valid JSON"),
     "bad_field": (lambda d: _edit_config(d, hidden_size="abc"), "config.json is not a readable model config"),
+    "bad_dtype": (lambda d: _edit_config(d, dtype="float8"), "not a readable model config (AttributeError: "),
+    # fields transformers reads only as it builds the model
+    "bad_activation": (lambda d: _edit_config(d, hidden_act="weird"),
+                       "config.json describes a model transformers cannot build (KeyError: 'weird')"),
+    "bad_rope_type": (lambda d: _edit_config(d, rope_scaling={"rope_type": "weird", "factor": 2.0}),
+                      "config.json describes a model transformers cannot build"),
+    "pad_past_vocab": (lambda d: _edit_config(d, vocab_size=100, pad_token_id=257),
+                       "config.json describes a model transformers cannot build (AssertionError: "),
     "truncated": (lambda d: _truncate(d / "model.safetensors", 500), "model.safetensors cannot be read"),
     "torn": (lambda d: _truncate(d / "model.safetensors", (d / "model.safetensors").stat().st_size - 100),
              "model.safetensors cannot be read"),

@@ -77,8 +77,10 @@ def _load_hf_config(path: Path, gguf_file: str | None) -> Any:
     extra = {"gguf_file": gguf_file} if gguf_file is not None else {}
     try:
         return AutoConfig.from_pretrained(path, local_files_only=True, **extra)
-    except (OSError, ValueError, StrictDataclassError, struct.error) as exc:  # struct: a GGUF header cut short
-        raise BlockloopError(f"{source} is not a readable model config ({_one_line(exc)}); {_REPAIR}") from None
+    # struct: a GGUF header cut short; the others: a field transformers looks up or checks (a dtype torch lacks)
+    except (OSError, ValueError, StrictDataclassError, struct.error, AttributeError, KeyError, TypeError,
+            AssertionError) as exc:
+        raise BlockloopError(f"{source} is not a readable model config ({_described(exc)}); {_REPAIR}") from None
 
 
 def _model_type(config_file: Path) -> Any:
@@ -97,6 +99,12 @@ def _model_type(config_file: Path) -> Any:
 
 def _one_line(exc: Exception) -> str:
     return " ".join(str(exc).split())
+
+
+def _described(exc: Exception) -> str:
+    """An exception in one line, named where its message alone says little (a KeyError's is the key)."""
+    plain = isinstance(exc, (OSError, ValueError))
+    return _one_line(exc) if plain else f"{type(exc).__name__}: {_one_line(exc)}"
 
 
 @gguf_parsed_once()  # its config and its weights: one parse of a GGUF
@@ -125,6 +133,10 @@ def load_hf_model(path: Path | str, *, gguf_file: str | None = None) -> nn.Modul
         except (SafetensorError, OSError, ValueError, struct.error) as exc:  # struct: a GGUF cut short
             weights = path / gguf_file if gguf_file is not None else _safetensors_name(path)
             raise BlockloopError(f"{weights} cannot be read, it is corrupt or incomplete ({_one_line(exc)}); "
+                                 f"{_REPAIR}") from None
+        except (KeyError, AttributeError, TypeError, AssertionError) as exc:  # building the model from the config
+            source = path / (gguf_file or "config.json")  # an activation, a RoPE type, a padding id it does not know
+            raise BlockloopError(f"{source} describes a model transformers cannot build ({_described(exc)}); "
                                  f"{_REPAIR}") from None
     _check_loaded(info, path / gguf_file if gguf_file is not None else _safetensors_name(path),
                   path / (gguf_file or "config.json"))
