@@ -696,6 +696,51 @@ def test_os_errors_are_one_line_naming_the_path_and_debug_shows_the_traceback(mo
         main(["presets"])
 
 
+@pytest.mark.parametrize("verb, refusal, said", [
+    ("train", RuntimeError("[enforce fail at alloc_cpu.cpp:127] data. DefaultCPUAllocator: can't allocate memory: you "
+                           "tried to allocate 34359738368 bytes. Error code 12 (Cannot allocate memory)"),
+     "out of memory (32.00 GiB could not be allocated); lower --batch-size (--grad-accum keeps the step's batch)"),
+    ("eval", torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB. GPU 0 has a total capacity of "
+                                    "79.19 GiB of which 1.2 GiB is free.\nOf the allocated memory ..."),
+     "out of memory (20.00 GiB could not be allocated on the GPU); lower --batch-size"),
+    ("presets", OSError(errno.ENOMEM, os.strerror(errno.ENOMEM), "runs/big"),
+     "out of memory (OSError: [Errno 12] Cannot allocate memory: 'runs/big'); use a smaller model"),
+    ("presets", MemoryError(), "out of memory (MemoryError); use a smaller model"),
+])
+def test_an_allocator_refusal_is_one_line_naming_what_to_ask_less_of(monkeypatch, capsys, verb, refusal, said):
+    """Out of memory is the machine's answer to what was asked (a model, a batch, a cache too large), not a bug: one
+    line with the size refused and the verb's flags to lower (ENOMEM used to blame the path it named)."""
+    from blockloop.cli import eval as eval_verb
+    from blockloop.cli import presets, train
+
+    def refuse(args):
+        raise refusal
+
+    module = {"train": train, "eval": eval_verb, "presets": presets}[verb]
+    monkeypatch.setattr(module, "run", refuse)
+    argv = {"train": ["train", "--preset", "tiny", "--out", "x"], "eval": ["eval", "--checkpoint", "x"],
+            "presets": ["presets"]}[verb]
+    assert main(argv) == EXIT_USER_ERROR
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and said in err, err
+    monkeypatch.setattr(presets, "run", lambda args: (_ for _ in ()).throw(RuntimeError("shape mismatch")))
+    with pytest.raises(RuntimeError, match="shape mismatch"):  # any other RuntimeError is a bug: its traceback
+        main(["presets"])
+
+
+def test_a_generation_cache_that_does_not_fit_names_generates_own_flags(base, monkeypatch, capsys):
+    """The engine's cache check names a server's flags (--slots, --max-len, --kv-tokens); generate has none of
+    them, and says which of its own to lower."""
+    import blockloop.device
+
+    monkeypatch.setattr(blockloop.device, "free_memory", lambda device: 2**20)
+    one_line = ["generate", "--checkpoint", str(base / "run"), "--prompt", "hi", "--num-samples", "64"]
+    assert main(one_line) == EXIT_USER_ERROR
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "would not fit the 0.00 GiB free on cpu" in err, err
+    assert err.endswith("; lower --num-samples or --max-new-tokens") and "--slots" not in err, err
+
+
 def test_debug_after_a_nested_verb_shows_the_traceback_and_before_it_still_does(tmp_path, capsys):
     """``tasks make ... --debug`` as README says of every command, not only ``tasks --debug make ...``."""
     out = str(tmp_path / "t")

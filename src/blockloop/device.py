@@ -3,6 +3,7 @@ what the dtype ``auto`` means on a device; and the free-memory check a serving c
 
 from __future__ import annotations
 
+import errno
 import math
 
 import torch
@@ -32,9 +33,25 @@ def auto_dtype(device: str | torch.device) -> torch.dtype:
 
 
 class OutOfMemory(BlockloopError, torch.OutOfMemoryError):
-    """A buffer that would not fit the device's free memory, refused before it is allocated. Also a
-    ``torch.OutOfMemoryError``, so code that tries a size and backs off (the benchmarks' batch search) treats it
-    as the allocator's own."""
+    """A buffer that would not fit the device's free memory, refused before it is allocated: ``what`` did not fit,
+    ``fix`` is what to change. Also a ``torch.OutOfMemoryError``, so code that tries a size and backs off (the
+    benchmarks' batch search) treats it as the allocator's own; a caller that knows a better fix (the flag of the
+    verb it serves) gives ``what`` with its own."""
+
+    def __init__(self, what: str, fix: str) -> None:
+        super().__init__(f"{what}; {fix}")
+        self.what = what
+
+
+def ran_out_of_memory(exc: BaseException) -> bool:
+    """Whether ``exc`` is an allocator's refusal: CUDA's ``OutOfMemoryError``, Python's ``MemoryError``, an OS call
+    refused memory (``ENOMEM``, e.g. under ``ulimit -v``), or the CPU allocator's plain ``RuntimeError``."""
+    if isinstance(exc, (torch.OutOfMemoryError, MemoryError)):
+        return True
+    if isinstance(exc, OSError):
+        return exc.errno == errno.ENOMEM
+    return isinstance(exc, RuntimeError) and any(text in str(exc) for text in ("can't allocate memory",
+                                                                                "not enough memory"))
 
 
 def free_memory(device: str | torch.device) -> int | None:
@@ -63,5 +80,5 @@ def zeros_that_fit(shape: tuple[int, ...], dtype: torch.dtype, device: str | tor
     free = free_memory(device)
     if free is not None and needed > 0.8 * free:
         raise OutOfMemory(f"a cache buffer of {needed / 2**30:.2f} GiB would not fit the {free / 2**30:.2f} GiB free "
-                          f"on {torch.device(device)}; {fix}")
+                          f"on {torch.device(device)}", fix)
     return torch.zeros(shape, dtype=dtype, device=device)

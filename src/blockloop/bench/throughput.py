@@ -23,6 +23,7 @@ from torch import Tensor, nn
 from blockloop.bench.roofline import bytes_per_step
 from blockloop.bench.timing import timed
 from blockloop.choices import KEY_BUCKETS
+from blockloop.device import ran_out_of_memory
 from blockloop.errors import BlockloopError, check_context
 from blockloop.nn.linear import packed_linears
 from blockloop.serve.engine import Engine
@@ -226,14 +227,12 @@ def search_batches(run: Any, batches: list[int], *, search: bool, max_batch: int
         batch = sizes.pop(0)
         try:
             results.append(run(batch))
-        except (torch.OutOfMemoryError, MemoryError) as exc:
-            torch.cuda.empty_cache()
-            _stopped(on_stop, f"out of memory at batch {batch} ({type(exc).__name__}); the batches before it are measured")
-            return results
-        except RuntimeError as exc:  # the CPU allocator's failure is a plain RuntimeError, not OutOfMemoryError
-            if "can't allocate memory" not in str(exc) and "not enough memory" not in str(exc):
+        except (MemoryError, RuntimeError) as exc:  # the CPU allocator's failure is a plain RuntimeError
+            if not ran_out_of_memory(exc):
                 raise
-            _stopped(on_stop, f"out of memory at batch {batch} (the CPU allocator); the batches before it are measured")
+            torch.cuda.empty_cache()
+            how = type(exc).__name__ if isinstance(exc, (torch.OutOfMemoryError, MemoryError)) else "the CPU allocator"
+            _stopped(on_stop, f"out of memory at batch {batch} ({how}); the batches before it are measured")
             return results
         if search and not sizes:
             if largest * 2 > max_batch:

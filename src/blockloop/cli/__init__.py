@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import errno
 import os
+import re
 import sys
 from collections.abc import Collection, Sequence
 from types import ModuleType
@@ -24,6 +25,7 @@ from typing import NoReturn
 
 from blockloop.cli import bench, chat, convert, demo, flops, generate, info, presets, serve, tasks, train
 from blockloop.cli import eval as eval_
+from blockloop.cli.common import MEMORY_FIXES, OTHER_MEMORY_FIX
 from blockloop.errors import BlockloopError
 from blockloop.signals import terminate_as_interrupt
 
@@ -118,14 +120,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         # stdout from raising again.
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 1
-    except OSError as exc:
-        if exc.errno not in OS_ERRORS and exc.filename is None:
+    except (MemoryError, RuntimeError, OSError) as exc:  # after BrokenPipeError, an OSError too
+        from blockloop.device import ran_out_of_memory
+
+        if not ran_out_of_memory(exc):
+            if isinstance(exc, OSError):
+                return _os_error(prog, exc)
             raise
-        path = "a file" if exc.filename is None else exc.filename
-        if exc.filename2 is not None:  # a rename or link: both ends
-            path = f"{path} -> {exc.filename2}"
-        print(f"{prog}: error: {exc.strerror}: {path}; {OS_ERRORS.get(exc.errno, OTHER_OS_ERROR)}"
-              f"{_cache_hint(exc.filename)} (BLOCKLOOP_DEBUG=1 shows the traceback)", file=sys.stderr)
+        print(f"{prog}: error: out of memory ({_allocation(exc)}); {MEMORY_FIXES.get(args.command, OTHER_MEMORY_FIX)}",
+              file=sys.stderr)
         return EXIT_USER_ERROR
     except KeyboardInterrupt as stop:
         # A verb that kept part of its work says where, in the stop it raises again (eval's finished tasks).
@@ -133,6 +136,32 @@ def main(argv: Sequence[str] | None = None) -> int:
         if os.environ.get("RANK", "0") == "0":  # under torchrun every rank is stopped: one says so
             print(f"{prog}: interrupted{kept}", file=sys.stderr)
         return 130
+
+
+def _allocation(exc: BaseException) -> str:
+    """What an allocator refused, in a few words: the size asked for where its message says (the CPU allocator's
+    bytes, CUDA's GiB), else its first line."""
+    text = str(exc)
+    asked = re.search(r"tried to allocate (\d+) bytes", text)
+    if asked:
+        return f"{int(asked[1]) / 2**30:.2f} GiB could not be allocated"
+    asked = re.search(r"Tried to allocate ([\d.]+ [KMGT]iB)", text)
+    if asked:
+        return f"{asked[1]} could not be allocated on the GPU"
+    first = " ".join(text.split("\n")[0].split())[:200]
+    return f"{type(exc).__name__}: {first}" if first else type(exc).__name__
+
+
+def _os_error(prog: str, exc: OSError) -> int:
+    """An OS refusal that names a path (or has a known fix): one line, the path and the fix; any other is a bug."""
+    if exc.errno not in OS_ERRORS and exc.filename is None:
+        raise exc
+    path = "a file" if exc.filename is None else exc.filename
+    if exc.filename2 is not None:  # a rename or link: both ends
+        path = f"{path} -> {exc.filename2}"
+    print(f"{prog}: error: {exc.strerror}: {path}; {OS_ERRORS.get(exc.errno, OTHER_OS_ERROR)}"
+          f"{_cache_hint(exc.filename)} (BLOCKLOOP_DEBUG=1 shows the traceback)", file=sys.stderr)
+    return EXIT_USER_ERROR
 
 
 def _checkpoints_kept(args: argparse.Namespace) -> str:

@@ -24,6 +24,16 @@ from blockloop.errors import BlockloopError, utf8_problem
 _T = TypeVar("_T")
 
 
+# When the allocator refuses (the model, a batch or a cache did not fit): what each verb can ask for less of.
+MEMORY_FIXES = {
+    "train": "lower --batch-size (--grad-accum keeps the step's batch) or --seq-len, or train a smaller model",
+    "eval": "lower --batch-size", "generate": "lower --num-samples or --max-new-tokens",
+    "serve": "serve fewer --slots or shorter ones (--max-len)", "chat": "use a shorter --max-len",
+    "bench": "bench smaller batches or fewer slots", "demo": "run it on a machine with more free memory",
+}
+OTHER_MEMORY_FIX = "use a smaller model, or a machine with more free memory"
+
+
 def human(n: int) -> str:
     """A parameter count as ``85.06M`` or ``12.3K``."""
     return f"{n / 1e6:.2f}M" if n >= 1e5 else f"{n / 1e3:.1f}K"

@@ -6,6 +6,7 @@ import argparse
 import sys
 
 from blockloop.cli.common import (
+    MEMORY_FIXES,
     add_checkpoint,
     add_device,
     add_looped_decoding,
@@ -45,7 +46,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from blockloop.data.tasks.tokenizer import answer_length
-    from blockloop.device import resolve_device
+    from blockloop.device import OutOfMemory, resolve_device
     from blockloop.serve.batching import padded_prompt_length, prompt_size
     from blockloop.serve.generate import generate
     from blockloop.serve.http.text import TextStream, continuation
@@ -73,27 +74,30 @@ def run(args: argparse.Namespace) -> int:
         **decoding,
     )
     safe = terminal_safe if sys.stdout.isatty() else str  # a model's control characters cannot rewrite a terminal
-    if args.num_samples == 1:
-        # Stream each token's text as soon as it decodes to whole characters; the prompt goes out with the
-        # first token, so a request the engine refuses writes nothing.
-        stream = TextStream(tok, prompt=prompt)
-        pending = [args.prompt]
+    try:
+        if args.num_samples == 1:
+            # Stream each token's text as soon as it decodes to whole characters; the prompt goes out with the
+            # first token, so a request the engine refuses writes nothing.
+            stream = TextStream(tok, prompt=prompt)
+            pending = [args.prompt]
 
-        def on_token(row: int, token: int) -> None:
-            pending.append(stream.push(token))
-            sys.stdout.write(safe("".join(pending)))
-            sys.stdout.flush()
-            pending.clear()
+            def on_token(row: int, token: int) -> None:
+                pending.append(stream.push(token))
+                sys.stdout.write(safe("".join(pending)))
+                sys.stdout.flush()
+                pending.clear()
 
-        try:
-            generate(trained.model, [prompt], max_new, on_token=on_token, **kwargs)
-        except KeyboardInterrupt:
-            if not pending:  # text went out: the stop's line starts on a line of its own, not after the text
-                sys.stdout.write("\n")
-            raise
-        sys.stdout.write(safe("".join(pending) + stream.flush()) + "\n")
-    else:
-        outs = generate(trained.model, [prompt] * args.num_samples, max_new, **kwargs)
-        for i, out in enumerate(outs):
-            print(f"--- sample {i + 1}\n{safe(args.prompt + continuation(tok, prompt, out))}")
+            try:
+                generate(trained.model, [prompt], max_new, on_token=on_token, **kwargs)
+            except KeyboardInterrupt:
+                if not pending:  # text went out: the stop's line starts on a line of its own, not after the text
+                    sys.stdout.write("\n")
+                raise
+            sys.stdout.write(safe("".join(pending) + stream.flush()) + "\n")
+        else:
+            outs = generate(trained.model, [prompt] * args.num_samples, max_new, **kwargs)
+            for i, out in enumerate(outs):
+                print(f"--- sample {i + 1}\n{safe(args.prompt + continuation(tok, prompt, out))}")
+    except OutOfMemory as exc:  # the engine's cache: what to ask less of is this verb's flags, not a server's
+        raise BlockloopError(f"{exc.what}; {MEMORY_FIXES['generate']}") from None
     return 0
