@@ -250,6 +250,22 @@ def test_tokenizer_json_without_eos_is_rejected(tmp_path: Path) -> None:
         build_tokenizer(str(tmp_path / "tokenizer.json"))
 
 
+def test_a_tokenizer_that_cannot_map_a_word_says_so_in_one_line(tmp_path: Path) -> None:
+    """A word-level vocabulary without an unknown token cannot encode a word it lacks: tokenizers raises a bare
+    Exception (a traceback through train, eval or a server); blockloop names the tokenizer and the fix."""
+    import tokenizers
+
+    words = tokenizers.Tokenizer(tokenizers.models.WordLevel({"hello": 0, "world": 1, "</s>": 2}))
+    words.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
+    words.add_special_tokens(["</s>"])
+    words.save(str(tmp_path / "tokenizer.json"))
+    tok = build_tokenizer(str(tmp_path / "tokenizer.json"))
+    assert tok.encode("hello world") == [0, 1]
+    for encode in (tok.encode, lambda text: tok.encode_batch(["hello", text])):
+        with pytest.raises(BlockloopError, match=r"cannot encode this text \(WordLevel error: Missing \[UNK\] token"):
+            encode("hello there")
+
+
 # --- corpora ---------------------------------------------------------------------------------------
 
 

@@ -165,13 +165,20 @@ class HFTokenizer(Tokenizer):
             raise BlockloopError(f"tokenizer {self.name!r} cannot encode {RAW_BYTES}")
         # encode_batch, unlike encode, releases the GIL while it works (and is no slower for one text): a server
         # encoding a long prompt keeps streaming the others' tokens meanwhile.
-        return self._tokenizer.encode_batch([text], add_special_tokens=False)[0].ids
+        return self._encodings([text])[0].ids
 
     def encode_batch(self, texts: Sequence[str | bytes]) -> list[np.ndarray]:
         if any(isinstance(text, bytes) for text in texts):
             raise BlockloopError(f"tokenizer {self.name!r} cannot encode {RAW_BYTES}")
-        encodings = self._tokenizer.encode_batch(list(texts), add_special_tokens=False)
-        return [np.array(encoding.ids, dtype=np.uint32) for encoding in encodings]
+        return [np.array(encoding.ids, dtype=np.uint32) for encoding in self._encodings(texts)]
+
+    def _encodings(self, texts: Sequence[str]) -> list[tokenizers.Encoding]:
+        try:
+            return self._tokenizer.encode_batch(list(texts), add_special_tokens=False)
+        except Exception as exc:  # noqa: BLE001 - tokenizers raises a plain Exception for text its model cannot map
+            said = " ".join(str(exc).split())
+            raise BlockloopError(f"tokenizer {self.name!r} cannot encode this text ({said}); use a tokenizer whose "
+                                 "vocabulary covers it or has an unknown token") from None
 
     def decode(self, ids: Sequence[int]) -> str:
         return self._tokenizer.decode(list(ids), skip_special_tokens=True)
