@@ -8,6 +8,7 @@ later tests in the session do not download again.
 from __future__ import annotations
 
 import json
+import os
 import random
 import threading
 import time
@@ -376,6 +377,10 @@ def test_corpus_errors(tmp_path: Path) -> None:
         load_documents(str(tmp_path / "notes"))
     with pytest.raises(BlockloopError, match="notes is a folder; bytes:PATH reads one existing file"):
         load_documents(f"bytes:{tmp_path / 'notes'}")
+    os.mkfifo(tmp_path / "pipe")  # it exists: "no such file" would be wrong (and reading it would wait for a writer)
+    for source in (str(tmp_path / "pipe"), f"bytes:{tmp_path / 'pipe'}", "/dev/null"):
+        with pytest.raises(BlockloopError, match=r"is not a regular file \(a pipe, a device or a socket\)"):
+            load_documents(source)
     (tmp_path / "latin1.txt").write_bytes("café".encode("latin-1"))
     with pytest.raises(BlockloopError, match="not UTF-8"):
         load_documents(str(tmp_path / "latin1.txt"))

@@ -22,6 +22,7 @@ from blockloop.files import atomic_write_text
 
 # Bump when the way builtin corpora are cleaned changes, so cached documents are rebuilt.
 _CORPUS_FORMAT = 1
+_NOT_A_FILE = "is not a regular file (a pipe, a device or a socket)"
 
 
 @dataclass(frozen=True)
@@ -135,7 +136,7 @@ def load_documents(source: str) -> list[str | bytes]:
     elif source.startswith("bytes:"):
         path = Path(source[len("bytes:") :]).expanduser()
         if not path.is_file():
-            what = "is a folder" if path.is_dir() else "is no such file"
+            what = ("is a folder" if path.is_dir() else _NOT_A_FILE if path.exists() else "is no such file")
             raise BlockloopError(f"{source!r}: {path} {what}; bytes:PATH reads one existing file")
         documents = [path.read_bytes()]
     else:
@@ -151,6 +152,8 @@ def load_documents(source: str) -> list[str | bytes]:
             documents = list(_read_jsonl(path))
         elif path.is_file():
             documents = [_read_text(path)]
+        elif path.exists():  # a pipe or a device: read whole, once, it is not a corpus that can be cached or split
+            raise BlockloopError(f"corpus {source!r} {_NOT_A_FILE}; save the text to a file and name that")
         else:
             raise BlockloopError(
                 f"unknown corpus {source!r}: not a builtin ({', '.join(BUILTIN_CORPORA)}) and no such file "
