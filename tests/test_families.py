@@ -179,3 +179,15 @@ def test_summaries_name_what_a_preset_repeats():
     assert from_name("tiny-ladder-aabb").summary() == "ladder: core 2 layers x 2 steps (AABB), d=64"
     assert from_name("tiny-transformer-xl").summary() == "one step: core 2 layers, d=64, memory 16"
     assert from_name("tiny-universal").summary() == "ladder: core 1 layer x 4 steps (ABAB), d=64"
+
+
+def test_a_sliding_window_without_local_layers_is_refused_and_old_configs_load_without_it():
+    """``--set sliding_window=4`` on a model with no local layers changed nothing (every layer attends globally):
+    refused by name; a config.json written before the refusal loads as the model it was (no layer read it)."""
+    with pytest.raises(ConfigError, match="sliding_window=4 applies to local layers and none is named"):
+        from_name("tiny", sliding_window=4)
+    assert from_name("tiny", sliding_window=4, local_layers=[1]).sliding_window == 4
+    assert from_name("tiny-recursive", sliding_window=4, local_depths=[0]).sliding_window == 4  # local by depth
+    for preset in ("tiny", "tiny-recursive"):
+        old = {**from_name(preset).to_dict(), "sliding_window": 4}
+        assert config_from_dict(old) == from_name(preset)

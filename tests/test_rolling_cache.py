@@ -98,7 +98,7 @@ def test_kv_bytes_formula_counts_what_the_cache_allocates(name):
     allocated = sum(layer.k.numel() + layer.v.numel() for layer in cache.layers) * 8
     scratch = sum(2 * layer.k[:, :, :1].numel() for layer in cache.layers if isinstance(layer, RollingKVCache)) * 8
     assert spec_of(model.config).kv_bytes(model.config, 50, 10, 8) == allocated - scratch  # what the rings hold
-    global_only = {"local_layers": [], **({"local_depths": []} if name != "decoder" else {})}
+    global_only = {"local_layers": [], "sliding_window": None, **({"local_depths": []} if name != "decoder" else {})}
     full = spec_of(model.config).kv_bytes(dataclasses.replace(model.config, **global_only), 50, 10, 8)
     assert allocated < full
 

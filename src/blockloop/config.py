@@ -357,11 +357,30 @@ class LocalAttention:
                 "local_layers need a positive sliding_window (how many recent positions they see)",
             ),
             (
+                self.sliding_window is None or self.attends_locally,
+                f"sliding_window={self.sliding_window} applies to local layers and none is named, so every layer "
+                "would attend globally; list them (local_layers) or leave sliding_window out",
+            ),
+            (
                 self.local_rope_base is None or self.local_rope_base > 0,
                 f"local_rope_base must be positive (or left out: the local layers then use rope_base), got "
                 f"{self.local_rope_base}",
             ),
         )
+
+    @property
+    def attends_locally(self) -> bool:
+        """Whether any layer reads ``sliding_window``."""
+        return bool(self.local_layers)
+
+    @classmethod
+    def saved_fields(cls, data: dict[str, Any]) -> dict[str, Any]:
+        """A config written before ``sliding_window`` without local layers was refused loads as the same model: no
+        layer read it."""
+        data = super().saved_fields(data)
+        if data.get("sliding_window") is not None and not (data.get("local_layers") or data.get("local_depths")):
+            data = {**data, "sliding_window": None}
+        return data
 
 
 @dataclass

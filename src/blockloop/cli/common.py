@@ -131,9 +131,10 @@ def refuse_flags(names: Sequence[str], mode: str, *, fix: str | None = None, or_
 
 
 def nonempty(value: str) -> str:
-    """An argparse type: a name or path that is not empty (``--out ""`` would be the current folder)."""
+    """An argparse type: a value (a name, a path, a key) that is not empty (``--out ""`` would be the current
+    folder)."""
     if not value.strip():
-        raise argparse.ArgumentTypeError("is empty; give a name or path")
+        raise argparse.ArgumentTypeError("is empty; give a value")
     return value
 
 

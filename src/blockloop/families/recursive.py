@@ -106,7 +106,7 @@ class RecursiveConfig(LocalAttention, InputEmbedding, PretrainedFeatures, Transf
         """A checkpoint written before the refusals of unread weights (``convert --to recursive --lora-alpha A``
         without a rank, ``--set exit_kd_weight=W`` without an exit loss, a coefficient kept after leaving the aggressive
         loss, an exit loss on one loop, a LoRA rank past full rank) loads as the same model: none of them was read."""
-        data = dict(data)
+        data = dict(super().saved_fields(data))
         if data.get("loops") == 1 and data.get("exit_loss", "none") != "none":  # one loop: the exit loss was plain CE
             data["exit_loss"] = "none"
         if data.get("lora_rank"):  # every matrix took min(rank, in, out): the same modules at full rank, same scaling
@@ -122,6 +122,10 @@ class RecursiveConfig(LocalAttention, InputEmbedding, PretrainedFeatures, Transf
         if data.get("exit_loss", "none") != "aggressive":  # a run switched from aggressive kept its coefficient
             data.pop("exit_coefficient", None)
         return data
+
+    @property
+    def attends_locally(self) -> bool:
+        return bool(self.local_layers or self.local_depths)
 
     @property
     def depth(self) -> int:
