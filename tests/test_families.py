@@ -191,3 +191,8 @@ def test_a_sliding_window_without_local_layers_is_refused_and_old_configs_load_w
     for preset in ("tiny", "tiny-recursive"):
         old = {**from_name(preset).to_dict(), "sliding_window": 4}
         assert config_from_dict(old) == from_name(preset)
+
+
+def test_an_empty_model_name_is_refused_without_an_empty_prefix():
+    with pytest.raises(ConfigError, match="^name is empty; give the model a name"):  # every other check starts "NAME: "
+        from_name("tiny", name=" ")

@@ -91,6 +91,8 @@ class ModelConfig:
             self.embed_dropout = self.dropout
         if self.qkv_bias is None:
             self.qkv_bias = self.bias
+        if not self.name.strip():  # every other refusal is prefixed with the name
+            raise ConfigError("name is empty; give the model a name (it names the model in logs and on a server)")
         self._check(
             (self.vocab_size > 0, f"vocab_size must be positive, got {self.vocab_size}"),
             (
