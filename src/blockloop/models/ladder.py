@@ -81,9 +81,9 @@ class Ladder(LanguageModel):
 
     def _cached(self, x: Tensor, step: StepContext) -> Tensor:
         cos, sin = rope_angles(step.token_positions, self.config.rotary_dim, self.config.rope_base)
-        mask, rings = step.begin_rolling()  # with a memory, every application's entry is a ring of its span
+        mask = step.begin_rings() if step.cache.rolling else step.begin()  # a memory: every entry a ring of its span
         for application, layer in enumerate(self.order):
-            x = self.core.blocks[layer](x, cos, sin, kv=step.layer(application), mask=mask if rings is None else rings)
+            x = self.core.blocks[layer](x, cos, sin, kv=step.layer(application), mask=mask)
         return x
 
     def forward(

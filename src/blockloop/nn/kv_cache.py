@@ -304,11 +304,15 @@ class StepContext:
         self.cache.mark(self.slots, self.token_valid)
         return self.cache.mask(self.slots)
 
-    def begin_rolling(self) -> tuple[Tensor | None, Tensor | None]:
-        """:meth:`begin`'s mask (None when every layer's entry is a ring: no layer reads it), and the rolling
-        layers' (:meth:`DecoderCache.rolling_mask`, built from the rings before this step) when the cache has any."""
+    def begin_rolling(self) -> tuple[Tensor, Tensor | None]:
+        """:meth:`begin`'s mask, and the rolling layers' (:meth:`DecoderCache.rolling_mask`, built from the rings
+        before this step) when the cache has any."""
         rolling = self.cache.rolling_mask(self.slots, self.token_valid) if self.cache.rolling else None
-        if len(self.cache.rolling) == len(self.layer_caches):
-            self.cache.mark(self.slots, self.token_valid)
-            return None, rolling
         return self.begin(), rolling
+
+    def begin_rings(self) -> Tensor:
+        """:meth:`begin` for a model whose every layer entry is a ring and reads no other mask (Transformer-XL's
+        span): only the rings' mask, built before the step's slots are marked."""
+        rolling = self.cache.rolling_mask(self.slots, self.token_valid)
+        self.cache.mark(self.slots, self.token_valid)
+        return rolling
