@@ -9,9 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from blockloop.config import DecoderConfig
+from blockloop.config import DecoderConfig, field_defaults
 from blockloop.errors import ConfigError
 from blockloop.families import FAMILIES, PRESETS, build_model, config_from_dict, from_name, spec_of
+from blockloop.families.double_decoder import DoubleDecoderConfig
 from blockloop.families.staircase import StaircaseConfig
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -181,16 +182,38 @@ def test_summaries_name_what_a_preset_repeats():
     assert from_name("tiny-universal").summary() == "ladder: core 1 layer x 4 steps (ABAB), d=64"
 
 
-def test_a_sliding_window_without_local_layers_is_refused_and_old_configs_load_without_it():
-    """``--set sliding_window=4`` on a model with no local layers changed nothing (every layer attends globally):
-    refused by name; a config.json written before the refusal loads as the model it was (no layer read it)."""
-    with pytest.raises(ConfigError, match="sliding_window=4 applies to local layers and none is named"):
-        from_name("tiny", sliding_window=4)
-    assert from_name("tiny", sliding_window=4, local_layers=[1]).sliding_window == 4
-    assert from_name("tiny-recursive", sliding_window=4, local_depths=[0]).sliding_window == 4  # local by depth
-    for preset in ("tiny", "tiny-recursive"):
-        old = {**from_name(preset).to_dict(), "sliding_window": 4}
-        assert config_from_dict(old) == from_name(preset)
+UNREAD = [  # (preset, the fields asked for, the one no part of the model would read, what makes it read)
+    ("tiny", {"sliding_window": 4}, "sliding_window", {"local_layers": [1]}),  # every layer global: no window
+    ("tiny", {"local_rope_base": 500.0}, "local_rope_base", {"local_layers": [1], "sliding_window": 4}),
+    ("tiny-recursive", {"sliding_window": 4}, "sliding_window", {"local_depths": [0]}),  # local by depth
+    ("tiny-block", {"embedder_n_layer": 2}, "embedder_n_layer", {"embedder": "encoder"}),  # lookup: no transformer
+    ("tiny-block", {"n_cls": 4}, "n_cls", {"embedder": "cls"}),
+    ("tiny-block", {"prefix_len": 3, "token_decoder": "sum"}, "prefix_len", {"token_decoder": "prefix"}),
+    ("tiny-double", {"partition_lengths": [3, 5]}, "partition_lengths", {"partition": "histogram"}),
+    ("tiny-double", {"partition": "histogram", "partition_lengths": [3], "max_blocks": 4}, "max_blocks",
+     {"partition": "uniform", "partition_lengths": []}),
+]
+
+
+@pytest.mark.parametrize("preset, asked, field, reading", UNREAD)
+def test_a_field_no_part_of_the_model_reads_is_refused_and_old_configs_load_without_it(preset, asked, field, reading):
+    """``--set sliding_window=4`` on a model with no local layers changed nothing, silently: a field the model would
+    not read is refused by name, accepted once another field makes it read, and a config.json written before the
+    refusal loads as the model it was (the field is dropped: nothing read it)."""
+    with pytest.raises(ConfigError, match=rf"{field}=.* so it would change nothing; leave it out"):
+        from_name(preset, **asked)
+    assert getattr(from_name(preset, **{**asked, **reading}), field) == asked[field]
+    rest = {name: value for name, value in asked.items() if name != field}
+    assert config_from_dict({**from_name(preset, **rest).to_dict(), field: asked[field]}) == from_name(preset, **rest)
+
+
+def test_a_preset_field_that_a_change_leaves_unread_takes_its_default():
+    """tiny-double sets max_blocks=8 for its uniform partitions: asking for partition='histogram' (of the preset, or
+    of a config by replace, as --set on a run does) drops it rather than refusing what was not asked for."""
+    asked = {"partition": "histogram", "partition_lengths": [3, 5]}
+    histogram = from_name("tiny-double", **asked)
+    assert from_name("tiny-double").max_blocks == 8 and histogram.max_blocks == field_defaults(DoubleDecoderConfig)["max_blocks"]
+    assert from_name("tiny-double").replace(**asked) == histogram
 
 
 def test_an_empty_model_name_is_refused_without_an_empty_prefix():

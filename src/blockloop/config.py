@@ -23,6 +23,7 @@ import json
 import math
 import types
 import typing
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
@@ -79,6 +80,10 @@ class ModelConfig:
         self._check((not negative, f"{', '.join(negative)}: no size, count, id, rate or scale is negative"))
         unset = [f.name for f in dataclasses.fields(self) if getattr(self, f.name) is None]
         self.validate()
+        defaults = field_defaults(type(self))
+        for name, why in self.unread_fields(vars(self)).items():
+            value = getattr(self, name)
+            self._check((value == defaults[name], f"{name}={value!r} {why}, so it would change nothing; leave it out"))
         # Sizes validate() worked out from others (head_dim, d_ff, padded_vocab_size, ...): replace() works them
         # out again from the new fields instead of keeping values sized for the old shape.
         self._derived = frozenset(name for name in unset if getattr(self, name) is not None)
@@ -136,10 +141,18 @@ class ModelConfig:
         return 0
 
     @classmethod
+    def unread_fields(cls, fields: Mapping[str, Any]) -> dict[str, str]:
+        """The fields no part of the model reads, given the others' values in ``fields`` (every field), each with
+        what it is for; the groups and families extend this cooperatively. One set to anything but its default is
+        refused (it would change nothing, silently), and dropped from an older config.json (:meth:`saved_fields`)."""
+        return {}
+
+    @classmethod
     def saved_fields(cls, data: dict[str, Any]) -> dict[str, Any]:
         """The fields of a ``config.json`` as this version reads them: a family whose checks grew stricter drops
         here what an earlier version wrote and its model never read (so that checkpoint still loads)."""
-        return data
+        unread = cls.unread_fields({**field_defaults(cls), **data})
+        return {name: value for name, value in data.items() if name not in unread}
 
     def _check(self, *checks: tuple[bool, str]) -> None:
         for ok, message in checks:
@@ -158,7 +171,16 @@ class ModelConfig:
         """
         check_fields(type(self), changes)
         rederive = {name: None for name in self._derived if name not in changes}
-        return dataclasses.replace(self, **rederive, **changes)
+        return type(self)(**self.settled({**dataclasses.asdict(self), **rederive}, changes))
+
+    @classmethod
+    def settled(cls, fields: Mapping[str, Any], changes: Mapping[str, Any]) -> dict[str, Any]:
+        """``fields`` (a preset's, a config's) with ``changes`` applied, less those of ``fields`` that the changes
+        leave unread (:meth:`unread_fields`; a preset's ``max_blocks`` once ``partition='histogram'`` is asked for),
+        which take their defaults: only a field that was asked for is refused for being unread."""
+        merged = {**fields, **changes}
+        unread = cls.unread_fields({**field_defaults(cls), **merged})
+        return {name: value for name, value in merged.items() if name in changes or name not in unread}
 
     def to_dict(self) -> dict[str, Any]:
         return {"family": self.family, **dataclasses.asdict(self)}
@@ -358,11 +380,7 @@ class LocalAttention:
                 not self.local_layers or (self.sliding_window or 0) > 0,
                 "local_layers need a positive sliding_window (how many recent positions they see)",
             ),
-            (
-                self.sliding_window is None or self.attends_locally,
-                f"sliding_window={self.sliding_window} applies to local layers and none is named, so every layer "
-                "would attend globally; list them (local_layers) or leave sliding_window out",
-            ),
+
             (
                 self.local_rope_base is None or self.local_rope_base > 0,
                 f"local_rope_base must be positive (or left out: the local layers then use rope_base), got "
@@ -370,19 +388,13 @@ class LocalAttention:
             ),
         )
 
-    @property
-    def attends_locally(self) -> bool:
-        """Whether any layer reads ``sliding_window``."""
-        return bool(self.local_layers)
-
     @classmethod
-    def saved_fields(cls, data: dict[str, Any]) -> dict[str, Any]:
-        """A config written before ``sliding_window`` without local layers was refused loads as the same model: no
-        layer read it."""
-        data = super().saved_fields(data)
-        if data.get("sliding_window") is not None and not (data.get("local_layers") or data.get("local_depths")):
-            data = {**data, "sliding_window": None}
-        return data
+    def unread_fields(cls, fields: Mapping[str, Any]) -> dict[str, str]:
+        unread = super().unread_fields(fields)
+        if not (fields["local_layers"] or fields.get("local_depths")):  # a looped model's layers may be local by depth
+            why = "applies to local layers, and none is named (local_layers)"
+            unread.update(sliding_window=why, local_rope_base=why)
+        return unread
 
 
 @dataclass
@@ -419,12 +431,15 @@ def split_layers(name: str, total: int, first: int | None, second: int | None, n
     return first, second
 
 
+def field_defaults(cls: type) -> dict[str, Any]:
+    """Each field of the dataclass ``cls`` and its default."""
+    return {f.name: f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+            for f in dataclasses.fields(cls)}
+
+
 def shared_defaults() -> dict[str, Any]:
     """Every shared field's default: a config.json written before a family dropped a group holds these."""
-    return {
-        f.name: f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
-        for group in GROUPS for f in dataclasses.fields(group)
-    }
+    return {name: value for group in GROUPS for name, value in field_defaults(group).items()}
 
 
 def save_config(config: ModelConfig, path: Path) -> None:

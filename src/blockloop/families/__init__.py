@@ -80,7 +80,7 @@ def from_name(name: str, /, **overrides: Any) -> ModelConfig:
         raise ConfigError(f"unknown preset {name!r}; {hint}run `blockloop presets` to list them")
     spec = _PRESET_FAMILY[name]
     check_fields(spec.config_class, overrides)
-    return spec.config_class(**{**preset.fields, "name": name, **overrides})
+    return spec.config_class(**spec.config_class.settled({**preset.fields, "name": name}, overrides))
 
 
 def config_from_dict(data: dict[str, Any]) -> ModelConfig:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -104,6 +105,19 @@ class BlockTransformerConfig(ModelConfig):
         for build_part in parts:
             build_part()  # each part validates its own shape
 
+    @classmethod
+    def unread_fields(cls, fields: Mapping[str, Any]) -> dict[str, str]:
+        unread = super().unread_fields(fields)
+        embedder, decoder = fields["embedder"], fields["token_decoder"]
+        if embedder == "lookup":  # no transformer: concatenated token embeddings
+            why = "sizes the encoder and cls embedders' transformer, and embedder='lookup' has none"
+            unread.update(embedder_n_layer=why, embedder_n_head=why)
+        if embedder != "cls":
+            unread["n_cls"] = f"counts the CLS tokens of embedder='cls', not {embedder!r}"
+        if decoder != "prefix":
+            unread["prefix_len"] = f"sizes the prefix of token_decoder='prefix', not {decoder!r}"
+        return unread
+
     @property
     def n_lead(self) -> int:
         """Token-decoder positions before the block's first input token: the prefix, or one start token."""
@@ -146,7 +160,7 @@ def llama_block(n_layer: int, d_model: int, n_head: int, context_length: int) ->
     """Block decoder and token decoder of ``n_layer`` Llama-style layers each, byte vocabulary."""
     return {**LLAMA_TINY, "context_length": context_length, "block_len": 4, "prefix_len": 2, "block_n_layer": n_layer,
             "block_d_model": d_model, "block_n_head": n_head, "token_n_layer": n_layer, "token_d_model": d_model,
-            "token_n_head": n_head, "embedder_n_layer": 1}
+            "token_n_head": n_head}
 
 
 TABLE3 = {"5m": ((3, 256, 8), (3, 256, 8)), "19m": ((3, 512, 8), (3, 512, 8)), "85m": ((6, 768, 12), (6, 768, 12)),

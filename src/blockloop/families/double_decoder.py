@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import torch
 from torch import Tensor, nn
@@ -58,6 +59,15 @@ class DoubleDecoderConfig(PretrainedFeatures, TransformerShape, ModelConfig):
                 "partition='histogram' needs partition_lengths, a list of positive block lengths to draw from",
             ),
         )
+
+    @classmethod
+    def unread_fields(cls, fields: Mapping[str, Any]) -> dict[str, str]:
+        unread = super().unread_fields(fields)
+        if fields["partition"] == "histogram":
+            unread["max_blocks"] = "bounds the uniform and logspace partitions, and 'histogram' draws partition_lengths"
+        else:
+            unread["partition_lengths"] = f"are what partition='histogram' draws from, not {fields['partition']!r}"
+        return unread
 
 
 PRESETS = (

@@ -124,10 +124,6 @@ class RecursiveConfig(LocalAttention, InputEmbedding, PretrainedFeatures, Transf
         return data
 
     @property
-    def attends_locally(self) -> bool:
-        return bool(self.local_layers or self.local_depths)
-
-    @property
     def depth(self) -> int:
         """The looped depth L = n_layer * loops."""
         return self.n_layer * self.loops
