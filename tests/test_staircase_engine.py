@@ -45,7 +45,7 @@ def full_forward_greedy(model, prompt, n):
 def test_engine_with_mid_batch_joins_equals_full_forward_greedy(name):
     model = tiny(name)
     assert runner_for(model).per_slot
-    # Prompt + generation reaches past Transformer-XL's span of 16, so the span mask is exercised per row.
+    # Prompt + generation reaches past Transformer-XL's span of 16, so its rings wrap, row by row.
     prompts = random_prompts((3, 14, 6, 5))
     budgets = [6, 4, 7, 5]
     engine = Engine(model, 2, sync_every=3)

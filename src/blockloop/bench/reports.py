@@ -69,7 +69,9 @@ def flops_report(
         raise BlockloopError("--out-len and --bytes must be at least 1")
     spec_of(config).check_seq_len(config, T)
     report = _report(preset, config, T, out_len, bytes_per_value, measure)
-    if T + out_len > config.context_length:  # priced all the same: the paper's A.1 prices 2048 + 256 on 2048-token models
+    # Priced all the same (the paper's A.1 prices 2048 + 256 on 2048-token models), and said; a recurrent model's
+    # slot (a staircase's windows, Transformer-XL's rings) holds any length.
+    if T + out_len > config.context_length and not spec_of(config).recurrent(config):
         past = (f" T + T_out = {T + out_len} tokens is more than {preset}'s context of {config.context_length}: the "
                 "cache columns price a longer sequence than one of its slots holds; lower --seq-len or --out-len to "
                 "price one it serves.")

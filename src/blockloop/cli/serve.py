@@ -78,8 +78,8 @@ def add_engine_arguments(p: argparse.ArgumentParser, slots: int = 8) -> None:
                    "running ones (default: 512)")
     p.add_argument("--kv-tokens", type=positive_int,
                    help="keep keys/values in a paged cache of this many tokens shared by the slots, each request "
-                   "holding only its own length, rounded up to whole pages (vanilla, Ladder-family, looped, block, "
-                   "double-decoder and encoder-decoder models; default: every slot holds --max-len)")
+                   "holding only its own length, rounded up to whole pages (vanilla, Ladder-family without a memory, looped, "
+                   "block, double-decoder and encoder-decoder models; default: every slot holds --max-len)")
     p.add_argument("--page-size", type=positive_int,
                    help="cache entries per page of --kv-tokens (tokens; a Block Transformer's blocks) (default: 128)")
     add_threads(p)

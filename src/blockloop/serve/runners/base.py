@@ -62,9 +62,9 @@ class Runner(ABC):
     * ``reserved``: context every request gives up to something the runner holds (a shared cached prefix);
     * ``prefix_steps``: True when :meth:`decode_step` may be given the first ``n < n_slots`` rows only (``n``
       one of :func:`row_buckets`): the engine then steps the busy prefix of the slots, not every slot;
-    * ``streams``: True when a row's state has a fixed size and positions enter only relatively, whatever the
-      length read (a staircase's windows; Transformer-XL's rings of its span, rotary): a request may run past the
-      model context (``max_len`` above it).
+    * ``streams``: True when a row's keys and state have a fixed size and positions enter only relatively, whatever
+      the length read (a staircase's windows; Transformer-XL's rings of its span, rotary): a request may run past
+      the model context (``max_len`` above it; a decoder cache still books one byte per slot).
     """
 
     prompt_multiple: int = 1

@@ -79,9 +79,8 @@ class DecoderRunner(PagedRows, Runner):
     def __init__(self, model: LanguageModel, paging: Paging | None = None) -> None:  # any single-stack model
         super().__init__(model)
         if paging is not None and model.streams:
-            span = model.config.memory_len + 1
-            raise BlockloopError(f"a model with a memory (memory_len {span - 1}) keeps only the {span} keys a query sees "
-                                 "per layer, a ring pages cannot make smaller; serve it without paging (--kv-tokens)")
+            raise BlockloopError("this model keeps only the keys its queries see, a ring per layer (Transformer-XL's "
+                                 "span), which pages cannot make smaller; serve it without paging (--kv-tokens)")
         self.paging = paging
 
     @property
