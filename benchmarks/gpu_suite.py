@@ -484,9 +484,9 @@ def main() -> None:
             try:
                 results += builder(suite)
             except Exception as exc:  # noqa: BLE001  (one failing row must not cost the others their device time)
-                traceback.print_exc()
-                results.append({"row": name, "setting": "-", "target": "-", "measured": {"error": f"{type(exc).__name__}: {exc}"},
-                                "met": False})
+                traceback.print_exc()  # what it measured before failing stays with the error
+                results.append({"row": name, "setting": "-", "target": "-", "met": False,
+                                "measured": {"error": f"{type(exc).__name__}: {exc}", "measurements": suite.measured}})
             done.append(name)
             suite.measured = []
             # Written after every row: a device call killed at its time limit still returns the rows it finished.

@@ -22,5 +22,7 @@ def small_variant(name: str) -> ModelConfig:
     if "block_d_model" in fields:
         shape = dict(n_layer=1, d_model=32, n_head=2, n_kv_head=None, d_ff=None)
         o.update({f"{part}_{k}": v for part in ("block", "token") for k, v in shape.items()})
-        o.update(embed_dim=None, embedder_n_layer=1, embedder_n_head=2)
+        o.update(embed_dim=None)
+        if config.embedder != "lookup":  # only the encoder and cls embedders have a transformer to shrink
+            o.update(embedder_n_layer=1, embedder_n_head=2)
     return from_name(name, **o)

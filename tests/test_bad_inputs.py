@@ -289,6 +289,8 @@ CASES = [
     (["bench", "--presets", "tiny", "--batch-sizes", "2,4,2"], "--batch-sizes: repeats 2; give each value once"),
     (["bench", "--presets", "tiny-staircase", "--paged", "--batch-sizes", "1", "--prompt-len", "8", "--gen-len", "8",
       "--device", "cpu"], "--paged times a paged KV cache, and no model here has one (tiny-staircase"),
+    (["bench", "--presets", "tiny-transformer-xl", "--paged", "--batch-sizes", "1", "--prompt-len", "8", "--gen-len",
+      "8", "--device", "cpu"], "--paged times a paged KV cache, and no model here has one (tiny-transformer-xl"),
     (["bench", "--presets", "tiny", "--paged-kernel", "--batch-sizes", "1", "--prompt-len", "8", "--gen-len", "8",
       "--device", "cpu"], "--paged-kernel times a Triton kernel, which runs on CUDA, not on cpu; leave it out"),
     (["bench", "--stream", "--paged-kernel"], "--paged-kernel does not apply to --stream; leave it out"),

@@ -220,10 +220,13 @@ def test_demo_trains_compares_and_samples(tmp_path, capsys):
     check_demo_folder(tmp_path / "demo")
     (tmp_path / "demo" / "demo-block" / "notes.txt").write_text("mine")
     one_line_error(capsys, ["demo", "--out", str(tmp_path / "demo"), "--steps", "1"],
-                   "demo-block holds files the demo did not leave there (or a run trained on since)")
+                   "demo-block holds files the demo did not leave there (another run, files of yours, a demo run")
     (tmp_path / "demo" / "demo-block" / "notes.txt").unlink()
     (tmp_path / "demo" / "demo" / "checkpoints" / "latest").write_text("step_0000009\n")
     one_line_error(capsys, ["demo", "--out", str(tmp_path / "demo"), "--steps", "1"], "demo/demo holds files the demo")
+    mark = tmp_path / "demo" / "demo" / "demo.json"  # as a demo stopped before its run finished leaves it
+    mark.write_text(json.dumps({**json.loads(mark.read_text()), "latest": None}))
+    check_demo_folder(tmp_path / "demo")
     (tmp_path / "afile").write_text("x")
     one_line_error(capsys, ["demo", "--out", str(tmp_path / "afile")], "afile is a file, not a folder")
     assert (tmp_path / "demo" / "demo" / "checkpoints" / "step_0000004").is_dir()  # nothing was replaced

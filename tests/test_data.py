@@ -265,6 +265,8 @@ def test_a_tokenizer_that_cannot_map_a_word_says_so_in_one_line(tmp_path: Path) 
     for encode in (tok.encode, lambda text: tok.encode_batch(["hello", text])):
         with pytest.raises(BlockloopError, match=r"cannot encode this text \(WordLevel error: Missing \[UNK\] token"):
             encode("hello there")
+    with pytest.raises(TypeError):  # not a text at all: a caller's bug, not blamed on the vocabulary
+        tok.encode_batch([None])
 
 
 # --- corpora ---------------------------------------------------------------------------------------

@@ -137,3 +137,27 @@ def test_a_training_variant_that_fails_keeps_the_others_numbers(monkeypatch, cap
     assert suite_module.summary(row) == ("eager 1,000 tok/s, MFU 25.0%; compiled failed: RuntimeError: inductor could "
                                          "not compile")
     assert capsys.readouterr().out.count("[gpu_suite] {\"row\": \"training\"") == 2  # each shown as it ended
+
+
+def test_a_row_that_fails_keeps_what_it_measured_before(monkeypatch, tmp_path):
+    """A row's last comparison failing (HF generate() out of memory at its batch) used to leave only the error: the
+    engine rows measured before it went with the partial record."""
+    import importlib.util
+
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    spec = importlib.util.spec_from_file_location("gpu_suite", ROOT / "benchmarks" / "gpu_suite.py")
+    suite_module = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "gpu_suite", suite_module)
+    spec.loader.exec_module(suite_module)
+
+    def double_decoder_rows(suite):
+        suite.show({"name": "measured first", "tok_s": 1.0})
+        raise RuntimeError("out of memory at the last comparison")
+
+    monkeypatch.setattr(suite_module, "double_decoder_rows", double_decoder_rows)
+    monkeypatch.setattr(sys, "argv", ["gpu_suite.py", "--smoke", "--rows", "double-decoder", "--out-dir", str(tmp_path)])
+    suite_module.main()
+    record = json.loads(next(tmp_path.glob("gpu-*-cpu-smoke-double-decoder.json")).read_text())
+    (row,) = record["rows"]
+    assert row["measured"]["error"] == "RuntimeError: out of memory at the last comparison"
+    assert row["measured"]["measurements"] == [{"name": "measured first", "tok_s": 1.0}] and record["partial"] is None

@@ -284,9 +284,9 @@ def test_config_validation():
 def test_loss_and_lora_weights_the_model_never_reads_are_refused():
     """A config (``--set``, a config.json) may not carry a weight its model ignores: it would be saved with the run
     as if it had trained the model."""
-    with pytest.raises(ConfigError, match="exit_kd_weight=0.5 weighs the early-exit loss"):
+    with pytest.raises(ConfigError, match="exit_kd_weight=0.5 weighs the early-exit loss's distillation, and "):
         from_name("tiny-recursive", exit_kd_weight=0.5)
-    with pytest.raises(ConfigError, match="lora_alpha=16.0 scales LoRA modules, which lora_rank=0 does not add"):
+    with pytest.raises(ConfigError, match="lora_alpha=16.0 scales LoRA modules, and lora_rank=0 adds none"):
         from_name("tiny-recursive", lora_alpha=16.0)
     assert from_name("tiny-recursive", exit_loss="weighted", exit_kd_weight=0.5).exit_kd_weight == 0.5
     with pytest.raises(ConfigError, match="exit_coefficient=0.3 weighs the intermediate loops of the aggressive"):

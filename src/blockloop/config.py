@@ -73,20 +73,27 @@ class ModelConfig:
     mup_base_width: int | None = None
 
     def __post_init__(self) -> None:
+        if isinstance(self.name, str) and not self.name.strip():  # every other refusal starts with the name
+            raise ConfigError("name is empty; give the model a name (it names the model in logs and on a server)")
         # Types and signs first: the groups' validate() computes with the fields (head_dim = d_model // n_head).
         check_types(self, f"{self.name}: ", "field ")
         negative = [f"{f.name}={getattr(self, f.name)}" for f in dataclasses.fields(self)
                     if isinstance(getattr(self, f.name), (int, float)) and getattr(self, f.name) < 0]
         self._check((not negative, f"{', '.join(negative)}: no size, count, id, rate or scale is negative"))
         unset = [f.name for f in dataclasses.fields(self) if getattr(self, f.name) is None]
+        self.check()
+        # Sizes validate() worked out from others (head_dim, d_ff, padded_vocab_size, ...): replace() works them
+        # out again from the new fields instead of keeping values sized for the old shape.
+        self._derived = frozenset(name for name in unset if getattr(self, name) is not None)
+
+    def check(self) -> None:
+        """:meth:`validate`, then refuse a field no part of the model would read (:meth:`unread_fields`): at
+        construction, and again where a config may have been set by hand since (``build_model``)."""
         self.validate()
         defaults = field_defaults(type(self))
         for name, why in self.unread_fields(vars(self)).items():
             value = getattr(self, name)
             self._check((value == defaults[name], f"{name}={value!r} {why}, so it would change nothing; leave it out"))
-        # Sizes validate() worked out from others (head_dim, d_ff, padded_vocab_size, ...): replace() works them
-        # out again from the new fields instead of keeping values sized for the old shape.
-        self._derived = frozenset(name for name in unset if getattr(self, name) is not None)
 
     def validate(self) -> None:
         """Fill derived defaults and check every field (groups extend this cooperatively)."""
@@ -96,8 +103,6 @@ class ModelConfig:
             self.embed_dropout = self.dropout
         if self.qkv_bias is None:
             self.qkv_bias = self.bias
-        if not self.name.strip():  # every other refusal is prefixed with the name
-            raise ConfigError("name is empty; give the model a name (it names the model in logs and on a server)")
         self._check(
             (self.vocab_size > 0, f"vocab_size must be positive, got {self.vocab_size}"),
             (
@@ -316,7 +321,8 @@ class TransformerShape:
         recurrent core is built from. Fields this family does not have keep the plain decoder's defaults."""
         shared = {f.name for f in dataclasses.fields(DecoderConfig)}
         fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name in shared}
-        return DecoderConfig(**{**fields, "n_layer": self.n_layer if n_layer is None else n_layer})
+        # settled: a window only a looped model's local_depths read takes the plain decoder's default
+        return DecoderConfig(**DecoderConfig.settled(fields, {"n_layer": self.n_layer if n_layer is None else n_layer}))
 
 
 @dataclass
@@ -380,7 +386,6 @@ class LocalAttention:
                 not self.local_layers or (self.sliding_window or 0) > 0,
                 "local_layers need a positive sliding_window (how many recent positions they see)",
             ),
-
             (
                 self.local_rope_base is None or self.local_rope_base > 0,
                 f"local_rope_base must be positive (or left out: the local layers then use rope_base), got "
@@ -392,7 +397,8 @@ class LocalAttention:
     def unread_fields(cls, fields: Mapping[str, Any]) -> dict[str, str]:
         unread = super().unread_fields(fields)
         if not (fields["local_layers"] or fields.get("local_depths")):  # a looped model's layers may be local by depth
-            why = "applies to local layers, and none is named (local_layers)"
+            named = "local_layers, local_depths" if "local_depths" in fields else "local_layers"
+            why = f"applies to local layers, and none is named ({named})"
             unread.update(sliding_window=why, local_rope_base=why)
         return unread
 

@@ -81,13 +81,14 @@ def check_demo_folder(out_dir: Path) -> None:
     for entry in DEMO_ENTRIES:
         run_dir = out_dir / entry.preset
         if run_dir.exists() and not _left_by_the_demo(run_dir):
-            raise BlockloopError(f"{run_dir} holds files the demo did not leave there (or a run trained on since), "
-                                 "which a demo run would replace; move it or give the demo another folder (--out)")
+            raise BlockloopError(f"{run_dir} holds files the demo did not leave there (another run, files of yours, a "
+                                 "demo run trained on since, or one from an older blockloop), which a demo run would "
+                                 "replace; move or delete it, or give the demo another folder (--out)")
 
 
 def _left_by_the_demo(run_dir: Path) -> bool:
     """Whether ``run_dir`` is empty or as a demo run left it: its mark, metrics and checkpoints only, the latest
-    checkpoint the one the mark names."""
+    checkpoint the one the mark names (none: the demo was stopped before its run finished)."""
     if not run_dir.is_dir():
         return False
     names = {path.name for path in run_dir.iterdir()}
@@ -97,7 +98,7 @@ def _left_by_the_demo(run_dir: Path) -> bool:
         return False
     try:
         left = read_json(run_dir / DEMO_MARK)["latest"]
-        return (checkpoint_root(run_dir) / LATEST).read_text(encoding="utf-8").strip() == left
+        return left is None or (checkpoint_root(run_dir) / LATEST).read_text(encoding="utf-8").strip() == left
     except (BlockloopError, OSError, UnicodeDecodeError, KeyError, TypeError):
         return False
 
@@ -105,6 +106,8 @@ def _left_by_the_demo(run_dir: Path) -> bool:
 def _run_entry(entry: DemoEntry, run_dir: Path, steps: int, device: str) -> DemoResult:
     print(f"\n=== {entry.family} ({entry.preset}) on Shakespeare, {steps} steps on {device} ===")
     shutil.rmtree(run_dir, ignore_errors=True)  # a demo run (check_demo_folder): disposable, started clean every time
+    run_dir.mkdir(parents=True)
+    write_json_atomic(run_dir / DEMO_MARK, {"preset": entry.preset, "latest": None})  # marked before a stop can come
     spec = RunSpec(preset=entry.preset, data="shakespeare", tokenizer="byte")
     run = prepare_run(spec, seed=0)
     config = TrainConfig(

@@ -183,8 +183,9 @@ def add_ratios(rows: list[dict[str, Any]], baseline: str) -> None:
 
 
 def pages_kv(model: nn.Module) -> bool:
-    """Whether ``model``'s runner can serve it over a paged KV cache."""
-    return "paging" in inspect.signature(RUNNERS[model.config.family]).parameters
+    """Whether ``model``'s runner can serve it over a paged KV cache (not one whose cache is rings already: a
+    Transformer-XL's, which streams)."""
+    return "paging" in inspect.signature(RUNNERS[model.config.family]).parameters and not runner_for(model).streams
 
 
 def rule_name(rule: ExitRule) -> str:

@@ -80,7 +80,7 @@ def _load_hf_config(path: Path, gguf_file: str | None) -> Any:
     # struct: a GGUF header cut short; the others: a field transformers looks up or checks (a dtype torch lacks)
     except (OSError, ValueError, StrictDataclassError, struct.error, AttributeError, KeyError, TypeError,
             AssertionError) as exc:
-        raise BlockloopError(f"{source} is not a readable model config ({_described(exc)}); {_REPAIR}") from None
+        raise BlockloopError(f"{source} is not a readable model config ({_described(exc)}); {_REPAIR}") from exc
 
 
 def _model_type(config_file: Path) -> Any:
@@ -137,7 +137,7 @@ def load_hf_model(path: Path | str, *, gguf_file: str | None = None) -> nn.Modul
         except (KeyError, AttributeError, TypeError, AssertionError) as exc:  # building the model from the config
             source = path / (gguf_file or "config.json")  # an activation, a RoPE type, a padding id it does not know
             raise BlockloopError(f"{source} describes a model transformers cannot build ({_described(exc)}); "
-                                 f"{_REPAIR}") from None
+                                 f"{_REPAIR}") from exc  # chained: --debug shows where transformers gave up
     _check_loaded(info, path / gguf_file if gguf_file is not None else _safetensors_name(path),
                   path / (gguf_file or "config.json"))
     return model.eval()

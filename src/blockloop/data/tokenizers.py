@@ -176,6 +176,8 @@ class HFTokenizer(Tokenizer):
         try:
             return self._tokenizer.encode_batch(list(texts), add_special_tokens=False)
         except Exception as exc:  # noqa: BLE001 - tokenizers raises a plain Exception for text its model cannot map
+            if type(exc) is not Exception:  # a TypeError (not a text) and the like: a caller's bug, not the vocabulary
+                raise
             said = " ".join(str(exc).split())
             raise BlockloopError(f"tokenizer {self.name!r} cannot encode this text ({said}); use a tokenizer whose "
                                  "vocabulary covers it or has an unknown token") from None

@@ -60,7 +60,7 @@ def build_model(config: ModelConfig) -> nn.Module:
     """The model for ``config``'s family."""
     if isinstance(config, str):  # a preset's name: its config first, as the README's examples build one
         raise BlockloopError(f"build_model takes a config, not a name; build_model(from_name({config!r}))")
-    config.validate()  # a field set by hand since (config.replace derives the sizes that follow it again)
+    config.check()  # a field set by hand since (config.replace derives the sizes that follow it again)
     return spec_of(config).model_class(config)
 
 

@@ -140,7 +140,8 @@ class BlockTransformerConfig(ModelConfig):
 
     def embedder_config(self) -> DecoderConfig:
         return self._part(
-            "embedder", context_length=self.block_len + self.n_cls, n_layer=self.embedder_n_layer,
+            "embedder", context_length=self.block_len + (self.n_cls if self.embedder == "cls" else 0),
+            n_layer=self.embedder_n_layer,
             d_model=self.embed_dim, n_head=self.embedder_n_head,
         )
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -69,24 +70,7 @@ class RecursiveConfig(LocalAttention, InputEmbedding, PretrainedFeatures, Transf
              f"lora_rank={self.lora_rank} exceeds the rank of every shared weight matrix (the largest min(in, out) "
              f"is {full}, full rank); give at most {full}"),
             (0.0 <= self.exit_coefficient <= 1.0, f"exit_coefficient must be in [0, 1], got {self.exit_coefficient}"),
-            (
-                self.exit_loss == "aggressive" or self.exit_coefficient == EXIT_COEFFICIENT,
-                f"exit_coefficient={self.exit_coefficient} weighs the intermediate loops of the aggressive exit loss, "
-                f"which exit_loss={self.exit_loss!r} does not compute; set exit_loss to 'aggressive' or leave "
-                f"exit_coefficient at {EXIT_COEFFICIENT}",
-            ),
             (self.exit_kd_weight >= 0.0, f"exit_kd_weight must be non-negative, got {self.exit_kd_weight}"),
-            # A weight the model never reads would be saved with the run as if it had shaped the model.
-            (
-                self.exit_loss != "none" or not self.exit_kd_weight,
-                f"exit_kd_weight={self.exit_kd_weight} weighs the early-exit loss's distillation, which exit_loss='none' "
-                "does not compute; set exit_loss to weighted or aggressive, or leave exit_kd_weight at 0",
-            ),
-            (
-                self.lora_rank or self.lora_alpha is None,
-                f"lora_alpha={self.lora_alpha} scales LoRA modules, which lora_rank=0 does not add; set lora_rank or "
-                "leave lora_alpha unset",
-            ),
             (
                 not (self.prefix_len and (self.local_layers or self.local_depths)),
                 "prefix relaxation is not defined for sliding-window local layers; use LoRA (lora_rank) instead",
@@ -102,26 +86,33 @@ class RecursiveConfig(LocalAttention, InputEmbedding, PretrainedFeatures, Transf
         )
 
     @classmethod
+    def unread_fields(cls, fields: Mapping[str, Any]) -> dict[str, str]:
+        """Weights of a loss or a relaxation this config does not have: saved with a run, they would read as if they
+        had shaped the model."""
+        unread = super().unread_fields(fields)
+        if not fields["lora_rank"]:
+            unread["lora_alpha"] = "scales LoRA modules, and lora_rank=0 adds none"
+        if fields["exit_loss"] == "none":
+            unread["exit_kd_weight"] = "weighs the early-exit loss's distillation, and exit_loss='none' computes none"
+        if fields["exit_loss"] != "aggressive":
+            unread["exit_coefficient"] = (f"weighs the intermediate loops of the aggressive exit loss, not of "
+                                          f"exit_loss={fields['exit_loss']!r}")
+        return unread
+
+    @classmethod
     def saved_fields(cls, data: dict[str, Any]) -> dict[str, Any]:
-        """A checkpoint written before the refusals of unread weights (``convert --to recursive --lora-alpha A``
-        without a rank, ``--set exit_kd_weight=W`` without an exit loss, a coefficient kept after leaving the aggressive
-        loss, an exit loss on one loop, a LoRA rank past full rank) loads as the same model: none of them was read."""
-        data = dict(super().saved_fields(data))
+        """A checkpoint written before the refusals of what a model does not read (an exit loss on one loop, a LoRA
+        rank past full rank, and :meth:`unread_fields`) loads as the same model."""
+        data = dict(data)
         if data.get("loops") == 1 and data.get("exit_loss", "none") != "none":  # one loop: the exit loss was plain CE
             data["exit_loss"] = "none"
         if data.get("lora_rank"):  # every matrix took min(rank, in, out): the same modules at full rank, same scaling
-            full = full_lora_rank(cls(**{**data, "lora_rank": 0, "lora_alpha": None, "exit_loss": "none",
-                                         "exit_kd_weight": 0.0, "exit_coefficient": EXIT_COEFFICIENT}))
+            shape = cls.settled(data, {"lora_rank": 0, "exit_loss": "none"})  # no LoRA, no loss: nothing else to check
+            full = full_lora_rank(cls(**shape))
             if data["lora_rank"] > full:
                 alpha = data.get("lora_alpha")
                 data.update(lora_rank=full, lora_alpha=None if alpha is None else alpha * full / data["lora_rank"])
-        if not data.get("lora_rank"):
-            data.pop("lora_alpha", None)
-        if data.get("exit_loss", "none") == "none":
-            data.pop("exit_kd_weight", None)
-        if data.get("exit_loss", "none") != "aggressive":  # a run switched from aggressive kept its coefficient
-            data.pop("exit_coefficient", None)
-        return data
+        return super().saved_fields(data)
 
     @property
     def depth(self) -> int:

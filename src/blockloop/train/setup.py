@@ -303,10 +303,8 @@ def apply_early_exit(config: ModelConfig, options: EarlyExit) -> ModelConfig:
                              f"does not use (exit loss {exit_loss}); add --early-exit "
                              f"{'aggressive' if '--exit-coefficient' in unused else 'weighted|aggressive'} or leave "
                              f"{'it' if len(unused) == 1 else 'them'} out")
-    if exit_loss == "none":  # the distillation is a term of the exit loss: dropping the loss (--init-from) drops it
-        changes["exit_kd_weight"] = 0.0
-    if exit_loss != "aggressive":  # leaving the aggressive loss drops its coefficient (a later one starts afresh)
-        changes["exit_coefficient"] = next(f.default for f in dataclasses.fields(config) if f.name == "exit_coefficient")
+    # Leaving a loss (--init-from) drops its weights: the distillation term with the exit loss, the coefficient with
+    # the aggressive one (config.replace settles the fields a change leaves unread).
     return config.replace(**changes)
 
 
