@@ -16,7 +16,7 @@ from pathlib import Path
 from blockloop.errors import BlockloopError
 from blockloop.serve.batching import padded_prompt_length
 from blockloop.serve.generate import generate
-from blockloop.train.checkpoint import LATEST, checkpoint_root, read_json, write_json_atomic
+from blockloop.train.checkpoint import checkpoint_root, latest_name, read_json, write_json_atomic
 from blockloop.train.config import TrainConfig
 from blockloop.train.run import RunSpec, prepare_run, sequences
 from blockloop.train.trainer import Trainer
@@ -98,8 +98,8 @@ def _left_by_the_demo(run_dir: Path) -> bool:
         return False
     try:
         left = read_json(run_dir / DEMO_MARK)["latest"]
-        return left is None or (checkpoint_root(run_dir) / LATEST).read_text(encoding="utf-8").strip() == left
-    except (BlockloopError, OSError, UnicodeDecodeError, KeyError, TypeError):
+        return left is None or latest_name(checkpoint_root(run_dir)) == left
+    except (BlockloopError, OSError, KeyError, TypeError):
         return False
 
 
@@ -123,8 +123,7 @@ def _run_entry(entry: DemoEntry, run_dir: Path, steps: int, device: str) -> Demo
     start = time.perf_counter()
     after = trainer.fit()["val_loss"]
     train_seconds = time.perf_counter() - start
-    latest = (checkpoint_root(run_dir) / LATEST).read_text(encoding="utf-8").strip()
-    write_json_atomic(run_dir / DEMO_MARK, {"preset": entry.preset, "latest": latest})
+    write_json_atomic(run_dir / DEMO_MARK, {"preset": entry.preset, "latest": latest_name(checkpoint_root(run_dir))})
 
     model = trainer.model.eval()
     prompt = run.tokenizer.encode(SAMPLE_PROMPT)

@@ -65,7 +65,8 @@ def add_engine_arguments(p: argparse.ArgumentParser, slots: int = 8) -> None:
     """The engine options ``serve`` and ``chat`` share."""
     p.add_argument("--slots", type=positive_int, default=slots, help=f"requests decoded together (default: {slots})")
     p.add_argument("--max-len", type=positive_int, help="tokens per slot, prompt and answer (default: the model context; "
-                   "at most that, but for the staircase family and models with a memory_len (Transformer-XL), which stream past it)")
+                   "at most that, but for the staircase family and models with a memory_len (Transformer-XL), which "
+                   "stream past it)")
     p.add_argument("--sync-every", type=positive_int,
                    help="decode steps between host syncs: tokens reach clients once per window (default: 1 on CPU, "
                    "where a sync costs nothing; 8 on a GPU). Rounded up to a whole block for a Block Transformer, "
@@ -78,8 +79,8 @@ def add_engine_arguments(p: argparse.ArgumentParser, slots: int = 8) -> None:
                    "running ones (default: 512)")
     p.add_argument("--kv-tokens", type=positive_int,
                    help="keep keys/values in a paged cache of this many tokens shared by the slots, each request "
-                   "holding only its own length, rounded up to whole pages (vanilla, Ladder-family without a memory, looped, "
-                   "block, double-decoder and encoder-decoder models; default: every slot holds --max-len)")
+                   "holding only its own length, rounded up to whole pages (vanilla, Ladder-family without a memory, "
+                   "looped, block, double-decoder and encoder-decoder models; default: every slot holds --max-len)")
     p.add_argument("--page-size", type=positive_int,
                    help="cache entries per page of --kv-tokens (tokens; a Block Transformer's blocks) (default: 128)")
     add_threads(p)

@@ -105,7 +105,7 @@ def prune_checkpoints(run_dir: Path, keep: int) -> None:
     about a damaged checkpoint advise) and incomplete ones are neither counted nor deleted: counted, they would push
     the live run's own earlier checkpoints out."""
     root = checkpoint_root(run_dir)
-    latest = _latest_name(root)
+    latest = latest_name(root)
     newest = _step_number(root / latest) if latest is not None else None
     steps = [p for p in _complete_steps(run_dir) if newest is None or _step_number(p) <= newest]
     for old in steps[:-keep]:
@@ -129,7 +129,8 @@ def has_checkpoint(run_dir: Path) -> bool:
     return (root / LATEST).is_file() or any((p / "train_state.json").is_file() for p in root.glob("step_*"))
 
 
-def _latest_name(root: Path) -> str | None:
+def latest_name(root: Path) -> str | None:
+    """The checkpoint a run's ``checkpoints`` folder ``root`` names as its latest (None: none readable)."""
     try:
         return (root / LATEST).read_text(encoding="utf-8").strip()
     except (OSError, UnicodeDecodeError):
@@ -207,7 +208,7 @@ def resolve_checkpoint(path: Path) -> Path:
             raise BlockloopError(f"{latest} is a folder, not the file naming the newest checkpoint; the run is corrupt: "
                                  "remove it and write the name of one of its step_* directories into a file of that name")
         if latest.is_file():
-            name = _latest_name(root) or ""
+            name = latest_name(root) or ""
             target = root / name
             if not name or Path(name).name != name or name in (".", ".."):
                 raise BlockloopError(f"{latest} names {name!r}, not a checkpoint directory inside {root}; the run is "
