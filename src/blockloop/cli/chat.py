@@ -30,8 +30,7 @@ HELP = "chat with a checkpoint in the terminal"
 DESCRIPTION = ("An interactive chat on the serving engine: answers stream as they are generated, the history is "
                "trimmed to the model context (--max-len for a Staircase or Transformer-XL, which stream past it), "
                "/reset starts over, /quit (or Ctrl-D) leaves, and Ctrl-C stops the current answer. Chats use "
-               "--chat-template, "
-               "else the checkpoint's chat template, else a plain User:/Assistant: one.")
+               "--chat-template, else the checkpoint's chat template, else a plain User:/Assistant: one.")
 COMMANDS_HELP = "/reset forgets the conversation, /quit leaves; Ctrl-C stops an answer"
 
 
